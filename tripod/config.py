@@ -1,0 +1,81 @@
+"""Typed, frozen configuration. Validated on construction; errors say what to change."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything that shapes one engine: the model, numerics, memory and scheduling."""
+
+    model: str | None = None  # None: the embedded SmolLM2; else a .gguf file or an HF folder
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (CUDA only)
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    kv_cache_tokens: int | None = None  # KV budget in tokens; None: kv_mem_fraction of free memory
+    kv_mem_fraction: float = 0.1
+    max_kv_cache_tokens: int = 131072  # cap on the fraction-derived budget
+    max_model_len: int | None = None  # context limit; None: the model's own
+    max_running: int = 128  # requests decoding at once
+    max_batch_tokens: int = 512  # tokens per forward pass (decodes + prefill chunks)
+    chunk_size: int = 256  # longest prefill chunk per request per step
+    policy: str = "lpm"  # lpm | fcfs
+    aging: float = 8.0  # lpm: tokens of credit per step waited
+    enable_prefix_cache: bool = True
+    seed: int = 0  # for sampled requests without a seed
+    num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *_DTYPES, *_ALIASES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)} (got {self.dtype!r})")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (got {self.device!r})")
+        for name in ("max_running", "max_batch_tokens", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.max_batch_tokens < self.max_running:
+            raise ValueError(
+                f"max_batch_tokens ({self.max_batch_tokens}) must be >= max_running "
+                f"({self.max_running}) so every running request can decode each step"
+            )
+        if self.policy not in ("lpm", "fcfs"):
+            raise ValueError(f"policy must be 'lpm' or 'fcfs' (got {self.policy!r})")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (got {self.max_model_len})")
+
+    def torch_device(self) -> torch.device:
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+        return dev
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        name = _ALIASES.get(self.dtype, self.dtype)
+        if name == "auto":
+            name = "bfloat16" if native_bf16(device) else "float32"
+        if name == "float16" and device.type != "cuda":
+            raise ValueError("float16 is only supported on CUDA; use bfloat16 or float32 on the CPU")
+        return _DTYPES[name]
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether the hardware computes bfloat16 natively (CUDA; CPUs with AVX512-BF16 or AMX)."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool({"avx512_bf16", "amx_bf16"} & flags)
+    except OSError:
+        pass
+    return False

@@ -1,0 +1,341 @@
+"""``Engine``: the offline API, and the loop that ties scheduler, model runner and sampler.
+
+One ``step()`` = schedule → forward → sample → bookkeeping. ``generate`` and ``stream`` drive
+steps until their requests finish; the server's engine process drives the same ``step()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from tripod.config import EngineConfig
+from tripod.engine.detokenizer import IncrementalDetokenizer
+from tripod.engine.kv_pool import KVPool, slots_from_budget
+from tripod.engine.model_runner import ModelRunner
+from tripod.engine.radix_cache import RadixCache
+from tripod.engine.request import (
+    FinishReason,
+    Req,
+    RequestOutput,
+    SamplingParams,
+    StreamDelta,
+    TokenLogprob,
+)
+from tripod.engine.sampler import Sampler, make_generator
+from tripod.engine.scheduler import SchedulePolicy, Scheduler
+from tripod.loader import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one request."""
+
+    req: Req
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    forward_tokens: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    forward_seconds: float = 0.0
+
+
+class Engine:
+    """One model on one device. Not thread-safe: drive it from one thread (or one process)."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        device: str = "cpu",
+        *,
+        config: EngineConfig | None = None,
+        loaded: LoadedModel | None = None,
+        **overrides: Any,
+    ) -> None:
+        if config is None:
+            config = EngineConfig(model=model, dtype=dtype, device=device, **overrides)
+        elif overrides or model is not None:
+            config = replace(config, **({"model": model} if model else {}), **overrides)
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        t0 = time.monotonic()
+        self.loaded = loaded or load_model(config.model, self.dtype, self.device)
+        self.model_config = mc = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        num_slots = slots_from_budget(
+            kv_cache_tokens=config.kv_cache_tokens,
+            kv_mem_fraction=config.kv_mem_fraction,
+            bytes_per_token=per_token,
+            device=self.device,
+            max_tokens_cap=config.max_kv_cache_tokens,
+        )
+        self.pool = KVPool(num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.cache = RadixCache(self.pool.allocator, enabled=config.enable_prefix_cache)
+        self.scheduler = Scheduler(
+            self.pool.allocator,
+            self.cache,
+            max_running=config.max_running,
+            max_batch_tokens=config.max_batch_tokens,
+            chunk_size=config.chunk_size,
+            policy=SchedulePolicy(config.policy, config.aging),
+        )
+        self.runner = ModelRunner(self.loaded.model, self.pool, self.device)
+        self.sampler = Sampler(self.device, config.seed)
+        self.context_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        eos = set(mc.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_ids = frozenset(eos)
+        self.stats = EngineStats()
+        self._reqs: dict[str, Req] = {}
+        log.info(
+            "tripod engine: model=%s (%s, weights %s) dtype=%s device=%s kv_slots=%d (%.0f MiB) "
+            "context=%d loaded in %.1fs",
+            self.loaded.name,
+            mc.architecture,
+            self.loaded.quantization,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            num_slots,
+            num_slots * per_token / 2**20,
+            self.context_len,
+            time.monotonic() - t0,
+        )
+
+    # ------------------------------------------------------------------ describing
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def max_request_len(self) -> int:
+        """The longest a request (prompt + output) may grow: the context, or the KV pool."""
+        return min(self.context_len, self.pool.num_slots)
+
+    # ------------------------------------------------------------------ text helpers
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        ids = list(prompt)
+        if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> list[Req]:
+        """Queue a prompt; returns its ``params.n`` copies (ids ``{id}`` or ``{id}-{i}``)."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        limit = self.max_request_len
+        if len(ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the context allows at most {limit - 1} "
+                f"(context {limit} including at least one generated token); shorten the prompt"
+            )
+        base = request_id or f"req-{id(ids):x}-{time.monotonic_ns()}"
+        copies: list[Req] = []
+        for i in range(params.n):
+            rid = base if params.n == 1 else f"{base}-{i}"
+            if rid in self._reqs:
+                raise ValueError(f"request id {rid!r} is already in use")
+            gen = None
+            if params.seed is not None:
+                gen = make_generator(params.seed + 0x9E3779B97F4A7C15 * i if i else params.seed, self.device)
+            req = Req(list(ids), params, rid=rid, generator=gen, eos_ids=self.eos_ids, max_len=limit, index=i)
+            if i > 0 and self.cache.enabled:
+                req.wait_for = copies[0]
+            copies.append(req)
+        for req in copies:
+            self._reqs[req.rid] = req
+            self.scheduler.add(req)
+        self.stats.prompt_tokens += len(ids) * params.n
+        return copies
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request (every copy when n > 1). Its KV is released at once."""
+        hit = [r for rid, r in self._reqs.items() if rid == request_id or rid.startswith(request_id + "-")]
+        for r in hit:
+            self.scheduler.abort(r)
+        return bool(hit)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ------------------------------------------------------------------ the loop
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """Run one forward pass for whatever the scheduler picks; report what changed."""
+        outs: list[StepOutput] = []
+        # Requests aborted while queued have finished without a step; report them once.
+        for r in list(self._reqs.values()):
+            if r.finished:
+                outs.append(StepOutput(r, [], [], True))
+                del self._reqs[r.rid]
+        items = self.scheduler.schedule()
+        if not items:
+            return outs
+        t0 = time.perf_counter()
+        logits, sampling = self.runner.forward(items)
+        reqs = [it.req for it in sampling]
+        result = self.sampler.sample(logits, reqs) if reqs else None
+        self.stats.forward_seconds += time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.forward_tokens += sum(it.length for it in items)
+
+        sampled_at = {id(it.req): j for j, it in enumerate(sampling)}
+        for it in items:
+            req = it.req
+            req.computed += it.length
+            j = sampled_at.get(id(req))
+            if j is None:
+                self.scheduler.cache_prefix(req)  # a prefill chunk: share it right away
+                continue
+            assert result is not None
+            if not req.output_ids and req.retractions == 0:
+                self.scheduler.cache_prefix(req)  # the whole prompt is computed: share it
+                req.first_token_time = time.monotonic()
+                self.stats.cached_prompt_tokens += req.cached_tokens
+            tok = result.token_ids[j]
+            lp = result.logprobs[j]
+            req.output_ids.append(tok)
+            if lp is not None:
+                req.output_logprobs.append(lp)
+            self.stats.generated_tokens += 1
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                req.finish_time = time.monotonic()
+            outs.append(StepOutput(req, [tok], [lp] if lp is not None else [], req.finished))
+        for o in outs:
+            if o.finished:
+                self._reqs.pop(o.req.rid, None)
+        return outs
+
+    @staticmethod
+    def _stop_reason(req: Req, tok: int) -> FinishReason | None:
+        p = req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_ids):
+            return FinishReason.STOP
+        if len(req.output_ids) >= p.max_tokens or req.seq_len >= req.max_len:
+            return FinishReason.LENGTH
+        return None
+
+    # ------------------------------------------------------------------ offline API
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched. One output per prompt (``n`` per prompt
+        when ``n`` > 1, copies adjacent), in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(plist)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(plist):
+                raise ValueError(f"{len(plist)} prompts but {len(params_list)} SamplingParams")
+        groups = [self.add_request(p, sp) for p, sp in zip(plist, params_list, strict=True)]
+        mine = {r.rid for g in groups for r in g}
+        while any(not r.finished for g in groups for r in g):
+            self.step()
+        for rid in mine:
+            self._reqs.pop(rid, None)
+        return [self._output(r) for g in groups for r in g]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield deltas (new tokens and text) for one prompt as they are generated.
+
+        Other queued requests progress too. Closing the iterator early aborts the request.
+        """
+        copies = self.add_request(prompt, params)
+        detok = {r.rid: IncrementalDetokenizer(self.tokenizer) for r in copies}
+        mine = {r.rid: r for r in copies}
+        done: set[str] = set()
+        try:
+            while len(done) < len(copies):
+                for o in self.step():
+                    r = o.req
+                    if r.rid not in mine or r.rid in done:
+                        continue
+                    text = detok[r.rid].push(o.new_token_ids)
+                    if o.finished:
+                        text += detok[r.rid].flush()
+                        done.add(r.rid)
+                    yield StreamDelta(
+                        request_id=r.rid,
+                        index=r.index,
+                        token_ids=o.new_token_ids,
+                        text=text,
+                        finish_reason=r.finish_reason.value if o.finished and r.finish_reason else None,
+                        cached_tokens=r.cached_tokens,
+                        logprobs=o.new_logprobs or None,
+                        error=r.error,
+                    )
+        finally:
+            for rid, r in mine.items():
+                if not r.finished:
+                    self.scheduler.abort(r)
+                    self._reqs.pop(rid, None)
+
+    def _output(self, r: Req) -> RequestOutput:
+        return RequestOutput(
+            request_id=r.rid,
+            prompt_token_ids=r.prompt_ids,
+            token_ids=list(r.output_ids),
+            text=self.decode(r.output_ids),
+            finish_reason=r.finish_reason.value if r.finish_reason else None,
+            cached_tokens=r.cached_tokens,
+            logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
+            index=r.index,
+            error=r.error,
+        )
+
+    # ------------------------------------------------------------------ checks
+    def assert_consistent(self) -> None:
+        """KV ownership invariant (see ``Scheduler.assert_consistent``)."""
+        self.scheduler.assert_consistent()
+
+    def reset_prefix_cache(self) -> None:
+        self.cache.reset()

@@ -1,0 +1,97 @@
+"""Turns a scheduled step into tensors, runs the model, and hands back logits.
+
+Owns the device, the dtype, the model and the KV pool. Knows nothing of queues or sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tripod.engine.kv_pool import KVPool
+from tripod.engine.scheduler import ScheduledItem
+from tripod.layers.attention import ForwardBatch, PrefillSegment
+from tripod.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """One forward pass per step over a flat batch: single-token items first, then chunks."""
+
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: torch.device) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+
+    def build_batch(self, items: list[ScheduledItem]) -> tuple[ForwardBatch, list[ScheduledItem]]:
+        """Lay out ``items`` (decodes first). Returns the batch and the items in the order of
+        the logits rows (those that sample)."""
+        singles = [it for it in items if it.length == 1]
+        chunks = [it for it in items if it.length > 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        out_slots: list[int] = []
+        logits_at: list[int] = []
+        sampling: list[ScheduledItem] = []
+
+        kv_idx = mask = None
+        if singles:
+            width = max(it.start + 1 for it in singles)
+            rows = []
+            lens = []
+            for it in singles:
+                r = it.req
+                n = it.start + 1
+                ids.append(r.all_ids[it.start])
+                pos.append(it.start)
+                out_slots.append(r.slots[it.start])
+                rows.append(r.slots[:n] + [0] * (width - n))
+                lens.append(n)
+                if it.samples:
+                    logits_at.append(len(ids) - 1)
+                    sampling.append(it)
+            kv_idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+            lens_t = torch.tensor(lens, device=self.device).unsqueeze(1)
+            mask = (torch.arange(width, device=self.device).unsqueeze(0) < lens_t)[:, None, None, :]
+
+        segs: list[PrefillSegment] = []
+        for it in chunks:
+            r = it.req
+            s, n = it.start, it.length
+            toks = r.all_ids[s : s + n]
+            first = len(ids)
+            ids.extend(toks)
+            pos.extend(range(s, s + n))
+            out_slots.extend(r.slots[s : s + n])
+            if s == 0:
+                segs.append(PrefillSegment(first, n, 0, None, None))
+            else:
+                kv = torch.tensor(r.slots[: s + n], dtype=torch.long, device=self.device)
+                q_pos = torch.arange(s, s + n, device=self.device).unsqueeze(1)
+                k_pos = torch.arange(s + n, device=self.device).unsqueeze(0)
+                segs.append(PrefillSegment(first, n, s, kv, k_pos <= q_pos))
+            if it.samples:
+                logits_at.append(len(ids) - 1)
+                sampling.append(it)
+
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(pos, dtype=torch.long, device=self.device),
+            out_slots=torch.tensor(out_slots, dtype=torch.long, device=self.device),
+            num_decode=len(singles),
+            decode_kv_idx=kv_idx,
+            decode_mask=mask,
+            prefills=segs,
+            logits_idx=torch.tensor(logits_at, dtype=torch.long, device=self.device),
+        )
+        return batch, sampling
+
+    def forward(self, items: list[ScheduledItem]) -> tuple[torch.Tensor, list[ScheduledItem]]:
+        """Run one step. Returns float32 logits ``[len(sampling), V]`` and the sampling items."""
+        batch, sampling = self.build_batch(items)
+        if not sampling:
+            batch.logits_idx = torch.empty(0, dtype=torch.long, device=self.device)
+        logits = self.model(batch, self.pool)
+        return logits, sampling

@@ -1,0 +1,129 @@
+"""Turns a batch of logits into next tokens, one row per request.
+
+Greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p and min-p in
+one vectorised pass, then draw with the exponential race (argmax p / E, E ~ Exp(1)), whose
+noise comes from the request's own generator when it has a seed; so a seeded request draws
+the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tripod.engine.request import Req, TokenLogprob
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    """Stateless apart from the fallback generator used by unseeded sampled requests."""
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        reqs: list[Req],
+        masks: torch.Tensor | None = None,
+    ) -> SampleResult:
+        """``logits`` float32 ``[len(reqs), V]``; ``masks`` optional bool ``[len(reqs), V]``
+        (True = allowed) from the structured-outputs layer."""
+        assert logits.shape[0] == len(reqs)
+        if any(r.params.needs_penalties for r in reqs):
+            logits = logits.clone()
+            for i, r in enumerate(reqs):
+                if r.params.needs_penalties:
+                    _apply_penalties(logits[i], r)
+        if masks is not None:
+            logits = logits.masked_fill(~masks, float("-inf"))
+
+        want_lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        lps: list[TokenLogprob | None] = [None] * len(reqs)
+        logprob_rows = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
+
+        tokens = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        if sampled:
+            tokens[sampled] = self._sample_rows(logits[sampled], [reqs[i] for i in sampled])
+        out = tokens.tolist()
+
+        if logprob_rows is not None:
+            for j, i in enumerate(want_lp):
+                row = logprob_rows[j]
+                k = reqs[i].params.logprobs or 0
+                top: list[tuple[int, float]] = []
+                if k:
+                    vals, ids = row.topk(k)
+                    top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+                lps[i] = TokenLogprob(out[i], float(row[out[i]]), top)
+        return SampleResult(out, lps)
+
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        dev = logits.device
+        n, vocab = logits.shape
+        temp = torch.tensor([r.params.temperature for r in reqs], device=dev).unsqueeze(1)
+        logits = logits / temp
+        top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in reqs]
+        if min(top_k) < vocab:
+            kmax = max(k for k in top_k if k < vocab)
+            kth = logits.topk(min(kmax, vocab), dim=-1).values  # [n, kmax] descending
+            idx = torch.tensor([min(k, kmax) - 1 for k in top_k], device=dev).unsqueeze(1)
+            thresh = kth.gather(1, idx)
+            no_k = torch.tensor([k >= vocab for k in top_k], device=dev).unsqueeze(1)
+            logits = torch.where((logits < thresh) & ~no_k, float("-inf"), logits)
+        probs = torch.softmax(logits, dim=-1)
+        top_p = [r.params.top_p for r in reqs]
+        if min(top_p) < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            cum = sorted_p.cumsum(dim=-1)
+            tp = torch.tensor(top_p, device=dev).unsqueeze(1)
+            # Keep the smallest head whose mass reaches top_p (the first token always stays).
+            drop_sorted = (cum - sorted_p) >= tp
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            probs = probs.masked_fill(drop, 0.0)
+        min_p = [r.params.min_p for r in reqs]
+        if max(min_p) > 0.0:
+            mp = torch.tensor(min_p, device=dev).unsqueeze(1)
+            probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples index i with probability
+        # p_i / sum(p), so no renormalisation is needed after filtering.
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(
+                len(unseeded), vocab, device=dev
+            ).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _apply_penalties(row: torch.Tensor, req: Req) -> None:
+    p = req.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.prompt_ids) | set(req.output_ids)), device=row.device)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if req.output_ids and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+        ids = torch.tensor(req.output_ids, device=row.device)
+        counts = torch.bincount(ids, minlength=row.shape[0]).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return g

@@ -1,0 +1,300 @@
+"""Continuous batching: which requests run in the next forward pass, and with how many tokens.
+
+Each step is built in this order, within a token budget:
+1. every running request that is decoding (one token each);
+2. running requests part-way through a chunked prefill (their next chunk);
+3. new requests from the waiting queue, in policy order, while KV memory and the budget last.
+
+KV memory never raises: a prefill that does not fit waits; a decode that does not fit first
+evicts unpinned prefix-cache entries, then retracts the least important running request (its
+KV is released and it is re-queued to be recomputed later, its output so far kept).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from tripod.engine.kv_pool import SlotAllocator
+from tripod.engine.radix_cache import RadixCache
+from tripod.engine.request import FinishReason, Req
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledItem:
+    req: Req
+    start: int  # position of the first token to compute (== req.computed)
+    length: int  # tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step's forward ends the request's known tokens (so it samples)."""
+        return self.start + self.length == self.req.seq_len
+
+
+@dataclass(slots=True)
+class SchedulePolicy:
+    """Orders the waiting queue. ``priority`` (higher first) always dominates.
+
+    - ``fcfs``: arrival order.
+    - ``lpm``: longest cached prefix first, plus ``aging`` tokens of credit for every step a
+      request has waited, so a request with no cache hit is never starved by a stream of hits.
+    """
+
+    name: str = "lpm"
+    aging: float = 8.0
+
+    def __post_init__(self) -> None:
+        if self.name not in ("fcfs", "lpm"):
+            raise ValueError(f"unknown scheduling policy {self.name!r}; use 'fcfs' or 'lpm'")
+
+    def order(self, waiting: list[Req], cache: RadixCache, step: int, enq: dict[str, int]) -> list[Req]:
+        if self.name == "fcfs" or not cache.enabled or len(waiting) > 512:
+            # Beyond a few hundred waiting requests prefix matching each step costs more than
+            # it saves; fall back to arrival order (priority still first).
+            return sorted(waiting, key=lambda r: (-r.params.priority, r.arrival))
+
+        def score(r: Req) -> tuple[int, float, float]:
+            hit = len(cache.match_prefix(r.all_ids[:-1], record=False).slots)
+            age = step - enq.get(r.rid, step)
+            return (-r.params.priority, -(hit + self.aging * age), r.arrival)
+
+        return sorted(waiting, key=score)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every request's KV slots.
+
+    Invariant (checked by ``assert_consistent``): each KV slot is free, private to exactly one
+    running request (``req.slots[req.cache_len:]``), or held by the radix tree.
+    """
+
+    def __init__(
+        self,
+        allocator: SlotAllocator,
+        cache: RadixCache,
+        *,
+        max_running: int,
+        max_batch_tokens: int,
+        chunk_size: int,
+        policy: SchedulePolicy,
+    ) -> None:
+        self.allocator = allocator
+        self.cache = cache
+        self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens
+        self.chunk_size = chunk_size
+        self.policy = policy
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.step_count = 0
+        self._enqueued_at: dict[str, int] = {}
+        self.num_retractions = 0
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+        self._enqueued_at[req.rid] = self.step_count
+
+    def abort(self, req: Req) -> None:
+        """Finish ``req`` as aborted and release its KV (no-op if already finished)."""
+        if req.finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self._enqueued_at.pop(req.rid, None)
+        elif req in self.running:
+            self.running.remove(req)
+            self.release(req, keep=True)
+        req.finish_reason = FinishReason.ABORT
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> list[ScheduledItem]:
+        self.step_count += 1
+        items: list[ScheduledItem] = []
+        budget = self.max_batch_tokens
+
+        # 1. Decodes. Iterate over a snapshot: retraction removes from self.running.
+        for req in sorted(self.running, key=self._importance, reverse=True):
+            if req not in self.running or req.seq_len - req.computed != 1:
+                continue
+            if not self._reserve(req, 1, may_retract=True):
+                continue  # req itself was retracted
+            items.append(ScheduledItem(req, req.computed, 1))
+            budget -= 1
+
+        # 2. Prefills already under way.
+        for req in self.running:
+            if budget <= 0:
+                break
+            left = req.seq_len - req.computed
+            if left <= 1 or any(it.req is req for it in items):
+                continue
+            n = min(left, self.chunk_size, budget)
+            n = self._fit(n)
+            if n <= 0:
+                break
+            self._reserve(req, n, may_retract=False)
+            items.append(ScheduledItem(req, req.computed, n))
+            budget -= n
+
+        # 3. Admissions.
+        if budget > 0 and self.waiting and len(self.running) < self.max_running:
+            for req in self.policy.order(self.waiting, self.cache, self.step_count, self._enqueued_at):
+                if budget <= 0 or len(self.running) >= self.max_running:
+                    break
+                if req.wait_for is not None and not _sibling_ready(req.wait_for):
+                    continue
+                item = self._admit(req, budget)
+                if item is None:
+                    break  # out of KV memory: keep the order, wait for memory
+                items.append(item)
+                budget -= item.length
+        if not items and self.running:
+            # Every running request is part-way through a prefill and memory is full: give
+            # one up so the others can finish (a lone request always fits: max_len caps it).
+            self.retract(min(self.running, key=self._importance))
+            return self.schedule()
+        return items
+
+    def _importance(self, req: Req) -> tuple[int, float, int]:
+        # Higher priority, then earlier arrival, is more important (retracted last).
+        return (req.params.priority, -req.arrival, -req.seq)
+
+    def _admit(self, req: Req, budget: int) -> ScheduledItem | None:
+        tokens = req.all_ids
+        match = self.cache.match_prefix(tokens[:-1], record=req.retractions == 0)
+        # Lock before allocating: eviction below must not take the prefix we just matched.
+        self.cache.lock(match.node)
+        hit = len(match.slots)
+        n = min(len(tokens) - hit, self.chunk_size, budget)
+        # Headroom: leave room for every running request's next decode token.
+        headroom = len(self.running)
+        if self._available() < n + headroom:
+            self.cache.evict(n + headroom - self.allocator.num_free)
+        if self._available() < n + headroom:
+            if not self.running and self._available() >= 1:
+                n = min(n, self._available())  # alone in the engine: take what there is
+            else:
+                self.cache.unlock(match.node)
+                return None
+        new = self.allocator.alloc(n)
+        assert new is not None
+        self.waiting.remove(req)
+        self._enqueued_at.pop(req.rid, None)
+        req.slots = match.slots + new
+        req.cache_len = hit
+        req.last_node = match.node
+        req.computed = hit
+        if req.retractions == 0:
+            req.cached_tokens = hit
+        self.running.append(req)
+        return ScheduledItem(req, hit, n)
+
+    def _available(self) -> int:
+        return self.allocator.num_free
+
+    def _fit(self, n: int) -> int:
+        """Largest chunk <= n that memory allows (evicting cache if needed)."""
+        if self.allocator.num_free < n:
+            self.cache.evict(n - self.allocator.num_free)
+        return min(n, self.allocator.num_free)
+
+    def _reserve(self, req: Req, n: int, *, may_retract: bool) -> bool:
+        """Allocate ``n`` slots onto ``req``'s private tail; retract others if allowed."""
+        while True:
+            if self.allocator.num_free < n:
+                self.cache.evict(n - self.allocator.num_free)
+            new = self.allocator.alloc(n)
+            if new is not None:
+                req.slots.extend(new)
+                return True
+            assert may_retract, "prefill chunk sized beyond free memory"
+            victim = min(self.running, key=self._importance)
+            self.retract(victim)
+            if victim is req:
+                return False
+
+    def retract(self, req: Req) -> None:
+        """Release a running request's KV and re-queue it (its outputs are kept)."""
+        log.info("retracting %s to free KV memory", req.rid)
+        self.running.remove(req)
+        self.release(req, keep=False)
+        req.retractions += 1
+        self.num_retractions += 1
+        self.waiting.insert(0, req)
+        self._enqueued_at[req.rid] = self.step_count - 10_000  # first in line when memory frees
+
+    # ------------------------------------------------------------------ KV bookkeeping
+    def cache_prefix(self, req: Req) -> None:
+        """After a prefill chunk: put the computed tokens into the tree so that others (and
+        ``n`` > 1 siblings) can share them, and re-pin the request on the new node."""
+        if not self.cache.enabled:
+            return
+        k = req.computed
+        tokens = req.all_ids[:k]
+        present, _ = self.cache.insert(tokens, req.slots[:k])
+        match = self.cache.match_prefix(tokens, record=False)
+        assert len(match.slots) == k
+        # Slots in [cache_len, present) duplicate entries someone else inserted meanwhile.
+        self.allocator.free(req.slots[req.cache_len : present])
+        self.cache.lock(match.node)
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.slots[:k] = match.slots
+        req.cache_len = k
+        req.last_node = match.node
+
+    def release(self, req: Req, *, keep: bool) -> None:
+        """Give back ``req``'s KV. ``keep``: its computed tokens go into the prefix cache."""
+        if keep and self.cache.enabled and req.computed > 0:
+            self.cache_prefix(req)
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        private = req.slots[req.cache_len :]
+        if private:
+            self.allocator.free(private)
+        req.slots = []
+        req.cache_len = 0
+        req.last_node = None
+        req.computed = 0
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        self.release(req, keep=True)
+
+    # ------------------------------------------------------------------ checks
+    def assert_consistent(self) -> None:
+        """Every slot is free, private to exactly one running request, or in the tree."""
+        self.cache.check_tree()
+        owner: dict[int, str] = {}
+        for s in self.allocator.free_set():
+            owner[s] = "free"
+        for s in self.cache.slots_in_tree():
+            assert s not in owner, f"slot {s} is both {owner[s]} and in the tree"
+            owner[s] = "tree"
+        for r in self.running:
+            assert len(r.slots) >= r.computed and r.cache_len <= r.computed
+            for s in r.slots[r.cache_len :]:
+                assert s not in owner, f"slot {s} of {r.rid} is also {owner[s]}"
+                owner[s] = r.rid
+        for r in self.waiting:
+            assert not r.slots and r.last_node is None, f"waiting {r.rid} holds KV"
+        assert len(owner) == self.allocator.num_slots, (
+            f"{self.allocator.num_slots - len(owner)} KV slots are owned by nobody (leaked)"
+        )
+        if not self.running:
+            assert self.cache.protected_size == 0, "idle engine with pinned cache nodes"
+
+
+def _sibling_ready(parent: Req) -> bool:
+    # The first copy has computed its whole prompt (and put it into the cache), or is gone.
+    return parent.finished or parent.computed >= len(parent.prompt_ids)

@@ -1,0 +1,80 @@
+"""Paged (page size 1) attention over the KV pool, for a flat batch of mixed work.
+
+A step's tokens are laid out flat: first one token per decoding request, then each prefill
+chunk's tokens. Decodes attend in one padded, batched call; each prefill chunk attends to its
+cached prefix plus itself with a causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tripod.engine.kv_pool import KVPool
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    start: int  # first token of the chunk in the flat batch
+    length: int  # tokens in the chunk
+    prefix_len: int  # tokens before the chunk whose KV is already in the pool
+    kv_slots: torch.Tensor | None  # [prefix_len + length] slots; None when prefix_len == 0
+    mask: torch.Tensor | None  # [length, prefix_len + length] bool; None when prefix_len == 0
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Everything a forward pass needs, as tensors on the model's device."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_slots: torch.Tensor  # [T] KV slot each token's K/V is written to
+    num_decode: int  # the first num_decode tokens are single-token decodes
+    decode_kv_idx: torch.Tensor | None  # [num_decode, L] slots, padded
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, L] bool, True = attend
+    prefills: list[PrefillSegment] = field(default_factory=list)
+    logits_idx: torch.Tensor | None = None  # [S] flat positions whose logits are wanted
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    pool: KVPool,
+    batch: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:
+    """q ``[T, H, D]``, k/v ``[T, KVH, D]`` (already rotated) → ``[T, H, D]``.
+
+    Writes this step's K/V into the pool first, so decodes read their own token from it.
+    """
+    pool.write(layer, batch.out_slots, k, v)
+    out = torch.empty_like(q)
+    nd = batch.num_decode
+    if nd:
+        assert batch.decode_kv_idx is not None
+        kc = pool.k[layer][batch.decode_kv_idx].transpose(1, 2)  # [B, KVH, L, D]
+        vc = pool.v[layer][batch.decode_kv_idx].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q[:nd].unsqueeze(2), kc, vc, attn_mask=batch.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[:nd] = o.squeeze(2)
+    for seg in batch.prefills:
+        s, n = seg.start, seg.length
+        qs = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if seg.prefix_len == 0:
+            ks = k[s : s + n].transpose(0, 1).unsqueeze(0)
+            vs = v[s : s + n].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            assert seg.kv_slots is not None
+            ks = pool.k[layer][seg.kv_slots].transpose(0, 1).unsqueeze(0)
+            vs = pool.v[layer][seg.kv_slots].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=seg.mask, scale=scale, enable_gqa=True
+            )
+        out[s : s + n] = o.squeeze(0).transpose(0, 1)
+    return out

