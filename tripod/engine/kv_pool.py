@@ -35,7 +35,7 @@ class SlotAllocator:
             return None
         if n == 0:
             return []
-        out = self._free[-n:]
+        out = self._free[-n:][::-1]  # ascending: a prefill chunk gets a run of slot ids
         del self._free[-n:]
         for s in out:
             self._is_free[s] = 0
@@ -52,8 +52,8 @@ class SlotAllocator:
 
 
 class KVPool:
-    """Per-layer K/V tensors, preallocated: ``k[layer]`` and ``v[layer]`` are
-    ``[num_slots, num_kv_heads, head_dim]``.
+    """Per-layer K/V, preallocated: ``kv[layer]`` is ``[num_slots, 2, num_kv_heads, head_dim]``
+    (K and V of a slot side by side, so one row gather fetches both).
 
     Zero-initialised so that padded (masked) reads in batched attention never see NaN.
     """
@@ -68,9 +68,10 @@ class KVPool:
         device: torch.device,
     ) -> None:
         self.num_slots = num_slots
-        shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.kv = torch.zeros((num_layers, num_slots, 2, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self._rows = self.kv.view(num_layers, num_slots, 2 * num_kv_heads * head_dim)
         self.allocator = SlotAllocator(num_slots)
 
     @staticmethod
@@ -78,8 +79,17 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        self.kv[layer].index_copy_(0, slots, torch.stack((k, v), dim=1))
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``slots`` (any shape ``S``): two views ``[*S, num_kv_heads, head_dim]``.
+
+        NOTE: ``index_select`` on whole rows, not advanced indexing: several times faster on
+        the CPU, and it fetches K and V in one pass.
+        """
+        rows = self._rows[layer].index_select(0, slots.reshape(-1))
+        g = rows.view(*slots.shape, 2, self.num_kv_heads, self.head_dim)
+        return g.select(-3, 0), g.select(-3, 1)
 
 
 def slots_from_budget(

@@ -56,13 +56,13 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why} (got {getattr(self, name)!r})")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
         if not _finite(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", "must be between 0 and 100")
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", "must be -1 (disabled), 0 (disabled) or a positive integer")
         if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
@@ -72,17 +72,17 @@ class SamplingParams:
             v = getattr(self, name)
             if not _finite(v) or not -2.0 <= v <= 2.0:
                 raise bad(name, "must be between -2 and 2")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", "must be an integer")
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= _MAX_TOP_LOGPROBS
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= _MAX_TOP_LOGPROBS
         ):
             raise bad("logprobs", f"must be an integer between 0 and {_MAX_TOP_LOGPROBS}")
-        if not isinstance(self.n, int) or not 1 <= self.n <= 128:
+        if not _is_int(self.n) or not 1 <= self.n <= 128:
             raise bad("n", "must be an integer between 1 and 128")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
-        if not isinstance(self.priority, int):
+        if not _is_int(self.priority):
             raise bad("priority", "must be an integer")
 
     @property
@@ -96,6 +96,12 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
         )
+
+
+def _is_int(x: object) -> bool:
+    # NOTE: bool is an int subclass; ``logprobs=True`` (OpenAI's boolean flag) or
+    # ``max_tokens=True`` must be refused, not read as 1.
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _finite(x: object) -> bool:

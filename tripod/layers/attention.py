@@ -56,8 +56,8 @@ def paged_attention(
     nd = batch.num_decode
     if nd:
         assert batch.decode_kv_idx is not None
-        kc = pool.k[layer][batch.decode_kv_idx].transpose(1, 2)  # [B, KVH, L, D]
-        vc = pool.v[layer][batch.decode_kv_idx].transpose(1, 2)
+        kc, vc = pool.gather(layer, batch.decode_kv_idx)  # [B, L, KVH, D] each
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), kc, vc, attn_mask=batch.decode_mask, scale=scale, enable_gqa=True
         )
@@ -71,8 +71,8 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
             assert seg.kv_slots is not None
-            ks = pool.k[layer][seg.kv_slots].transpose(0, 1).unsqueeze(0)
-            vs = pool.v[layer][seg.kv_slots].transpose(0, 1).unsqueeze(0)
+            ks, vs = pool.gather(layer, seg.kv_slots)
+            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=seg.mask, scale=scale, enable_gqa=True
             )

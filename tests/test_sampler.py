@@ -1,0 +1,240 @@
+"""Sampler on hand-made logits: filters, distributions, seeds, penalties and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tripod.engine.request import Req, SamplingParams
+from tripod.engine.sampler import Sampler, make_generator
+
+CPU = torch.device("cpu")
+LOGITS = torch.tensor([1.0, 3.0, 0.5, 2.5, -1.0])  # argmax 1, runner-up 3
+VOCAB = LOGITS.numel()
+
+
+def _req(prompt: list[int] | None = None, seed: int | None = None, **params: object) -> Req:
+    p = SamplingParams(seed=seed, **params)  # type: ignore[arg-type]
+    gen = make_generator(seed, CPU) if seed is not None else None
+    return Req(prompt_ids=prompt or [0], params=p, generator=gen)
+
+
+def _draws(req: Req, n: int, logits: torch.Tensor = LOGITS, seed: int = 0) -> list[int]:
+    """``n`` independent draws for ``req`` in one batch (one row per draw)."""
+    sampler = Sampler(CPU, seed=seed)
+    return sampler.sample(logits.expand(n, -1).clone(), [req] * n).token_ids
+
+
+def _counts(tokens: list[int], vocab: int = VOCAB) -> list[int]:
+    return torch.bincount(torch.tensor(tokens), minlength=vocab).tolist()
+
+
+def _chi_square(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True) if p > 0)
+
+
+# Critical value of chi-square with 4 degrees of freedom at p = 0.001.
+_CHI2_4DOF_999 = 18.47
+
+
+def test_greedy_takes_the_argmax() -> None:
+    logits = torch.tensor([[0.1, 0.2, 5.0, 0.3], [9.0, 0.0, -1.0, 8.9], [-3.0, -2.0, -1.0, -0.5]])
+    reqs = [_req(temperature=0.0) for _ in range(3)]
+    assert Sampler(CPU).sample(logits, reqs).token_ids == [2, 0, 3]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1.0, "top_k": 1},
+        {"temperature": 1.5, "top_p": 1e-6},
+        {"temperature": 1.0, "min_p": 1.0},
+    ],
+    ids=["top_k=1", "top_p tiny", "min_p=1"],
+)
+def test_filters_that_leave_one_token_equal_greedy(params: dict[str, float]) -> None:
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
+    greedy = logits.argmax(dim=-1).tolist()
+    req = _req(**params)
+    assert Sampler(CPU, seed=1).sample(logits, [req] * 64).token_ids == greedy
+
+
+def test_temperature_sampling_matches_softmax() -> None:
+    temp = 1.7
+    n = 20_000
+    counts = _counts(_draws(_req(temperature=temp), n))
+    probs = torch.softmax(LOGITS / temp, dim=-1).tolist()
+    assert _chi_square(counts, probs) < _CHI2_4DOF_999, (counts, probs)
+
+
+def test_low_temperature_sharpens() -> None:
+    # At T = 0.1 the argmax (3.0 vs 2.5: 5 nats apart after scaling) takes >99 % of draws.
+    counts = _counts(_draws(_req(temperature=0.1), 5000))
+    assert counts[1] / 5000 > 0.99
+
+
+def test_top_k_samples_only_the_top_k_in_proportion() -> None:
+    n = 20_000
+    counts = _counts(_draws(_req(temperature=1.0, top_k=2), n))
+    assert counts[0] == counts[2] == counts[4] == 0
+    p = torch.softmax(LOGITS[[1, 3]], dim=-1).tolist()
+    assert _chi_square([counts[1], counts[3]], p) < 10.83  # 1 dof, p = 0.001
+
+
+def test_top_p_keeps_the_smallest_head_reaching_p() -> None:
+    probs = torch.softmax(LOGITS, dim=-1)
+    # Sorted: 1 (0.50), 3 (0.30), 0 (0.09), 2 (0.07), 4 (0.02) roughly; 0.7 needs tokens 1 and 3.
+    assert probs[1] < 0.7 < probs[1] + probs[3]
+    counts = _counts(_draws(_req(temperature=1.0, top_p=0.7), 20_000))
+    assert counts[0] == counts[2] == counts[4] == 0
+    p = (probs[[1, 3]] / probs[[1, 3]].sum()).tolist()
+    assert _chi_square([counts[1], counts[3]], p) < 10.83
+
+
+def test_min_p_never_picks_a_token_below_threshold() -> None:
+    min_p = 0.2
+    probs = torch.softmax(LOGITS, dim=-1)
+    allowed = {i for i in range(VOCAB) if probs[i] >= min_p * probs.max()}
+    assert 1 < len(allowed) < VOCAB  # the threshold really cuts something and keeps a choice
+    draws = _draws(_req(temperature=1.0, min_p=min_p), 20_000)
+    assert set(draws) == allowed
+
+
+def test_seeded_request_draws_the_same_alone_or_in_a_batch() -> None:
+    logits = torch.randn(1, 32, generator=torch.Generator().manual_seed(3))
+    steps = 40
+
+    alone = _req(seed=1234, temperature=1.0)
+    s1 = Sampler(CPU, seed=0)
+    solo = [s1.sample(logits, [alone]).token_ids[0] for _ in range(steps)]
+
+    mine = _req(seed=1234, temperature=1.0)
+    others = [
+        _req(temperature=0.7),  # unseeded: draws from the sampler's generator
+        _req(seed=99, temperature=1.3, top_k=5),
+        _req(temperature=0.0),
+        _req(temperature=1.0, top_p=0.5, min_p=0.1),
+    ]
+    batch_logits = torch.cat([torch.randn(2, 32), logits, torch.randn(2, 32)])
+    s2 = Sampler(CPU, seed=7)  # a different fallback seed must not matter for seeded rows
+    batched: list[int] = []
+    for _ in range(steps):
+        rows = [others[0], others[1], mine, others[2], others[3]]
+        batched.append(s2.sample(batch_logits, rows).token_ids[2])
+    assert batched == solo
+    assert len(set(solo)) > 3, "the draws really are random, not a fixed token"
+
+
+def test_different_seeds_draw_differently() -> None:
+    logits = torch.zeros(1, 1000)
+    r1, r2 = _req(seed=1), _req(seed=2)
+    s = Sampler(CPU)
+    a = [s.sample(logits, [r1]).token_ids[0] for _ in range(5)]
+    b = [s.sample(logits, [r2]).token_ids[0] for _ in range(5)]
+    assert a != b
+
+
+def test_make_generator_is_reproducible() -> None:
+    x = torch.empty(8).exponential_(generator=make_generator(5, CPU))
+    y = torch.empty(8).exponential_(generator=make_generator(5, CPU))
+    assert torch.equal(x, y)
+    # Seeds beyond 64 bits (the engine adds offsets for n > 1 copies) are folded, not rejected.
+    make_generator(5 + 0x9E3779B97F4A7C15 * 3, CPU)
+
+
+# ---------------------------------------------------------------- penalties
+
+
+def _penalised_logprobs(req: Req, logits: torch.Tensor) -> torch.Tensor:
+    """The sampler's log-softmax of the penalised logits, read back through logprobs."""
+    req.params.logprobs = logits.numel()
+    res = Sampler(CPU).sample(logits.unsqueeze(0).clone(), [req])
+    lp = res.logprobs[0]
+    assert lp is not None
+    out = torch.empty(logits.numel())
+    for tok, v in lp.top:
+        out[tok] = v
+    return out
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative() -> None:
+    logits = torch.tensor([2.0, -2.0, 1.0, -1.0, 0.5, 3.0])
+    # Seen: 0 and 1 in the prompt, 2 in the output (once is enough), 3 in both.
+    req = _req(prompt=[0, 1, 3], temperature=0.0, repetition_penalty=2.0)
+    req.output_ids = [2, 3, 2]
+    expected = torch.tensor([1.0, -4.0, 0.5, -2.0, 0.5, 3.0])
+    got = _penalised_logprobs(req, logits)
+    torch.testing.assert_close(got, torch.log_softmax(expected, dim=-1))
+
+
+def test_frequency_and_presence_penalties_use_output_counts_only() -> None:
+    logits = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0])
+    # Token 4 is only in the prompt: OpenAI penalties ignore the prompt.
+    req = _req(prompt=[4, 4, 4], temperature=0.0, frequency_penalty=0.5, presence_penalty=0.25)
+    req.output_ids = [0, 0, 0, 1, 2, 0]  # counts: 0 -> 4, 1 -> 1, 2 -> 1
+    expected = logits - torch.tensor(
+        [0.5 * 4 + 0.25, 0.5 * 1 + 0.25, 0.5 * 1 + 0.25, 0.0, 0.0]
+    )
+    got = _penalised_logprobs(req, logits)
+    torch.testing.assert_close(got, torch.log_softmax(expected, dim=-1))
+
+
+def test_negative_frequency_penalty_encourages_repeats() -> None:
+    logits = torch.tensor([1.0, 2.0, 0.0])
+    req = _req(temperature=0.0, frequency_penalty=-2.0)
+    req.output_ids = [2, 2]  # 0.0 + 2 * 2.0 = 4.0 beats token 1's 2.0
+    assert Sampler(CPU).sample(logits.unsqueeze(0), [req]).token_ids == [2]
+
+
+def test_penalties_do_not_touch_other_rows_or_the_input() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
+    keep = logits.clone()
+    penalised = _req(prompt=[0], temperature=0.0, repetition_penalty=10.0)
+    plain = _req(prompt=[0], temperature=0.0)
+    res = Sampler(CPU).sample(logits, [penalised, plain])
+    assert res.token_ids == [1, 0]
+    assert torch.equal(logits, keep), "the caller's logits are not modified"
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_of_chosen_and_top_tokens(temperature: float) -> None:
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(11))
+    k = 5
+    reqs = [_req(temperature=temperature, logprobs=k) for _ in range(6)]
+    res = Sampler(CPU).sample(logits, reqs)
+    ref = torch.log_softmax(logits, dim=-1)
+    for row, (tok, lp) in enumerate(zip(res.token_ids, res.logprobs, strict=True)):
+        assert lp is not None
+        assert lp.token_id == tok
+        assert math.isclose(lp.logprob, float(ref[row, tok]), rel_tol=1e-5, abs_tol=1e-6)
+        assert len(lp.top) == k
+        vals = [v for _, v in lp.top]
+        assert vals == sorted(vals, reverse=True)
+        best = ref[row].topk(k)
+        assert [t for t, _ in lp.top] == best.indices.tolist()
+        torch.testing.assert_close(torch.tensor(vals), best.values)
+
+
+def test_logprobs_zero_gives_chosen_only_and_none_when_not_asked() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]])
+    res = Sampler(CPU).sample(logits, [_req(temperature=0.0, logprobs=0), _req(temperature=0.0)])
+    lp0 = res.logprobs[0]
+    assert lp0 is not None and lp0.top == [] and lp0.token_id == 2
+    assert math.isclose(lp0.logprob, float(torch.log_softmax(logits[0], dim=-1)[2]), rel_tol=1e-6)
+    assert res.logprobs[1] is None
+
+
+def test_mask_forbids_tokens() -> None:
+    logits = torch.tensor([[5.0, 1.0, 0.0, 4.0]])
+    mask = torch.tensor([[False, True, True, True]])
+    assert Sampler(CPU).sample(logits, [_req(temperature=0.0)], masks=mask).token_ids == [3]
+    draws = Sampler(CPU).sample(
+        logits.expand(2000, -1).clone(), [_req(temperature=1.0)] * 2000, masks=mask.expand(2000, -1)
+    ).token_ids
+    assert 0 not in draws
