@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tripod.engine import kv_pool
-from tripod.engine.kv_pool import SlotAllocator, slots_from_budget
+from tripod.engine.kv_pool import KVPool, SlotAllocator, slots_from_budget
 
 
 def test_alloc_hands_out_distinct_slots_until_empty() -> None:
@@ -22,10 +22,10 @@ def test_alloc_hands_out_distinct_slots_until_empty() -> None:
     assert a.free_set() == set()
 
 
-def test_low_slot_ids_come_first() -> None:
+def test_fresh_allocator_hands_out_ascending_runs() -> None:
     a = SlotAllocator(6)
-    assert sorted(a.alloc(2) or []) == [0, 1]
-    assert sorted(a.alloc(2) or []) == [2, 3]
+    assert a.alloc(3) == [0, 1, 2]
+    assert a.alloc(2) == [3, 4]
 
 
 def test_alloc_zero_returns_empty_and_takes_nothing() -> None:
@@ -130,11 +130,20 @@ def test_budget_fraction_of_host_memory(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(kv_pool, "_available_host_memory", lambda: 1 << 30)
     kw = dict(kv_cache_tokens=None, device=_CPU)
     # 1 GiB * 0.5 / 1 KiB per token = 524288 tokens.
-    assert slots_from_budget(kv_mem_fraction=0.5, bytes_per_token=1024, max_tokens_cap=1 << 30, **kw) == 524288
+    assert (
+        slots_from_budget(kv_mem_fraction=0.5, bytes_per_token=1024, max_tokens_cap=1 << 30, **kw)
+        == 524288
+    )
     # The cap bounds the fraction-derived count.
-    assert slots_from_budget(kv_mem_fraction=0.5, bytes_per_token=1024, max_tokens_cap=1000, **kw) == 1000
+    assert (
+        slots_from_budget(kv_mem_fraction=0.5, bytes_per_token=1024, max_tokens_cap=1000, **kw)
+        == 1000
+    )
     # Never fewer than 2 slots, however little memory there is.
-    assert slots_from_budget(kv_mem_fraction=0.01, bytes_per_token=1 << 40, max_tokens_cap=1000, **kw) == 2
+    assert (
+        slots_from_budget(kv_mem_fraction=0.01, bytes_per_token=1 << 40, max_tokens_cap=1000, **kw)
+        == 2
+    )
 
 
 def test_budget_fraction_uses_real_host_memory() -> None:
@@ -148,3 +157,33 @@ def test_budget_fraction_uses_real_host_memory() -> None:
     expected = int(kv_pool._available_host_memory() * 0.01) // (1 << 20)
     # Memory moves a little between the two reads; the formula must hold to within a few slots.
     assert n >= 2 and abs(n - max(2, expected)) <= 64
+
+
+# ---------------------------------------------------------------- KVPool
+
+
+def test_kv_pool_write_then_gather_round_trips() -> None:
+    pool = KVPool(8, num_layers=2, num_kv_heads=3, head_dim=4, dtype=torch.float32, device=_CPU)
+    assert pool.allocator.num_slots == 8
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(3, 3, 4, generator=g)
+    v = torch.randn(3, 3, 4, generator=g)
+    slots = torch.tensor([5, 1, 6])
+    pool.write(1, slots, k, v)
+    gk, gv = pool.gather(1, slots)
+    assert torch.equal(gk, k) and torch.equal(gv, v)
+    # Any slot shape: a [batch, len] table of slots gathers to [batch, len, heads, dim].
+    table = torch.tensor([[6, 5], [1, 1]])
+    tk, tv = pool.gather(1, table)
+    assert tk.shape == (2, 2, 3, 4)
+    assert torch.equal(tk[0, 0], k[2]) and torch.equal(tv[1, 1], v[1])
+    # Other layers and untouched slots stay zero (padded reads never see garbage).
+    ok, ov = pool.gather(0, slots)
+    assert not ok.any() and not ov.any()
+    zk, _ = pool.gather(1, torch.tensor([0, 7]))
+    assert not zk.any()
+
+
+def test_bytes_per_token_counts_k_and_v_in_every_layer() -> None:
+    assert KVPool.bytes_per_token(30, 3, 64, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
+    assert KVPool.bytes_per_token(2, 1, 8, torch.float32) == 2 * 2 * 1 * 8 * 4

@@ -417,7 +417,5 @@ class RadixMachine(RuleBasedStateMachine):
             stack.extend(n.children.values())
 
 
-RadixMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=40, deadline=None
-)
+RadixMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 TestRadixMachine = RadixMachine.TestCase

@@ -175,9 +175,7 @@ def test_frequency_and_presence_penalties_use_output_counts_only() -> None:
     # Token 4 is only in the prompt: OpenAI penalties ignore the prompt.
     req = _req(prompt=[4, 4, 4], temperature=0.0, frequency_penalty=0.5, presence_penalty=0.25)
     req.output_ids = [0, 0, 0, 1, 2, 0]  # counts: 0 -> 4, 1 -> 1, 2 -> 1
-    expected = logits - torch.tensor(
-        [0.5 * 4 + 0.25, 0.5 * 1 + 0.25, 0.5 * 1 + 0.25, 0.0, 0.0]
-    )
+    expected = logits - torch.tensor([0.5 * 4 + 0.25, 0.5 * 1 + 0.25, 0.5 * 1 + 0.25, 0.0, 0.0])
     got = _penalised_logprobs(req, logits)
     torch.testing.assert_close(got, torch.log_softmax(expected, dim=-1))
 
@@ -234,7 +232,13 @@ def test_mask_forbids_tokens() -> None:
     logits = torch.tensor([[5.0, 1.0, 0.0, 4.0]])
     mask = torch.tensor([[False, True, True, True]])
     assert Sampler(CPU).sample(logits, [_req(temperature=0.0)], masks=mask).token_ids == [3]
-    draws = Sampler(CPU).sample(
-        logits.expand(2000, -1).clone(), [_req(temperature=1.0)] * 2000, masks=mask.expand(2000, -1)
-    ).token_ids
+    draws = (
+        Sampler(CPU)
+        .sample(
+            logits.expand(2000, -1).clone(),
+            [_req(temperature=1.0)] * 2000,
+            masks=mask.expand(2000, -1),
+        )
+        .token_ids
+    )
     assert 0 not in draws

@@ -7,13 +7,16 @@ import itertools
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tripod.engine.kv_pool import SlotAllocator
 from tripod.engine.radix_cache import RadixCache
 from tripod.engine.request import FinishReason, Req, SamplingParams
-from tripod.engine.scheduler import SchedulePolicy, ScheduledItem, Scheduler
+from tripod.engine.scheduler import ScheduledItem, SchedulePolicy, Scheduler
 
 _arrival = itertools.count(1)
+HOT = list(range(1, 33))  # a 32-token prefix that tests put into the cache first
 
 
 def make_req(
@@ -213,7 +216,9 @@ def test_abort_releases_kv() -> None:
 # ---------------------------------------------------------------- LPM aging
 
 
-def _starvation_run(aging: float, stream_steps: int, prefix_len: int) -> tuple[Sim, Req, int | None]:
+def _starvation_run(
+    aging: float, stream_steps: int, prefix_len: int
+) -> tuple[Sim, Req, int | None]:
     """One cache-missing request waits while a stream of cache hits arrives, one per step.
 
     Returns the simulator, the missing request and the step (counted from its arrival) at
@@ -221,7 +226,7 @@ def _starvation_run(aging: float, stream_steps: int, prefix_len: int) -> tuple[S
     """
     sim = Sim(max_running=1, max_batch_tokens=256, chunk_size=256, aging=aging)
     prefix = list(range(1, prefix_len + 1))
-    warm = make_req(prefix + [0], max_tokens=1)
+    warm = make_req([*prefix, 0], max_tokens=1)
     sim.add(warm)
     sim.run([warm])
     assert len(sim.cache.match_prefix(prefix, record=False).slots) == prefix_len
@@ -230,7 +235,7 @@ def _starvation_run(aging: float, stream_steps: int, prefix_len: int) -> tuple[S
     sim.add(miss)
     admitted_at = None
     for k in range(1, stream_steps + 1):
-        hit = make_req(prefix + [1000 + k], max_tokens=1, rid=f"hit{k}")
+        hit = make_req([*prefix, 1000 + k], max_tokens=1, rid=f"hit{k}")
         sim.add(hit)
         items = sim.step()
         assert len(items) == 1, "max_running=1: one request per step"
@@ -243,7 +248,7 @@ def _starvation_run(aging: float, stream_steps: int, prefix_len: int) -> tuple[S
 @pytest.mark.parametrize("aging", [4.0, 8.0, 16.0])
 def test_lpm_aging_prevents_starvation(aging: float) -> None:
     prefix_len, stream = 64, 60
-    sim, miss, admitted_at = _starvation_run(aging, stream, prefix_len)
+    _, miss, admitted_at = _starvation_run(aging, stream, prefix_len)
     # A fresh hit scores prefix_len + aging * 1 (it waited one step); the miss scores
     # aging * age and wins ties by arriving first, so it goes once aging * age >= that.
     bound = math.ceil((prefix_len + aging) / aging)
@@ -266,12 +271,12 @@ def test_lpm_without_aging_starves_the_miss() -> None:
 
 def test_lpm_prefers_the_longest_cached_prefix() -> None:
     sim = Sim(max_running=1, policy="lpm")
-    warm = make_req(list(range(1, 33)) + [0], max_tokens=1)
+    warm = make_req([*HOT, 0], max_tokens=1)
     sim.add(warm)
     sim.run([warm])
     cold = make_req([900, 901, 902], max_tokens=1, rid="cold")  # arrives first
-    short = make_req(list(range(1, 9)) + [77], max_tokens=1, rid="short")
-    long = make_req(list(range(1, 33)) + [78], max_tokens=1, rid="long")
+    short = make_req([*HOT[:8], 77], max_tokens=1, rid="short")
+    long = make_req([*HOT, 78], max_tokens=1, rid="long")
     sim.add(cold, short, long)
     sim.run([cold, short, long])
     assert sim.admitted[-3:] == ["long", "short", "cold"]
@@ -284,13 +289,13 @@ def test_lpm_prefers_the_longest_cached_prefix() -> None:
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])
 def test_higher_priority_is_admitted_first(policy: str) -> None:
     sim = Sim(max_running=1, policy=policy)
-    warm = make_req(list(range(1, 33)) + [0], max_tokens=1)
+    warm = make_req([*HOT, 0], max_tokens=1)
     sim.add(warm)
     sim.run([warm])
     # The low-priority requests arrive first and (for lpm) have a long cache hit; priority
     # must still dominate both arrival order and prefix length.
-    low = make_req(list(range(1, 33)) + [5], max_tokens=2, rid="low", priority=0)
-    lower = make_req(list(range(1, 33)) + [6], max_tokens=2, rid="lower", priority=-1)
+    low = make_req([*HOT, 5], max_tokens=2, rid="low", priority=0)
+    lower = make_req([*HOT, 6], max_tokens=2, rid="lower", priority=-1)
     high = make_req([700, 701, 702], max_tokens=2, rid="high", priority=5)
     sim.add(lower, low, high)
     sim.run([low, lower, high])
@@ -300,12 +305,13 @@ def test_higher_priority_is_admitted_first(policy: str) -> None:
 
 def test_fcfs_admits_in_arrival_order_regardless_of_cache_hits() -> None:
     sim = Sim(max_running=1, policy="fcfs")
-    warm = make_req(list(range(1, 33)) + [0], max_tokens=1)
+    warm = make_req([*HOT, 0], max_tokens=1)
     sim.add(warm)
     sim.run([warm])
     reqs = [
-        make_req([300 + i, 301 + i], max_tokens=2, rid=f"cold{i}") if i % 2 == 0
-        else make_req(list(range(1, 33)) + [i], max_tokens=2, rid=f"hot{i}")
+        make_req([300 + i, 301 + i], max_tokens=2, rid=f"cold{i}")
+        if i % 2 == 0
+        else make_req([*HOT, i], max_tokens=2, rid=f"hot{i}")
         for i in range(6)
     ]
     # Add them out of arrival order: fcfs follows arrival, not insertion.
@@ -335,7 +341,9 @@ def test_siblings_wait_for_the_first_copy_then_share_its_prompt(chunk_size: int)
 
     while first.computed < len(prompt):
         items = sim.step()
-        assert all(_item(items, s) is None for s in sibs), "a sibling ran before the prompt was cached"
+        assert all(_item(items, s) is None for s in sibs), (
+            "a sibling ran before the prompt was cached"
+        )
         assert all(s in sim.sched.waiting for s in sibs)
     items = sim.step()
     for s in sibs:
@@ -350,9 +358,97 @@ def test_siblings_wait_for_the_first_copy_then_share_its_prompt(chunk_size: int)
 
 def test_prefix_cache_disabled_still_consistent() -> None:
     sim = Sim(64, chunk_size=8, cache=False)
-    reqs = [make_req([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, i], max_tokens=8, max_len=64) for i in range(6)]
+    reqs = [
+        make_req([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, i], max_tokens=8, max_len=64) for i in range(6)
+    ]
     sim.add(*reqs)
     sim.run(reqs)
     assert all(r.cached_tokens == 0 for r in reqs)
     assert sim.cache.total_size == 0
+    sim.assert_no_leak()
+
+
+# ---------------------------------------------------------------- randomised
+
+
+_REQ = st.tuples(
+    st.lists(st.integers(0, 3), min_size=1, max_size=14),  # prompt: small alphabet, many hits
+    st.integers(1, 10),  # max_tokens
+    st.sampled_from([1, 1, 2, 3]),  # n
+    st.integers(0, 1),  # priority
+    st.integers(0, 12),  # arrival step
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    total=st.sampled_from([16, 24, 48, 128]),
+    max_running=st.sampled_from([1, 2, 4, 8]),
+    extra_tokens=st.sampled_from([0, 8, 64]),
+    chunk_size=st.sampled_from([1, 3, 8, 64]),
+    policy=st.sampled_from(["lpm", "fcfs"]),
+    aging=st.sampled_from([0.0, 1.0, 8.0]),
+    cache=st.booleans(),
+    specs=st.lists(_REQ, min_size=1, max_size=10),
+    aborts=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 29)), max_size=3),
+)
+def test_random_workloads_finish_without_leaks(
+    total: int,
+    max_running: int,
+    extra_tokens: int,
+    chunk_size: int,
+    policy: str,
+    aging: float,
+    cache: bool,
+    specs: list[tuple[list[int], int, int, int, int]],
+    aborts: list[tuple[int, int]],
+) -> None:
+    sim = Sim(
+        total,
+        max_running=max_running,
+        max_batch_tokens=max_running + extra_tokens,
+        chunk_size=chunk_size,
+        policy=policy,
+        aging=aging,
+        cache=cache,
+    )
+    arrivals: list[tuple[int, Req]] = []
+    for i, (prompt, max_tokens, n, priority, at) in enumerate(specs):
+        max_tokens = max(1, min(max_tokens, total - len(prompt)))  # the engine caps at max_len
+        first: Req | None = None
+        for j in range(n):
+            r = make_req(prompt, max_tokens, priority, rid=f"r{i}-{j}", max_len=total)
+            if first is not None and cache:
+                r.wait_for = first
+            first = first or r
+            arrivals.append((at, r))
+    reqs = [r for _, r in arrivals]
+    arrive = {r.rid: at for at, r in arrivals}
+    aborted: set[str] = set()
+    step = 0
+    while step <= 12 or sim.sched.has_work:
+        assert step < 2000, "no progress"
+        for at, r in arrivals:
+            if at == step:
+                sim.add(r)
+        for at, k in aborts:
+            if (
+                at == step
+                and k < len(reqs)
+                and arrive[reqs[k].rid] <= step
+                and not reqs[k].finished
+            ):
+                sim.sched.abort(reqs[k])
+                aborted.add(reqs[k].rid)
+                sim.sched.assert_consistent()
+        if sim.sched.has_work:
+            sim.step()
+        step += 1
+    for r in reqs:
+        assert r.finished, r
+        if r.rid in aborted:
+            assert r.finish_reason is FinishReason.ABORT
+        else:
+            assert r.finish_reason is FinishReason.LENGTH
+            assert r.output_ids == [1000 + k for k in range(r.params.max_tokens)], r
     sim.assert_no_leak()

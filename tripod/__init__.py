@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "StreamDelta", "__version__"]
+__all__ = ["Engine", "EngineConfig", "RequestOutput", "SamplingParams", "StreamDelta", "__version__"]
 
 if TYPE_CHECKING:
     from tripod.config import EngineConfig

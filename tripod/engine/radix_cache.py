@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from dataclasses import dataclass, field
 
 from tripod.engine.kv_pool import SlotAllocator
@@ -252,7 +251,3 @@ def _common_len(key: list[int], tokens: list[int], start: int) -> int:
     while i < n and key[i] == tokens[start + i]:
         i += 1
     return i
-
-
-def now_seconds() -> float:
-    return time.monotonic()

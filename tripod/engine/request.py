@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 _MAX_TOP_LOGPROBS = 20
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop token id
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the caller (client went away)

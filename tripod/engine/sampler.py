@@ -53,7 +53,9 @@ class Sampler:
         tokens = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if greedy:
+        if len(greedy) == len(reqs):
+            tokens = logits.argmax(dim=-1)  # all greedy: no row gathers
+        elif greedy:
             tokens[greedy] = logits[greedy].argmax(dim=-1)
         if sampled:
             tokens[sampled] = self._sample_rows(logits[sampled], [reqs[i] for i in sampled])
@@ -72,7 +74,7 @@ class Sampler:
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         dev = logits.device
-        n, vocab = logits.shape
+        _n, vocab = logits.shape
         temp = torch.tensor([r.params.temperature for r in reqs], device=dev).unsqueeze(1)
         logits = logits / temp
         top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in reqs]

