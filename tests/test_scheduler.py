@@ -197,6 +197,26 @@ def test_retracted_request_resumes_from_its_outputs() -> None:
     sim.assert_no_leak()
 
 
+def test_admission_leaves_headroom_for_running_decodes() -> None:
+    total = 16
+    sim = Sim(total, max_running=4, max_batch_tokens=64, chunk_size=64)
+    a = make_req([1, 2, 3, 4], max_tokens=8, rid="a", max_len=total)
+    sim.add(a)
+    sim.step()  # a decodes from now on, pinning its 4 slots
+    b = make_req(list(range(20, 31)), max_tokens=5, rid="b", max_len=total)
+    sim.add(b)
+    sim.step()
+    # This step a's decode took one slot, leaving exactly b's 11 prompt tokens free.
+    assert len(a.slots) == 5 and sim.allocator.num_free == 11
+    # Admitting b would leave a no slot for its next token: b waits instead of being admitted
+    # and then retracted (which would throw its computed prefill away).
+    assert b in sim.sched.waiting
+    sim.run([a, b])
+    assert sim.sched.num_retractions == 0
+    assert len(a.output_ids) == 8 and len(b.output_ids) == 5
+    sim.assert_no_leak()
+
+
 def test_abort_releases_kv() -> None:
     sim = Sim(64, chunk_size=4)
     a = make_req(list(range(10)), max_tokens=20)
