@@ -6,6 +6,7 @@ steps until their requests finish; the server's engine process drives the same `
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -109,6 +110,7 @@ class Engine:
         self.eos_ids = frozenset(eos)
         self.stats = EngineStats()
         self._reqs: dict[str, Req] = {}
+        self._rid_counter = itertools.count()
         log.info(
             "tripod engine: model=%s (%s, weights %s) dtype=%s device=%s kv_slots=%d (%.0f MiB) "
             "context=%d loaded in %.1fs",
@@ -160,6 +162,14 @@ class Engine:
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> list[Req]:
         """Queue a prompt; returns its ``params.n`` copies (ids ``{id}`` or ``{id}-{i}``)."""
+        copies = self._prepare(prompt, params, request_id)
+        self._enqueue(copies)
+        return copies
+
+    def _prepare(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
+    ) -> list[Req]:
+        """Validate a prompt and build its copies without queueing anything."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
         if not ids:
@@ -170,7 +180,7 @@ class Engine:
                 f"the prompt has {len(ids)} tokens but the context allows at most {limit - 1} "
                 f"(context {limit} including at least one generated token); shorten the prompt"
             )
-        base = request_id or f"req-{id(ids):x}-{time.monotonic_ns()}"
+        base = request_id or f"req-{next(self._rid_counter)}"
         copies: list[Req] = []
         for i in range(params.n):
             rid = base if params.n == 1 else f"{base}-{i}"
@@ -183,11 +193,13 @@ class Engine:
             if i > 0 and self.cache.enabled:
                 req.wait_for = copies[0]
             copies.append(req)
+        return copies
+
+    def _enqueue(self, copies: list[Req]) -> None:
         for req in copies:
             self._reqs[req.rid] = req
             self.scheduler.add(req)
-        self.stats.prompt_tokens += len(ids) * params.n
-        return copies
+            self.stats.prompt_tokens += len(req.prompt_ids)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request (every copy when n > 1). Its KV is released at once."""
@@ -276,7 +288,13 @@ class Engine:
             params_list = list(params)
             if len(params_list) != len(plist):
                 raise ValueError(f"{len(plist)} prompts but {len(params_list)} SamplingParams")
-        groups = [self.add_request(p, sp) for p, sp in zip(plist, params_list, strict=True)]
+        # Validate every prompt before queueing any: a bad one must not orphan the others.
+        groups = [self._prepare(p, sp, None) for p, sp in zip(plist, params_list, strict=True)]
+        rids = [r.rid for g in groups for r in g]
+        if len(set(rids)) != len(rids):
+            raise ValueError("duplicate request ids")
+        for g in groups:
+            self._enqueue(g)
         mine = {r.rid for g in groups for r in g}
         while any(not r.finished for g in groups for r in g):
             self.step()
