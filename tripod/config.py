@@ -30,6 +30,7 @@ class EngineConfig:
     policy: str = "lpm"  # lpm | fcfs
     aging: float = 8.0  # lpm: tokens of credit per step waited
     enable_prefix_cache: bool = True
+    decode_mirror: bool = True  # dense copy of decoding requests' KV (see engine/decode_mirror.py)
     seed: int = 0  # for sampled requests without a seed
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
 

@@ -101,7 +101,9 @@ class Engine:
             chunk_size=config.chunk_size,
             policy=SchedulePolicy(config.policy, config.aging),
         )
-        self.runner = ModelRunner(self.loaded.model, self.pool, self.device)
+        self.runner = ModelRunner(
+            self.loaded.model, self.pool, self.device, use_mirror=config.decode_mirror
+        )
         self.sampler = Sampler(self.device, config.seed)
         self.context_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         eos = set(mc.eos_token_ids)
@@ -260,6 +262,8 @@ class Engine:
         for o in outs:
             if o.finished:
                 self._reqs.pop(o.req.rid, None)
+        if not self.scheduler.running and self.runner.mirror is not None:
+            self.runner.mirror.sync([], [])  # idle: let go of finished requests' rows
         return outs
 
     @staticmethod

@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from tripod.engine.decode_mirror import DecodeMirror
 from tripod.engine.kv_pool import KVPool
 from tripod.engine.scheduler import ScheduledItem
 from tripod.layers.attention import ForwardBatch, PrefillSegment
@@ -20,10 +21,16 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     """One forward pass per step over a flat batch: single-token items first, then chunks."""
 
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, pool: KVPool, device: torch.device, use_mirror: bool = True
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
+        pool_bytes = pool.kv.numel() * pool.kv.element_size()
+        # Budget: half the pool's size, at least 64 MiB (small pools still get dense decode).
+        budget = max(pool_bytes // 2, 64 << 20)
+        self.mirror = DecodeMirror(pool, max_bytes=budget) if use_mirror else None
 
     def build_batch(self, items: list[ScheduledItem]) -> tuple[ForwardBatch, list[ScheduledItem]]:
         """Lay out ``items`` (decodes first). Returns the batch and the items in the order of
@@ -37,6 +44,15 @@ class ModelRunner:
         sampling: list[ScheduledItem] = []
 
         kv_idx = mask = None
+        mirror_buf = None
+        if self.mirror is not None:
+            if singles:
+                order = self.mirror.sync([it.req for it in singles], [it.start for it in singles])
+                if order is not None:
+                    singles = [singles[i] for i in order]
+                    mirror_buf = self.mirror.buf
+            else:
+                self.mirror.sync([], [])  # nobody decodes: give every row back
         if singles:
             width = max(it.start + 1 for it in singles)
             rows = []
@@ -47,12 +63,14 @@ class ModelRunner:
                 ids.append(r.all_ids[it.start])
                 pos.append(it.start)
                 out_slots.append(r.slots[it.start])
-                rows.append(r.slots[:n] + [0] * (width - n))
+                if mirror_buf is None:
+                    rows.append(r.slots[:n] + [0] * (width - n))
                 lens.append(n)
                 if it.samples:
                     logits_at.append(len(ids) - 1)
                     sampling.append(it)
-            kv_idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+            if mirror_buf is None:
+                kv_idx = torch.tensor(rows, dtype=torch.long, device=self.device)
             lens_t = torch.tensor(lens, device=self.device).unsqueeze(1)
             mask = (torch.arange(width, device=self.device).unsqueeze(0) < lens_t)[:, None, None, :]
 
@@ -83,6 +101,7 @@ class ModelRunner:
             num_decode=len(singles),
             decode_kv_idx=kv_idx,
             decode_mask=mask,
+            decode_mirror=mirror_buf,
             prefills=segs,
             logits_idx=torch.tensor(logits_at, dtype=torch.long, device=self.device),
         )

@@ -35,6 +35,9 @@ class ForwardBatch:
     decode_kv_idx: torch.Tensor | None  # [num_decode, L] slots, padded
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, L] bool, True = attend
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # [layers, rows, len, 2, KVH, D]: decode rows in batch order (see DecodeMirror); when set,
+    # decodes read it instead of gathering decode_kv_idx from the pool.
+    decode_mirror: torch.Tensor | None = None
     logits_idx: torch.Tensor | None = None  # [S] flat positions whose logits are wanted
 
 
@@ -55,8 +58,18 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = batch.num_decode
     if nd:
-        assert batch.decode_kv_idx is not None
-        kc, vc = pool.gather(layer, batch.decode_kv_idx)  # [B, L, KVH, D] each
+        assert batch.decode_mask is not None
+        width = batch.decode_mask.shape[-1]
+        if batch.decode_mirror is not None:
+            rows = batch.decode_mirror[layer]
+            rows[torch.arange(nd, device=q.device), batch.positions[:nd]] = torch.stack(
+                (k[:nd], v[:nd]), dim=1
+            )
+            dense = rows[:nd, :width]  # [B, L, 2, KVH, D]
+            kc, vc = dense.select(2, 0), dense.select(2, 1)
+        else:
+            assert batch.decode_kv_idx is not None
+            kc, vc = pool.gather(layer, batch.decode_kv_idx)  # [B, L, KVH, D] each
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), kc, vc, attn_mask=batch.decode_mask, scale=scale, enable_gqa=True

@@ -30,6 +30,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)``.
+
+    One row (single-stream decode) with 16-bit weights on the CPU goes through ``mv``: oneDNN's
+    ``F.linear`` streams the weight at ~10 GB/s there, ``mv`` ~20-30% faster, with the same
+    values (each output is the same dot product). float32 keeps ``F.linear`` so that fp32 runs
+    stay op for op with the HF reference.
+    """
+    if x.shape[0] != 1 or x.dtype is torch.float32 or x.device.type != "cpu":
+        return F.linear(x, w, bias)
+    y = torch.mv(w, x[0]).unsqueeze(0)
+    return y if bias is None else y + bias
+
+
 class LlamaLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, qkv_bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -68,17 +82,17 @@ class LlamaLayer(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         h = rms_norm(x, self.input_norm, self.eps)
-        qkv = F.linear(h, self.qkv, self.qkv_bias).view(t, -1, self.head_dim)
+        qkv = linear(h, self.qkv, self.qkv_bias).reshape(t, -1, self.head_dim)
         # Q and K heads are adjacent in the fused output: rotate them in one pass.
         qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         a = paged_attention(q, k, v, layer, pool, batch, self.scale)
-        x = x + F.linear(a.view(t, self.q_size), self.o, self.o_bias)
+        x = x + linear(a.view(t, self.q_size), self.o, self.o_bias)
         h = rms_norm(x, self.post_norm, self.eps)
-        gu = F.linear(h, self.gate_up)
+        gu = linear(h, self.gate_up)
         g, u = gu.split([self.inter, self.inter], dim=-1)
-        return x + F.linear(F.silu(g) * u, self.down)
+        return x + linear(F.silu(g) * u, self.down)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -114,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
             x = x.index_select(0, batch.logits_idx)
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()
+        return linear(x, head).float()
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
