@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tripod-installed
 
-.PHONY: install serve test test-all bench clean
+.PHONY: install serve test test-all lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ test: install
 # The long tests too (CI runs these when TRIPOD_SLOW=1).
 test-all: install
 	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+lint: install
+	$(BIN)/python -m pip install -q mypy
+	$(BIN)/ruff check .
+	$(BIN)/python -m mypy tripod --ignore-missing-imports
 
 bench: install
 	$(BIN)/python benchmarks/offline_throughput.py

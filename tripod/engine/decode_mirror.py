@@ -82,12 +82,14 @@ class DecodeMirror:
         self._ensure(len(reqs), width)
         assert self.buf is not None
         for r, start in zip(reqs, starts, strict=True):
-            row = self.rows.get(id(r))
-            if row is not None and self.lens[row] != start:
-                self._remove(row)  # out of step (e.g. retracted and recomputed): refill
+            held = self.rows.get(id(r))
+            if held is not None and self.lens[held] != start:
+                self._remove(held)  # out of step (e.g. retracted and recomputed): refill
                 self.refills += 1
-                row = None
-            if row is None:
+                held = None
+            if held is not None:
+                row = held
+            else:
                 row = len(self.owner)
                 self.rows[id(r)] = row
                 self.owner.append(r)

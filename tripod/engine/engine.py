@@ -72,8 +72,16 @@ class Engine:
     ) -> None:
         if config is None:
             config = EngineConfig(model=model, dtype=dtype, device=device, **overrides)
-        elif overrides or model is not None:
-            config = replace(config, **({"model": model} if model else {}), **overrides)
+        else:
+            # Explicit arguments win over the given config.
+            if model is not None:
+                overrides["model"] = model
+            if dtype != "auto":
+                overrides["dtype"] = dtype
+            if device != "cpu":
+                overrides["device"] = device
+            if overrides:
+                config = replace(config, **overrides)
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -283,9 +291,11 @@ class Engine:
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched. One output per prompt (``n`` per prompt
         when ``n`` > 1, copies adjacent), in input order."""
+        plist: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = list(prompts)  # type: ignore[arg-type]
+            plist = [prompts]  # type: ignore[list-item]  # one prompt (text or token ids)
+        else:
+            plist = list(prompts)  # type: ignore[arg-type]
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(plist)
         else:

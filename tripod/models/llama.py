@@ -52,22 +52,21 @@ class LlamaLayer(nn.Module):
         self.kv_size = cfg.num_kv_heads * d
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.eps = cfg.rms_norm_eps
-        e = dict(dtype=dtype)
-        self.input_norm = nn.Parameter(torch.ones(h, **e), requires_grad=False)
-        self.post_norm = nn.Parameter(torch.ones(h, **e), requires_grad=False)
-        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, h, **e), requires_grad=False)
+        self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
+        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, h, dtype=dtype), requires_grad=False)
         self.qkv_bias = (
-            nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, **e), requires_grad=False)
+            nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, dtype=dtype), requires_grad=False)
             if qkv_bias
             else None
         )
-        self.o = nn.Parameter(torch.empty(h, self.q_size, **e), requires_grad=False)
+        self.o = nn.Parameter(torch.empty(h, self.q_size, dtype=dtype), requires_grad=False)
         self.o_bias = (
-            nn.Parameter(torch.zeros(h, **e), requires_grad=False) if cfg.attention_bias else None
+            nn.Parameter(torch.zeros(h, dtype=dtype), requires_grad=False) if cfg.attention_bias else None
         )
         i = cfg.intermediate_size
-        self.gate_up = nn.Parameter(torch.empty(2 * i, h, **e), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(h, i, **e), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.empty(2 * i, h, dtype=dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(h, i, dtype=dtype), requires_grad=False)
         self.inter = i
         self.scale = d**-0.5
 
