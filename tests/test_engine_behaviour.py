@@ -352,3 +352,29 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(engine: Any) -> None:
         for r in list(engine.scheduler.waiting) + list(engine.scheduler.running):
             engine.scheduler.abort(r)
         engine.step()
+
+
+def test_interleaved_streams_each_get_every_token(engine: Any, chat: Any) -> None:
+    # Two streams consumed in turn: each step one of them runs also produces the other's
+    # tokens, which must still reach the other stream.
+    prompts = [chat("Name three rivers."), chat("Count from one to five.")]
+    params = _greedy(16, ignore_eos=True)
+    want = engine.generate(prompts, params)
+    streams = [engine.stream(p, params) for p in prompts]
+    got: list[list[int]] = [[], []]
+    texts = ["", ""]
+    live = [True, True]
+    while any(live):
+        for i, s in enumerate(streams):
+            if not live[i]:
+                continue
+            try:
+                d = next(s)
+            except StopIteration:
+                live[i] = False
+                continue
+            got[i].extend(d.token_ids)
+            texts[i] += d.text
+    for i in range(2):
+        assert got[i] == want[i].token_ids
+        assert texts[i] == want[i].text

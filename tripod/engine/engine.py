@@ -120,6 +120,7 @@ class Engine:
         self.eos_ids = frozenset(eos)
         self.stats = EngineStats()
         self._reqs: dict[str, Req] = {}
+        self._inboxes: dict[str, list[StepOutput]] = {}  # rid -> undelivered stream outputs
         self._rid_counter = itertools.count()
         log.info(
             "tripod engine: model=%s (%s, weights %s) dtype=%s device=%s kv_slots=%d (%.0f MiB) "
@@ -272,6 +273,10 @@ class Engine:
                 self._reqs.pop(o.req.rid, None)
         if not self.scheduler.running and self.runner.mirror is not None:
             self.runner.mirror.sync([], [])  # idle: let go of finished requests' rows
+        for o in outs:
+            box = self._inboxes.get(o.req.rid)
+            if box is not None:
+                box.append(o)
         return outs
 
     @staticmethod
@@ -324,12 +329,23 @@ class Engine:
         copies = self.add_request(prompt, params)
         detok = {r.rid: IncrementalDetokenizer(self.tokenizer) for r in copies}
         mine = {r.rid: r for r in copies}
+        # NOTE: another stream (or generate) may run the step that produces our tokens, so
+        # step() files them here and each stream drains only its own.
+        inbox: list[StepOutput] = []
+        for rid in mine:
+            self._inboxes[rid] = inbox
         done: set[str] = set()
         try:
             while len(done) < len(copies):
-                for o in self.step():
+                if not inbox:
+                    self.step()
+                    # NOTE: an unfinished request is always queued or running, so an idle
+                    # engine with nothing delivered would be a lost request: fail, never spin.
+                    assert inbox or self.has_work, f"stream lost its requests: {list(mine)}"
+                batch, inbox[:] = list(inbox), []
+                for o in batch:
                     r = o.req
-                    if r.rid not in mine or r.rid in done:
+                    if r.rid in done:
                         continue
                     text = detok[r.rid].push(o.new_token_ids)
                     if o.finished:
@@ -347,6 +363,7 @@ class Engine:
                     )
         finally:
             for rid, r in mine.items():
+                self._inboxes.pop(rid, None)
                 if not r.finished:
                     self.scheduler.abort(r)
                     self._reqs.pop(rid, None)
