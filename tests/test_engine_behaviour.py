@@ -378,3 +378,40 @@ def test_interleaved_streams_each_get_every_token(engine: Any, chat: Any) -> Non
     for i in range(2):
         assert got[i] == want[i].token_ids
         assert texts[i] == want[i].text
+
+
+def test_aborting_a_streamed_request_ends_its_stream(engine: Any) -> None:
+    stream = engine.stream("Hello there, how are", _greedy(40, ignore_eos=True))
+    first = next(stream)
+    assert engine.abort(first.request_id)
+    rest = list(stream)
+    assert rest and rest[-1].finish_reason == "abort"
+
+
+def test_abort_takes_only_the_named_request_and_its_copies(engine: Any) -> None:
+    a = engine.add_request("One two three", _greedy(4), request_id="chat")[0]
+    b = engine.add_request("Four five six", _greedy(4), request_id="chat-2")[0]
+    assert engine.abort("chat")
+    while engine.has_work:
+        engine.step()
+    engine.step()  # report the aborted one
+    assert a.finish_reason == "abort" and b.finish_reason == "length"
+
+
+def test_decode_mirror_memory_stays_within_budget_and_is_freed_when_idle(make_engine: Any) -> None:
+    eng = make_engine(kv_cache_tokens=2048, max_model_len=2048)
+    mirror = eng.runner.mirror
+    # Room for 32 short rows, not for a 1,300-token row: the short batch uses the mirror and the
+    # long request must not grow it past the budget (it falls back to gathering instead).
+    mirror.max_bytes = 32 * 256 * mirror._row_token_bytes
+    peak = 0
+    for prompts in (["Hi"] * 32, ["word " * 1300]):
+        for r in [q for p in prompts for q in eng.add_request(p, _greedy(3, ignore_eos=True))]:
+            assert r is not None
+        while eng.has_work:
+            eng.step()
+            if mirror.buf is not None:
+                peak = max(peak, mirror.buf.numel() * mirror.buf.element_size())
+    assert 0 < peak <= mirror.max_bytes
+    assert mirror.buf is None, "an idle engine keeps the decode mirror allocated"
+    eng.assert_consistent()

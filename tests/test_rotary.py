@@ -165,3 +165,13 @@ def test_relative_position_property() -> None:
 
     assert math.isclose(score(10, 3), score(57, 50), rel_tol=1e-4)
     assert not math.isclose(score(10, 3), score(10, 4), rel_tol=1e-3)
+
+
+def test_gguf_rope_freq_factors_divide_each_frequency() -> None:
+    from tripod.layers.rotary import rope_inv_freq
+
+    base, _ = rope_inv_freq(8, 10000.0, None, 128)
+    factors = [1.0, 2.0, 4.0, 8.0]
+    scaled, attn = rope_inv_freq(8, 10000.0, {"rope_type": "freq_factors", "factors": factors}, 128)
+    assert attn == 1.0
+    assert torch.allclose(scaled, base / torch.tensor(factors))

@@ -40,16 +40,21 @@ class DecodeMirror:
         self.drops = 0  # times the mirror outgrew its budget (decode fell back to gathering)
         self.refills = 0  # rows rebuilt because a request fell out of step
 
+    @staticmethod
+    def _rounded(rows: int, length: int) -> tuple[int, int]:
+        return -(-rows // _ROW_STEP) * _ROW_STEP, -(-length // _LEN_STEP) * _LEN_STEP
+
     def _fits(self, rows: int, length: int) -> bool:
-        return rows * length * self._row_token_bytes <= self.max_bytes
+        """Whether the buffer this need would allocate (rounded up) stays within budget."""
+        r, n = self._rounded(rows, length)
+        return r * n * self._row_token_bytes <= self.max_bytes
 
     def _ensure(self, rows: int, length: int) -> None:
         if self.buf is not None and self.buf.shape[1] >= rows and self.buf.shape[2] >= length:
             return
-        r = -(-rows // _ROW_STEP) * _ROW_STEP
-        n = -(-length // _LEN_STEP) * _LEN_STEP
-        if self.buf is not None:
-            r, n = max(r, self.buf.shape[1]), max(n, self.buf.shape[2])
+        # NOTE: sized to the current need only (never the max of past shapes), so every buffer
+        # ever allocated passed _fits and the mirror never exceeds its budget.
+        r, n = self._rounded(rows, length)
         kv = self.pool.kv
         new = torch.zeros((kv.shape[0], r, n, *kv.shape[2:]), dtype=kv.dtype, device=kv.device)
         if self.buf is not None and self.owner:

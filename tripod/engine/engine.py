@@ -200,7 +200,10 @@ class Engine:
             gen = None
             if params.seed is not None:
                 gen = make_generator(params.seed + 0x9E3779B97F4A7C15 * i if i else params.seed, self.device)
-            req = Req(list(ids), params, rid=rid, generator=gen, eos_ids=self.eos_ids, max_len=limit, index=i)
+            req = Req(
+                list(ids), params, rid=rid, generator=gen, eos_ids=self.eos_ids, max_len=limit,
+                index=i, group=base,
+            )
             if i > 0 and self.cache.enabled:
                 req.wait_for = copies[0]
             copies.append(req)
@@ -214,7 +217,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request (every copy when n > 1). Its KV is released at once."""
-        hit = [r for rid, r in self._reqs.items() if rid == request_id or rid.startswith(request_id + "-")]
+        hit = [r for r in self._reqs.values() if r.rid == request_id or r.group == request_id]
         for r in hit:
             self.scheduler.abort(r)
         return bool(hit)
@@ -235,7 +238,7 @@ class Engine:
                 del self._reqs[r.rid]
         items = self.scheduler.schedule()
         if not items:
-            return outs
+            return self._deliver(outs)
         t0 = time.perf_counter()
         logits, sampling = self.runner.forward(items)
         reqs = [it.req for it in sampling]
@@ -271,12 +274,16 @@ class Engine:
         for o in outs:
             if o.finished:
                 self._reqs.pop(o.req.rid, None)
-        if not self.scheduler.running and self.runner.mirror is not None:
-            self.runner.mirror.sync([], [])  # idle: let go of finished requests' rows
+        return self._deliver(outs)
+
+    def _deliver(self, outs: list[StepOutput]) -> list[StepOutput]:
+        """File each output in its stream's inbox (if one is listening); free idle memory."""
         for o in outs:
             box = self._inboxes.get(o.req.rid)
             if box is not None:
                 box.append(o)
+        if not self.scheduler.running and self.runner.mirror is not None:
+            self.runner.mirror.drop()  # idle: give the dense decode rows back
         return outs
 
     @staticmethod

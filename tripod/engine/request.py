@@ -151,6 +151,7 @@ class Req:
     eos_ids: frozenset[int] = frozenset()
     max_len: int = 0  # hard cap on len(all_ids), from the model's context
     index: int = 0  # which of the n copies
+    group: str = ""  # the id the caller gave (shared by the n copies)
 
     @property
     def all_ids(self) -> list[int]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "freq_factors")
 
 
 def rope_inv_freq(
@@ -31,6 +31,11 @@ def rope_inv_freq(
         # Dynamic NTK only changes frequencies past the original context; within it, it is the
         # default rope. Positions past it are refused by the engine's context limit.
         return base, 1.0
+    if kind == "freq_factors":  # GGUF's rope_freqs tensor: each frequency divided by its factor
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != base.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} entries, expected {base.numel()}")
+        return base / factors, 1.0
     if kind == "llama3":
         return _llama3(base, scaling), 1.0
     if kind == "yarn":

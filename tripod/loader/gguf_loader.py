@@ -88,6 +88,10 @@ class GGUFFile:
             orig = self.field(f"{a}.rope.scaling.original_context_length")
             if orig:
                 rope_scaling["original_max_position_embeddings"] = int(orig)
+        freqs = next((t for t in self.reader.tensors if t.name == "rope_freqs.weight"), None)
+        if freqs is not None:
+            # llama.cpp stores Llama 3.x rope scaling as per-dimension frequency divisors.
+            rope_scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in freqs.data]}
         eos = self.field("tokenizer.ggml.eos_token_id")
         bos = self.field("tokenizer.ggml.bos_token_id")
         return ModelConfig(

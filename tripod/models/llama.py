@@ -47,6 +47,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 class LlamaLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, qkv_bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
+        if cfg.mlp_bias:
+            raise ValueError("checkpoints with MLP biases (mlp_bias=true) are not supported yet")
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_size = cfg.num_heads * d
         self.kv_size = cfg.num_kv_heads * d
