@@ -110,7 +110,5 @@ class ModelRunner:
     def forward(self, items: list[ScheduledItem]) -> tuple[torch.Tensor, list[ScheduledItem]]:
         """Run one step. Returns float32 logits ``[len(sampling), V]`` and the sampling items."""
         batch, sampling = self.build_batch(items)
-        if not sampling:
-            batch.logits_idx = torch.empty(0, dtype=torch.long, device=self.device)
         logits = self.model(batch, self.pool)
         return logits, sampling
