@@ -1,7 +1,9 @@
 """The ``tripod`` command line.
 
-``tripod generate "prompt"`` streams one completion; with no prompt it opens an interactive
-chat on stdin (multi-turn, the history reused through the prefix cache).
+- ``tripod serve``: the OpenAI-compatible server (HTTP process + engine process).
+- ``tripod chat``: a streaming terminal chat, against a running server (``--url``) or an
+  in-process engine.
+- ``tripod generate "prompt"``: one streamed completion offline; with no prompt, the same chat.
 """
 
 from __future__ import annotations
@@ -41,6 +43,22 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
+def _server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("TRIPOD_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TRIPOD_API_KEY)")
+    g.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model's name)")
+    g.add_argument("--max-waiting", type=int, default=256,
+                   help="sequences that may wait beyond --max-running before new requests are refused")
+    g.add_argument("--overload-status", type=int, default=429, choices=[429, 503],
+                   help="status for refused requests when the queue is full")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--max-n", type=int, default=16, help="largest 'n' a request may ask for")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tripod", description="tripod: mission-critical LLM inference")
     parser.add_argument("--log-level", default=os.environ.get("TRIPOD_LOG_LEVEL", "INFO"))
@@ -54,14 +72,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
     _engine_args(gen)
     _sampling_args(gen)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI API (default: the embedded SmolLM2 on 127.0.0.1:8000)")
+    srv.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
+    _engine_args(srv)
+    _server_args(srv)
+
+    chat = sub.add_parser("chat", help="chat in the terminal, with a server (--url) or an in-process engine")
+    chat.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (default: in-process)")
+    chat.add_argument("--api-key", default=os.environ.get("TRIPOD_API_KEY"), help="for --url (default: $TRIPOD_API_KEY)")
+    chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
+    _engine_args(chat)
+    _sampling_args(chat)
     return parser
 
 
-def _make_engine(args: argparse.Namespace) -> Any:
+def _engine_config(args: argparse.Namespace) -> Any:
     from tripod.config import EngineConfig
-    from tripod.engine.engine import Engine
 
-    cfg = EngineConfig(
+    return EngineConfig(
         model=args.model,
         dtype=args.dtype,
         device=args.device,
@@ -74,7 +104,12 @@ def _make_engine(args: argparse.Namespace) -> Any:
         enable_prefix_cache=not args.no_prefix_cache,
         num_threads=args.threads,
     )
-    return Engine(config=cfg)
+
+
+def _make_engine(args: argparse.Namespace) -> Any:
+    from tripod.engine.engine import Engine
+
+    return Engine(config=_engine_config(args))
 
 
 def _params(args: argparse.Namespace) -> Any:
@@ -134,9 +169,86 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt = engine.apply_chat_template(msgs)
         _stream_answer(engine, prompt, params, args.stats)
         return 0
-    # Interactive chat: the whole history is re-sent each turn; the prefix cache makes that cheap.
-    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
-    print(f"tripod chat with {engine.model_name} ({engine.dtype_name}); empty line or Ctrl-D to quit", file=sys.stderr)
+    return _chat_loop(_LocalChat(engine, params), args.system)
+
+
+class _TooLong(Exception):
+    """The conversation no longer fits the context."""
+
+
+class _LocalChat:
+    """Chat turns on an in-process engine."""
+
+    def __init__(self, engine: Any, params: Any) -> None:
+        self.engine = engine
+        self.params = params
+        self.label = f"{engine.model_name} ({engine.dtype_name}, in-process)"
+
+    def answer(self, history: list[dict[str, str]]) -> str:
+        prompt = self.engine.apply_chat_template(history)
+        if len(prompt) + 1 >= self.engine.max_request_len:
+            raise _TooLong()
+        return _stream_answer(self.engine, prompt, self.params, True)
+
+
+class _RemoteChat:
+    """Chat turns against a running server's /v1/chat/completions, streamed."""
+
+    def __init__(self, url: str, api_key: str | None, args: argparse.Namespace) -> None:
+        import httpx
+
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(10.0, read=None))
+        try:
+            models = self.http.get("/v1/models")
+        except httpx.HTTPError as e:
+            raise ValueError(f"cannot reach {self.url}: {e}") from None
+        if models.status_code != 200:
+            raise ValueError(f"{self.url}/v1/models answered {models.status_code}: {models.text[:200]}")
+        card = models.json()["data"][0]
+        self.model = card["id"]
+        self.label = f"{self.model} ({card.get('dtype')}) at {self.url}"
+        self.sampling = {
+            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
+            "seed": args.seed, "ignore_eos": args.ignore_eos,
+        }
+
+    def answer(self, history: list[dict[str, str]]) -> str:
+        import json
+
+        body = {"model": self.model, "messages": history, "stream": True, **self.sampling}
+        text: list[str] = []
+        with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                err = json.loads(r.read() or b"{}").get("error", {})
+                if err.get("code") == "context_length_exceeded":
+                    raise _TooLong()
+                raise ValueError(f"the server answered {r.status_code}: {err.get('message', r.text[:200])}")
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    raise ValueError(f"the server stopped the answer: {obj['error'].get('message')}")
+                for ch in obj.get("choices", []):
+                    piece = ch.get("delta", {}).get("content") or ""
+                    text.append(piece)
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+        sys.stdout.write("\n")
+        return "".join(text)
+
+
+def _chat_loop(backend: Any, system: str | None) -> int:
+    """Interactive chat: the whole history is re-sent each turn; the prefix cache makes that cheap."""
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    first = len(history)
+    print(f"tripod chat with {backend.label}; empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
             line = input("> ")
@@ -146,19 +258,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not line.strip():
             return 0
         history.append({"role": "user", "content": line})
-        prompt = engine.apply_chat_template(history)
-        # Drop the oldest turns (keeping a system message) while the history overflows the context.
-        first = 1 if history[0]["role"] == "system" else 0
-        while len(prompt) >= engine.max_request_len and len(history) - first > 1:
-            del history[first : first + 2]
-            prompt = engine.apply_chat_template(history)
-        try:
-            answer = _stream_answer(engine, prompt, params, True)
-        except ValueError as e:  # still too long on its own: say so and keep the session
-            print(f"tripod: {e}", file=sys.stderr)
+        answer = None
+        while answer is None:
+            try:
+                answer = backend.answer(history)
+            except _TooLong:
+                # Drop the oldest turn (keeping a system message) while the history overflows.
+                if len(history) - first > 1:
+                    del history[first : first + 2]
+                    continue
+                print("tripod: this message alone is longer than the context; shorten it", file=sys.stderr)
+                break
+            except ValueError as e:
+                print(f"tripod: {e}", file=sys.stderr)
+                break
+        if answer is None:
             history.pop()
-            continue
-        history.append({"role": "assistant", "content": answer})
+        else:
+            history.append({"role": "assistant", "content": answer})
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    if args.url:
+        return _chat_loop(_RemoteChat(args.url, args.api_key, args), args.system)
+    return _chat_loop(_LocalChat(_make_engine(args), _params(args)), args.system)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tripod.config import ServerConfig
+    from tripod.server.launch import serve
+
+    cfg = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key or None,
+        served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+        overload_status=args.overload_status, drain_timeout=args.drain_timeout, max_n=args.max_n,
+    )
+    level = getattr(logging, str(args.log_level).upper(), logging.INFO)
+    return serve(_engine_config(args), cfg, level)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,9 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if args.command == "generate":
+    commands = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat}
+    if args.command in commands:
         try:
-            return cmd_generate(args)
+            return commands[args.command](args)
         except (ValueError, FileNotFoundError) as e:
             print(f"tripod: error: {e}", file=sys.stderr)
             return 2

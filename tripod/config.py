@@ -80,3 +80,39 @@ def native_bf16(device: torch.device) -> bool:
     except OSError:
         pass
     return False
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The HTTP side of ``tripod serve``: where it listens, who may call it, how it sheds load."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # when set, /v1/* (and /tokenize, /detokenize) need a Bearer key
+    served_model_name: str | None = None  # None: the model's own name
+    max_waiting: int = 256  # sequences queued beyond max_running; past it: overload_status
+    overload_status: int = 429  # 429 or 503
+    retry_after: int = 1  # seconds, sent with overload and drain refusals
+    drain_timeout: float = 30.0  # SIGTERM: seconds in-flight requests get to finish
+    max_body_bytes: int = 4 * 2**20
+    max_n: int = 16
+    heartbeat_interval: float = 0.5  # engine → server
+    heartbeat_timeout: float = 30.0  # no heartbeat this long: the engine is hung
+    engine_start_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535] (got {self.port})")
+        if self.overload_status not in (429, 503):
+            raise ValueError(f"overload_status must be 429 or 503 (got {self.overload_status})")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 (got {self.max_waiting})")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+        for name in ("drain_timeout", "heartbeat_interval", "heartbeat_timeout", "engine_start_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
+        if self.max_n < 1 or self.max_body_bytes < 1024:
+            raise ValueError("max_n must be >= 1 and max_body_bytes >= 1024")

@@ -226,6 +226,11 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    @property
+    def pending(self) -> bool:
+        """Requests not yet reported finished by ``step()`` (queued, running, or just aborted)."""
+        return bool(self._reqs)
+
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:

@@ -30,8 +30,37 @@ class LoadedModel:
     dtype: torch.dtype
 
 
+@dataclass(slots=True)
+class LoadedTokenizer:
+    """The text side of a model without its weights (what the HTTP server process needs)."""
+
+    name: str
+    path: str
+    config: ModelConfig
+    tokenizer: Any
+    quantization: str
+
+
+def load_tokenizer(model: str | None) -> LoadedTokenizer:
+    """The tokenizer, chat template and config of ``model``, reading no weights."""
+    name, path, src = _open(model)
+    return LoadedTokenizer(name, str(path), src.config(), src.tokenizer(), src.quantization)
+
+
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     """Load ``model`` (None: the embedded default; a ``.gguf`` file; or an HF folder)."""
+    name, path, src = _open(model)
+    cfg = src.config()
+    quant = src.quantization
+    cls = model_class(cfg.architecture)
+    net = cls(cfg, dtype, device)
+    net.load_weights(src.weights())
+    net.eval()
+    tok = src.tokenizer()
+    return LoadedModel(name, str(path), cfg, net, tok, quant, dtype)
+
+
+def _open(model: str | None) -> tuple[str, Path, GGUFFile | HFFolder]:
     if model is None:
         path = embedded_model_path()
         name = EMBEDDED_NAME
@@ -50,11 +79,4 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> L
         src = GGUFFile(path)
     else:
         src = HFFolder(path)
-    cfg = src.config()
-    quant = src.quantization
-    cls = model_class(cfg.architecture)
-    net = cls(cfg, dtype, device)
-    net.load_weights(src.weights())
-    net.eval()
-    tok = src.tokenizer()
-    return LoadedModel(name, str(path), cfg, net, tok, quant, dtype)
+    return name, path, src

@@ -1,0 +1,307 @@
+"""The server's side of the engine process: spawn it, feed it, route its outputs, watch it.
+
+``EngineClient`` owns the engine process and both ZMQ pipes. Each HTTP request opens a
+``RequestHandle`` (one or more engine requests sharing one queue); the receiver task files every
+``SeqOutput`` in its handle's queue. The client also keeps the admission count (sequences the
+engine holds) that backpressure is decided on, and notices a dead or hung engine at once: the
+process sentinel wakes the event loop the moment the process ends, and heartbeats older than
+``heartbeat_timeout`` mean a hung loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tripod.config import EngineConfig, ServerConfig
+from tripod.server import ipc
+from tripod.server.engine_proc import engine_main
+
+log = logging.getLogger("tripod.server")
+
+
+class EngineDead(RuntimeError):
+    """The engine process is gone (or hung); nothing more will be served."""
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full."""
+
+
+@dataclasses.dataclass(slots=True)
+class EnginePart:
+    """One engine request inside an HTTP request (a completions batch has several)."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: dict[str, Any]
+    response_format: dict[str, Any] | None = None
+
+
+class RequestHandle:
+    """The engine requests of one HTTP request and the queue their outputs arrive in.
+
+    Owns the count of its unfinished sequences; ``close()`` aborts whatever is still running in
+    the engine (a client that went away must not keep holding KV) and returns its admission.
+    """
+
+    def __init__(self, client: EngineClient, parts: list[EnginePart], n: int) -> None:
+        self.client = client
+        self.parts = parts
+        self.n = n
+        self.queue: asyncio.Queue[ipc.SeqOutput | BaseException] = asyncio.Queue()
+        self.open_seqs: set[tuple[str, int]] = {(p.rid, i) for p in parts for i in range(n)}
+        self.closed = False
+
+    def __aiter__(self) -> AsyncIterator[ipc.SeqOutput]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[ipc.SeqOutput]:
+        while self.open_seqs:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if (item.rid, item.index) not in self.open_seqs:
+                continue  # a copy this request already ended (stop string): late tokens
+            if item.finish_reason is not None:
+                self._done(item.rid, item.index)
+            yield item
+
+    def stop_seq(self, rid: str, index: int) -> None:
+        """End one sequence early (a stop string matched): abort it in the engine."""
+        if (rid, index) in self.open_seqs:
+            self._done(rid, index)
+            self.client._send(ipc.AbortRequest(rid if self.n == 1 else f"{rid}-{index}"))
+
+    def _done(self, rid: str, index: int) -> None:
+        self.open_seqs.discard((rid, index))
+        self.client.inflight -= 1
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for rid in {rid for rid, _ in self.open_seqs}:
+            self.client._send(ipc.AbortRequest(rid))
+        self.client.inflight -= len(self.open_seqs)
+        self.open_seqs.clear()
+        for p in self.parts:
+            self.client._handles.pop(p.rid, None)
+
+
+class EngineClient:
+    """Owns the engine process, the ZMQ pipes to it and the routing of its outputs."""
+
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, log_level: int) -> None:
+        self.engine_config = engine_config
+        self.server_config = server_config
+        self.log_level = log_level
+        self.info: ipc.Ready | None = None
+        self.stats: dict[str, Any] = {}
+        self.last_heartbeat = 0.0
+        self.dead_reason: str | None = None
+        self.inflight = 0  # sequences the engine holds for us (admission control)
+        self.on_death: Callable[[str], None] | None = None
+        self.on_heartbeat: Callable[[dict[str, Any]], None] | None = None
+        self._handles: dict[str, RequestHandle] = {}
+        self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._tokens = itertools.count()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._proc: Any = None
+        self._tmpdir = ""
+        self._ctx: zmq.asyncio.Context | None = None
+        self._push: zmq.asyncio.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def alive(self) -> bool:
+        return self.info is not None and self.dead_reason is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    async def start(self) -> ipc.Ready:
+        """Spawn the engine process and wait until its model is loaded."""
+        self._tmpdir = tempfile.mkdtemp(prefix="tripod-ipc-")
+        to_engine = f"ipc://{self._tmpdir}/to-engine"
+        from_engine = f"ipc://{self._tmpdir}/from-engine"
+        self._ctx = zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.setsockopt(zmq.SNDHWM, 0)  # never drop or block a request under a burst
+        self._push.bind(to_engine)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(from_engine)
+        mp = multiprocessing.get_context("spawn")
+        self._proc = mp.Process(
+            target=engine_main,
+            args=(
+                dataclasses.asdict(self.engine_config), to_engine, from_engine,
+                self.server_config.heartbeat_interval, self.log_level, os.getpid(),
+            ),
+            name="tripod-engine",
+            daemon=True,
+        )
+        self._proc.start()
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        loop.add_reader(self._proc.sentinel, lambda: exited.done() or exited.set_result(None))
+        recv = asyncio.ensure_future(self._pull.recv())
+        done, _ = await asyncio.wait(
+            {recv, exited}, timeout=self.server_config.engine_start_timeout,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        if recv not in done:
+            recv.cancel()
+            self._proc.kill()
+            why = "exited" if exited in done else "did not start in time"
+            raise EngineDead(f"the engine process {why} before it was ready (see the log above)")
+        msg = ipc.decode(recv.result())
+        if isinstance(msg, ipc.Fatal):
+            raise EngineDead(f"the engine failed to start: {msg.message}")
+        assert isinstance(msg, ipc.Ready), msg
+        self.info = msg
+        self.last_heartbeat = time.monotonic()
+        loop.remove_reader(self._proc.sentinel)
+        # NOTE: the sentinel becomes readable the moment the process ends, however it ends
+        # (crash, kill -9, OOM): that is what makes /health turn at once.
+        loop.add_reader(self._proc.sentinel, self._on_exit)
+        self._tasks = [
+            asyncio.create_task(self._receive(), name="engine-receive"),
+            asyncio.create_task(self._watch(), name="engine-watchdog"),
+        ]
+        return msg
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Ask the engine to stop, wait for it (kill it past ``timeout``), close the pipes."""
+        self._stopping = True
+        proc = self._proc
+        if proc is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(proc.sentinel)
+            except (ValueError, OSError):
+                pass
+            if proc.is_alive():
+                self._send(ipc.Shutdown())
+                await asyncio.get_running_loop().run_in_executor(None, proc.join, timeout)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+        for t in self._tasks:
+            t.cancel()
+        for s in (self._push, self._pull):
+            if s is not None:
+                s.close(0)
+        if self._ctx is not None:
+            self._ctx.term()
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def _on_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+        self._proc.join(0)
+        if not self._stopping:
+            self._die(f"the engine process exited (code {self._proc.exitcode})")
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        log.error("%s; failing %d open requests", reason, len(self._handles))
+        err = EngineDead(reason)
+        for h in list(self._handles.values()):
+            h.queue.put_nowait(err)
+        for fut in self._stats_waiters.values():
+            if not fut.done():
+                fut.set_exception(err)
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+        if self.on_death is not None:
+            self.on_death(reason)
+
+    async def _watch(self) -> None:
+        interval = self.server_config.heartbeat_interval
+        while self.dead_reason is None:
+            await asyncio.sleep(interval)
+            silent = time.monotonic() - self.last_heartbeat
+            if silent > self.server_config.heartbeat_timeout:
+                self._die(f"the engine loop sent no heartbeat for {silent:.0f} s (hung)")
+
+    async def _receive(self) -> None:
+        assert self._pull is not None
+        while True:
+            msg = ipc.decode(await self._pull.recv())
+            self.last_heartbeat = time.monotonic()  # any message proves the loop is alive
+            if isinstance(msg, ipc.Outputs):
+                for item in msg.items:
+                    h = self._handles.get(item.rid)
+                    if h is not None:
+                        h.queue.put_nowait(item)
+            elif isinstance(msg, ipc.Heartbeat):
+                self.stats = msg.stats
+                if self.on_heartbeat is not None:
+                    self.on_heartbeat(msg.stats)
+            elif isinstance(msg, ipc.StatsReply):
+                fut = self._stats_waiters.pop(msg.token, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.stats)
+            elif isinstance(msg, ipc.Fatal):
+                self._die(f"the engine loop failed: {msg.message}")
+                return
+
+    # ------------------------------------------------------------------ requests
+    def capacity(self) -> int:
+        assert self.info is not None
+        return self.info.max_running + self.server_config.max_waiting
+
+    def open(self, parts: list[EnginePart], n: int) -> RequestHandle:
+        """Send ``parts`` to the engine; raises ``EngineDead`` or ``Overloaded`` instead."""
+        if not self.alive:
+            raise EngineDead(self.dead_reason or "the engine is not running")
+        seqs = len(parts) * n
+        if self.inflight > 0 and self.inflight + seqs > self.capacity():
+            raise Overloaded(f"{self.inflight} sequences in flight; the queue holds {self.capacity()}")
+        h = RequestHandle(self, parts, n)
+        for p in parts:
+            assert p.rid not in self._handles, p.rid
+            self._handles[p.rid] = h
+        self.inflight += seqs
+        for p in parts:
+            self._send(ipc.AddRequest(p.rid, p.prompt_ids, p.params, p.response_format))
+        return h
+
+    async def engine_stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Ask the engine loop for its accounting now (includes the KV invariant when idle)."""
+        if not self.alive:
+            raise EngineDead(self.dead_reason or "the engine is not running")
+        token = next(self._tokens)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._stats_waiters[token] = fut
+        self._send(ipc.StatsRequest(token))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._stats_waiters.pop(token, None)
+
+    def _send(self, msg: Any) -> None:
+        if self._push is None or self.dead_reason is not None:
+            return
+        # NOTE: a PUSH socket with a connected peer queues without blocking (high-water mark
+        # 1000 messages); the engine drains everything between steps.
+        self._push.send(ipc.encode(msg), copy=False)

@@ -1,0 +1,194 @@
+"""The engine process: one ``Engine`` driven in a loop, fed and drained over ZMQ.
+
+It speaks token ids only. Between steps it drains every queued message (adds, aborts, stats
+queries), runs one ``Engine.step()`` when there is work, sends that step's new tokens in one
+``Outputs`` message, and sends a ``Heartbeat`` at least every ``heartbeat_interval`` seconds (busy
+or idle) so the server can tell a live loop from a hung or dead one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from tripod.server import ipc
+
+log = logging.getLogger("tripod.engine_proc")
+
+
+def engine_main(
+    engine_config: dict[str, Any],
+    to_engine: str,
+    from_engine: str,
+    heartbeat_interval: float,
+    log_level: int,
+    parent_pid: int,
+) -> None:
+    """Entry point of the spawned engine process."""
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s", stream=sys.stderr
+    )
+    # NOTE: Ctrl-C reaches the whole process group; the server decides how to drain, then tells
+    # us to stop. SIGTERM keeps its default (dies): a supervisor that kills us means it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.connect(to_engine)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.connect(from_engine)
+    code = 0
+    try:
+        from tripod.config import EngineConfig
+        from tripod.engine.engine import Engine
+
+        engine = Engine(config=EngineConfig(**engine_config))
+        push.send(ipc.encode(ipc.Ready(
+            pid=os.getpid(),
+            model_name=engine.model_name,
+            dtype=engine.dtype_name,
+            quantization=engine.loaded.quantization,
+            architecture=engine.model_config.architecture,
+            context_len=engine.context_len,
+            max_request_len=engine.max_request_len,
+            vocab_size=engine.model_config.vocab_size,
+            max_running=engine.config.max_running,
+            kv_slots=engine.pool.num_slots,
+        )))
+        EngineLoop(engine, pull, push, heartbeat_interval, parent_pid).run()
+    except Exception as e:  # a crash must reach the server as a message, not only a dead pid
+        log.error("engine process failed:\n%s", traceback.format_exc())
+        push.send(ipc.encode(ipc.Fatal(f"{type(e).__name__}: {e}")))
+        code = 1
+    finally:
+        pull.close(0)
+        push.close()
+        ctx.term()
+    sys.exit(code)
+
+
+class EngineLoop:
+    """Owns the step loop of one engine process and the mapping from ZMQ messages to it."""
+
+    def __init__(
+        self, engine: Any, pull: zmq.Socket, push: zmq.Socket, heartbeat_interval: float, parent_pid: int
+    ) -> None:
+        self.engine = engine
+        self.pull = pull
+        self.push = push
+        self.heartbeat_interval = heartbeat_interval
+        self.parent_pid = parent_pid
+        self.running = True
+        self._last_heartbeat = 0.0
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.pull, zmq.POLLIN)
+        while self.running:
+            busy = self.engine.pending
+            if poller.poll(0 if busy else int(self.heartbeat_interval * 1000)):
+                self._drain()
+            if os.getppid() != self.parent_pid:
+                log.warning("the server process is gone; stopping")
+                return
+            if self.engine.pending:
+                self._send_outputs(self.engine.step())
+            now = time.monotonic()
+            if now - self._last_heartbeat >= self.heartbeat_interval:
+                self._last_heartbeat = now
+                self.push.send(ipc.encode(ipc.Heartbeat(self.stats())))
+
+    def _drain(self) -> None:
+        while self.running:
+            try:
+                raw = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = ipc.decode(raw)
+            if isinstance(msg, ipc.AddRequest):
+                self._add(msg)
+            elif isinstance(msg, ipc.AbortRequest):
+                self.engine.abort(msg.rid)
+            elif isinstance(msg, ipc.StatsRequest):
+                self.push.send(ipc.encode(ipc.StatsReply(msg.token, self.stats(check=True))))
+            elif isinstance(msg, ipc.Shutdown):
+                self.running = False
+            else:
+                raise AssertionError(f"unexpected message {msg!r}")
+
+    def _add(self, msg: ipc.AddRequest) -> None:
+        from tripod.engine.request import SamplingParams
+
+        try:
+            params = SamplingParams(**msg.params)
+            if msg.response_format is not None:
+                params.grammar = self._grammar(msg.response_format)
+            self.engine.add_request(msg.prompt_ids, params, request_id=msg.rid)
+        except ValueError as e:
+            # The server validates first; this is the backstop so a request is never lost.
+            n = int(msg.params.get("n", 1) or 1)
+            self.push.send(ipc.encode(ipc.Outputs([
+                ipc.SeqOutput(msg.rid, i, [], [], "rejected", 0, str(e)) for i in range(n)
+            ])))
+
+    def _grammar(self, response_format: dict[str, Any]) -> Any:
+        kind = response_format.get("type")
+        if kind in (None, "text"):
+            return None
+        raise ValueError(
+            f"response_format type {kind!r} is not supported by this engine yet; use 'text'"
+        )
+
+    def _send_outputs(self, outs: list[Any]) -> None:
+        items = []
+        for o in outs:
+            r = o.req
+            items.append(ipc.SeqOutput(
+                rid=r.group,
+                index=r.index,
+                token_ids=o.new_token_ids,
+                logprobs=[[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in o.new_logprobs],
+                finish_reason=r.finish_reason.value if o.finished and r.finish_reason else None,
+                cached_tokens=r.cached_tokens,
+                error=r.error,
+            ))
+        if items:
+            self.push.send(ipc.encode(ipc.Outputs(items)))
+
+    def stats(self, check: bool = False) -> dict[str, Any]:
+        e = self.engine
+        s = e.scheduler
+        out: dict[str, Any] = {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "kv_slots": e.pool.num_slots,
+            "kv_free": e.pool.allocator.num_free,
+            "kv_cached": e.cache.total_size,
+            "kv_pinned": e.cache.protected_size,
+            "prefix_hit_tokens": e.cache.stats.hit_tokens,
+            "prefix_query_tokens": e.cache.stats.query_tokens,
+            "generated_tokens": e.stats.generated_tokens,
+            "prompt_tokens": e.stats.prompt_tokens,
+            "steps": e.stats.steps,
+            "retractions": s.num_retractions,
+        }
+        if check:
+            # The KV ownership invariant, provable only when no request holds memory.
+            out["consistent"] = None
+            if not e.pending:
+                try:
+                    e.assert_consistent()
+                    out["consistent"] = True
+                except AssertionError as err:
+                    out["consistent"] = False
+                    out["inconsistency"] = str(err)
+        return out

@@ -1,0 +1,203 @@
+"""One HTTP generation request in flight: engine outputs → text deltas → OpenAI responses.
+
+``Generation`` turns the ``SeqOutput`` stream of a ``RequestHandle`` into ``Delta``s (text that
+may be shown, with stop strings applied), keeps usage and latency numbers, and ends sequences
+early in the engine when a stop string matches. The same deltas feed the streaming (SSE) and the
+non-streaming answers, so both give the same text.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tripod.server import ipc
+from tripod.server.engine_client import EngineDead, RequestHandle
+from tripod.server.metrics import ServerMetrics
+from tripod.server.protocol import APIError
+from tripod.server.text import SeqText, TextSide
+
+
+@dataclass(slots=True)
+class Delta:
+    index: int  # the choice index
+    text: str
+    token_ids: list[int]
+    logprobs: list[list[Any]]  # [id, logprob, [[id, logprob], ...]] per token
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Seq:
+    index: int
+    text: SeqText
+    tokens: int = 0
+    last_time: float = 0.0
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class Generation:
+    """Owns one HTTP request's sequences: their text, stop strings, usage and latency metrics."""
+
+    def __init__(
+        self,
+        handle: RequestHandle,
+        text: TextSide,
+        stops: list[str],
+        metrics: ServerMetrics,
+        arrival: float,
+    ) -> None:
+        self.handle = handle
+        self.metrics = metrics
+        self.arrival = arrival
+        n = handle.n
+        self.seqs = {
+            (p.rid, i): _Seq(pi * n + i, SeqText(text, stops))
+            for pi, p in enumerate(handle.parts)
+            for i in range(n)
+        }
+        self.usage = Usage(prompt_tokens=sum(len(p.prompt_ids) for p in handle.parts))
+        self._cached_seen: set[str] = set()
+        self.first_token_time: float | None = None
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        try:
+            async for out in self.handle:
+                d = self._apply(out)
+                if d is not None:
+                    yield d
+        except EngineDead as e:
+            raise APIError(503, f"the engine stopped while serving this request: {e}",
+                           type="server_error", code="engine_dead") from None
+
+    def _apply(self, out: ipc.SeqOutput) -> Delta | None:
+        seq = self.seqs[(out.rid, out.index)]
+        now = time.monotonic()
+        if out.finish_reason == "rejected":
+            raise APIError(400, out.error or "the engine refused the request")
+        if out.finish_reason == "error":
+            raise APIError(500, f"the engine could not serve this request: {out.error}",
+                           type="server_error", code="engine_error")
+        if out.rid not in self._cached_seen and out.token_ids:
+            self._cached_seen.add(out.rid)
+            self.usage.cached_tokens += out.cached_tokens
+            self.metrics.on_prompt(len(self._part(out.rid).prompt_ids), out.cached_tokens)
+        m = self.metrics.model_name
+        if out.token_ids:
+            if seq.tokens == 0:
+                if self.first_token_time is None:
+                    self.first_token_time = now
+                    self.metrics.ttft.labels(m).observe(now - self.arrival)
+            else:
+                self.metrics.itl.labels(m).observe(now - seq.last_time)
+            seq.last_time = now
+            seq.tokens += len(out.token_ids)
+            self.usage.completion_tokens += len(out.token_ids)
+            self.metrics.generation_tokens.labels(m).inc(len(out.token_ids))
+        final = out.finish_reason is not None
+        text = seq.text.push(out.token_ids, final=final)
+        finish = None
+        if seq.text.stopped:
+            finish = "stop"
+            if not final:
+                self.handle.stop_seq(out.rid, out.index)
+        elif final:
+            finish = out.finish_reason
+        if finish is not None:
+            seq.finish_reason = finish
+            self.metrics.request_success.labels(m, finish).inc()
+        if not text and not out.logprobs and finish is None:
+            return None
+        return Delta(seq.index, text, out.token_ids, out.logprobs, finish)
+
+    def _part(self, rid: str) -> Any:
+        return next(p for p in self.handle.parts if p.rid == rid)
+
+    def done(self) -> None:
+        self.metrics.e2e.labels(self.metrics.model_name).observe(time.monotonic() - self.arrival)
+
+
+# ---------------------------------------------------------------------- response bodies
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def chat_logprobs(text: TextSide, lps: list[list[Any]]) -> list[dict[str, Any]]:
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        s = text.piece(tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return [{**entry(tid, lp), "top_logprobs": [entry(t, v) for t, v in top]} for tid, lp, top in lps]
+
+
+class CompletionLogprobs:
+    """The legacy ``logprobs`` object of /v1/completions, built up token by token."""
+
+    def __init__(self, text: TextSide, offset: int) -> None:
+        self.text = text
+        self.offset = offset  # characters before the first token (the echoed prompt)
+
+    def body(self, lps: list[list[Any]]) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, lp, top in lps:
+            s = self.text.piece(tid)
+            tokens.append(s)
+            token_lps.append(lp)
+            tops.append({self.text.piece(t): v for t, v in top})
+            offsets.append(self.offset)
+            self.offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class Collected:
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    logprobs: dict[int, list[list[Any]]] = field(default_factory=dict)
+    finish: dict[int, str | None] = field(default_factory=dict)
+
+
+async def collect(gen: Generation, it: AsyncIterator[Delta], first: Delta | None) -> Collected:
+    """Gather the rest of ``it`` (``first`` was already taken from it) per choice."""
+    c = Collected()
+    for seq in gen.seqs.values():
+        c.texts[seq.index] = []
+        c.logprobs[seq.index] = []
+        c.finish[seq.index] = None
+
+    def add(d: Delta) -> None:
+        c.texts[d.index].append(d.text)
+        c.logprobs[d.index].extend(d.logprobs)
+        if d.finish_reason is not None:
+            c.finish[d.index] = d.finish_reason
+
+    if first is not None:
+        add(first)
+    async for d in it:
+        add(d)
+    return c

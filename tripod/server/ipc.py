@@ -1,0 +1,115 @@
+"""The messages between the HTTP process and the engine process (ZMQ, msgpack).
+
+Two PUSH/PULL pipes: server → engine carries ``AddRequest`` / ``AbortRequest`` /
+``StatsRequest`` / ``Shutdown``; engine → server carries ``Ready``, ``Outputs`` (one message per
+engine step), ``Heartbeat``, ``StatsReply`` and ``Fatal``. Every message is a dataclass; on the wire
+it is ``[tag, fields...]`` in msgpack. The engine side speaks token ids only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+
+@dataclass(slots=True)
+class AddRequest:
+    rid: str  # the group id; copies are "{rid}-{i}" inside the engine when n > 1
+    prompt_ids: list[int]
+    params: dict[str, Any]  # SamplingParams fields
+    response_format: dict[str, Any] | None = None  # structured outputs (engine decides support)
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    rid: str  # a group id (every copy) or one copy's id
+
+
+@dataclass(slots=True)
+class StatsRequest:
+    token: int  # echoed in the reply
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+@dataclass(slots=True)
+class Ready:
+    pid: int
+    model_name: str
+    dtype: str
+    quantization: str
+    architecture: str
+    context_len: int
+    max_request_len: int
+    vocab_size: int
+    max_running: int
+    kv_slots: int
+
+
+@dataclass(slots=True)
+class SeqOutput:
+    """New tokens of one sequence (copy ``index`` of request ``rid``) from one engine step."""
+
+    rid: str
+    index: int
+    token_ids: list[int]
+    # Per new token: [chosen id, its logprob, [[id, logprob], ...] best first]; empty if not asked.
+    logprobs: list[list[Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Outputs:
+    items: list[SeqOutput]
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    stats: dict[str, Any]
+
+
+@dataclass(slots=True)
+class StatsReply:
+    token: int
+    stats: dict[str, Any]
+
+
+@dataclass(slots=True)
+class Fatal:
+    message: str
+
+
+_TYPES: list[type] = [
+    AddRequest, AbortRequest, StatsRequest, Shutdown, Ready, Outputs, Heartbeat, StatsReply, Fatal,
+]
+_TAG = {cls: i for i, cls in enumerate(_TYPES)}
+
+
+def _flat(obj: Any) -> Any:
+    if isinstance(obj, SeqOutput):
+        return [obj.rid, obj.index, obj.token_ids, obj.logprobs, obj.finish_reason, obj.cached_tokens, obj.error]
+    return obj
+
+
+def encode(msg: Any) -> bytes:
+    cls = type(msg)
+    values = [_flat(getattr(msg, f.name)) for f in dataclasses.fields(msg)]
+    if cls is Outputs:
+        values = [[_flat(it) for it in msg.items]]
+    return msgpack.packb([_TAG[cls], *values], use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    tag, *values = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    cls = _TYPES[tag]
+    if cls is Outputs:
+        return Outputs([SeqOutput(*it) for it in values[0]])
+    return cls(*values)

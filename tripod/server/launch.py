@@ -1,0 +1,80 @@
+"""``tripod serve``: start the engine process, then serve HTTP until told to stop.
+
+Exit codes: 0 after a clean stop (SIGTERM/SIGINT: stop accepting, let in-flight requests finish
+up to ``drain_timeout``); 1 when the engine process died or hung (a supervisor should restart
+us); 2 when start-up failed (bad model, port in use).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from types import FrameType
+
+import uvicorn
+
+from tripod.config import EngineConfig, ServerConfig
+from tripod.loader import load_tokenizer
+from tripod.server.app import ServerState, build_app, lifespan_for
+from tripod.server.engine_client import EngineClient
+from tripod.server.metrics import ServerMetrics
+from tripod.server.text import TextSide
+
+log = logging.getLogger("tripod.server")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with draining: the first SIGTERM/SIGINT marks the server draining (new requests
+    get 503 + Retry-After) while uvicorn closes the port and waits for in-flight answers."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.tripod = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.tripod.draining:
+            log.info(
+                "%s: draining (%d sequences in flight, up to %.0f s), then exiting",
+                signal.Signals(sig).name, self.tripod.client.inflight, self.tripod.config.drain_timeout,
+            )
+            self.tripod.draining = True
+        super().handle_exit(sig, frame)
+
+
+def serve(engine_config: EngineConfig, config: ServerConfig, log_level: int = logging.INFO) -> int:
+    """Run the server until it is stopped; returns the process exit code."""
+    try:
+        tok = load_tokenizer(engine_config.model)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tripod: error: {e}", file=sys.stderr)
+        return 2
+    name = config.served_model_name or tok.name
+    client = EngineClient(engine_config, config, log_level)
+    metrics = ServerMetrics(name)
+    state = ServerState(
+        engine_config=engine_config, config=config, text=TextSide(tok.tokenizer, tok.config.vocab_size),
+        client=client, model_name=name, quantization=tok.quantization, metrics=metrics,
+    )
+    client.on_heartbeat = metrics.on_heartbeat
+    app = build_app(state, lifespan=lambda _app: lifespan_for(state))
+    uv_config = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=logging.getLevelName(log_level).lower(),
+        access_log=False, timeout_graceful_shutdown=int(config.drain_timeout) or 1,
+        lifespan="on", timeout_keep_alive=30,
+    )
+    server = _Server(uv_config, state)
+
+    def on_death(reason: str) -> None:
+        state.exit_code = 1
+        server.should_exit = True
+
+    client.on_death = on_death
+    server.run()
+    if client.info is None:  # the engine never came up (its error is in the log above)
+        return 2
+    if not server.started and state.exit_code == 0:
+        return 2  # could not bind the port
+    if state.exit_code:
+        log.error("exiting with code %d: %s", state.exit_code, client.dead_reason)
+    return state.exit_code

@@ -1,0 +1,89 @@
+"""Prometheus metrics of one server.
+
+Names follow vLLM's (``vllm:``) and SGLang's (``sglang:``) with a ``tripod:`` prefix so their
+dashboards port by a find-and-replace: ``tripod:time_to_first_token_seconds``,
+``tripod:inter_token_latency_seconds``, ``tripod:e2e_request_latency_seconds``,
+``tripod:num_requests_running`` / ``_waiting``, ``tripod:kv_cache_usage_perc``,
+``tripod:prefix_cache_hits_total`` (tokens), ``tripod:request_success_total{finished_reason}``,
+and ``tripod:http_requests_total{route,status}`` for every answer, errors included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+)
+
+
+class ServerMetrics:
+    """Owns one registry (not the global one, so several servers can live in one test process)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.http_requests = Counter(
+            "tripod:http_requests", "HTTP answers by route and status", ["route", "status"], registry=r
+        )
+        self.request_success = Counter(
+            "tripod:request_success", "finished sequences by finish reason",
+            [*labels, "finished_reason"], registry=r,
+        )
+        self.prompt_tokens = Counter("tripod:prompt_tokens", "prompt tokens served", labels, registry=r)
+        self.generation_tokens = Counter(
+            "tripod:generation_tokens", "tokens generated", labels, registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "tripod:prefix_cache_hits", "prompt tokens served from the prefix cache", labels, registry=r
+        )
+        self.prefix_cache_queries = Counter(
+            "tripod:prefix_cache_queries", "prompt tokens looked up in the prefix cache", labels, registry=r
+        )
+        self.ttft = Histogram(
+            "tripod:time_to_first_token_seconds", "time to first token", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "tripod:inter_token_latency_seconds", "time between tokens of one sequence", labels,
+            buckets=_ITL_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "tripod:e2e_request_latency_seconds", "request latency, arrival to last token", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.running = Gauge("tripod:num_requests_running", "sequences decoding", labels, registry=r)
+        self.waiting = Gauge("tripod:num_requests_waiting", "sequences queued", labels, registry=r)
+        self.kv_usage = Gauge(
+            "tripod:kv_cache_usage_perc", "KV slots in use by requests (0-1)", labels, registry=r
+        )
+        self.kv_cached = Gauge(
+            "tripod:kv_cache_cached_tokens", "KV slots held by the prefix cache", labels, registry=r
+        )
+        self.engine_alive = Gauge("tripod:engine_alive", "1 while the engine loop is alive", registry=r)
+
+    def on_heartbeat(self, s: dict[str, Any]) -> None:
+        m = self.model_name
+        self.running.labels(m).set(s["running"])
+        self.waiting.labels(m).set(s["waiting"])
+        slots = max(1, s["kv_slots"])
+        in_use = slots - s["kv_free"] - (s["kv_cached"] - s["kv_pinned"])
+        self.kv_usage.labels(m).set(max(0, in_use) / slots)
+        self.kv_cached.labels(m).set(s["kv_cached"])
+
+    def on_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.prefix_cache_queries.labels(m).inc(prompt_tokens)
+        self.prefix_cache_hits.labels(m).inc(cached_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,102 @@
+"""The server's text side: tokenization, chat templates, detokenization and stop strings.
+
+The engine speaks token ids; everything textual happens here, in the HTTP process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tripod.engine.detokenizer import IncrementalDetokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template refused the conversation (its message says why)."""
+
+
+class TextSide:
+    """Owns the tokenizer of the served model: prompts in, token text out."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._piece_cache: dict[int, str] = {}
+
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
+
+    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        import jinja2
+
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
+            raise ChatTemplateError(f"the model's chat template rejected the messages: {e}") from e
+        # NOTE: the template already wrote any BOS it wants; adding special tokens again would
+        # double it.
+        return self.encode(str(text), special=False)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def piece(self, token_id: int) -> str:
+        """One token's own text (for logprobs); may be part of a multi-byte character."""
+        s = self._piece_cache.get(token_id)
+        if s is None:
+            s = self._piece_cache[token_id] = str(self.tokenizer.decode([token_id]))
+        return s
+
+    def check_ids(self, ids: list[int], what: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{what} contains token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+
+
+class SeqText:
+    """Turns one sequence's tokens into text, honouring stop strings.
+
+    Invariant: no emitted text ever contains a stop string or the start of one that may still
+    complete: text that could begin a stop string is held back until the next token decides it.
+    """
+
+    def __init__(self, text: TextSide, stop: list[str]) -> None:
+        self.detok = IncrementalDetokenizer(text.tokenizer)
+        self.stop = stop
+        self.held = ""
+        self.stopped = False
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        """Feed new tokens; returns the text that may be shown now. Sets ``stopped`` on a match."""
+        if self.stopped:
+            return ""
+        self.held += self.detok.push(ids)
+        if final:
+            self.held += self.detok.flush()
+        if not self.stop:
+            out, self.held = self.held, ""
+            return out
+        cut = min((i for i in (self.held.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self.held = self.held[:cut], ""
+            return out
+        if final:
+            out, self.held = self.held, ""
+            return out
+        keep = _longest_stop_prefix_suffix(self.held, self.stop)
+        out = self.held[: len(self.held) - keep]
+        self.held = self.held[len(self.held) - keep :]
+        return out
+
+
+def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
