@@ -222,3 +222,15 @@ class HFReference:
 @pytest.fixture(scope="session")
 def hf_ref(hf_model: Any) -> HFReference:
     return HFReference(hf_model)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One real ``tripod serve`` (fp32, embedded model) for the end-to-end tests."""
+    from server_helpers import ServerProcess
+
+    srv = ServerProcess(tmp_path_factory.mktemp("serve"))
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -99,6 +99,8 @@ class ServerConfig:
     heartbeat_interval: float = 0.5  # engine → server
     heartbeat_timeout: float = 30.0  # no heartbeat this long: the engine is hung
     engine_start_timeout: float = 600.0
+    # After the engine dies: seconds to keep answering 503 (so health checkers see it) before exit.
+    dead_grace: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

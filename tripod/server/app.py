@@ -203,6 +203,7 @@ class _SSEResponse(StreamingResponse):
 def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     app = FastAPI(title="tripod", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tripod = state
+    app.add_middleware(GuardMiddleware, state=state)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:

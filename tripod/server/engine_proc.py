@@ -182,9 +182,10 @@ class EngineLoop:
             "retractions": s.num_retractions,
         }
         if check:
-            # The KV ownership invariant, provable only when no request holds memory.
+            # The KV ownership invariant, provable only when no request holds memory (aborted
+            # requests not yet reported hold none: abort releases at once).
             out["consistent"] = None
-            if not e.pending:
+            if not e.has_work:
                 try:
                     e.assert_consistent()
                     out["consistent"] = True

@@ -7,6 +7,7 @@ us); 2 when start-up failed (bad model, port in use).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import sys
@@ -40,6 +41,9 @@ class _Server(uvicorn.Server):
             )
             self.tripod.draining = True
         super().handle_exit(sig, frame)
+        # NOTE: uvicorn re-raises captured signals after shutdown (exit 143 for SIGTERM); a clean
+        # drain is a clean exit, so the exit code is ours to set.
+        self._captured_signals.clear()
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig, log_level: int = logging.INFO) -> int:
@@ -67,7 +71,8 @@ def serve(engine_config: EngineConfig, config: ServerConfig, log_level: int = lo
 
     def on_death(reason: str) -> None:
         state.exit_code = 1
-        server.should_exit = True
+        # NOTE: /health answers 503 during the grace period, then the port closes and we exit 1.
+        asyncio.get_running_loop().call_later(config.dead_grace, lambda: setattr(server, "should_exit", True))
 
     client.on_death = on_death
     server.run()

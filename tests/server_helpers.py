@@ -1,0 +1,98 @@
+"""Start a real ``tripod serve`` process on 127.0.0.1 for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+START_TIMEOUT = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """One ``tripod serve`` subprocess: started, waited for, stopped. Its log is kept in a file
+    and shown when start-up fails."""
+
+    def __init__(self, tmp: Path, *extra: str, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = tmp / f"serve-{self.port}.log"
+        args = [
+            sys.executable, "-m", "tripod.cli", "serve", "--port", str(self.port), "--dtype", "float32",
+            "--kv-cache-tokens", "16384", "--threads", "2", *extra,
+        ]
+        if api_key:
+            args += ["--api-key", api_key]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRIPOD_API_KEY": ""}
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._wait_ready()
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tripod serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)  # polling for start-up, not papering over a race
+        self.stop()
+        raise RuntimeError(f"tripod serve did not become healthy in {START_TIMEOUT} s:\n{self.log()}")
+
+    def engine_stats(self) -> dict[str, Any]:
+        r = httpx.get(f"{self.url}/debug/engine", headers=self.headers, timeout=30)
+        r.raise_for_status()
+        return dict(r.json())
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, Any]:
+        """The engine's accounting once nothing is in flight (the server sees the engine's
+        answers asynchronously, so poll until it settles)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.engine_stats()
+            if s["running"] == 0 and s["waiting"] == 0 and s["inflight"] == 0:
+                return s
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the engine did not go idle: {s}")
+            time.sleep(0.1)
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
