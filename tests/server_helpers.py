@@ -38,7 +38,7 @@ class ServerProcess:
         if api_key:
             args += ["--api-key", api_key]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRIPOD_API_KEY": ""}
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "w")  # closed in stop()
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
 

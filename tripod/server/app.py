@@ -296,6 +296,7 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
         params, stops = sampling_params(
             req, max_tokens=max_tokens, default_max_tokens=state.max_len, prompt_len=len(ids),
             max_len=state.max_len, max_n=state.config.max_n, logprobs=lp, vocab_size=state.text.vocab_size,
+            max_tokens_param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
         )
         rf = check_response_format(req.response_format)
         rid = new_id("chatcmpl")

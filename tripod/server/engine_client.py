@@ -160,9 +160,14 @@ class EngineClient:
         )
         self._proc.start()
         loop = asyncio.get_running_loop()
-        exited = loop.create_future()
-        loop.add_reader(self._proc.sentinel, lambda: exited.done() or exited.set_result(None))
-        recv = asyncio.ensure_future(self._pull.recv())
+        exited: asyncio.Future[Any] = loop.create_future()
+
+        def on_exit() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(self._proc.sentinel, on_exit)
+        recv: asyncio.Future[Any] = asyncio.ensure_future(self._pull.recv())
         done, _ = await asyncio.wait(
             {recv, exited}, timeout=self.server_config.engine_start_timeout,
             return_when=asyncio.FIRST_COMPLETED,

@@ -160,6 +160,7 @@ def sampling_params(
     max_n: int,
     logprobs: int | None,
     vocab_size: int,
+    max_tokens_param: str = "max_tokens",
 ) -> tuple[dict[str, Any], list[str]]:
     """Check ranges; return (``SamplingParams`` fields, stop strings)."""
 
@@ -216,13 +217,13 @@ def sampling_params(
     if max_tokens is None:
         max_tokens = min(default_max_tokens, room)
     elif max_tokens < 1:
-        raise APIError(400, f"'max_tokens' must be >= 1 (got {max_tokens})", param="max_tokens")
+        raise APIError(400, f"'{max_tokens_param}' must be >= 1 (got {max_tokens})", param=max_tokens_param)
     elif max_tokens > room:
         raise APIError(
             400,
-            f"'max_tokens' is {max_tokens} but the prompt has {prompt_len} tokens and the context "
-            f"is {max_len}, leaving room for at most {room}; lower max_tokens or shorten the prompt",
-            param="max_tokens",
+            f"'{max_tokens_param}' is {max_tokens} but the prompt has {prompt_len} tokens and the context "
+            f"is {max_len}, leaving room for at most {room}; lower {max_tokens_param} or shorten the prompt",
+            param=max_tokens_param,
             code="context_length_exceeded",
         )
     params = {

@@ -1,0 +1,144 @@
+"""Every bad input gets OpenAI's error body, a 4xx saying what to change, and the server lives on."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSG = [{"role": "user", "content": "Hi"}]
+LONG = "hello " * 9000  # ~9000 tokens, over the 8192-token context
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"messages": MSG, "max_tokens": 4, **kw}
+
+
+def comp(**kw: Any) -> dict[str, Any]:
+    return {"prompt": "Hi", "max_tokens": 4, **kw}
+
+
+# (id, route, body (dict → JSON, bytes → raw), status, param the error names (None: not checked),
+#  words the message must contain)
+CASES: list[tuple[str, str, Any, int, str | None, tuple[str, ...]]] = [
+    ("malformed-json", CHAT, b'{"messages": [', 400, None, ("not valid JSON",)),
+    ("not-utf8", CHAT, b'\xff\xfe{"a"', 400, None, ("JSON",)),
+    ("empty-body", CHAT, b"", 400, None, ("empty",)),
+    ("array-body", CHAT, b"[1, 2]", 400, None, ("object",)),
+    ("messages-missing", CHAT, {"max_tokens": 3}, 400, "messages", ("required",)),
+    ("messages-wrong-type", CHAT, {"messages": "hello"}, 400, "messages", ()),
+    ("messages-empty", CHAT, {"messages": []}, 400, "messages", ("at least one",)),
+    ("message-without-role", CHAT, {"messages": [{"content": "x"}]}, 400, "messages.0.role", ("required",)),
+    ("unknown-role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", ("wizard", "user")),
+    ("content-wrong-type", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content", ()),
+    ("image-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages.0.content", ("text",)),
+    ("temperature-negative", CHAT, chat(temperature=-1), 400, "temperature", ("[0, 2]",)),
+    ("temperature-absurd", CHAT, chat(temperature=1e9), 400, "temperature", ("[0, 2]",)),
+    ("temperature-string", CHAT, chat(temperature="hot"), 400, "temperature", ("number",)),
+    ("top-p-zero", CHAT, chat(top_p=0), 400, "top_p", ("(0, 1]",)),
+    ("top-p-above-one", CHAT, chat(top_p=1.5), 400, "top_p", ("(0, 1]",)),
+    ("top-k-below-minus-one", CHAT, chat(top_k=-2), 400, "top_k", ("-1",)),
+    ("min-p-above-one", CHAT, chat(min_p=2), 400, "min_p", ()),
+    ("presence-penalty-absurd", CHAT, chat(presence_penalty=5), 400, "presence_penalty", ()),
+    ("frequency-penalty-absurd", CHAT, chat(frequency_penalty=-3), 400, "frequency_penalty", ()),
+    ("repetition-penalty-zero", CHAT, chat(repetition_penalty=0), 400, "repetition_penalty", ()),
+    ("n-zero", CHAT, chat(n=0), 400, "n", ("between 1 and",)),
+    ("n-huge", CHAT, chat(n=100000), 400, "n", ("between 1 and",)),
+    ("n-float", CHAT, chat(n=1.5), 400, "n", ("integer",)),
+    ("max-tokens-zero", CHAT, chat(max_tokens=0), 400, "max_tokens", (">= 1",)),
+    ("max-tokens-negative", CHAT, chat(max_tokens=-5), 400, "max_tokens", (">= 1",)),
+    ("max-tokens-bool", CHAT, chat(max_tokens=True), 400, "max_tokens", ("integer",)),
+    ("max-tokens-beyond-context", CHAT, chat(max_tokens=10**6), 400, "max_tokens", ("context", "8192")),
+    ("max-completion-tokens-zero", CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens", (">= 1",)),
+    ("prompt-over-context", CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages", ("9", "8191")),
+    ("top-logprobs-too-many", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", ("20",)),
+    ("top-logprobs-negative", CHAT, chat(logprobs=True, top_logprobs=-1), 400, "top_logprobs", ()),
+    ("top-logprobs-without-logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs", ("logprobs",)),
+    ("logprobs-string", CHAT, chat(logprobs="yes"), 400, "logprobs", ("boolean",)),
+    ("stop-number", CHAT, chat(stop=5), 400, "stop", ()),
+    ("stop-empty-string", CHAT, chat(stop=[""]), 400, "stop", ("empty",)),
+    ("stop-too-many", CHAT, chat(stop=[f"s{i}" for i in range(40)]), 400, "stop", ("at most",)),
+    ("stop-token-out-of-vocab", CHAT, chat(stop_token_ids=[10**7]), 400, "stop_token_ids", ()),
+    ("stream-not-bool", CHAT, chat(stream="yes"), 400, "stream", ()),
+    ("stream-options-without-stream", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options", ()),
+    ("seed-string", CHAT, chat(seed="abc"), 400, "seed", ("integer",)),
+    ("response-format-unknown", CHAT, chat(response_format={"type": "yaml"}), 400, "response_format.type", ()),
+    ("logit-bias", CHAT, chat(logit_bias={"5": 10}), 400, "logit_bias", ("not supported",)),
+    ("unknown-model", CHAT, chat(model="gpt-17"), 404, "model", ("gpt-17",)),
+    ("comp-prompt-missing", COMP, {"max_tokens": 3}, 400, "prompt", ("required",)),
+    ("comp-prompt-empty", COMP, {"prompt": ""}, 400, "prompt", ("empty",)),
+    ("comp-prompt-empty-list", COMP, {"prompt": []}, 400, "prompt", ("empty",)),
+    ("comp-prompt-number", COMP, {"prompt": 123}, 400, "prompt", ()),
+    ("comp-token-out-of-vocab", COMP, {"prompt": [1, 10**9]}, 400, "prompt", ("vocabulary",)),
+    ("comp-token-negative", COMP, {"prompt": [1, -5]}, 400, "prompt", ("vocabulary",)),
+    ("comp-prompt-over-context", COMP, {"prompt": LONG}, 400, "prompt", ("8191",)),
+    ("comp-max-tokens-beyond-context", COMP, comp(max_tokens=9000), 400, "max_tokens", ("context",)),
+    ("comp-logprobs-too-many", COMP, comp(logprobs=50), 400, "logprobs", ("20",)),
+    ("comp-temperature-absurd", COMP, comp(temperature=500), 400, "temperature", ()),
+    ("comp-unknown-model", COMP, comp(model="nope"), 404, "model", ()),
+]
+
+
+@pytest.fixture(scope="module")
+def http(server: Any) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def _check_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) >= {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and len(err["message"]) > 10
+    return dict(err)
+
+
+@pytest.mark.parametrize(("route", "body", "status", "param", "words"),
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input(http: httpx.Client, route: str, body: Any, status: int, param: str | None,
+                   words: tuple[str, ...]) -> None:
+    if isinstance(body, bytes):
+        r = http.post(route, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = http.post(route, json=body)
+    err = _check_error(r, status)
+    if param is not None:
+        assert err["param"] == param, err
+    for w in words:
+        assert w in err["message"], err
+
+
+def test_oversized_body_is_413(http: httpx.Client) -> None:
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * (5 * 2**20)}]}).encode()
+    _check_error(http.post(CHAT, content=big, headers={"Content-Type": "application/json"}), 413)
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the server counts while reading
+        for _ in range(6):
+            yield b" " * 2**20
+
+    _check_error(http.post(CHAT, content=chunks(), headers={"Content-Type": "application/json"}), 413)
+
+
+def test_unknown_route_and_method(http: httpx.Client) -> None:
+    _check_error(http.post("/v1/nothing", json={}), 404)
+    _check_error(http.get(CHAT), 405)
+
+
+def test_server_keeps_serving_after_bad_input(http: httpx.Client, server: Any) -> None:
+    for _, route, body, *_ in CASES[:12]:
+        if isinstance(body, bytes):
+            http.post(route, content=body)
+        else:
+            http.post(route, json=body)
+    assert http.get("/health").status_code == 200
+    r = http.post(CHAT, json={"messages": MSG, "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    s = server.wait_idle()
+    assert s["consistent"] is True
