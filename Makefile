@@ -23,8 +23,18 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
 serve: install
-	$(BIN)/tripod generate
+	@echo ""
+	@echo "tripod will serve the OpenAI API at http://$(HOST):$(PORT)/v1 (ready when it logs 'Application startup complete')"
+	@echo "try:"
+	@echo "  curl http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Write a haiku about rivers\"}], \"max_tokens\": 64}'"
+	@echo "  $(BIN)/tripod chat --url http://$(HOST):$(PORT)"
+	@echo ""
+	$(BIN)/tripod serve --host $(HOST) --port $(PORT)
 
 test: install
 	$(BIN)/python -m pytest -q

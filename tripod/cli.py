@@ -279,6 +279,7 @@ def _chat_loop(backend: Any, system: str | None) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one log line per turn is noise here
     if args.url:
         return _chat_loop(_RemoteChat(args.url, args.api_key, args), args.system)
     return _chat_loop(_LocalChat(_make_engine(args), _params(args)), args.system)
