@@ -69,3 +69,27 @@ def test_interactive_chat_survives_a_history_longer_than_the_context() -> None:
 def test_log_level_is_accepted_after_the_subcommand() -> None:
     r = _tripod("generate", "--log-level", "ERROR", "--raw", "2 + 2 =", "--max-tokens", "2", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
+
+
+def test_chat_against_a_running_server(server: object) -> None:
+    url = server.url  # type: ignore[attr-defined]
+    r = _tripod(
+        "chat", "--url", url, "--max-tokens", "12", "--temperature", "0",
+        stdin="What is the capital of France?\nAnd of Italy?\n\n",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and url in r.stderr
+    assert r.stdout.count("> ") >= 2  # two turns answered, then the empty line ends the chat
+
+
+def test_chat_in_process() -> None:
+    r = _tripod("chat", "--max-tokens", "8", "--dtype", "float32", "--temperature", "0",
+                stdin="What is the capital of France?\n\n")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "in-process" in r.stderr
+
+
+def test_serve_with_a_missing_model_fails_clearly() -> None:
+    r = _tripod("serve", "--model", "/nonexistent/model.gguf", "--port", "1")
+    assert r.returncode == 2
+    assert "does not exist" in r.stderr
