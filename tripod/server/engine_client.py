@@ -4,7 +4,7 @@
 ``RequestHandle`` (one or more engine requests sharing one queue); the receiver task files every
 ``SeqOutput`` in its handle's queue. The client also keeps the admission count (sequences the
 engine holds) that backpressure is decided on, and notices a dead or hung engine at once: the
-process sentinel wakes the event loop the moment the process ends, and heartbeats older than
+process's pidfd wakes the event loop the moment the process ends, and heartbeats older than
 ``heartbeat_timeout`` mean a hung loop.
 """
 
@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import logging
-import multiprocessing
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,7 +29,6 @@ import zmq.asyncio
 
 from tripod.config import EngineConfig, ServerConfig
 from tripod.server import ipc
-from tripod.server.engine_proc import engine_main
 
 log = logging.getLogger("tripod.server")
 
@@ -101,6 +102,58 @@ class RequestHandle:
             self.client._handles.pop(p.rid, None)
 
 
+class EngineProcess:
+    """The engine's OS process: a plain child (``python -m tripod.server.engine_proc``), so the
+    server has exactly one child to supervise, and a pidfd that turns readable when it ends."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.popen = subprocess.Popen(args, stdin=subprocess.DEVNULL)
+        self._pidfd: int | None = None
+        try:
+            self._pidfd = os.pidfd_open(self.popen.pid)
+        except (AttributeError, OSError):  # not Linux >= 5.3: the watchdog polls instead
+            self._pidfd = None
+        self._watching = False
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode
+
+    def watch(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+        if self._pidfd is not None:
+            loop.add_reader(self._pidfd, callback)
+            self._watching = True
+
+    def unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._watching and self._pidfd is not None:
+            loop.remove_reader(self._pidfd)
+            self._watching = False
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            self.popen.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def kill(self) -> None:
+        if self.alive:
+            self.popen.kill()
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
 class EngineClient:
     """Owns the engine process, the ZMQ pipes to it and the routing of its outputs."""
 
@@ -119,7 +172,7 @@ class EngineClient:
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._tokens = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
-        self._proc: Any = None
+        self._proc: EngineProcess | None = None
         self._tmpdir = ""
         self._ctx: zmq.asyncio.Context | None = None
         self._push: zmq.asyncio.Socket | None = None
@@ -148,17 +201,17 @@ class EngineClient:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.bind(from_engine)
-        mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(
-            target=engine_main,
-            args=(
-                dataclasses.asdict(self.engine_config), to_engine, from_engine,
-                self.server_config.heartbeat_interval, self.log_level, os.getpid(),
-            ),
-            name="tripod-engine",
-            daemon=True,
-        )
-        self._proc.start()
+        self._proc = EngineProcess([
+            sys.executable, "-m", "tripod.server.engine_proc",
+            json.dumps({
+                "engine_config": dataclasses.asdict(self.engine_config),
+                "to_engine": to_engine,
+                "from_engine": from_engine,
+                "heartbeat_interval": self.server_config.heartbeat_interval,
+                "log_level": self.log_level,
+                "parent_pid": os.getpid(),
+            }),
+        ])
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[Any] = loop.create_future()
 
@@ -166,7 +219,7 @@ class EngineClient:
             if not exited.done():
                 exited.set_result(None)
 
-        loop.add_reader(self._proc.sentinel, on_exit)
+        self._proc.watch(loop, on_exit)
         recv: asyncio.Future[Any] = asyncio.ensure_future(self._pull.recv())
         done, _ = await asyncio.wait(
             {recv, exited}, timeout=self.server_config.engine_start_timeout,
@@ -183,10 +236,10 @@ class EngineClient:
         assert isinstance(msg, ipc.Ready), msg
         self.info = msg
         self.last_heartbeat = time.monotonic()
-        loop.remove_reader(self._proc.sentinel)
-        # NOTE: the sentinel becomes readable the moment the process ends, however it ends
-        # (crash, kill -9, OOM): that is what makes /health turn at once.
-        loop.add_reader(self._proc.sentinel, self._on_exit)
+        # NOTE: the exit watch fires the moment the process ends, however it ends (crash,
+        # kill -9, OOM): that is what makes /health turn at once.
+        self._proc.unwatch(loop)
+        self._proc.watch(loop, self._on_exit)
         self._tasks = [
             asyncio.create_task(self._receive(), name="engine-receive"),
             asyncio.create_task(self._watch(), name="engine-watchdog"),
@@ -198,16 +251,14 @@ class EngineClient:
         self._stopping = True
         proc = self._proc
         if proc is not None:
-            try:
-                asyncio.get_running_loop().remove_reader(proc.sentinel)
-            except (ValueError, OSError):
-                pass
-            if proc.is_alive():
+            loop = asyncio.get_running_loop()
+            proc.unwatch(loop)
+            if proc.alive:
                 self._send(ipc.Shutdown())
-                await asyncio.get_running_loop().run_in_executor(None, proc.join, timeout)
-                if proc.is_alive():
+                if not await loop.run_in_executor(None, proc.wait, timeout):
                     proc.kill()
-                    proc.join(5)
+                    proc.wait(5)
+            proc.close()
         for t in self._tasks:
             t.cancel()
         for s in (self._push, self._pull):
@@ -219,10 +270,11 @@ class EngineClient:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     def _on_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
-        self._proc.join(0)
+        assert self._proc is not None
+        self._proc.unwatch(asyncio.get_running_loop())
+        self._proc.wait(5)
         if not self._stopping:
-            self._die(f"the engine process exited (code {self._proc.exitcode})")
+            self._die(f"the engine process exited (code {self._proc.returncode})")
 
     def _die(self, reason: str) -> None:
         if self.dead_reason is not None:
@@ -235,7 +287,7 @@ class EngineClient:
         for fut in self._stats_waiters.values():
             if not fut.done():
                 fut.set_exception(err)
-        if self._proc is not None and self._proc.is_alive():
+        if self._proc is not None and self._proc.alive:
             self._proc.kill()
         if self.on_death is not None:
             self.on_death(reason)
@@ -244,6 +296,9 @@ class EngineClient:
         interval = self.server_config.heartbeat_interval
         while self.dead_reason is None:
             await asyncio.sleep(interval)
+            if self._proc is not None and not self._proc.alive and not self._stopping:  # where no pidfd could watch it
+                self._on_exit()
+                return
             silent = time.monotonic() - self.last_heartbeat
             if silent > self.server_config.heartbeat_timeout:
                 self._die(f"the engine loop sent no heartbeat for {silent:.0f} s (hung)")

@@ -193,3 +193,10 @@ class EngineLoop:
                     out["consistent"] = False
                     out["inconsistency"] = str(err)
         return out
+
+
+if __name__ == "__main__":
+    # Started by EngineClient as ``python -m tripod.server.engine_proc '<json spec>'``.
+    import json
+
+    engine_main(**json.loads(sys.argv[1]))
