@@ -52,3 +52,11 @@ def test_stop_string_is_never_emitted_even_partly(side: TextSide, data: Any) -> 
 def test_stop_string_not_in_text_flushes_everything(side: TextSide) -> None:
     pieces, seq = _run(side, TEXT, ["done!", "你好世界🎉"])
     assert "".join(pieces) == TEXT and not seq.stopped
+
+
+def test_piece_bytes_are_exact_for_split_characters(side: TextSide) -> None:
+    """Logprob ``bytes`` of the tokens of a text concatenate to its UTF-8, even where a token
+    holds only part of a character (its ``token`` text is then U+FFFD)."""
+    ids = side.encode(TEXT, special=False)
+    assert any("\ufffd" in side.piece(t) for t in ids)  # the emoji/CJK are split across tokens
+    assert bytes(b for t in ids for b in side.piece_bytes(t)) == TEXT.encode("utf-8")

@@ -338,17 +338,16 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
 
 def _model_card(state: ServerState) -> dict[str, Any]:
     info = state.client.info
-    return {
-        "id": state.model_name,
-        "object": "model",
-        "created": state.created,
-        "owned_by": "tripod",
-        "max_model_len": state.max_len,
+    meta = {
         "dtype": info.dtype if info else None,
         "quantization": state.quantization,
         "architecture": info.architecture if info else None,
+        "max_model_len": state.max_len,
         "device": state.engine_config.device,
     }
+    # The same facts at the top level (as vLLM puts max_model_len) and under "metadata".
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tripod",
+            **meta, "metadata": meta}
 
 
 def _check_model(state: ServerState, name: str | None) -> None:

@@ -143,8 +143,7 @@ def new_id(prefix: str) -> str:
 
 def chat_logprobs(text: TextSide, lps: list[list[Any]]) -> list[dict[str, Any]]:
     def entry(tid: int, lp: float) -> dict[str, Any]:
-        s = text.piece(tid)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"token": text.piece(tid), "logprob": lp, "bytes": text.piece_bytes(tid)}
 
     return [{**entry(tid, lp), "top_logprobs": [entry(t, v) for t, v in top]} for tid, lp, top in lps]
 

@@ -48,10 +48,36 @@ class TextSide:
             s = self._piece_cache[token_id] = str(self.tokenizer.decode([token_id]))
         return s
 
+    def piece_bytes(self, token_id: int) -> list[int]:
+        """The token's own UTF-8 bytes: exact even for a piece of a multi-byte character
+        (byte-level BPE vocabularies spell each byte as one printable character)."""
+        s = self.piece(token_id)
+        if "\ufffd" in s:
+            raw = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(raw, str) and all(ch in _BYTE_OF_CHAR for ch in raw):
+                return [_BYTE_OF_CHAR[ch] for ch in raw]
+        return list(s.encode("utf-8"))
+
     def check_ids(self, ids: list[int], what: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"{what} contains token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (the GPT-2 scheme): printable Latin-1
+    bytes stand for themselves, the others are shifted to code points from 256 up."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out = {chr(b): b for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 class SeqText:
