@@ -6,6 +6,7 @@ steps until their requests finish; the server's engine process drives the same `
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -30,6 +31,7 @@ from tripod.engine.request import (
 )
 from tripod.engine.sampler import Sampler, make_generator
 from tripod.engine.scheduler import SchedulePolicy, Scheduler
+from tripod.engine.structured import GrammarBackend, GrammarError
 from tripod.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -122,6 +124,9 @@ class Engine:
         self._reqs: dict[str, Req] = {}
         self._inboxes: dict[str, list[StepOutput]] = {}  # rid -> undelivered stream outputs
         self._rid_counter = itertools.count()
+        self._grammars: GrammarBackend | None = None
+        # Requests whose grammar is compiling off the loop: (future, copies, submitted at).
+        self._compiling: list[tuple[concurrent.futures.Future[Any], list[Req], float]] = []
         log.info(
             "tripod engine: model=%s (%s, weights %s) dtype=%s device=%s kv_slots=%d (%.0f MiB) "
             "context=%d loaded in %.1fs",
@@ -169,13 +174,65 @@ class Engine:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     # ------------------------------------------------------------------ requests
+    @property
+    def grammars(self) -> GrammarBackend:
+        """The structured-outputs backend, created on first use (XGrammar loads lazily)."""
+        if self._grammars is None:
+            self._grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+        return self._grammars
+
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> list[Req]:
-        """Queue a prompt; returns its ``params.n`` copies (ids ``{id}`` or ``{id}-{i}``)."""
+        """Queue a prompt; returns its ``params.n`` copies (ids ``{id}`` or ``{id}-{i}``).
+
+        A constrained request (``params.grammar``) waits while its grammar compiles in the
+        background; an invalid grammar finishes it as ``rejected`` with ``Req.error`` set.
+        """
         copies = self._prepare(prompt, params, request_id)
-        self._enqueue(copies)
+        spec = copies[0].params.grammar
+        if spec is None:
+            self._enqueue(copies)
+        else:
+            for r in copies:
+                self._reqs[r.rid] = r
+            self._compiling.append((self.grammars.submit(spec), copies, time.monotonic()))
         return copies
+
+    def _poll_compiles(self) -> None:
+        """Queue the requests whose grammar is ready; reject those whose grammar failed."""
+        if not self._compiling:
+            return
+        still: list[tuple[concurrent.futures.Future[Any], list[Req], float]] = []
+        for fut, copies, t0 in self._compiling:
+            if all(r.finished for r in copies):  # aborted while compiling
+                continue
+            error = None
+            if fut.done():
+                try:
+                    compiled = fut.result()
+                except GrammarError as e:
+                    error = str(e)
+                else:
+                    for r in copies:
+                        r.matcher = self.grammars.matcher(compiled)
+                    for r in copies:
+                        del self._reqs[r.rid]
+                    self._enqueue([r for r in copies if not r.finished])
+                    for r in copies:
+                        if r.finished:
+                            self._reqs[r.rid] = r  # reported by the next step
+                    continue
+            elif time.monotonic() - t0 > self.grammars.compile_timeout:
+                error = self.grammars.timeout_message(copies[0].params.grammar)
+            if error is None:
+                still.append((fut, copies, t0))
+                continue
+            for r in copies:
+                if not r.finished:
+                    r.finish_reason = FinishReason.REJECTED
+                    r.error = error
+        self._compiling = still
 
     def _prepare(
         self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
@@ -224,7 +281,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._compiling)
 
     @property
     def pending(self) -> bool:
@@ -235,6 +292,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Run one forward pass for whatever the scheduler picks; report what changed."""
+        self._poll_compiles()
         outs: list[StepOutput] = []
         # Requests aborted while queued have finished without a step; report them once.
         for r in list(self._reqs.values()):
@@ -243,10 +301,16 @@ class Engine:
                 del self._reqs[r.rid]
         items = self.scheduler.schedule()
         if not items:
+            if self._compiling and not outs:
+                # Nothing to run but grammars compiling: wait a little for one, not spin.
+                concurrent.futures.wait([f for f, _, _ in self._compiling], timeout=0.005,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
             return self._deliver(outs)
         t0 = time.perf_counter()
         logits, sampling = self.runner.forward(items)
         reqs = [it.req for it in sampling]
+        if any(r.matcher is not None for r in reqs):
+            self.grammars.apply_masks(logits, [r.matcher for r in reqs])
         result = self.sampler.sample(logits, reqs) if reqs else None
         self.stats.forward_seconds += time.perf_counter() - t0
         self.stats.steps += 1
@@ -267,6 +331,9 @@ class Engine:
                 self.stats.cached_prompt_tokens += req.cached_tokens
             tok = result.token_ids[j]
             lp = result.logprobs[j]
+            if req.matcher is not None:
+                ok = req.matcher.accept_token(tok)
+                assert ok, f"{req.rid}: the grammar refused sampled token {tok} (mask not applied?)"
             req.output_ids.append(tok)
             if lp is not None:
                 req.output_logprobs.append(lp)
@@ -294,6 +361,8 @@ class Engine:
     @staticmethod
     def _stop_reason(req: Req, tok: int) -> FinishReason | None:
         p = req.params
+        if req.matcher is not None and req.matcher.is_terminated():
+            return FinishReason.STOP  # the grammar is complete and its stop token was sampled
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_ids):
             return FinishReason.STOP
         if len(req.output_ids) >= p.max_tokens or req.seq_len >= req.max_len:
@@ -324,6 +393,12 @@ class Engine:
         rids = [r.rid for g in groups for r in g]
         if len(set(rids)) != len(rids):
             raise ValueError("duplicate request ids")
+        for g in groups:  # grammars compile here, so an invalid one raises before anything runs
+            spec = g[0].params.grammar
+            if spec is not None:
+                compiled = self.grammars.compile_now(spec)
+                for r in g:
+                    r.matcher = self.grammars.matcher(compiled)
         for g in groups:
             self._enqueue(g)
         mine = {r.rid for g in groups for r in g}

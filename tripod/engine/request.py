@@ -24,6 +24,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the caller (client went away)
     ERROR = "error"  # could not be served; ``Req.error`` says why
+    REJECTED = "rejected"  # the request itself is invalid (e.g. its grammar); ``Req.error`` says why
 
 
 @dataclass(slots=True)
@@ -49,7 +50,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     priority: int = 0  # higher is served first
-    # Opaque constraint handle for the structured-outputs layer; the engine core ignores it.
+    # A ``structured.GrammarSpec``: the output must match it (None: unconstrained).
     grammar: Any = None
 
     def __post_init__(self) -> None:
@@ -84,6 +85,11 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if not _is_int(self.priority):
             raise bad("priority", "must be an integer")
+        if self.grammar is not None:
+            from tripod.engine.structured import GrammarSpec
+
+            if not isinstance(self.grammar, GrammarSpec):
+                raise bad("grammar", "must be a GrammarSpec or None")
 
     @property
     def greedy(self) -> bool:
@@ -152,6 +158,8 @@ class Req:
     max_len: int = 0  # hard cap on len(all_ids), from the model's context
     index: int = 0  # which of the n copies
     group: str = ""  # the id the caller gave (shared by the n copies)
+    # Structured outputs: an XGrammar matcher that has accepted exactly ``output_ids``.
+    matcher: Any = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -1,0 +1,121 @@
+"""Structured outputs: grammar specs, the XGrammar compile cache, per-request matchers, masks.
+
+A request's ``SamplingParams.grammar`` is a ``GrammarSpec`` (JSON schema, any JSON, regex,
+EBNF or a list of choices). ``GrammarBackend`` compiles specs with XGrammar against the model's
+tokenizer, in a worker thread (XGrammar releases the GIL, so the engine loop keeps stepping) and
+with a cache keyed by the spec. Each request copy then owns a ``GrammarMatcher``; before sampling,
+the rows of constrained requests get their token bitmask applied to the logits in one call, and
+every sampled token is fed back to the matcher.
+
+Invariant: a constrained request's matcher has accepted exactly its ``output_ids``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+KINDS = ("json", "regex", "ebnf", "choice")
+_XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """What the output must match. ``json``: ``value`` is a JSON schema (text), or "" for any
+    JSON object; ``regex``/``ebnf``: the pattern/grammar text; ``choice``: a JSON list of strings."""
+
+    kind: str
+    value: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"grammar kind must be one of {', '.join(KINDS)} (got {self.kind!r})")
+
+
+class GrammarError(ValueError):
+    """The schema, regex or grammar cannot be compiled; the message says why."""
+
+
+class GrammarBackend:
+    """Owns the XGrammar tokenizer info, the compiler (and its cache) and the compile thread."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: frozenset[int], compile_timeout: float = 30.0) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.vocab_size = vocab_size
+        self.stop_ids = sorted(stop_ids)
+        self.compile_timeout = compile_timeout
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_ids)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=True)
+        # One thread: compiles are short (ms) and cached; a runaway one is abandoned on timeout.
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="tripod-grammar")
+        self.compiles = 0
+
+    def submit(self, spec: GrammarSpec) -> Future[Any]:
+        return self.pool.submit(self._compile, spec)
+
+    def compile_now(self, spec: GrammarSpec) -> Any:
+        """Compile (or fetch from the cache), waiting at most ``compile_timeout``."""
+        fut = self.submit(spec)
+        try:
+            return fut.result(self.compile_timeout)
+        except TimeoutError:
+            raise GrammarError(self.timeout_message(spec)) from None
+
+    def timeout_message(self, spec: GrammarSpec) -> str:
+        return (f"compiling the {spec.kind} constraint took longer than {self.compile_timeout:.0f} s; "
+                "simplify it")
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        t0 = time.perf_counter()
+        try:
+            if spec.kind == "json":
+                if not spec.value:
+                    out = self.compiler.compile_builtin_json_grammar()
+                else:
+                    out = self.compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+            elif spec.kind == "regex":
+                out = self.compiler.compile_regex(spec.value)
+            elif spec.kind == "ebnf":
+                out = self.compiler.compile_grammar(spec.value)
+            else:
+                out = self.compiler.compile_grammar(choice_ebnf(json.loads(spec.value)))
+        except (RuntimeError, ValueError, TypeError) as e:
+            what = {"json": "JSON schema", "regex": "regex", "ebnf": "grammar", "choice": "choice list"}[spec.kind]
+            msg = _XGR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
+            raise GrammarError(f"invalid {what}: {msg}") from None
+        self.compiles += 1
+        log.debug("compiled %s constraint in %.1f ms", spec.kind, (time.perf_counter() - t0) * 1e3)
+        return out
+
+    def matcher(self, compiled: Any) -> Any:
+        return self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_ids, max_rollback_tokens=64)
+
+    def apply_masks(self, logits: torch.Tensor, matchers: list[Any]) -> None:
+        """Mask ``logits`` rows in place: row i follows ``matchers[i]`` (None: unconstrained)."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        bitmask = self.xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i in rows:
+            matchers[i].fill_next_token_bitmask(bitmask, i)
+        dev = logits.device
+        self.xgr.apply_token_bitmask_inplace(
+            logits, bitmask.to(dev) if dev.type != "cpu" else bitmask, vocab_size=self.vocab_size, indices=rows
+        )
+
+
+def choice_ebnf(choices: Any) -> str:
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError("choice must be a non-empty list of non-empty strings")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
