@@ -80,8 +80,8 @@ class GrammarBackend:
         t0 = time.perf_counter()
         try:
             if spec.kind == "json":
-                if not spec.value:
-                    out = self.compiler.compile_builtin_json_grammar()
+                if not spec.value:  # any JSON object (OpenAI's json_object mode)
+                    out = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
                 else:
                     out = self.compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
             elif spec.kind == "regex":
@@ -99,7 +99,7 @@ class GrammarBackend:
         return out
 
     def matcher(self, compiled: Any) -> Any:
-        return self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_ids, max_rollback_tokens=64)
+        return self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_ids)
 
     def apply_masks(self, logits: torch.Tensor, matchers: list[Any]) -> None:
         """Mask ``logits`` rows in place: row i follows ``matchers[i]`` (None: unconstrained)."""

@@ -42,7 +42,7 @@ from tripod.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     chat_messages,
-    check_response_format,
+    grammar_spec,
     parse,
     sampling_params,
 )
@@ -298,7 +298,7 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
             max_len=state.max_len, max_n=state.config.max_n, logprobs=lp, vocab_size=state.text.vocab_size,
             max_tokens_param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
         )
-        rf = check_response_format(req.response_format)
+        rf = grammar_spec(req)
         rid = new_id("chatcmpl")
         parts = [EnginePart(rid, ids, params, rf)]
         return await _generate(state, request, "chat", req, parts, stops, arrival, rid)
@@ -321,7 +321,7 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
                            param="echo")
         prompts = _prompt_ids(state, req.prompt)
         rid = new_id("cmpl")
-        rf = check_response_format(req.response_format)
+        rf = grammar_spec(req)
         parts = []
         stops: list[str] = []
         for i, ids in enumerate(prompts):

@@ -48,7 +48,7 @@ class EnginePart:
     rid: str
     prompt_ids: list[int]
     params: dict[str, Any]
-    response_format: dict[str, Any] | None = None
+    grammar: dict[str, str] | None = None  # structured outputs: GrammarSpec fields
 
 
 class RequestHandle:
@@ -343,7 +343,7 @@ class EngineClient:
             self._handles[p.rid] = h
         self.inflight += seqs
         for p in parts:
-            self._send(ipc.AddRequest(p.rid, p.prompt_ids, p.params, p.response_format))
+            self._send(ipc.AddRequest(p.rid, p.prompt_ids, p.params, p.grammar))
         return h
 
     async def engine_stats(self, timeout: float = 10.0) -> dict[str, Any]:

@@ -129,9 +129,10 @@ class EngineLoop:
         from tripod.engine.request import SamplingParams
 
         try:
-            params = SamplingParams(**msg.params)
-            if msg.response_format is not None:
-                params.grammar = self._grammar(msg.response_format)
+            from tripod.engine.structured import GrammarSpec
+
+            grammar = GrammarSpec(**msg.grammar) if msg.grammar is not None else None
+            params = SamplingParams(**msg.params, grammar=grammar)
             self.engine.add_request(msg.prompt_ids, params, request_id=msg.rid)
         except ValueError as e:
             # The server validates first; this is the backstop so a request is never lost.
@@ -139,14 +140,6 @@ class EngineLoop:
             self.push.send(ipc.encode(ipc.Outputs([
                 ipc.SeqOutput(msg.rid, i, [], [], "rejected", 0, str(e)) for i in range(n)
             ])))
-
-    def _grammar(self, response_format: dict[str, Any]) -> Any:
-        kind = response_format.get("type")
-        if kind in (None, "text"):
-            return None
-        raise ValueError(
-            f"response_format type {kind!r} is not supported by this engine yet; use 'text'"
-        )
 
     def _send_outputs(self, outs: list[Any]) -> None:
         items = []
@@ -157,7 +150,7 @@ class EngineLoop:
                 index=r.index,
                 token_ids=o.new_token_ids,
                 logprobs=[[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in o.new_logprobs],
-                finish_reason=r.finish_reason.value if o.finished and r.finish_reason else None,
+                finish_reason=r.finish_reason.value if o.finished and r.finish_reason else None,  # "rejected": 400
                 cached_tokens=r.cached_tokens,
                 error=r.error,
             ))

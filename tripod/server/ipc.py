@@ -20,7 +20,7 @@ class AddRequest:
     rid: str  # the group id; copies are "{rid}-{i}" inside the engine when n > 1
     prompt_ids: list[int]
     params: dict[str, Any]  # SamplingParams fields
-    response_format: dict[str, Any] | None = None  # structured outputs (engine decides support)
+    grammar: dict[str, str] | None = None  # structured outputs: GrammarSpec fields
 
 
 @dataclass(slots=True)

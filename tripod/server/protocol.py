@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_STOP = 16
 MAX_STOP_LEN = 256
@@ -84,23 +84,44 @@ class _Sampling(_Strict):
     user: str | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` object (one of its fields)."""
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class _Constrained(_Sampling):
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names, accepted so its users can switch unchanged.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class ChatCompletionRequest(_Constrained):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Constrained):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -297,22 +318,65 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def check_response_format(rf: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Shape check; the engine decides what it can enforce."""
-    if rf is None:
+def grammar_spec(req: _Constrained) -> dict[str, str] | None:
+    """The request's output constraint as ``{"kind", "value"}`` (``engine.structured.GrammarSpec``),
+    from whichever of OpenAI's ``response_format``, tripod's ``regex``/``ebnf``/``choice`` or
+    vLLM's ``structured_outputs``/``guided_*`` the request used; None if unconstrained."""
+    found: list[tuple[str, str, str]] = []  # (param, kind, value)
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            found.append(("response_format", "json", ""))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                raise APIError(400, "'response_format.json_schema' must be an object with a 'schema' object "
+                               "(and optionally 'name' and 'strict')", param="response_format.json_schema")
+            found.append(("response_format", "json", json.dumps(js["schema"])))
+        elif kind != "text":
+            raise APIError(
+                400, "'response_format.type' must be 'text', 'json_object' or 'json_schema' "
+                f"(got {kind!r})", param="response_format.type",
+            )
+    so = req.structured_outputs
+    candidates: list[tuple[str, str, Any]] = [
+        ("regex", "regex", req.regex), ("ebnf", "ebnf", req.ebnf), ("choice", "choice", req.choice),
+        ("guided_json", "json", req.guided_json), ("guided_regex", "regex", req.guided_regex),
+        ("guided_choice", "choice", req.guided_choice), ("guided_grammar", "ebnf", req.guided_grammar),
+    ]
+    if so is not None:
+        candidates += [
+            ("structured_outputs.json", "json", so.json_schema), ("structured_outputs.regex", "regex", so.regex),
+            ("structured_outputs.choice", "choice", so.choice), ("structured_outputs.grammar", "ebnf", so.grammar),
+            ("structured_outputs.json_object", "json", "" if so.json_object else None),
+        ]
+    for param, kind, value in candidates:
+        if value is None:
+            continue
+        if kind == "json" and isinstance(value, str) and value:
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise APIError(400, f"'{param}' is not valid JSON: {e}", param=param) from None
+        if kind == "json" and not isinstance(value, (dict, str)):
+            raise APIError(400, f"'{param}' must be a JSON schema object", param=param)
+        if kind == "choice":
+            if not value or not all(isinstance(c, str) and c for c in value):
+                raise APIError(400, f"'{param}' must be a non-empty list of non-empty strings", param=param)
+            value = json.dumps(value, ensure_ascii=False)
+        elif kind == "json":
+            value = json.dumps(value) if isinstance(value, dict) else value
+        elif not value:
+            raise APIError(400, f"'{param}' must not be empty", param=param)
+        found.append((param, kind, value))
+    if len(found) > 1:
+        raise APIError(400, f"give one output constraint, not several ({', '.join(p for p, _, _ in found)})",
+                       param=found[1][0])
+    if not found:
         return None
-    kind = rf.get("type")
-    if kind not in ("text", "json_object", "json_schema"):
-        raise APIError(
-            400, f"'response_format.type' must be 'text', 'json_object' or 'json_schema' (got {kind!r})",
-            param="response_format.type",
-        )
-    if kind == "text":
-        return None
-    if kind == "json_schema" and not isinstance(rf.get("json_schema"), dict):
-        raise APIError(400, "'response_format.json_schema' must be an object with a 'schema'",
-                       param="response_format.json_schema")
-    return rf
+    _, kind, value = found[0]
+    return {"kind": kind, "value": value}
 
 
 FinishReasonT = Literal["stop", "length"]
