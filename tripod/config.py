@@ -33,6 +33,9 @@ class EngineConfig:
     decode_mirror: bool = True  # dense copy of decoding requests' KV (see engine/decode_mirror.py)
     seed: int = 0  # for sampled requests without a seed
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
+    # Structured outputs: verify grammar-forced text in one forward pass (lossless; see engine).
+    jump_forward: bool = True
+    max_jump_forward: int = 32  # draft tokens per verification
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES, *_ALIASES):

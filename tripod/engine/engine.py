@@ -57,6 +57,8 @@ class EngineStats:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     forward_seconds: float = 0.0
+    jump_forward_proposed: int = 0  # grammar-forced draft tokens sent for verification
+    jump_forward_accepted: int = 0  # of those, tokens the model itself chose (= passes saved)
 
 
 class Engine:
@@ -300,6 +302,7 @@ class Engine:
                 outs.append(StepOutput(r, [], [], True))
                 del self._reqs[r.rid]
         items = self.scheduler.schedule()
+        verifying = self._attach_drafts(items)
         if not items:
             if self._compiling and not outs:
                 # Nothing to run but grammars compiling: wait a little for one, not spin.
@@ -308,6 +311,17 @@ class Engine:
             return self._deliver(outs)
         t0 = time.perf_counter()
         logits, sampling = self.runner.forward(items)
+        if verifying:
+            for it in verifying:  # the drafts were in all_ids for the forward only
+                del it.req.output_ids[len(it.req.output_ids) - len(it.req.draft) :]
+            rows, off = [], 0
+            for it in sampling:
+                rows.append(off)
+                off += it.length if it.verify else 1
+            verify_rows = {id(it.req): rows[j] for j, it in enumerate(sampling) if it.verify}
+            keep = [rows[j] for j, it in enumerate(sampling) if not it.verify]
+            all_logits, logits = logits, logits[keep]
+            sampling = [it for it in sampling if not it.verify]
         reqs = [it.req for it in sampling]
         if any(r.matcher is not None for r in reqs):
             self.grammars.apply_masks(logits, [r.matcher for r in reqs])
@@ -319,6 +333,10 @@ class Engine:
         sampled_at = {id(it.req): j for j, it in enumerate(sampling)}
         for it in items:
             req = it.req
+            if it.verify:
+                r0 = verify_rows[id(req)]
+                outs.append(self._verify(it, all_logits[r0 : r0 + it.length]))
+                continue
             req.computed += it.length
             j = sampled_at.get(id(req))
             if j is None:
@@ -343,10 +361,92 @@ class Engine:
                 self.scheduler.finish(req, reason)
                 req.finish_time = time.monotonic()
             outs.append(StepOutput(req, [tok], [lp] if lp is not None else [], req.finished))
+            self._propose(req)
         for o in outs:
             if o.finished:
                 self._reqs.pop(o.req.rid, None)
         return self._deliver(outs)
+
+    # ------------------------------------------------------------------ jump-forward
+    # When the grammar forces a continuation (a key name, punctuation), its tokens are proposed
+    # as a draft and verified in the request's next forward pass: [last token, d1..dk] in one
+    # go, logits at every position. Position j is then sampled exactly as plain decoding would
+    # (same mask, penalties, seed stream); while the sampled token equals d(j+1), its KV is
+    # already computed and decoding moves on, else the sampled token ends the step. For a
+    # deterministic draft this is the speculative acceptance rule (accept d with probability
+    # p(d), else sample the residual), so outputs are those of plain constrained decoding, in
+    # fewer forward passes.
+    def _propose(self, req: Req) -> None:
+        req.draft = []
+        if req.finished or req.matcher is None or not self.config.jump_forward:
+            return
+        forced = req.matcher.find_jump_forward_string()
+        if not forced:
+            return
+        room = min(req.params.max_tokens - len(req.output_ids), req.max_len - req.seq_len) - 1
+        k = min(room, self.config.max_jump_forward)
+        if k > 0:
+            req.draft = list(self.tokenizer.encode(forced, add_special_tokens=False))[:k]
+
+    def _attach_drafts(self, items: list[Any]) -> list[Any]:
+        """Turn decode items of requests with a draft into verification items."""
+        out = []
+        for it in items:
+            req = it.req
+            if not req.draft or it.length != 1 or it.start != req.seq_len - 1:
+                continue
+            slots = self.pool.allocator.alloc(len(req.draft))
+            if slots is None:  # no spare KV: decode plainly this step
+                req.draft = []
+                continue
+            req.slots.extend(slots)
+            req.output_ids.extend(req.draft)
+            it.length = 1 + len(req.draft)
+            it.verify = True
+            self.stats.jump_forward_proposed += len(req.draft)
+            out.append(it)
+        return out
+
+    def _verify(self, it: Any, logits: torch.Tensor) -> StepOutput:
+        req = it.req
+        draft, req.draft = req.draft, []
+        start = req.seq_len  # index of the first token this step decides
+        new: list[int] = []
+        new_lps: list[TokenLogprob] = []
+        reason = None
+        for j in range(len(draft) + 1):
+            row = logits[j : j + 1]
+            if req.matcher is not None:
+                self.grammars.apply_masks(row, [req.matcher])
+            res = self.sampler.sample(row, [req])
+            tok, lp = res.token_ids[0], res.logprobs[0]
+            if req.matcher is not None:
+                ok = req.matcher.accept_token(tok)
+                assert ok, f"{req.rid}: the grammar refused sampled token {tok}"
+            if not req.output_ids and req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            req.output_ids.append(tok)
+            new.append(tok)
+            if lp is not None:
+                req.output_logprobs.append(lp)
+                new_lps.append(lp)
+            self.stats.generated_tokens += 1
+            reason = self._stop_reason(req, tok)
+            if reason is not None or j == len(draft) or tok != draft[j]:
+                break
+            self.stats.jump_forward_accepted += 1
+        # Tokens [0, start + len(new) - 1) have valid KV; the last new token has none yet
+        # (exactly the state plain decoding leaves). Unused draft slots go back.
+        req.computed = start + len(new) - 1
+        extra = req.slots[req.computed :]
+        del req.slots[req.computed :]
+        self.pool.allocator.free(extra)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            req.finish_time = time.monotonic()
+        else:
+            self._propose(req)
+        return StepOutput(req, new, new_lps, req.finished)
 
     def _deliver(self, outs: list[StepOutput]) -> list[StepOutput]:
         """File each output in its stream's inbox (if one is listening); free idle memory."""

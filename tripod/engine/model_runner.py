@@ -35,8 +35,8 @@ class ModelRunner:
     def build_batch(self, items: list[ScheduledItem]) -> tuple[ForwardBatch, list[ScheduledItem]]:
         """Lay out ``items`` (decodes first). Returns the batch and the items in the order of
         the logits rows (those that sample)."""
-        singles = [it for it in items if it.length == 1]
-        chunks = [it for it in items if it.length > 1]
+        singles = [it for it in items if it.length == 1 and not it.verify]
+        chunks = [it for it in items if it.length > 1 or it.verify]
         ids: list[int] = []
         pos: list[int] = []
         out_slots: list[int] = []
@@ -90,7 +90,10 @@ class ModelRunner:
                 q_pos = torch.arange(s, s + n, device=self.device).unsqueeze(1)
                 k_pos = torch.arange(s + n, device=self.device).unsqueeze(0)
                 segs.append(PrefillSegment(first, n, s, kv, k_pos <= q_pos))
-            if it.samples:
+            if it.verify:  # jump-forward: every position predicts the next token
+                logits_at.extend(range(first, first + n))
+                sampling.append(it)
+            elif it.samples:
                 logits_at.append(len(ids) - 1)
                 sampling.append(it)
 
@@ -108,7 +111,8 @@ class ModelRunner:
         return batch, sampling
 
     def forward(self, items: list[ScheduledItem]) -> tuple[torch.Tensor, list[ScheduledItem]]:
-        """Run one step. Returns float32 logits ``[len(sampling), V]`` and the sampling items."""
+        """Run one step. Returns float32 logits (one row per sampling item, ``length`` rows for a
+        ``verify`` item) and the sampling items in row order."""
         batch, sampling = self.build_batch(items)
         logits = self.model(batch, self.pool)
         return logits, sampling

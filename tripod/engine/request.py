@@ -160,6 +160,8 @@ class Req:
     group: str = ""  # the id the caller gave (shared by the n copies)
     # Structured outputs: an XGrammar matcher that has accepted exactly ``output_ids``.
     matcher: Any = None
+    # Jump-forward: grammar-forced tokens to verify in the next forward pass.
+    draft: list[int] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:

@@ -27,6 +27,9 @@ class ScheduledItem:
     req: Req
     start: int  # position of the first token to compute (== req.computed)
     length: int  # tokens computed this step
+    # Jump-forward verification: the item is the last sampled token plus draft tokens
+    # (temporarily appended to the request), and every position gets logits.
+    verify: bool = False
 
     @property
     def samples(self) -> bool:
