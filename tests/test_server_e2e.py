@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from typing import Any
 
 import httpx
@@ -326,3 +327,57 @@ def test_response_format_json_object(client: openai.OpenAI, model: str) -> None:
     )
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+          "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_json_schema_streamed_with_n_seed_logprobs(client: openai.OpenAI, model: str, server: Any) -> None:
+    import jsonschema
+
+    kw: dict[str, Any] = {
+        "model": model, "max_tokens": 100, "temperature": 0.9, "seed": 3, "n": 2, "logprobs": True,
+        "messages": [{"role": "user", "content": "Invent a person and give their name and age as JSON."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+    }
+    texts, finish, usage = _stream_chat(client, **kw)
+    full = client.chat.completions.create(**kw)
+    assert texts == {c.index: c.message.content for c in full.choices}  # seeded: same either way
+    for i in (0, 1):
+        assert finish[i] == "stop"
+        jsonschema.validate(json.loads(texts[i]), PERSON)
+    assert usage is not None and full.usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+    # Jump-forward did part of it, and /metrics says so (the engine reports with its heartbeat).
+    def accepted() -> float:
+        m = re.search(r"tripod:jump_forward_accepted_tokens_total\{[^}]*\} ([0-9.e+]+)", httpx.get(f"{server.url}/metrics").text)
+        return float(m.group(1)) if m else 0.0
+
+    deadline = time.monotonic() + 10
+    while accepted() == 0:
+        assert time.monotonic() < deadline, "no jump-forward tokens in /metrics"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("body", [
+    {"regex": r"\d{3}-\d{4}"},
+    {"structured_outputs": {"regex": r"\d{3}-\d{4}"}},
+    {"guided_regex": r"\d{3}-\d{4}"},
+], ids=["tripod-regex", "vllm-structured-outputs", "vllm-guided"])
+def test_regex_extensions(client: openai.OpenAI, model: str, body: dict[str, Any]) -> None:
+    r = client.completions.create(model=model, prompt="My phone number is", max_tokens=20, extra_body=body)
+    assert re.fullmatch(r"\d{3}-\d{4}", r.choices[0].text), r.choices[0].text
+
+
+def test_choice_and_ebnf_extensions(client: openai.OpenAI, model: str) -> None:
+    choices = ["positive", "negative", "neutral"]
+    r = client.chat.completions.create(model=model, max_tokens=10, n=3, temperature=1.0,
+                                       messages=[{"role": "user", "content": "Sentiment of: I love it!"}],
+                                       extra_body={"choice": choices})
+    assert all(c.message.content in choices for c in r.choices)
+    r = client.chat.completions.create(model=model, max_tokens=30, temperature=0,
+                                       messages=[{"role": "user", "content": "Say hi."}],
+                                       extra_body={"structured_outputs": {"grammar": 'root ::= "hi" ("!" | ".")'}})
+    assert r.choices[0].message.content in ("hi!", "hi.")

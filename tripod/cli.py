@@ -29,6 +29,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default="lpm", choices=["lpm", "fcfs"], help="waiting-queue order")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    g.add_argument("--no-jump-forward", action="store_true",
+                   help="structured outputs: decode grammar-forced text token by token (outputs are identical either way)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -103,6 +105,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         policy=args.policy,
         enable_prefix_cache=not args.no_prefix_cache,
         num_threads=args.threads,
+        jump_forward=not args.no_jump_forward,
     )
 
 

@@ -173,6 +173,8 @@ class EngineLoop:
             "prompt_tokens": e.stats.prompt_tokens,
             "steps": e.stats.steps,
             "retractions": s.num_retractions,
+            "jump_forward_proposed": e.stats.jump_forward_proposed,
+            "jump_forward_accepted": e.stats.jump_forward_accepted,
         }
         if check:
             # The KV ownership invariant, provable only when no request holds memory (aborted

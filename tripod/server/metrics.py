@@ -69,6 +69,17 @@ class ServerMetrics:
             "tripod:kv_cache_cached_tokens", "KV slots held by the prefix cache", labels, registry=r
         )
         self.engine_alive = Gauge("tripod:engine_alive", "1 while the engine loop is alive", registry=r)
+        self.jf_accepted = Counter(
+            "tripod:jump_forward_accepted_tokens", "grammar-forced tokens accepted by jump-forward", labels, registry=r
+        )
+        self.jf_proposed = Counter(
+            "tripod:jump_forward_proposed_tokens", "grammar-forced tokens proposed for verification", labels,
+            registry=r,
+        )
+        self.passes_saved = Counter(
+            "tripod:forward_passes_saved", "decode forward passes saved (jump-forward)", labels, registry=r
+        )
+        self._engine_counts: dict[str, int] = {}
 
     def on_heartbeat(self, s: dict[str, Any]) -> None:
         m = self.model_name
@@ -78,6 +89,14 @@ class ServerMetrics:
         in_use = slots - s["kv_free"] - (s["kv_cached"] - s["kv_pinned"])
         self.kv_usage.labels(m).set(max(0, in_use) / slots)
         self.kv_cached.labels(m).set(s["kv_cached"])
+        # The engine's counters are cumulative; add what is new since the last heartbeat.
+        for key, counters in (("jump_forward_accepted", (self.jf_accepted, self.passes_saved)),
+                              ("jump_forward_proposed", (self.jf_proposed,))):
+            new = s.get(key, 0) - self._engine_counts.get(key, 0)
+            if new > 0:
+                for c in counters:
+                    c.labels(m).inc(new)
+            self._engine_counts[key] = s.get(key, 0)
 
     def on_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
         m = self.model_name
