@@ -36,7 +36,8 @@ class ModelRunner:
         """Lay out ``items`` (decodes first). Returns the batch and the items in the order of
         the logits rows (those that sample)."""
         singles = [it for it in items if it.length == 1 and not it.verify]
-        chunks = [it for it in items if it.length > 1 or it.verify]
+        verify_items = [it for it in items if it.verify]
+        chunks = [it for it in items if it.length > 1 and not it.verify]
         ids: list[int] = []
         pos: list[int] = []
         out_slots: list[int] = []
@@ -74,6 +75,21 @@ class ModelRunner:
             lens_t = torch.tensor(lens, device=self.device).unsqueeze(1)
             mask = (torch.arange(width, device=self.device).unsqueeze(0) < lens_t)[:, None, None, :]
 
+        # Jump-forward: [last token, drafts...], every position with logits (each predicts the
+        # next token), attending position by position like plain decoding.
+        verifies = []
+        for it in verify_items:
+            r = it.req
+            first = len(ids)
+            for p in range(it.start, it.start + it.length):
+                ids.append(r.all_ids[p])
+                pos.append(p)
+                out_slots.append(r.slots[p])
+                logits_at.append(len(ids) - 1)
+            sampling.append(it)
+            kv = torch.tensor(r.slots[: it.start + it.length], dtype=torch.long, device=self.device)
+            verifies.append((first, it.start, it.length, kv))
+
         segs: list[PrefillSegment] = []
         for it in chunks:
             r = it.req
@@ -90,10 +106,7 @@ class ModelRunner:
                 q_pos = torch.arange(s, s + n, device=self.device).unsqueeze(1)
                 k_pos = torch.arange(s + n, device=self.device).unsqueeze(0)
                 segs.append(PrefillSegment(first, n, s, kv, k_pos <= q_pos))
-            if it.verify:  # jump-forward: every position predicts the next token
-                logits_at.extend(range(first, first + n))
-                sampling.append(it)
-            elif it.samples:
+            if it.samples:
                 logits_at.append(len(ids) - 1)
                 sampling.append(it)
 
@@ -107,6 +120,7 @@ class ModelRunner:
             decode_mirror=mirror_buf,
             prefills=segs,
             logits_idx=torch.tensor(logits_at, dtype=torch.long, device=self.device),
+            verifies=verifies,
         )
         return batch, sampling
 

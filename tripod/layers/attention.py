@@ -39,6 +39,11 @@ class ForwardBatch:
     # decodes read it instead of gathering decode_kv_idx from the pool.
     decode_mirror: torch.Tensor | None = None
     logits_idx: torch.Tensor | None = None  # [S] flat positions whose logits are wanted
+    # Jump-forward verification, right after the decodes: (flat start, first position, rows,
+    # KV slots [first position + rows]). Each row is one query position attending exactly like
+    # a lone decode at that position (same width, same kernel), so its numerics are those of
+    # plain decoding: SDPA's result depends on how far the keys are padded.
+    verifies: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
 
 
 def paged_attention(
@@ -75,6 +80,16 @@ def paged_attention(
             q[:nd].unsqueeze(2), kc, vc, attn_mask=batch.decode_mask, scale=scale, enable_gqa=True
         )
         out[:nd] = o.squeeze(2)
+    for s0, p0, n, kv in batch.verifies:
+        kc, vc = pool.gather(layer, kv)  # [p0 + n, KVH, D] each
+        kc, vc = kc.unsqueeze(0).transpose(1, 2), vc.unsqueeze(0).transpose(1, 2)
+        for j in range(n):
+            w = p0 + j + 1
+            o = F.scaled_dot_product_attention(
+                q[s0 + j : s0 + j + 1].unsqueeze(2), kc[:, :, :w], vc[:, :, :w],
+                attn_mask=_all_true(w, q.device), scale=scale, enable_gqa=True,
+            )
+            out[s0 + j] = o[0, :, 0]
     for seg in batch.prefills:
         s, n = seg.start, seg.length
         qs = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -91,3 +106,8 @@ def paged_attention(
             )
         out[s : s + n] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _all_true(width: int, device: torch.device) -> torch.Tensor:
+    # A lone decode passes an all-True mask; pass one too, so SDPA takes the same path.
+    return torch.ones(1, 1, 1, width, dtype=torch.bool, device=device)
