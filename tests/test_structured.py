@@ -144,3 +144,33 @@ def test_invalid_constraints_are_clear_errors(engine: Any, kind: str, value: str
     # The streaming (background-compile) path reports the same as a rejected request.
     deltas = list(engine.stream(prompt, SamplingParams(grammar=GrammarSpec(kind, value))))
     assert deltas[-1].finish_reason == "rejected" and words in (deltas[-1].error or "")
+
+
+def test_compile_timeout_rejects_and_others_still_compile(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar whose compile never ends is rejected after the timeout; requests queued behind
+    it on the compile thread still get compiled and served, and free requests keep decoding."""
+    import threading
+
+    backend = engine.grammars
+    release = threading.Event()
+    real = backend._compile
+
+    def compile_or_hang(spec: GrammarSpec) -> Any:
+        if spec.value == "HANG":
+            release.wait(60)  # a stand-in for a pathological grammar
+        return real(spec)
+
+    monkeypatch.setattr(backend, "_compile", compile_or_hang)
+    monkeypatch.setattr(backend, "compile_timeout", 0.5)
+    prompt = engine.encode("The answer is")
+    try:
+        hang = engine.add_request(prompt, SamplingParams(grammar=GrammarSpec("regex", "HANG")))[0]
+        ok = engine.add_request(prompt, SamplingParams(max_tokens=8, grammar=GrammarSpec("regex", "(yes|no)")))[0]
+        free = engine.add_request(prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+        while engine.pending:
+            engine.step()
+    finally:
+        release.set()
+    assert hang.finish_reason == "rejected" and "longer than" in (hang.error or "")
+    assert ok.finish_reason == "stop" and engine.decode(ok.output_ids) in ("yes", "no")
+    assert free.finish_reason == "length" and len(free.output_ids) == 30

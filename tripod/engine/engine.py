@@ -206,10 +206,18 @@ class Engine:
         if not self._compiling:
             return
         still: list[tuple[concurrent.futures.Future[Any], list[Req], float]] = []
+        overran = False
         for fut, copies, t0 in self._compiling:
             if all(r.finished for r in copies):  # aborted while compiling
+                self.grammars.forget(fut)
                 continue
+            spec = copies[0].params.grammar
             error = None
+            if fut.done():
+                self.grammars.forget(fut)
+            if fut.cancelled():  # its thread was abandoned (another compile overran): again
+                still.append((self.grammars.submit(spec), copies, t0))
+                continue
             if fut.done():
                 try:
                     compiled = fut.result()
@@ -218,15 +226,16 @@ class Engine:
                 else:
                     for r in copies:
                         r.matcher = self.grammars.matcher(compiled)
-                    for r in copies:
                         del self._reqs[r.rid]
                     self._enqueue([r for r in copies if not r.finished])
                     for r in copies:
                         if r.finished:
                             self._reqs[r.rid] = r  # reported by the next step
                     continue
-            elif time.monotonic() - t0 > self.grammars.compile_timeout:
-                error = self.grammars.timeout_message(copies[0].params.grammar)
+            elif self.grammars.overran(fut):
+                error = self.grammars.timeout_message(spec)
+                self.grammars.forget(fut)
+                overran = True
             if error is None:
                 still.append((fut, copies, t0))
                 continue
@@ -234,6 +243,10 @@ class Engine:
                 if not r.finished:
                     r.finish_reason = FinishReason.REJECTED
                     r.error = error
+        if overran:
+            # The others are queued behind the stuck compile on its thread: move them.
+            self.grammars.abandon()
+            still = [(f if f.done() else self.grammars.submit(c[0].params.grammar), c, t) for f, c, t in still]
         self._compiling = still
 
     def _prepare(

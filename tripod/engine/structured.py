@@ -61,9 +61,26 @@ class GrammarBackend:
         # One thread: compiles are short (ms) and cached; a runaway one is abandoned on timeout.
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="tripod-grammar")
         self.compiles = 0
+        self._started: dict[Future[Any], list[float]] = {}
 
     def submit(self, spec: GrammarSpec) -> Future[Any]:
-        return self.pool.submit(self._compile, spec)
+        started: list[float] = []
+        fut = self.pool.submit(self._timed_compile, spec, started)
+        self._started[fut] = started
+        return fut
+
+    def _timed_compile(self, spec: GrammarSpec, started: list[float]) -> Any:
+        started.append(time.monotonic())
+        return self._compile(spec)
+
+    def overran(self, fut: Future[Any]) -> bool:
+        """Whether ``fut``'s compile has been running longer than the timeout (time spent
+        queued behind other compiles does not count)."""
+        started = self._started.get(fut) or []
+        return bool(started) and not fut.done() and time.monotonic() - started[0] > self.compile_timeout
+
+    def forget(self, fut: Future[Any]) -> None:
+        self._started.pop(fut, None)
 
     def compile_now(self, spec: GrammarSpec) -> Any:
         """Compile (or fetch from the cache), waiting at most ``compile_timeout``."""
@@ -71,7 +88,15 @@ class GrammarBackend:
         try:
             return fut.result(self.compile_timeout)
         except TimeoutError:
+            self.abandon()
             raise GrammarError(self.timeout_message(spec)) from None
+
+    def abandon(self) -> None:
+        """A compile overran its timeout: leave its thread behind and compile the next ones on a
+        fresh thread, so one pathological grammar cannot block everybody's."""
+        log.warning("a grammar compile overran %.0f s; continuing on a fresh compile thread", self.compile_timeout)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="tripod-grammar")
 
     def timeout_message(self, spec: GrammarSpec) -> str:
         return (f"compiling the {spec.kind} constraint took longer than {self.compile_timeout:.0f} s; "
