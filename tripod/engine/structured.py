@@ -90,6 +90,8 @@ class GrammarBackend:
         except TimeoutError:
             self.abandon()
             raise GrammarError(self.timeout_message(spec)) from None
+        finally:
+            self.forget(fut)
 
     def abandon(self) -> None:
         """A compile overran its timeout: leave its thread behind and compile the next ones on a
