@@ -87,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
     _engine_args(chat)
     _sampling_args(chat)
+
+    bench = sub.add_parser("bench", help="benchmark servers: throughput vs interactivity (see --help)",
+                           description="Measure tripod and any OpenAI-compatible server side by side. "
+                           "'tripod bench compare DIR...' overlays earlier runs.")
+    bench.add_argument("action", nargs="?", default="run", choices=["run", "compare"])
+    bench.add_argument("dirs", nargs="*", help="compare: result folders to overlay")
+    bench.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
+    from tripod.bench.main import add_arguments
+
+    add_arguments(bench)
     return parser
 
 
@@ -288,6 +298,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return _chat_loop(_LocalChat(_make_engine(args), _params(args)), args.system)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tripod.bench import main as bench
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.action == "compare":
+        if not args.dirs:
+            raise ValueError("tripod bench compare needs result folders: tripod bench compare DIR1 DIR2 ...")
+        return bench.compare(args.dirs, args.out)
+    if args.dirs:
+        raise ValueError(f"unexpected arguments {args.dirs}; did you mean 'tripod bench compare'?")
+    return bench.run(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from tripod.config import ServerConfig
     from tripod.server.launch import serve
@@ -314,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    commands = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat}
+    commands = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat, "bench": cmd_bench}
     if args.command in commands:
         try:
             return commands[args.command](args)

@@ -1,0 +1,1 @@
+"""`tripod bench`: throughput-vs-interactivity benchmarks of OpenAI-compatible servers."""

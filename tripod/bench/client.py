@@ -1,0 +1,89 @@
+"""Send one benchmark request to an OpenAI-compatible server, streamed, and time it."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from tripod.bench.datasets import BenchRequest
+from tripod.bench.metrics import RequestResult
+
+
+@dataclass(slots=True)
+class Target:
+    """A server under test."""
+
+    base_url: str
+    label: str
+    model: str | None = None
+    api_key: str | None = None
+    ignore_eos: bool = True  # send ``ignore_eos`` (tripod, vLLM and llama.cpp honour it)
+
+
+async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest, timeout: float) -> RequestResult:
+    body: dict[str, Any] = {"max_tokens": req.max_tokens, "stream": True, "temperature": 0.0,
+                            "stream_options": {"include_usage": True}, **req.extra}
+    if target.model:
+        body["model"] = target.model
+    if target.ignore_eos and "response_format" not in req.extra:
+        body["ignore_eos"] = True
+    if req.messages is not None:
+        path, body["messages"] = "/v1/chat/completions", req.messages
+    else:
+        path, body["prompt"] = "/v1/completions", req.prompt
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    res = RequestResult(start=time.perf_counter(), session=req.session)
+    last = None
+    chunks = 0
+    try:
+        async with client.stream("POST", target.base_url.rstrip("/") + path, json=body, headers=headers,
+                                 timeout=timeout) as r:
+            if r.status_code != 200:
+                await r.aread()
+                res.error = f"http_{r.status_code}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = "stream_error"
+                    return res
+                now = time.perf_counter()
+                for ch in obj.get("choices") or []:
+                    piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+                    if piece:
+                        chunks += 1
+                        if res.ttft is None:
+                            res.ttft = now - res.start
+                        elif last is not None:
+                            res.itl.append(now - last)
+                        last = now
+                usage = obj.get("usage")
+                if usage:
+                    res.output_tokens = int(usage.get("completion_tokens") or 0)
+                    res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens = int(details.get("cached_tokens") or 0)
+    except httpx.TimeoutException:
+        res.error = "timeout"
+        return res
+    except httpx.HTTPError:
+        res.error = "connection"
+        return res
+    except json.JSONDecodeError:
+        res.error = "bad_stream"
+        return res
+    res.e2e = (last or time.perf_counter()) - res.start
+    if res.output_tokens == 0:
+        res.output_tokens = chunks  # a server that does not report usage: one token per chunk
+    if res.ttft is None:
+        res.error = "no_output"
+    return res

@@ -1,0 +1,256 @@
+"""``tripod bench``: measure one or more OpenAI-compatible servers side by side.
+
+    tripod bench --base-url http://127.0.0.1:8000 --concurrency 1,2,4,8 --out bench-out
+    tripod bench --launch --base-url http://127.0.0.1:8080,label=llama.cpp --dataset shared-prefix
+    tripod bench --base-url URL --request-rate 4 --burstiness 0.5 --num-prompts 200
+    tripod bench compare DIR1 DIR2 --out compare-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tripod.bench.client import Target
+from tripod.bench.datasets import DATASETS, make_requests
+from tripod.bench.metrics import RequestResult, summarize
+from tripod.bench.report import write_all
+
+log = logging.getLogger("tripod.bench")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", action="append", default=[], metavar="URL[,label=L][,model=M]",
+                   help="a server to measure (repeatable)")
+    p.add_argument("--launch", action="store_true", help="also start tripod serve for the run (label 'tripod')")
+    p.add_argument("--launch-args", default="", help="extra arguments for the launched tripod serve")
+    p.add_argument("--api-key", default=os.environ.get("TRIPOD_API_KEY"))
+    p.add_argument("--dataset", default="random", choices=DATASETS)
+    p.add_argument("--isl", type=int, default=256, help="input length in tokens (random/structured; suffix for shared-prefix)")
+    p.add_argument("--osl", type=int, default=128, help="output length in tokens")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [x(1-r), x(1+r)]")
+    p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: system prompt tokens")
+    p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: distinct system prompts")
+    p.add_argument("--turns", type=int, default=4, help="agentic: turns per session")
+    p.add_argument("--think-time", type=float, default=0.0, help="agentic: mean seconds between turns")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="closed loop: comma-separated levels")
+    p.add_argument("--prompts-per-concurrency", type=int, default=10, help="closed loop: K x concurrency requests per level")
+    p.add_argument("--request-rate", type=float, default=None, help="open loop: requests per second (Poisson)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="open loop: gamma shape of arrivals (1 = Poisson)")
+    p.add_argument("--num-prompts", type=int, default=100, help="open loop: requests to send")
+    p.add_argument("--max-concurrency", type=int, default=None, help="open loop: cap on requests in flight")
+    p.add_argument("--warmup", type=int, default=2, help="requests per level before measuring (not counted)")
+    p.add_argument("--max-duration", type=float, default=600.0, help="seconds at most per level")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds at most per request")
+    p.add_argument("--slo", default=None, help="goodput SLOs, e.g. ttft=2000,tpot=100 (milliseconds)")
+    p.add_argument("--machines", type=int, default=1, help="divide throughput by this for the per-machine axis")
+    p.add_argument("--tokenizer", default=None, help="model whose tokenizer sets lengths (default: the embedded model)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-out", help="output folder")
+
+
+def parse_target(spec: str, api_key: str | None) -> Target:
+    url, *opts = spec.split(",")
+    kv = dict(o.split("=", 1) for o in opts if "=" in o)
+    unknown = set(kv) - {"label", "model"}
+    if unknown or any("=" not in o for o in opts):
+        raise ValueError(f"--base-url {spec!r}: options are label=... and model=...")
+    return Target(url.rstrip("/"), kv.get("label") or url, kv.get("model"), api_key)
+
+
+def parse_slo(spec: str | None) -> tuple[float | None, float | None]:
+    if not spec:
+        return None, None
+    vals = {}
+    for part in spec.split(","):
+        k, _, v = part.partition("=")
+        if k not in ("ttft", "tpot") or not v:
+            raise ValueError(f"--slo {spec!r}: give ttft=MS and/or tpot=MS")
+        vals[k] = float(v) / 1000.0
+    return vals.get("ttft"), vals.get("tpot")
+
+
+def compare(dirs: list[str], out: str) -> int:
+    """Overlay earlier runs: one curve per (folder, target)."""
+    runs: list[dict[str, Any]] = []
+    configs = []
+    for d in dirs:
+        data = json.loads((Path(d) / "results.json").read_text())
+        configs.append({"dir": d, **data["config"]})
+        for r in data["runs"]:
+            runs.append({**r, "target": f"{Path(d).name}:{r['target']}"})
+    write_all(Path(out), {"compare": configs}, runs)
+    print(f"wrote {out}/report.html ({len(runs)} runs from {len(dirs)} folders)")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    targets = [parse_target(s, args.api_key) for s in args.base_url]
+    if not targets and not args.launch:
+        raise ValueError("give at least one --base-url, or --launch")
+    slo_ttft, slo_tpot = parse_slo(args.slo)
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()] if args.request_rate is None else []
+    if args.request_rate is None and (not levels or min(levels) < 1):
+        raise ValueError("--concurrency needs positive integers, e.g. 1,2,4,8")
+    from tripod.loader import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer).tokenizer
+    launched = None
+    if args.launch:
+        launched, url = _launch(args.launch_args)
+        targets.insert(0, Target(url, "tripod", None, None))
+    out = Path(args.out)
+    config = {
+        "tool": "tripod bench", "version": _version(), "targets": [
+            {"base_url": t.base_url, "label": t.label, "model": t.model} for t in targets],
+        "model": args.tokenizer or "embedded SmolLM2-135M-Instruct", "machine": _machine(),
+        "options": {k: v for k, v in vars(args).items() if k not in ("api_key", "func")},
+        "machines": args.machines, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    runs: list[dict[str, Any]] = []
+    interrupted = False
+    try:
+        for target in targets:
+            plan: list[tuple[int | None, float | None]] = [(c, None) for c in levels] or [(None, args.request_rate)]
+            for conc, rate in plan:
+                count = conc * args.prompts_per_concurrency if conc else args.num_prompts
+                reqs = make_requests(args.dataset, count + args.warmup, tok, isl=args.isl, osl=args.osl,
+                                     range_ratio=args.range_ratio, seed=args.seed + (conc or 0), prefix_len=args.prefix_len,
+                                     num_groups=args.num_groups, turns=args.turns, think_time=args.think_time)
+                warm, measured = reqs[: args.warmup], reqs[args.warmup :]
+                level, interrupted = _measure(args, target, warm, measured, conc, rate)
+                summary = summarize(level.results, level.duration, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
+                                    machines=args.machines)
+                runs.append({"target": target.label, "mode": "closed" if conc else "open", "dataset": args.dataset,
+                             "concurrency": conc, "request_rate": rate, **summary})
+                write_all(out, config, runs)  # after every level: an interrupted run keeps what it measured
+                _print_row(runs[-1])
+                if interrupted:
+                    raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        interrupted = True
+        print("interrupted: keeping what was measured", file=sys.stderr)
+    finally:
+        if launched is not None:
+            launched.send_signal(signal.SIGTERM)
+            try:
+                launched.wait(60)
+            except subprocess.TimeoutExpired:
+                launched.kill()
+    write_all(out, config, runs)
+    _print_table(runs)
+    print(f"wrote {out}/results.json, results.csv, pareto.png, latency.png, report.html")
+    return 130 if interrupted else 0
+
+
+def _measure(args: argparse.Namespace, target: Target, warm: list[Any], measured: list[Any], conc: int | None,
+             rate: float | None) -> tuple[Any, bool]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tripod.bench import runner
+
+    what = f"{target.label} C={conc}" if conc else f"{target.label} rate={rate}/s"
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[status]}"), transient=False, disable=not sys.stderr.isatty()) as prog:
+        task = prog.add_task(what, total=len(measured), status="")
+        failures = [0]
+
+        def done(r: RequestResult) -> None:
+            failures[0] += 0 if r.ok else 1
+            prog.update(task, advance=1, status=f"{failures[0]} failed" if failures[0] else "")
+
+        async def go() -> Any:
+            if warm:
+                await runner.closed_loop(target, warm, max(1, min(conc or 1, len(warm))),
+                                         max_duration=args.max_duration, timeout=args.timeout)
+            if conc:
+                return await runner.closed_loop(target, measured, conc, max_duration=args.max_duration,
+                                                timeout=args.timeout, on_done=done)
+            return await runner.open_loop(target, measured, rate or 1.0, burstiness=args.burstiness,
+                                          max_concurrency=args.max_concurrency, max_duration=args.max_duration,
+                                          timeout=args.timeout, seed=args.seed, on_done=done)
+
+        main = asyncio.new_event_loop()
+        task_ = main.create_task(go())
+        try:
+            level = main.run_until_complete(task_)
+            return level, level.interrupted
+        except KeyboardInterrupt:
+            task_.cancel()
+            level = main.run_until_complete(task_)
+            return level, True
+        finally:
+            main.close()
+
+
+def _print_row(r: dict[str, Any]) -> None:
+    print(f"{r['target']} {'C=' + str(r['concurrency']) if r['concurrency'] else 'rate=' + str(r['request_rate'])}: "
+          f"{r['completed']} ok, {r['failed']} failed, {r['output_throughput']:.1f} out tok/s, "
+          f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms, TPOT p50 {r['tpot_ms']['p50']:.1f} ms", file=sys.stderr)
+
+
+def _print_table(runs: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="tripod bench")
+    for c in ("target", "load", "ok/failed", "out tok/s", "tok/s/user", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+              "goodput req/s", "cached"):
+        t.add_column(c)
+    for r in runs:
+        load = f"C={r['concurrency']}" if r["concurrency"] else f"{r['request_rate']}/s"
+        t.add_row(r["target"], load, f"{r['completed']}/{r['failed']}", f"{r['output_throughput']:.1f}",
+                  f"{r['interactivity']:.1f}", f"{r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f}",
+                  f"{r['tpot_ms']['p50']:.1f} / {r['tpot_ms']['p99']:.1f}", f"{r['goodput']:.2f}",
+                  f"{100 * r['cached_token_share']:.0f}%")
+    Console(stderr=True).print(t)
+
+
+def _launch(extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "tripod.cli", "serve", "--port", str(port), *extra.split()]
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ValueError(f"the launched tripod serve exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise ValueError("the launched tripod serve did not become healthy in 300 s")
+
+
+def _version() -> str:
+    from tripod import __version__
+
+    return __version__
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}

@@ -1,0 +1,125 @@
+"""Benchmark metrics from recorded request timings. Pure functions; every formula is here.
+
+Per request (times in seconds, measured by the client on the stream):
+- TTFT = first content chunk − request sent
+- E2E  = last chunk − request sent
+- ITL  = the gaps between consecutive content chunks
+- TPOT = (E2E − TTFT) / (output tokens − 1)          (requests with ≥ 2 output tokens)
+
+Per run (``duration`` = first request sent → last request finished, warm-up excluded):
+- request throughput = completed / duration
+- input / output / total token throughput = tokens / duration
+- interactivity = 1 / median TPOT  (tokens per second one user sees)
+- goodput = completed requests meeting every SLO (TTFT ≤ ttft, TPOT ≤ tpot) / duration
+- cached token share = Σ cached prompt tokens / Σ prompt tokens  (from usage)
+- per session (agentic): E2E summed over its turns / output tokens of its turns; p90 over sessions
+Distributions are summarized as mean and p50/p90/p95/p99 (linear interpolation between ranks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """One request as the client saw it."""
+
+    start: float
+    ttft: float | None = None  # seconds; None if no content arrived
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None  # kind: "http_429", "http_500", "timeout", "connection", "stream_error", ...
+    session: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.e2e is None or self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def percentile(values: list[float], p: float) -> float:
+    """The p-th percentile with linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    rank = (len(xs) - 1) * p / 100.0
+    lo = math.floor(rank)
+    hi = math.ceil(rank)
+    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
+
+
+def summary_ms(values_s: list[float]) -> dict[str, float]:
+    """mean and p50/p90/p95/p99 of values in seconds, reported in milliseconds."""
+    ms = [v * 1000.0 for v in values_s]
+    out = {"mean": sum(ms) / len(ms) if ms else math.nan}
+    for p in PERCENTILES:
+        out[f"p{p}"] = percentile(ms, p)
+    return out
+
+
+def summarize(
+    results: list[RequestResult],
+    duration: float,
+    *,
+    slo_ttft: float | None = None,
+    slo_tpot: float | None = None,
+    machines: int = 1,
+) -> dict[str, Any]:
+    """The run's metrics (see the module docstring for every formula)."""
+    ok = [r for r in results if r.ok]
+    tpots = [t for r in ok if (t := r.tpot) is not None]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    dur = max(duration, 1e-9)
+    tpot_p50 = percentile(tpots, 50)
+
+    def meets(r: RequestResult) -> bool:
+        if slo_ttft is not None and (r.ttft is None or r.ttft > slo_ttft):
+            return False
+        t = r.tpot
+        return not (slo_tpot is not None and t is not None and t > slo_tpot)
+
+    sessions: dict[str, list[RequestResult]] = {}
+    for r in ok:
+        if r.session is not None:
+            sessions.setdefault(r.session, []).append(r)
+    per_session = [
+        sum(x.e2e or 0.0 for x in turns) / toks
+        for turns in sessions.values()
+        if (toks := sum(x.output_tokens for x in turns)) > 0
+    ]
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": dict(Counter(r.error for r in results if r.error)),
+        "duration_s": duration,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "ttft_ms": summary_ms([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": summary_ms(tpots),
+        "itl_ms": summary_ms([g for r in ok for g in r.itl]),
+        "e2e_ms": summary_ms([r.e2e for r in ok if r.e2e is not None]),
+        "request_throughput": len(ok) / dur,
+        "input_throughput": in_tokens / dur,
+        "output_throughput": out_tokens / dur,
+        "output_throughput_per_machine": out_tokens / dur / max(machines, 1),
+        "total_throughput": (in_tokens + out_tokens) / dur,
+        "interactivity": 1.0 / tpot_p50 if tpots and tpot_p50 > 0 else math.nan,
+        "goodput": sum(1 for r in ok if meets(r)) / dur,
+        "cached_token_share": sum(r.cached_tokens for r in ok) / in_tokens if in_tokens else 0.0,
+        "session_p90_ms_per_token": percentile([v * 1000 for v in per_session], 90) if per_session else None,
+    }

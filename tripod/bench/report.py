@@ -1,0 +1,131 @@
+"""Write a benchmark's results: results.json, results.csv, plots and report.html."""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+CSV_FIELDS = [
+    "target", "mode", "dataset", "concurrency", "request_rate", "completed", "failed", "duration_s",
+    "input_tokens", "output_tokens", "request_throughput", "input_throughput", "output_throughput",
+    "output_throughput_per_machine", "total_throughput", "interactivity", "goodput", "cached_token_share",
+    *[f"{m}_{s}" for m in LATENCIES for s in ("mean", "p50", "p90", "p95", "p99")],
+]
+
+
+def write_all(out: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"config": config, "runs": runs}, indent=2, default=_json_default))
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in runs:
+            row = dict(r)
+            for m in LATENCIES:
+                for s, v in (r.get(m) or {}).items():
+                    row[f"{m}_{s}"] = v
+            w.writerow(row)
+    curves: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        curves.setdefault(r["target"], []).append(r)
+    plot_pareto(out / "pareto.png", curves, config.get("machines", 1))
+    plot_latency(out / "latency.png", curves)
+    write_html(out / "report.html", config, runs)
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    raise TypeError(type(x).__name__)
+
+
+def _x(run: dict[str, Any]) -> float:
+    return float(run.get("interactivity") or math.nan)
+
+
+def plot_pareto(path: Path, curves: dict[str, list[dict[str, Any]]], machines: int = 1) -> None:
+    """Throughput per machine vs interactivity (tok/s/user), one curve per target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for label, runs in curves.items():
+        pts = sorted(((_x(r), r["output_throughput_per_machine"], r.get("concurrency")) for r in runs
+                      if not math.isnan(_x(r))), key=lambda p: p[0])
+        if not pts:
+            continue
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        for x, y, c in pts:
+            if c is not None:
+                ax.annotate(f"C={c}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("interactivity (tok/s per user = 1 / median TPOT)")
+    ax.set_ylabel(f"output throughput per machine (tok/s){'' if machines == 1 else f', {machines} machines'}")
+    ax.set_title("throughput vs interactivity")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_latency(path: Path, curves: dict[str, list[dict[str, Any]]]) -> None:
+    """TTFT and TPOT percentiles against load, one line per target and percentile."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, metric in zip(axes, ("ttft_ms", "tpot_ms"), strict=True):
+        for label, runs in curves.items():
+            runs = sorted(runs, key=lambda r: r.get("concurrency") or r.get("request_rate") or 0)
+            xs = [r.get("concurrency") or r.get("request_rate") or 0 for r in runs]
+            for p, style in (("p50", "-"), ("p99", "--")):
+                ax.plot(xs, [(r.get(metric) or {}).get(p) for r in runs], style, marker=".", label=f"{label} {p}")
+        ax.set_xlabel("concurrency (or request rate)")
+        ax.set_ylabel(metric.replace("_ms", " (ms)"))
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_html(path: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    cols = ["target", "concurrency", "request_rate", "completed", "failed", "output_throughput", "interactivity",
+            "goodput", "cached_token_share"]
+    head = "".join(f"<th>{c}</th>" for c in [*cols, "TTFT p50/p99 ms", "TPOT p50/p99 ms", "E2E p50/p99 ms"])
+    body = []
+    for r in runs:
+        cells = [_fmt(r.get(c)) for c in cols]
+        for m in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            d = r.get(m) or {}
+            cells.append(f"{_fmt(d.get('p50'))} / {_fmt(d.get('p99'))}")
+        body.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    path.write_text(f"""<!doctype html><html><head><meta charset="utf-8"><title>tripod bench</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px}}</style>
+</head><body><h1>tripod bench</h1>
+<p>Formulas: TPOT = (E2E − TTFT)/(output tokens − 1); interactivity = 1/median TPOT; goodput = requests
+meeting the SLOs per second; throughput = tokens / run duration. Config: <code>{html.escape(json.dumps(config, default=str))}</code></p>
+<h2>Throughput vs interactivity</h2><img src="pareto.png" alt="pareto">
+<h2>Latency percentiles</h2><img src="latency.png" alt="latency">
+<h2>Runs</h2><table><tr>{head}</tr>{''.join(body)}</table>
+<p>Raw data: <a href="results.json">results.json</a>, <a href="results.csv">results.csv</a>.</p>
+</body></html>
+""")
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)

@@ -1,0 +1,141 @@
+"""Drive the load: closed loop at fixed concurrency, or open loop at a request rate.
+
+Every loop is bounded by a request count and a wall-clock limit. Agentic requests keep their
+session's order: a session's turns run one after another on one worker, with think time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from tripod.bench.client import Target, send
+from tripod.bench.datasets import BenchRequest
+from tripod.bench.metrics import RequestResult
+
+
+@dataclass(slots=True)
+class Level:
+    """What one measured run did: its requests' results and its wall time."""
+
+    results: list[RequestResult]
+    duration: float
+    interrupted: bool = False
+
+
+def _units(requests: list[BenchRequest]) -> list[list[BenchRequest]]:
+    """Independent units of work: one request, or every turn of one session in order."""
+    units: list[list[BenchRequest]] = []
+    by_session: dict[str, list[BenchRequest]] = {}
+    for r in requests:
+        if r.session is None:
+            units.append([r])
+        elif r.session in by_session:
+            by_session[r.session].append(r)
+        else:
+            by_session[r.session] = [r]
+            units.append(by_session[r.session])
+    return units
+
+
+async def closed_loop(
+    target: Target,
+    requests: list[BenchRequest],
+    concurrency: int,
+    *,
+    max_duration: float,
+    timeout: float,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> Level:
+    """``concurrency`` workers, each sending its next unit as soon as the last one finished."""
+    units = _units(requests)
+    queue = iter(units)
+    results: list[RequestResult] = []
+    deadline = time.perf_counter() + max_duration
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+
+        async def worker() -> None:
+            for unit in queue:
+                for req in unit:
+                    if time.perf_counter() >= deadline:
+                        return
+                    if req.think_time:
+                        await asyncio.sleep(req.think_time)  # the user reading / the tool running
+                    res = await send(client, target, req, timeout)
+                    results.append(res)
+                    if on_done is not None:
+                        on_done(res)
+
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+        interrupted = False
+        try:
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            interrupted = True
+            for t in tasks:
+                t.cancel()
+        return Level(results, time.perf_counter() - t0, interrupted)
+
+
+async def open_loop(
+    target: Target,
+    requests: list[BenchRequest],
+    rate: float,
+    *,
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    max_duration: float,
+    timeout: float,
+    seed: int = 0,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> Level:
+    """Arrivals at ``rate`` per second: gamma-distributed gaps with shape ``burstiness``
+    (1 = Poisson; < 1 burstier; > 1 more regular), mean 1/rate."""
+    rng = random.Random(seed)
+    units = _units(requests)
+    results: list[RequestResult] = []
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    deadline = time.perf_counter() + max_duration
+    limits = httpx.Limits(max_connections=(max_concurrency or 256) + 4)
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+
+        async def run(unit: list[BenchRequest]) -> None:
+            for req in unit:
+                if req.think_time:
+                    await asyncio.sleep(req.think_time)
+                if sem is not None:
+                    async with sem:
+                        res = await send(client, target, req, timeout)
+                else:
+                    res = await send(client, target, req, timeout)
+                results.append(res)
+                if on_done is not None:
+                    on_done(res)
+
+        t0 = time.perf_counter()
+        tasks: list[asyncio.Task[None]] = []
+        interrupted = False
+        try:
+            for unit in units:
+                if time.perf_counter() >= deadline:
+                    break
+                tasks.append(asyncio.create_task(run(unit)))
+                await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
+            remaining = max(0.0, deadline - time.perf_counter())
+            _, pending = await asyncio.wait(tasks, timeout=remaining) if tasks else (set(), set())
+            for t in pending:
+                t.cancel()
+        except asyncio.CancelledError:
+            interrupted = True
+            for t in tasks:
+                t.cancel()
+        return Level(results, time.perf_counter() - t0, interrupted)
