@@ -156,3 +156,39 @@ def test_bench_end_to_end_against_a_real_server(server: Any, tmp_path: Path) -> 
                           "--out", str(tmp_path / "cmp")], capture_output=True, text=True, timeout=120)
     assert cmp.returncode == 0, cmp.stderr
     assert len(json.loads((tmp_path / "cmp" / "results.json").read_text())["runs"]) == 4
+
+
+def test_launch_and_ctrl_c_keeps_what_was_measured(tmp_path: Path) -> None:
+    """--launch starts tripod for the run; Ctrl-C mid-run stops cleanly (exit 130), writes the
+    levels measured so far, and takes the launched server down with it."""
+    import signal
+    import time
+
+    out = tmp_path / "bench"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tripod.cli", "bench", "--launch",
+         "--launch-args", "--dtype float32 --kv-cache-tokens 8192 --threads 2",
+         "--concurrency", "1,2", "--prompts-per-concurrency", "40", "--isl", "24", "--osl", "24",
+         "--warmup", "1", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "results.json").exists():  # the first level, written when it ends
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert runs[0]["target"] == "tripod" and runs[0]["concurrency"] == 1 and runs[0]["completed"] == 40
+    assert len(runs) == 2 and runs[1]["completed"] < 80  # the interrupted level, as far as it got
+    assert (out / "report.html").exists()
+    launched = json.loads((out / "results.json").read_text())["config"]["targets"][0]["base_url"]
+    with pytest.raises(httpx.TransportError):
+        httpx.get(launched + "/health", timeout=5)

@@ -172,8 +172,10 @@ def _measure(args: argparse.Namespace, target: Target, warm: list[Any], measured
 
         async def go() -> Any:
             if warm:
-                await runner.closed_loop(target, warm, max(1, min(conc or 1, len(warm))),
-                                         max_duration=args.max_duration, timeout=args.timeout)
+                w = await runner.closed_loop(target, warm, max(1, min(conc or 1, len(warm))),
+                                             max_duration=args.max_duration, timeout=args.timeout)
+                if w.interrupted:
+                    return runner.Level([], 0.0, interrupted=True)
             if conc:
                 return await runner.closed_loop(target, measured, conc, max_duration=args.max_duration,
                                                 timeout=args.timeout, on_done=done)
