@@ -4,7 +4,8 @@
 # Default sweep: random 256/128 at C = 1..64 (K = 10 per level, as InferenceX) and shared-prefix.
 source "$(dirname "$0")/common.sh"
 OUT="${1:?output folder}"; shift || true
-SWEEP=(--concurrency "${CONCURRENCY:-1,2,4,8,16,32,64}" --prompts-per-concurrency "${K:-10}" --warmup 2 "$@")
+SWEEP=(--prompts-per-concurrency "${K:-10}" --warmup 2 "$@")
+declare -A LEVELS=([random]="${CONCURRENCY:-1,2,4,8,16,32,64}" [shared-prefix]="${SP_CONCURRENCY:-${CONCURRENCY:-1,2,4,8,16,32,64}}")
 TRIPOD="$ROOT/.venv/bin/tripod"
 run_target() {  # NAME URL MODEL START_CMD...
   local name=$1 url=$2 model=$3; shift 3
@@ -13,7 +14,7 @@ run_target() {  # NAME URL MODEL START_CMD...
   wait_healthy "$url" /v1/models 300
   for ds in random shared-prefix; do
     "$TRIPOD" bench --base-url "$url,label=$name${model:+,model=$model}" --dataset "$ds" \
-      --isl 256 --osl 128 --prefix-len 1024 "${SWEEP[@]}" --out "$OUT/$name-$ds"
+      --isl 256 --osl 128 --prefix-len 1024 --concurrency "${LEVELS[$ds]}" "${SWEEP[@]}" --out "$OUT/$name-$ds"
   done
   kill -TERM "$pid"; wait "$pid" || true
 }

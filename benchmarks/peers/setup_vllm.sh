@@ -15,7 +15,14 @@ import sys
 from pathlib import Path
 from transformers import AutoTokenizer, LlamaForCausalLM
 gguf, out = Path(sys.argv[1]), sys.argv[2]
-model = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+loaded = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+# A GGUF-loaded model counts as "quantized" and refuses to save: rebuild a plain one from its
+# config (dequantized weights) and save that.
+cfg = loaded.config
+if hasattr(cfg, "quantization_config"):
+    del cfg.quantization_config
+model = LlamaForCausalLM(cfg)
+model.load_state_dict(loaded.state_dict())
 tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 model.save_pretrained(out, safe_serialization=True)
 tok.save_pretrained(out)
