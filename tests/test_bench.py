@@ -192,3 +192,23 @@ def test_launch_and_ctrl_c_keeps_what_was_measured(tmp_path: Path) -> None:
     launched = json.loads((out / "results.json").read_text())["config"]["targets"][0]["base_url"]
     with pytest.raises(httpx.TransportError):
         httpx.get(launched + "/health", timeout=5)
+
+
+def test_open_loop_agentic_and_structured_runs(server: Any, tmp_path: Path) -> None:
+    """Open loop (Poisson arrivals) over agentic sessions, and json_schema traffic."""
+
+    def bench(name: str, *args: str) -> dict[str, Any]:
+        r = subprocess.run([sys.executable, "-m", "tripod.cli", "bench", "--base-url", server.url, "--warmup", "0",
+                            "--out", str(tmp_path / name), *args], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        return dict(json.loads((tmp_path / name / "results.json").read_text())["runs"][0])
+
+    ag = bench("agentic", "--dataset", "agentic", "--request-rate", "5", "--burstiness", "0.5", "--num-prompts", "6",
+               "--turns", "3", "--isl", "16", "--osl", "8", "--prefix-len", "48", "--think-time", "0.05")
+    assert ag["mode"] == "open" and ag["request_rate"] == 5.0 and ag["concurrency"] is None
+    assert ag["completed"] == 6 and ag["failed"] == 0
+    assert ag["session_p90_ms_per_token"] > 0
+    assert ag["cached_token_share"] > 0.2  # later turns re-send the growing history
+    st = bench("structured", "--dataset", "structured", "--concurrency", "2", "--prompts-per-concurrency", "1",
+               "--isl", "24", "--osl", "80")
+    assert st["completed"] == 2 and st["failed"] == 0 and st["output_tokens"] > 0

@@ -193,6 +193,7 @@ def _measure(args: argparse.Namespace, target: Target, warm: list[Any], measured
             level = main.run_until_complete(task_)
             return level, True
         finally:
+            main.run_until_complete(main.shutdown_asyncgens())  # httpx's stream generators
             main.close()
 
 
