@@ -12,7 +12,7 @@ run_target() {  # NAME URL MODEL START_CMD...
   "$@" > "$OUT/$name.log" 2>&1 &
   local pid=$!
   wait_healthy "$url" /v1/models 300
-  for ds in random shared-prefix; do
+  for ds in ${DATASETS:-random shared-prefix}; do
     "$TRIPOD" bench --base-url "$url,label=$name${model:+,model=$model}" --dataset "$ds" \
       --isl 256 --osl 128 --prefix-len 1024 --concurrency "${LEVELS[$ds]}" "${SWEEP[@]}" --out "$OUT/$name-$ds"
   done

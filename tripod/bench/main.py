@@ -187,14 +187,22 @@ def _measure(args: argparse.Namespace, target: Target, warm: list[Any], measured
 
         main = asyncio.new_event_loop()
         task_ = main.create_task(go())
+        # NOTE: Ctrl-C cancels the level instead of raising KeyboardInterrupt wherever the signal
+        # lands (inside a task step that would lose the results gathered so far).
+        try:
+            main.add_signal_handler(signal.SIGINT, task_.cancel)
+        except (NotImplementedError, RuntimeError):  # not the main thread / no signals here
+            pass
         try:
             level = main.run_until_complete(task_)
             return level, level.interrupted
-        except KeyboardInterrupt:
-            task_.cancel()
-            level = main.run_until_complete(task_)
-            return level, True
+        except asyncio.CancelledError:
+            return runner.Level([], 0.0, interrupted=True), True
         finally:
+            try:
+                main.remove_signal_handler(signal.SIGINT)
+            except (NotImplementedError, RuntimeError):
+                pass
             main.run_until_complete(main.shutdown_asyncgens())  # httpx's stream generators
             main.close()
 
