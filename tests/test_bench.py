@@ -162,7 +162,6 @@ def test_launch_and_ctrl_c_keeps_what_was_measured(tmp_path: Path) -> None:
     """--launch starts tripod for the run; Ctrl-C mid-run stops cleanly (exit 130), writes the
     levels measured so far, and takes the launched server down with it."""
     import signal
-    import time
 
     out = tmp_path / "bench"
     proc = subprocess.Popen(
@@ -173,11 +172,16 @@ def test_launch_and_ctrl_c_keeps_what_was_measured(tmp_path: Path) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        deadline = time.monotonic() + 300
-        while not (out / "results.json").exists():  # the first level, written when it ends
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        # The first level's summary line is printed after its results are written; from then on
+        # a Ctrl-C lands in the second level (or just before it) and must end the run cleanly.
+        assert proc.stderr is not None
+        seen = []
+        while True:
+            line = proc.stderr.readline()
+            assert line, "".join(seen)
+            seen.append(line)
+            if line.startswith("tripod C=1:"):
+                break
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -187,7 +191,8 @@ def test_launch_and_ctrl_c_keeps_what_was_measured(tmp_path: Path) -> None:
     assert "interrupted" in err
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert runs[0]["target"] == "tripod" and runs[0]["concurrency"] == 1 and runs[0]["completed"] == 12
-    assert len(runs) == 2 and runs[1]["completed"] < 24  # the interrupted level, as far as it got
+    # A Ctrl-C between levels ends the run there; one inside level 2 records it as far as it got.
+    assert len(runs) in (1, 2) and (len(runs) == 1 or runs[1]["completed"] < 24)
     assert (out / "report.html").exists()
     launched = json.loads((out / "results.json").read_text())["config"]["targets"][0]["base_url"]
     with pytest.raises(httpx.TransportError):

@@ -30,6 +30,18 @@ from tripod.bench.report import write_all
 log = logging.getLogger("tripod.bench")
 
 
+class _Stop:
+    """Ctrl-C state shared by the signal handler and the level in flight."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.task: asyncio.Task[Any] | None = None
+
+
+_STOP = _Stop()
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", action="append", default=[], metavar="URL[,label=L][,model=M]",
                    help="a server to measure (repeatable)")
@@ -122,6 +134,16 @@ def run(args: argparse.Namespace) -> int:
     }
     runs: list[dict[str, Any]] = []
     interrupted = False
+    # NOTE: Ctrl-C must never raise KeyboardInterrupt at an arbitrary point (it once landed in the
+    # middle of importing matplotlib, which then could not draw): the first one asks the level in
+    # flight to stop and the run to end after writing; a second one is the usual hard stop.
+    def on_sigint(signum: int, frame: Any) -> None:
+        _STOP.requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if _STOP.loop is not None and _STOP.task is not None:
+            _STOP.loop.call_soon_threadsafe(_STOP.task.cancel)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         for target in targets:
             plan: list[tuple[int | None, float | None]] = [(c, None) for c in levels] or [(None, args.request_rate)]
@@ -138,12 +160,13 @@ def run(args: argparse.Namespace) -> int:
                              "concurrency": conc, "request_rate": rate, **summary})
                 write_all(out, config, runs)  # after every level: an interrupted run keeps what it measured
                 _print_row(runs[-1])
-                if interrupted:
+                if interrupted or _STOP.requested:
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: keeping what was measured", file=sys.stderr)
     finally:
+        signal.signal(signal.SIGINT, previous)
         if launched is not None:
             launched.send_signal(signal.SIGTERM)
             try:
@@ -187,22 +210,16 @@ def _measure(args: argparse.Namespace, target: Target, warm: list[Any], measured
 
         main = asyncio.new_event_loop()
         task_ = main.create_task(go())
-        # NOTE: Ctrl-C cancels the level instead of raising KeyboardInterrupt wherever the signal
-        # lands (inside a task step that would lose the results gathered so far).
-        try:
-            main.add_signal_handler(signal.SIGINT, task_.cancel)
-        except (NotImplementedError, RuntimeError):  # not the main thread / no signals here
-            pass
+        _STOP.loop, _STOP.task = main, task_
+        if _STOP.requested:
+            task_.cancel()
         try:
             level = main.run_until_complete(task_)
             return level, level.interrupted
         except asyncio.CancelledError:
             return runner.Level([], 0.0, interrupted=True), True
         finally:
-            try:
-                main.remove_signal_handler(signal.SIGINT)
-            except (NotImplementedError, RuntimeError):
-                pass
+            _STOP.loop = _STOP.task = None
             main.run_until_complete(main.shutdown_asyncgens())  # httpx's stream generators
             main.close()
 
