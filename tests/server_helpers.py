@@ -96,3 +96,67 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
+
+
+class TripodProcess:
+    """Any ``tripod`` command that serves HTTP on ``--port`` (a router, a fleet): started, waited for
+    (``/health`` 200), stopped. Its log (and, for a fleet, its replicas' logs) is shown on failure."""
+
+    def __init__(self, tmp: Path, *args: str, start_timeout: float = START_TIMEOUT) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.tmp = tmp
+        self.log_path = tmp / f"tripod-{self.port}.log"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRIPOD_API_KEY": ""}
+        self._log = open(self.log_path, "w")  # closed in stop()
+        cmd = [sys.executable, "-m", "tripod.cli", *args, "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{args[0]} exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)  # polling for start-up, not papering over a race
+        self.stop()
+        raise RuntimeError(f"{args[0]} did not become healthy in {start_timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        text = self.log_path.read_text()
+        for p in sorted(self.tmp.glob("replica-*.log")):
+            text += f"\n--- {p.name} ---\n" + p.read_text()[-4000:]
+        return text
+
+    def fleet(self) -> dict[str, Any]:
+        r = httpx.get(f"{self.url}/fleet", timeout=10)
+        r.raise_for_status()
+        return dict(r.json())
+
+    def replica(self, name: str) -> dict[str, Any] | None:
+        return next((r for r in self.fleet()["replicas"] if r["name"] == name), None)
+
+    def wait_for(self, what: str, cond: Any, timeout: float) -> dict[str, Any]:
+        """Poll /fleet until ``cond(fleet)`` holds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            f = self.fleet()
+            if cond(f):
+                return f
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"timed out waiting for {what}: {f}\n{self.log()[-6000:]}")
+            time.sleep(0.2)
+
+    def stop(self, timeout: float = 60) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode

@@ -1,6 +1,9 @@
 """The ``tripod`` command line.
 
 - ``tripod serve``: the OpenAI-compatible server (HTTP process + engine process).
+- ``tripod serve --replicas N`` (or ``--min-replicas A --max-replicas B``): a fleet — a router on
+  --host/--port in front of N replica servers it launches, restarts and scales.
+- ``tripod route --replica URL ...``: a router in front of servers that already run.
 - ``tripod chat``: a streaming terminal chat, against a running server (``--url``) or an
   in-process engine.
 - ``tripod generate "prompt"``: one streamed completion offline; with no prompt, the same chat.
@@ -61,6 +64,41 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-n", type=int, default=16, help="largest 'n' a request may ask for")
 
 
+def _router_args(p: argparse.ArgumentParser, policy_flag: str) -> None:
+    g = p.add_argument_group("router")
+    g.add_argument(policy_flag, dest="router_policy", default="cache_aware",
+                   choices=["cache_aware", "least_load", "round_robin"], help="how a replica is picked")
+    g.add_argument("--load-weight", type=float, default=1.0,
+                   help="cache_aware: cost of one token of a replica's load vs one uncached prompt token")
+    g.add_argument("--balance-abs", type=int, default=4, help="cache_aware guard: a replica with more than "
+                   "balance-rel x (least in-flight) + balance-abs requests in flight is not chosen for its cache")
+    g.add_argument("--balance-rel", type=float, default=1.5, help="see --balance-abs")
+    g.add_argument("--max-retries", type=int, default=2,
+                   help="other replicas tried when one fails before the answer starts")
+    g.add_argument("--max-pending", type=int, default=1024, help="requests the router holds before answering 429")
+    g.add_argument("--queue-timeout", type=float, default=30.0,
+                   help="longest wait for a routable replica before 503")
+    g.add_argument("--health-interval", type=float, default=1.0, help="seconds between health probes")
+
+
+def _fleet_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fleet (a router in front of replicas this process launches)")
+    g.add_argument("--replicas", type=int, default=None, help="run N replicas behind a router on --host/--port")
+    g.add_argument("--min-replicas", type=int, default=None, help="autoscale between --min-replicas and --max-replicas")
+    g.add_argument("--max-replicas", type=int, default=None, help="see --min-replicas")
+    g.add_argument("--target-inflight", type=float, default=8.0,
+                   help="autoscaler: requests in flight (+ queued) per replica it aims for")
+    g.add_argument("--upscale-delay", type=float, default=10.0, help="seconds a wish to grow must hold")
+    g.add_argument("--downscale-delay", type=float, default=60.0, help="seconds a wish to shrink must hold")
+    g.add_argument("--lookback", type=float, default=30.0, help="seconds of load the autoscaler averages")
+    g.add_argument("--backend", default="local", choices=["local", "ray"], help="where replicas run")
+    g.add_argument("--ray-address", default=None, help="ray: 'auto' joins the running cluster (default: a local one)")
+    g.add_argument("--ray-num-cpus", type=float, default=1.0, help="ray: CPUs each replica actor reserves")
+    g.add_argument("--ray-num-gpus", type=float, default=0.0, help="ray: GPUs each replica actor reserves")
+    g.add_argument("--replica-log-dir", default=None, help="local: write each replica's log here")
+    _router_args(p, "--router-policy")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tripod", description="tripod: mission-critical LLM inference")
     parser.add_argument("--log-level", default=os.environ.get("TRIPOD_LOG_LEVEL", "INFO"))
@@ -79,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
     _engine_args(srv)
     _server_args(srv)
+    _fleet_args(srv)
+
+    rte = sub.add_parser("route", help="route the OpenAI API over running servers (--replica URL ...)")
+    rte.add_argument("--replica", action="append", default=[], metavar="URL", help="a server; repeat for each")
+    rte.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    rte.add_argument("--port", type=int, default=8000)
+    rte.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    rte.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
+    _router_args(rte, "--policy")
 
     chat = sub.add_parser("chat", help="chat in the terminal, with a server (--url) or an in-process engine")
     chat.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (default: in-process)")
@@ -311,9 +358,74 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.run(args)
 
 
+def _router_config(args: argparse.Namespace) -> Any:
+    from tripod.config import RouterConfig
+
+    return RouterConfig(
+        host=args.host, port=args.port, policy=args.router_policy, load_weight=args.load_weight,
+        balance_abs=args.balance_abs, balance_rel=args.balance_rel, max_retries=args.max_retries,
+        max_pending=args.max_pending, queue_timeout=args.queue_timeout, health_interval=args.health_interval,
+    )
+
+
+def _replica_args(args: argparse.Namespace, threads: int | None) -> list[str]:
+    """The engine and server options of ``tripod serve``, for each replica (host/port aside)."""
+    flags = {
+        "model": "--model", "dtype": "--dtype", "device": "--device", "kv_cache_tokens": "--kv-cache-tokens",
+        "max_model_len": "--max-model-len", "chunk_size": "--chunk-size", "max_batch_tokens": "--max-batch-tokens",
+        "max_running": "--max-running", "policy": "--policy", "api_key": "--api-key",
+        "served_model_name": "--served-model-name", "max_waiting": "--max-waiting",
+        "overload_status": "--overload-status", "drain_timeout": "--drain-timeout", "max_n": "--max-n",
+        "log_level": "--log-level",
+    }
+    out: list[str] = []
+    for dest, flag in flags.items():
+        value = getattr(args, dest, None)
+        if value is not None and value != "":
+            out += [flag, str(value)]
+    if threads is not None:
+        out += ["--threads", str(threads)]
+    out += ["--no-prefix-cache"] if args.no_prefix_cache else []
+    out += ["--no-jump-forward"] if args.no_jump_forward else []
+    return out
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tripod.config import FleetConfig
+    from tripod.router.launch import serve_fleet
+
+    lo = args.min_replicas if args.min_replicas is not None else (args.replicas or 1)
+    hi = args.max_replicas if args.max_replicas is not None else (args.replicas or lo)
+    fleet = FleetConfig(
+        min_replicas=lo, max_replicas=hi, backend=args.backend, ray_address=args.ray_address,
+        ray_num_cpus=args.ray_num_cpus, ray_num_gpus=args.ray_num_gpus, target_inflight=args.target_inflight,
+        lookback=args.lookback, upscale_delay=args.upscale_delay, downscale_delay=args.downscale_delay,
+        drain_timeout=args.drain_timeout,
+    )
+    threads = args.threads
+    if threads is None and args.backend == "local" and args.device == "cpu":
+        threads = max(1, (os.cpu_count() or 1) // hi)  # replicas share this machine's cores
+    level = getattr(logging, str(args.log_level).upper(), logging.INFO)
+    log_dir = Path(args.replica_log_dir) if args.replica_log_dir else None
+    return serve_fleet(_router_config(args), fleet, _replica_args(args, threads), level, log_dir)
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    from tripod.router.launch import route
+
+    level = getattr(logging, str(args.log_level).upper(), logging.INFO)
+    return route(_router_config(args), args.replica, level, args.drain_timeout)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from tripod.config import ServerConfig
     from tripod.server.launch import serve
+
+    if args.replicas is not None or args.min_replicas is not None or args.max_replicas is not None \
+            or args.backend != "local":
+        return cmd_fleet(args)
 
     cfg = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or None,
@@ -337,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    commands = {"generate": cmd_generate, "serve": cmd_serve, "chat": cmd_chat, "bench": cmd_bench}
+    commands = {"generate": cmd_generate, "serve": cmd_serve, "route": cmd_route, "chat": cmd_chat, "bench": cmd_bench}
     if args.command in commands:
         try:
             return commands[args.command](args)

@@ -121,3 +121,93 @@ class ServerConfig:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
         if self.max_n < 1 or self.max_body_bytes < 1024:
             raise ValueError("max_n must be >= 1 and max_body_bytes >= 1024")
+
+
+ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """``tripod route``: how the router picks a replica, watches replicas and sheds load."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "cache_aware"  # cache_aware | least_load | round_robin
+    # cache_aware: cost = (prompt tokens the replica would not find cached) + load_weight × (its load
+    # in tokens). balance_abs/balance_rel: a replica whose in-flight requests exceed
+    # balance_rel × (the least loaded one's) + balance_abs is not chosen for its cache.
+    load_weight: float = 1.0
+    balance_abs: int = 4
+    balance_rel: float = 1.5
+    tree_max_chars: int = 2_000_000  # per replica
+    chars_per_token: float = 4.0  # first estimate; refined from the usage replicas report
+    health_interval: float = 1.0  # seconds between /health probes of each replica
+    health_timeout: float = 2.0
+    metrics_interval: float = 2.0  # seconds between /metrics scrapes (load refresh)
+    failure_threshold: int = 3  # consecutive errors that open a replica's circuit
+    open_cooldown: float = 2.0  # an open circuit closes on the first good probe after this long
+    max_retries: int = 2  # a request that fails before its first token: other replicas to try
+    max_pending: int = 1024  # requests in the router (waiting + in flight); past it: 429
+    queue_timeout: float = 30.0  # longest wait for a routable replica; then 503
+    connect_timeout: float = 5.0
+    request_timeout: float = 600.0  # longest silence from a replica during one request
+    retry_after: int = 1
+    max_body_bytes: int = 4 * 2**20
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(ROUTING_POLICIES)} (got {self.policy!r})")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535] (got {self.port})")
+        for name in ("load_weight", "chars_per_token", "balance_rel"):
+            if getattr(self, name) < 0 or (name != "load_weight" and getattr(self, name) == 0):
+                raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
+        for name in ("health_interval", "health_timeout", "metrics_interval", "queue_timeout",
+                     "connect_timeout", "request_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
+        if self.failure_threshold < 1 or self.max_pending < 1 or self.max_retries < 0 or self.balance_abs < 0:
+            raise ValueError("failure_threshold and max_pending must be >= 1; max_retries and balance_abs >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """``tripod serve --replicas N`` / ``--min-replicas --max-replicas``: the supervisor and autoscaler."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    backend: str = "local"  # local | ray
+    ray_address: str | None = None  # None: a local Ray instance; "auto": the running cluster
+    ray_num_cpus: float = 1.0  # resources each replica actor asks Ray for
+    ray_num_gpus: float = 0.0
+    start_timeout: float = 300.0  # a replica not healthy by then is restarted
+    restart_backoff: float = 1.0  # first restart delay; doubles per crash, up to restart_backoff_max
+    restart_backoff_max: float = 30.0
+    # Autoscaler: desired replicas = ceil(mean over `lookback` s of (in-flight + queued requests)
+    # / target); acted on once the wish has held for upscale_delay / downscale_delay seconds.
+    target_inflight: float = 8.0
+    lookback: float = 30.0
+    upscale_delay: float = 10.0
+    downscale_delay: float = 60.0
+    autoscale_interval: float = 1.0
+    drain_timeout: float = 60.0  # scale-down: longest wait for a replica's in-flight requests
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 1 or self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"need 1 <= min_replicas <= max_replicas (got {self.min_replicas}, {self.max_replicas})"
+            )
+        if self.backend not in ("local", "ray"):
+            raise ValueError(f"backend must be 'local' or 'ray' (got {self.backend!r})")
+        if self.target_inflight <= 0:
+            raise ValueError(f"target_inflight must be > 0 (got {self.target_inflight})")
+        for name in ("start_timeout", "restart_backoff", "restart_backoff_max", "lookback", "autoscale_interval",
+                     "drain_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
+        if self.upscale_delay < 0 or self.downscale_delay < 0:
+            raise ValueError("upscale_delay and downscale_delay must be >= 0")
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.max_replicas > self.min_replicas

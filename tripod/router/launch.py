@@ -1,0 +1,122 @@
+"""``tripod route`` (a router in front of given replicas) and ``tripod serve --replicas`` (a router
+plus a supervisor that launches the replicas). Both drain on SIGTERM/SIGINT: new requests get 503,
+in-flight answers finish, then (fleet) every replica drains and exits.
+
+Exit codes: 0 after a clean stop; 2 when start-up failed (port in use, no replica ever healthy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from tripod.config import FleetConfig, RouterConfig
+from tripod.router.app import build_router_app
+from tripod.router.replicas import LocalLauncher, ReplicaLauncher
+from tripod.router.router import Router
+from tripod.router.supervisor import Supervisor
+
+log = logging.getLogger("tripod.router")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with draining: the first signal marks the router draining (503 + Retry-After)."""
+
+    def __init__(self, config: uvicorn.Config, router: Router) -> None:
+        super().__init__(config)
+        self.router = router
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.router.draining:
+            log.info("%s: draining (%d requests in the router), then exiting", signal.Signals(sig).name,
+                     self.router.pending)
+            self.router.draining = True
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # a clean drain is a clean exit (see tripod/server/launch.py)
+
+
+def _run(router: Router, app: Any, config: RouterConfig, log_level: int, drain_timeout: float) -> bool:
+    logging.getLogger("httpx").setLevel(max(log_level, logging.WARNING))  # not a line per probe
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=logging.getLevelName(log_level).lower(),
+                        access_log=False, timeout_graceful_shutdown=max(1, int(drain_timeout)), lifespan="on",
+                        timeout_keep_alive=30)
+    server = _Server(uv, router)
+    server.run()
+    return bool(server.started)
+
+
+def route(config: RouterConfig, urls: list[str], log_level: int = logging.INFO, drain_timeout: float = 30.0) -> int:
+    """Serve a router in front of running replicas given by URL."""
+    if not urls:
+        print("tripod: error: give at least one --replica URL", file=sys.stderr)
+        return 2
+    router = Router(config)
+    for i, url in enumerate(urls):
+        if not url.startswith(("http://", "https://")):
+            print(f"tripod: error: --replica must be an http(s) URL (got {url!r})", file=sys.stderr)
+            return 2
+        router.add_replica(f"replica-{i}", url)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        await router.start()
+        log.info("routing %s over %d replicas at http://%s:%d/v1 (%d routable now)", config.policy, len(urls),
+                 config.host, config.port, len(router.routable()))
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    return 0 if _run(router, build_router_app(router, lifespan), config, log_level, drain_timeout) else 2
+
+
+def make_launcher(fleet: FleetConfig, serve_args: list[str], log_dir: Path | None) -> ReplicaLauncher:
+    if fleet.backend == "ray":
+        from tripod.router.ray_backend import RayLauncher
+
+        return RayLauncher(serve_args, address=fleet.ray_address, num_cpus=fleet.ray_num_cpus,
+                           num_gpus=fleet.ray_num_gpus)
+    return LocalLauncher(serve_args, log_dir=log_dir)
+
+
+def serve_fleet(config: RouterConfig, fleet: FleetConfig, serve_args: list[str], log_level: int = logging.INFO,
+                log_dir: Path | None = None) -> int:
+    """A router on ``config.host:port`` and ``fleet.min_replicas`` replicas (more under load)."""
+    try:
+        launcher = make_launcher(fleet, serve_args, log_dir)
+    except ValueError as e:
+        print(f"tripod: error: {e}", file=sys.stderr)
+        return 2
+    router = Router(config)
+    supervisor = Supervisor(router, launcher, fleet)
+    failed = False
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        nonlocal failed
+        await router.start()
+        await supervisor.start()
+        try:
+            if not await supervisor.wait_routable(fleet.start_timeout):
+                failed = True
+                raise RuntimeError(f"no replica became healthy in {fleet.start_timeout:.0f} s"
+                                   + (f"; see the logs in {log_dir}" if log_dir else ""))
+            log.info("fleet ready: %d replica(s) (%s backend, %s routing) at http://%s:%d/v1, pid %d",
+                     len(router.routable()), fleet.backend, config.policy, config.host, config.port, os.getpid())
+            yield
+        finally:
+            await supervisor.stop()
+            await router.stop()
+
+    app = build_router_app(router, lifespan, fleet_info=supervisor.info)
+    started = _run(router, app, config, log_level, fleet.drain_timeout)
+    return 2 if failed or not started else 0

@@ -1,0 +1,114 @@
+"""Routing policies: given the routable replicas and a request, pick one.
+
+- ``round_robin``: in turn.
+- ``least_load``: the power of two choices — two replicas at random, the less loaded one.
+- ``cache_aware``: the replica with the lowest cost = (prompt tokens it probably lacks in cache)
+  + ``load_weight`` × (its load in tokens), among replicas not already far busier than the least
+  busy one (the guard: without it, a hot prefix drags every request onto one replica).
+Ties are broken at random so equal replicas share the work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+from tripod.config import RouterConfig
+from tripod.router.replica import Replica
+
+
+@dataclass(slots=True, frozen=True)
+class RouteRequest:
+    """What a policy sees of a request: its rendered prompt and an estimate of its size."""
+
+    text: str
+    prompt_tokens: float  # estimated
+    output_tokens: float  # the request's output budget, as counted into load
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    replica: Replica
+    reason: str  # round_robin | least_load | cache_hit | load | balance
+    matched_chars: int  # of the request's text, in the chosen replica's tree
+
+
+class RoutingPolicy:
+    """Picks a replica; never mutates replicas (the router does the accounting)."""
+
+    name = "base"
+
+    def __init__(self, config: RouterConfig, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.rng = rng or random.Random()
+
+    def choose(self, replicas: list[Replica], req: RouteRequest, avg_request_tokens: float) -> Decision:
+        raise NotImplementedError
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self, config: RouterConfig, rng: random.Random | None = None) -> None:
+        super().__init__(config, rng)
+        self._counter = itertools.count()
+
+    def choose(self, replicas: list[Replica], req: RouteRequest, avg_request_tokens: float) -> Decision:
+        r = replicas[next(self._counter) % len(replicas)]
+        return Decision(r, "round_robin", r.tree.match(req.text))
+
+
+class LeastLoadPolicy(RoutingPolicy):
+    name = "least_load"
+
+    def choose(self, replicas: list[Replica], req: RouteRequest, avg_request_tokens: float) -> Decision:
+        pair = self.rng.sample(replicas, 2) if len(replicas) > 1 else replicas
+        r = min(pair, key=lambda x: (x.inflight, x.load_tokens(avg_request_tokens)))
+        return Decision(r, "least_load", r.tree.match(req.text))
+
+
+MIN_MATCH_TOKENS = 16.0  # cache_aware: a shorter cached prefix is not worth steering a request for
+
+
+class CacheAwarePolicy(RoutingPolicy):
+    name = "cache_aware"
+
+    def choose(self, replicas: list[Replica], req: RouteRequest, avg_request_tokens: float) -> Decision:
+        cfg = self.config
+        least = min(r.inflight for r in replicas)
+        limit = cfg.balance_rel * least + cfg.balance_abs
+        allowed = [r for r in replicas if r.inflight <= limit]
+        chars = max(len(req.text), 1)
+        matched = {id(r): r.tree.match(req.text) for r in replicas}
+        # A prefix worth fewer than MIN_MATCH_TOKENS (a role marker, a common first word: nearly every
+        # request shares one) is noise, not a reason to steer: it counts as no match, so unrelated
+        # requests tie and spread instead of all following the first replica that saw any.
+        floor = MIN_MATCH_TOKENS * chars / req.prompt_tokens if req.prompt_tokens > 0 else float("inf")
+        useful = {k: m if m >= floor else 0 for k, m in matched.items()}
+        best_cost, best = float("inf"), []
+        for r in allowed:
+            uncached = req.prompt_tokens * (1.0 - useful[id(r)] / chars)
+            cost = uncached + cfg.load_weight * r.load_tokens(avg_request_tokens)
+            if cost < best_cost - 1e-9:
+                best_cost, best = cost, [r]
+            elif abs(cost - best_cost) <= 1e-9:
+                best.append(r)
+        chosen = self.rng.choice(best)
+        top_match = max(useful.values())
+        if useful[id(chosen)] > 0 and useful[id(chosen)] == top_match:
+            reason = "cache_hit"
+        elif top_match > 0 and all(useful[id(r)] < top_match for r in allowed):
+            reason = "balance"  # the replica(s) holding the prefix were too busy
+        else:
+            reason = "load"
+        return Decision(chosen, reason, matched[id(chosen)])
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    p.name: p for p in (RoundRobinPolicy, LeastLoadPolicy, CacheAwarePolicy)
+}
+
+
+def make_policy(config: RouterConfig, rng: random.Random | None = None) -> RoutingPolicy:
+    return POLICIES[config.policy](config, rng)

@@ -1,0 +1,101 @@
+"""What the router knows about one replica: its circuit, its load, and what it probably has cached."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tripod.router.prefix_tree import PrefixTree
+
+if TYPE_CHECKING:
+    from tripod.router.replicas import ReplicaProcess
+
+
+class CircuitBreaker:
+    """Whether a replica may be sent requests. Closed (routable) until ``threshold`` consecutive
+    failures, or one fatal failure (connection refused), open it; an open circuit closes on the
+    first success seen at least ``cooldown`` s after it opened. A new replica starts open: it is
+    routable from its first good health probe."""
+
+    def __init__(self, threshold: int, cooldown: float) -> None:
+        self.threshold = threshold
+        self.cooldown = cooldown
+        self.closed = False
+        self.failures = 0
+        self.opened_at = float("-inf")
+        self.opened_count = 0
+
+    def success(self, now: float) -> bool:
+        """Record a success; True when this closed the circuit."""
+        self.failures = 0
+        if not self.closed and now - self.opened_at >= self.cooldown:
+            self.closed = True
+            return True
+        return False
+
+    def failure(self, now: float, fatal: bool = False) -> bool:
+        """Record a failure; True when this opened the circuit."""
+        self.failures += 1
+        if self.closed and (fatal or self.failures >= self.threshold):
+            self.closed = False
+            self.opened_at = now
+            self.opened_count += 1
+            return True
+        if not self.closed and fatal and self.opened_count:
+            self.opened_at = now  # still failing: the cooldown starts over (not for a first start-up)
+        return False
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    """One upstream server. Owns the router's view of it; the counters are only touched from the
+    router's event loop. ``inflight``/``inflight_tokens`` count requests the router has sent and not
+    yet seen finish; ``running``/``waiting`` are the replica's own numbers from its /metrics."""
+
+    name: str
+    url: str
+    breaker: CircuitBreaker
+    tree: PrefixTree
+    process: ReplicaProcess | None = None  # set when a supervisor launched it
+    draining: bool = False
+    inflight: int = 0
+    inflight_tokens: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    external: int = 0  # sequences the replica reported beyond the router's own, at the last scrape
+    routed: int = 0  # requests sent here (retries included)
+    est_prompt_tokens: float = 0.0  # routing-time estimates: prompt tokens sent here …
+    est_cached_tokens: float = 0.0  # … and how many of them its tree said were cached
+    failures: int = 0  # requests that failed here (before or after the first token)
+    started_at: float = 0.0
+    healthy_since: float | None = None
+    restarts: int = 0
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def routable(self) -> bool:
+        return self.breaker.closed and not self.draining
+
+    def load_tokens(self, avg_request_tokens: float) -> float:
+        """Work queued on the replica, in tokens: the router's own in-flight requests, plus what the
+        replica reports beyond them (traffic from elsewhere), at the average request size."""
+        return self.inflight_tokens + self.external * avg_request_tokens
+
+    def state(self) -> str:
+        if self.draining:
+            return "draining"
+        if self.breaker.closed:
+            return "healthy"
+        return "starting" if self.breaker.opened_count == 0 else "unhealthy"
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "name": self.name, "url": self.url, "state": self.state(),
+            "pid": self.process.pid if self.process is not None else None,
+            "inflight": self.inflight, "inflight_tokens": round(self.inflight_tokens, 1),
+            "running": self.running, "waiting": self.waiting, "routed": self.routed,
+            "failures": self.failures, "restarts": self.restarts,
+            "estimated_hit_rate": round(self.est_cached_tokens / self.est_prompt_tokens, 4)
+            if self.est_prompt_tokens else None,
+            "tree_chars": self.tree.size,
+        }

@@ -1,0 +1,134 @@
+"""Launching replicas: what a supervisor needs from "a running ``tripod serve`` somewhere".
+
+A ``ReplicaLauncher`` starts one replica and returns a ``ReplicaProcess`` handle; the supervisor
+then only asks the handle whether it has exited, and tells it to drain (SIGTERM) or die. Health is
+never taken from the handle: it is probed over HTTP like any other replica. ``LocalLauncher`` runs
+replicas as child processes of this one; ``tripod.router.ray_backend.RayLauncher`` runs them as
+Ray actors anywhere in a Ray cluster.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import IO, Protocol
+
+
+class ReplicaProcess(Protocol):
+    """One launched replica. ``url`` is known as soon as it is launched (health comes later)."""
+
+    name: str
+    url: str
+    pid: int | None  # of the ``tripod serve`` process, on whichever machine it runs
+
+    def exit_code(self) -> int | None:
+        """None while the replica process runs; its exit code once it has exited (non-blocking)."""
+        ...
+
+    def terminate(self) -> None:
+        """Ask it to drain and exit (SIGTERM: in-flight requests finish, new ones are refused)."""
+        ...
+
+    def kill(self) -> None:
+        """Stop it now (SIGKILL)."""
+        ...
+
+    def wait(self, timeout: float) -> int | None:
+        """Block up to ``timeout`` s for it to exit; its exit code, or None if still running."""
+        ...
+
+
+class ReplicaLauncher(Protocol):
+    """Starts replicas. ``launch`` may block (the supervisor calls it from a thread)."""
+
+    def launch(self, index: int) -> ReplicaProcess: ...
+
+    def close(self) -> None:
+        """Release what the launcher holds (replicas are stopped by the supervisor first)."""
+        ...
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def serve_command(host: str, port: int, serve_args: list[str]) -> list[str]:
+    """The command line of one replica: ``tripod serve`` with the fleet's engine/server options."""
+    return [sys.executable, "-m", "tripod.cli", "serve", "--host", host, "--port", str(port), *serve_args]
+
+
+def _die_with_parent() -> None:
+    # NOTE: runs in the child between fork and exec. A replica must not outlive the process that
+    # supervises it (a kill -9 of the supervisor would otherwise leave orphans holding ports).
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def spawn_serve(host: str, port: int, serve_args: list[str], log: IO[bytes] | int | None = None) -> subprocess.Popen[bytes]:
+    """Start ``tripod serve`` as a child that dies with this process."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen(
+        serve_command(host, port, serve_args), stdout=log, stderr=subprocess.STDOUT if log is not None else None,
+        env=env, preexec_fn=_die_with_parent,
+    )
+
+
+class LocalProcess:
+    """A replica running as a child process of this one."""
+
+    def __init__(self, name: str, host: str, port: int, proc: subprocess.Popen[bytes], log: IO[bytes] | None) -> None:
+        self.name = name
+        self.url = f"http://{host}:{port}"
+        self.proc = proc
+        self.pid: int | None = proc.pid
+        self._log = log
+
+    def exit_code(self) -> int | None:
+        code = self.proc.poll()
+        if code is not None and self._log is not None:
+            self._log.close()
+        return code
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+class LocalLauncher:
+    """Replicas as child processes on this machine, each on a free port of ``host``; their output
+    goes to ``log_dir/replica-<index>.log`` when a folder is given, else to this process's."""
+
+    def __init__(self, serve_args: list[str], host: str = "127.0.0.1", log_dir: Path | None = None) -> None:
+        self.serve_args = serve_args
+        self.host = host
+        self.log_dir = log_dir
+
+    def launch(self, index: int) -> LocalProcess:
+        port = free_port(self.host)
+        log = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log = open(self.log_dir / f"replica-{index}.log", "ab")  # closed by LocalProcess on exit
+        proc = spawn_serve(self.host, port, self.serve_args, log)
+        return LocalProcess(f"replica-{index}", self.host, port, proc, log)
+
+    def close(self) -> None:
+        pass

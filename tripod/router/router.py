@@ -1,0 +1,441 @@
+"""The router's core: the replica set, routing, health, and proxying one request.
+
+A request is parsed only far enough to render its prompt (the whole conversation) for the policy;
+its bytes go to the replica unchanged and the answer comes back unchanged (a stream chunk by chunk,
+never buffered). Failures before the first byte of an answer are retried on another replica; a
+stream cut after its first chunk ends with an error event, never a silent second answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tripod.config import RouterConfig
+from tripod.router.metrics import RouterMetrics
+from tripod.router.policy import Decision, RouteRequest, RoutingPolicy, make_policy
+from tripod.router.prefix_tree import PrefixTree
+from tripod.router.replica import CircuitBreaker, Replica
+from tripod.router.replicas import ReplicaProcess
+
+log = logging.getLogger("tripod.router")
+
+# A replica answering one of these has not started an answer: another replica may serve it.
+_RETRYABLE = {429, 500, 502, 503, 504}
+_HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+                "proxy-authorization", "proxy-connection", "accept-encoding"}
+_PASS_BACK = ("content-type", "retry-after", "x-request-id", "cache-control")
+_DEFAULT_OUTPUT = 256  # output budget counted into load when a request names none
+
+
+class RouterError(Exception):
+    """An answer the router gives itself, as an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, code: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.retry_after = retry_after
+
+    def response(self) -> Response:
+        kind = "invalid_request_error" if self.status < 500 and self.status != 429 else "server_error"
+        body = {"error": {"message": self.message, "type": kind, "param": None, "code": self.code}}
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return Response(json.dumps(body), status_code=self.status, media_type="application/json", headers=headers)
+
+
+def render_prompt(path: str, body: dict[str, Any]) -> str:
+    """The text a replica's prefix cache would hold for this request: every message of a chat (role
+    and content, in order), or a completion's prompt (the first one of a batch)."""
+    if path.endswith("chat/completions"):
+        out = []
+        for m in body.get("messages") or []:
+            if not isinstance(m, dict):
+                continue
+            content = m.get("content")
+            if isinstance(content, list):
+                content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            out.append(f"<|{m.get('role', '')}|>{content if content is not None else ''}\n")
+        return "".join(out)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        prompt = prompt[0] if not isinstance(prompt[0], int) else prompt
+        if isinstance(prompt, list):
+            return " ".join(str(t) for t in prompt)
+    return prompt if isinstance(prompt, str) else ""
+
+
+def _output_budget(body: dict[str, Any]) -> float:
+    limit = body.get("max_completion_tokens") or body.get("max_tokens") or _DEFAULT_OUTPUT
+    n = body.get("n") or 1
+    try:
+        return float(min(int(limit), 4096) * min(int(n), 16))
+    except (TypeError, ValueError):
+        return float(_DEFAULT_OUTPUT)
+
+
+@dataclass(slots=True)
+class _Flight:
+    """One attempt in flight to one replica: what to undo when it ends."""
+
+    replica: Replica
+    tokens: float
+    done: bool = False
+
+
+class Router:
+    """Owns the replica set, the policy and the health loop, and proxies requests.
+
+    Invariants: a replica's ``inflight`` counts exactly the attempts sent to it that have not ended
+    (each ``_Flight`` is ended once); ``pending`` counts requests admitted and not yet answered
+    (a stream is answered when its last chunk is sent or the client leaves). Everything here runs
+    on one event loop; no locks.
+    """
+
+    def __init__(self, config: RouterConfig, policy: RoutingPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.rng = rng or random.Random()
+        self.policy = policy or make_policy(config, self.rng)
+        self.clock = clock
+        self.replicas: dict[str, Replica] = {}
+        self.metrics = RouterMetrics()
+        self.pending = 0
+        self.queue_depth = 0
+        self.draining = False
+        self.chars_per_token = config.chars_per_token
+        self.avg_request_tokens = float(_DEFAULT_OUTPUT)
+        self._changed = asyncio.Event()
+        self._client: httpx.AsyncClient | None = None
+        self.probe_client: httpx.AsyncClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.on_change: Callable[[], None] | None = None  # the supervisor's hook
+
+    # ------------------------------------------------------------ replica set
+    def add_replica(self, name: str, url: str, process: ReplicaProcess | None = None) -> Replica:
+        """A new replica starts unroutable; its first good health probe makes it routable."""
+        assert name not in self.replicas, name
+        rep = Replica(name, url.rstrip("/"), CircuitBreaker(self.config.failure_threshold, self.config.open_cooldown),
+                      PrefixTree(self.config.tree_max_chars), process=process, started_at=self.clock())
+        self.replicas[name] = rep
+        log.info("replica %s at %s added", name, rep.url)
+        return rep
+
+    def remove_replica(self, name: str) -> None:
+        rep = self.replicas.pop(name, None)
+        if rep is not None:
+            log.info("replica %s removed", name)
+            self._notify()
+
+    def routable(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.routable]
+
+    @property
+    def inflight(self) -> int:
+        return sum(r.inflight for r in self.replicas.values())
+
+    def _notify(self) -> None:
+        # NOTE: waiters hold the old event; setting it wakes them all, and the next wait gets a fresh one.
+        self._changed.set()
+        self._changed = asyncio.Event()
+        if self.on_change is not None:
+            self.on_change()
+
+    def _opened(self, rep: Replica, why: str) -> None:
+        rep.healthy_since = None
+        rep.tree.clear()  # a replica that failed may have lost its cache: claim nothing
+        log.warning("replica %s is out of rotation: %s", rep.name, why)
+        self._notify()
+
+    def record_failure(self, rep: Replica, why: str, fatal: bool = False) -> None:
+        if rep.breaker.failure(self.clock(), fatal):
+            self._opened(rep, why)
+
+    def record_success(self, rep: Replica) -> None:
+        if rep.breaker.success(self.clock()):
+            rep.healthy_since = self.clock()
+            log.info("replica %s is routable", rep.name)
+            self._notify()
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        cfg = self.config
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout),
+                                         limits=limits)
+        self.probe_client = httpx.AsyncClient(timeout=cfg.health_timeout)
+        self._tasks = [asyncio.create_task(self._every(cfg.health_interval, self._probe)),
+                       asyncio.create_task(self._every(cfg.metrics_interval, self._scrape))]
+        await self.probe_all()
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for c in (self._client, self.probe_client):
+            if c is not None:
+                await c.aclose()
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self._probe(r) for r in list(self.replicas.values())))
+
+    async def _every(self, interval: float, fn: Callable[[Replica], Any]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.gather(*(fn(r) for r in list(self.replicas.values())), return_exceptions=True)
+
+    async def _probe(self, rep: Replica) -> None:
+        assert self.probe_client is not None
+        try:
+            r = await self.probe_client.get(rep.url + "/health")
+        except httpx.ConnectError as e:
+            self.record_failure(rep, f"health probe: cannot connect ({e})", fatal=True)
+            return
+        except httpx.HTTPError as e:
+            self.record_failure(rep, f"health probe: {type(e).__name__}")
+            return
+        if r.status_code == 200:
+            self.record_success(rep)
+        else:
+            # NOTE: a replica that answers 503 (draining, engine dead) asks to get nothing more.
+            self.record_failure(rep, f"health probe answered {r.status_code}", fatal=True)
+
+    async def _scrape(self, rep: Replica) -> None:
+        if not rep.breaker.closed:
+            return
+        assert self.probe_client is not None
+        try:
+            r = await self.probe_client.get(rep.url + "/metrics")
+        except httpx.HTTPError:
+            return
+        if r.status_code == 200:
+            running, waiting = parse_load(r.text)
+            rep.running, rep.waiting = running, waiting
+            # NOTE: taken against the in-flight count of this moment; later finishes are seen by the
+            # router at once, so stale running/waiting numbers never count twice.
+            rep.external = max(0, running + waiting - rep.inflight)
+
+    # ------------------------------------------------------------ routing
+    def route_request(self, path: str, body: dict[str, Any]) -> RouteRequest:
+        text = render_prompt(path, body)
+        return RouteRequest(text, len(text) / self.chars_per_token, _output_budget(body))
+
+    async def pick(self, rr: RouteRequest, tried: set[int], wait: bool = True) -> Decision:
+        """A decision among routable replicas not yet tried; waits (bounded) for one to appear."""
+        deadline = self.clock() + (self.config.queue_timeout if wait else 0.0)
+        self.queue_depth += 1
+        try:
+            while True:
+                cands = [r for r in self.routable() if id(r) not in tried]
+                if cands:
+                    return self.policy.choose(cands, rr, self.avg_request_tokens)
+                left = deadline - self.clock()
+                if left <= 0:
+                    raise RouterError(503, "no replica is available to serve this request (all are starting, "
+                                      "restarting, draining or failing); retry shortly", "no_replica",
+                                      self.config.retry_after)
+                event = self._changed
+                try:
+                    await asyncio.wait_for(event.wait(), timeout=min(left, self.config.health_interval))
+                except TimeoutError:
+                    pass
+        finally:
+            self.queue_depth -= 1
+
+    def _begin(self, d: Decision, rr: RouteRequest, retry: bool) -> _Flight:
+        rep = d.replica
+        share = d.matched_chars / max(len(rr.text), 1)
+        cached = rr.prompt_tokens * share
+        tokens = rr.prompt_tokens - cached + rr.output_tokens
+        rep.inflight += 1
+        rep.inflight_tokens += tokens
+        rep.routed += 1
+        rep.est_prompt_tokens += rr.prompt_tokens
+        rep.est_cached_tokens += cached
+        rep.tree.insert(rr.text, self.clock())
+        self.avg_request_tokens += 0.05 * (rr.prompt_tokens + rr.output_tokens - self.avg_request_tokens)
+        self.metrics.routed.labels(rep.name, "retry" if retry else d.reason).inc()
+        self.metrics.est_prompt.labels(rep.name).inc(rr.prompt_tokens)
+        self.metrics.est_cached.labels(rep.name).inc(cached)
+        return _Flight(rep, tokens)
+
+    @staticmethod
+    def _end(f: _Flight) -> None:
+        if not f.done:
+            f.done = True
+            f.replica.inflight -= 1
+            f.replica.inflight_tokens = max(0.0, f.replica.inflight_tokens - f.tokens) if f.replica.inflight else 0.0
+
+    def _learn(self, rr: RouteRequest, content: bytes) -> None:
+        """Refine characters per token from a replica's own count of the prompt."""
+        try:
+            usage = json.loads(content).get("usage") or {}
+            tokens = int(usage.get("prompt_tokens") or 0)
+        except (ValueError, AttributeError, TypeError):
+            return
+        if tokens > 0 and len(rr.text) > 0:
+            ratio = min(max(len(rr.text) / tokens, 1.0), 16.0)
+            self.chars_per_token += 0.1 * (ratio - self.chars_per_token)
+
+    # ------------------------------------------------------------ proxying
+    async def forward(self, path: str, raw: bytes, body: dict[str, Any], headers: dict[str, str]) -> Response:
+        """Send one POST to a replica; the answer, or an error once retries are spent."""
+        cfg = self.config
+        if self.draining:
+            raise RouterError(503, "the router is shutting down; retry shortly", "draining", cfg.retry_after)
+        if self.pending >= cfg.max_pending:
+            raise RouterError(429, f"the router holds {self.pending} requests, its limit (--max-pending); "
+                              "retry later", "overloaded", cfg.retry_after)
+        rr = self.route_request(path, body)
+        stream = bool(body.get("stream"))
+        send_headers = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+        self.pending += 1
+        handed_off = False
+        tried: set[int] = set()
+        last: tuple[int, str, str] | None = None  # status, why, replica
+        try:
+            for attempt in range(cfg.max_retries + 1):
+                # After a 429 only replicas routable right now are worth trying: waiting would not help.
+                d = await self.pick(rr, tried, wait=last is None or last[0] != 429)
+                rep = d.replica
+                tried.add(id(rep))
+                flight = self._begin(d, rr, retry=attempt > 0)
+                outcome = await self._attempt(flight, path, raw, send_headers, stream, rr)
+                if isinstance(outcome, Response):
+                    handed_off = stream and outcome.status_code == 200
+                    return outcome
+                last = outcome
+                self.metrics.retries.labels(rep.name, str(outcome[0]) if outcome[0] else "transport").inc()
+                log.info("request failed on %s before its answer began (%s)%s", rep.name, outcome[1],
+                         "; retrying on another replica" if attempt < cfg.max_retries else "")
+        except RouterError as e:
+            if last is None:
+                raise
+            log.info("no replica left to retry on: %s", e)
+        finally:
+            if not handed_off:
+                self.pending -= 1
+        assert last is not None
+        status, why, name = last
+        if status == 429:
+            raise RouterError(429, "every replica tried is at capacity; retry later", "overloaded", cfg.retry_after)
+        raise RouterError(502 if status else 503, f"the request failed on {len(tried)} replica(s), last on {name}: "
+                          f"{why}; retry shortly", "replica_failed", cfg.retry_after)
+
+    async def _attempt(self, f: _Flight, path: str, raw: bytes, headers: dict[str, str], stream: bool,
+                       rr: RouteRequest) -> Response | tuple[int, str, str]:
+        """One try on one replica: a Response to give the client, or (status, why, replica) to retry."""
+        assert self._client is not None
+        rep = f.replica
+        resp: httpx.Response | None = None
+        handed_off = False
+        try:
+            req = self._client.build_request("POST", rep.url + path, content=raw, headers=headers)
+            resp = await self._client.send(req, stream=True)
+            if resp.status_code in _RETRYABLE:
+                text = (await resp.aread()).decode(errors="replace")[:300]
+                fatal = resp.status_code == 503
+                if resp.status_code != 429:
+                    rep.failures += 1
+                    self.record_failure(rep, f"answered {resp.status_code}", fatal=fatal)
+                return resp.status_code, f"{rep.name} answered {resp.status_code}: {text}", rep.name
+            back = {k: v for k, v in resp.headers.items() if k.lower() in _PASS_BACK}
+            back["x-tripod-replica"] = rep.name
+            if not stream or resp.status_code != 200:
+                content = await resp.aread()
+                if resp.status_code == 200:
+                    self.record_success(rep)
+                    self._learn(rr, content)
+                return Response(content, status_code=resp.status_code, headers=back)
+            it = resp.aiter_raw()
+            first = b""
+            while not first:
+                first = await anext(it)  # StopAsyncIteration: closed before any byte
+            self.record_success(rep)
+            upstream = resp
+            handed_off = True  # the stream owns the flight and the upstream response now
+            return _ClosingStream(self._relay(f, it, first), headers=back,
+                                  on_close=lambda: self._close_stream(f, upstream))
+        except (httpx.HTTPError, StopAsyncIteration) as e:
+            rep.failures += 1
+            self.record_failure(rep, f"{type(e).__name__}: {e}", fatal=isinstance(e, httpx.ConnectError))
+            return 0, f"{type(e).__name__} talking to {rep.name}: {e}", rep.name
+        finally:
+            if not handed_off:
+                self._end(f)
+                if resp is not None:
+                    await resp.aclose()
+
+    async def _relay(self, f: _Flight, it: AsyncIterator[bytes], first: bytes) -> AsyncIterator[bytes]:
+        rep = f.replica
+        yield first
+        sent = 1
+        try:
+            async for chunk in it:
+                yield chunk
+                sent += 1
+        except httpx.HTTPError as e:
+            rep.failures += 1
+            self.metrics.stream_failures.labels(rep.name).inc()
+            self.record_failure(rep, f"stream cut: {type(e).__name__}")
+            log.warning("stream from %s cut after %d chunks: %s", rep.name, sent, e)
+            body = {"error": {
+                "message": f"the replica serving this stream ({rep.name}) failed after the answer had started "
+                           f"({type(e).__name__}); the answer is incomplete. It was not retried elsewhere, so no "
+                           "part of it is duplicated: send the request again.",
+                "type": "server_error", "param": None, "code": "replica_failed"}}
+            yield b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    def _close_stream(self, f: _Flight, resp: httpx.Response) -> None:
+        self._end(f)
+        self.pending -= 1
+        # NOTE: closing the upstream response drops the connection, which the replica sees as the
+        # client leaving: it aborts the request and frees its KV.
+        asyncio.get_running_loop().create_task(resp.aclose())
+
+
+class _ClosingStream(StreamingResponse):
+    """A stream whose ``on_close`` runs exactly once however it ends (done, client gone, cancelled)."""
+
+    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str], on_close: Callable[[], None]) -> None:
+        super().__init__(body, headers=headers)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+_LOAD_NAMES = {
+    "running": ("tripod:num_requests_running", "vllm:num_requests_running", "sglang:num_running_reqs"),
+    "waiting": ("tripod:num_requests_waiting", "vllm:num_requests_waiting", "sglang:num_queue_reqs"),
+}
+
+
+def parse_load(text: str) -> tuple[int, int]:
+    """Running and waiting sequences from a Prometheus text page (tripod's, vLLM's or SGLang's names)."""
+    found = {"running": 0.0, "waiting": 0.0}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for key, names in _LOAD_NAMES.items():
+            if name in names:
+                try:
+                    found[key] += float(line.rsplit(" ", 1)[1])
+                except (IndexError, ValueError):
+                    pass
+    return int(found["running"]), int(found["waiting"])

@@ -1,0 +1,217 @@
+"""The replica supervisor: launches replicas, restarts the ones that die, scales the fleet.
+
+Each replica has a slot (``replica-<i>``). A slot whose process exits unasked is relaunched after
+a backoff that doubles per crash (reset once the replica has been healthy a while); the new process
+joins the router unroutable and becomes routable on its first good health probe. Scale-down drains:
+the replica stops receiving requests, its in-flight requests finish (up to ``drain_timeout``), then
+it gets SIGTERM, which makes the server itself drain before exiting — no request is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tripod.config import FleetConfig
+from tripod.router.autoscaler import Autoscaler
+from tripod.router.replicas import ReplicaLauncher, ReplicaProcess
+from tripod.router.router import Router
+
+log = logging.getLogger("tripod.fleet")
+
+_WATCH_INTERVAL = 0.5
+_STABLE_AFTER = 30.0  # healthy this long: the next crash starts the backoff over
+
+
+@dataclass(slots=True)
+class _Slot:
+    index: int
+    process: ReplicaProcess | None = None
+    restarts: int = 0
+    backoff: float = 0.0
+    restart_at: float | None = None
+    stopping: bool = False
+    launching: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"replica-{self.index}"
+
+
+class Supervisor:
+    """Owns the replica slots and their processes; keeps the router's replica set in step with them."""
+
+    def __init__(self, router: Router, launcher: ReplicaLauncher, config: FleetConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.router = router
+        self.launcher = launcher
+        self.config = config
+        self.clock = clock
+        self.autoscaler = Autoscaler(config)
+        self.slots: dict[int, _Slot] = {}
+        self.scale_events: list[dict[str, Any]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._drains: set[asyncio.Task[None]] = set()
+        self._closing = False
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        await asyncio.gather(*(self._launch(self._new_slot()) for _ in range(self.config.min_replicas)))
+        self._tasks.append(asyncio.create_task(self._watch()))
+        if self.config.autoscaling:
+            self._tasks.append(asyncio.create_task(self._autoscale()))
+
+    async def wait_routable(self, timeout: float) -> bool:
+        deadline = self.clock() + timeout
+        while not self.router.routable():
+            if self.clock() > deadline:
+                return False
+            await asyncio.sleep(0.2)
+        return True
+
+    async def stop(self) -> None:
+        """Every replica drains and exits (SIGTERM; SIGKILL past the drain timeout)."""
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, *self._drains, return_exceptions=True)
+        procs = [s.process for s in self.slots.values() if s.process is not None]
+        for p in procs:
+            p.terminate()
+        codes = await asyncio.gather(*(asyncio.to_thread(p.wait, self.config.drain_timeout) for p in procs))
+        for p, code in zip(procs, codes, strict=True):
+            if code is None:
+                log.warning("%s did not exit in %.0f s; killing it", p.name, self.config.drain_timeout)
+                p.kill()
+        await asyncio.to_thread(self.launcher.close)
+
+    # ------------------------------------------------------------ slots
+    def _new_slot(self) -> _Slot:
+        index = next(i for i in range(len(self.slots) + 1) if i not in self.slots)
+        slot = self.slots[index] = _Slot(index)
+        return slot
+
+    async def _launch(self, slot: _Slot) -> None:
+        slot.launching = True
+        try:
+            proc = await asyncio.to_thread(self.launcher.launch, slot.index)
+        except Exception as e:  # a launcher failure is a crash like any other: back off, retry
+            log.error("%s could not be launched: %s", slot.name, e)
+            self._schedule_restart(slot)
+            return
+        finally:
+            slot.launching = False
+        if slot.stopping or self._closing:
+            proc.terminate()
+            return
+        slot.process = proc
+        slot.restart_at = None
+        rep = self.router.add_replica(slot.name, proc.url, proc)
+        rep.restarts = slot.restarts
+        log.info("%s launched at %s (pid %s)", slot.name, proc.url, proc.pid)
+
+    def _schedule_restart(self, slot: _Slot) -> None:
+        cfg = self.config
+        slot.backoff = cfg.restart_backoff if slot.backoff == 0 else min(slot.backoff * 2, cfg.restart_backoff_max)
+        slot.restart_at = self.clock() + slot.backoff
+        slot.restarts += 1
+        log.warning("%s: restarting in %.1f s (restart %d)", slot.name, slot.backoff, slot.restarts)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(_WATCH_INTERVAL)
+            await self.check()
+
+    async def check(self) -> None:
+        """One pass: notice exits and stuck start-ups, relaunch what is due."""
+        now = self.clock()
+        for slot in list(self.slots.values()):
+            if slot.stopping or slot.launching:
+                continue
+            if slot.process is None:
+                if slot.restart_at is not None and now >= slot.restart_at:
+                    await self._launch(slot)
+                continue
+            rep = self.router.replicas.get(slot.name)
+            code = await asyncio.to_thread(slot.process.exit_code)
+            if code is not None:
+                log.error("%s (pid %s) exited with code %s", slot.name, slot.process.pid, code)
+            elif rep is not None and rep.healthy_since is None and rep.breaker.opened_count == 0 \
+                    and now - rep.started_at > self.config.start_timeout:
+                log.error("%s not healthy %.0f s after launch; killing it", slot.name, self.config.start_timeout)
+                slot.process.kill()
+            else:
+                if rep is not None and rep.healthy_since is not None and now - rep.healthy_since > _STABLE_AFTER:
+                    slot.backoff = 0.0
+                continue
+            slot.process = None
+            self.router.remove_replica(slot.name)
+            self._schedule_restart(slot)
+
+    # ------------------------------------------------------------ scaling
+    @property
+    def active(self) -> list[_Slot]:
+        return [s for s in self.slots.values() if not s.stopping]
+
+    async def _autoscale(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.autoscale_interval)
+            now = self.clock()
+            self.autoscaler.observe(now, self.router.inflight + self.router.queue_depth)
+            current = len(self.active)
+            target = self.autoscaler.decide(now, current)
+            if target != current:
+                await self.scale_to(target)
+
+    async def scale_to(self, n: int) -> None:
+        n = max(self.config.min_replicas, min(self.config.max_replicas, n))
+        active = self.active
+        self.scale_events.append({"at": round(self.clock(), 3), "from": len(active), "to": n})
+        if n > len(active):
+            log.info("scaling up: %d → %d replicas", len(active), n)
+            await asyncio.gather(*(self._launch(self._new_slot()) for _ in range(n - len(active))))
+        elif n < len(active):
+            log.info("scaling down: %d → %d replicas (draining %d)", len(active), n, len(active) - n)
+
+            def cost(s: _Slot) -> tuple[int, int, int]:
+                rep = self.router.replicas.get(s.name)
+                # Not-yet-routable replicas first, then the least busy, then the newest.
+                return (1 if rep is not None and rep.routable else 0, rep.inflight if rep else 0, -s.index)
+
+            for slot in sorted(active, key=cost)[: len(active) - n]:
+                slot.stopping = True
+                task = asyncio.create_task(self._drain(slot))
+                self._drains.add(task)
+                task.add_done_callback(self._drains.discard)
+
+    async def _drain(self, slot: _Slot) -> None:
+        rep = self.router.replicas.get(slot.name)
+        if rep is not None:
+            rep.draining = True  # NOTE: from here the policy never sees it; in-flight requests go on
+            deadline = self.clock() + self.config.drain_timeout
+            while rep.inflight > 0 and self.clock() < deadline:
+                await asyncio.sleep(0.1)
+            if rep.inflight:
+                log.warning("%s still has %d requests after %.0f s of draining", slot.name, rep.inflight,
+                            self.config.drain_timeout)
+        proc = slot.process
+        if proc is not None:
+            proc.terminate()  # the server drains too: anything still in flight there finishes
+            if await asyncio.to_thread(proc.wait, self.config.drain_timeout) is None:
+                proc.kill()
+        self.router.remove_replica(slot.name)
+        self.slots.pop(slot.index, None)
+        log.info("%s drained and stopped", slot.name)
+
+    def info(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "backend": cfg.backend, "min_replicas": cfg.min_replicas, "max_replicas": cfg.max_replicas,
+            "active_replicas": len(self.active), "desired_replicas": self.autoscaler.desired(),
+            "scale_events": self.scale_events[-50:],
+            "restarts": {s.name: s.restarts for s in self.slots.values()},
+        }
