@@ -184,6 +184,9 @@ class Supervisor:
 
             for slot in sorted(active, key=cost)[: len(active) - n]:
                 slot.stopping = True
+                rep = self.router.replicas.get(slot.name)
+                if rep is not None:
+                    rep.draining = True  # NOTE: from here the policy never sees it; in-flight requests go on
                 task = asyncio.create_task(self._drain(slot))
                 self._drains.add(task)
                 task.add_done_callback(self._drains.discard)
@@ -191,7 +194,6 @@ class Supervisor:
     async def _drain(self, slot: _Slot) -> None:
         rep = self.router.replicas.get(slot.name)
         if rep is not None:
-            rep.draining = True  # NOTE: from here the policy never sees it; in-flight requests go on
             deadline = self.clock() + self.config.drain_timeout
             while rep.inflight > 0 and self.clock() < deadline:
                 await asyncio.sleep(0.1)

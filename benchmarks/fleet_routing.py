@@ -1,0 +1,125 @@
+"""Routing policies compared on a multi-turn (agentic) workload over N replicas.
+
+For each policy: start N fresh ``tripod serve`` replicas (empty caches), a ``tripod route --policy P``
+in front of them, and run ``tripod bench --dataset agentic`` against the router (sessions whose
+turns resend the growing conversation). Records the cached share of prompt tokens (from the
+replicas' own ``usage``) and TTFT, and the cache_aware / round_robin ratios, as markdown.
+
+    python benchmarks/fleet_routing.py --replicas 2 --concurrency 8 --out benchmarks/results/fleet_routing.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from tripod.router.replicas import free_port, spawn_serve
+
+
+def _wait(url: str, procs: list[subprocess.Popen[bytes]], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise SystemExit(f"a process exited while waiting for {url}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} not healthy in {timeout} s")
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def run_policy(policy: str, args: argparse.Namespace, out: Path) -> dict[str, float]:
+    threads = max(1, (os.cpu_count() or 1) // args.replicas)
+    serve_args = ["--dtype", args.dtype, "--kv-cache-tokens", str(args.kv_cache_tokens), "--threads", str(threads)]
+    ports = [free_port() for _ in range(args.replicas)]
+    replicas = [spawn_serve("127.0.0.1", p, serve_args, subprocess.DEVNULL) for p in ports]
+    procs = list(replicas)
+    try:
+        for p in ports:
+            _wait(f"http://127.0.0.1:{p}", replicas)
+        rport = free_port()
+        router = subprocess.Popen([sys.executable, "-m", "tripod.cli", "route", "--port", str(rport), "--policy", policy,
+                                   *[a for p in ports for a in ("--replica", f"http://127.0.0.1:{p}")]],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        procs.append(router)
+        url = f"http://127.0.0.1:{rport}"
+        _wait(url, [router])
+        cmd = [sys.executable, "-m", "tripod.cli", "bench", "--base-url", f"{url},label={policy}", "--dataset", "agentic",
+               "--turns", str(args.turns), "--isl", str(args.isl), "--osl", str(args.osl),
+               "--concurrency", str(args.concurrency), "--prompts-per-concurrency", str(args.k),
+               "--warmup", "0", "--seed", str(args.seed), "--out", str(out / policy)]
+        subprocess.run(cmd, check=True)
+    finally:
+        _stop(procs)
+    run = json.loads((out / policy / "results.json").read_text())["runs"][0]
+    return {"cached_share": run["cached_token_share"], "ttft_mean": run["ttft_ms"]["mean"],
+            "ttft_p50": run["ttft_ms"]["p50"], "ttft_p99": run["ttft_ms"]["p99"],
+            "output_throughput": run["output_throughput"], "completed": run["completed"], "failed": run["failed"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--policies", default="round_robin,least_load,cache_aware")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--k", type=int, default=4, help="requests per level = k x concurrency")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--isl", type=int, default=256)
+    p.add_argument("--osl", type=int, default=32)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-tokens", type=int, default=32768)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="markdown file to write (default: print)")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="fleet-routing-"))
+    rows = {pol: run_policy(pol, args, work) for pol in args.policies.split(",")}
+    lines = [
+        "# Routing policies on a multi-turn workload",
+        "",
+        f"`python benchmarks/fleet_routing.py --replicas {args.replicas} --concurrency {args.concurrency} --k {args.k} "
+        f"--turns {args.turns} --isl {args.isl} --osl {args.osl}` on {platform.machine()} with {os.cpu_count()} CPUs, "
+        f"{time.strftime('%Y-%m-%d')}; each policy on fresh replicas (empty caches); `tripod bench --dataset agentic` "
+        "through `tripod route`. Cached share = cached prompt tokens / prompt tokens, from the replicas' `usage`.",
+        "",
+        "| policy | cached share | TTFT mean (ms) | TTFT p50 | TTFT p99 | output tok/s | completed | failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for pol, r in rows.items():
+        lines.append(f"| {pol} | {r['cached_share']:.3f} | {r['ttft_mean']:.0f} | {r['ttft_p50']:.0f} | "
+                     f"{r['ttft_p99']:.0f} | {r['output_throughput']:.1f} | {r['completed']:.0f} | {r['failed']:.0f} |")
+    if "cache_aware" in rows and "round_robin" in rows:
+        ca, rr = rows["cache_aware"], rows["round_robin"]
+        lines += ["", f"cache_aware / round_robin: cached share x{ca['cached_share'] / max(rr['cached_share'], 1e-9):.2f}, "
+                  f"mean TTFT x{ca['ttft_mean'] / rr['ttft_mean']:.2f}."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    print(f"bench folders: {work}")
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
