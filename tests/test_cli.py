@@ -93,3 +93,21 @@ def test_serve_with_a_missing_model_fails_clearly() -> None:
     r = _tripod("serve", "--model", "/nonexistent/model.gguf", "--port", "1")
     assert r.returncode == 2
     assert "does not exist" in r.stderr
+
+
+def test_fleet_with_a_missing_model_fails_fast_and_clearly() -> None:
+    r = _tripod("serve", "--replicas", "2", "--model", "/nonexistent/model.gguf", "--port", "0")
+    assert r.returncode == 2
+    assert "does not exist" in r.stderr and "failed to start" in r.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (("route",), "--replica"),
+    (("route", "--replica", "localhost:8000"), "http(s) URL"),
+    (("serve", "--min-replicas", "3", "--max-replicas", "2"), "min_replicas"),
+    (("route", "--replica", "http://127.0.0.1:1", "--policy", "random"), "invalid choice"),
+])
+def test_fleet_option_errors_are_clear(args: tuple[str, ...], words: str) -> None:
+    r = _tripod(*args)
+    assert r.returncode == 2
+    assert words in r.stderr, r.stderr

@@ -241,3 +241,27 @@ def test_autoscale_up_under_load_and_down_after_without_losing_requests(tmp_path
     assert len(results) >= 12
     failed = [r for r in results if not r["done"] or r["error"] is not None]
     assert not failed, failed
+
+
+def test_ray_backend_serves_through_the_router(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    fleet = TripodProcess(tmp_path, "serve", "--backend", "ray", "--replicas", "1", "--ray-num-cpus", "1",
+                          "--health-interval", "0.2", *REPLICA_ARGS, start_timeout=300)
+    try:
+        f = fleet.fleet()
+        assert f["backend"] == "ray"
+        (rep,) = f["replicas"]
+        assert rep["state"] == "healthy" and rep["actor_name"].startswith("tripod-replica-0") and rep["node_id"]
+        client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8, temperature=0)
+        answer = raw.parse()
+        assert raw.headers["x-tripod-replica"] == "replica-0"
+        assert answer.choices[0].message.content and answer.usage is not None and answer.usage.completion_tokens > 0
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8, temperature=0,
+            stream=True) if c.choices)
+        assert streamed == answer.choices[0].message.content
+    finally:
+        assert fleet.stop() == 0

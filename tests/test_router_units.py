@@ -215,6 +215,8 @@ class FakeProcess:
 
 
 class FakeLauncher:
+    blocking = True
+
     def __init__(self) -> None:
         self.launched: list[FakeProcess] = []
 

@@ -7,6 +7,7 @@ one replica is routable. ``/metrics`` is the router's own Prometheus page.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -41,6 +42,12 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is already read: only a disconnect can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def build_router_app(router: Router, lifespan: Any = None,
                      fleet_info: Callable[[], dict[str, Any]] | None = None) -> Starlette:
     metrics = router.metrics
@@ -64,7 +71,18 @@ def build_router_app(router: Router, lifespan: Any = None,
                               "invalid_json") from None
         if not isinstance(body, dict):
             raise RouterError(400, "the request body must be a JSON object", "invalid_json")
-        return await router.forward(request.url.path, raw, body, dict(request.headers))
+        forward = asyncio.ensure_future(router.forward(request.url.path, raw, body, dict(request.headers)))
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({forward, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if forward.done():
+            gone.cancel()
+            return forward.result()
+        # NOTE: the client left while the router waited on a replica (a non-streamed answer, or a
+        # stream before its first token): cancelling closes the upstream connection, and the
+        # replica aborts the request and frees its KV.
+        forward.cancel()
+        await asyncio.gather(forward, return_exceptions=True)
+        return Response(status_code=499)
 
     async def models(request: Request) -> Response:
         """Any routable replica's answer (they serve one model)."""

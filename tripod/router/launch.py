@@ -50,7 +50,10 @@ def _run(router: Router, app: Any, config: RouterConfig, log_level: int, drain_t
                         access_log=False, timeout_graceful_shutdown=max(1, int(drain_timeout)), lifespan="on",
                         timeout_keep_alive=30)
     server = _Server(uv, router)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's own exit when start-up failed (the reason is logged): ours is 2
+        return False
     return bool(server.started)
 
 
@@ -108,8 +111,8 @@ def serve_fleet(config: RouterConfig, fleet: FleetConfig, serve_args: list[str],
         try:
             if not await supervisor.wait_routable(fleet.start_timeout):
                 failed = True
-                raise RuntimeError(f"no replica became healthy in {fleet.start_timeout:.0f} s"
-                                   + (f"; see the logs in {log_dir}" if log_dir else ""))
+                why = supervisor.fatal or f"no replica became healthy in {fleet.start_timeout:.0f} s"
+                raise RuntimeError(why + (f" (replica logs in {log_dir})" if log_dir else ""))
             log.info("fleet ready: %d replica(s) (%s backend, %s routing) at http://%s:%d/v1, pid %d",
                      len(router.routable()), fleet.backend, config.policy, config.host, config.port, os.getpid())
             yield

@@ -98,4 +98,6 @@ class Replica:
             "estimated_hit_rate": round(self.est_cached_tokens / self.est_prompt_tokens, 4)
             if self.est_prompt_tokens else None,
             "tree_chars": self.tree.size,
+            # Ray replicas: the actor and the node it was placed on.
+            **{k: getattr(self.process, k) for k in ("actor_name", "node_id") if hasattr(self.process, k)},
         }

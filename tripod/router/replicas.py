@@ -44,7 +44,10 @@ class ReplicaProcess(Protocol):
 
 
 class ReplicaLauncher(Protocol):
-    """Starts replicas. ``launch`` may block (the supervisor calls it from a thread)."""
+    """Starts replicas. When ``blocking``, ``launch`` may block and the supervisor calls it from a
+    thread; otherwise it is called on the event loop."""
+
+    blocking: bool
 
     def launch(self, index: int) -> ReplicaProcess: ...
 
@@ -115,6 +118,10 @@ class LocalProcess:
 class LocalLauncher:
     """Replicas as child processes on this machine, each on a free port of ``host``; their output
     goes to ``log_dir/replica-<index>.log`` when a folder is given, else to this process's."""
+
+    # NOTE: launched from the event loop's thread, not a worker thread: PDEATHSIG fires when the
+    # *thread* that forked the child exits, and a pool thread may exit long before this process.
+    blocking = False
 
     def __init__(self, serve_args: list[str], host: str = "127.0.0.1", log_dir: Path | None = None) -> None:
         self.serve_args = serve_args

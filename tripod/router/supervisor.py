@@ -57,6 +57,8 @@ class Supervisor:
         self._tasks: list[asyncio.Task[None]] = []
         self._drains: set[asyncio.Task[None]] = set()
         self._closing = False
+        self.ever_healthy = False
+        self.fatal: str | None = None  # set when replicas cannot start at all (exit 2 before any was healthy)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -68,7 +70,7 @@ class Supervisor:
     async def wait_routable(self, timeout: float) -> bool:
         deadline = self.clock() + timeout
         while not self.router.routable():
-            if self.clock() > deadline:
+            if self.clock() > deadline or self.fatal is not None:
                 return False
             await asyncio.sleep(0.2)
         return True
@@ -80,13 +82,12 @@ class Supervisor:
             t.cancel()
         await asyncio.gather(*self._tasks, *self._drains, return_exceptions=True)
         procs = [s.process for s in self.slots.values() if s.process is not None]
-        for p in procs:
-            p.terminate()
+        await asyncio.gather(*(asyncio.to_thread(p.terminate) for p in procs))
         codes = await asyncio.gather(*(asyncio.to_thread(p.wait, self.config.drain_timeout) for p in procs))
         for p, code in zip(procs, codes, strict=True):
             if code is None:
                 log.warning("%s did not exit in %.0f s; killing it", p.name, self.config.drain_timeout)
-                p.kill()
+                await asyncio.to_thread(p.kill)
         await asyncio.to_thread(self.launcher.close)
 
     # ------------------------------------------------------------ slots
@@ -98,7 +99,10 @@ class Supervisor:
     async def _launch(self, slot: _Slot) -> None:
         slot.launching = True
         try:
-            proc = await asyncio.to_thread(self.launcher.launch, slot.index)
+            if self.launcher.blocking:
+                proc = await asyncio.to_thread(self.launcher.launch, slot.index)
+            else:
+                proc = self.launcher.launch(slot.index)
         except Exception as e:  # a launcher failure is a crash like any other: back off, retry
             log.error("%s could not be launched: %s", slot.name, e)
             self._schedule_restart(slot)
@@ -106,7 +110,7 @@ class Supervisor:
         finally:
             slot.launching = False
         if slot.stopping or self._closing:
-            proc.terminate()
+            await asyncio.to_thread(proc.terminate)
             return
         slot.process = proc
         slot.restart_at = None
@@ -138,12 +142,18 @@ class Supervisor:
                 continue
             rep = self.router.replicas.get(slot.name)
             code = await asyncio.to_thread(slot.process.exit_code)
+            if rep is not None and rep.healthy_since is not None:
+                self.ever_healthy = True
             if code is not None:
                 log.error("%s (pid %s) exited with code %s", slot.name, slot.process.pid, code)
+                if code == 2 and not self.ever_healthy and (rep is None or rep.breaker.opened_count == 0):
+                    # A start-up failure (bad model, bad option) before any replica ever served:
+                    # restarting would fail the same way, forever.
+                    self.fatal = f"{slot.name} failed to start (exit code 2); its error is in the log above"
             elif rep is not None and rep.healthy_since is None and rep.breaker.opened_count == 0 \
                     and now - rep.started_at > self.config.start_timeout:
                 log.error("%s not healthy %.0f s after launch; killing it", slot.name, self.config.start_timeout)
-                slot.process.kill()
+                await asyncio.to_thread(slot.process.kill)
             else:
                 if rep is not None and rep.healthy_since is not None and now - rep.healthy_since > _STABLE_AFTER:
                     slot.backoff = 0.0
@@ -202,9 +212,9 @@ class Supervisor:
                             self.config.drain_timeout)
         proc = slot.process
         if proc is not None:
-            proc.terminate()  # the server drains too: anything still in flight there finishes
+            await asyncio.to_thread(proc.terminate)  # the server drains too: what is in flight there finishes
             if await asyncio.to_thread(proc.wait, self.config.drain_timeout) is None:
-                proc.kill()
+                await asyncio.to_thread(proc.kill)
         self.router.remove_replica(slot.name)
         self.slots.pop(slot.index, None)
         log.info("%s drained and stopped", slot.name)
