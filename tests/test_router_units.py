@@ -334,3 +334,14 @@ def test_fleet_config_rejects_bad_values() -> None:
         FleetConfig(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match="backend"):
         FleetConfig(backend="k8s")
+
+
+def test_cache_aware_a_role_marker_alone_does_not_steer() -> None:
+    """Every chat starts with the same few characters; that is no reason to follow one replica."""
+    cfg = RouterConfig()
+    reps = _replicas(2, cfg)
+    reps[0].tree.insert("<|user|>an earlier, unrelated question", 0.0)
+    policy = CacheAwarePolicy(cfg, random.Random(0))
+    picks = Counter(policy.choose(reps, _req(f"<|user|>question {i}: " + "words " * 30), 256).replica.name
+                    for i in range(200))
+    assert min(picks.values()) > 60, picks

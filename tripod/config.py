@@ -139,6 +139,7 @@ class RouterConfig:
     load_weight: float = 1.0
     balance_abs: int = 4
     balance_rel: float = 1.5
+    min_match_tokens: float = 16.0  # a cached prefix shorter than this does not steer a request
     tree_max_chars: int = 2_000_000  # per replica
     chars_per_token: float = 4.0  # first estimate; refined from the usage replicas report
     health_interval: float = 1.0  # seconds between /health probes of each replica

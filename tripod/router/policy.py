@@ -68,7 +68,6 @@ class LeastLoadPolicy(RoutingPolicy):
         return Decision(r, "least_load", r.tree.match(req.text))
 
 
-MIN_MATCH_TOKENS = 16.0  # cache_aware: a shorter cached prefix is not worth steering a request for
 
 
 class CacheAwarePolicy(RoutingPolicy):
@@ -81,10 +80,10 @@ class CacheAwarePolicy(RoutingPolicy):
         allowed = [r for r in replicas if r.inflight <= limit]
         chars = max(len(req.text), 1)
         matched = {id(r): r.tree.match(req.text) for r in replicas}
-        # A prefix worth fewer than MIN_MATCH_TOKENS (a role marker, a common first word: nearly every
+        # A prefix worth fewer than min_match_tokens (a role marker, a common first word: nearly every
         # request shares one) is noise, not a reason to steer: it counts as no match, so unrelated
         # requests tie and spread instead of all following the first replica that saw any.
-        floor = MIN_MATCH_TOKENS * chars / req.prompt_tokens if req.prompt_tokens > 0 else float("inf")
+        floor = cfg.min_match_tokens * chars / req.prompt_tokens if req.prompt_tokens > 0 else float("inf")
         useful = {k: m if m >= floor else 0 for k, m in matched.items()}
         best_cost, best = float("inf"), []
         for r in allowed:

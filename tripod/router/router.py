@@ -120,6 +120,7 @@ class Router:
         self._client: httpx.AsyncClient | None = None
         self.probe_client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing: set[asyncio.Task[None]] = set()
         self.on_change: Callable[[], None] | None = None  # the supervisor's hook
 
     # ------------------------------------------------------------ replica set
@@ -402,7 +403,9 @@ class Router:
         self.pending -= 1
         # NOTE: closing the upstream response drops the connection, which the replica sees as the
         # client leaving: it aborts the request and frees its KV.
-        asyncio.get_running_loop().create_task(resp.aclose())
+        task = asyncio.get_running_loop().create_task(resp.aclose())
+        self._closing.add(task)  # NOTE: held until done: the loop keeps only weak references to tasks
+        task.add_done_callback(self._closing.discard)
 
 
 class _ClosingStream(StreamingResponse):

@@ -1,0 +1,642 @@
+"""The router over real HTTP: stub OpenAI-ish replicas and the router, each a uvicorn server in a
+background thread on 127.0.0.1, and clients (the official ``openai`` one, or httpx) in the test.
+
+Nothing is mocked: the stubs are small Starlette apps whose behaviour each test sets (answer, fail
+with a status, cut a stream, hold a request, ...) and which count what they were sent; the router is
+``build_router_app`` with a lifespan that starts and stops its ``Router``. State is waited for by
+polling with deadlines, never by fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tripod.config import RouterConfig
+from tripod.router.app import build_router_app
+from tripod.router.router import Router
+
+T = TypeVar("T")
+MODEL = "stub-model"
+CHAT = [{"role": "user", "content": "Say hi."}]
+STATUS_MODES = {"400": 400, "429": 429, "500": 500, "503": 503}
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def wait_for(pred: Callable[[], T], what: str, timeout: float = 10.0) -> T:
+    """Poll ``pred`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)  # polling for a state, with a deadline
+
+
+async def wait_event(event: threading.Event, timeout: float) -> bool:
+    """Wait for a threading.Event from a stub's event loop, cancellably (no thread left blocked)."""
+    deadline = time.monotonic() + timeout
+    while not event.is_set():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.005)
+    return True
+
+
+class ServerThread:
+    """An ASGI app served by uvicorn in a daemon thread on a free 127.0.0.1 port (the socket is bound
+    here and handed to uvicorn, so no other process can take the port in between)."""
+
+    def __init__(self, app: Any, graceful: float = 2.0, lifespan: str = "on") -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, http="h11", loop="asyncio", log_config=None, log_level="warning",
+                                access_log=False, lifespan=lifespan, timeout_graceful_shutdown=graceful)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started or not self.thread.is_alive(), "uvicorn to start")
+        if not self.server.started:
+            raise RuntimeError("uvicorn did not start (see the log)")
+
+    def stop(self, force: bool = False) -> None:
+        """Stop serving; ``force`` skips waiting for open connections (and the lifespan shutdown)."""
+        self.server.should_exit = True
+        self.server.force_exit = force
+        self.thread.join(15)
+        assert not self.thread.is_alive(), "uvicorn did not stop"
+        self.sock.close()
+
+
+def closed_port_url() -> tuple[str, socket.socket]:
+    """A URL whose port refuses connections: bound (so nobody else gets it) but not listening."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return f"http://127.0.0.1:{s.getsockname()[1]}", s
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def chunk_event(name: str, i: int) -> bytes:
+    return sse({"id": f"chatcmpl-{name}", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+                "choices": [{"index": 0, "delta": {"content": f"{name}#{i} "}, "finish_reason": None}]})
+
+
+def prompt_tokens(body: dict[str, Any]) -> int:
+    """A stub's token count of a prompt: about 4 characters a token, like the router's first guess."""
+    text = "".join(str(m.get("content", "")) for m in body.get("messages") or []) or str(body.get("prompt", ""))
+    return max(1, len(text) // 4)
+
+
+def ok_body(name: str, path: str, n_prompt: int = 5) -> bytes:
+    """A stub's exact non-stream answer (non-ASCII on purpose: it must come back byte for byte)."""
+    usage = {"prompt_tokens": n_prompt, "completion_tokens": 3, "total_tokens": n_prompt + 3}
+    if path.endswith("chat/completions"):
+        body = {"id": f"chatcmpl-{name}", "object": "chat.completion", "created": 1, "model": MODEL,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": f"héllo from {name} ✓"},
+                             "finish_reason": "stop"}], "usage": usage}
+    else:
+        body = {"id": f"cmpl-{name}", "object": "text_completion", "created": 1, "model": MODEL,
+                "choices": [{"index": 0, "text": f"héllo from {name} ✓", "finish_reason": "stop",
+                             "logprobs": None}], "usage": usage}
+    return json.dumps(body, ensure_ascii=False, indent=1).encode()
+
+
+def error_body(name: str, status: int) -> bytes:
+    return json.dumps({"error": {"message": f"{name} answers {status} on purpose", "type": "stub_error",
+                                 "param": "max_tokens", "code": f"stub_{status}"}}).encode()
+
+
+class Stub:
+    """An OpenAI-ish upstream. ``mode`` (read when a request arrives):
+
+    - ``ok``: answer (a stream: 3 chunks and ``[DONE]``);
+    - ``400`` / ``429`` / ``500`` / ``503``: answer that status with an error body;
+    - ``gate``: (stream) one chunk, then wait for ``gate`` before the rest;
+    - ``cut_midstream``: (stream) two chunks, then the connection is dropped (chunked body unfinished);
+    - ``cut_before_first``: (stream) the status line and headers, then the connection is dropped;
+    - ``hold``: wait for ``release`` before answering;
+    - ``endless``: (stream) a chunk every 20 ms for 10 s.
+
+    ``health`` is what GET /health answers. ``posts`` counts POSTs; ``streams`` records how each
+    stream ended: done, cut (on purpose) or cancelled (the client went away)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.mode = "ok"
+        self.health = 200
+        self.posts = 0
+        self.active = 0  # requests inside a handler right now (hold mode)
+        self.bodies: list[dict[str, Any]] = []
+        self.streams: list[str] = []
+        self.gate = threading.Event()
+        self.release = threading.Event()
+        app = Starlette(routes=[
+            Route("/health", self._health, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
+            Route("/v1/chat/completions", self._post, methods=["POST"]),
+            Route("/v1/completions", self._post, methods=["POST"]),
+        ])
+        self.server = ServerThread(app, lifespan="off")
+        self.url = self.server.url
+
+    async def _health(self, _: Request) -> Response:
+        return JSONResponse({"status": "ok" if self.health == 200 else "draining"}, status_code=self.health)
+
+    async def _metrics(self, _: Request) -> Response:
+        page = (f'tripod:num_requests_running{{model_name="{MODEL}"}} {self.active}\n'
+                f'tripod:num_requests_waiting{{model_name="{MODEL}"}} 0\n')
+        return Response(page, media_type="text/plain; version=0.0.4")
+
+    async def _post(self, request: Request) -> Response:
+        self.posts += 1
+        body = await request.json()
+        self.bodies.append(body)
+        mode = self.mode
+        if mode in STATUS_MODES:
+            status = STATUS_MODES[mode]
+            headers = {"Retry-After": "7"} if status == 429 else None
+            return Response(error_body(self.name, status), status_code=status, media_type="application/json",
+                            headers=headers)
+        if mode == "hold":
+            self.active += 1
+            try:
+                await wait_event(self.release, 20)
+            finally:
+                self.active -= 1
+        if not body.get("stream"):
+            return Response(ok_body(self.name, request.url.path, prompt_tokens(body)), media_type="application/json",
+                            headers={"x-request-id": f"req-{self.name}", "x-stub-only": "1"})
+        return StreamingResponse(self._stream(mode), media_type="text/event-stream")
+
+    async def _stream(self, mode: str) -> AsyncIterator[bytes]:
+        outcome = "closed"
+        try:
+            if mode == "cut_before_first":
+                outcome = "cut"
+                raise RuntimeError("stub drops the connection before its first byte (on purpose)")
+            if mode == "gate":
+                yield chunk_event(self.name, 0)
+                if not await wait_event(self.gate, 15):
+                    outcome = "gate_timeout"
+                    raise RuntimeError("the gate was never opened")
+                yield chunk_event(self.name, 1)
+            elif mode == "cut_midstream":
+                yield chunk_event(self.name, 0)
+                yield chunk_event(self.name, 1)
+                outcome = "cut"
+                raise RuntimeError("stub drops the connection mid-stream (on purpose)")
+            elif mode == "endless":
+                for i in range(500):
+                    yield chunk_event(self.name, i)
+                    await asyncio.sleep(0.02)
+            else:
+                for i in range(3):
+                    yield chunk_event(self.name, i)
+            yield b"data: [DONE]\n\n"
+            outcome = "done"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.streams.append(outcome)
+
+    def stop(self) -> None:
+        if self.server.thread.is_alive():
+            self.server.stop(force=True)
+
+
+def ok_stream_bytes(name: str) -> bytes:
+    return b"".join(chunk_event(name, i) for i in range(3)) + b"data: [DONE]\n\n"
+
+
+class RouterServer:
+    """A ``Router`` over the given replicas, served by ``build_router_app`` (its lifespan starts and
+    stops the router)."""
+
+    def __init__(self, replicas: list[tuple[str, str]], config: RouterConfig) -> None:
+        self.router = router = Router(config, rng=random.Random(20240611))  # reproducible tie-breaks
+        for name, url in replicas:
+            router.add_replica(name, url)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_: Any) -> AsyncIterator[None]:
+            await router.start()
+            try:
+                yield
+            finally:
+                await router.stop()
+
+        self.server = ServerThread(build_router_app(router, lifespan), graceful=3.0)
+        self.url = self.server.url
+        self.http = httpx.Client(base_url=self.url, timeout=10)
+
+    def client(self, timeout: float = 10.0) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+    def fleet(self) -> dict[str, Any]:
+        r = self.http.get("/fleet")
+        assert r.status_code == 200
+        return dict(r.json())
+
+    def replica(self, name: str) -> dict[str, Any]:
+        return next(r for r in self.fleet()["replicas"] if r["name"] == name)
+
+    def states(self) -> dict[str, str]:
+        return {r["name"]: r["state"] for r in self.fleet()["replicas"]}
+
+    def idle(self) -> bool:
+        f = self.fleet()
+        return f["pending"] == 0 and f["queue_depth"] == 0 and all(r["inflight"] == 0 for r in f["replicas"])
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples of ``name`` whose labels include ``labels`` (0 when there are none)."""
+        r = self.http.get("/metrics")
+        assert r.status_code == 200
+        total = 0.0
+        for family in text_string_to_metric_families(r.text):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        return total
+
+    def post(self, path: str = "/v1/chat/completions", **body: Any) -> httpx.Response:
+        return self.http.post(path, json={"model": MODEL, "messages": CHAT, **body})
+
+    def stop(self) -> None:
+        self.http.close()
+        self.server.stop()
+
+
+@pytest.fixture
+def make_stub() -> Iterator[Callable[[str], Stub]]:
+    stubs: list[Stub] = []
+
+    def make(name: str) -> Stub:
+        stubs.append(Stub(name))
+        return stubs[-1]
+
+    yield make
+    for s in stubs:
+        s.gate.set()
+        s.release.set()
+    for s in stubs:
+        s.stop()
+
+
+@pytest.fixture
+def make_router(make_stub: Callable[[str], Stub]) -> Iterator[Callable[..., RouterServer]]:
+    made: list[RouterServer] = []
+
+    def make(replicas: list[Stub | tuple[str, str]], healthy: list[str] | None = None,
+             **overrides: Any) -> RouterServer:
+        """A router over ``replicas``; returns once every name in ``healthy`` (default: every stub)
+        is routable."""
+        settings: dict[str, Any] = dict(policy="round_robin", health_interval=0.1, health_timeout=1.0,
+                                        metrics_interval=0.1, open_cooldown=0.2, queue_timeout=2.0,
+                                        connect_timeout=2.0, request_timeout=10.0, retry_after=1)
+        settings.update(overrides)
+        pairs = [(r.name, r.url) if isinstance(r, Stub) else r for r in replicas]
+        rs = RouterServer(pairs, RouterConfig(**settings))
+        made.append(rs)
+        want = healthy if healthy is not None else [r.name for r in replicas if isinstance(r, Stub)]
+        wait_for(lambda: all(rs.states().get(n) == "healthy" for n in want), f"replicas {want} routable")
+        return rs
+
+    yield make
+    for rs in made:
+        rs.stop()
+
+
+@pytest.fixture
+def closed_url() -> Iterator[str]:
+    url, sock = closed_port_url()
+    yield url
+    sock.close()
+
+
+def assert_openai_error(r: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] in ("invalid_request_error", "server_error"), err
+    if code is not None:
+        assert err["code"] == code, err
+    return dict(err)
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_pass_through_unchanged_and_streams_unbuffered(make_stub, make_router) -> None:
+    a = make_stub("stub-a")
+    rs = make_router([a])
+    client = rs.client(timeout=5.0)
+
+    # Non-stream: status, bytes and the headers a client may need come back unchanged.
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        body = {"model": MODEL, "prompt": "hi", "messages": CHAT}
+        r = rs.http.post(path, json=body)
+        assert r.status_code == 200
+        assert r.content == ok_body("stub-a", path, prompt_tokens(body))
+        assert r.headers["content-type"] == "application/json"
+        assert r.headers["x-request-id"] == "req-stub-a"
+        assert r.headers["x-tripod-replica"] == "stub-a"
+        assert "x-stub-only" not in r.headers  # only the listed headers are passed back
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT)
+    assert raw.headers["x-tripod-replica"] == "stub-a"
+    assert raw.parse().choices[0].message.content == "héllo from stub-a ✓"
+    done = client.completions.create(model=MODEL, prompt="hi")
+    assert done.choices[0].text == "héllo from stub-a ✓"
+
+    # A stream: the exact bytes, chunk by chunk.
+    with rs.http.stream("POST", "/v1/chat/completions",
+                        json={"model": MODEL, "messages": CHAT, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-tripod-replica"] == "stub-a"
+        assert b"".join(r.iter_raw()) == ok_stream_bytes("stub-a")
+
+    # Unbuffered: the stub sends its second chunk only once the client has the first one. A router
+    # that buffered would leave the client waiting: its 5 s read timeout fails the test (the stub
+    # gives up after 15 s).
+    a.mode = "gate"
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
+    events = iter(stream)
+    first = next(events)
+    assert first.choices[0].delta.content == "stub-a#0 "
+    assert not a.gate.is_set()
+    a.gate.set()
+    rest = [c.choices[0].delta.content for c in events]
+    assert rest == ["stub-a#1 "]
+    wait_for(lambda: a.streams[-1:] == ["done"], "the gated stream to end")
+    wait_for(rs.idle, "the router to be idle")
+
+
+@pytest.mark.parametrize("failure, stream", [("500", False), ("500", True), ("cut_before_first", True),
+                                             ("refused", False)])
+def test_failures_before_first_byte_are_retried(make_stub, make_router, failure: str, stream: bool) -> None:
+    a, b = make_stub("stub-a"), make_stub("stub-b")
+    # With connection refused, probes must not take A out of rotation before a request tries it.
+    rs = make_router([a, b], health_interval=5.0 if failure == "refused" else 0.1)
+    if failure == "refused":
+        a.stop()  # its port now refuses connections; the router still believes it healthy
+    else:
+        a.mode = failure
+    client = rs.client()
+    n = 10
+    for _ in range(n):
+        if stream:
+            raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT, stream=True)
+            assert raw.headers["x-tripod-replica"] == "stub-b"
+            text = "".join(c.choices[0].delta.content or "" for c in raw.parse())
+            assert text == "stub-b#0 stub-b#1 stub-b#2 "
+        else:
+            raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT)
+            assert raw.headers["x-tripod-replica"] == "stub-b"
+            assert raw.parse().choices[0].message.content == "héllo from stub-b ✓"
+    assert b.posts == n
+    cause = "transport" if failure in ("refused", "cut_before_first") else failure
+    retries = rs.metric("tripod:router_retries_total", replica="stub-a", cause=cause)
+    if failure == "refused":
+        assert a.posts == 0
+        assert retries == 1  # the refusal took A out of rotation at once
+        assert rs.states()["stub-a"] == "unhealthy"
+    else:
+        assert 1 <= a.posts <= n  # round robin sent A some; its circuit may have opened in between
+        assert retries == a.posts  # every request A failed was retried (on B)
+    assert rs.metric("tripod:router_retries_total", replica="stub-b") == 0
+    wait_for(rs.idle, "the router to be idle")
+
+
+def test_stream_cut_midstream_ends_with_error_not_retried(make_stub, make_router) -> None:
+    a, b = make_stub("stub-a"), make_stub("stub-b")
+    a.mode = "cut_midstream"
+    rs = make_router([a, b])  # round robin: the first request goes to the first replica, A
+    client = rs.client()
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT, stream=True)
+    assert raw.headers["x-tripod-replica"] == "stub-a"
+    got: list[str] = []
+    with pytest.raises(openai.APIError) as info:
+        for c in raw.parse():
+            got.append(c.choices[0].delta.content)
+    assert got == ["stub-a#0 ", "stub-a#1 "]
+    assert "stub-a" in info.value.message
+    assert isinstance(info.value.body, dict) and info.value.body["code"] == "replica_failed"
+    assert a.posts == 1 and a.streams == ["cut"]
+    assert b.posts == 0  # never sent a second time
+    assert rs.metric("tripod:router_stream_failures_total", replica="stub-a") == 1
+    assert rs.metric("tripod:router_retries_total") == 0
+    wait_for(rs.idle, "the router to be idle")
+    # B is fine, and serves the next request (round robin).
+    assert client.chat.completions.create(model=MODEL, messages=CHAT).choices[0].message.content \
+        == "héllo from stub-b ✓"
+
+
+def test_replicas_at_capacity_429(make_stub, make_router) -> None:
+    a, b = make_stub("stub-a"), make_stub("stub-b")
+    a.mode = b.mode = "429"
+    rs = make_router([a, b])
+    client = rs.client()
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(model=MODEL, messages=CHAT)
+    resp = info.value.response
+    assert resp.status_code == 429
+    assert resp.headers["retry-after"] == "1"
+    assert_openai_error(resp, 429, "overloaded")
+    assert (a.posts, b.posts) == (1, 1)  # each tried once, without waiting
+    assert rs.states() == {"stub-a": "healthy", "stub-b": "healthy"}  # a 429 is not a failure
+
+    # One at capacity, one not: every request is served by the other.
+    b.mode = "ok"
+    for _ in range(4):
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT)
+        assert raw.http_response.status_code == 200
+        assert raw.headers["x-tripod-replica"] == "stub-b"
+    assert a.posts >= 2  # round robin did try A again
+    assert b.posts == 1 + 4
+    wait_for(rs.idle, "the router to be idle")
+
+
+def test_no_routable_replica_503_then_circuit_closes(make_stub, make_router, closed_url: str) -> None:
+    a = make_stub("stub-a")
+    rs = make_router([a, ("dead", closed_url)], healthy=["stub-a"])
+    assert rs.states()["dead"] == "starting"  # never answered a probe
+    assert rs.http.get("/health").status_code == 200
+
+    a.health = 503  # draining: the router takes it out of rotation
+    wait_for(lambda: rs.http.get("/health").status_code == 503, "the router's /health to go 503")
+    assert rs.states() == {"stub-a": "unhealthy", "dead": "starting"}
+    t0 = time.monotonic()
+    r = rs.post()
+    waited = time.monotonic() - t0
+    assert_openai_error(r, 503, "no_replica")
+    assert r.headers["retry-after"] == "1"
+    assert 1.5 <= waited < 6.0, waited  # queue_timeout is 2 s
+    assert a.posts == 0
+    wait_for(rs.idle, "the router to be idle")
+
+    a.health = 200  # back: the circuit closes on a good probe after the cooldown
+    raw = rs.client().chat.completions.with_raw_response.create(model=MODEL, messages=CHAT)
+    assert raw.headers["x-tripod-replica"] == "stub-a"
+    assert a.posts == 1
+    assert rs.states()["stub-a"] == "healthy"
+    assert rs.http.get("/health").status_code == 200
+
+
+def test_bad_input_answered_by_router(make_stub, make_router) -> None:
+    a, b = make_stub("stub-a"), make_stub("stub-b")
+    rs = make_router([a, b], max_body_bytes=1024)
+    headers = {"content-type": "application/json"}
+
+    assert_openai_error(rs.http.post("/v1/chat/completions", content=b'{"model": "x", "messages": [',
+                                     headers=headers), 400, "invalid_json")
+    assert_openai_error(rs.http.post("/v1/chat/completions", content=b"[1, 2]", headers=headers), 400)
+    assert_openai_error(rs.http.post("/v1/completions", content=b'"a string"', headers=headers), 400)
+    big = json.dumps({"model": MODEL, "prompt": "x" * 2000}).encode()
+    assert_openai_error(rs.http.post("/v1/completions", content=big, headers=headers), 413,
+                        "request_too_large")
+
+    def pieces() -> Iterator[bytes]:  # no Content-Length: sent chunked
+        for i in range(0, len(big), 256):
+            yield big[i:i + 256]
+
+    r = rs.http.post("/v1/completions", content=pieces(), headers=headers)
+    assert "content-length" not in r.request.headers
+    assert_openai_error(r, 413, "request_too_large")
+    assert_openai_error(rs.http.get("/v1/nope"), 404, "not_found")
+    assert_openai_error(rs.http.post("/nope", json={}), 404, "not_found")
+    assert_openai_error(rs.http.get("/v1/chat/completions"), 405)
+    assert (a.posts, b.posts) == (0, 0)
+
+    # A replica's own 4xx: passed through unchanged, and not retried elsewhere.
+    a.mode = b.mode = "400"
+    r = rs.post(max_tokens=-1)
+    assert r.status_code == 400
+    served = r.headers["x-tripod-replica"]
+    assert r.content == error_body(served, 400)
+    assert a.posts + b.posts == 1
+    with pytest.raises(openai.BadRequestError) as info:
+        rs.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=-1)
+    assert info.value.body == json.loads(error_body(info.value.response.headers["x-tripod-replica"], 400))["error"]
+    assert a.posts + b.posts == 2
+    assert rs.metric("tripod:router_retries_total") == 0
+    assert rs.states() == {"stub-a": "healthy", "stub-b": "healthy"}
+
+
+def test_max_pending_sheds_load_with_429(make_stub, make_router) -> None:
+    a = make_stub("stub-a")
+    a.mode = "hold"
+    rs = make_router([a], max_pending=2)
+    with ThreadPoolExecutor(2) as pool:
+        held = [pool.submit(rs.post) for _ in range(2)]
+        wait_for(lambda: a.active == 2, "two requests held by the stub")
+        assert rs.fleet()["pending"] == 2
+        r = rs.post()
+        assert_openai_error(r, 429, "overloaded")
+        assert r.headers["retry-after"] == "1"
+        assert a.posts == 2  # the third never reached a replica
+        a.release.set()
+        for f in held:
+            r = f.result(timeout=10)
+            assert r.status_code == 200 and r.content == ok_body("stub-a", "/v1/chat/completions", prompt_tokens({"messages": CHAT}))
+    wait_for(rs.idle, "the router to be idle")
+    assert rs.post().status_code == 200
+    assert rs.metric("tripod:router_http_requests_total", route="/v1/chat/completions", status="429") == 1
+
+
+def test_client_disconnect_midstream_closes_upstream(make_stub, make_router) -> None:
+    a = make_stub("stub-a")
+    a.mode = "endless"
+    rs = make_router([a])
+    with httpx.Client(base_url=rs.url, timeout=5) as c, c.stream(
+            "POST", "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "stream": True}) as r:
+        assert r.status_code == 200
+        chunks = r.iter_raw()  # kept: a dropped iterator closes the connection when collected
+        assert next(chunks).startswith(b"data: ")
+        assert rs.replica("stub-a")["inflight"] == 1
+        assert rs.fleet()["pending"] == 1
+        assert next(chunks)  # still streaming
+        assert a.streams == []
+    # The client is gone: the router drops its upstream connection, and the stub sees its stream
+    # cancelled (well before its 10 s of chunks would end).
+    wait_for(lambda: a.streams == ["cancelled"], "the stub's stream to be cancelled", timeout=5)
+    wait_for(rs.idle, "the router's pending and in-flight counts to be back to 0", timeout=5)
+    assert rs.metric("tripod:router_stream_failures_total") == 0
+    # And the replica is still routable and serves the next request.
+    a.mode = "ok"
+    assert rs.post().status_code == 200
+
+
+def test_client_gone_before_the_answer_frees_the_router(make_stub, make_router) -> None:
+    a = make_stub("stub-a")
+    a.mode = "hold"
+    rs = make_router([a])
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up (and closes its connection)
+        httpx.post(rs.url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT},
+                   timeout=httpx.Timeout(5.0, read=0.5))
+    assert a.posts == 1
+    # The router notices while the replica still holds the request, and lets go of it.
+    wait_for(rs.idle, "the router's pending and in-flight counts to be back to 0", timeout=5)
+    assert a.active == 1
+    a.release.set()
+    a.mode = "ok"
+    assert rs.post().status_code == 200
+    assert rs.metric("tripod:router_retries_total") == 0
+
+
+def test_cache_aware_keeps_conversations_and_spreads_distinct_ones(make_stub, make_router) -> None:
+    a, b = make_stub("stub-a"), make_stub("stub-b")
+    rs = make_router([a, b], policy="cache_aware")
+
+    def served(messages: list[dict[str, str]]) -> str:
+        r = rs.http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 16})
+        assert r.status_code == 200
+        return str(r.headers["x-tripod-replica"])
+
+    # A conversation whose every turn extends the previous one stays where its prefix is cached.
+    messages = [{"role": "system", "content": "You are a terse assistant for the tripod tests."}]
+    homes = []
+    for turn in range(6):
+        messages.append({"role": "user", "content": f"Question {turn}: what is {turn} squared, in words?"})
+        homes.append(served(messages))
+        messages.append({"role": "assistant", "content": f"The answer to question {turn} is {turn * turn}."})
+    assert len(set(homes)) == 1, homes
+
+    # Distinct conversations have nothing worth a detour in common (every chat starts with the same
+    # rendered role marker, a few characters: not a cached prefix worth steering for), so they tie and
+    # share the replicas, even one at a time with no load to balance.
+    topics = ["volcanoes", "jazz", "tax law", "knitting", "black holes", "sourdough", "chess openings",
+              "monsoons", "Roman roads", "compilers", "beekeeping", "origami", "glaciers", "opera",
+              "cryptography", "tides", "lichens", "sailing", "typography", "meteorites"]
+    spread = [served([{"role": "user", "content": f"{i}: tell me something about {t}."}])
+              for i, t in enumerate(topics)]
+    counts = {name: spread.count(name) for name in ("stub-a", "stub-b")}
+    assert max(counts.values()) <= 15, counts
