@@ -68,7 +68,8 @@ def run_policy(policy: str, args: argparse.Namespace, out: Path) -> dict[str, fl
         url = f"http://127.0.0.1:{rport}"
         _wait(url, [router])
         cmd = [sys.executable, "-m", "tripod.cli", "bench", "--base-url", f"{url},label={policy}", "--dataset", "agentic",
-               "--turns", str(args.turns), "--isl", str(args.isl), "--osl", str(args.osl),
+               "--turns", str(args.turns), "--think-time", str(args.think_time), "--prefix-len", str(args.prefix_len),
+               "--isl", str(args.isl), "--osl", str(args.osl),
                "--concurrency", str(args.concurrency), "--prompts-per-concurrency", str(args.k),
                "--warmup", "0", "--seed", str(args.seed), "--out", str(out / policy)]
         subprocess.run(cmd, check=True)
@@ -87,6 +88,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--k", type=int, default=4, help="requests per level = k x concurrency")
     p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--think-time", type=float, default=0.0, help="mean seconds between a session's turns")
+    p.add_argument("--prefix-len", type=int, default=1024, help="agentic: a session's system prompt is half this")
     p.add_argument("--isl", type=int, default=256)
     p.add_argument("--osl", type=int, default=32)
     p.add_argument("--dtype", default="auto")
@@ -100,7 +103,8 @@ def main() -> None:
         "# Routing policies on a multi-turn workload",
         "",
         f"`python benchmarks/fleet_routing.py --replicas {args.replicas} --concurrency {args.concurrency} --k {args.k} "
-        f"--turns {args.turns} --isl {args.isl} --osl {args.osl}` on {platform.machine()} with {os.cpu_count()} CPUs, "
+        f"--turns {args.turns} --think-time {args.think_time} --prefix-len {args.prefix_len} --isl {args.isl} "
+        f"--osl {args.osl}` on {platform.machine()} with {os.cpu_count()} CPUs, "
         f"{time.strftime('%Y-%m-%d')}; each policy on fresh replicas (empty caches); `tripod bench --dataset agentic` "
         "through `tripod route`. Cached share = cached prompt tokens / prompt tokens, from the replicas' `usage`.",
         "",
@@ -118,7 +122,8 @@ def main() -> None:
     print(text)
     print(f"bench folders: {work}")
     if args.out:
-        Path(args.out).write_text(text)
+        with open(args.out, "a") as f:  # runs accumulate: one table per configuration
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

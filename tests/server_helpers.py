@@ -22,6 +22,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_healthy(p: Any, what: str, timeout: float) -> None:
+    """Poll ``p.url``/health until 200; on exit or timeout, fail with ``p``'s log (and stop it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if p.proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {p.proc.returncode}:\n{p.log()}")
+        try:
+            if httpx.get(f"{p.url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)  # polling for start-up, not papering over a race
+    p.stop()
+    raise RuntimeError(f"{what} did not become healthy in {timeout} s:\n{p.log()}")
+
+
 class ServerProcess:
     """One ``tripod serve`` subprocess: started, waited for, stopped. Its log is kept in a file
     and shown when start-up fails."""
@@ -51,18 +67,7 @@ class ServerProcess:
         return self.log_path.read_text()
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tripod serve exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)  # polling for start-up, not papering over a race
-        self.stop()
-        raise RuntimeError(f"tripod serve did not become healthy in {START_TIMEOUT} s:\n{self.log()}")
+        wait_healthy(self, "tripod serve", START_TIMEOUT)
 
     def engine_stats(self) -> dict[str, Any]:
         r = httpx.get(f"{self.url}/debug/engine", headers=self.headers, timeout=30)
@@ -111,18 +116,7 @@ class TripodProcess:
         self._log = open(self.log_path, "w")  # closed in stop()
         cmd = [sys.executable, "-m", "tripod.cli", *args, "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + start_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{args[0]} exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)  # polling for start-up, not papering over a race
-        self.stop()
-        raise RuntimeError(f"{args[0]} did not become healthy in {start_timeout} s:\n{self.log()}")
+        wait_healthy(self, f"tripod {args[0]}", start_timeout)
 
     def log(self) -> str:
         self._log.flush()

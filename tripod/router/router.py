@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
 
+from tripod.asgi import ClosingStream
 from tripod.config import RouterConfig
 from tripod.router.metrics import RouterMetrics
 from tripod.router.policy import Decision, RouteRequest, RoutingPolicy, make_policy
@@ -236,12 +236,24 @@ class Router:
         """A decision among routable replicas not yet tried; waits (bounded) for one to appear."""
         deadline = self.clock() + (self.config.queue_timeout if wait else 0.0)
         self.queue_depth += 1
+        stuck_since: float | None = None
         try:
             while True:
-                cands = [r for r in self.routable() if id(r) not in tried]
+                routable = self.routable()
+                cands = [r for r in routable if id(r) not in tried]
                 if cands:
                     return self.policy.choose(cands, rr, self.avg_request_tokens)
-                left = deadline - self.clock()
+                now = self.clock()
+                if routable:
+                    # Every routable replica failed this request already. Wait only as long as the
+                    # health probes take to notice a dead one (it then leaves the routable set, and
+                    # its restarted successor is a new replica worth waiting for); then give up.
+                    stuck_since = now if stuck_since is None else stuck_since
+                    if now - stuck_since > 2 * self.config.health_interval + self.config.health_timeout:
+                        raise RouterError(503, "every routable replica failed this request", "replica_failed",
+                                          self.config.retry_after)
+                # None routable (all starting, restarting or down): wait, bounded, for one to come back.
+                left = deadline - now
                 if left <= 0:
                     raise RouterError(503, "no replica is available to serve this request (all are starting, "
                                       "restarting, draining or failing); retry shortly", "no_replica",
@@ -301,6 +313,7 @@ class Router:
         rr = self.route_request(path, body)
         stream = bool(body.get("stream"))
         send_headers = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+        send_headers["accept-encoding"] = "identity"  # bytes pass through as they come: never compressed
         self.pending += 1
         handed_off = False
         tried: set[int] = set()
@@ -346,11 +359,14 @@ class Router:
             resp = await self._client.send(req, stream=True)
             if resp.status_code in _RETRYABLE:
                 text = (await resp.aread()).decode(errors="replace")[:300]
-                fatal = resp.status_code == 503
-                if resp.status_code != 429:
+                # A full replica (429, or 503 with tripod's "overloaded" code under
+                # --overload-status 503) is healthy: try another, but keep routing to it.
+                full = resp.status_code == 429 or '"overloaded"' in text
+                if not full:
                     rep.failures += 1
-                    self.record_failure(rep, f"answered {resp.status_code}", fatal=fatal)
-                return resp.status_code, f"{rep.name} answered {resp.status_code}: {text}", rep.name
+                    # NOTE: a 503 (draining, engine dead) asks for nothing more: out of rotation now.
+                    self.record_failure(rep, f"answered {resp.status_code}", fatal=resp.status_code == 503)
+                return 429 if full else resp.status_code, f"{rep.name} answered {resp.status_code}: {text}", rep.name
             back = {k: v for k, v in resp.headers.items() if k.lower() in _PASS_BACK}
             back["x-tripod-replica"] = rep.name
             if not stream or resp.status_code != 200:
@@ -366,7 +382,7 @@ class Router:
             self.record_success(rep)
             upstream = resp
             handed_off = True  # the stream owns the flight and the upstream response now
-            return _ClosingStream(self._relay(f, it, first), headers=back,
+            return ClosingStream(self._relay(f, it, first), headers=back,
                                   on_close=lambda: self._close_stream(f, upstream))
         except (httpx.HTTPError, StopAsyncIteration) as e:
             rep.failures += 1
@@ -406,20 +422,6 @@ class Router:
         task = asyncio.get_running_loop().create_task(resp.aclose())
         self._closing.add(task)  # NOTE: held until done: the loop keeps only weak references to tasks
         task.add_done_callback(self._closing.discard)
-
-
-class _ClosingStream(StreamingResponse):
-    """A stream whose ``on_close`` runs exactly once however it ends (done, client gone, cancelled)."""
-
-    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str], on_close: Callable[[], None]) -> None:
-        super().__init__(body, headers=headers)
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
 
 
 _LOAD_NAMES = {

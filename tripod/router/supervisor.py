@@ -36,6 +36,7 @@ class _Slot:
     restart_at: float | None = None
     stopping: bool = False
     launching: bool = False
+    startup_failures: int = 0
 
     @property
     def name(self) -> str:
@@ -148,8 +149,12 @@ class Supervisor:
                 log.error("%s (pid %s) exited with code %s", slot.name, slot.process.pid, code)
                 if code == 2 and not self.ever_healthy and (rep is None or rep.breaker.opened_count == 0):
                     # A start-up failure (bad model, bad option) before any replica ever served:
-                    # restarting would fail the same way, forever.
-                    self.fatal = f"{slot.name} failed to start (exit code 2); its error is in the log above"
+                    # twice in a row (once could be a port taken between choosing and binding it),
+                    # and restarting would fail the same way forever.
+                    slot.startup_failures += 1
+                    if slot.startup_failures >= 2:
+                        self.fatal = (f"{slot.name} failed to start twice (exit code 2); its error is in the "
+                                      "log above")
             elif rep is not None and rep.healthy_since is None and rep.breaker.opened_count == 0 \
                     and now - rep.started_at > self.config.start_timeout:
                 log.error("%s not healthy %.0f s after launch; killing it", slot.name, self.config.start_timeout)

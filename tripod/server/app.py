@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tripod.asgi import ClosingStream
 from tripod.config import EngineConfig, ServerConfig
 from tripod.server.engine_client import EngineClient, EngineDead, EnginePart, Overloaded
 from tripod.server.generation import (
@@ -182,21 +183,6 @@ async def _until_disconnect(request: Request, aw: Awaitable[T]) -> T:
         return task.result()
     task.cancel()
     raise ClientGone()
-
-
-class _SSEResponse(StreamingResponse):
-    """A streaming response that always runs ``on_close`` (abort in the engine) when it ends,
-    however it ends: finished, client gone, or cancelled by a shutdown."""
-
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
 
 
 # ---------------------------------------------------------------------- the app
@@ -432,7 +418,8 @@ async def _generate(
         if req.stream:
             body = _stream_body(state, kind, req, gen, it, first, rid, created, echo)
             handed_off = True
-            return _SSEResponse(body, on_close=handle.close)
+            return ClosingStream(body, on_close=handle.close, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
         c = await _until_disconnect(request, collect(gen, it, first))
         gen.done()
         choices = []
