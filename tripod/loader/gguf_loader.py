@@ -49,12 +49,12 @@ class GGUFFile:
     """An open GGUF file: metadata access, config, weights and tokenizer."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        import gguf  # imported here: only GGUF users pay for it
+        from tripod.loader.gguf_reader import GGUFMetadataReader  # only GGUF users pay for gguf
 
         self.path = Path(path)
         if not self.path.is_file():
             raise ValueError(f"GGUF file not found: {self.path}")
-        self.reader = gguf.GGUFReader(str(self.path))
+        self.reader = GGUFMetadataReader(self.path)
         self.arch = str(self.field("general.architecture"))
         if self.arch not in _ARCHS:
             raise ValueError(
