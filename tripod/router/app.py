@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tripod.router.replica import Replica
 from tripod.router.router import Router, RouterError
 
 log = logging.getLogger("tripod.router")
@@ -87,11 +88,11 @@ def build_router_app(router: Router, lifespan: Any = None,
     async def models(request: Request) -> Response:
         """Any routable replica's answer (they serve one model)."""
         assert router.probe_client is not None
-        tried: set[int] = set()
+        tried: set[Replica] = set()
         last = "no replica answered"
         for _ in range(router.config.max_retries + 1):
             rep = (await router.pick(router.route_request("", {}), tried)).replica
-            tried.add(id(rep))
+            tried.add(rep)
             headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
             try:
                 r = await router.probe_client.get(rep.url + request.url.path, headers=headers)

@@ -232,7 +232,7 @@ class Router:
         text = render_prompt(path, body)
         return RouteRequest(text, len(text) / self.chars_per_token, _output_budget(body))
 
-    async def pick(self, rr: RouteRequest, tried: set[int], wait: bool = True) -> Decision:
+    async def pick(self, rr: RouteRequest, tried: set[Replica], wait: bool = True) -> Decision:
         """A decision among routable replicas not yet tried; waits (bounded) for one to appear."""
         deadline = self.clock() + (self.config.queue_timeout if wait else 0.0)
         self.queue_depth += 1
@@ -240,7 +240,7 @@ class Router:
         try:
             while True:
                 routable = self.routable()
-                cands = [r for r in routable if id(r) not in tried]
+                cands = [r for r in routable if r not in tried]
                 if cands:
                     return self.policy.choose(cands, rr, self.avg_request_tokens)
                 now = self.clock()
@@ -316,14 +316,16 @@ class Router:
         send_headers["accept-encoding"] = "identity"  # bytes pass through as they come: never compressed
         self.pending += 1
         handed_off = False
-        tried: set[int] = set()
+        # NOTE: the replicas themselves, not their ids: a restarted replica is a new object, and an
+        # id could be reused once the old one is freed.
+        tried: set[Replica] = set()
         last: tuple[int, str, str] | None = None  # status, why, replica
         try:
             for attempt in range(cfg.max_retries + 1):
                 # After a 429 only replicas routable right now are worth trying: waiting would not help.
                 d = await self.pick(rr, tried, wait=last is None or last[0] != 429)
                 rep = d.replica
-                tried.add(id(rep))
+                tried.add(rep)
                 flight = self._begin(d, rr, retry=attempt > 0)
                 outcome = await self._attempt(flight, path, raw, send_headers, stream, rr)
                 if isinstance(outcome, Response):
