@@ -188,30 +188,47 @@ class EngineClient:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    async def start(self) -> ipc.Ready:
-        """Spawn the engine process and wait until its model is loaded."""
+    def spawn(self) -> None:
+        """Start the engine process now; ``start`` then connects and waits for it. Spawning early
+        lets the engine load its model while this process loads the tokenizer and the app."""
+        if self._proc is not None:
+            return
         self._tmpdir = tempfile.mkdtemp(prefix="tripod-ipc-")
-        to_engine = f"ipc://{self._tmpdir}/to-engine"
-        from_engine = f"ipc://{self._tmpdir}/from-engine"
-        self._ctx = zmq.asyncio.Context()
-        self._push = self._ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.setsockopt(zmq.SNDHWM, 0)  # never drop or block a request under a burst
-        self._push.bind(to_engine)
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.RCVHWM, 0)
-        self._pull.bind(from_engine)
         self._proc = EngineProcess([
             sys.executable, "-m", "tripod.server.engine_proc",
             json.dumps({
                 "engine_config": dataclasses.asdict(self.engine_config),
-                "to_engine": to_engine,
-                "from_engine": from_engine,
+                "to_engine": f"ipc://{self._tmpdir}/to-engine",
+                "from_engine": f"ipc://{self._tmpdir}/from-engine",
                 "heartbeat_interval": self.server_config.heartbeat_interval,
                 "log_level": self.log_level,
                 "parent_pid": os.getpid(),
             }),
         ])
+
+    def abandon(self) -> None:
+        """Kill a spawned engine that will never be started (start-up failed on our side)."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait(5)
+            self._proc.close()
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    async def start(self) -> ipc.Ready:
+        """Spawn the engine process (unless ``spawn`` did) and wait until its model is loaded."""
+        self.spawn()
+        assert self._proc is not None
+        self._ctx = zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.setsockopt(zmq.SNDHWM, 0)  # never drop or block a request under a burst
+        # NOTE: the engine connects, we bind: it may have connected first (ZMQ queues and retries
+        # the connection), so its Ready waits for us rather than getting lost.
+        self._push.bind(f"ipc://{self._tmpdir}/to-engine")
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(f"ipc://{self._tmpdir}/from-engine")
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[Any] = loop.create_future()
 

@@ -48,13 +48,15 @@ class _Server(uvicorn.Server):
 
 def serve(engine_config: EngineConfig, config: ServerConfig, log_level: int = logging.INFO) -> int:
     """Run the server until it is stopped; returns the process exit code."""
+    client = EngineClient(engine_config, config, log_level)
+    client.spawn()  # the engine loads the weights while we load the tokenizer
     try:
         tok = load_tokenizer(engine_config.model)
     except (ValueError, FileNotFoundError) as e:
+        client.abandon()
         print(f"tripod: error: {e}", file=sys.stderr)
         return 2
     name = config.served_model_name or tok.name
-    client = EngineClient(engine_config, config, log_level)
     metrics = ServerMetrics(name)
     state = ServerState(
         engine_config=engine_config, config=config, text=TextSide(tok.tokenizer, tok.config.vocab_size),
