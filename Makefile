@@ -36,8 +36,9 @@ serve: install
 	@echo ""
 	$(BIN)/tripod serve --host $(HOST) --port $(PORT)
 
+# TRIPOD_SLOW=1 make test: the long tests too (as test-all).
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(TRIPOD_SLOW),-m "slow or not slow",)
 
 # The long tests too (CI runs these when TRIPOD_SLOW=1).
 test-all: install

@@ -59,6 +59,7 @@ def port_closed(url: str) -> bool:
     return False
 
 
+@pytest.mark.slow  # the default run covers the Ray path end to end (test_fleet_e2e)
 def test_launch_serve_terminate(launcher: RayLauncher) -> None:
     replica = launcher.launch(0)
     try:
@@ -90,6 +91,7 @@ def test_launch_serve_terminate(launcher: RayLauncher) -> None:
         replica.kill()
 
 
+@pytest.mark.slow  # the default run covers the Ray path end to end (test_fleet_e2e)
 def test_kill(launcher: RayLauncher) -> None:
     replica = launcher.launch(1)
     try:
@@ -103,6 +105,7 @@ def test_kill(launcher: RayLauncher) -> None:
         replica.kill()
 
 
+@pytest.mark.slow  # the default run covers the Ray path end to end (test_fleet_e2e)
 def test_unplaceable_replica_fails_to_launch(launcher: RayLauncher) -> None:
     # Shares the module's Ray instance (already initialised), which it must leave running.
     other = RayLauncher(SERVE_ARGS, resources={"tripod-test-nowhere": 1}, launch_timeout=3)
