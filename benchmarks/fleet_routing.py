@@ -26,21 +26,13 @@ from pathlib import Path
 
 import httpx
 
-from tripod.router.replicas import free_port, spawn_serve
+from tripod.serve_process import free_port, spawn_serve, wait_healthy
 
 
-def _wait(url: str, procs: list[subprocess.Popen[bytes]], timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise SystemExit(f"a process exited while waiting for {url}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} not healthy in {timeout} s")
+def _wait(url: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    why = wait_healthy(url, procs, 300)
+    if why is not None:
+        raise SystemExit(f"{url}: {why}")
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:

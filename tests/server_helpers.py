@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,29 +12,18 @@ from typing import Any
 
 import httpx
 
+from tripod import serve_process
+from tripod.serve_process import free_port
+
 START_TIMEOUT = 180.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_healthy(p: Any, what: str, timeout: float) -> None:
-    """Poll ``p.url``/health until 200; on exit or timeout, fail with ``p``'s log (and stop it)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if p.proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {p.proc.returncode}:\n{p.log()}")
-        try:
-            if httpx.get(f"{p.url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)  # polling for start-up, not papering over a race
-    p.stop()
-    raise RuntimeError(f"{what} did not become healthy in {timeout} s:\n{p.log()}")
+    """Wait for ``p.url``/health; on exit or timeout, fail with ``p``'s log (and stop it)."""
+    why = serve_process.wait_healthy(p.url, [p.proc], timeout)
+    if why is not None:
+        p.stop()
+        raise RuntimeError(f"{what} {why}:\n{p.log()}")
 
 
 class ServerProcess:

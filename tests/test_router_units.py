@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 
 from tripod.config import FleetConfig, RouterConfig
 from tripod.router.autoscaler import Autoscaler
-from tripod.router.policy import CacheAwarePolicy, LeastLoadPolicy, RoundRobinPolicy, RouteRequest
+from tripod.router.policy import (
+    CacheAwarePolicy,
+    Decision,
+    LeastLoadPolicy,
+    RoundRobinPolicy,
+    RouteRequest,
+)
 from tripod.router.prefix_tree import PrefixTree
 from tripod.router.replica import CircuitBreaker, Replica
 from tripod.router.router import Router, parse_load, render_prompt
@@ -281,19 +287,18 @@ def test_supervisor_scale_down_drains_before_stopping() -> None:
         for r in router.replicas.values():
             r.breaker.success(0.0)
         busy = router.replicas["replica-2"]
-        busy.inflight = 1
+        flight = router._begin(Decision(busy, "load", 0), _req("one request in flight"), retry=False)
+        assert busy.inflight == 1
         for name in ("replica-0", "replica-1"):
             router.replicas[name].inflight = 3
         await sup.scale_to(2)  # the least busy one (replica-2) is drained
         assert busy.draining and not busy.routable
+        # A negative check needs time: a drain that did not wait would have signalled by now.
         await asyncio.sleep(0.3)
         proc = next(p for p in launcher.launched if p.name == "replica-2")
         assert proc.signals == [] and "replica-2" in router.replicas  # waits for its request
-        busy.inflight = 0
-        for _ in range(50):
-            if "replica-2" not in router.replicas:
-                break
-            await asyncio.sleep(0.05)
+        router._end(flight)  # its request finishes: the drain goes on
+        assert await router.wait_until(lambda: "replica-2" not in router.replicas, 5.0)
         assert proc.signals == ["TERM"] and sorted(router.replicas) == ["replica-0", "replica-1"]
         await sup.stop()
     asyncio.run(run())

@@ -369,24 +369,25 @@ def _router_config(args: argparse.Namespace) -> Any:
 
 
 def _replica_args(args: argparse.Namespace, threads: int | None) -> list[str]:
-    """The engine and server options of ``tripod serve``, for each replica (host/port aside)."""
-    flags = {
-        "model": "--model", "dtype": "--dtype", "device": "--device", "kv_cache_tokens": "--kv-cache-tokens",
-        "max_model_len": "--max-model-len", "chunk_size": "--chunk-size", "max_batch_tokens": "--max-batch-tokens",
-        "max_running": "--max-running", "policy": "--policy", "api_key": "--api-key",
-        "served_model_name": "--served-model-name", "max_waiting": "--max-waiting",
-        "overload_status": "--overload-status", "drain_timeout": "--drain-timeout", "max_n": "--max-n",
-        "log_level": "--log-level",
-    }
+    """The engine and server options of ``tripod serve``, rebuilt as each replica's command line
+    (its own --host/--port aside), from the same definitions the parser uses: an option added to
+    ``_engine_args`` or ``_server_args`` reaches the replicas with no list to keep in step."""
+    spec = argparse.ArgumentParser(add_help=False)
+    _engine_args(spec)
+    _server_args(spec)
     out: list[str] = []
-    for dest, flag in flags.items():
-        value = getattr(args, dest, None)
-        if value is not None and value != "":
-            out += [flag, str(value)]
+    # NOTE: argparse has no public list of a parser's options; ``_actions`` is the stable one.
+    for action in spec._actions:
+        if action.dest in ("host", "port", "threads"):
+            continue
+        value = getattr(args, action.dest, None)
+        if action.nargs == 0:  # a flag (store_true)
+            out += [action.option_strings[0]] if value else []
+        elif value is not None and value != "":
+            out += [action.option_strings[0], str(value)]
+    out += ["--log-level", str(args.log_level)]
     if threads is not None:
         out += ["--threads", str(threads)]
-    out += ["--no-prefix-cache"] if args.no_prefix_cache else []
-    out += ["--no-jump-forward"] if args.no_jump_forward else []
     return out
 
 

@@ -15,7 +15,6 @@ import logging
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -248,26 +247,16 @@ def _print_table(runs: list[dict[str, Any]]) -> None:
 
 
 def _launch(extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    import httpx
+    from tripod.serve_process import free_port, spawn_serve, wait_healthy
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "tripod.cli", "serve", "--port", str(port), *extra.split()]
-    proc = subprocess.Popen(cmd)
+    port = free_port()
+    proc = spawn_serve("127.0.0.1", port, extra.split())
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise ValueError(f"the launched tripod serve exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise ValueError("the launched tripod serve did not become healthy in 300 s")
+    why = wait_healthy(url, [proc], 300)
+    if why is not None:
+        proc.kill()
+        raise ValueError(f"the launched tripod serve {why}")
+    return proc, url
 
 
 def _version() -> str:

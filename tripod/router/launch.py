@@ -14,11 +14,11 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import uvicorn
 
+from tripod.asgi import DrainingServer
 from tripod.config import FleetConfig, RouterConfig
 from tripod.router.app import build_router_app
 from tripod.router.replicas import LocalLauncher, ReplicaLauncher
@@ -28,28 +28,18 @@ from tripod.router.supervisor import Supervisor
 log = logging.getLogger("tripod.router")
 
 
-class _Server(uvicorn.Server):
-    """uvicorn, with draining: the first signal marks the router draining (503 + Retry-After)."""
-
-    def __init__(self, config: uvicorn.Config, router: Router) -> None:
-        super().__init__(config)
-        self.router = router
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.router.draining:
-            log.info("%s: draining (%d requests in the router), then exiting", signal.Signals(sig).name,
-                     self.router.pending)
-            self.router.draining = True
-        super().handle_exit(sig, frame)
-        self._captured_signals.clear()  # a clean drain is a clean exit (see tripod/server/launch.py)
-
-
 def _run(router: Router, app: Any, config: RouterConfig, log_level: int, drain_timeout: float) -> bool:
     logging.getLogger("httpx").setLevel(max(log_level, logging.WARNING))  # not a line per probe
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=logging.getLevelName(log_level).lower(),
                         access_log=False, timeout_graceful_shutdown=max(1, int(drain_timeout)), lifespan="on",
                         timeout_keep_alive=30)
-    server = _Server(uv, router)
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not router.draining:
+            log.info("%s: draining (%d requests in the router), then exiting", sig.name, router.pending)
+            router.draining = True
+
+    server = DrainingServer(uv, on_signal)
     try:
         server.run()
     except SystemExit:  # uvicorn's own exit when start-up failed (the reason is logged): ours is 2

@@ -10,6 +10,7 @@ Ties are broken at random so equal replicas share the work.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import random
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ class Decision:
     matched_chars: int  # of the request's text, in the chosen replica's tree
 
 
-class RoutingPolicy:
+class RoutingPolicy(abc.ABC):
     """Picks a replica; never mutates replicas (the router does the accounting)."""
 
     name = "base"
@@ -43,8 +44,9 @@ class RoutingPolicy:
         self.config = config
         self.rng = rng or random.Random()
 
+    @abc.abstractmethod
     def choose(self, replicas: list[Replica], req: RouteRequest, avg_request_tokens: float) -> Decision:
-        raise NotImplementedError
+        """One of ``replicas`` (never empty, all routable) for ``req``."""
 
 
 class RoundRobinPolicy(RoutingPolicy):

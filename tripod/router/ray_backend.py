@@ -24,7 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from tripod.router.replicas import free_port, spawn_serve
+from tripod.serve_process import free_port, spawn_serve
 
 # The exit code reported for a replica whose actor is gone (killed, crashed, or its node lost):
 # the process is then gone too or about to be (PDEATHSIG), and nothing can tell us how it ended.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tripod.router.prefix_tree import PrefixTree
@@ -70,7 +70,6 @@ class Replica:
     started_at: float = 0.0
     healthy_since: float | None = None
     restarts: int = 0
-    labels: dict[str, str] = field(default_factory=dict)
 
     @property
     def routable(self) -> bool:

@@ -9,14 +9,12 @@ Ray actors anywhere in a Ray cluster.
 
 from __future__ import annotations
 
-import ctypes
-import os
 import signal
-import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import IO, Protocol
+
+from tripod.serve_process import free_port, spawn_serve
 
 
 class ReplicaProcess(Protocol):
@@ -54,34 +52,6 @@ class ReplicaLauncher(Protocol):
     def close(self) -> None:
         """Release what the launcher holds (replicas are stopped by the supervisor first)."""
         ...
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def serve_command(host: str, port: int, serve_args: list[str]) -> list[str]:
-    """The command line of one replica: ``tripod serve`` with the fleet's engine/server options."""
-    return [sys.executable, "-m", "tripod.cli", "serve", "--host", host, "--port", str(port), *serve_args]
-
-
-def _die_with_parent() -> None:
-    # NOTE: runs in the child between fork and exec. A replica must not outlive the process that
-    # supervises it (a kill -9 of the supervisor would otherwise leave orphans holding ports).
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def spawn_serve(host: str, port: int, serve_args: list[str], log: IO[bytes] | int | None = None) -> subprocess.Popen[bytes]:
-    """Start ``tripod serve`` as a child that dies with this process."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen(
-        serve_command(host, port, serve_args), stdout=log, stderr=subprocess.STDOUT if log is not None else None,
-        env=env, preexec_fn=_die_with_parent,
-    )
 
 
 class LocalProcess:

@@ -121,7 +121,6 @@ class Router:
         self.probe_client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._closing: set[asyncio.Task[None]] = set()
-        self.on_change: Callable[[], None] | None = None  # the supervisor's hook
 
     # ------------------------------------------------------------ replica set
     def add_replica(self, name: str, url: str, process: ReplicaProcess | None = None) -> Replica:
@@ -137,7 +136,7 @@ class Router:
         rep = self.replicas.pop(name, None)
         if rep is not None:
             log.info("replica %s removed", name)
-            self._notify()
+            self.notify()
 
     def routable(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.routable]
@@ -146,18 +145,31 @@ class Router:
     def inflight(self) -> int:
         return sum(r.inflight for r in self.replicas.values())
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
+        """Wake everything waiting for the replica set to change (``pick``, ``wait_until``)."""
         # NOTE: waiters hold the old event; setting it wakes them all, and the next wait gets a fresh one.
         self._changed.set()
         self._changed = asyncio.Event()
-        if self.on_change is not None:
-            self.on_change()
+
+    async def wait_until(self, cond: Callable[[], bool], timeout: float) -> bool:
+        """Wait (up to ``timeout`` s) until ``cond()`` holds; checked at every ``notify``."""
+        deadline = self.clock() + timeout
+        while not cond():
+            left = deadline - self.clock()
+            if left <= 0:
+                return False
+            event = self._changed
+            try:
+                await asyncio.wait_for(event.wait(), timeout=left)
+            except TimeoutError:
+                pass
+        return True
 
     def _opened(self, rep: Replica, why: str) -> None:
         rep.healthy_since = None
         rep.tree.clear()  # a replica that failed may have lost its cache: claim nothing
         log.warning("replica %s is out of rotation: %s", rep.name, why)
-        self._notify()
+        self.notify()
 
     def record_failure(self, rep: Replica, why: str, fatal: bool = False) -> None:
         if rep.breaker.failure(self.clock(), fatal):
@@ -167,7 +179,7 @@ class Router:
         if rep.breaker.success(self.clock()):
             rep.healthy_since = self.clock()
             log.info("replica %s is routable", rep.name)
-            self._notify()
+            self.notify()
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -283,12 +295,14 @@ class Router:
         self.metrics.est_cached.labels(rep.name).inc(cached)
         return _Flight(rep, tokens)
 
-    @staticmethod
-    def _end(f: _Flight) -> None:
+    def _end(self, f: _Flight) -> None:
         if not f.done:
             f.done = True
-            f.replica.inflight -= 1
-            f.replica.inflight_tokens = max(0.0, f.replica.inflight_tokens - f.tokens) if f.replica.inflight else 0.0
+            rep = f.replica
+            rep.inflight -= 1
+            rep.inflight_tokens = max(0.0, rep.inflight_tokens - f.tokens) if rep.inflight else 0.0
+            if rep.draining and not rep.inflight:
+                self.notify()  # a drain waits for this
 
     def _learn(self, rr: RouteRequest, content: bytes) -> None:
         """Refine characters per token from a replica's own count of the prompt."""

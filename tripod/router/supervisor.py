@@ -69,12 +69,8 @@ class Supervisor:
             self._tasks.append(asyncio.create_task(self._autoscale()))
 
     async def wait_routable(self, timeout: float) -> bool:
-        deadline = self.clock() + timeout
-        while not self.router.routable():
-            if self.clock() > deadline or self.fatal is not None:
-                return False
-            await asyncio.sleep(0.2)
-        return True
+        await self.router.wait_until(lambda: bool(self.router.routable()) or self.fatal is not None, timeout)
+        return bool(self.router.routable())
 
     async def stop(self) -> None:
         """Every replica drains and exits (SIGTERM; SIGKILL past the drain timeout)."""
@@ -155,6 +151,7 @@ class Supervisor:
                     if slot.startup_failures >= 2:
                         self.fatal = (f"{slot.name} failed to start twice (exit code 2); its error is in the "
                                       "log above")
+                        self.router.notify()  # wait_routable gives up now
             elif rep is not None and rep.healthy_since is None and rep.breaker.opened_count == 0 \
                     and now - rep.started_at > self.config.start_timeout:
                 log.error("%s not healthy %.0f s after launch; killing it", slot.name, self.config.start_timeout)
@@ -209,10 +206,7 @@ class Supervisor:
     async def _drain(self, slot: _Slot) -> None:
         rep = self.router.replicas.get(slot.name)
         if rep is not None:
-            deadline = self.clock() + self.config.drain_timeout
-            while rep.inflight > 0 and self.clock() < deadline:
-                await asyncio.sleep(0.1)
-            if rep.inflight:
+            if not await self.router.wait_until(lambda: rep.inflight == 0, self.config.drain_timeout):
                 log.warning("%s still has %d requests after %.0f s of draining", slot.name, rep.inflight,
                             self.config.drain_timeout)
         proc = slot.process

@@ -11,10 +11,10 @@ import asyncio
 import logging
 import signal
 import sys
-from types import FrameType
 
 import uvicorn
 
+from tripod.asgi import DrainingServer
 from tripod.config import EngineConfig, ServerConfig
 from tripod.loader import load_tokenizer
 from tripod.server.app import ServerState, build_app, lifespan_for
@@ -23,27 +23,6 @@ from tripod.server.metrics import ServerMetrics
 from tripod.server.text import TextSide
 
 log = logging.getLogger("tripod.server")
-
-
-class _Server(uvicorn.Server):
-    """uvicorn, with draining: the first SIGTERM/SIGINT marks the server draining (new requests
-    get 503 + Retry-After) while uvicorn closes the port and waits for in-flight answers."""
-
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
-        super().__init__(config)
-        self.tripod = state
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.tripod.draining:
-            log.info(
-                "%s: draining (%d sequences in flight, up to %.0f s), then exiting",
-                signal.Signals(sig).name, self.tripod.client.inflight, self.tripod.config.drain_timeout,
-            )
-            self.tripod.draining = True
-        super().handle_exit(sig, frame)
-        # NOTE: uvicorn re-raises captured signals after shutdown (exit 143 for SIGTERM); a clean
-        # drain is a clean exit, so the exit code is ours to set.
-        self._captured_signals.clear()
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig, log_level: int = logging.INFO) -> int:
@@ -69,7 +48,14 @@ def serve(engine_config: EngineConfig, config: ServerConfig, log_level: int = lo
         access_log=False, timeout_graceful_shutdown=int(config.drain_timeout) or 1,
         lifespan="on", timeout_keep_alive=30,
     )
-    server = _Server(uv_config, state)
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not state.draining:
+            log.info("%s: draining (%d sequences in flight, up to %.0f s), then exiting",
+                     sig.name, client.inflight, config.drain_timeout)
+            state.draining = True
+
+    server = DrainingServer(uv_config, on_signal)
 
     def on_death(reason: str) -> None:
         state.exit_code = 1
