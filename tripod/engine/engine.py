@@ -56,7 +56,18 @@ class EngineStats:
     generated_tokens: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
-    forward_seconds: float = 0.0
+    forward_seconds: float = 0.0  # build + forward + sample (the whole numeric part of a step)
+    # Where a step's time goes (seconds), for the served-workload profile
+    # (benchmarks/serve_profile.py): scheduling, building the batch's tensors, the model's
+    # forward pass (split by whether the step carried prefill tokens), sampling (grammar masks
+    # included), and the bookkeeping after it.
+    schedule_seconds: float = 0.0
+    prepare_seconds: float = 0.0
+    decode_forward_seconds: float = 0.0
+    prefill_forward_seconds: float = 0.0
+    sample_seconds: float = 0.0
+    bookkeeping_seconds: float = 0.0
+    prefill_tokens: int = 0  # tokens computed in prefill chunks (not decodes, not verifies)
     jump_forward_proposed: int = 0  # grammar-forced draft tokens sent for verification
     jump_forward_accepted: int = 0  # of those, tokens the model itself chose (= passes saved)
 
@@ -307,6 +318,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Run one forward pass for whatever the scheduler picks; report what changed."""
+        t_start = time.perf_counter()
         self._poll_compiles()
         outs: list[StepOutput] = []
         # Requests aborted while queued have finished without a step; report them once.
@@ -323,7 +335,19 @@ class Engine:
                                         return_when=concurrent.futures.FIRST_COMPLETED)
             return self._deliver(outs)
         t0 = time.perf_counter()
-        logits, sampling = self.runner.forward(items)
+        st = self.stats
+        st.schedule_seconds += t0 - t_start
+        batch, sampling = self.runner.build_batch(items)
+        t1 = time.perf_counter()
+        logits = self.runner.run(batch)
+        t2 = time.perf_counter()
+        st.prepare_seconds += t1 - t0
+        chunk_tokens = sum(it.length for it in items if it.length > 1 and not it.verify)
+        if chunk_tokens:
+            st.prefill_forward_seconds += t2 - t1
+            st.prefill_tokens += chunk_tokens
+        else:
+            st.decode_forward_seconds += t2 - t1
         if verifying:
             for it in verifying:  # the drafts were in all_ids for the forward only
                 del it.req.output_ids[len(it.req.output_ids) - len(it.req.draft) :]
@@ -339,7 +363,9 @@ class Engine:
         if any(r.matcher is not None for r in reqs):
             self.grammars.apply_masks(logits, [r.matcher for r in reqs])
         result = self.sampler.sample(logits, reqs) if reqs else None
-        self.stats.forward_seconds += time.perf_counter() - t0
+        t3 = time.perf_counter()
+        st.sample_seconds += t3 - t2
+        st.forward_seconds += t3 - t0
         self.stats.steps += 1
         self.stats.forward_tokens += sum(it.length for it in items)
 
@@ -378,6 +404,7 @@ class Engine:
         for o in outs:
             if o.finished:
                 self._reqs.pop(o.req.rid, None)
+        st.bookkeeping_seconds += time.perf_counter() - t3
         return self._deliver(outs)
 
     # ------------------------------------------------------------------ jump-forward

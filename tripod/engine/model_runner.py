@@ -124,9 +124,12 @@ class ModelRunner:
         )
         return batch, sampling
 
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward pass over a built batch: float32 logits for its sampling rows."""
+        return self.model(batch, self.pool)
+
     def forward(self, items: list[ScheduledItem]) -> tuple[torch.Tensor, list[ScheduledItem]]:
         """Run one step. Returns float32 logits (one row per sampling item, ``length`` rows for a
         ``verify`` item) and the sampling items in row order."""
         batch, sampling = self.build_batch(items)
-        logits = self.model(batch, self.pool)
-        return logits, sampling
+        return self.run(batch), sampling

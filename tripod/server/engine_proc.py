@@ -89,19 +89,31 @@ class EngineLoop:
         self.parent_pid = parent_pid
         self.running = True
         self._last_heartbeat = 0.0
+        # Where the loop's time goes besides Engine.step (see benchmarks/serve_profile.py).
+        self.idle_seconds = 0.0  # waiting for messages with nothing to run
+        self.ipc_seconds = 0.0  # decoding incoming messages, encoding and sending outputs
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
         while self.running:
             busy = self.engine.pending
-            if poller.poll(0 if busy else int(self.heartbeat_interval * 1000)):
+            t0 = time.perf_counter()
+            ready = poller.poll(0 if busy else int(self.heartbeat_interval * 1000))
+            t1 = time.perf_counter()
+            if not busy:
+                self.idle_seconds += t1 - t0
+            if ready:
                 self._drain()
+                self.ipc_seconds += time.perf_counter() - t1
             if os.getppid() != self.parent_pid:
                 log.warning("the server process is gone; stopping")
                 return
             if self.engine.pending:
-                self._send_outputs(self.engine.step())
+                outs = self.engine.step()
+                t2 = time.perf_counter()
+                self._send_outputs(outs)
+                self.ipc_seconds += time.perf_counter() - t2
             now = time.monotonic()
             if now - self._last_heartbeat >= self.heartbeat_interval:
                 self._last_heartbeat = now
@@ -175,6 +187,18 @@ class EngineLoop:
             "retractions": s.num_retractions,
             "jump_forward_proposed": e.stats.jump_forward_proposed,
             "jump_forward_accepted": e.stats.jump_forward_accepted,
+            "prefill_tokens": e.stats.prefill_tokens,
+            # Seconds spent in each part of the loop since start (benchmarks/serve_profile.py).
+            "time": {
+                "schedule": e.stats.schedule_seconds,
+                "prepare": e.stats.prepare_seconds,
+                "decode_forward": e.stats.decode_forward_seconds,
+                "prefill_forward": e.stats.prefill_forward_seconds,
+                "sample": e.stats.sample_seconds,
+                "bookkeeping": e.stats.bookkeeping_seconds,
+                "ipc": self.ipc_seconds,
+                "idle": self.idle_seconds,
+            },
         }
         if check:
             # The KV ownership invariant, provable only when no request holds memory (aborted
