@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tripod.engine import kv_pool
-from tripod.engine.kv_pool import KVPool, SlotAllocator, slots_from_budget
+from tripod.memory import kv_pool
+from tripod.memory.kv_pool import KVPool, SlotAllocator, slots_from_budget
 
 
 def test_alloc_hands_out_distinct_slots_until_empty() -> None:

@@ -16,7 +16,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tripod.engine.kv_pool import SlotAllocator
+from tripod.memory.kv_pool import SlotAllocator
 from tripod.engine.radix_cache import RadixCache, TreeNode
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tripod.engine.kv_pool import SlotAllocator
+from tripod.memory.kv_pool import SlotAllocator
 from tripod.engine.radix_cache import RadixCache
 from tripod.engine.request import FinishReason, Req, SamplingParams
 from tripod.engine.scheduler import ScheduledItem, SchedulePolicy, Scheduler

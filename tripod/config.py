@@ -9,6 +9,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
+KERNEL_MODES = ("auto", "eager", "optimized")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
@@ -33,6 +34,11 @@ class EngineConfig:
     decode_mirror: bool = True  # dense copy of decoding requests' KV (see engine/decode_mirror.py)
     seed: int = 0  # for sampled requests without a seed
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
+    # The compute path. "auto": float32 runs the reference path (op for op with Hugging Face),
+    # 16-bit dtypes the optimized one. "eager": the reference path always. "optimized": packed
+    # matmuls and tripod's CPU kernels (built in the background under "auto", and serving on
+    # torch's ops until they are ready; waited for under "optimized"), in float32 too.
+    kernels: str = "auto"
     # Structured outputs: verify grammar-forced text in one forward pass (lossless; see engine).
     jump_forward: bool = True
     max_jump_forward: int = 32  # draft tokens per verification
@@ -50,10 +56,18 @@ class EngineConfig:
                 f"max_batch_tokens ({self.max_batch_tokens}) must be >= max_running "
                 f"({self.max_running}) so every running request can decode each step"
             )
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)} (got {self.kernels!r})")
         if self.policy not in ("lpm", "fcfs"):
             raise ValueError(f"policy must be 'lpm' or 'fcfs' (got {self.policy!r})")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (got {self.max_model_len})")
+
+    def compute_path(self, dtype: torch.dtype) -> str:
+        """"eager" (the reference path) or "optimized", for this config's ``kernels`` mode."""
+        if self.kernels == "auto":
+            return "eager" if dtype == torch.float32 else "optimized"
+        return self.kernels
 
     def torch_device(self) -> torch.device:
         dev = torch.device(self.device)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from tripod.engine.kv_pool import KVPool
 from tripod.engine.request import Req
+from tripod.memory.kv_pool import KVPool
 
 _ROW_STEP = 16
 _LEN_STEP = 256

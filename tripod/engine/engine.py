@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from tripod import kernels
 from tripod.config import EngineConfig
 from tripod.engine.detokenizer import IncrementalDetokenizer
-from tripod.engine.kv_pool import KVPool, slots_from_budget
 from tripod.engine.model_runner import ModelRunner
 from tripod.engine.radix_cache import RadixCache
 from tripod.engine.request import (
@@ -33,6 +33,7 @@ from tripod.engine.sampler import Sampler, make_generator
 from tripod.engine.scheduler import SchedulePolicy, Scheduler
 from tripod.engine.structured import GrammarBackend, GrammarError
 from tripod.loader import LoadedModel, load_model
+from tripod.memory.kv_pool import KVPool, slots_from_budget
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +125,17 @@ class Engine:
             chunk_size=config.chunk_size,
             policy=SchedulePolicy(config.policy, config.aging),
         )
-        self.runner = ModelRunner(
-            self.loaded.model, self.pool, self.device, use_mirror=config.decode_mirror
-        )
-        self.sampler = Sampler(self.device, config.seed)
         self.context_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        path = config.compute_path(self.dtype)
+        self.runner = ModelRunner(
+            self.loaded.model, self.pool, self.device, use_mirror=config.decode_mirror,
+            path=path, max_len=self.max_request_len,
+        )
+        if self.runner.kernel_reason is None:
+            # "optimized" asked for explicitly: wait for the build (tests, benchmarks); under
+            # "auto" serve on torch's ops while it builds, and switch when it is loaded.
+            kernels.load(wait=config.kernels == "optimized")
+        self.sampler = Sampler(self.device, config.seed)
         eos = set(mc.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -142,7 +149,7 @@ class Engine:
         self._compiling: list[tuple[concurrent.futures.Future[Any], list[Req], float]] = []
         log.info(
             "tripod engine: model=%s (%s, weights %s) dtype=%s device=%s kv_slots=%d (%.0f MiB) "
-            "context=%d loaded in %.1fs",
+            "context=%d compute=%s loaded in %.1fs",
             self.loaded.name,
             mc.architecture,
             self.loaded.quantization,
@@ -151,6 +158,7 @@ class Engine:
             num_slots,
             num_slots * per_token / 2**20,
             self.context_len,
+            self.runner.describe(),
             time.monotonic() - t0,
         )
 
@@ -480,6 +488,7 @@ class Engine:
         req.computed = start + len(new) - 1
         extra = req.slots[req.computed :]
         del req.slots[req.computed :]
+        req.slots_version += 1
         self.pool.allocator.free(extra)
         if reason is not None:
             self.scheduler.finish(req, reason)

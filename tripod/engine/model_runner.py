@@ -1,6 +1,9 @@
 """Turns a scheduled step into tensors, runs the model, and hands back logits.
 
-Owns the device, the dtype, the model and the KV pool. Knows nothing of queues or sampling.
+Owns the device, the dtype, the model and the KV pool, and picks the compute path of each step:
+the optimized path (packed matmuls; tripod's CPU kernels once they are loaded, reading the pool
+through the slot table) or the reference path (``F.linear``, SDPA over the decode mirror).
+Knows nothing of queues or sampling.
 """
 
 from __future__ import annotations
@@ -9,10 +12,12 @@ import logging
 
 import torch
 
+from tripod import kernels
 from tripod.engine.decode_mirror import DecodeMirror
-from tripod.engine.kv_pool import KVPool
 from tripod.engine.scheduler import ScheduledItem
-from tripod.layers.attention import ForwardBatch, PrefillSegment
+from tripod.layers.attention import ForwardBatch, KernelMeta, PrefillSegment
+from tripod.memory.kv_pool import KVPool
+from tripod.memory.slot_table import SlotTable
 from tripod.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -22,19 +27,116 @@ class ModelRunner:
     """One forward pass per step over a flat batch: single-token items first, then chunks."""
 
     def __init__(
-        self, model: LlamaForCausalLM, pool: KVPool, device: torch.device, use_mirror: bool = True
+        self,
+        model: LlamaForCausalLM,
+        pool: KVPool,
+        device: torch.device,
+        use_mirror: bool = True,
+        path: str = "eager",
+        max_len: int = 0,
     ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
+        self.path = path
+        self.packed = model.prepare(packed=path == "optimized")
         pool_bytes = pool.kv.numel() * pool.kv.element_size()
         # Budget: half the pool's size, at least 64 MiB (small pools still get dense decode).
         budget = max(pool_bytes // 2, 64 << 20)
         self.mirror = DecodeMirror(pool, max_bytes=budget) if use_mirror else None
+        self.kernel_reason = self._kernel_obstacle()
+        self.table = SlotTable(max_len or pool.num_slots, device) if self.kernel_reason is None else None
+
+    def _kernel_obstacle(self) -> str | None:
+        """Why this runner can never use the CPU kernels (None: it can, once they are loaded)."""
+        if self.path != "optimized":
+            return "the reference path was asked for"
+        if self.device.type != "cpu":
+            return f"they are CPU kernels (the device is {self.device})"
+        cfg = self.model.cfg
+        if cfg.head_dim not in (32, 64, 96, 128, 256) or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 8:
+            return f"head_dim {cfg.head_dim} / {cfg.num_heads} heads over {cfg.num_kv_heads} is not a shape they cover"
+        if self.pool.kv.dtype not in (torch.float32, torch.bfloat16):
+            return f"{self.pool.kv.dtype} is not a dtype they cover"
+        return kernels.unavailable_reason()
+
+    @property
+    def uses_kernels(self) -> bool:
+        """Whether the next step runs on the CPU kernels."""
+        return self.table is not None and kernels.ready()
+
+    def describe(self) -> str:
+        if self.path != "optimized":
+            return "reference (F.linear, SDPA)"
+        linears = "packed oneDNN matmuls" if self.packed else "F.linear"
+        if self.kernel_reason is not None:
+            return f"optimized ({linears}; tripod CPU kernels unused: {self.kernel_reason})"
+        state = "loaded" if kernels.ready() else "building in the background (torch's ops meanwhile)"
+        return f"optimized ({linears}; tripod CPU kernels {state})"
 
     def build_batch(self, items: list[ScheduledItem]) -> tuple[ForwardBatch, list[ScheduledItem]]:
-        """Lay out ``items`` (decodes first). Returns the batch and the items in the order of
-        the logits rows (those that sample)."""
+        """Lay out ``items``. Returns the batch and the items in the order of the logits rows
+        (those that sample)."""
+        if self.uses_kernels:
+            return self._build_kernel_batch(items)
+        return self._build_torch_batch(items)
+
+    def _build_kernel_batch(self, items: list[ScheduledItem]) -> tuple[ForwardBatch, list[ScheduledItem]]:
+        """Every token of the step in item order; each attends its own request's first
+        ``position + 1`` keys through the slot table (decodes, drafts and chunks alike)."""
+        if self.mirror is not None and self.mirror.buf is not None:
+            self.mirror.drop()  # the kernels read the pool directly
+        assert self.table is not None
+        rows = self.table.sync([(it.req, it.start + it.length) for it in items])
+        ids: list[int] = []
+        pos: list[int] = []
+        out_slots: list[int] = []
+        tok_rows: list[int] = []
+        logits_at: list[int] = []
+        sampling: list[ScheduledItem] = []
+        for it, row in zip(items, rows, strict=True):
+            r = it.req
+            s, n = it.start, it.length
+            np_ = len(r.prompt_ids)
+            if n == 1:
+                ids.append(r.prompt_ids[s] if s < np_ else r.output_ids[s - np_])
+                pos.append(s)
+                out_slots.append(r.slots[s])
+                tok_rows.append(row)
+            else:
+                ids.extend(r.all_ids[s : s + n])
+                pos.extend(range(s, s + n))
+                out_slots.extend(r.slots[s : s + n])
+                tok_rows.extend([row] * n)
+            if it.verify:  # every position predicts the next token
+                logits_at.extend(range(len(ids) - n, len(ids)))
+                sampling.append(it)
+            elif it.samples:
+                logits_at.append(len(ids) - 1)
+                sampling.append(it)
+        dev = self.device
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        meta = KernelMeta(
+            table=self.table.table,
+            rows=torch.tensor(tok_rows, dtype=torch.int32, device=dev),
+            lens=(positions + 1).to(torch.int32),
+        )
+        all_rows = len(logits_at) == len(ids)  # every token samples (a pure decode step)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=positions,
+            out_slots=torch.tensor(out_slots, dtype=torch.long, device=dev),
+            num_decode=0,
+            decode_kv_idx=None,
+            decode_mask=None,
+            logits_idx=None if all_rows else torch.tensor(logits_at, dtype=torch.long, device=dev),
+            kernel=meta,
+            packed=self.packed,
+        )
+        return batch, sampling
+
+    def _build_torch_batch(self, items: list[ScheduledItem]) -> tuple[ForwardBatch, list[ScheduledItem]]:
+        """Decodes first (padded together), then verifications, then prefill chunks."""
         singles = [it for it in items if it.length == 1 and not it.verify]
         verify_items = [it for it in items if it.verify]
         chunks = [it for it in items if it.length > 1 and not it.verify]
@@ -121,6 +223,7 @@ class ModelRunner:
             prefills=segs,
             logits_idx=torch.tensor(logits_at, dtype=torch.long, device=self.device),
             verifies=verifies,
+            packed=self.packed,
         )
         return batch, sampling
 

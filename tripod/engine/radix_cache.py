@@ -21,7 +21,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from tripod.engine.kv_pool import SlotAllocator
+from tripod.memory.kv_pool import SlotAllocator
 
 _tick = itertools.count()
 

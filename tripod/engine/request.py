@@ -141,6 +141,10 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
+    # NOTE: bumped by every edit of ``slots`` other than an append (the prefix cache swapping in
+    # its own slots, a release, unused draft slots given back): kernels read slots through a
+    # table that copies appends lazily and rewrites a row when this changes (memory/slot_table).
+    slots_version: int = 0
     cache_len: int = 0  # slots owned by the tree (and locked via last_node)
     last_node: TreeNode | None = None
     computed: int = 0  # tokens of all_ids whose KV is in slots

@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from tripod.engine.kv_pool import SlotAllocator
 from tripod.engine.radix_cache import RadixCache
 from tripod.engine.request import FinishReason, Req
+from tripod.memory.kv_pool import SlotAllocator
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,7 @@ class Scheduler:
         self.waiting.remove(req)
         self._enqueued_at.pop(req.rid, None)
         req.slots = match.slots + new
+        req.slots_version += 1
         req.cache_len = hit
         req.last_node = match.node
         req.computed = hit
@@ -251,6 +252,7 @@ class Scheduler:
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
         req.slots[:k] = match.slots
+        req.slots_version += 1
         req.cache_len = k
         req.last_node = match.node
 
@@ -264,6 +266,7 @@ class Scheduler:
         if private:
             self.allocator.free(private)
         req.slots = []
+        req.slots_version += 1
         req.cache_len = 0
         req.last_node = None
         req.computed = 0

@@ -1,8 +1,14 @@
 """Paged (page size 1) attention over the KV pool, for a flat batch of mixed work.
 
-A step's tokens are laid out flat: first one token per decoding request, then each prefill
-chunk's tokens. Decodes attend in one padded, batched call; each prefill chunk attends to its
-cached prefix plus itself with a causal mask.
+Two backends behind one call (``attend``), picked per step by the model runner:
+
+- kernels (CPU with tripod's C++ kernels; ``ForwardBatch.kernel`` set): RoPE and the KV write in
+  one pass, then every query row attends its own keys straight from the pool through the slot
+  table (``tripod.kernels``: decode rows, verification rows and prefill chunks alike).
+- torch (CUDA, the float32 reference path, or before/without the kernels): a step's tokens are
+  laid out flat: first one token per decoding request, then each prefill chunk's tokens. Decodes
+  attend in one padded, batched SDPA call (over the dense decode mirror, or gathered); each
+  prefill chunk attends to its cached prefix plus itself with a causal mask.
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tripod.engine.kv_pool import KVPool
+from tripod.layers.rotary import RotaryEmbedding, apply_rotary
+from tripod.memory.kv_pool import KVPool
 
 
 @dataclass(slots=True)
@@ -22,6 +29,15 @@ class PrefillSegment:
     prefix_len: int  # tokens before the chunk whose KV is already in the pool
     kv_slots: torch.Tensor | None  # [prefix_len + length] slots; None when prefix_len == 0
     mask: torch.Tensor | None  # [length, prefix_len + length] bool; None when prefix_len == 0
+
+
+@dataclass(slots=True)
+class KernelMeta:
+    """What the C++ attention needs: query ``t`` attends ``table[rows[t], :lens[t]]``."""
+
+    table: torch.Tensor  # [requests, width] int32 slot ids (memory.SlotTable)
+    rows: torch.Tensor  # [T] int32
+    lens: torch.Tensor  # [T] int32: position + 1
 
 
 @dataclass(slots=True)
@@ -44,6 +60,44 @@ class ForwardBatch:
     # a lone decode at that position (same width, same kernel), so its numerics are those of
     # plain decoding: SDPA's result depends on how far the keys are padded.
     verifies: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
+    # Set when this step runs on tripod's CPU kernels (then the torch-path fields are unused).
+    kernel: KernelMeta | None = None
+    packed: bool = False  # run the projections' packed form (layers.linear)
+
+
+def attend(
+    qkv: torch.Tensor,
+    layer: int,
+    pool: KVPool,
+    batch: ForwardBatch,
+    rotary: RotaryEmbedding,
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """The attention block after the QKV projection: rotate Q/K, write this step's K/V into
+    the pool, attend. ``qkv`` ``[T, (H + 2 KVH) * D]`` → ``[T, H * D]``."""
+    t = qkv.shape[0]
+    d = pool.head_dim
+    if batch.kernel is not None:
+        from tripod import kernels
+
+        ops = kernels.ops()
+        assert ops is not None, "a kernel batch was built but the kernels are not loaded"
+        m = batch.kernel
+        kv = pool.kv[layer]
+        # NOTE: rotates Q and K inside qkv, in place, and copies K|V into the pool slots.
+        ops.rope_store_kv(qkv, batch.positions, rotary.cos, rotary.sin, kv, batch.out_slots, num_heads, num_kv_heads)
+        q = qkv.view(t, -1, d)[:, :num_heads]
+        return ops.paged_attention(q, kv, m.table, m.rows, m.lens, scale).view(t, num_heads * d)
+    assert cos_sin is not None
+    heads = qkv.reshape(t, -1, d)
+    # Q and K heads are adjacent in the fused output: rotate them in one pass.
+    qk = apply_rotary(heads[:, : num_heads + num_kv_heads], *cos_sin)
+    q, k = qk[:, :num_heads], qk[:, num_heads:]
+    v = heads[:, num_heads + num_kv_heads :]
+    return paged_attention(q, k, v, layer, pool, batch, scale).view(t, num_heads * d)
 
 
 def paged_attention(

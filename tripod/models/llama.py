@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tripod.engine.kv_pool import KVPool
-from tripod.layers.attention import ForwardBatch, paged_attention
-from tripod.layers.rotary import RotaryEmbedding, apply_rotary
+from tripod.layers.attention import ForwardBatch, attend
+from tripod.layers.linear import Linear, make_linear, packing_supported
+from tripod.layers.rotary import RotaryEmbedding
+from tripod.memory.kv_pool import KVPool
 from tripod.models.config import ModelConfig
 
 
@@ -28,20 +29,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T (+ bias)``.
-
-    One row (single-stream decode) with 16-bit weights on the CPU goes through ``mv``: oneDNN's
-    ``F.linear`` streams the weight at ~10 GB/s there, ``mv`` ~20-30% faster, with the same
-    values (each output is the same dot product). float32 keeps ``F.linear`` so that fp32 runs
-    stay op for op with the HF reference.
-    """
-    if x.shape[0] != 1 or x.dtype is torch.float32 or x.device.type != "cpu":
-        return F.linear(x, w, bias)
-    y = torch.mv(w, x[0]).unsqueeze(0)
-    return y if bias is None else y + bias
 
 
 class LlamaLayer(nn.Module):
@@ -71,29 +58,54 @@ class LlamaLayer(nn.Module):
         self.down = nn.Parameter(torch.empty(h, i, dtype=dtype), requires_grad=False)
         self.inter = i
         self.scale = d**-0.5
+        # Executable forms of the projections, by "packed" (see LlamaForCausalLM.prepare).
+        self.ops: dict[bool, LayerOps] = {}
+
+    def prepare(self, packed: bool) -> None:
+        """Build the projections' executable form (after the weights are loaded)."""
+        if packed in self.ops:
+            return
+        mv = not packed and self.qkv.dtype != torch.float32 and self.qkv.device.type == "cpu"
+        self.ops[packed] = LayerOps(
+            qkv=make_linear(self.qkv, self.qkv_bias, packed=packed, mv_single_row=mv),
+            o=make_linear(self.o, self.o_bias, packed=packed, mv_single_row=mv),
+            gate_up=make_linear(self.gate_up, None, packed=packed, mv_single_row=mv),
+            down=make_linear(self.down, None, packed=packed, mv_single_row=mv),
+        )
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        rotary: RotaryEmbedding,
         layer: int,
         pool: KVPool,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        t = x.shape[0]
+        ops = self.ops[batch.packed]
         h = rms_norm(x, self.input_norm, self.eps)
-        qkv = linear(h, self.qkv, self.qkv_bias).reshape(t, -1, self.head_dim)
-        # Q and K heads are adjacent in the fused output: rotate them in one pass.
-        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
-        a = paged_attention(q, k, v, layer, pool, batch, self.scale)
-        x = x + linear(a.view(t, self.q_size), self.o, self.o_bias)
+        qkv = ops.qkv(h)
+        a = attend(qkv, layer, pool, batch, rotary, cos_sin, self.num_heads, self.num_kv_heads, self.scale)
+        x = ops.o(a, residual=x)
         h = rms_norm(x, self.post_norm, self.eps)
-        gu = linear(h, self.gate_up)
-        g, u = gu.split([self.inter, self.inter], dim=-1)
-        return x + linear(F.silu(g) * u, self.down)
+        gu = ops.gate_up(h)
+        if batch.kernel is not None:
+            from tripod import kernels
+
+            act = kernels.ops().silu_mul(gu)  # type: ignore[union-attr]
+        else:
+            g, u = gu.split([self.inter, self.inter], dim=-1)
+            act = F.silu(g) * u
+        return ops.down(act, residual=x)
+
+
+class LayerOps:
+    """A layer's projections in executable form (``layers.linear``)."""
+
+    __slots__ = ("down", "gate_up", "o", "qkv")
+
+    def __init__(self, qkv: Linear, o: Linear, gate_up: Linear, down: Linear) -> None:
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
 
 
 class LlamaForCausalLM(nn.Module):
@@ -118,18 +130,32 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, device
         )
+        self.head_ops: dict[bool, Linear] = {}
+
+    def prepare(self, packed: bool) -> bool:
+        """Build every projection's executable form; returns whether it is packed.
+        ``packed``: the CPU's packed matmuls (``layers.linear.PackedLinear``) where oneDNN can
+        run them; else ``F.linear`` on the plain weights (the float32 reference path, and CUDA).
+        Both forms may coexist: engines sharing one loaded model may run different paths."""
+        packed = packed and packing_supported(self.dtype, self.device)
+        for layer in self.layers:
+            layer.prepare(packed)
+        if packed not in self.head_ops:
+            head = self.embed if self.lm_head is None else self.lm_head
+            mv = not packed and self.dtype != torch.float32 and self.device.type == "cpu"
+            self.head_ops[packed] = make_linear(head, None, packed=packed, mv_single_row=mv)
+        return packed
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         x = F.embedding(batch.input_ids, self.embed)
-        cos, sin = self.rotary.tables(batch.positions, x.dtype)
+        cos_sin = None if batch.kernel is not None else self.rotary.tables(batch.positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, pool, batch)
+            x = layer.forward(x, cos_sin, self.rotary, i, pool, batch)
         if batch.logits_idx is not None:
             x = x.index_select(0, batch.logits_idx)
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        head = self.embed if self.lm_head is None else self.lm_head
-        return linear(x, head).float()
+        return self.head_ops[batch.packed](x).float()
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:

@@ -1,0 +1,549 @@
+// tripod's CPU kernels (AVX-512), registered as torch ops in the `tripod` namespace.
+//
+// - paged_attention: every query row attends the first `lens[t]` keys of its request, read
+//   directly from the KV pool through a slot table (no gather, no dense copy). One kernel for
+//   decode rows, verification rows and prefill chunks (with or without a cached prefix):
+//   consecutive queries of one request are processed together so that a tile of keys, loaded
+//   once, serves all of them (GQA-aware: a tile serves every query head of its KV head).
+//   Long contexts are split in fixed 512-key pieces merged by log-sum-exp (flash-decoding), so
+//   a row's arithmetic depends on its own length only, never on what else is in the batch.
+// - rope_store_kv: rotary embedding of Q and K in place (HF half-split layout) and the write of
+//   this step's K and V into their pool slots, in one pass.
+// - silu_mul: SiLU(gate) * up for a fused [gate | up] projection.
+//
+// Numerics: everything is computed in float32; bfloat16 inputs are widened exactly and results
+// rounded once (round to nearest even). This file is compiled with -ffp-contract=off, so plain
+// arithmetic is never fused behind our back; where an FMA is wanted it is written as one.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace tripod_cpu {
+namespace {
+
+using bf16 = at::BFloat16;
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;  // vdpbf16ps: bf16 products summed in float32, no widening pass
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+constexpr int kTile = 16;         // keys per tile (one zmm of scores)
+constexpr int kQueryBlock = 16;   // queries of one request processed together
+constexpr int kSplit = 512;       // keys per split of a long row (fixed: batch-independent)
+constexpr int kMaxHeadDim = 256;
+constexpr int kQueryFloats = 4096;  // query vectors × head_dim held by one piece (16 KiB)
+
+// Run fn(0..n-1) over the intra-op threads, handing out indices one at a time (pieces differ
+// in cost: a prefill block next to decode rows), or inline when asked.
+template <typename F>
+void run_dynamic(int64_t n, bool inline_only, const F& fn) {
+  if (n <= 0) return;
+  const int threads = at::get_num_threads();
+  if (inline_only || n == 1 || threads == 1 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(threads, n), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  });
+}
+
+// ---------------------------------------------------------------------------- vector helpers
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16* p, __m512 v) {
+  // Round to nearest even, like c10::BFloat16's conversion (activations carry no NaN).
+  __m512i x = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), lsb);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+
+inline const bf16* qb_as_bf16(const uint16_t* p) { return reinterpret_cast<const bf16*>(p); }
+
+// e^x, Cephes' single-precision polynomial (about 1 ulp); x <= -87 gives ~0.
+inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447504f);
+  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, fx);
+}
+
+// Lane j of the result = the sum of the 16 lanes of v[j].
+inline __m512 transpose_sum16(__m512 v[16]) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+  __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88), _mm512_shuffle_f32x4(z01, z23, 0xDD));
+}
+
+// The 16 lanes of q·k partial products for one key (D = 16 * nv), in float32.
+template <typename T>
+inline __m512 dot_partial(const float* qf, const T* k, int nv) {
+  __m512 acc = _mm512_mul_ps(load16(qf), load16(k));
+  for (int i = 1; i < nv; ++i) acc = _mm512_fmadd_ps(load16(qf + 16 * i), load16(k + 16 * i), acc);
+  return acc;
+}
+
+// ---------------------------------------------------------------------------- attention
+struct Block {
+  int32_t t0;    // first query (row of q / out)
+  int32_t nq;    // queries in the block (same request, consecutive positions)
+  int32_t row;   // the request's row in the slot table
+  int32_t len0;  // keys the first query attends; query i attends len0 + i
+};
+
+struct Piece {  // one unit of parallel work: a block's keys [k0, k1) for one KV head
+  int32_t block, kvh, k0, k1, split;  // split: index among the block's pieces (-1: only one)
+};
+
+template <typename T>
+struct AttnArgs {
+  const T* q;
+  int64_t q_stride_t, q_stride_h;  // element strides of q [T, H, D]
+  const T* kv;                      // the layer's pool [slots, 2, KVH, D]
+  int64_t kv_stride_slot;           // 2 * KVH * D
+  const int32_t* table;             // [rows, width]
+  int64_t table_stride;
+  T* out;                           // [T, H, D] contiguous
+  int H, KVH, D;
+  float scale;
+  // Split rows: partial softmax state per (piece, query, head of the group).
+  float* part_acc;  // [pieces, kQueryBlock, group, D]
+  float* part_ml;   // [pieces, kQueryBlock, group, 2]
+};
+
+// One piece: queries of `blk` × the query heads of KV head `g`, keys [k0, k1) (at most kSplit).
+// NV = D / 16 is a compile-time constant so that a query vector and its output stay in registers.
+//
+// Two passes over the piece's keys, tile by tile: the scores of every query vector (kept in a
+// scratch row) and their running maximum, as vectors; then e^(s - max) summed as a vector and
+// accumulated against V. No per-tile rescaling and no horizontal reduction inside the loop.
+// NOTE: the arithmetic of one query vector depends only on its own keys, never on the other
+// queries of its block: a token's attention is bit-identical whether it is decoded alone,
+// verified in a draft or prefilled in a chunk (jump-forward and the prefix cache rely on it).
+template <typename T, int NV>
+void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int piece_index) {
+  constexpr int D = NV * 16;
+  constexpr bool bf16_dot = std::is_same_v<T, bf16> && kBf16Dot;
+  constexpr bool widen_k = std::is_same_v<T, bf16> && !kBf16Dot;
+  constexpr bool widen_v = std::is_same_v<T, bf16>;
+  const int group = a.H / a.KVH, g = pc.kvh;
+  const int nqv = blk.nq * group;
+  const int ntiles = (pc.k1 - pc.k0 + kTile - 1) / kTile;
+  // NOTE: blocks are cut so that nq * group * D <= kQueryFloats (see paged_attention_impl).
+  thread_local std::vector<float> scratch;
+  const size_t need = (size_t)kQueryFloats * 2 + (size_t)nqv * ntiles * kTile + (size_t)nqv * 32;
+  if (scratch.size() < need) scratch.resize(need);
+  float* qf = scratch.data();                       // [nqv, D] scaled query vectors (float32 path)
+  float* acc = qf + kQueryFloats;                    // [nqv, D] output accumulators
+  float* sc = acc + kQueryFloats;                    // [nqv, ntiles * 16] scores
+  float* mv = sc + (size_t)nqv * ntiles * kTile;     // [nqv, 16] running max, then sum, as vectors
+  alignas(64) uint16_t qb[bf16_dot ? kQueryFloats : 1];  // query vectors as bf16 bits (dot path)
+  const __m512 vscale = _mm512_set1_ps(a.scale);
+  for (int i = 0; i < blk.nq; ++i)
+    for (int h = 0; h < group; ++h) {
+      const T* src = a.q + (int64_t)(blk.t0 + i) * a.q_stride_t + (int64_t)(g * group + h) * a.q_stride_h;
+      const int qv = i * group + h;
+      if constexpr (bf16_dot) {
+        std::memcpy(qb + qv * D, src, D * sizeof(T));
+      } else {
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(qf + qv * D + 16 * v, _mm512_mul_ps(load16(src + 16 * v), vscale));
+      }
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + qv * D + 16 * v, _mm512_setzero_ps());
+      _mm512_storeu_ps(mv + qv * 16, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+    }
+
+  const int32_t* slots = a.table + (int64_t)blk.row * a.table_stride;
+  auto key_row = [&](int k) { return a.kv + (int64_t)slots[k] * a.kv_stride_slot + (int64_t)g * D; };
+  auto prefetch_tile = [&](int k0, bool v_part) {
+    const int nn = std::min(kTile, pc.k1 - k0);
+    for (int j = 0; j < nn; ++j) {
+      const char* r = reinterpret_cast<const char*>(key_row(k0 + j)) + (v_part ? (int64_t)a.KVH * D * sizeof(T) : 0);
+      for (int64_t off = 0; off < (int64_t)(D * sizeof(T)); off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
+    }
+  };
+  alignas(64) float kf[widen_k ? kTile * D : 1];
+  alignas(64) float vf[widen_v ? kTile * D : 1];
+  const T* krow[kTile];
+  const float* vrow[kTile];
+
+  // Pass 1: scores and their maximum.
+  for (int ti = 0; ti < ntiles; ++ti) {
+    const int k0 = pc.k0 + ti * kTile;
+    const int n = std::min(kTile, pc.k1 - k0);
+    if (k0 + kTile < pc.k1) prefetch_tile(k0 + kTile, false);
+    for (int j = 0; j < kTile; ++j) {
+      krow[j] = key_row(k0 + (j < n ? j : 0));  // past the end: any valid row (masked)
+      if constexpr (widen_k)
+        for (int v = 0; v < NV; ++v) _mm512_store_ps(kf + j * D + 16 * v, load16(krow[j] + 16 * v));
+    }
+    for (int qv = 0; qv < nqv; ++qv) {
+      const int valid = std::min(n, blk.len0 + qv / group - k0);  // causal limit of this query
+      if (valid <= 0) continue;  // the whole tile is in this query's future
+      __m512 parts[kTile];
+      if constexpr (bf16_dot) {
+#if defined(__AVX512BF16__)
+        __m512bh q2[NV / 2 + 1];
+        for (int v = 0; v < NV / 2; ++v) q2[v] = (__m512bh)_mm512_load_si512(qb + qv * D + 32 * v);
+#pragma GCC unroll 16
+        for (int j = 0; j < kTile; ++j) {
+          __m512 t = _mm512_setzero_ps();
+          for (int v = 0; v < NV / 2; ++v) t = _mm512_dpbf16_ps(t, q2[v], (__m512bh)_mm512_loadu_si512(krow[j] + 32 * v));
+          if constexpr (NV % 2 == 1)  // D = 16 (mod 32): the last 16 dims widened
+            t = _mm512_fmadd_ps(load16(qb_as_bf16(qb + qv * D + 32 * (NV / 2))), load16(krow[j] + 32 * (NV / 2)), t);
+          parts[j] = t;
+        }
+#endif
+      } else {
+        __m512 q[NV];
+        for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(qf + qv * D + 16 * v);
+#pragma GCC unroll 16
+        for (int j = 0; j < kTile; ++j) {
+          const float* kj = widen_k ? kf + j * D : reinterpret_cast<const float*>(krow[j]);
+          __m512 t = _mm512_mul_ps(q[0], _mm512_loadu_ps(kj));
+          for (int v = 1; v < NV; ++v) t = _mm512_fmadd_ps(q[v], _mm512_loadu_ps(kj + 16 * v), t);
+          parts[j] = t;
+        }
+      }
+      __m512 s = transpose_sum16(parts);
+      if constexpr (bf16_dot) s = _mm512_mul_ps(s, vscale);
+      const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
+      _mm512_storeu_ps(sc + ((size_t)qv * ntiles + ti) * kTile, s);
+      float* mq = mv + qv * 16;
+      _mm512_storeu_ps(mq, _mm512_mask_max_ps(_mm512_loadu_ps(mq), mask, _mm512_loadu_ps(mq), s));
+    }
+  }
+  float m[kQueryBlock * 8];
+  for (int qv = 0; qv < nqv; ++qv) {
+    m[qv] = _mm512_reduce_max_ps(_mm512_loadu_ps(mv + qv * 16));
+    _mm512_storeu_ps(mv + qv * 16, _mm512_setzero_ps());  // now: the running sum of e^(s - m)
+  }
+
+  // Pass 2: e^(s - m), its sum, and the weighted sum of V.
+  alignas(64) float p[kTile];
+  for (int ti = 0; ti < ntiles; ++ti) {
+    const int k0 = pc.k0 + ti * kTile;
+    const int n = std::min(kTile, pc.k1 - k0);
+    if (k0 + kTile < pc.k1) prefetch_tile(k0 + kTile, true);
+    for (int j = 0; j < n; ++j) {
+      const T* vr = key_row(k0 + j) + (int64_t)a.KVH * D;
+      if constexpr (widen_v) {
+        for (int v = 0; v < NV; ++v) _mm512_store_ps(vf + j * D + 16 * v, load16(vr + 16 * v));
+        vrow[j] = vf + j * D;
+      } else {
+        vrow[j] = reinterpret_cast<const float*>(vr);
+      }
+    }
+    for (int qv = 0; qv < nqv; ++qv) {
+      const int valid = std::min(n, blk.len0 + qv / group - k0);
+      if (valid <= 0) continue;
+      const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
+      const __m512 s = _mm512_loadu_ps(sc + ((size_t)qv * ntiles + ti) * kTile);
+      const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m[qv]))));
+      _mm512_storeu_ps(mv + qv * 16, _mm512_add_ps(_mm512_loadu_ps(mv + qv * 16), e));
+      _mm512_store_ps(p, e);
+      float* o = acc + qv * D;
+      __m512 r[NV];
+      for (int v = 0; v < NV; ++v) r[v] = _mm512_loadu_ps(o + 16 * v);
+      for (int j = 0; j < valid; ++j) {
+        const __m512 pj = _mm512_set1_ps(p[j]);
+        for (int v = 0; v < NV; ++v) r[v] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vrow[j] + 16 * v), r[v]);
+      }
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + 16 * v, r[v]);
+    }
+  }
+
+  for (int i = 0; i < blk.nq; ++i)
+    for (int h = 0; h < group; ++h) {
+      const int qv = i * group + h;
+      const float* o = acc + qv * D;
+      const bool any = blk.len0 + i > pc.k0;  // this query saw at least one key of the piece
+      const float l = any ? _mm512_reduce_add_ps(_mm512_loadu_ps(mv + qv * 16)) : 0.f;
+      if (pc.split < 0) {
+        const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+        T* dst = a.out + ((int64_t)(blk.t0 + i) * a.H + g * group + h) * D;
+        for (int v = 0; v < NV; ++v) store16(dst + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * v), inv));
+      } else {
+        const int64_t slot = ((int64_t)piece_index * kQueryBlock + i) * group + h;
+        float* pa = a.part_acc + slot * D;
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(pa + 16 * v, _mm512_loadu_ps(o + 16 * v));
+        a.part_ml[slot * 2] = any ? m[qv] : -std::numeric_limits<float>::infinity();
+        a.part_ml[slot * 2 + 1] = l;
+      }
+    }
+}
+
+template <typename T>
+void attend_piece_any(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int piece_index) {
+  switch (a.D / 16) {
+    case 2: return attend_piece<T, 2>(a, blk, pc, piece_index);
+    case 4: return attend_piece<T, 4>(a, blk, pc, piece_index);
+    case 6: return attend_piece<T, 6>(a, blk, pc, piece_index);
+    case 8: return attend_piece<T, 8>(a, blk, pc, piece_index);
+    case 16: return attend_piece<T, 16>(a, blk, pc, piece_index);
+    default: TORCH_CHECK(false, "paged_attention: head_dim must be 32, 64, 96, 128 or 256");
+  }
+}
+
+// Combine the pieces of a split block (log-sum-exp), in piece order: fixed, batch-independent.
+template <typename T>
+void merge_block(const AttnArgs<T>& a, const Block& blk, int kvh, int first_piece, int npieces) {
+  const int D = a.D, nv = D / 16, group = a.H / a.KVH;
+  for (int i = 0; i < blk.nq; ++i)
+    for (int h = 0; h < group; ++h) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int s = 0; s < npieces; ++s) {
+        const int64_t slot = ((int64_t)(first_piece + s) * kQueryBlock + i) * group + h;
+        m = std::max(m, a.part_ml[slot * 2]);
+      }
+      __m512 o[kMaxHeadDim / 16];
+      for (int v = 0; v < nv; ++v) o[v] = _mm512_setzero_ps();
+      float l = 0.f;
+      for (int s = 0; s < npieces; ++s) {
+        const int64_t slot = ((int64_t)(first_piece + s) * kQueryBlock + i) * group + h;
+        const float ms = a.part_ml[slot * 2], ls = a.part_ml[slot * 2 + 1];
+        if (ls == 0.f) continue;  // a piece wholly in this query's future
+        const float w = std::exp(ms - m);
+        l += ls * w;
+        const __m512 vw = _mm512_set1_ps(w);
+        for (int v = 0; v < nv; ++v) o[v] = _mm512_fmadd_ps(_mm512_loadu_ps(a.part_acc + slot * D + 16 * v), vw, o[v]);
+      }
+      const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+      T* dst = a.out + ((int64_t)(blk.t0 + i) * a.H + kvh * group + h) * D;
+      for (int v = 0; v < nv; ++v) store16(dst + 16 * v, _mm512_mul_ps(o[v], inv));
+    }
+}
+
+template <typename T>
+void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
+                          const at::Tensor& rows, const at::Tensor& lens, double scale, at::Tensor& out) {
+  const int64_t nt = q.size(0);
+  const int H = q.size(1), D = q.size(2), KVH = kv.size(2);
+  const int group = H / KVH;
+  const int32_t* row_of = rows.data_ptr<int32_t>();
+  const int32_t* len_of = lens.data_ptr<int32_t>();
+  // Blocks: runs of consecutive queries of one request at consecutive positions.
+  const int qb = std::max(1, std::min(kQueryBlock, kQueryFloats / (group * D)));
+  std::vector<Block> blocks;
+  for (int64_t t = 0; t < nt;) {
+    Block b{(int32_t)t, 1, row_of[t], len_of[t]};
+    while (t + b.nq < nt && b.nq < qb && row_of[t + b.nq] == b.row && len_of[t + b.nq] == b.len0 + b.nq)
+      ++b.nq;
+    blocks.push_back(b);
+    t += b.nq;
+  }
+  // Pieces: each block × KV head, its keys cut into fixed kSplit-key pieces.
+  std::vector<Piece> pieces;
+  struct Merge { int32_t block, kvh, first, count; };
+  std::vector<Merge> merges;
+  int64_t work = 0;
+  for (int32_t bi = 0; bi < (int32_t)blocks.size(); ++bi) {
+    const Block& b = blocks[bi];
+    const int32_t keys = b.len0 + b.nq - 1;  // the last query's keys
+    const int32_t n = std::max<int32_t>(1, (keys + kSplit - 1) / kSplit);
+    work += (int64_t)keys * b.nq;
+    for (int g = 0; g < KVH; ++g) {
+      if (n > 1) merges.push_back({bi, g, (int32_t)pieces.size(), n});
+      for (int32_t s = 0; s < n; ++s)
+        pieces.push_back({bi, g, s * kSplit, std::min(keys, (s + 1) * kSplit), n > 1 ? s : -1});
+    }
+  }
+  std::vector<float> part_acc, part_ml;
+  if (!merges.empty()) {
+    part_acc.resize(pieces.size() * kQueryBlock * group * D);
+    part_ml.resize(pieces.size() * kQueryBlock * group * 2);
+  }
+  AttnArgs<T> a{q.data_ptr<T>(), q.stride(0), q.stride(1), kv.data_ptr<T>(), kv.stride(0),
+                table.data_ptr<int32_t>(), table.stride(0), out.data_ptr<T>(), H, KVH, D, (float)scale,
+                part_acc.data(), part_ml.data()};
+  // Small steps run on the calling thread: waking the pool costs more than it saves.
+  const bool small = work * group * KVH < 16384;
+  run_dynamic((int64_t)pieces.size(), small, [&](int64_t i) {
+    attend_piece_any(a, blocks[pieces[i].block], pieces[i], (int)i);
+  });
+  run_dynamic((int64_t)merges.size(), small, [&](int64_t i) {
+    merge_block(a, blocks[merges[i].block], merges[i].kvh, merges[i].first, merges[i].count);
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
+                           const at::Tensor& rows, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with unit stride in D");
+  TORCH_CHECK(kv.dim() == 4 && kv.size(1) == 2 && kv.is_contiguous(), "kv must be a contiguous [slots, 2, KVH, D]");
+  TORCH_CHECK(kv.scalar_type() == q.scalar_type(), "q and kv must share a dtype");
+  TORCH_CHECK(table.scalar_type() == at::kInt && rows.scalar_type() == at::kInt && lens.scalar_type() == at::kInt,
+              "table, rows and lens must be int32");
+  TORCH_CHECK(table.dim() == 2 && table.stride(1) == 1, "table must be [rows, width] with unit stride");
+  TORCH_CHECK(rows.is_contiguous() && lens.is_contiguous() && rows.numel() == q.size(0) && lens.numel() == q.size(0),
+              "rows and lens need one entry per query");
+  const int D = q.size(2), H = q.size(1), KVH = kv.size(2);
+  TORCH_CHECK(kv.size(3) == D && (D == 32 || D == 64 || D == 96 || D == 128 || D == 256),
+              "paged_attention: head_dim must be 32, 64, 96, 128 or 256");
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= 8, "query heads per KV head must divide evenly and be at most 8");
+  at::Tensor out = at::empty({q.size(0), H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (q.size(0) == 0) return out;
+  if (q.scalar_type() == at::kFloat) {
+    paged_attention_impl<float>(q, kv, table, rows, lens, scale, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_attention supports float32 and bfloat16");
+    paged_attention_impl<bf16>(q, kv, table, rows, lens, scale, out);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------- RoPE + KV write
+template <typename T>
+void rope_store_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor& kv, const at::Tensor& slots, int H, int KVH) {
+  const int64_t nt = qkv.size(0);
+  const int D = kv.size(3), half = D / 2;
+  T* base = qkv.data_ptr<T>();
+  const int64_t stride = qkv.stride(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  const int64_t cstride = cos.stride(0);
+  T* pool = kv.data_ptr<T>();
+  const int64_t sstride = kv.stride(0);
+  at::parallel_for(0, nt, 64, [&](int64_t begin, int64_t end) {
+    alignas(64) float x[kMaxHeadDim];
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = base + t * stride;
+      const float* c = cs + pos[t] * cstride;
+      const float* s = sn + pos[t] * cstride;
+      // out = x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]: products rounded,
+      // then summed, as the eager float32 path computes it (-ffp-contract=off keeps them apart).
+      for (int h = 0; h < H + KVH; ++h) {
+        T* v = row + (int64_t)h * D;
+        int i = 0;
+        if (half % 16 == 0) {
+          for (; i < half; i += 16) {
+            const __m512 x1 = load16(v + i), x2 = load16(v + i + half);
+            const __m512 a = _mm512_sub_ps(_mm512_mul_ps(x1, load16(c + i)), _mm512_mul_ps(x2, load16(s + i)));
+            const __m512 b = _mm512_add_ps(_mm512_mul_ps(x2, load16(c + i + half)), _mm512_mul_ps(x1, load16(s + i + half)));
+            store16(v + i, a);
+            store16(v + i + half, b);
+          }
+        } else {
+          for (int j = 0; j < D; ++j) x[j] = static_cast<float>(v[j]);
+          for (; i < half; ++i) {
+            const float a = x[i] * c[i] + (-x[i + half]) * s[i];
+            const float b = x[i + half] * c[i + half] + x[i] * s[i + half];
+            v[i] = static_cast<T>(a);
+            v[i + half] = static_cast<T>(b);
+          }
+        }
+      }
+      // K then V are adjacent in qkv, and adjacent in a pool slot.
+      std::memcpy(pool + slot[t] * sstride, row + (int64_t)H * D, sizeof(T) * 2 * KVH * D);
+    }
+  });
+}
+
+void rope_store_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                   at::Tensor kv, const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [T, (H + 2 KVH) * D], unit stride");
+  TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.scalar_type() == qkv.scalar_type(), "kv: contiguous, same dtype as qkv");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.stride(1) == 1 && sin.stride(1) == 1,
+              "cos/sin tables must be float32 [positions, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && positions.is_contiguous() &&
+              slots.is_contiguous(), "positions and slots must be contiguous int64");
+  const int H = num_heads, KVH = num_kv_heads, D = kv.size(3);
+  TORCH_CHECK(qkv.size(1) == (int64_t)(H + 2 * KVH) * D && D % 2 == 0 && D <= kMaxHeadDim, "qkv width mismatch");
+  if (qkv.scalar_type() == at::kFloat) {
+    rope_store_kv_impl<float>(qkv, positions, cos, sin, kv, slots, H, KVH);
+  } else {
+    TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "rope_store_kv supports float32 and bfloat16");
+    rope_store_kv_impl<bf16>(qkv, positions, cos, sin, kv, slots, H, KVH);
+  }
+}
+
+// ---------------------------------------------------------------------------- SiLU(gate) * up
+template <typename T>
+void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
+  const int64_t nt = gu.size(0), inter = gu.size(1) / 2;
+  const T* src = gu.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  const int64_t sstride = gu.stride(0);
+  at::parallel_for(0, nt, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* g = src + t * sstride;
+      const T* u = g + inter;
+      T* o = dst + t * inter;
+      int64_t i = 0;
+      for (; i + 16 <= inter; i += 16) {
+        __m512 x = load16(g + i);
+        // silu(x) = x / (1 + e^-x)
+        __m512 sg = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        store16(o + i, _mm512_mul_ps(sg, load16(u + i)));
+      }
+      for (; i < inter; ++i) {
+        const float x = static_cast<float>(g[i]);
+        o[i] = static_cast<T>(x / (1.f + std::exp(-x)) * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0, "gu must be [T, 2 * I], unit stride");
+  at::Tensor out = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+  if (gu.scalar_type() == at::kFloat) {
+    silu_mul_impl<float>(gu, out);
+  } else {
+    TORCH_CHECK(gu.scalar_type() == at::kBFloat16, "silu_mul supports float32 and bfloat16");
+    silu_mul_impl<bf16>(gu, out);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace tripod_cpu
+
+TORCH_LIBRARY(tripod_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor kv, Tensor table, Tensor rows, Tensor lens, float scale) -> Tensor");
+  m.def("rope_store_kv(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) kv, Tensor slots, int num_heads, int num_kv_heads) -> ()");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tripod_cpu, CPU, m) {
+  m.impl("paged_attention", &tripod_cpu::paged_attention);
+  m.impl("rope_store_kv", &tripod_cpu::rope_store_kv);
+  m.impl("silu_mul", &tripod_cpu::silu_mul);
+}

@@ -1,0 +1,60 @@
+"""Load a freshly built kernel library in this (throw-away) process and check every op against
+its torch reference on small random inputs. Exit 0 and print a summary when all agree.
+
+    python -m tripod.kernels.selftest path/to/tripod_cpu.so
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from tripod.kernels import reference
+
+
+def check(lib: str) -> list[str]:
+    torch.ops.load_library(lib)
+    ops = torch.ops.tripod_cpu
+    gen = torch.Generator().manual_seed(0)
+    lines = []
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
+        for heads, kvh, d in ((9, 3, 64), (8, 8, 128), (4, 1, 32)):
+            slots = 1500
+            kv = torch.randn(slots, 2, kvh, d, generator=gen).to(dtype)
+            table = torch.randperm(slots, generator=gen)[:1400].view(2, 700).to(torch.int32)
+            # Two decode rows (one long enough to be split), then a prefill chunk of 20 queries.
+            rows = torch.tensor([0, 1] + [1] * 20, dtype=torch.int32)
+            lens = torch.tensor([700, 37, *list(range(600, 620))], dtype=torch.int32)
+            q = torch.randn(len(rows), heads, d, generator=gen).to(dtype)
+            got = ops.paged_attention(q, kv, table, rows, lens, d**-0.5)
+            want = reference.paged_attention(q, kv, table, rows, lens, d**-0.5)
+            err = (got.float() - want.float()).abs().max().item()
+            assert err < tol, f"paged_attention {dtype} H={heads} KVH={kvh} D={d}: max error {err}"
+            lines.append(f"paged_attention {dtype} H={heads} KVH={kvh} D={d}: max error {err:.2e}")
+
+            width = (heads + 2 * kvh) * d
+            qkv = torch.randn(5, width, generator=gen).to(dtype)
+            pos = torch.tensor([0, 3, 9, 100, 2], dtype=torch.long)
+            cos = torch.randn(128, d, generator=gen)
+            sin = torch.randn(128, d, generator=gen)
+            pool_a = torch.zeros(16, 2, kvh, d, dtype=dtype)
+            pool_b = pool_a.clone()
+            sl = torch.tensor([3, 1, 7, 15, 0], dtype=torch.long)
+            a, b = qkv.clone(), qkv.clone()
+            ops.rope_store_kv(a, pos, cos, sin, pool_a, sl, heads, kvh)
+            reference.rope_store_kv(b, pos, cos, sin, pool_b, sl, heads, kvh)
+            err = max((a.float() - b.float()).abs().max().item(), (pool_a.float() - pool_b.float()).abs().max().item())
+            rtol = 0.0 if dtype == torch.float32 else 2e-2
+            assert err <= rtol * max(1.0, b.float().abs().max().item()), f"rope_store_kv {dtype}: max error {err}"
+            lines.append(f"rope_store_kv {dtype} H={heads} KVH={kvh} D={d}: max error {err:.2e}")
+        gu = torch.randn(7, 2 * 1536, generator=gen).to(dtype)
+        err = (ops.silu_mul(gu).float() - reference.silu_mul(gu).float()).abs().max().item()
+        assert err < (1e-5 if dtype == torch.float32 else 2e-2), f"silu_mul {dtype}: max error {err}"
+        lines.append(f"silu_mul {dtype}: max error {err:.2e}")
+    return lines
+
+
+if __name__ == "__main__":
+    for line in check(sys.argv[1]):
+        print(line)
