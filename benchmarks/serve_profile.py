@@ -54,6 +54,15 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def set_fifo(pid: int, prio: int, io_prio: int | None = None) -> None:
+    """SCHED_FIFO for every thread of ``pid`` (``--rt``); ZMQ's I/O threads at ``io_prio``
+    (the engine's compute threads spin: its sender thread must be able to preempt them)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        comm = (task / "comm").read_text().strip()
+        p = io_prio if io_prio is not None and comm.startswith("ZMQbg") else prio
+        os.sched_setscheduler(int(task.name), os.SCHED_FIFO, os.sched_param(p))
+
+
 def engine_stats(url: str) -> dict[str, object]:
     return httpx.get(f"{url}/debug/engine", timeout=30).json()  # type: ignore[no-any-return]
 
@@ -63,12 +72,14 @@ def run_level(url: str, server_pid: int, engine_pid: int, c: int, args: argparse
         cmd = [
             sys.executable, "-m", "tripod.cli", "bench", "--base-url", url, "--dataset", "random",
             "--isl", str(args.isl), "--osl", str(args.osl), "--concurrency", str(c),
-            "--prompts-per-concurrency", str(args.k), "--warmup", "0", "--out", out,
+            "--prompts-per-concurrency", str(args.k), "--warmup", str(args.warmup), "--out", out,
         ]
         s0 = engine_stats(url)
         cpu0 = {"engine": cpu_seconds(engine_pid), "http": cpu_seconds(server_pid)}
         t0 = time.perf_counter()
         bench = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if args.rt:
+            set_fifo(bench.pid, 20)
         # NOTE: read the client's CPU while it still exists (a reaped child has no /proc entry).
         bench_cpu = 0.0
         while bench.poll() is None:
@@ -96,6 +107,7 @@ def run_level(url: str, server_pid: int, engine_pid: int, c: int, args: argparse
         "tok_s": level["output_throughput"],
         "ttft_p50": level["ttft_ms"]["p50"],
         "tpot_p50": level["tpot_ms"]["p50"],
+        "itl_p50": level["itl_ms"]["p50"],
         "phases": phases,
         "steps": s1["steps"] - s0["steps"],  # type: ignore[operator]
         "prefill_tokens": s1["prefill_tokens"] - s0["prefill_tokens"],  # type: ignore[operator]
@@ -144,8 +156,14 @@ def main() -> int:
     ap.add_argument("--isl", type=int, default=256)
     ap.add_argument("--osl", type=int, default=128)
     ap.add_argument("--k", type=int, default=2, help="requests per concurrent user")
+    ap.add_argument("--warmup", type=int, default=2, help="requests before each level (not counted)")
     ap.add_argument("--serve-args", default="", help="extra tripod serve options")
     ap.add_argument("--out", default="", help="write the Markdown table here")
+    ap.add_argument(
+        "--rt", action="store_true",
+        help="real-time priorities (root): HTTP process and client FIFO 20, engine FIFO 10, so "
+        "that other work on a shared machine does not disturb the measurement",
+    )
     args = ap.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -158,6 +176,10 @@ def main() -> int:
         kids = children(proc.pid)
         assert len(kids) == 1, f"expected one engine process, found {kids}"
         engine_pid = kids[0]
+        if args.rt:
+            # The HTTP process and the client above the engine, the engine above everything else.
+            set_fifo(proc.pid, 20)
+            set_fifo(engine_pid, 10, io_prio=20)
         rows = []
         for c in (int(x) for x in args.concurrency.split(",")):
             rows.append(run_level(url, proc.pid, engine_pid, c, args))

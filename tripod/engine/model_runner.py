@@ -131,6 +131,7 @@ class ModelRunner:
             decode_mask=None,
             logits_idx=None if all_rows else torch.tensor(logits_at, dtype=torch.long, device=dev),
             kernel=meta,
+            kernel_ops=kernels.ops(),
             packed=self.packed,
         )
         return batch, sampling

@@ -44,3 +44,8 @@ def rope_store_kv(
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     g, u = gu.float().chunk(2, dim=-1)
     return (F.silu(g) * u).to(gu.dtype)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)

@@ -52,6 +52,11 @@ def check(lib: str) -> list[str]:
         err = (ops.silu_mul(gu).float() - reference.silu_mul(gu).float()).abs().max().item()
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), f"silu_mul {dtype}: max error {err}"
         lines.append(f"silu_mul {dtype}: max error {err:.2e}")
+        x = torch.randn(6, 576, generator=gen).to(dtype)
+        w = torch.randn(576, generator=gen).to(dtype)
+        err = (ops.rms_norm(x, w, 1e-5).float() - reference.rms_norm(x, w, 1e-5).float()).abs().max().item()
+        assert err < (1e-5 if dtype == torch.float32 else 3e-2), f"rms_norm {dtype}: max error {err}"
+        lines.append(f"rms_norm {dtype}: max error {err:.2e}")
     return lines
 
 

@@ -14,6 +14,7 @@ Two backends behind one call (``attend``), picked per step by the model runner:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,7 @@ class ForwardBatch:
     verifies: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
     # Set when this step runs on tripod's CPU kernels (then the torch-path fields are unused).
     kernel: KernelMeta | None = None
+    kernel_ops: Any = None  # torch.ops.tripod_cpu, when ``kernel`` is set
     packed: bool = False  # run the projections' packed form (layers.linear)
 
 
@@ -81,10 +83,7 @@ def attend(
     t = qkv.shape[0]
     d = pool.head_dim
     if batch.kernel is not None:
-        from tripod import kernels
-
-        ops = kernels.ops()
-        assert ops is not None, "a kernel batch was built but the kernels are not loaded"
+        ops = batch.kernel_ops
         m = batch.kernel
         kv = pool.kv[layer]
         # NOTE: rotates Q and K inside qkv, in place, and copies K|V into the pool slots.

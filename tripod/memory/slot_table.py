@@ -41,7 +41,8 @@ class SlotTable:
     def __init__(self, max_len: int, device: torch.device, rows: int = 16, width: int = 1024) -> None:
         self.max_len = max_len
         self.device = device
-        self.table = torch.zeros((rows, min(width, max_len)), dtype=torch.int32, device=device)
+        with torch.inference_mode():  # NOTE: only ever updated inside inference mode (the step)
+            self.table = torch.zeros((rows, min(width, max_len)), dtype=torch.int32, device=device)
         self._rows: dict[int, _Row] = {}  # id(req) -> its row
         self._free: list[int] = list(range(rows - 1, -1, -1))
 
@@ -49,6 +50,7 @@ class SlotTable:
     def rows_in_use(self) -> int:
         return len(self._rows)
 
+    @torch.inference_mode()
     def sync(self, needs: list[tuple[HasSlots, int]]) -> list[int]:
         """Make the table hold ``req.slots[:n]`` for each ``(req, n)``; returns their rows."""
         self._reclaim()

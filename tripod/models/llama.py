@@ -83,16 +83,15 @@ class LlamaLayer(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         ops = self.ops[batch.packed]
-        h = rms_norm(x, self.input_norm, self.eps)
+        k = batch.kernel_ops
+        h = k.rms_norm(x, self.input_norm, self.eps) if k is not None else rms_norm(x, self.input_norm, self.eps)
         qkv = ops.qkv(h)
         a = attend(qkv, layer, pool, batch, rotary, cos_sin, self.num_heads, self.num_kv_heads, self.scale)
         x = ops.o(a, residual=x)
-        h = rms_norm(x, self.post_norm, self.eps)
+        h = k.rms_norm(x, self.post_norm, self.eps) if k is not None else rms_norm(x, self.post_norm, self.eps)
         gu = ops.gate_up(h)
-        if batch.kernel is not None:
-            from tripod import kernels
-
-            act = kernels.ops().silu_mul(gu)  # type: ignore[union-attr]
+        if k is not None:
+            act = k.silu_mul(gu)
         else:
             g, u = gu.split([self.inter, self.inter], dim=-1)
             act = F.silu(g) * u
@@ -154,7 +153,9 @@ class LlamaForCausalLM(nn.Module):
             x = layer.forward(x, cos_sin, self.rotary, i, pool, batch)
         if batch.logits_idx is not None:
             x = x.index_select(0, batch.logits_idx)
-        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        k = batch.kernel_ops
+        eps = self.cfg.rms_norm_eps
+        x = k.rms_norm(x, self.norm, eps) if k is not None else rms_norm(x, self.norm, eps)
         return self.head_ops[batch.packed](x).float()
 
     # ------------------------------------------------------------------ weights

@@ -10,6 +10,7 @@
 // - rope_store_kv: rotary embedding of Q and K in place (HF half-split layout) and the write of
 //   this step's K and V into their pool slots, in one pass.
 // - silu_mul: SiLU(gate) * up for a fused [gate | up] projection.
+// - rms_norm: RMSNorm of each row (one pass to sum squares, one to scale), one rounding.
 //
 // Numerics: everything is computed in float32; bfloat16 inputs are widened exactly and results
 // rounded once (round to nearest even). This file is compiled with -ffp-contract=off, so plain
@@ -533,6 +534,49 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return out;
 }
 
+// ---------------------------------------------------------------------------- RMSNorm
+// y = x / sqrt(mean(x^2) + eps) * w, in float32, rounded once.
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
+  const int64_t nt = x.size(0), h = x.size(1);
+  const T* src = x.data_ptr<T>();
+  const T* wt = w.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, nt, 32, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* r = src + t * xs;
+      T* o = dst + t * h;
+      __m512 acc = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + 16 <= h; i += 16) {
+        const __m512 v = load16(r + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      float ss = _mm512_reduce_add_ps(acc);
+      for (; i < h; ++i) ss += static_cast<float>(r[i]) * static_cast<float>(r[i]);
+      const float inv = 1.f / std::sqrt(ss / (float)h + (float)eps);
+      const __m512 vi = _mm512_set1_ps(inv);
+      for (i = 0; i + 16 <= h; i += 16) store16(o + i, _mm512_mul_ps(_mm512_mul_ps(load16(r + i), vi), load16(wt + i)));
+      for (; i < h; ++i) o[i] = static_cast<T>(static_cast<float>(r[i]) * inv * static_cast<float>(wt[i]));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1),
+              "rms_norm: x [T, H] with unit stride, w [H]");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "rms_norm: x and w must share a dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_impl<float>(x, w, eps, out);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm supports float32 and bfloat16");
+    rms_norm_impl<bf16>(x, w, eps, out);
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace tripod_cpu
 
@@ -540,10 +584,12 @@ TORCH_LIBRARY(tripod_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor kv, Tensor table, Tensor rows, Tensor lens, float scale) -> Tensor");
   m.def("rope_store_kv(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) kv, Tensor slots, int num_heads, int num_kv_heads) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tripod_cpu, CPU, m) {
   m.impl("paged_attention", &tripod_cpu::paged_attention);
   m.impl("rope_store_kv", &tripod_cpu::rope_store_kv);
   m.impl("silu_mul", &tripod_cpu::silu_mul);
+  m.impl("rms_norm", &tripod_cpu::rms_norm);
 }
