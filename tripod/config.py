@@ -10,6 +10,7 @@ import torch
 log = logging.getLogger(__name__)
 
 KERNEL_MODES = ("auto", "eager", "optimized")
+WEIGHT_MODES = ("dequantized", "stored")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
@@ -39,6 +40,10 @@ class EngineConfig:
     # matmuls and tripod's CPU kernels (built in the background under "auto", and serving on
     # torch's ops until they are ready; waited for under "optimized"), in float32 too.
     kernels: str = "auto"
+    # "dequantized": every weight dequantized to the run dtype. "stored": a GGUF's Q4_1/Q8_0
+    # weights executed as stored by tripod's kernels (a quarter/half of bf16's bytes per token,
+    # exactly the dequantized weights, float32 compute). Explicit, logged, shown in /v1/models.
+    weights: str = "dequantized"
     # Structured outputs: verify grammar-forced text in one forward pass (lossless; see engine).
     jump_forward: bool = True
     max_jump_forward: int = 32  # draft tokens per verification
@@ -58,6 +63,16 @@ class EngineConfig:
             )
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)} (got {self.kernels!r})")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)} (got {self.weights!r})")
+        if self.weights == "stored":
+            if self.kernels == "eager":
+                raise ValueError("--weights stored runs on tripod's kernels; it cannot be combined with --kernels eager")
+            if _ALIASES.get(self.dtype, self.dtype) not in ("auto", "float32"):
+                raise ValueError(
+                    "--weights stored computes in float32 with exactly the dequantized weights; "
+                    f"use --dtype auto or float32 (got {self.dtype!r})"
+                )
         if self.policy not in ("lpm", "fcfs"):
             raise ValueError(f"policy must be 'lpm' or 'fcfs' (got {self.policy!r})")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -65,6 +80,8 @@ class EngineConfig:
 
     def compute_path(self, dtype: torch.dtype) -> str:
         """"eager" (the reference path) or "optimized", for this config's ``kernels`` mode."""
+        if self.weights == "stored":
+            return "optimized"
         if self.kernels == "auto":
             return "eager" if dtype == torch.float32 else "optimized"
         return self.kernels
@@ -77,6 +94,8 @@ class EngineConfig:
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         name = _ALIASES.get(self.dtype, self.dtype)
+        if name == "auto" and self.weights == "stored":
+            name = "float32"
         if name == "auto":
             name = "bfloat16" if native_bf16(device) else "float32"
         if name == "float16" and device.type != "cuda":

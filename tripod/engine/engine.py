@@ -104,7 +104,9 @@ class Engine:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
         t0 = time.monotonic()
-        self.loaded = loaded or load_model(config.model, self.dtype, self.device)
+        if loaded is not None and config.weights == "stored" and loaded.weights != "stored":
+            raise ValueError("--weights stored needs the model loaded with its stored weights (load_model(..., weights='stored'))")
+        self.loaded = loaded or load_model(config.model, self.dtype, self.device, weights=config.weights)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
@@ -127,14 +129,17 @@ class Engine:
         )
         self.context_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         path = config.compute_path(self.dtype)
+        if path == "optimized" and self.device.type == "cpu":
+            # "optimized" (or stored weights) asked for explicitly: wait for the kernels' build
+            # (tests, benchmarks); under "auto" serve on torch's ops while it builds in the
+            # background, and switch when it is loaded.
+            kernels.load(wait=config.kernels == "optimized" or config.weights == "stored")
         self.runner = ModelRunner(
             self.loaded.model, self.pool, self.device, use_mirror=config.decode_mirror,
-            path=path, max_len=self.max_request_len,
+            path=path, max_len=self.max_request_len, stored=config.weights == "stored",
         )
-        if self.runner.kernel_reason is None:
-            # "optimized" asked for explicitly: wait for the build (tests, benchmarks); under
-            # "auto" serve on torch's ops while it builds, and switch when it is loaded.
-            kernels.load(wait=config.kernels == "optimized")
+        if config.weights == "stored" and self.runner.kernel_reason is not None:
+            raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {self.runner.kernel_reason}")
         self.sampler = Sampler(self.device, config.seed)
         eos = set(mc.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -148,11 +153,12 @@ class Engine:
         # Requests whose grammar is compiling off the loop: (future, copies, submitted at).
         self._compiling: list[tuple[concurrent.futures.Future[Any], list[Req], float]] = []
         log.info(
-            "tripod engine: model=%s (%s, weights %s) dtype=%s device=%s kv_slots=%d (%.0f MiB) "
+            "tripod engine: model=%s (%s, stored as %s, weights %s) dtype=%s device=%s kv_slots=%d (%.0f MiB) "
             "context=%d compute=%s loaded in %.1fs",
             self.loaded.name,
             mc.architecture,
             self.loaded.quantization,
+            "executed as stored" if config.weights == "stored" else "dequantized",
             str(self.dtype).removeprefix("torch."),
             self.device,
             num_slots,

@@ -16,6 +16,7 @@ from tripod import kernels
 from tripod.engine.decode_mirror import DecodeMirror
 from tripod.engine.scheduler import ScheduledItem
 from tripod.layers.attention import ForwardBatch, KernelMeta, PrefillSegment
+from tripod.layers.linear import Form, onednn_supported
 from tripod.memory.kv_pool import KVPool
 from tripod.memory.slot_table import SlotTable
 from tripod.models.llama import LlamaForCausalLM
@@ -34,18 +35,21 @@ class ModelRunner:
         use_mirror: bool = True,
         path: str = "eager",
         max_len: int = 0,
+        stored: bool = False,
     ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.path = path
-        self.packed = model.prepare(packed=path == "optimized")
+        self.stored = stored
         pool_bytes = pool.kv.numel() * pool.kv.element_size()
         # Budget: half the pool's size, at least 64 MiB (small pools still get dense decode).
         budget = max(pool_bytes // 2, 64 << 20)
         self.mirror = DecodeMirror(pool, max_bytes=budget) if use_mirror else None
         self.kernel_reason = self._kernel_obstacle()
         self.table = SlotTable(max_len or pool.num_slots, device) if self.kernel_reason is None else None
+        self._form: Form | None = None
+        self.form  # noqa: B018 - prepare the weights of the first step's form now, not in a step
 
     def _kernel_obstacle(self) -> str | None:
         """Why this runner can never use the CPU kernels (None: it can, once they are loaded)."""
@@ -65,14 +69,38 @@ class ModelRunner:
         """Whether the next step runs on the CPU kernels."""
         return self.table is not None and kernels.ready()
 
+    @property
+    def form(self) -> Form:
+        """The projections' form for the next step (layers.linear.Form), prepared on first use:
+        ``kernel``/``stored`` once the kernels are loaded, ``onednn`` before (or without them)."""
+        if self.path != "optimized":
+            form: Form = "dense"
+        elif self.uses_kernels:
+            form = "stored" if self.stored else "kernel"
+        elif self.device.type == "cpu" and onednn_supported(self.model.dtype, self.device):
+            form = "onednn"
+        else:
+            form = "dense"
+        if form != self._form:
+            self.model.prepare(form, kernels.ops())
+            self._form = form
+        return form
+
     def describe(self) -> str:
         if self.path != "optimized":
             return "reference (F.linear, SDPA)"
-        linears = "packed oneDNN matmuls" if self.packed else "F.linear"
+        names = {
+            "kernel": "tripod CPU kernels (linears, attention, norms)",
+            "stored": "tripod CPU kernels, GGUF weights executed as stored",
+            "onednn": "packed oneDNN matmuls, SDPA",
+            "dense": "F.linear, SDPA",
+        }
+        now = names[self.form]
         if self.kernel_reason is not None:
-            return f"optimized ({linears}; tripod CPU kernels unused: {self.kernel_reason})"
-        state = "loaded" if kernels.ready() else "building in the background (torch's ops meanwhile)"
-        return f"optimized ({linears}; tripod CPU kernels {state})"
+            return f"optimized: {now} (tripod CPU kernels unused: {self.kernel_reason})"
+        if not kernels.ready():
+            return f"optimized: {now} until tripod's CPU kernels finish building in the background"
+        return f"optimized: {now}"
 
     def build_batch(self, items: list[ScheduledItem]) -> tuple[ForwardBatch, list[ScheduledItem]]:
         """Lay out ``items``. Returns the batch and the items in the order of the logits rows
@@ -132,7 +160,7 @@ class ModelRunner:
             logits_idx=None if all_rows else torch.tensor(logits_at, dtype=torch.long, device=dev),
             kernel=meta,
             kernel_ops=kernels.ops(),
-            packed=self.packed,
+            form=self.form,
         )
         return batch, sampling
 
@@ -224,7 +252,7 @@ class ModelRunner:
             prefills=segs,
             logits_idx=torch.tensor(logits_at, dtype=torch.long, device=self.device),
             verifies=verifies,
-            packed=self.packed,
+            form=self.form,
         )
         return batch, sampling
 

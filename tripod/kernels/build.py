@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "linear.cpp")
 NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 # NOTE: -march=native, but never AMX: some VMs list AMX in cpuid without granting it to the
 # process (ggml's native build dies with SIGILL there). No code here uses AMX anyway.
@@ -58,7 +59,7 @@ class KernelBuild:
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
         self.flags = [*BASE_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
         key = "\n".join([
-            SOURCE.read_text() if SOURCE.is_file() else "",
+            *(f.read_text() if f.is_file() else "" for f in SOURCES),
             " ".join(self.flags),
             torch.__version__,
             str(self.compiler),
@@ -81,8 +82,9 @@ class KernelBuild:
             return "no C++ compiler found (set CXX or install g++)"
         if not (self.torch_dir / "include" / "ATen" / "ATen.h").is_file():
             return f"torch's C++ headers are missing from {self.torch_dir / 'include'}"
-        if not SOURCE.is_file():
-            return f"the kernel source {SOURCE} is missing"
+        missing_src = [str(f) for f in SOURCES if not f.is_file()]
+        if missing_src:
+            return f"the kernel sources are missing: {', '.join(missing_src)}"
         return None
 
     def is_built(self) -> bool:
@@ -93,7 +95,7 @@ class KernelBuild:
         lib = self.torch_dir / "lib"
         return [
             str(self.compiler), *self.flags, f"-I{inc}", f"-I{inc / 'torch' / 'csrc' / 'api' / 'include'}",
-            str(SOURCE), "-o", str(output), f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}",
+            *(str(f) for f in SOURCES), "-o", str(output), f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}",
         ]
 
     def build(self, timeout: float = 600.0) -> float:

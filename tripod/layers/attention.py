@@ -64,7 +64,7 @@ class ForwardBatch:
     # Set when this step runs on tripod's CPU kernels (then the torch-path fields are unused).
     kernel: KernelMeta | None = None
     kernel_ops: Any = None  # torch.ops.tripod_cpu, when ``kernel`` is set
-    packed: bool = False  # run the projections' packed form (layers.linear)
+    form: str = "dense"  # which executable form of the projections runs (layers.linear.Form)
 
 
 def attend(

@@ -1,32 +1,51 @@
-"""Linear projections: ``y = x @ W.T (+ bias) (+ residual)`` with ``W`` held in the form the
-chosen kernel wants, prepared once when the model is loaded.
+"""Linear projections: ``y = x @ W.T (+ bias) (+ residual)`` with ``W`` held in the form its kernel
+wants, prepared once when the model is loaded (``Form``).
 
-- ``DenseLinear``: ``F.linear`` on the plain weight. The float32 reference path (op for op with
-  Hugging Face) and CUDA (cuBLAS needs nothing else).
-- ``PackedLinear``: the CPU path. oneDNN's ``F.linear`` reorders a plain weight into its blocked
-  layout on every call, which caps small-batch decode at 5-15 GB/s of weight streaming; packing
-  once (``mkldnn._reorder_linear_weight``) and calling the packed kernel streams at close to the
-  memory bandwidth (measured in ``benchmarks/linear_kernels.py``). The residual add is fused into
-  the matmul (oneDNN's sum post-op): one pass over the output instead of two.
-- ``Int4Linear``: a GGUF Q4_1 weight executed as stored (``--weights stored``): torch's int4
-  matmul over the 4-bit codes, each 32-weight block's scale and minimum kept exactly
-  (``w = d * q + m`` becomes ``(q - 8) * d + (m + 8 d)``), a quarter of bf16's bytes.
+- ``dense``: ``F.linear`` on the plain weight. The float32 reference path (op for op with Hugging
+  Face) and CUDA (cuBLAS needs nothing else).
+- ``onednn``: oneDNN's packed layout (``mkldnn._reorder_linear_weight`` once, instead of the
+  reorder plain ``F.linear`` does on every call, which caps small-batch decode at 5-15 GB/s), the
+  residual add fused as oneDNN's sum post-op. The CPU path while tripod's kernels are building, or
+  where they cannot be built.
+- ``kernel``: tripod's own CPU kernel over weights packed for it (``tripod/kernels/csrc/linear.cpp``):
+  bfloat16 (``vdpbf16ps``) or float32. Every output is summed in the same order whatever the number
+  of rows, so a row's result never depends on the rest of the batch (see docs/architecture.md).
+- ``stored``: like ``kernel``, but GGUF Q4_1 / Q8_0 weights executed as stored (``--weights
+  stored``): a quarter (Q4_1) or half (Q8_0) of bfloat16's bytes, with exactly the dequantized
+  weights; float32 activations.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Literal
+
 import torch
 import torch.nn.functional as F
 
+Form = Literal["dense", "onednn", "kernel", "stored"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredWeight:
+    """A weight as the GGUF file stores it: ``blocks`` uint8 ``[N, K / 32 * block bytes]``."""
+
+    kind: str  # "Q4_1" | "Q8_0"
+    blocks: torch.Tensor
+    shape: tuple[int, int]  # (N, K)
+
+
+# The GGUF types tripod's kernels execute as stored, and their packed format name.
+STORED_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
+
 
 class DenseLinear:
-    """``F.linear`` on the weight as loaded (optionally with ``torch.mv`` for one bf16 row)."""
+    """``F.linear`` on the weight as loaded (optionally ``torch.mv`` for one 16-bit row)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mv_single_row: bool = False) -> None:
         self.weight = weight
         self.bias = bias
         self.mv_single_row = mv_single_row
-        self.out_features = weight.shape[0]
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.mv_single_row and x.shape[0] == 1:
@@ -38,7 +57,7 @@ class DenseLinear:
         return y if residual is None else residual + y
 
 
-class PackedLinear:
+class OneDNNLinear:
     """The weight reordered once into oneDNN's layout for the CPU's matmul kernels."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -55,8 +74,41 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
 
 
-def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``PackedLinear`` can run here (oneDNN on the CPU, float32 or bfloat16)."""
+class KernelLinear:
+    """tripod's CPU kernel over a weight packed for it (formats: bf16, f32, q4_1, q8_0)."""
+
+    def __init__(self, ops: Any, packed: torch.Tensor, fmt: str, n: int, k: int, bias: torch.Tensor | None) -> None:
+        self.op = ops.linear_packed.default
+        self.packed, self.fmt, self.n, self.k = packed, fmt, n, k
+        self.bias = bias
+        # Quantized and float32 formats compute in float32; bfloat16 activations go in as they are.
+        self.act_dtype = torch.bfloat16 if fmt == "bf16" else None
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.bias is None:
+            return self.op(x, self.packed, self.fmt, self.n, self.k, residual)
+        y = self.op(x, self.packed, self.fmt, self.n, self.k, None) + self.bias
+        return y if residual is None else residual + y
+
+    @classmethod
+    def pack_dense(cls, ops: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> KernelLinear:
+        n, k = weight.shape
+        fmt = "bf16" if weight.dtype == torch.bfloat16 else "f32"
+        w = weight.contiguous() if fmt == "bf16" else weight.float().contiguous()
+        return cls(ops, ops.pack_linear(w, fmt, n, k), fmt, n, k, bias)
+
+    @classmethod
+    def pack_stored(cls, ops: Any, stored: StoredWeight, bias: torch.Tensor | None) -> KernelLinear:
+        n, k = stored.shape
+        fmt = STORED_KINDS[stored.kind]
+        return cls(ops, ops.pack_linear(stored.blocks.contiguous(), fmt, n, k), fmt, n, k, bias)
+
+
+Linear = DenseLinear | OneDNNLinear | KernelLinear
+
+
+def onednn_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether oneDNN's packed linear can run here (the CPU, float32 or bfloat16)."""
     return (
         device.type == "cpu"
         and torch.backends.mkldnn.is_available()
@@ -65,10 +117,28 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
-Linear = DenseLinear | PackedLinear
+def kernel_supported(weight: torch.Tensor) -> bool:
+    """Whether tripod's linear kernel takes this dense weight (CPU, bf16 with even K, or fp32)."""
+    return weight.device.type == "cpu" and (
+        weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0)
+    )
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, packed: bool, mv_single_row: bool = False) -> Linear:
-    if packed:
-        return PackedLinear(weight, bias)
-    return DenseLinear(weight, bias, mv_single_row=mv_single_row)
+def make_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    form: Form,
+    *,
+    ops: Any = None,
+    stored: StoredWeight | None = None,
+) -> Linear:
+    """The executable form of one projection. ``stored``: the GGUF blocks of ``weight`` (same
+    values), used by the ``stored`` form when their type is one tripod executes."""
+    if form == "stored" and stored is not None and stored.kind in STORED_KINDS:
+        return KernelLinear.pack_stored(ops, stored, bias)
+    if form in ("kernel", "stored") and kernel_supported(weight):
+        return KernelLinear.pack_dense(ops, weight, bias)
+    if form in ("onednn", "kernel", "stored") and onednn_supported(weight.dtype, weight.device):
+        return OneDNNLinear(weight, bias)
+    mv = weight.dtype != torch.float32 and weight.device.type == "cpu"
+    return DenseLinear(weight, bias, mv_single_row=mv)

@@ -26,8 +26,11 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaForCausalLM
     tokenizer: Any
-    quantization: str  # how the weights are stored on disk (the model runs dequantized)
+    quantization: str  # how the weights are stored on disk
     dtype: torch.dtype
+    # "dequantized" (every weight dequantized to ``dtype``) or "stored" (the GGUF's Q4_1/Q8_0
+    # blocks kept too, for kernels that execute them as stored; see layers/linear.py).
+    weights: str = "dequantized"
 
 
 @dataclass(slots=True)
@@ -47,17 +50,29 @@ def load_tokenizer(model: str | None) -> LoadedTokenizer:
     return LoadedTokenizer(name, str(path), src.config(), src.tokenizer(), src.quantization)
 
 
-def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Load ``model`` (None: the embedded default; a ``.gguf`` file; or an HF folder)."""
+def load_model(
+    model: str | None, dtype: torch.dtype, device: torch.device, weights: str = "dequantized"
+) -> LoadedModel:
+    """Load ``model`` (None: the embedded default; a ``.gguf`` file; or an HF folder).
+    ``weights="stored"`` also keeps a GGUF's quantized blocks for the ``stored`` compute form."""
     name, path, src = _open(model)
     cfg = src.config()
     quant = src.quantization
     cls = model_class(cfg.architecture)
     net = cls(cfg, dtype, device)
     net.load_weights(src.weights())
+    if weights == "stored":
+        if not isinstance(src, GGUFFile):
+            raise ValueError("--weights stored executes a GGUF file's quantized weights; this model is an HF folder")
+        net.load_stored(src.stored_weights())
+        if not net.has_stored_weights:
+            raise ValueError(
+                f"--weights stored: {path.name} has no weights in a type tripod executes as stored "
+                f"(Q4_1, Q8_0; this file is {quant}); use the default dequantized weights"
+            )
     net.eval()
     tok = src.tokenizer()
-    return LoadedModel(name, str(path), cfg, net, tok, quant, dtype)
+    return LoadedModel(name, str(path), cfg, net, tok, quant, dtype, weights)
 
 
 def _open(model: str | None) -> tuple[str, Path, GGUFFile | HFFolder]:

@@ -131,6 +131,26 @@ class GGUFFile:
             out[name] = torch.from_numpy(w.copy() if not w.flags.writeable else w)
         return out
 
+    def stored_weights(self) -> dict[str, Any]:
+        """The 2-D weights whose GGUF type tripod's kernels execute as stored (Q4_1, Q8_0), as
+        their raw blocks under HF names, rows in HF order (Q/K un-permuted like ``weights``)."""
+        from tripod.layers.linear import STORED_KINDS, StoredWeight
+
+        cfg = self.config()
+        out: dict[str, Any] = {}
+        for t in self.reader.tensors:
+            name = _hf_name(t.name)
+            kind = t.tensor_type.name
+            if name is None or kind not in STORED_KINDS or len(t.shape) != 2:
+                continue
+            blocks = np.ascontiguousarray(t.data, dtype=np.uint8)
+            if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                n = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+                blocks = np.ascontiguousarray(_unpermute_rotary(blocks, n))
+            rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dimensions innermost first
+            out[name] = StoredWeight(kind, torch.from_numpy(blocks.copy()), (rows, cols))
+        return out
+
     def tokenizer(self, cache_dir: Path | None = None) -> Any:
         """The HF fast tokenizer built from the GGUF vocabulary (cached after the first build,
         since converting a 49k vocabulary takes seconds)."""

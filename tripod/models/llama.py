@@ -8,13 +8,14 @@ tokens the sampler needs.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tripod.layers.attention import ForwardBatch, attend
-from tripod.layers.linear import Linear, make_linear, packing_supported
+from tripod.layers.linear import Form, Linear, StoredWeight, make_linear
 from tripod.layers.rotary import RotaryEmbedding
 from tripod.memory.kv_pool import KVPool
 from tripod.models.config import ModelConfig
@@ -58,19 +59,25 @@ class LlamaLayer(nn.Module):
         self.down = nn.Parameter(torch.empty(h, i, dtype=dtype), requires_grad=False)
         self.inter = i
         self.scale = d**-0.5
-        # Executable forms of the projections, by "packed" (see LlamaForCausalLM.prepare).
-        self.ops: dict[bool, LayerOps] = {}
+        # Executable forms of the projections (see LlamaForCausalLM.prepare), and the GGUF
+        # blocks of the fused projections when the model was loaded with its stored weights.
+        self.ops: dict[Form, LayerOps] = {}
+        self.stored: dict[str, StoredWeight] = {}
 
-    def prepare(self, packed: bool) -> None:
+    def prepare(self, form: Form, kernel_ops: Any = None) -> None:
         """Build the projections' executable form (after the weights are loaded)."""
-        if packed in self.ops:
+        if form in self.ops:
             return
-        mv = not packed and self.qkv.dtype != torch.float32 and self.qkv.device.type == "cpu"
-        self.ops[packed] = LayerOps(
-            qkv=make_linear(self.qkv, self.qkv_bias, packed=packed, mv_single_row=mv),
-            o=make_linear(self.o, self.o_bias, packed=packed, mv_single_row=mv),
-            gate_up=make_linear(self.gate_up, None, packed=packed, mv_single_row=mv),
-            down=make_linear(self.down, None, packed=packed, mv_single_row=mv),
+        st = self.stored.get
+
+        def mk(w: torch.Tensor, b: torch.Tensor | None, name: str) -> Linear:
+            return make_linear(w, b, form, ops=kernel_ops, stored=st(name))
+
+        self.ops[form] = LayerOps(
+            qkv=mk(self.qkv, self.qkv_bias, "qkv"),
+            o=mk(self.o, self.o_bias, "o"),
+            gate_up=mk(self.gate_up, None, "gate_up"),
+            down=mk(self.down, None, "down"),
         )
 
     def forward(
@@ -82,7 +89,7 @@ class LlamaLayer(nn.Module):
         pool: KVPool,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        ops = self.ops[batch.packed]
+        ops = self.ops[batch.form]
         k = batch.kernel_ops
         h = k.rms_norm(x, self.input_norm, self.eps) if k is not None else rms_norm(x, self.input_norm, self.eps)
         qkv = ops.qkv(h)
@@ -129,21 +136,22 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, device
         )
-        self.head_ops: dict[bool, Linear] = {}
+        self.head_ops: dict[Form, Linear] = {}
+        self.stored_head: StoredWeight | None = None
 
-    def prepare(self, packed: bool) -> bool:
-        """Build every projection's executable form; returns whether it is packed.
-        ``packed``: the CPU's packed matmuls (``layers.linear.PackedLinear``) where oneDNN can
-        run them; else ``F.linear`` on the plain weights (the float32 reference path, and CUDA).
-        Both forms may coexist: engines sharing one loaded model may run different paths."""
-        packed = packed and packing_supported(self.dtype, self.device)
+    def prepare(self, form: Form, kernel_ops: Any = None) -> None:
+        """Build every projection's executable form (``layers.linear.Form``). Several forms may
+        coexist: engines sharing one loaded model may run different paths, and a runner moves
+        from ``onednn`` to ``kernel`` when the kernels finish building."""
         for layer in self.layers:
-            layer.prepare(packed)
-        if packed not in self.head_ops:
+            layer.prepare(form, kernel_ops)
+        if form not in self.head_ops:
             head = self.embed if self.lm_head is None else self.lm_head
-            mv = not packed and self.dtype != torch.float32 and self.device.type == "cpu"
-            self.head_ops[packed] = make_linear(head, None, packed=packed, mv_single_row=mv)
-        return packed
+            self.head_ops[form] = make_linear(head, None, form, ops=kernel_ops, stored=self.stored_head)
+
+    @property
+    def has_stored_weights(self) -> bool:
+        return self.stored_head is not None or any(layer.stored for layer in self.layers)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
@@ -156,9 +164,37 @@ class LlamaForCausalLM(nn.Module):
         k = batch.kernel_ops
         eps = self.cfg.rms_norm_eps
         x = k.rms_norm(x, self.norm, eps) if k is not None else rms_norm(x, self.norm, eps)
-        return self.head_ops[batch.packed](x).float()
+        return self.head_ops[batch.form](x).float()
 
     # ------------------------------------------------------------------ weights
+    def load_stored(self, stored: Mapping[str, StoredWeight]) -> None:
+        """Keep the GGUF blocks of the projections (HF names, rows already in HF order) so the
+        ``stored`` form can execute them. Fused projections (QKV, gate/up) are kept only when
+        every part is stored in the same type; the others run on the dequantized weights."""
+
+        def fuse(names: list[str]) -> StoredWeight | None:
+            parts = [stored.get(n) for n in names]
+            if any(p is None for p in parts) or len({p.kind for p in parts if p}) != 1:
+                return None
+            ps = [p for p in parts if p is not None]
+            k = ps[0].shape[1]
+            if any(p.shape[1] != k for p in ps):
+                return None
+            blocks = torch.cat([p.blocks for p in ps]) if len(ps) > 1 else ps[0].blocks
+            return StoredWeight(ps[0].kind, blocks.contiguous(), (sum(p.shape[0] for p in ps), k))
+
+        for i, layer in enumerate(self.layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            found = {
+                "qkv": fuse([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+                "o": fuse([a + "o_proj.weight"]),
+                "gate_up": fuse([m + "gate_proj.weight", m + "up_proj.weight"]),
+                "down": fuse([m + "down_proj.weight"]),
+            }
+            layer.stored = {k: v for k, v in found.items() if v is not None}
+        tied = self.lm_head is None or self.lm_head.data_ptr() == self.embed.data_ptr()
+        self.stored_head = fuse(["model.embed_tokens.weight" if tied else "lm_head.weight"])
+
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Load HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` …), fusing Q/K/V
         and gate/up. Every parameter must be covered; a missing one is an error, not zeros."""

@@ -1,0 +1,370 @@
+// Small-batch linear layers over weights packed once for this kernel: y = x @ W.T (+ residual).
+//
+// Formats (packed by `pack_linear` at load):
+// - "bf16":  [N/16][K/2][16 outputs][2] bfloat16: one 64-byte load is 16 outputs x 2 inputs,
+//            multiplied with a broadcast pair of activations by one vdpbf16ps (float32 sums).
+// - "f32":   [N/16][K][16] float32.
+// - "q4_1":  GGUF Q4_1 executed as stored: per 16 outputs x 32 inputs, the 16 scales d and 16
+//            minimums m (fp16, as stored) and the 4-bit codes q, two inputs per byte.
+// - "q8_0":  GGUF Q8_0 as stored: per 16 outputs x 32 inputs, 16 scales d (fp16) and int8 codes.
+// The quantized formats use exactly the dequantized weights w = d*q + m (Q8_0: d*q): per block
+// of 32 inputs the kernel sums x*q exactly as floats and adds d*sum + m*sum(x), which is the
+// same product with another float32 rounding order (tested against the dequantized reference).
+//
+// NOTE: every output is summed in the same order whatever the number of rows (each row has its
+// own accumulators; rows only share weight loads), so a row's result does not depend on what
+// else is in the batch: a request's logits are bit-identical alone, in a batch or verified in a
+// draft. Threads split the outputs, never the inputs.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace tripod_linear {
+namespace {
+
+using bf16 = at::BFloat16;
+
+constexpr int kQ41Block = 16 * 2 + 16 * 2 + 256;  // d[16], m[16] (fp16), codes 16 x 32 nibbles
+constexpr int kQ80Block = 16 * 2 + 512;           // d[16] (fp16), codes 16 x 32 int8
+
+enum class Fmt { kBf16, kF32, kQ41, kQ80 };
+
+Fmt parse_fmt(const std::string& s) {
+  if (s == "bf16") return Fmt::kBf16;
+  if (s == "f32") return Fmt::kF32;
+  if (s == "q4_1") return Fmt::kQ41;
+  if (s == "q8_0") return Fmt::kQ80;
+  TORCH_CHECK(false, "unknown packed weight format '", s, "' (bf16, f32, q4_1, q8_0)");
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
+inline void store16(bf16* p, __m512 v, __mmask16 k) {
+  __m512i x = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), lsb);
+  _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+inline __m512 half16(const uint8_t* p) {  // 16 fp16 -> float32
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// ---------------------------------------------------------------------------- packing
+// w: [N, K] float32 / bfloat16 (dense formats) or the GGUF blocks as uint8 [N, K / 32 * block].
+at::Tensor pack_linear(const at::Tensor& w, const std::string& format, int64_t n, int64_t k) {
+  const Fmt fmt = parse_fmt(format);
+  const int64_t nb = (n + 15) / 16;
+  TORCH_CHECK(w.is_contiguous() && w.size(0) == n, "pack_linear: w must be contiguous with N rows");
+  if (fmt == Fmt::kBf16 || fmt == Fmt::kF32) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == k, "pack_linear: dense w must be [N, K]");
+    if (fmt == Fmt::kBf16) {
+      TORCH_CHECK(w.scalar_type() == at::kBFloat16, "pack_linear bf16: w must be bfloat16");
+      TORCH_CHECK(k % 2 == 0, "pack_linear bf16: K must be even");
+      const int64_t kp = (k + 1) / 2;
+      at::Tensor out = at::zeros({nb, kp, 16, 2}, w.options());
+      const bf16* src = w.data_ptr<bf16>();
+      bf16* dst = out.data_ptr<bf16>();
+      for (int64_t o = 0; o < n; ++o)
+        for (int64_t i = 0; i < k; ++i) dst[(((o / 16) * kp + i / 2) * 16 + o % 16) * 2 + i % 2] = src[o * k + i];
+      return out;
+    }
+    TORCH_CHECK(w.scalar_type() == at::kFloat, "pack_linear f32: w must be float32");
+    at::Tensor out = at::zeros({nb, k, 16}, w.options());
+    const float* src = w.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    for (int64_t o = 0; o < n; ++o)
+      for (int64_t i = 0; i < k; ++i) dst[((o / 16) * k + i) * 16 + o % 16] = src[o * k + i];
+    return out;
+  }
+  TORCH_CHECK(k % 32 == 0, "pack_linear: quantized weights need K % 32 == 0");
+  TORCH_CHECK(w.scalar_type() == at::kByte, "pack_linear: quantized weights are given as uint8 GGUF blocks");
+  const int64_t kb = k / 32;
+  const int64_t in_block = fmt == Fmt::kQ41 ? 20 : 34;
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == kb * in_block, "pack_linear: expected ", kb * in_block, " bytes per row");
+  const int64_t out_block = fmt == Fmt::kQ41 ? kQ41Block : kQ80Block;
+  at::Tensor out = at::zeros({nb, kb, out_block}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t o = 0; o < n; ++o) {
+    const int64_t c = o % 16;
+    for (int64_t b = 0; b < kb; ++b) {
+      const uint8_t* blk = src + (o * kb + b) * in_block;
+      uint8_t* ob = dst + ((o / 16) * kb + b) * out_block;
+      std::memcpy(ob + 2 * c, blk, 2);  // d
+      if (fmt == Fmt::kQ41) {
+        std::memcpy(ob + 32 + 2 * c, blk + 2, 2);  // m
+        const uint8_t* qs = blk + 4;  // input j: low nibble of qs[j] (j < 16), high of qs[j - 16]
+        for (int p = 0; p < 16; ++p) {
+          const int i0 = 2 * p, i1 = 2 * p + 1;
+          const uint8_t q0 = i0 < 16 ? (qs[i0] & 15) : (qs[i0 - 16] >> 4);
+          const uint8_t q1 = i1 < 16 ? (qs[i1] & 15) : (qs[i1 - 16] >> 4);
+          ob[64 + p * 16 + c] = (uint8_t)(q0 | (q1 << 4));
+        }
+      } else {
+        for (int i = 0; i < 32; ++i) ob[32 + i * 16 + c] = blk[2 + i];
+      }
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------- compute
+// Sums for rows [0, MR) and output blocks [nb0, nb0 + NBT): acc[m][j] = 16 outputs.
+
+template <int MR, int NBT>
+void tile_bf16(const bf16* x, int64_t ldx, const bf16* w, int64_t kp, int64_t nb0, __m512 acc[MR][NBT]) {
+#if defined(__AVX512BF16__)
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);  // pairs of bf16
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512bh wv[NBT];
+    for (int j = 0; j < NBT; ++j)
+      wv[j] = (__m512bh)_mm512_loadu_si512(w + ((nb0 + j) * kp + p) * 32);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[m * (ldx / 2) + p]);
+      for (int j = 0; j < NBT; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+#else
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512 w0[NBT], w1[NBT];
+    for (int j = 0; j < NBT; ++j) {
+      const __m512i raw = _mm512_loadu_si512(w + ((nb0 + j) * kp + p) * 32);
+      w0[j] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));                       // even input
+      w1[j] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(0xffff0000)));  // odd
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512 x0 = _mm512_set1_ps(static_cast<float>(x[m * ldx + 2 * p]));
+      const __m512 x1 = _mm512_set1_ps(static_cast<float>(x[m * ldx + 2 * p + 1]));
+      for (int j = 0; j < NBT; ++j) acc[m][j] = _mm512_fmadd_ps(x1, w1[j], _mm512_fmadd_ps(x0, w0[j], acc[m][j]));
+    }
+  }
+#endif
+}
+
+template <int MR, int NBT>
+void tile_f32(const float* x, int64_t ldx, const float* w, int64_t k, int64_t nb0, __m512 acc[MR][NBT]) {
+  for (int64_t i = 0; i < k; ++i) {
+    __m512 wv[NBT];
+    for (int j = 0; j < NBT; ++j) wv[j] = _mm512_loadu_ps(w + ((nb0 + j) * k + i) * 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * ldx + i]);
+      for (int j = 0; j < NBT; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+}
+
+// x is float32 here; xsum[m * kb + b] = the sum of row m's inputs in block b (for the minimums).
+template <int MR, int NBT>
+void tile_q4_1(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t kb, int64_t nb0,
+               __m512 acc[MR][NBT]) {
+  const __m512i lo = _mm512_set1_epi32(15);
+  for (int64_t b = 0; b < kb; ++b) {
+    const uint8_t* blk[NBT];
+    __m512 s[MR][NBT];  // sum over the block of x * q (q exact small integers)
+    for (int j = 0; j < NBT; ++j) {
+      blk[j] = w + ((nb0 + j) * kb + b) * kQ41Block;
+      // Four blocks ahead in each stream: the codes are dense, the loads must not wait.
+      if (b + 4 < kb)
+        for (int off = 0; off < kQ41Block; off += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[j] + 4 * kQ41Block + off), _MM_HINT_T0);
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NBT; ++j) s[m][j] = _mm512_setzero_ps();
+    for (int p = 0; p < 16; ++p) {
+      __m512 q0[NBT], q1[NBT];
+      for (int j = 0; j < NBT; ++j) {
+        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[j] + 64 + 16 * p)));
+        q0[j] = _mm512_cvtepi32_ps(_mm512_and_si512(codes, lo));
+        q1[j] = _mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4));
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float* xr = x + m * ldx + b * 32 + 2 * p;
+        const __m512 x0 = _mm512_set1_ps(xr[0]), x1 = _mm512_set1_ps(xr[1]);
+        for (int j = 0; j < NBT; ++j) s[m][j] = _mm512_fmadd_ps(x1, q1[j], _mm512_fmadd_ps(x0, q0[j], s[m][j]));
+      }
+    }
+    for (int j = 0; j < NBT; ++j) {
+      const __m512 d = half16(blk[j]), mn = half16(blk[j] + 32);
+      for (int m = 0; m < MR; ++m)
+        acc[m][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[m * kb + b]), _mm512_fmadd_ps(d, s[m][j], acc[m][j]));
+    }
+  }
+}
+
+template <int MR, int NBT>
+void tile_q8_0(const float* x, int64_t ldx, const uint8_t* w, int64_t kb, int64_t nb0, __m512 acc[MR][NBT]) {
+  for (int64_t b = 0; b < kb; ++b) {
+    const uint8_t* blk[NBT];
+    __m512 s[MR][NBT];
+    for (int j = 0; j < NBT; ++j) {
+      blk[j] = w + ((nb0 + j) * kb + b) * kQ80Block;
+      if (b + 4 < kb)
+        for (int off = 0; off < kQ80Block; off += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[j] + 4 * kQ80Block + off), _MM_HINT_T0);
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NBT; ++j) s[m][j] = _mm512_setzero_ps();
+    for (int i = 0; i < 32; ++i) {
+      __m512 q[NBT];
+      for (int j = 0; j < NBT; ++j)
+        q[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[j] + 32 + 16 * i))));
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xv = _mm512_set1_ps(x[m * ldx + b * 32 + i]);
+        for (int j = 0; j < NBT; ++j) s[m][j] = _mm512_fmadd_ps(xv, q[j], s[m][j]);
+      }
+    }
+    for (int j = 0; j < NBT; ++j) {
+      const __m512 d = half16(blk[j]);
+      for (int m = 0; m < MR; ++m) acc[m][j] = _mm512_fmadd_ps(d, s[m][j], acc[m][j]);
+    }
+  }
+}
+
+constexpr int kRows = 4;  // rows per register tile
+constexpr int kCols = 4;  // 16-output blocks per register tile
+
+struct Problem {
+  Fmt fmt;
+  int64_t m, n, k, nb;
+  const void* x;       // activations as given (bf16 or f32), [M, K] with row stride ldx
+  int64_t ldx;
+  const float* xf;     // float32 activations (quantized/f32 formats on bf16 input), ld = k
+  const float* xsum;   // [M, K/32] block sums (q4_1)
+  const void* w;
+  const void* residual;  // [M, N] or null
+  int64_t ldr;
+  void* y;             // [M, N]
+  bool bf16_io;
+};
+
+template <int MR, int NBT>
+void run_tile(const Problem& p, int64_t m0, int64_t nb0) {
+  __m512 acc[MR][NBT];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NBT; ++j) acc[m][j] = _mm512_setzero_ps();
+  switch (p.fmt) {
+    case Fmt::kBf16:
+      tile_bf16<MR, NBT>(static_cast<const bf16*>(p.x) + m0 * p.ldx, p.ldx, static_cast<const bf16*>(p.w), (p.k + 1) / 2, nb0, acc);
+      break;
+    case Fmt::kF32:
+      tile_f32<MR, NBT>(p.xf + m0 * p.k, p.k, static_cast<const float*>(p.w), p.k, nb0, acc);
+      break;
+    case Fmt::kQ41:
+      tile_q4_1<MR, NBT>(p.xf + m0 * p.k, p.k, p.xsum + m0 * (p.k / 32), static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
+      break;
+    case Fmt::kQ80:
+      tile_q8_0<MR, NBT>(p.xf + m0 * p.k, p.k, static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
+      break;
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NBT; ++j) {
+      const int64_t col = (nb0 + j) * 16;
+      const __mmask16 km = col + 16 <= p.n ? (__mmask16)0xFFFF : (__mmask16)((1u << (p.n - col)) - 1u);
+      __m512 v = acc[m][j];
+      const int64_t row = m0 + m;
+      if (p.bf16_io) {
+        if (p.residual) v = _mm512_add_ps(v, _mm512_maskz_mov_ps(km, load16(static_cast<const bf16*>(p.residual) + row * p.ldr + col)));
+        store16(static_cast<bf16*>(p.y) + row * p.n + col, v, km);
+      } else {
+        if (p.residual) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(km, static_cast<const float*>(p.residual) + row * p.ldr + col));
+        store16(static_cast<float*>(p.y) + row * p.n + col, v, km);
+      }
+    }
+}
+
+template <int NBT>
+void run_rows(const Problem& p, int64_t m0, int64_t mr, int64_t nb0) {
+  switch (mr) {
+    case 1: return run_tile<1, NBT>(p, m0, nb0);
+    case 2: return run_tile<2, NBT>(p, m0, nb0);
+    case 3: return run_tile<3, NBT>(p, m0, nb0);
+    default: return run_tile<4, NBT>(p, m0, nb0);
+  }
+}
+
+// A tile of `cols` 16-output blocks (<= kCols). The quantized formats keep per-block partial sums
+// beside the accumulators: with more than two rows they go two blocks at a time (registers).
+// The tile shape never changes what is summed, or in which order.
+void run_block_tile(const Problem& p, int64_t m0, int64_t mr, int64_t nb0, int64_t cols) {
+  const bool quant = p.fmt == Fmt::kQ41 || p.fmt == Fmt::kQ80;
+  if (quant && mr > 2 && cols > 2) {
+    run_rows<2>(p, m0, mr, nb0);
+    if (cols == 3) run_rows<1>(p, m0, mr, nb0 + 2);
+    else run_rows<2>(p, m0, mr, nb0 + 2);
+    return;
+  }
+  switch (cols) {
+    case 1: run_rows<1>(p, m0, mr, nb0); break;
+    case 2: run_rows<2>(p, m0, mr, nb0); break;
+    case 3: run_rows<3>(p, m0, mr, nb0); break;
+    default: run_rows<4>(p, m0, mr, nb0); break;
+  }
+}
+
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& w, const std::string& format, int64_t n, int64_t k,
+                         const c10::optional<at::Tensor>& residual) {
+  const Fmt fmt = parse_fmt(format);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "linear_packed: x must be [M, K] with unit stride");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_packed: x must be float32 or bfloat16");
+  TORCH_CHECK(w.is_contiguous(), "linear_packed: w must be packed by pack_linear");
+  if (fmt == Fmt::kBf16)
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.stride(0) % 2 == 0, "linear_packed: bf16 weights need bf16 activations (even row stride)");
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  Problem p{fmt, m, n, k, (n + 15) / 16, x.data_ptr(), x.stride(0), nullptr, nullptr, w.data_ptr(), nullptr, 0,
+            y.data_ptr(), x.scalar_type() == at::kBFloat16};
+  if (residual.has_value()) {
+    const at::Tensor& r = *residual;
+    TORCH_CHECK(r.dim() == 2 && r.size(0) == m && r.size(1) == n && r.stride(1) == 1 && r.scalar_type() == x.scalar_type(),
+                "linear_packed: residual must be [M, N] like the output");
+    p.residual = r.data_ptr();
+    p.ldr = r.stride(0);
+  }
+  at::Tensor xf, xsum;
+  if (fmt != Fmt::kBf16) {  // float32 activations, contiguous (and block sums for Q4_1)
+    xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
+    p.xf = xf.data_ptr<float>();
+    if (fmt == Fmt::kQ41) {
+      xsum = xf.view({m, k / 32, 32}).sum(-1).contiguous();
+      p.xsum = xsum.data_ptr<float>();
+    }
+  }
+  const int64_t nb = p.nb;
+  const int64_t ntiles = (nb + kCols - 1) / kCols;
+  // Threads split the outputs (whole tiles of 64): never a row's sum.
+  const int64_t work = m * n * k;
+  at::parallel_for(0, ntiles, work < (1 << 18) ? ntiles : 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nb0 = t * kCols;
+      const int64_t cols = std::min<int64_t>(kCols, nb - nb0);
+      for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+        run_block_tile(p, m0, std::min<int64_t>(kRows, m - m0), nb0, cols);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+}  // namespace tripod_linear
+
+TORCH_LIBRARY_FRAGMENT(tripod_cpu, m) {
+  m.def("pack_linear(Tensor w, str format, int n, int k) -> Tensor");
+  m.def("linear_packed(Tensor x, Tensor w, str format, int n, int k, Tensor? residual=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tripod_cpu, CPU, m) {
+  m.impl("pack_linear", &tripod_linear::pack_linear);
+  m.impl("linear_packed", &tripod_linear::linear_packed);
+}
