@@ -134,7 +134,9 @@ def _median(runs: list[tuple[float, float]]) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,8,32,64")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="comma-separated; 'stored' = --weights stored (GGUF Q4_1/Q8_0 as stored, fp32 compute)")
+    ap.add_argument("--kernels", default="auto", help="auto | eager | optimized (EngineConfig.kernels)")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate baseline")
     ap.add_argument("--hf-max-batch", type=int, default=64)
     ap.add_argument("--profile", type=int, default=0, help="profile one decode step at this batch")
@@ -147,7 +149,8 @@ def main() -> int:
     print(json.dumps(info), flush=True)
     rows: list[dict[str, object]] = []
     for dt in dtypes:
-        engine = Engine(dtype=dt, kv_cache_tokens=65536, max_running=128, max_batch_tokens=512)
+        extra = {"weights": "stored", "dtype": "auto"} if dt == "stored" else {"dtype": dt}
+        engine = Engine(kv_cache_tokens=65536, max_running=128, max_batch_tokens=512, kernels=args.kernels, **extra)
         if args.profile:
             print(profile_step(engine, args.profile), flush=True)
             continue
@@ -156,7 +159,7 @@ def main() -> int:
             tps, secs = _median([run_tripod(engine, make_prompts(engine, c, seed=c)) for _ in range(args.repeat)])
             rows.append({"engine": "tripod", "dtype": dt, "concurrency": c, "tok_s": round(tps, 1), "seconds": round(secs, 1)})
             print(rows[-1], flush=True)
-        if not args.no_hf:
+        if not args.no_hf and dt != "stored":
             from transformers import AutoModelForCausalLM
 
             path = Path(engine.loaded.path)
