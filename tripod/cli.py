@@ -32,6 +32,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default="lpm", choices=["lpm", "fcfs"], help="waiting-queue order")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    g.add_argument("--kernels", default="auto", choices=["auto", "eager", "optimized"],
+                   help="compute path: auto = optimized for 16-bit dtypes (tripod's CPU kernels, built "
+                        "in the background on first use), the float32 reference path for float32; "
+                        "eager = the reference path; optimized = tripod's kernels in any dtype")
+    g.add_argument("--weights", default="dequantized", choices=["dequantized", "stored"],
+                   help="stored: execute a GGUF's Q4_1/Q8_0 weights as stored (a quarter/half of "
+                        "bf16's bytes per token, exactly the dequantized weights, float32 compute)")
     g.add_argument("--no-jump-forward", action="store_true",
                    help="structured outputs: decode grammar-forced text token by token (outputs are identical either way)")
 
@@ -163,6 +170,8 @@ def _engine_config(args: argparse.Namespace) -> Any:
         enable_prefix_cache=not args.no_prefix_cache,
         num_threads=args.threads,
         jump_forward=not args.no_jump_forward,
+        kernels=args.kernels,
+        weights=args.weights,
     )
 
 

@@ -327,6 +327,8 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     meta = {
         "dtype": info.dtype if info else None,
         "quantization": state.quantization,
+        # "dequantized" (to dtype) or "stored" (GGUF Q4_1/Q8_0 executed as stored; --weights).
+        "weights": state.engine_config.weights,
         "architecture": info.architecture if info else None,
         "max_model_len": state.max_len,
         "device": state.engine_config.device,
