@@ -128,8 +128,8 @@ struct Block {
   int32_t len0;  // keys the first query attends; query i attends len0 + i
 };
 
-struct Piece {  // one unit of parallel work: a block's keys [k0, k1) for one KV head
-  int32_t block, kvh, k0, k1, split;  // split: index among the block's pieces (-1: only one)
+struct Piece {  // one unit of parallel work: a block's keys [k0, k1) for KV heads [g0, g1)
+  int32_t block, g0, g1, k0, k1, split;  // split: index among the block's pieces (-1: only one)
 };
 
 template <typename T>
@@ -143,79 +143,99 @@ struct AttnArgs {
   T* out;                           // [T, H, D] contiguous
   int H, KVH, D;
   float scale;
-  // Split rows: partial softmax state per (piece, query, head of the group).
-  float* part_acc;  // [pieces, kQueryBlock, group, D]
-  float* part_ml;   // [pieces, kQueryBlock, group, 2]
+  // Split rows: partial softmax state per (piece, query, head).
+  float* part_acc;  // [pieces, kQueryBlock, H, D]
+  float* part_ml;   // [pieces, kQueryBlock, H, 2]
 };
 
-// One piece: queries of `blk` × the query heads of KV head `g`, keys [k0, k1) (at most kSplit).
-// NV = D / 16 is a compile-time constant so that a query vector and its output stay in registers.
+// One piece: queries of `blk` × the query heads of KV heads [g0, g1), keys [k0, k1) (at most
+// kSplit). NV = D / 16 is a compile-time constant so a query vector and its output stay in
+// registers. A decode row takes every KV head in one piece (each key's K|V row is read whole,
+// once); a block of several queries takes one KV head (the tile serves all of them).
 //
-// Two passes over the piece's keys, tile by tile: the scores of every query vector (kept in a
-// scratch row) and their running maximum, as vectors; then e^(s - max) summed as a vector and
-// accumulated against V. No per-tile rescaling and no horizontal reduction inside the loop.
+// One pass over the keys, tile by tile (online softmax): each query vector's 16 scores, then
+// e^(s - max) against V. The running max only moves up, and then rescales what was summed;
+// after the first tiles it rarely does. K and V of a tile are read together, so the memory
+// stream never pauses (the pool is far larger than the caches: K and V come from DRAM).
 // NOTE: the arithmetic of one query vector depends only on its own keys, never on the other
-// queries of its block: a token's attention is bit-identical whether it is decoded alone,
-// verified in a draft or prefilled in a chunk (jump-forward and the prefix cache rely on it).
+// queries of its block or the heads beside it: a token's attention is bit-identical whether it
+// is decoded alone, verified in a draft or prefilled in a chunk (jump-forward and the prefix
+// cache rely on it).
 template <typename T, int NV>
 void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int piece_index) {
   constexpr int D = NV * 16;
   constexpr bool bf16_dot = std::is_same_v<T, bf16> && kBf16Dot;
   constexpr bool widen_k = std::is_same_v<T, bf16> && !kBf16Dot;
   constexpr bool widen_v = std::is_same_v<T, bf16>;
-  const int group = a.H / a.KVH, g = pc.kvh;
-  const int nqv = blk.nq * group;
-  const int ntiles = (pc.k1 - pc.k0 + kTile - 1) / kTile;
-  // NOTE: blocks are cut so that nq * group * D <= kQueryFloats (see paged_attention_impl).
+  const int group = a.H / a.KVH, G = pc.g1 - pc.g0;
+  const int per_query = G * group;  // query vectors of one query in this piece
+  const int nqv = blk.nq * per_query;
+  // NOTE: blocks and pieces are cut so that nqv * D <= kQueryFloats (see paged_attention_impl).
   thread_local std::vector<float> scratch;
-  const size_t need = (size_t)kQueryFloats * 2 + (size_t)nqv * ntiles * kTile + (size_t)nqv * 32;
+  const size_t need = (size_t)kQueryFloats * 2 + (size_t)nqv * 16 + (size_t)(widen_k ? G : 0) * kTile * D +
+                      (size_t)(widen_v ? G : 0) * kTile * D + 16;
   if (scratch.size() < need) scratch.resize(need);
-  float* qf = scratch.data();                       // [nqv, D] scaled query vectors (float32 path)
-  float* acc = qf + kQueryFloats;                    // [nqv, D] output accumulators
-  float* sc = acc + kQueryFloats;                    // [nqv, ntiles * 16] scores
-  float* mv = sc + (size_t)nqv * ntiles * kTile;     // [nqv, 16] running max, then sum, as vectors
+  float* qf = scratch.data();                 // [nqv, D] scaled query vectors (float32 path)
+  float* acc = qf + kQueryFloats;              // [nqv, D] output accumulators
+  float* lv = acc + kQueryFloats;              // [nqv, 16] sums of e^(s - m), as vectors
+  float* kf = lv + (size_t)nqv * 16;           // [G, 16, D] widened K tile (no bf16 dot)
+  float* vf = kf + (size_t)(widen_k ? G : 0) * kTile * D;  // [G, 16, D] widened V tile
+  float m[kQueryFloats / 16];                  // running max of each query vector
   alignas(64) uint16_t qb[bf16_dot ? kQueryFloats : 1];  // query vectors as bf16 bits (dot path)
   const __m512 vscale = _mm512_set1_ps(a.scale);
-  for (int i = 0; i < blk.nq; ++i)
-    for (int h = 0; h < group; ++h) {
-      const T* src = a.q + (int64_t)(blk.t0 + i) * a.q_stride_t + (int64_t)(g * group + h) * a.q_stride_h;
-      const int qv = i * group + h;
-      if constexpr (bf16_dot) {
-        std::memcpy(qb + qv * D, src, D * sizeof(T));
-      } else {
-        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(qf + qv * D + 16 * v, _mm512_mul_ps(load16(src + 16 * v), vscale));
-      }
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + qv * D + 16 * v, _mm512_setzero_ps());
-      _mm512_storeu_ps(mv + qv * 16, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+  // Query vector qv = (i * G + gl) * group + h: query i, KV head g0 + gl, its head h.
+  auto head_of = [&](int qv) { return (pc.g0 + (qv / group) % G) * group + qv % group; };
+  for (int qv = 0; qv < nqv; ++qv) {
+    const int i = qv / per_query;
+    const T* src = a.q + (int64_t)(blk.t0 + i) * a.q_stride_t + (int64_t)head_of(qv) * a.q_stride_h;
+    if constexpr (bf16_dot) {
+      std::memcpy(qb + qv * D, src, D * sizeof(T));
+    } else {
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(qf + qv * D + 16 * v, _mm512_mul_ps(load16(src + 16 * v), vscale));
     }
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + qv * D + 16 * v, _mm512_setzero_ps());
+    _mm512_storeu_ps(lv + qv * 16, _mm512_setzero_ps());
+    m[qv] = -std::numeric_limits<float>::infinity();
+  }
 
   const int32_t* slots = a.table + (int64_t)blk.row * a.table_stride;
-  auto key_row = [&](int k) { return a.kv + (int64_t)slots[k] * a.kv_stride_slot + (int64_t)g * D; };
-  auto prefetch_tile = [&](int k0, bool v_part) {
-    const int nn = std::min(kTile, pc.k1 - k0);
-    for (int j = 0; j < nn; ++j) {
-      const char* r = reinterpret_cast<const char*>(key_row(k0 + j)) + (v_part ? (int64_t)a.KVH * D * sizeof(T) : 0);
-      for (int64_t off = 0; off < (int64_t)(D * sizeof(T)); off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
-    }
-  };
-  alignas(64) float kf[widen_k ? kTile * D : 1];
-  alignas(64) float vf[widen_v ? kTile * D : 1];
-  const T* krow[kTile];
-  const float* vrow[kTile];
-
-  // Pass 1: scores and their maximum.
-  for (int ti = 0; ti < ntiles; ++ti) {
-    const int k0 = pc.k0 + ti * kTile;
+  const int64_t span = (int64_t)G * D * sizeof(T);  // bytes of K (or V) of this piece's heads
+  auto k_of = [&](int k, int gl) { return a.kv + (int64_t)slots[k] * a.kv_stride_slot + (int64_t)(pc.g0 + gl) * D; };
+  const T* krow[8][kTile];  // [G][16] (G <= 8)
+  const float* vrow[8][kTile];
+  alignas(64) float p[kTile];
+  for (int k0 = pc.k0; k0 < pc.k1; k0 += kTile) {
     const int n = std::min(kTile, pc.k1 - k0);
-    if (k0 + kTile < pc.k1) prefetch_tile(k0 + kTile, false);
-    for (int j = 0; j < kTile; ++j) {
-      krow[j] = key_row(k0 + (j < n ? j : 0));  // past the end: any valid row (masked)
-      if constexpr (widen_k)
-        for (int v = 0; v < NV; ++v) _mm512_store_ps(kf + j * D + 16 * v, load16(krow[j] + 16 * v));
+    if (k0 + 2 * kTile < pc.k1) {  // two tiles ahead: slots are not always adjacent
+      const int nn = std::min(kTile, pc.k1 - k0 - 2 * kTile);
+      for (int j = 0; j < nn; ++j) {
+        const char* r = reinterpret_cast<const char*>(k_of(k0 + 2 * kTile + j, 0));
+        for (int64_t off = 0; off < span; off += 64) {
+          _mm_prefetch(r + off, _MM_HINT_T0);
+          _mm_prefetch(r + (int64_t)a.KVH * D * sizeof(T) + off, _MM_HINT_T0);
+        }
+      }
     }
+    for (int gl = 0; gl < G; ++gl)
+      for (int j = 0; j < kTile; ++j) {
+        const T* kr = k_of(k0 + (j < n ? j : 0), gl);  // past the end: any valid row (masked)
+        krow[gl][j] = kr;
+        if constexpr (widen_k)
+          for (int v = 0; v < NV; ++v) _mm512_storeu_ps(kf + (gl * kTile + j) * D + 16 * v, load16(kr + 16 * v));
+        const T* vr = kr + (int64_t)a.KVH * D;
+        if constexpr (widen_v) {
+          float* dst = vf + (gl * kTile + j) * D;
+          if (j < n)
+            for (int v = 0; v < NV; ++v) _mm512_storeu_ps(dst + 16 * v, load16(vr + 16 * v));
+          vrow[gl][j] = dst;
+        } else {
+          vrow[gl][j] = reinterpret_cast<const float*>(vr);
+        }
+      }
     for (int qv = 0; qv < nqv; ++qv) {
-      const int valid = std::min(n, blk.len0 + qv / group - k0);  // causal limit of this query
+      const int valid = std::min(n, blk.len0 + qv / per_query - k0);  // causal limit of this query
       if (valid <= 0) continue;  // the whole tile is in this query's future
+      const int gl = (qv / group) % G;
       __m512 parts[kTile];
       if constexpr (bf16_dot) {
 #if defined(__AVX512BF16__)
@@ -224,9 +244,9 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
 #pragma GCC unroll 16
         for (int j = 0; j < kTile; ++j) {
           __m512 t = _mm512_setzero_ps();
-          for (int v = 0; v < NV / 2; ++v) t = _mm512_dpbf16_ps(t, q2[v], (__m512bh)_mm512_loadu_si512(krow[j] + 32 * v));
+          for (int v = 0; v < NV / 2; ++v) t = _mm512_dpbf16_ps(t, q2[v], (__m512bh)_mm512_loadu_si512(krow[gl][j] + 32 * v));
           if constexpr (NV % 2 == 1)  // D = 16 (mod 32): the last 16 dims widened
-            t = _mm512_fmadd_ps(load16(qb_as_bf16(qb + qv * D + 32 * (NV / 2))), load16(krow[j] + 32 * (NV / 2)), t);
+            t = _mm512_fmadd_ps(load16(qb_as_bf16(qb + qv * D + 32 * (NV / 2))), load16(krow[gl][j] + 32 * (NV / 2)), t);
           parts[j] = t;
         }
 #endif
@@ -235,7 +255,7 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
         for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(qf + qv * D + 16 * v);
 #pragma GCC unroll 16
         for (int j = 0; j < kTile; ++j) {
-          const float* kj = widen_k ? kf + j * D : reinterpret_cast<const float*>(krow[j]);
+          const float* kj = widen_k ? kf + (gl * kTile + j) * D : reinterpret_cast<const float*>(krow[gl][j]);
           __m512 t = _mm512_mul_ps(q[0], _mm512_loadu_ps(kj));
           for (int v = 1; v < NV; ++v) t = _mm512_fmadd_ps(q[v], _mm512_loadu_ps(kj + 16 * v), t);
           parts[j] = t;
@@ -244,69 +264,45 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
       __m512 s = transpose_sum16(parts);
       if constexpr (bf16_dot) s = _mm512_mul_ps(s, vscale);
       const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
-      _mm512_storeu_ps(sc + ((size_t)qv * ntiles + ti) * kTile, s);
-      float* mq = mv + qv * 16;
-      _mm512_storeu_ps(mq, _mm512_mask_max_ps(_mm512_loadu_ps(mq), mask, _mm512_loadu_ps(mq), s));
-    }
-  }
-  float m[kQueryBlock * 8];
-  for (int qv = 0; qv < nqv; ++qv) {
-    m[qv] = _mm512_reduce_max_ps(_mm512_loadu_ps(mv + qv * 16));
-    _mm512_storeu_ps(mv + qv * 16, _mm512_setzero_ps());  // now: the running sum of e^(s - m)
-  }
-
-  // Pass 2: e^(s - m), its sum, and the weighted sum of V.
-  alignas(64) float p[kTile];
-  for (int ti = 0; ti < ntiles; ++ti) {
-    const int k0 = pc.k0 + ti * kTile;
-    const int n = std::min(kTile, pc.k1 - k0);
-    if (k0 + kTile < pc.k1) prefetch_tile(k0 + kTile, true);
-    for (int j = 0; j < n; ++j) {
-      const T* vr = key_row(k0 + j) + (int64_t)a.KVH * D;
-      if constexpr (widen_v) {
-        for (int v = 0; v < NV; ++v) _mm512_store_ps(vf + j * D + 16 * v, load16(vr + 16 * v));
-        vrow[j] = vf + j * D;
-      } else {
-        vrow[j] = reinterpret_cast<const float*>(vr);
-      }
-    }
-    for (int qv = 0; qv < nqv; ++qv) {
-      const int valid = std::min(n, blk.len0 + qv / group - k0);
-      if (valid <= 0) continue;
-      const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
-      const __m512 s = _mm512_loadu_ps(sc + ((size_t)qv * ntiles + ti) * kTile);
-      const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m[qv]))));
-      _mm512_storeu_ps(mv + qv * 16, _mm512_add_ps(_mm512_loadu_ps(mv + qv * 16), e));
-      _mm512_store_ps(p, e);
+      const float tmax = _mm512_mask_reduce_max_ps(mask, s);
       float* o = acc + qv * D;
       __m512 r[NV];
       for (int v = 0; v < NV; ++v) r[v] = _mm512_loadu_ps(o + 16 * v);
+      __m512 l = _mm512_loadu_ps(lv + qv * 16);
+      if (tmax > m[qv]) {  // a new maximum: rescale what was summed so far (0 at the start)
+        const __m512 alpha = _mm512_set1_ps(std::exp(m[qv] - tmax));
+        for (int v = 0; v < NV; ++v) r[v] = _mm512_mul_ps(r[v], alpha);
+        l = _mm512_mul_ps(l, alpha);
+        m[qv] = tmax;
+      }
+      const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m[qv]))));
+      _mm512_storeu_ps(lv + qv * 16, _mm512_add_ps(l, e));
+      _mm512_store_ps(p, e);
       for (int j = 0; j < valid; ++j) {
         const __m512 pj = _mm512_set1_ps(p[j]);
-        for (int v = 0; v < NV; ++v) r[v] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vrow[j] + 16 * v), r[v]);
+        for (int v = 0; v < NV; ++v) r[v] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vrow[gl][j] + 16 * v), r[v]);
       }
       for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + 16 * v, r[v]);
     }
   }
 
-  for (int i = 0; i < blk.nq; ++i)
-    for (int h = 0; h < group; ++h) {
-      const int qv = i * group + h;
-      const float* o = acc + qv * D;
-      const bool any = blk.len0 + i > pc.k0;  // this query saw at least one key of the piece
-      const float l = any ? _mm512_reduce_add_ps(_mm512_loadu_ps(mv + qv * 16)) : 0.f;
-      if (pc.split < 0) {
-        const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
-        T* dst = a.out + ((int64_t)(blk.t0 + i) * a.H + g * group + h) * D;
-        for (int v = 0; v < NV; ++v) store16(dst + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * v), inv));
-      } else {
-        const int64_t slot = ((int64_t)piece_index * kQueryBlock + i) * group + h;
-        float* pa = a.part_acc + slot * D;
-        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(pa + 16 * v, _mm512_loadu_ps(o + 16 * v));
-        a.part_ml[slot * 2] = any ? m[qv] : -std::numeric_limits<float>::infinity();
-        a.part_ml[slot * 2 + 1] = l;
-      }
+  for (int qv = 0; qv < nqv; ++qv) {
+    const int i = qv / per_query, head = head_of(qv);
+    const float* o = acc + qv * D;
+    const bool any = blk.len0 + i > pc.k0;  // this query saw at least one key of the piece
+    const float l = any ? _mm512_reduce_add_ps(_mm512_loadu_ps(lv + qv * 16)) : 0.f;
+    if (pc.split < 0) {
+      const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+      T* dst = a.out + ((int64_t)(blk.t0 + i) * a.H + head) * D;
+      for (int v = 0; v < NV; ++v) store16(dst + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * v), inv));
+    } else {
+      const int64_t slot = ((int64_t)piece_index * kQueryBlock + i) * a.H + head;
+      float* pa = a.part_acc + slot * D;
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(pa + 16 * v, _mm512_loadu_ps(o + 16 * v));
+      a.part_ml[slot * 2] = any ? m[qv] : -std::numeric_limits<float>::infinity();
+      a.part_ml[slot * 2 + 1] = l;
     }
+  }
 }
 
 template <typename T>
@@ -321,22 +317,24 @@ void attend_piece_any(const AttnArgs<T>& a, const Block& blk, const Piece& pc, i
   }
 }
 
+struct Merge { int32_t block, g0, g1, first, count; };
+
 // Combine the pieces of a split block (log-sum-exp), in piece order: fixed, batch-independent.
 template <typename T>
-void merge_block(const AttnArgs<T>& a, const Block& blk, int kvh, int first_piece, int npieces) {
+void merge_block(const AttnArgs<T>& a, const Block& blk, const Merge& mg) {
   const int D = a.D, nv = D / 16, group = a.H / a.KVH;
   for (int i = 0; i < blk.nq; ++i)
-    for (int h = 0; h < group; ++h) {
+    for (int head = mg.g0 * group; head < mg.g1 * group; ++head) {
       float m = -std::numeric_limits<float>::infinity();
-      for (int s = 0; s < npieces; ++s) {
-        const int64_t slot = ((int64_t)(first_piece + s) * kQueryBlock + i) * group + h;
+      for (int s = 0; s < mg.count; ++s) {
+        const int64_t slot = ((int64_t)(mg.first + s) * kQueryBlock + i) * a.H + head;
         m = std::max(m, a.part_ml[slot * 2]);
       }
       __m512 o[kMaxHeadDim / 16];
       for (int v = 0; v < nv; ++v) o[v] = _mm512_setzero_ps();
       float l = 0.f;
-      for (int s = 0; s < npieces; ++s) {
-        const int64_t slot = ((int64_t)(first_piece + s) * kQueryBlock + i) * group + h;
+      for (int s = 0; s < mg.count; ++s) {
+        const int64_t slot = ((int64_t)(mg.first + s) * kQueryBlock + i) * a.H + head;
         const float ms = a.part_ml[slot * 2], ls = a.part_ml[slot * 2 + 1];
         if (ls == 0.f) continue;  // a piece wholly in this query's future
         const float w = std::exp(ms - m);
@@ -345,7 +343,7 @@ void merge_block(const AttnArgs<T>& a, const Block& blk, int kvh, int first_piec
         for (int v = 0; v < nv; ++v) o[v] = _mm512_fmadd_ps(_mm512_loadu_ps(a.part_acc + slot * D + 16 * v), vw, o[v]);
       }
       const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
-      T* dst = a.out + ((int64_t)(blk.t0 + i) * a.H + kvh * group + h) * D;
+      T* dst = a.out + ((int64_t)(blk.t0 + i) * a.H + head) * D;
       for (int v = 0; v < nv; ++v) store16(dst + 16 * v, _mm512_mul_ps(o[v], inv));
     }
 }
@@ -368,9 +366,10 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::T
     blocks.push_back(b);
     t += b.nq;
   }
-  // Pieces: each block × KV head, its keys cut into fixed kSplit-key pieces.
+  // Pieces: a lone query takes all KV heads (as many as fit the scratch), a block of queries one
+  // KV head; the keys cut into fixed kSplit-key pieces.
+  const int heads_at_once = std::max(1, std::min(std::min(KVH, 8), kQueryFloats / (group * D)));
   std::vector<Piece> pieces;
-  struct Merge { int32_t block, kvh, first, count; };
   std::vector<Merge> merges;
   int64_t work = 0;
   for (int32_t bi = 0; bi < (int32_t)blocks.size(); ++bi) {
@@ -378,16 +377,18 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::T
     const int32_t keys = b.len0 + b.nq - 1;  // the last query's keys
     const int32_t n = std::max<int32_t>(1, (keys + kSplit - 1) / kSplit);
     work += (int64_t)keys * b.nq;
-    for (int g = 0; g < KVH; ++g) {
-      if (n > 1) merges.push_back({bi, g, (int32_t)pieces.size(), n});
+    const int step = b.nq == 1 ? heads_at_once : 1;
+    for (int g0 = 0; g0 < KVH; g0 += step) {
+      const int g1 = std::min(KVH, g0 + step);
+      if (n > 1) merges.push_back({bi, g0, g1, (int32_t)pieces.size(), n});
       for (int32_t s = 0; s < n; ++s)
-        pieces.push_back({bi, g, s * kSplit, std::min(keys, (s + 1) * kSplit), n > 1 ? s : -1});
+        pieces.push_back({bi, g0, g1, s * kSplit, std::min(keys, (s + 1) * kSplit), n > 1 ? s : -1});
     }
   }
   std::vector<float> part_acc, part_ml;
   if (!merges.empty()) {
-    part_acc.resize(pieces.size() * kQueryBlock * group * D);
-    part_ml.resize(pieces.size() * kQueryBlock * group * 2);
+    part_acc.resize(pieces.size() * kQueryBlock * H * D);
+    part_ml.resize(pieces.size() * kQueryBlock * H * 2);
   }
   AttnArgs<T> a{q.data_ptr<T>(), q.stride(0), q.stride(1), kv.data_ptr<T>(), kv.stride(0),
                 table.data_ptr<int32_t>(), table.stride(0), out.data_ptr<T>(), H, KVH, D, (float)scale,
@@ -397,9 +398,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::T
   run_dynamic((int64_t)pieces.size(), small, [&](int64_t i) {
     attend_piece_any(a, blocks[pieces[i].block], pieces[i], (int)i);
   });
-  run_dynamic((int64_t)merges.size(), small, [&](int64_t i) {
-    merge_block(a, blocks[merges[i].block], merges[i].kvh, merges[i].first, merges[i].count);
-  });
+  run_dynamic((int64_t)merges.size(), small, [&](int64_t i) { merge_block(a, blocks[merges[i].block], merges[i]); });
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
