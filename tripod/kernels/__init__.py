@@ -14,6 +14,7 @@ torch's ops only: nothing here is required.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
@@ -78,10 +79,24 @@ def wait(timeout: float | None = None) -> bool:
 
 
 def _build_and_load(build: KernelBuild) -> None:
+    # NOTE: the build runs in its own process group, not in this thread: if this process goes
+    # away (a replica stopped or restarted mid-build) the build still finishes and lands in the
+    # cache, so the next start (or another replica, waiting on the build's lock) uses it.
+    import subprocess
+    import sys
+
+    log.info("building tripod's CPU kernels in the background (once per machine; ~20 s)")
     try:
-        build.build()
+        res = subprocess.run(
+            [sys.executable, "-m", "tripod.kernels", "build", "--strict"],
+            capture_output=True, text=True, start_new_session=True, timeout=1800,
+            preexec_fn=lambda: os.nice(10),  # serving (on torch's ops meanwhile) comes first
+        )
     except Exception as e:  # any failure means: keep running on torch's ops, and say why
         _fail(f"building the CPU kernels failed: {e}")
+        return
+    if res.returncode != 0 or not build.is_built():
+        _fail(f"building the CPU kernels failed: {(res.stderr or res.stdout).strip()[-2000:]}")
         return
     with _lock:
         _load_library(build)

@@ -110,6 +110,8 @@ class KernelBuild:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same thing
             if self.is_built():
                 return time.monotonic() - t0
+            for stale in self.folder.glob("tripod_cpu.*.so"):  # a builder killed mid-way
+                stale.unlink(missing_ok=True)
             tmp = self.folder / f"tripod_cpu.{os.getpid()}.so"
             try:
                 res = subprocess.run(self.command(tmp), capture_output=True, text=True, timeout=timeout)
