@@ -368,7 +368,9 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::T
   }
   // Pieces: a lone query takes all KV heads (as many as fit the scratch), a block of queries one
   // KV head; the keys cut into fixed kSplit-key pieces.
-  const int heads_at_once = std::max(1, std::min(std::min(KVH, 8), kQueryFloats / (group * D)));
+  // With fewer blocks than threads (a lone decode) the heads are split instead, for parallelism.
+  const bool few = (int64_t)blocks.size() < 2 * (int64_t)at::get_num_threads();
+  const int heads_at_once = few ? 1 : std::max(1, std::min(std::min(KVH, 8), kQueryFloats / (group * D)));
   std::vector<Piece> pieces;
   std::vector<Merge> merges;
   int64_t work = 0;
@@ -394,7 +396,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::T
                 table.data_ptr<int32_t>(), table.stride(0), out.data_ptr<T>(), H, KVH, D, (float)scale,
                 part_acc.data(), part_ml.data()};
   // Small steps run on the calling thread: waking the pool costs more than it saves.
-  const bool small = work * group * KVH < 16384;
+  const bool small = work * group * KVH < 4096;
   run_dynamic((int64_t)pieces.size(), small, [&](int64_t i) {
     attend_piece_any(a, blocks[pieces[i].block], pieces[i], (int)i);
   });
