@@ -101,8 +101,9 @@ class ModelRunner:
         if self.path != "optimized":
             return "reference (F.linear, SDPA)"
         now = self.describe_form(self.form)
-        if self.kernel_reason is not None:
-            return f"optimized: {now} (tripod CPU kernels unused: {self.kernel_reason})"
+        why = self.kernel_reason or kernels.unavailable_reason()  # the build may have failed since
+        if why is not None:
+            return f"optimized: {now} (tripod CPU kernels unused: {why})"
         if not kernels.ready():
             return f"optimized: {now} until tripod's CPU kernels finish building in the background"
         return f"optimized: {now}"
