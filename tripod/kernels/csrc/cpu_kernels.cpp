@@ -98,6 +98,18 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(y, fx);
 }
 
+// After P·V over interleaved key pairs, vector 2c holds dims {0-3, 8-11, 16-19, 24-27} of the
+// 32-dim chunk c and vector 2c+1 dims {4-7, 12-15, 20-23, 28-31}: put them back in order.
+template <int NV>
+inline void unpermute_pairs(float* o) {
+  for (int c = 0; c < NV / 2; ++c) {
+    const __m512 lo = _mm512_loadu_ps(o + 32 * c), hi = _mm512_loadu_ps(o + 32 * c + 16);
+    const __m512 a = _mm512_shuffle_f32x4(lo, hi, 0x44), b = _mm512_shuffle_f32x4(lo, hi, 0xEE);
+    _mm512_storeu_ps(o + 32 * c, _mm512_shuffle_f32x4(a, a, 0xD8));
+    _mm512_storeu_ps(o + 32 * c + 16, _mm512_shuffle_f32x4(b, b, 0xD8));
+  }
+}
+
 // Lane j of the result = the sum of the 16 lanes of v[j].
 inline __m512 transpose_sum16(__m512 v[16]) {
   __m512 w[8], x[4];
@@ -166,20 +178,25 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
   constexpr int D = NV * 16;
   constexpr bool bf16_dot = std::is_same_v<T, bf16> && kBf16Dot;
   constexpr bool widen_k = std::is_same_v<T, bf16> && !kBf16Dot;
-  constexpr bool widen_v = std::is_same_v<T, bf16>;
+  // bf16 with bf16 dot products: P·V pairs two keys per vdpbf16ps (P rounded to bf16, as flash
+  // attention does); V needs no widening, only interleaving two keys' rows.
+  constexpr bool pv_dot = bf16_dot;
+  constexpr bool widen_v = std::is_same_v<T, bf16> && !pv_dot;
   const int group = a.H / a.KVH, G = pc.g1 - pc.g0;
   const int per_query = G * group;  // query vectors of one query in this piece
   const int nqv = blk.nq * per_query;
   // NOTE: blocks and pieces are cut so that nqv * D <= kQueryFloats (see paged_attention_impl).
   thread_local std::vector<float> scratch;
   const size_t need = (size_t)kQueryFloats * 2 + (size_t)nqv * 16 + (size_t)(widen_k ? G : 0) * kTile * D +
-                      (size_t)(widen_v ? G : 0) * kTile * D + 16;
+                      (size_t)(widen_v || pv_dot ? G : 0) * kTile * D + 16;
   if (scratch.size() < need) scratch.resize(need);
   float* qf = scratch.data();                 // [nqv, D] scaled query vectors (float32 path)
   float* acc = qf + kQueryFloats;              // [nqv, D] output accumulators
   float* lv = acc + kQueryFloats;              // [nqv, 16] sums of e^(s - m), as vectors
   float* kf = lv + (size_t)nqv * 16;           // [G, 16, D] widened K tile (no bf16 dot)
   float* vf = kf + (size_t)(widen_k ? G : 0) * kTile * D;  // [G, 16, D] widened V tile
+  // pv_dot: [G, 8 key pairs, NV vectors] of interleaved bf16 (the same bytes as vf would take).
+  uint16_t* vp = reinterpret_cast<uint16_t*>(vf);
   float m[kQueryFloats / 16];                  // running max of each query vector
   alignas(64) uint16_t qb[bf16_dot ? kQueryFloats : 1];  // query vectors as bf16 bits (dot path)
   const __m512 vscale = _mm512_set1_ps(a.scale);
@@ -216,14 +233,26 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
         }
       }
     }
+    const T* base[kTile];  // each key's row at KV head g0 (past the end: any valid row, masked)
+    for (int j = 0; j < kTile; ++j) base[j] = k_of(k0 + (j < n ? j : 0), 0);
     for (int gl = 0; gl < G; ++gl)
       for (int j = 0; j < kTile; ++j) {
-        const T* kr = k_of(k0 + (j < n ? j : 0), gl);  // past the end: any valid row (masked)
+        const T* kr = base[j] + (int64_t)gl * D;
         krow[gl][j] = kr;
         if constexpr (widen_k)
           for (int v = 0; v < NV; ++v) _mm512_storeu_ps(kf + (gl * kTile + j) * D + 16 * v, load16(kr + 16 * v));
         const T* vr = kr + (int64_t)a.KVH * D;
-        if constexpr (widen_v) {
+        if constexpr (pv_dot) {
+          if (j % 2 == 1) {  // interleave keys j-1 and j: each 32-dim chunk -> two vectors
+            const T* v0 = base[j - 1] + (int64_t)gl * D + (int64_t)a.KVH * D;
+            uint16_t* dst = vp + ((size_t)(gl * (kTile / 2) + j / 2) * NV) * 32;
+            for (int c = 0; c < NV / 2; ++c) {
+              const __m512i x0 = _mm512_loadu_si512(v0 + 32 * c), x1 = _mm512_loadu_si512(vr + 32 * c);
+              _mm512_storeu_si512(dst + 64 * c, _mm512_unpacklo_epi16(x0, x1));
+              _mm512_storeu_si512(dst + 64 * c + 32, _mm512_unpackhi_epi16(x0, x1));
+            }
+          }
+        } else if constexpr (widen_v) {
           float* dst = vf + (gl * kTile + j) * D;
           if (j < n)
             for (int v = 0; v < NV; ++v) _mm512_storeu_ps(dst + 16 * v, load16(vr + 16 * v));
@@ -277,10 +306,23 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
       }
       const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m[qv]))));
       _mm512_storeu_ps(lv + qv * 16, _mm512_add_ps(l, e));
-      _mm512_store_ps(p, e);
-      for (int j = 0; j < valid; ++j) {
-        const __m512 pj = _mm512_set1_ps(p[j]);
-        for (int v = 0; v < NV; ++v) r[v] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vrow[gl][j] + 16 * v), r[v]);
+      if constexpr (pv_dot) {
+#if defined(__AVX512BF16__)
+        alignas(32) uint32_t pp[8];  // P as bf16, two keys per word
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(e));
+        const uint16_t* vpg = vp + (size_t)gl * (kTile / 2) * NV * 32;
+        for (int jp = 0; jp < (valid + 1) / 2; ++jp) {
+          const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)pp[jp]);
+          for (int v = 0; v < NV; ++v)
+            r[v] = _mm512_dpbf16_ps(r[v], pj, (__m512bh)_mm512_loadu_si512(vpg + ((size_t)jp * NV + v) * 32));
+        }
+#endif
+      } else {
+        _mm512_store_ps(p, e);
+        for (int j = 0; j < valid; ++j) {
+          const __m512 pj = _mm512_set1_ps(p[j]);
+          for (int v = 0; v < NV; ++v) r[v] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vrow[gl][j] + 16 * v), r[v]);
+        }
       }
       for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + 16 * v, r[v]);
     }
@@ -288,7 +330,8 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
 
   for (int qv = 0; qv < nqv; ++qv) {
     const int i = qv / per_query, head = head_of(qv);
-    const float* o = acc + qv * D;
+    float* o = acc + qv * D;
+    if constexpr (pv_dot) unpermute_pairs<NV>(o);
     const bool any = blk.len0 + i > pc.k0;  // this query saw at least one key of the piece
     const float l = any ? _mm512_reduce_add_ps(_mm512_loadu_ps(lv + qv * 16)) : 0.f;
     if (pc.split < 0) {
