@@ -188,6 +188,7 @@ class EngineLoop:
             "jump_forward_proposed": e.stats.jump_forward_proposed,
             "jump_forward_accepted": e.stats.jump_forward_accepted,
             "prefill_tokens": e.stats.prefill_tokens,
+            "compute": e.runner.describe(),  # the compute path of the next step
             # Seconds spent in each part of the loop since start (benchmarks/serve_profile.py).
             "time": {
                 "schedule": e.stats.schedule_seconds,
