@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offline_throughput import machine_info  # noqa: E402
+from offline_throughput import machine_info
 
-from tripod import kernels  # noqa: E402
-from tripod.loader.embedded import embedded_model_path  # noqa: E402
-from tripod.loader.gguf_reader import GGUFMetadataReader  # noqa: E402
+from tripod import kernels
+from tripod.loader.embedded import embedded_model_path
+from tripod.loader.gguf_reader import GGUFMetadataReader
 
 
 def bench(fn: Callable[[], object], reps: int) -> float:
@@ -83,10 +83,10 @@ def main() -> int:
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in {s[1] for s in shapes}}
         xf = {k: v.float() for k, v in xs.items()}
         cells = [
-            bench(lambda: [F.linear(xs[w.shape[1]], w) for w in dense], args.reps),
-            bench(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(dense, onednn, strict=True)], args.reps),
-            bench(lambda: [ops.linear_packed(xs[k], p, "bf16", n, k) for (n, k), p in zip(shapes, mine, strict=True)], args.reps),
-            bench(lambda: [ops.linear_packed(xf[k], p, f, n, k) for p, f, n, k in stored], args.reps),
+            bench(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in dense], args.reps),
+            bench(lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(dense, onednn, strict=True)], args.reps),
+            bench(lambda xs=xs: [ops.linear_packed(xs[k], p, "bf16", n, k) for (n, k), p in zip(shapes, mine, strict=True)], args.reps),
+            bench(lambda xf=xf: [ops.linear_packed(xf[k], p, f, n, k) for p, f, n, k in stored], args.reps),
         ]
         gbs = [bf16_bytes / c / 1e6 for c in cells[:3]] + [stored_bytes / cells[3] / 1e6]
         print(f"| {m} | " + " | ".join(f"{c:.1f} ms ({g:.0f} GB/s)" for c, g in zip(cells, gbs, strict=True)) + " |", flush=True)

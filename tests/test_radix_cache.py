@@ -16,8 +16,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tripod.memory.kv_pool import SlotAllocator
 from tripod.engine.radix_cache import RadixCache, TreeNode
+from tripod.memory.kv_pool import SlotAllocator
 
 
 def _cache(num_slots: int = 64) -> tuple[SlotAllocator, RadixCache]:
