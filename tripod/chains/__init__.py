@@ -33,7 +33,7 @@ from tripod.chains.core import (
     signature,
 )
 from tripod.chains.errors import ChainError, ChainletError, LLMError
-from tripod.chains.llm import Endpoint, LLMClient
+from tripod.chains.llm_client import Endpoint, LLMClient
 from tripod.chains.local import LocalRuntime, run_local
 from tripod.chains.metrics import ChainMetrics
 from tripod.chains.runtime import Handle, current

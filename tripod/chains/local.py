@@ -25,7 +25,7 @@ from typing import IO, Any
 
 from tripod.chains.core import Chainlet, Dependency, LLMSpec, Model, entrypoint_options, signature
 from tripod.chains.errors import ChainError
-from tripod.chains.llm import Endpoint, LLMClient, ClientPool
+from tripod.chains.llm_client import Endpoint, LLMClient, ClientPool
 from tripod.chains.metrics import ChainMetrics
 from tripod.chains.runtime import Handle, LocalHandle, Runtime
 

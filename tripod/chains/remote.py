@@ -27,7 +27,7 @@ import httpx
 
 from tripod.chains.core import Dependency
 from tripod.chains.errors import ChainletError
-from tripod.chains.llm import ClientPool
+from tripod.chains.llm_client import ClientPool
 from tripod.chains.metrics import ChainMetrics
 from tripod.chains.runtime import Handle
 

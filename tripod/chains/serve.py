@@ -44,7 +44,7 @@ from starlette.routing import Route
 from tripod.asgi import DrainingServer
 from tripod.chains.core import Dependency, Graph, Model, Node, entrypoint_options
 from tripod.chains.errors import ChainletError
-from tripod.chains.llm import ClientPool
+from tripod.chains.llm_client import ClientPool
 from tripod.chains.loader import declared_models, load_chain
 from tripod.chains.metrics import ChainMetrics
 from tripod.chains.remote import RemoteHandle, ReplicaSource

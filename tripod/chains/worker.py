@@ -27,7 +27,7 @@ from starlette.routing import Route
 from tripod.asgi import DrainingServer
 from tripod.chains.core import Chainlet, Dependency, LLMSpec, Signature
 from tripod.chains.errors import ChainletError
-from tripod.chains.llm import ClientPool, Endpoint, LLMClient
+from tripod.chains.llm_client import ClientPool, Endpoint, LLMClient
 from tripod.chains.loader import load_chain
 from tripod.chains.metrics import ChainMetrics
 from tripod.chains.remote import PollingSource, RemoteHandle, ReplicaSource
