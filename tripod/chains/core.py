@@ -26,6 +26,7 @@ from typing import Any, TypeVar, get_args, get_origin
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, TypeAdapter
+from pydantic_core import PydanticSerializationError
 
 from tripod.chains.errors import ChainError, ChainletError
 
@@ -254,7 +255,7 @@ class Signature:
             what = "streamed an item" if self.streaming else "returned a value"
             raise validation_error(self.name, f"{what} that does not match its annotation "
                                    f"{_type_name(self.output_type)}", e, 500, "invalid_output") from None
-        except pydantic.PydanticSerializationError as e:
+        except PydanticSerializationError as e:
             raise ChainletError(self.name, f"returned a value that cannot be sent as JSON: {e}",
                                 code="invalid_output") from None
 
@@ -284,7 +285,7 @@ def to_jsonable(value: Any) -> Any:
 
     try:
         return to_jsonable_python(value)
-    except pydantic.PydanticSerializationError as e:
+    except PydanticSerializationError as e:
         raise TypeError(f"an argument cannot be sent as JSON: {e}") from None
 
 
@@ -307,9 +308,9 @@ class Chainlet:
         cls.__tripod_entrypoint__ = None  # not inherited: each entrypoint is marked itself
         init = cls.__dict__.get("__init__")
         if init is not None and not getattr(init, "__tripod_wrapped__", False):
-            cls.__init__ = _wrap_init(cls, init)  # type: ignore[misc]
+            cls.__init__ = _wrap_init(cls, init)  # type: ignore[method-assign]
         elif init is None:
-            cls.__init__ = _wrap_init(cls, None)  # type: ignore[misc]
+            cls.__init__ = _wrap_init(cls, None)  # type: ignore[method-assign]
 
     def __init__(self) -> None:
         pass

@@ -21,11 +21,11 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO
 
 from tripod.chains.core import Chainlet, Dependency, LLMSpec, Model, entrypoint_options, signature
 from tripod.chains.errors import ChainError
-from tripod.chains.llm_client import Endpoint, LLMClient, ClientPool
+from tripod.chains.llm_client import ClientPool, Endpoint, LLMClient
 from tripod.chains.metrics import ChainMetrics
 from tripod.chains.runtime import Handle, LocalHandle, Runtime
 

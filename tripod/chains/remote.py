@@ -132,12 +132,12 @@ class PollingSource(ReplicaSource):
 
 def _sse_events(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str, str]]:
     async def gen() -> AsyncIterator[tuple[str, str]]:
-        event, data = "message", []
+        event, data = "message", list[str]()
         async for line in lines:
             if not line:
                 if data:
                     yield event, "\n".join(data)
-                event, data = "message", []
+                event, data = "message", list[str]()
             elif line.startswith("event:"):
                 event = line[6:].strip()
             elif line.startswith("data:"):

@@ -100,7 +100,7 @@ async def execute_stream(instance: Chainlet, sig: Signature, args: dict[str, Any
     t0 = time.perf_counter()
     outcome = "error"
     metrics.inflight.labels(name).inc()
-    gen = instance.run(**args)
+    gen: Any = instance.run(**args)
     try:
         while True:
             try:

@@ -141,7 +141,10 @@ def run_endpoint(sig: Signature, metrics: ChainMetrics,
                     return
                 k, v = await queue.get()
 
-        return ClosingStream(body(), on_close=producer.cancel, media_type="text/event-stream",
+        def stop() -> None:
+            producer.cancel()  # the client left (or the stream ended: then a no-op)
+
+        return ClosingStream(body(), on_close=stop, media_type="text/event-stream",
                              headers={"cache-control": "no-cache"})
 
     async def handler(request: Request) -> Response:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import signal
 import subprocess
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import IO, Protocol
 
 from tripod.serve_process import SERVE, free_port, spawn_serve
