@@ -97,7 +97,15 @@ def test_validation_errors_are_400s_naming_the_field(writer: TripodProcess) -> N
     assert _metric(writer.url, "tripod:chainlet_retries_total", caller="Writer", cause="invalid_arguments") == 0
 
 
+def _wait_routable(url: str, chainlet: str, n: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(url + "/health", timeout=5).json()["chainlets"][chainlet] < n:
+        assert time.monotonic() < deadline, f"{chainlet} never had {n} routable replicas"
+        time.sleep(0.2)  # NOTE: waiting for replicas to start (or restart), bounded
+
+
 def test_a_replica_killed_mid_call_is_retried_and_the_call_succeeds(writer: TripodProcess, tmp_path: Path) -> None:
+    _wait_routable(writer.url, "Critic", 2)
     before = _metric(writer.url, "tripod:chainlet_retries_total", caller="Writer", chainlet="Critic")
     with httpx.Client(timeout=60) as client:
         loop = asyncio.new_event_loop()
@@ -115,11 +123,7 @@ def test_a_replica_killed_mid_call_is_retried_and_the_call_succeeds(writer: Trip
     assert int(_wait_file(tmp_path / "Critic.pid")) != pid  # the retry ran on another replica
     assert _metric(writer.url, "tripod:chainlet_retries_total", caller="Writer", chainlet="Critic",
                    cause="unavailable") >= before + 1
-    # The supervisor brings the lost replica back.
-    deadline = time.monotonic() + 30
-    while httpx.get(writer.url + "/health", timeout=5).json()["chainlets"]["Critic"] < 2:
-        assert time.monotonic() < deadline, "the killed replica was not restarted"
-        time.sleep(0.2)  # NOTE: waiting for a restart (backoff 0.5 s + start-up), bounded
+    _wait_routable(writer.url, "Critic", 2)  # the supervisor brought the lost replica back
     restarts = httpx.get(writer.url + "/chain", timeout=5).json()["chainlets"]["Critic"]["replicas"]["restarts"]
     assert sum(restarts.values()) >= 1
 

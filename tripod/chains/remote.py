@@ -43,8 +43,8 @@ class ReplicaSource:
     def urls(self, chainlet: str) -> list[str]:
         raise NotImplementedError
 
-    async def wait(self, chainlet: str, timeout: float) -> list[str]:
-        """The routable replicas, waiting (bounded) for one when there are none."""
+    async def wait(self, chainlet: str, timeout: float, avoid: frozenset[str] = frozenset()) -> list[str]:
+        """The routable replicas, waiting (up to ``timeout``) for one that is not in ``avoid``."""
         raise NotImplementedError
 
     def failed(self, chainlet: str, url: str) -> None:
@@ -60,7 +60,7 @@ class StaticSource(ReplicaSource):
     def urls(self, chainlet: str) -> list[str]:
         return list(self._urls.get(chainlet, []))
 
-    async def wait(self, chainlet: str, timeout: float) -> list[str]:
+    async def wait(self, chainlet: str, timeout: float, avoid: frozenset[str] = frozenset()) -> list[str]:
         return self.urls(chainlet)
 
 
@@ -112,17 +112,18 @@ class PollingSource(ReplicaSource):
         self._wake.set()
         await fresh.wait()
 
-    async def wait(self, chainlet: str, timeout: float) -> list[str]:
+    async def wait(self, chainlet: str, timeout: float, avoid: frozenset[str] = frozenset()) -> list[str]:
         deadline = time.monotonic() + timeout
         urls = self.urls(chainlet)
-        while not urls and time.monotonic() < deadline:
+        while not set(urls) - avoid and time.monotonic() < deadline:
             try:
                 await asyncio.wait_for(self.refresh(), max(0.01, deadline - time.monotonic()))
             except TimeoutError:
                 break
             urls = self.urls(chainlet)
-            if not urls:
-                await asyncio.sleep(min(self.refresh_s, max(0.0, deadline - time.monotonic())))
+            if not set(urls) - avoid:
+                # NOTE: the server learns of new replicas by probing them; ask again shortly (bounded).
+                await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         return urls
 
     def failed(self, chainlet: str, url: str) -> None:
@@ -161,14 +162,19 @@ class RemoteHandle(Handle):
         self._rr = 0
 
     async def _pick(self) -> str:
-        urls = self.source.urls(self.name)
-        if not urls:
-            urls = await self.source.wait(self.name, UNAVAILABLE_WAIT_S)
-        if not urls:
-            raise ChainletError(self.name, "no replica is running (all starting, restarting or failing)",
-                                code="unavailable", status=503, retryable=True)
-        now = time.monotonic()
-        fresh = [u for u in urls if now - self._failed_at.get(u, -1e9) > FAILED_AVOID_S] or urls
+        """A routable replica that did not fail in the last ``FAILED_AVOID_S``; waits (bounded) for one:
+        a replica that died comes back under a new URL once it is restarted."""
+        deadline = time.monotonic() + UNAVAILABLE_WAIT_S
+        while True:
+            now = time.monotonic()
+            urls = self.source.urls(self.name)
+            fresh = [u for u in urls if now - self._failed_at.get(u, -1e9) > FAILED_AVOID_S]
+            if fresh:
+                break
+            if now >= deadline:
+                raise ChainletError(self.name, "no replica is running (all starting, restarting or failing)",
+                                    code="unavailable", status=503, retryable=True)
+            await self.source.wait(self.name, min(0.25, deadline - now), frozenset(urls))
         self._rr += 1
         # Fewest calls in flight from here; ties in turn.
         return min(fresh, key=lambda u: (self._inflight.get(u, 0), (fresh.index(u) - self._rr) % len(fresh)))

@@ -112,10 +112,10 @@ class RouterSource(ReplicaSource):
         f = self.fleets.get(chainlet)
         return [r.url for r in f.router.routable()] if f else []
 
-    async def wait(self, chainlet: str, timeout: float) -> list[str]:
+    async def wait(self, chainlet: str, timeout: float, avoid: frozenset[str] = frozenset()) -> list[str]:
         f = self.fleets.get(chainlet)
         if f is not None:
-            await f.router.wait_until(lambda: bool(f.router.routable()), timeout)
+            await f.router.wait_until(lambda: bool({r.url for r in f.router.routable()} - avoid), timeout)
         return self.urls(chainlet)
 
     def failed(self, chainlet: str, url: str) -> None:
@@ -195,8 +195,12 @@ class ChainServer:
         if self.cfg.backend == "ray":
             from tripod.router.ray_backend import RayLauncher
 
+            # A local Ray instance behind a loopback chain server: replicas listen on loopback too.
+            # On a cluster they listen on their node's address, which the other nodes can reach.
+            loopback = self.cfg.ray_address is None and self.cfg.host in ("127.0.0.1", "localhost")
             return RayLauncher(args, address=self.cfg.ray_address, num_cpus=num_cpus, num_gpus=num_gpus,
-                               log_dir=str(log_dir) if log_dir else None, command=command)
+                               log_dir=str(log_dir) if log_dir else None, command=command,
+                               bind_host="127.0.0.1" if loopback else None)
         return LocalLauncher(args, log_dir=log_dir, command=command)
 
     def _chainlet_fleet(self, node: Node) -> ChainletFleet:
