@@ -13,6 +13,7 @@ left out is looked up in its ``chains.Model(url=...)`` declaration, else, with
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import os
@@ -45,6 +46,7 @@ class LocalRuntime(Runtime):
         self._clients = ClientPool(llm_timeout)
         self._token: contextvars.Token[Runtime | None] | None = None
         self._launched: list[tuple[subprocess.Popen[bytes], IO[bytes]]] = []
+        self._closing: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> LocalRuntime:
@@ -58,6 +60,13 @@ class LocalRuntime(Runtime):
         self.deactivate(self._token)
         self._token = None
         self._stop_launched()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        # A plain `with` inside async code: close this loop's LLM connections soon after.
+        task = loop.create_task(self._clients.aclose())
+        self._closing = task  # NOTE: held so the loop's weak reference does not drop it
 
     async def __aenter__(self) -> LocalRuntime:
         return self.__enter__()
@@ -66,6 +75,8 @@ class LocalRuntime(Runtime):
                         tb: TracebackType | None) -> None:
         await self._clients.aclose()
         self.__exit__(et, e, tb)
+        if self._closing is not None:
+            await self._closing
 
     # ------------------------------------------------------------ Runtime
     def instance(self, cls: type[Chainlet]) -> Chainlet:
