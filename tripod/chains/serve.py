@@ -223,12 +223,16 @@ class ChainServer:
         specs: dict[str, Model] = {}
         for name in names:
             specs[name] = declared.get(name) or used.get(name) or Model(name)
-        fleets = {n: s for n, s in specs.items() if not (cfg.models.get(n) or s.url or "").startswith(("http://",
-                                                                                                    "https://"))}
-        total = sum(s.max_replicas or s.replicas for s in fleets.values()) or 1
+        def url_of(name: str, spec: Model) -> str | None:
+            where = cfg.models.get(name)  # the command line wins: a URL, or a path ('' = embedded)
+            if where is not None:
+                return where if where.startswith(("http://", "https://")) else None
+            return spec.url
+
+        total = sum(s.max_replicas or s.replicas for n, s in specs.items() if not url_of(n, s)) or 1
         for name, spec in specs.items():
             where = cfg.models.get(name)
-            url = where if where and where.startswith(("http://", "https://")) else (None if where else spec.url)
+            url = url_of(name, spec)
             router = Router(RouterConfig(policy=cfg.router_policy))
             if url:
                 base = url.rstrip("/")
