@@ -253,3 +253,19 @@ def test_merged_metrics_pages_keep_every_replica() -> None:
     assert 'tripod:chainlet_calls_total{chainlet="C",outcome="ok",replica="a"} 1.0' in page
     assert 'tripod:chainlet_calls_total{chainlet="C",outcome="ok",replica="b"} 2.0' in page
     assert page.count("# TYPE tripod:chainlet_calls_total counter") == 1
+
+
+def test_serve_command_line() -> None:
+    from tripod.chains.cli import _model_args, _models
+    from tripod.cli import build_parser
+
+    args = build_parser().parse_args(["chains", "serve", "chain.py", "--model", "judge=/m/judge.gguf", "--model",
+                                      "writer=", "--model", "ext=http://127.0.0.1:9/v1",
+                                      "--model-args=--dtype float32 --threads 1",
+                                      "--model-args", "judge=--kv-cache-tokens 4096", "--entrypoint", "Top"])
+    assert args.chains_command == "serve" and args.file == "chain.py" and args.entrypoint == "Top"
+    assert _models(args.model) == {"judge": "/m/judge.gguf", "writer": "", "ext": "http://127.0.0.1:9/v1"}
+    assert _model_args(args.model_args) == (["--dtype", "float32", "--threads", "1"],
+                                            {"judge": ["--kv-cache-tokens", "4096"]})
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        _models(["judge"])

@@ -180,6 +180,8 @@ class Signature:
         if fn is None or not callable(fn):
             raise ChainError(f"{cls.__name__} needs a `run` method")
         self.fn: Callable[..., Any] = fn
+        if inspect.isgeneratorfunction(fn):
+            raise ChainError(f"{cls.__name__}.run is a plain generator; make it `async def` to stream")
         self.streaming = inspect.isasyncgenfunction(fn)
         self.is_async = inspect.iscoroutinefunction(fn)
         params = list(inspect.signature(fn).parameters.values())[1:]  # without self
