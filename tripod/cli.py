@@ -7,6 +7,7 @@
 - ``tripod chat``: a streaming terminal chat, against a running server (``--url``) or an
   in-process engine.
 - ``tripod generate "prompt"``: one streamed completion offline; with no prompt, the same chat.
+- ``tripod chains serve FILE.py``: a chain of chainlets and models as one service (``tripod.chains``).
 """
 
 from __future__ import annotations
@@ -151,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tripod.bench.main import add_arguments
 
     add_arguments(bench)
+
+    from tripod.chains.cli import add_parser as add_chains_parser
+
+    add_chains_parser(sub)
     return parser
 
 
@@ -446,6 +451,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(_engine_config(args), cfg, level)
 
 
+def cmd_chains(args: argparse.Namespace) -> int:
+    from tripod.chains.cli import main as chains_main
+
+    return chains_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -459,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    commands = {"generate": cmd_generate, "serve": cmd_serve, "route": cmd_route, "chat": cmd_chat, "bench": cmd_bench}
+    commands = {"generate": cmd_generate, "serve": cmd_serve, "route": cmd_route, "chat": cmd_chat, "bench": cmd_bench,
+                "chains": cmd_chains}
     if args.command in commands:
         try:
             return commands[args.command](args)

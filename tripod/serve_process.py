@@ -22,9 +22,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def serve_command(host: str, port: int, serve_args: list[str]) -> list[str]:
-    """The command line of ``tripod serve`` on ``host:port`` with the given options."""
-    return [sys.executable, "-m", "tripod.cli", "serve", "--host", host, "--port", str(port), *serve_args]
+SERVE = ("serve",)
+
+
+def serve_command(host: str, port: int, serve_args: list[str], command: Sequence[str] = SERVE) -> list[str]:
+    """The command line of ``tripod serve`` (or another tripod subcommand ``command`` that serves
+    HTTP on ``--host``/``--port``) on ``host:port`` with the given options."""
+    return [sys.executable, "-m", "tripod.cli", *command, "--host", host, "--port", str(port), *serve_args]
 
 
 def _die_with_parent() -> None:
@@ -35,11 +39,12 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def spawn_serve(host: str, port: int, serve_args: list[str], log: IO[bytes] | int | None = None) -> subprocess.Popen[bytes]:
-    """Start ``tripod serve`` as a child that dies with this process."""
+def spawn_serve(host: str, port: int, serve_args: list[str], log: IO[bytes] | int | None = None,
+                command: Sequence[str] = SERVE) -> subprocess.Popen[bytes]:
+    """Start ``tripod serve`` (or ``tripod <command>``) as a child that dies with this process."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen(
-        serve_command(host, port, serve_args), stdout=log, stderr=subprocess.STDOUT if log is not None else None,
+        serve_command(host, port, serve_args, command), stdout=log, stderr=subprocess.STDOUT if log is not None else None,
         env=env, preexec_fn=_die_with_parent,
     )
 

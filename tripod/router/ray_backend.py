@@ -24,7 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from tripod.serve_process import free_port, spawn_serve
+from tripod.serve_process import SERVE, free_port, spawn_serve
 
 # The exit code reported for a replica whose actor is gone (killed, crashed, or its node lost):
 # the process is then gone too or about to be (PDEATHSIG), and nothing can tell us how it ended.
@@ -61,7 +61,8 @@ class ReplicaActor:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_path: Path | None = None
 
-    def start(self, name: str, serve_args: list[str], bind_host: str | None, log_dir: str | None) -> dict[str, Any]:
+    def start(self, name: str, serve_args: list[str], bind_host: str | None, log_dir: str | None,
+              command: tuple[str, ...] = SERVE) -> dict[str, Any]:
         """Start ``tripod serve`` on a free port of this node; what the driver needs to know of it."""
         import ray
 
@@ -76,7 +77,7 @@ class ReplicaActor:
         self._log_path = folder / f"{name}.log"
         # NOTE: the child holds its own copy of the descriptor; ours can close right away.
         with open(self._log_path, "ab") as log:
-            self._proc = spawn_serve(host, port, serve_args, log)
+            self._proc = spawn_serve(host, port, serve_args, log, command)
         return {
             "url": _url(url_host, port),
             "pid": self._proc.pid,
@@ -237,6 +238,8 @@ class RayLauncher:
     ``bind_host``: the address replicas listen on (None: the node's IP, reachable from the other
     nodes). ``log_dir``: where each node writes replica logs (None: ``$TMPDIR/tripod-replicas``).
     ``launch_timeout``: seconds ``launch`` waits for a node with room for the actor.
+    ``command``: the tripod subcommand each replica runs (default ``serve``; a chain's chainlets
+    run ``chains worker``).
     Every node must have tripod installed in the same Python environment as this one.
     """
 
@@ -255,6 +258,7 @@ class RayLauncher:
         log_dir: str | None = None,
         launch_timeout: float = 300.0,
         log_to_driver: bool = False,
+        command: tuple[str, ...] = SERVE,
     ) -> None:
         ray = _import_ray()
         if num_cpus < 0 or num_gpus < 0:
@@ -268,6 +272,7 @@ class RayLauncher:
         self.bind_host = bind_host
         self.log_dir = log_dir
         self.launch_timeout = launch_timeout
+        self.command = tuple(command)
         self.replicas: dict[str, RayReplica] = {}  # by actor name, until seen exited
         self._lock = threading.Lock()
         self._owns_ray = False
@@ -301,7 +306,7 @@ class RayLauncher:
             options["resources"] = self.resources
         actor = self._actor_class.options(**options).remote()
         try:
-            info = ray.get(actor.start.remote(name, self.serve_args, self.bind_host, self.log_dir),
+            info = ray.get(actor.start.remote(name, self.serve_args, self.bind_host, self.log_dir, self.command),
                            timeout=self.launch_timeout)
         except ray.exceptions.GetTimeoutError:
             ray.kill(actor, no_restart=True)

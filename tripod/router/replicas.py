@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import signal
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Protocol
 
-from tripod.serve_process import free_port, spawn_serve
+from tripod.serve_process import SERVE, free_port, spawn_serve
 
 
 class ReplicaProcess(Protocol):
@@ -87,16 +88,20 @@ class LocalProcess:
 
 class LocalLauncher:
     """Replicas as child processes on this machine, each on a free port of ``host``; their output
-    goes to ``log_dir/replica-<index>.log`` when a folder is given, else to this process's."""
+    goes to ``log_dir/replica-<index>.log`` when a folder is given, else to this process's.
+    ``command``: the tripod subcommand each replica runs (``tripod serve``, or e.g. a chainlet's
+    ``tripod chains worker``); it must serve ``/health`` on the ``--host``/``--port`` it is given."""
 
     # NOTE: launched from the event loop's thread, not a worker thread: PDEATHSIG fires when the
     # *thread* that forked the child exits, and a pool thread may exit long before this process.
     blocking = False
 
-    def __init__(self, serve_args: list[str], host: str = "127.0.0.1", log_dir: Path | None = None) -> None:
+    def __init__(self, serve_args: list[str], host: str = "127.0.0.1", log_dir: Path | None = None,
+                 command: Sequence[str] = SERVE) -> None:
         self.serve_args = serve_args
         self.host = host
         self.log_dir = log_dir
+        self.command = tuple(command)
 
     def launch(self, index: int) -> LocalProcess:
         port = free_port(self.host)
@@ -104,7 +109,7 @@ class LocalLauncher:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log = open(self.log_dir / f"replica-{index}.log", "ab")  # closed by LocalProcess on exit
-        proc = spawn_serve(self.host, port, self.serve_args, log)
+        proc = spawn_serve(self.host, port, self.serve_args, log, self.command)
         return LocalProcess(f"replica-{index}", self.host, port, proc, log)
 
     def close(self) -> None:

@@ -1,0 +1,464 @@
+"""``tripod chains serve FILE.py``: a chain as one service.
+
+One process, the chain server, listens on ``--host``/``--port`` and owns everything else:
+
+- each chainlet's replicas: processes (``tripod chains worker``) or Ray actors, launched,
+  health-probed, restarted and drained by the fleet's ``Supervisor`` and ``Router``, one pair per
+  chainlet, with the replica count its callers ask for;
+- each model's fleet: ``tripod serve`` replicas behind their own ``Router``/``Supervisor``
+  (autoscaled when the model's declaration gives ``min_replicas``/``max_replicas``), or a URL that
+  serves it already, all behind one multi-model router (``tripod.router.multi``) mounted on the
+  same port: ``/v1/chat/completions`` etc. route by the request's ``model``, ``/v1/models`` lists
+  them, ``/fleet`` describes every model's fleet;
+- the chain's own routes: ``POST /run`` (the entrypoint, called with its ``retries``/``timeout_s``;
+  SSE when it streams), ``GET /health`` (200 once every chainlet and model has a routable
+  replica), ``GET /metrics`` (every replica's chainlet metrics, labelled ``replica``, plus the
+  models' router metrics, labelled ``model``), ``GET /chain`` (the graph, each chainlet's replicas),
+  ``GET /chain/replicas`` (routable replica URLs, what the chainlets poll to call each other).
+
+Chainlets call each other directly, replica to replica (no hop through this process); they reach
+the models through this process's router. SIGTERM drains: ``/run`` answers 503, calls in flight
+finish, then every replica drains and exits. Exit 2 when start-up fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tripod.asgi import DrainingServer
+from tripod.chains.core import Dependency, Graph, Model, Node, entrypoint_options
+from tripod.chains.errors import ChainletError
+from tripod.chains.llm_client import ClientPool
+from tripod.chains.loader import declared_models, load_chain
+from tripod.chains.metrics import ChainMetrics
+from tripod.chains.remote import RemoteHandle, ReplicaSource
+from tripod.chains.serving import run_endpoint
+from tripod.config import FleetConfig, RouterConfig
+from tripod.router.merge import merge_pages
+from tripod.router.multi import MultiRouter, multi_router_routes
+from tripod.router.replicas import LocalLauncher, ReplicaLauncher
+from tripod.router.router import Router
+from tripod.router.supervisor import Supervisor
+
+log = logging.getLogger("tripod.chains")
+
+WORKER = ("chains", "worker")
+CLIENT = "client"  # the caller name of calls made by the chain server (to the entrypoint)
+
+
+@dataclass
+class ChainServeConfig:
+    """Everything ``tripod chains serve`` takes."""
+
+    file: str
+    entrypoint: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backend: str = "local"  # local | ray
+    ray_address: str | None = None
+    ray_num_cpus: float = 1.0  # each model replica's actor (chainlet actors reserve none)
+    ray_num_gpus: float = 0.0
+    models: dict[str, str] = field(default_factory=dict)  # name → PATH ('' = embedded) or URL
+    model_args: list[str] = field(default_factory=list)  # tripod serve options for every model's replicas
+    model_args_by: dict[str, list[str]] = field(default_factory=dict)  # … for one model's
+    router_policy: str = "cache_aware"
+    start_timeout: float = 300.0
+    drain_timeout: float = 30.0
+    health_interval: float = 0.5  # chainlet replicas' health probes
+    log_dir: Path | None = None
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("local", "ray"):
+            raise ValueError(f"backend must be 'local' or 'ray' (got {self.backend!r})")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port must be in [1, 65535] (got {self.port})")
+
+
+@dataclass
+class ChainletFleet:
+    node: Node
+    router: Router
+    supervisor: Supervisor
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+
+class RouterSource(ReplicaSource):
+    """Replica URLs straight from the chainlets' routers (in the chain server)."""
+
+    def __init__(self, fleets: dict[str, ChainletFleet]) -> None:
+        self.fleets = fleets
+
+    def urls(self, chainlet: str) -> list[str]:
+        f = self.fleets.get(chainlet)
+        return [r.url for r in f.router.routable()] if f else []
+
+    async def wait(self, chainlet: str, timeout: float, avoid: frozenset[str] = frozenset()) -> list[str]:
+        f = self.fleets.get(chainlet)
+        if f is not None:
+            await f.router.wait_until(lambda: bool({r.url for r in f.router.routable()} - avoid), timeout)
+        return self.urls(chainlet)
+
+    def failed(self, chainlet: str, url: str) -> None:
+        f = self.fleets.get(chainlet)
+        if f is None:
+            return
+        for rep in list(f.router.replicas.values()):
+            if rep.url == url:
+                f.router.record_failure(rep, "a call to it lost its connection", fatal=True)
+
+
+def _advertised_host(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::", "localhost") else host
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _has_option(args: list[str], opt: str) -> bool:
+    return any(a == opt or a.startswith(opt + "=") for a in args)
+
+
+class ChainServer:
+    """The chain server's state: the graph, the chainlets' fleets, the models' router."""
+
+    def __init__(self, cfg: ChainServeConfig, graph: Graph, declared: dict[str, Model]) -> None:
+        self.cfg = cfg
+        self.graph = graph
+        self.metrics = ChainMetrics()
+        self.draining = False
+        self.running = 0  # /run calls in flight
+        self.failed: str | None = None
+        self.url = _url(_advertised_host(cfg.host), cfg.port)
+        self.log_dir = cfg.log_dir
+        self.fleets: dict[str, ChainletFleet] = {}
+        self.models = MultiRouter()
+        self.clients = ClientPool(None)
+        self._scrape = httpx.AsyncClient(timeout=2.0)
+        self._own_ray = False
+        if cfg.backend == "ray":
+            self._init_ray()
+        for node in graph.nodes.values():
+            self.fleets[node.name] = self._chainlet_fleet(node)
+        self._add_models(graph, declared)
+        ep = graph.entrypoint
+        opts = entrypoint_options(ep)
+        self.entry = RemoteHandle(Dependency(ep, opts.retries, opts.timeout_s, opts.replicas), CLIENT,
+                                  self.metrics, RouterSource(self.fleets), self.clients)
+        self.sig = ep.__tripod_signature__
+
+    # ------------------------------------------------------------ building
+    def _init_ray(self) -> None:
+        from tripod.router.ray_backend import _import_ray
+
+        ray = _import_ray()
+        if ray.is_initialized():
+            return
+        kwargs: dict[str, Any] = dict(address=self.cfg.ray_address, namespace="tripod", ignore_reinit_error=True,
+                                      include_dashboard=False, log_to_driver=False)
+        if self.cfg.ray_address is None:
+            kwargs["num_cpus"] = os.cpu_count()
+        try:
+            ray.init(**kwargs)
+        except ConnectionError as e:
+            raise ValueError(f"no Ray cluster at {self.cfg.ray_address!r} ({e}); start one with "
+                             "`ray start --head`, or leave --ray-address out for a local Ray instance") from e
+        self._own_ray = True
+        if _advertised_host(self.cfg.host) != self.cfg.host:
+            # Replicas on other nodes reach this process at its node's address.
+            self.url = _url(ray.util.get_node_ip_address(), self.cfg.port) if self.cfg.host in ("0.0.0.0", "::") \
+                else self.url
+
+    def _launcher(self, args: list[str], what: str, command: tuple[str, ...], num_cpus: float,
+                  num_gpus: float) -> ReplicaLauncher:
+        log_dir = self.log_dir / what if self.log_dir is not None else None
+        if self.cfg.backend == "ray":
+            from tripod.router.ray_backend import RayLauncher
+
+            # A local Ray instance behind a loopback chain server: replicas listen on loopback too.
+            # On a cluster they listen on their node's address, which the other nodes can reach.
+            loopback = self.cfg.ray_address is None and self.cfg.host in ("127.0.0.1", "localhost")
+            return RayLauncher(args, address=self.cfg.ray_address, num_cpus=num_cpus, num_gpus=num_gpus,
+                               log_dir=str(log_dir) if log_dir else None, command=command,
+                               bind_host="127.0.0.1" if loopback else None)
+        return LocalLauncher(args, log_dir=log_dir, command=command)
+
+    def _chainlet_fleet(self, node: Node) -> ChainletFleet:
+        cfg = self.cfg
+        args = ["--file", str(Path(cfg.file).resolve()), "--chainlet", node.name, "--entrypoint",
+                self.graph.entrypoint.__name__, "--server", self.url, "--log-level", cfg.log_level,
+                "--drain-timeout", str(cfg.drain_timeout)]
+        fleet = FleetConfig(min_replicas=node.replicas, max_replicas=node.replicas, backend=cfg.backend,
+                            ray_address=cfg.ray_address, ray_num_cpus=0.0, start_timeout=min(cfg.start_timeout, 120.0),
+                            restart_backoff=0.5, restart_backoff_max=10.0, drain_timeout=cfg.drain_timeout)
+        router = Router(RouterConfig(policy="least_load", health_interval=cfg.health_interval, health_timeout=2.0,
+                                     open_cooldown=0.5, max_retries=0, queue_timeout=30.0))
+        launcher = self._launcher(args, f"chainlet-{node.name}", WORKER, 0.0, 0.0)
+        return ChainletFleet(node, router, Supervisor(router, launcher, fleet))
+
+    def _add_models(self, graph: Graph, declared: dict[str, Model]) -> None:
+        cfg = self.cfg
+        used = graph.models()
+        names = list(dict.fromkeys([*used, *cfg.models]))
+        specs: dict[str, Model] = {}
+        for name in names:
+            specs[name] = declared.get(name) or used.get(name) or Model(name)
+        def url_of(name: str, spec: Model) -> str | None:
+            where = cfg.models.get(name)  # the command line wins: a URL, or a path ('' = embedded)
+            if where is not None:
+                return where if where.startswith(("http://", "https://")) else None
+            return spec.url
+
+        total = sum(s.max_replicas or s.replicas for n, s in specs.items() if not url_of(n, s)) or 1
+        for name, spec in specs.items():
+            where = cfg.models.get(name)
+            url = url_of(name, spec)
+            router = Router(RouterConfig(policy=cfg.router_policy))
+            if url:
+                base = url.rstrip("/")
+                base = base[: -len("/v1")] if base.endswith("/v1") else base
+                router.add_replica("endpoint", base)
+                self.models.add(name, router, None, "url")
+                continue
+            path = where if where is not None else spec.path
+            args = [*cfg.model_args, *cfg.model_args_by.get(name, []), *spec.args]
+            if path:
+                args += ["--model", path]
+            args += ["--served-model-name", name, "--log-level", cfg.log_level]
+            if not _has_option(args, "--threads") and cfg.backend == "local" and not _has_option(args, "--device"):
+                args += ["--threads", str(max(1, (os.cpu_count() or 1) // total))]
+            lo = spec.min_replicas or spec.replicas
+            hi = max(spec.max_replicas or lo, lo)
+            fleet = FleetConfig(min_replicas=lo, max_replicas=hi, backend=cfg.backend, ray_address=cfg.ray_address,
+                                ray_num_cpus=cfg.ray_num_cpus, ray_num_gpus=cfg.ray_num_gpus,
+                                start_timeout=cfg.start_timeout, drain_timeout=cfg.drain_timeout)
+            launcher = self._launcher(args, f"model-{name}", ("serve",), cfg.ray_num_cpus, cfg.ray_num_gpus)
+            self.models.add(name, router, Supervisor(router, launcher, fleet), "fleet")
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        await self.models.start()
+        for f in self.fleets.values():
+            await f.router.start()
+        await asyncio.gather(*(f.supervisor.start() for f in self.fleets.values()))
+
+    async def wait_ready(self, timeout: float) -> str | None:
+        async def chainlet(f: ChainletFleet) -> str | None:
+            if await f.supervisor.wait_routable(timeout):
+                return None
+            return f"chainlet {f.name!r}: " + (f.supervisor.fatal or f"no replica became healthy in {timeout:.0f} s")
+
+        whys = await asyncio.gather(self.models.wait_routable(timeout), *(chainlet(f) for f in self.fleets.values()))
+        bad = [w for w in whys if w]
+        return "; ".join(bad) or None
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(f.supervisor.stop() for f in self.fleets.values()), return_exceptions=True)
+        for f in self.fleets.values():
+            await f.router.stop()
+        await self.models.stop()
+        await self.clients.aclose()
+        await self._scrape.aclose()
+        if self._own_ray:
+            import ray
+
+            ray.shutdown()
+
+    def ready(self) -> bool:
+        return all(f.router.routable() for f in self.fleets.values()) and self.models.ready()
+
+    # ------------------------------------------------------------ answers
+    def describe(self) -> dict[str, Any]:
+        chainlets = {}
+        for name, f in self.fleets.items():
+            node = f.node
+            chainlets[name] = {
+                **node.cls.__tripod_signature__.describe(),
+                "replicas": {"desired": node.replicas, "routable": len(f.router.routable()),
+                             "list": [r.describe() for r in f.router.replicas.values()],
+                             "restarts": f.supervisor.info()["restarts"]},
+                "dependencies": {param: {"chainlet": d.cls.__name__, "retries": d.retries, "timeout_s": d.timeout_s,
+                                         "replicas": d.replicas} for param, d in node.deps.items()},
+                "llms": {attr: {"model": s.model, "defaults": s.defaults} for attr, s in node.llms.items()},
+            }
+        opts = entrypoint_options(self.graph.entrypoint)
+        return {"entrypoint": self.graph.entrypoint.__name__, "file": str(Path(self.cfg.file).resolve()),
+                "backend": self.cfg.backend, "streaming": self.sig.streaming,
+                "entrypoint_options": {"retries": opts.retries, "timeout_s": opts.timeout_s},
+                "chainlets": chainlets,
+                "models": {n: {"source": m.source, "routable_replicas": len(m.router.routable()),
+                               "replicas": [r.describe() for r in m.router.replicas.values()]}
+                           for n, m in self.models.fleets.items()}}
+
+    async def metrics_page(self) -> bytes:
+        targets = [(f"{name}/{rep.name}", rep.url) for name, f in self.fleets.items()
+                   for rep in f.router.replicas.values() if rep.routable]
+
+        async def scrape(url: str) -> str:
+            try:
+                r = await self._scrape.get(url + "/metrics")
+                return r.text if r.status_code == 200 else ""
+            except httpx.HTTPError:
+                return ""
+
+        texts = await asyncio.gather(*(scrape(u) for _, u in targets))
+        pages = [({"replica": "server"}, self.metrics.render().decode())]
+        pages += [({"replica": label}, text) for (label, _), text in zip(targets, texts, strict=True) if text]
+        page = merge_pages(pages)
+        if self.models.fleets:
+            page += self.models.metrics_page()
+        return page
+
+    def routes(self) -> list[Route]:
+        sig = self.sig
+
+        def parse(payload: Any) -> dict[str, Any]:
+            if self.draining:
+                raise ChainletError(sig.name, "the chain is shutting down; retry shortly", code="draining",
+                                    status=503, retryable=True)
+            try:
+                return sig.parse_args(payload)
+            except ChainletError as e:
+                self.metrics.failures.labels(CLIENT, sig.name, e.code).inc()
+                raise
+
+        async def call(args: dict[str, Any]) -> Any:
+            return sig.dump_output(await self.entry.run(**args))
+
+        async def stream(args: dict[str, Any]) -> AsyncIterator[Any]:
+            async for item in self.entry.run(**args):
+                yield sig.dump_output(item)
+
+        run = run_endpoint(sig, self.metrics, call, stream, parse)
+
+        async def health(_: Request) -> Response:
+            ok = self.ready() and not self.draining
+            status = "draining" if self.draining else ("ok" if ok else "starting")
+            return JSONResponse({"status": status, "entrypoint": sig.name,
+                                 "chainlets": {n: len(f.router.routable()) for n, f in self.fleets.items()},
+                                 "models": {n: len(m.router.routable()) for n, m in self.models.fleets.items()}},
+                                status_code=200 if ok else 503)
+
+        async def metrics(_: Request) -> Response:
+            return Response(await self.metrics_page(), media_type="text/plain; version=0.0.4")
+
+        async def chain(_: Request) -> Response:
+            return JSONResponse(self.describe())
+
+        async def replicas(_: Request) -> Response:
+            return JSONResponse({"replicas": {n: [r.url for r in f.router.routable()] for n, f in self.fleets.items()}})
+
+        return [Route("/run", run, methods=["POST"]), Route("/health", health, methods=["GET"]),
+                Route("/metrics", metrics, methods=["GET"]), Route("/chain", chain, methods=["GET"]),
+                Route("/chain/replicas", replicas, methods=["GET"]), *multi_router_routes(self.models)]
+
+
+class _Counting:
+    """Counts the ``/run`` calls in flight (a streamed one until its last byte)."""
+
+    def __init__(self, app: Any, server: ChainServer) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("path") != "/run":
+            await self.app(scope, receive, send)
+            return
+        self.server.running += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.server.running -= 1
+
+
+class _ChainDrain(DrainingServer):
+    """Drains before the port closes: the chainlets of calls in flight still reach the models
+    through this port. The first SIGTERM/SIGINT refuses new ``/run`` calls (503) and waits (up to
+    the drain timeout) for those in flight; then uvicorn stops as usual. A second one stops now."""
+
+    def __init__(self, config: uvicorn.Config, server: ChainServer) -> None:
+        super().__init__(config, self._on_signal)
+        self.server = server
+        self._draining_task: asyncio.Task[None] | None = None
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        pass
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._draining_task is not None or not self.started:
+            super().handle_exit(sig, frame)
+            return
+        log.info("%s: draining %d call(s) in flight, then stopping every replica", signal.Signals(sig).name,
+                 self.server.running)
+        self.server.draining = True
+        loop = asyncio.get_event_loop()
+        self._draining_task = loop.create_task(self._drain(sig, frame))
+        loop.call_soon_threadsafe(lambda: None)  # NOTE: wakes the loop (we are in a signal handler)
+
+    async def _drain(self, sig: int, frame: Any) -> None:
+        deadline = asyncio.get_running_loop().time() + self.server.cfg.drain_timeout
+        while self.server.running and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)  # NOTE: a bounded wait for calls the app does not signal the end of
+        super().handle_exit(sig, frame)
+
+
+def serve_chain(cfg: ChainServeConfig) -> int:
+    """Run the chain server until SIGTERM/SIGINT. 0 after a clean stop; 2 when start-up failed."""
+    level = getattr(logging, str(cfg.log_level).upper(), logging.INFO)
+    try:
+        module, graph = load_chain(cfg.file, cfg.entrypoint)
+        server = ChainServer(cfg, graph, declared_models(module))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tripod: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        log.exception("cannot load the chain in %s", cfg.file)
+        print(f"tripod: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        await server.start()
+        try:
+            why = await server.wait_ready(cfg.start_timeout)
+            if why is not None:
+                server.failed = why
+                raise RuntimeError(why + (f" (replica logs in {cfg.log_dir})" if cfg.log_dir else ""))
+            log.info("chain %s ready at %s/run: %s; models: %s (pid %d)", graph.entrypoint.__name__, server.url,
+                     ", ".join(f"{n}×{f.node.replicas}" for n, f in server.fleets.items()),
+                     ", ".join(server.models.fleets) or "none", os.getpid())
+            yield
+        finally:
+            await server.stop()
+
+    app = _Counting(Starlette(routes=server.routes(), lifespan=lifespan), server)
+    logging.getLogger("httpx").setLevel(max(level, logging.WARNING))
+    uv = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=logging.getLevelName(level).lower(),
+                        access_log=False, timeout_graceful_shutdown=max(1, int(cfg.drain_timeout)), lifespan="on",
+                        timeout_keep_alive=60)
+    srv = _ChainDrain(uv, server)
+    try:
+        srv.run()
+    except SystemExit:
+        return 2
+    return 2 if server.failed or not srv.started else 0
