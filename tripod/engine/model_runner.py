@@ -81,10 +81,14 @@ class ModelRunner:
             form = "onednn"
         else:
             form = "dense"
+        # NOTE: idempotent and cheap once built; called every step because another engine
+        # sharing this model may have released a form this one still runs (it is rebuilt).
+        self.model.prepare(form, kernels.ops())
         if form != self._form:
-            self.model.prepare(form, kernels.ops())
             if self._form is not None:
                 log.info("compute path from now on: %s", self.describe_form(form))
+                if self._form == "onednn":
+                    self.model.release("onednn")  # its packed weights are no longer needed here
             self._form = form
         return form
 

@@ -149,6 +149,12 @@ class LlamaForCausalLM(nn.Module):
             head = self.embed if self.lm_head is None else self.lm_head
             self.head_ops[form] = make_linear(head, None, form, ops=kernel_ops, stored=self.stored_head)
 
+    def release(self, form: Form) -> None:
+        """Forget a form's packed weights (the runner moved on from it: memory back)."""
+        for layer in self.layers:
+            layer.ops.pop(form, None)
+        self.head_ops.pop(form, None)
+
     @property
     def has_stored_weights(self) -> bool:
         return self.stored_head is not None or any(layer.stored for layer in self.layers)
