@@ -58,7 +58,7 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
     async def count_tokens(request: Request) -> JSONResponse:
         req: CountTokensRequest = parse(CountTokensRequest, await read_body(request, state.config.max_body_bytes))
         check_model(state, req.model)
-        msgs, tools, _, cont = conversation(req)
+        msgs, tools, _, cont = conversation(req, state.chat.parallel_default)
         ids = state.chat.render(msgs, tools, continue_final=cont)
         return JSONResponse({"input_tokens": len(ids)})
 
@@ -137,7 +137,7 @@ async def _messages(state: ServerState, request: Request) -> Response:
     arrival = time.monotonic()
     req: MessagesRequest = parse(MessagesRequest, await read_body(request, state.config.max_body_bytes))
     check_model(state, req.model)
-    msgs, tools, choice, cont = conversation(req)
+    msgs, tools, choice, cont = conversation(req, state.chat.parallel_default)
     ids = state.chat.render(msgs, tools, continue_final=cont)
     if req.temperature is not None and req.temperature > TEMPERATURE_MAX:
         raise APIError(400, f"'temperature' must be in [0, 1] (got {req.temperature!r})", param="temperature")
@@ -148,7 +148,7 @@ async def _messages(state: ServerState, request: Request) -> Response:
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
     )
     stops = stop_strings(req.stop_sequences, "stop_sequences")
-    rid = new_id("msg")
+    rid = new_id("msg", "_")
     started = await start_generation(state, request, [EnginePart(rid, ids, params)], stops, arrival,
                                      overload_status=OVERLOADED)
     if req.stream:
@@ -161,7 +161,7 @@ async def _messages(state: ServerState, request: Request) -> Response:
     started.gen.done()
     text = "".join(c.texts[0])
     blocks = Blocks()
-    ps = parser.stream(lambda: new_id("toolu")) if parser else None
+    ps = parser.stream(lambda: new_id("toolu", "_")) if parser else None
     blocks.feed((ps.feed(text) + ps.finish()) if ps else [TextPiece(text)])
     return JSONResponse({
         "id": rid, "type": "message", "role": "assistant", "model": state.model_name, "content": blocks.content,
@@ -176,7 +176,7 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
 
 async def _stream(state: ServerState, s: Started, rid: str, parser: ToolCallParser | None) -> AsyncIterator[bytes]:
     blocks = Blocks()
-    ps: ToolCallStream | None = parser.stream(lambda: new_id("toolu")) if parser else None
+    ps: ToolCallStream | None = parser.stream(lambda: new_id("toolu", "_")) if parser else None
 
     def events(d: Delta) -> list[bytes]:
         if ps is None:

@@ -90,8 +90,11 @@ def _text_of(blocks: str | list[Block] | None, where: str) -> str:
     return "".join(parts)
 
 
-def conversation(req: _Conversation) -> tuple[list[Message], list[ToolSpec], ToolChoice, bool]:
-    """→ (messages, tools, tool choice, whether the last assistant message is to be continued)."""
+def conversation(req: _Conversation, default_parallel: bool = True,
+                 ) -> tuple[list[Message], list[ToolSpec], ToolChoice, bool]:
+    """→ (messages, tools, tool choice, whether the last assistant message is to be continued).
+    ``default_parallel``: whether several calls are allowed unless ``disable_parallel_tool_use``
+    says."""
     if req.thinking is not None and req.thinking.get("type") not in (None, "disabled"):
         raise APIError(400, "'thinking' (extended thinking) is not supported by tripod; remove it or set "
                        "its type to 'disabled'", param="thinking")
@@ -140,11 +143,11 @@ def conversation(req: _Conversation) -> tuple[list[Message], list[ToolSpec], Too
             out.append(Message(m.role, "".join(texts), calls))
     last = req.messages[-1]
     continue_final = last.role == "assistant" and not out[-1].tool_calls
-    tools, choice = _tools(req)
+    tools, choice = _tools(req, default_parallel)
     return out, tools, choice, continue_final
 
 
-def _tools(req: _Conversation) -> tuple[list[ToolSpec], ToolChoice]:
+def _tools(req: _Conversation, default_parallel: bool) -> tuple[list[ToolSpec], ToolChoice]:
     raw = []
     for i, t in enumerate(req.tools or []):
         if t.type not in (None, "custom"):
@@ -155,7 +158,10 @@ def _tools(req: _Conversation) -> tuple[list[ToolSpec], ToolChoice]:
         raw.append((t.name, t.description, t.input_schema))
     tools = check_tools(raw, "tools")
     tc = req.tool_choice
-    parallel = not (tc is not None and tc.disable_parallel_tool_use)
+    if tc is None or tc.disable_parallel_tool_use is None:
+        parallel = default_parallel
+    else:
+        parallel = not tc.disable_parallel_tool_use
     if tc is None or tc.type == "auto":
         choice = ToolChoice("auto" if tools else "none", parallel=parallel)
     elif tc.type == "any":

@@ -49,12 +49,18 @@ class ChatRenderer:
         # syntax our parser reads back; otherwise the model would be shown one syntax and parsed
         # with another.
         self.native_tools = "tools" in template and self.parser.trigger in template
+        # NOTE: a model shown tools only through the generic prompt was never trained to stop
+        # after its calls: given the choice, a small one calls again and again until max_tokens,
+        # leaving a cut call. So in the generic format one call per answer is the default, and
+        # parallel calls are made only when asked for (parallel_tool_calls: true).
+        self.parallel_default = self.native_tools
 
     def describe(self) -> dict[str, Any]:
         return {
             "parser": self.parser.name,
             "prompt_format": "chat_template" if self.native_tools else "generic",
             "trigger": self.parser.trigger,
+            "parallel_calls_by_default": self.parallel_default,
         }
 
     def render(self, messages: list[Message], tools: list[ToolSpec] | None = None, *,

@@ -140,8 +140,8 @@ class Generation:
 
 
 # ---------------------------------------------------------------------- response bodies
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
 
 
 def chat_logprobs(text: TextSide, lps: list[list[Any]]) -> list[dict[str, Any]]:

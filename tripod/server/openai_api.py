@@ -86,7 +86,7 @@ async def _chat(state: ServerState, request: Request) -> Response:
     arrival = time.monotonic()
     req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_body(request, state.config.max_body_bytes))
     check_model(state, req.model)
-    tools, choice = openai_tools(req)
+    tools, choice = openai_tools(req, state.chat.parallel_default)
     ids = state.chat.render(chat_messages(req.messages), tools)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -120,7 +120,7 @@ async def _chat(state: ServerState, request: Request) -> Response:
         finish = c.finish[idx]
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if parser is not None:
-            ans = parse_all(parser, text, lambda: new_id("call"))
+            ans = parse_all(parser, text, lambda: new_id("call", "_"))
             if ans.calls:
                 message = {"role": "assistant", "content": ans.text or None, "tool_calls": [
                     {"id": k.id, "type": "function", "function": {"name": k.name, "arguments": k.arguments}}
@@ -178,7 +178,7 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, s: Starte
         if parser is None:
             deltas = [{"content": d.text}] if d.text or finish is None else [{}]
         else:
-            ps = streams.setdefault(d.index, parser.stream(lambda: new_id("call")))
+            ps = streams.setdefault(d.index, parser.stream(lambda: new_id("call", "_")))
             events = ps.feed(d.text) + (ps.finish() if finish is not None else [])
             if any(isinstance(e, CallStart) for e in events):
                 called.add(d.index)

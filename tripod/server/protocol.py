@@ -273,8 +273,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[Message]:
     return out
 
 
-def openai_tools(req: ChatCompletionRequest) -> tuple[list[ToolSpec], ToolChoice]:
-    """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` → checked tools and choice."""
+def openai_tools(req: ChatCompletionRequest, default_parallel: bool = True) -> tuple[list[ToolSpec], ToolChoice]:
+    """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` → checked tools and choice (an unset
+    ``parallel_tool_calls`` means ``default_parallel``)."""
     from tripod.server.tools import ToolChoice, check_choice, check_tools
 
     if req.functions is not None or req.function_call is not None:
@@ -286,7 +287,7 @@ def openai_tools(req: ChatCompletionRequest) -> tuple[list[ToolSpec], ToolChoice
             raise APIError(400, f"tools[{i}].type must be 'function' (got {t.type!r})", param=f"tools.{i}.type")
         raw.append((t.function.name, t.function.description, t.function.parameters))
     tools = check_tools(raw, "tools")
-    parallel = req.parallel_tool_calls is not False
+    parallel = default_parallel if req.parallel_tool_calls is None else req.parallel_tool_calls
     tc = req.tool_choice
     if tc is None:
         choice = ToolChoice("auto" if tools else "none", parallel=parallel)

@@ -238,6 +238,7 @@ class HermesParser(ToolCallParser):
         return _HermesStream(self.trigger, self.END, new_id)
 
 
+_HEAD_START = '{"name": "'
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
 
@@ -274,8 +275,12 @@ class _HermesStream(ToolCallStream):
             tail = self.buf.strip() if self.calls else self.buf
             if tail:
                 out.append(TextPiece(tail))
-        elif self.state == "head":  # never announced as a call: it was text after all
-            out.append(TextPiece(self.pre_ws + self.start + self.buf))
+        elif self.state == "head":
+            # Cut before its name was complete: a call that never was (dropped), or, when what
+            # follows the trigger cannot begin a call, text after all.
+            head = self.buf.lstrip()
+            if not _HEAD_START.startswith(head[: len(_HEAD_START)]):
+                out.append(TextPiece(self.pre_ws + self.start + self.buf))
         else:
             out.append(CallEnd(self.calls - 1, self.state == "tail"))
         self.buf = ""
