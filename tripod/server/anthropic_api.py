@@ -23,6 +23,7 @@ from tripod.server.anthropic_protocol import (
     CountTokensRequest,
     MessagesRequest,
     conversation,
+    output_format,
 )
 from tripod.server.engine_client import EnginePart
 from tripod.server.generation import Delta, Usage, collect, new_id
@@ -142,9 +143,14 @@ async def _messages(state: ServerState, request: Request) -> Response:
     if req.temperature is not None and req.temperature > TEMPERATURE_MAX:
         raise APIError(400, f"'temperature' must be in [0, 1] (got {req.temperature!r})", param="temperature")
     parser = state.chat.parser if choice.mode != "none" else None
+    grammar = parser.grammar(tools, choice) if parser else None
+    fmt = output_format(req)
+    if grammar is not None and fmt is not None:
+        raise APIError(400, "tool use cannot be combined with 'output_config.format'; set tool_choice "
+                       "{\"type\": \"none\"} or drop the format", param="output_config.format")
     params = build_sampling(
         state.limits, prompt_len=len(ids), max_tokens=req.max_tokens, default_max_tokens=state.max_len,
-        prompt_param="messages", grammar=parser.grammar(tools, choice) if parser else None,
+        prompt_param="messages", grammar=grammar or fmt,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
     )
     stops = stop_strings(req.stop_sequences, "stop_sequences")

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
+from tripod.engine.request import GrammarSpec
 from tripod.server.conversation import Message, PastCall
 from tripod.server.protocol import APIError
 from tripod.server.tools import ToolChoice, ToolSpec, check_choice, check_tools
@@ -62,8 +63,18 @@ class _Conversation(_Strict):
     thinking: dict[str, Any] | None = None
 
 
+class OutputFormat(_Strict):
+    type: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: OutputFormat | None = None
+
+
 class MessagesRequest(_Conversation):
     max_tokens: int
+    output_config: OutputConfig | None = None  # Anthropic's structured outputs (format: json_schema)
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -145,6 +156,17 @@ def conversation(req: _Conversation, default_parallel: bool = True,
     continue_final = last.role == "assistant" and not out[-1].tool_calls
     tools, choice = _tools(req, default_parallel)
     return out, tools, choice, continue_final
+
+
+def output_format(req: MessagesRequest) -> GrammarSpec | None:
+    """``output_config.format`` (a JSON schema the answer must match) as a grammar."""
+    fmt = req.output_config.format if req.output_config else None
+    if fmt is None:
+        return None
+    if fmt.type != "json_schema" or fmt.schema_ is None:
+        raise APIError(400, "'output_config.format' must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                       param="output_config.format")
+    return GrammarSpec("json", json.dumps(fmt.schema_))
 
 
 def _tools(req: _Conversation, default_parallel: bool) -> tuple[list[ToolSpec], ToolChoice]:
