@@ -156,8 +156,8 @@ def test_none_never_calls(client: openai.OpenAI) -> None:
 
 
 def test_round_trip(client: openai.OpenAI) -> None:
-    """Call, answer with the result, get the reply; the second prompt reuses the first one and
-    the call from the prefix cache (the call is re-rendered exactly as the model wrote it)."""
+    """Call, answer with the result, get the reply; the second prompt reuses the first one (and
+    the call, re-rendered as the model wrote it) from the prefix cache."""
     first = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="required",
                                            max_tokens=60, temperature=0)
     msg = first.choices[0].message
@@ -171,7 +171,9 @@ def test_round_trip(client: openai.OpenAI) -> None:
     u1, u2 = first.usage, second.usage
     assert u1 is not None and u2 is not None and u2.prompt_tokens_details is not None
     assert u2.prompt_tokens > u1.prompt_tokens + u1.completion_tokens
-    assert u2.prompt_tokens_details.cached_tokens >= u1.prompt_tokens + u1.completion_tokens - 2
+    # At least the first prompt and the start of the call: a re-tokenized call may split its
+    # text differently from the tokens the model sampled, so the tail may not match.
+    assert u2.prompt_tokens_details.cached_tokens >= u1.prompt_tokens + 5
 
 
 def test_models_says_how_tools_are_rendered(client: openai.OpenAI) -> None:

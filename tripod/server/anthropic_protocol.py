@@ -81,6 +81,10 @@ class MessagesRequest(_Conversation):
     top_k: int | None = None
     metadata: dict[str, Any] | None = None
     stream: bool = False
+    # tripod's extensions, as on the OpenAI side.
+    seed: int | None = None
+    ignore_eos: bool = False
+    priority: int = 0
 
 
 class CountTokensRequest(_Conversation):
