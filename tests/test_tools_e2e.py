@@ -203,6 +203,15 @@ def test_logit_bias_and_echo_logprobs_on_the_wire(client: openai.OpenAI, server:
     assert all(v is not None and v <= 0 for v in elp.token_logprobs[1:])
     assert elp.tokens[n_prompt:] == lp.tokens and elp.token_logprobs[n_prompt:] == pytest.approx(lp.token_logprobs, abs=1e-4)
     assert elp.text_offset == [len("".join(elp.tokens[:i])) for i in range(len(elp.tokens))]
+    # echo + max_tokens 0 scores a text: its logprobs, nothing generated.
+    full = prompt + base.choices[0].text
+    sc = client.completions.create(model="default", prompt=full, max_tokens=0, echo=True, logprobs=1)
+    slp = sc.choices[0].logprobs
+    assert sc.choices[0].text == full and sc.choices[0].finish_reason == "length"
+    assert sc.usage is not None and sc.usage.completion_tokens == 0
+    assert slp is not None and slp.tokens is not None and slp.token_logprobs is not None
+    assert "".join(slp.tokens) == full and slp.token_logprobs[0] is None
+    assert slp.token_logprobs[1:n_prompt] == pytest.approx(elp.token_logprobs[1:n_prompt], abs=1e-4)
     # Streamed: the echo chunk carries the prompt's logprobs.
     parts = list(client.completions.create(model="default", prompt=prompt, max_tokens=4, temperature=0,
                                            logprobs=2, echo=True, stream=True))

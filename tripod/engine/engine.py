@@ -216,6 +216,7 @@ class Engine:
                 self.grammars.forget(fut)
                 continue
             spec = copies[0].params.grammar
+            assert spec is not None
             error = None
             if fut.done():
                 self.grammars.forget(fut)
@@ -250,7 +251,12 @@ class Engine:
         if overran:
             # The others are queued behind the stuck compile on its thread: move them.
             self.grammars.abandon()
-            still = [(f if f.done() else self.grammars.submit(c[0].params.grammar), c, t) for f, c, t in still]
+            moved = []
+            for f, c, t in still:
+                g = c[0].params.grammar
+                assert g is not None
+                moved.append((f if f.done() else self.grammars.submit(g), c, t))
+            still = moved
         self._compiling = still
 
     def _prepare(

@@ -221,6 +221,9 @@ async def _completions(state: ServerState, request: Request) -> Response:
         raise APIError(400, "'best_of' is not supported by tripod; remove it or set it equal to 'n'",
                        param="best_of")
     _check_stream_options(req)
+    # echo + max_tokens 0: OpenAI's idiom for scoring a text (the prompt's logprobs, nothing
+    # generated). The engine generates one token, which the answer leaves out.
+    score_only = req.echo and req.max_tokens == 0
     prompts = _prompt_ids(state, req.prompt)
     rid = new_id("cmpl")
     grammar = grammar_spec(req)
@@ -228,7 +231,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
     parts = []
     for i, ids in enumerate(prompts):
         params = build_sampling(
-            state.limits, prompt_len=len(ids), max_tokens=req.max_tokens,
+            state.limits, prompt_len=len(ids), max_tokens=1 if score_only else req.max_tokens,
             default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, grammar=grammar, logprobs=req.logprobs,
             # echo + logprobs: the echoed prompt's tokens get logprobs too (the first has none).
             prompt_logprobs=req.logprobs if req.echo else None, **_sampling_fields(req),
@@ -238,7 +241,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
     n = parts[0].params.n
     echo = [state.text.decode(p.prompt_ids) for p in parts] if req.echo else None
     if req.stream:
-        body = _completion_stream(state, req, started, rid, echo, n)
+        body = _completion_stream(state, req, started, rid, echo, n, score_only)
         return ClosingStream(body, on_close=started.handle.close, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
     try:
@@ -249,24 +252,33 @@ async def _completions(state: ServerState, request: Request) -> Response:
     choices = []
     for idx in sorted(c.texts):
         prefix = echo[idx // n] if echo else ""
+        generated = [] if score_only else c.logprobs[idx]
         lps = None
         if req.logprobs is not None:
             b = CompletionLogprobs(state.text, len(prefix))
             if echo:
                 b.offset = 0
-                lps = merge_logprobs(b.body(c.prompt_logprobs.get(idx, [])), b.body(c.logprobs[idx]))
+                lps = merge_logprobs(b.body(c.prompt_logprobs.get(idx, [])), b.body(generated))
             else:
-                lps = b.body(c.logprobs[idx])
-        choices.append({"index": idx, "text": prefix + "".join(c.texts[idx]), "logprobs": lps,
-                        "finish_reason": c.finish[idx]})
+                lps = b.body(generated)
+        choices.append({"index": idx, "text": prefix + ("" if score_only else "".join(c.texts[idx])),
+                        "logprobs": lps, "finish_reason": "length" if score_only else c.finish[idx]})
     return JSONResponse({
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
-        "choices": choices, "usage": started.gen.usage.body(), "system_fingerprint": state.fingerprint(),
+        "choices": choices, "usage": _usage(started, score_only), "system_fingerprint": state.fingerprint(),
     })
 
 
+def _usage(s: Started, score_only: bool) -> dict[str, Any]:
+    u = s.gen.usage.body()
+    if score_only:  # the one token generated to score the prompt is not the caller's
+        u["completion_tokens"] = 0
+        u["total_tokens"] = u["prompt_tokens"]
+    return u
+
+
 async def _completion_stream(state: ServerState, req: CompletionRequest, s: Started, rid: str,
-                             echo: list[str] | None, n: int) -> AsyncIterator[bytes]:
+                             echo: list[str] | None, n: int, score_only: bool) -> AsyncIterator[bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     created = int(time.time())
     fp = state.fingerprint()
@@ -291,6 +303,10 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, s: Star
                 b.offset = len(echo[d.index // n])
             out.append(chunk([{"index": d.index, "text": echo[d.index // n], "logprobs": plp,
                                "finish_reason": None}]))
+        if score_only:
+            if d.finish_reason is not None:
+                out.append(chunk([{"index": d.index, "text": "", "logprobs": None, "finish_reason": "length"}]))
+            return out
         lps = b.body(d.logprobs) if req.logprobs is not None else None
         out.append(chunk([{"index": d.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}]))
         return out
@@ -304,7 +320,7 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, s: Star
                 yield x
         s.gen.done()
         if include_usage:
-            yield chunk([], s.gen.usage.body())
+            yield chunk([], _usage(s, score_only))
     except APIError as e:
         yield sse(e.body())
     yield SSE_DONE

@@ -189,7 +189,7 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def parse(cls: type[_Strict], raw: bytes) -> Any:
+def parse(cls: type[BaseModel], raw: bytes) -> Any:
     """Bytes → request model, or an ``APIError`` naming the first bad field."""
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object")
