@@ -145,6 +145,7 @@ def test_tool_use(client: anthropic.Anthropic, choice: Any) -> None:
     assert final.stop_reason == "tool_use" and [(b.name, b.input) for b in fuses] == [(b.name, b.input) for b in uses]
 
 
+@pytest.mark.slow
 def test_tool_use_sampled_always_validates(client: anthropic.Anthropic) -> None:
     for seed in range(3):
         m = client.messages.create(model="default", max_tokens=80, tools=TOOLS, tool_choice={"type": "any"},

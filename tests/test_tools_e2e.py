@@ -102,6 +102,7 @@ def test_forced_calls_parse_and_validate(client: openai.OpenAI, choice: Any) -> 
     _same(calls, streamed)
 
 
+@pytest.mark.slow
 def test_sampled_calls_always_validate(client: openai.OpenAI) -> None:
     """Even sampled hot (temperature 1.5, 4 copies), a forced call parses and validates."""
     r = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice="required",
@@ -113,7 +114,7 @@ def test_sampled_calls_always_validate(client: openai.OpenAI) -> None:
 
 def test_parallel_calls(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = {"model": "default", "messages": ASK, "tools": TOOLS, "tool_choice": "required",
-                          "max_tokens": 70, "temperature": 0, "parallel_tool_calls": True}
+                          "max_tokens": 64, "temperature": 0, "parallel_tool_calls": True}
     r = client.chat.completions.create(**kw)
     ch = r.choices[0]
     calls = ch.message.tool_calls or []
@@ -130,13 +131,13 @@ def test_parallel_calls(client: openai.OpenAI) -> None:
 
 def test_auto_answers_in_text_or_calls(client: openai.OpenAI) -> None:
     # Asked out of the blue, the small model answers in text ...
-    r = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, max_tokens=30, temperature=0)
+    r = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, max_tokens=16, temperature=0)
     ch = r.choices[0]
     assert ch.message.tool_calls is None and ch.message.content and ch.finish_reason in ("stop", "length")
     # ... and after two turns of calling, it starts a call itself: from the trigger on, the call
     # is constrained, so it parses and validates.
     kw: dict[str, Any] = {"model": "default", "messages": PRIMED, "tools": TOOLS, "tool_choice": "auto",
-                          "max_tokens": 60, "temperature": 0}
+                          "max_tokens": 48, "temperature": 0}
     r = client.chat.completions.create(**kw)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls", ch
