@@ -1,10 +1,10 @@
 """Turns a batch of logits into next tokens, one row per request.
 
 Logit bias first (OpenAI's ``logit_bias``: added to the raw logits), then penalties; whatever
-the caller masked (grammars) stays masked. Greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p and min-p in
-one vectorised pass, then draw with the exponential race (argmax p / E, E ~ Exp(1)), whose
-noise comes from the request's own generator when it has a seed; so a seeded request draws
-the same tokens whatever else shares its batch.
+the caller masked (grammars) stays masked. Greedy rows take the argmax. Sampled rows go through
+temperature, top-k, top-p and min-p in one vectorised pass, then draw with the exponential race
+(argmax p / E, E ~ Exp(1)), whose noise comes from the request's own generator when it has a
+seed; so a seeded request draws the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
