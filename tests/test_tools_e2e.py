@@ -85,10 +85,13 @@ def _same(whole: Any, streamed: list[dict[str, Any]]) -> None:
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
                          ids=["required", "named"])
-def test_forced_calls_parse_and_validate(client: openai.OpenAI, choice: Any) -> None:
+def test_forced_calls_parse_and_validate(client: openai.OpenAI, server: Any, choice: Any) -> None:
     kw: dict[str, Any] = {"model": "default", "messages": ASK, "tools": TOOLS, "tool_choice": choice,
                           "max_tokens": 60, "temperature": 0}
+    before = server.engine_stats()["jump_forward_accepted"]
     r = client.chat.completions.create(**kw)
+    # Jump-forward verified the call's forced text (its opening, key names) in fewer passes.
+    assert server.engine_stats()["jump_forward_accepted"] > before
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls"
     assert ch.message.content is None
