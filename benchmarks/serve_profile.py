@@ -67,13 +67,22 @@ def engine_stats(url: str) -> dict[str, object]:
     return httpx.get(f"{url}/debug/engine", timeout=30).json()  # type: ignore[no-any-return]
 
 
+def _bench_cmd(url: str, c: int, k: int, args: argparse.Namespace, out: str) -> list[str]:
+    return [
+        sys.executable, "-m", "tripod.cli", "bench", "--base-url", url, "--dataset", "random",
+        "--isl", str(args.isl), "--osl", str(args.osl), "--concurrency", str(c),
+        "--prompts-per-concurrency", str(k), "--warmup", "0", "--out", out,
+    ]
+
+
 def run_level(url: str, server_pid: int, engine_pid: int, c: int, args: argparse.Namespace) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as out:
-        cmd = [
-            sys.executable, "-m", "tripod.cli", "bench", "--base-url", url, "--dataset", "random",
-            "--isl", str(args.isl), "--osl", str(args.osl), "--concurrency", str(c),
-            "--prompts-per-concurrency", str(args.k), "--warmup", str(args.warmup), "--out", out,
-        ]
+        if args.warmup:
+            # A separate client first, so that the engine's counters below cover the measured
+            # requests only.
+            subprocess.run(_bench_cmd(url, min(c, args.warmup), 1, args, out), check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cmd = _bench_cmd(url, c, args.k, args, out)
         s0 = engine_stats(url)
         cpu0 = {"engine": cpu_seconds(engine_pid), "http": cpu_seconds(server_pid)}
         t0 = time.perf_counter()

@@ -92,6 +92,64 @@ def test_cache_aware_routing_finds_more_cache_than_round_robin(replicas: list[Se
     assert ca["cached"] > 1.3 * rr["cached"], (ca, rr)
 
 
+def test_tools_and_anthropic_messages_through_the_router(replicas: list[ServerProcess], tmp_path: Path) -> None:
+    """Tool calling (OpenAI) and the Anthropic Messages API through ``tripod route`` in front of two
+    replicas: the same answers as a replica gives, calls that validate, a tool round trip that stays
+    where its conversation is cached, and Anthropic-shaped errors."""
+    import anthropic
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+              "required": ["city"], "additionalProperties": False}
+    router = _router(tmp_path, replicas, "cache_aware")
+    try:
+        oai = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        tools: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]
+        ask: Any = [{"role": "user", "content": "What's the weather in Oslo?"}]
+        r = oai.chat.completions.create(model="default", messages=ask, tools=tools, tool_choice="required",
+                                        max_tokens=40, temperature=0)
+        calls = r.choices[0].message.tool_calls or []
+        assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+        jsonschema.validate(json.loads(calls[0].function.arguments), schema)
+        streamed = "".join(tc.function.arguments or "" for c in oai.chat.completions.create(
+            model="default", messages=ask, tools=tools, tool_choice="required", max_tokens=40, temperature=0,
+            stream=True) for ch in c.choices for tc in ch.delta.tool_calls or [] if tc.function)
+        assert streamed == calls[0].function.arguments
+
+        client = anthropic.Anthropic(base_url=router.url, api_key="none", max_retries=0, timeout=120)
+        direct = anthropic.Anthropic(base_url=replicas[0].url, api_key="none", max_retries=0, timeout=120)
+        q: Any = [{"role": "user", "content": "Name a colour."}]
+        m = client.messages.create(model="default", max_tokens=12, messages=q, extra_body={"temperature": 0})
+        ref = direct.messages.create(model="default", max_tokens=12, messages=q, extra_body={"temperature": 0})
+        assert m.content[0].text == ref.content[0].text  # type: ignore[union-attr]
+        with client.messages.stream(model="default", max_tokens=12, messages=q, extra_body={"temperature": 0}) as st:
+            assert "".join(st.text_stream) == ref.content[0].text  # type: ignore[union-attr]
+        assert client.messages.count_tokens(model="default", messages=q).input_tokens == \
+            direct.messages.count_tokens(model="default", messages=q).input_tokens
+
+        atools: Any = [{"name": "get_weather", "description": "The weather in a city", "input_schema": schema}]
+        first = client.messages.with_raw_response.create(
+            model="default", max_tokens=40, messages=ask, tools=atools, tool_choice={"type": "any"},
+            extra_body={"temperature": 0})
+        home = first.headers["x-tripod-replica"]
+        msg = first.parse()
+        use = next(b for b in msg.content if b.type == "tool_use")
+        assert msg.stop_reason == "tool_use"
+        jsonschema.validate(use.input, schema)
+        history: Any = [*ask, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "-3 C"}]}]
+        second = client.messages.with_raw_response.create(model="default", max_tokens=8, messages=history,
+                                                          tools=atools, extra_body={"temperature": 0})
+        assert second.headers["x-tripod-replica"] == home  # the conversation stays where it is cached
+        assert (second.parse().usage.cache_read_input_tokens or 0) > msg.usage.input_tokens
+
+        bad = httpx.post(router.url + "/v1/messages", json={"model": "default", "max_tokens": 0, "messages": q})
+        assert bad.status_code == 400 and bad.json()["type"] == "error"
+        assert bad.json()["error"]["type"] == "invalid_request_error"
+    finally:
+        assert router.stop() == 0
+
+
 def test_distinct_prefixes_spread_over_replicas(replicas: list[ServerProcess], tmp_path: Path) -> None:
     router = _router(tmp_path, replicas, "cache_aware")
     try:

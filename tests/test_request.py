@@ -16,6 +16,7 @@ BAD_VALUES = [
     ("temperature", math.nan),
     ("temperature", math.inf),
     ("temperature", 101.0),
+    ("temperature", 2.01),  # the server's bound and the engine's are one: [0, 2]
     ("temperature", "1.0"),
     ("top_p", 0.0),
     ("top_p", 1.01),
@@ -54,6 +55,15 @@ BAD_VALUES = [
     ("seed", False),
     ("stop_token_ids", [True]),
     ("temperature", True),
+    ("logit_bias", {5: 100.5}),
+    ("logit_bias", {5: -101}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"5": 1.0}),
+    ("logit_bias", {5: math.nan}),
+    ("logit_bias", [5, 1.0]),
+    ("prompt_logprobs", 21),
+    ("prompt_logprobs", -1),
+    ("prompt_logprobs", True),
 ]
 
 
@@ -69,7 +79,7 @@ def test_absurd_value_raises_naming_the_field(field: str, value: object) -> None
 GOOD_EDGES = [
     ("max_tokens", 1),
     ("temperature", 0.0),
-    ("temperature", 100.0),
+    ("temperature", 2.0),
     ("temperature", 1),  # an int is a number
     ("top_p", 1.0),
     ("top_p", 1e-9),
@@ -87,6 +97,10 @@ GOOD_EDGES = [
     ("logprobs", 20),
     ("n", 128),
     ("priority", -5),
+    ("logit_bias", {5: 100.0, 7: -100.0}),
+    ("logit_bias", {}),
+    ("prompt_logprobs", 0),
+    ("prompt_logprobs", 20),
 ]
 
 

@@ -32,12 +32,12 @@ from starlette.routing import Route
 
 from tripod.config import RouterConfig
 from tripod.router.app import build_router_app
-from tripod.router.router import Router
+from tripod.router.router import Router, render_prompt
 
 T = TypeVar("T")
 MODEL = "stub-model"
 CHAT = [{"role": "user", "content": "Say hi."}]
-STATUS_MODES = {"400": 400, "429": 429, "500": 500, "503": 503}
+STATUS_MODES = {"400": 400, "429": 429, "500": 500, "503": 503, "529": 529}
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -127,6 +127,34 @@ def ok_body(name: str, path: str, n_prompt: int = 5) -> bytes:
     return json.dumps(body, ensure_ascii=False, indent=1).encode()
 
 
+def anthropic_body(name: str, n_prompt: int = 5) -> bytes:
+    body = {"id": f"msg_{name}", "type": "message", "role": "assistant", "model": MODEL,
+            "content": [{"type": "text", "text": f"héllo from {name} ✓"}], "stop_reason": "end_turn",
+            "stop_sequence": None, "usage": {"input_tokens": n_prompt, "output_tokens": 3}}
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+def anthropic_event(name: str, data: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def anthropic_stream_bytes(name: str, cut: bool = False) -> list[bytes]:
+    start = json.loads(anthropic_body(name))
+    start.update(content=[], stop_reason=None)
+    out = [anthropic_event("message_start", {"type": "message_start", "message": start}),
+           anthropic_event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                   "content_block": {"type": "text", "text": ""}})]
+    out += [anthropic_event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                    "delta": {"type": "text_delta", "text": f"{name}#{i} "}})
+            for i in range(3)]
+    if cut:
+        return out[:3]
+    return [*out, anthropic_event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            anthropic_event("message_delta", {"type": "message_delta", "delta": {
+                "stop_reason": "end_turn", "stop_sequence": None}, "usage": {"output_tokens": 3}}),
+            anthropic_event("message_stop", {"type": "message_stop"})]
+
+
 def error_body(name: str, status: int) -> bytes:
     return json.dumps({"error": {"message": f"{name} answers {status} on purpose", "type": "stub_error",
                                  "param": "max_tokens", "code": f"stub_{status}"}}).encode()
@@ -153,6 +181,7 @@ class Stub:
         self.posts = 0
         self.active = 0  # requests inside a handler right now (hold mode)
         self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
         self.streams: list[str] = []
         self.gate = threading.Event()
         self.release = threading.Event()
@@ -161,6 +190,8 @@ class Stub:
             Route("/metrics", self._metrics, methods=["GET"]),
             Route("/v1/chat/completions", self._post, methods=["POST"]),
             Route("/v1/completions", self._post, methods=["POST"]),
+            Route("/v1/messages", self._post, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self._post, methods=["POST"]),
         ])
         self.server = ServerThread(app, lifespan="off")
         self.url = self.server.url
@@ -177,7 +208,9 @@ class Stub:
         self.posts += 1
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         mode = self.mode
+        path = request.url.path
         if mode in STATUS_MODES:
             status = STATUS_MODES[mode]
             headers = {"Retry-After": "7"} if status == 429 else None
@@ -189,10 +222,24 @@ class Stub:
                 await wait_event(self.release, 20)
             finally:
                 self.active -= 1
+        if path == "/v1/messages/count_tokens":
+            return JSONResponse({"input_tokens": prompt_tokens(body)})
+        if path == "/v1/messages":
+            if not body.get("stream"):
+                return Response(anthropic_body(self.name, prompt_tokens(body)), media_type="application/json")
+            return StreamingResponse(self._anthropic_stream(mode), media_type="text/event-stream")
         if not body.get("stream"):
             return Response(ok_body(self.name, request.url.path, prompt_tokens(body)), media_type="application/json",
                             headers={"x-request-id": f"req-{self.name}", "x-stub-only": "1"})
         return StreamingResponse(self._stream(mode), media_type="text/event-stream")
+
+    async def _anthropic_stream(self, mode: str) -> AsyncIterator[bytes]:
+        for piece in anthropic_stream_bytes(self.name, cut=mode == "cut_midstream"):
+            yield piece
+        if mode == "cut_midstream":
+            self.streams.append("cut")
+            raise RuntimeError("stub drops the connection mid-stream (on purpose)")
+        self.streams.append("done")
 
     async def _stream(self, mode: str) -> AsyncIterator[bytes]:
         outcome = "closed"
@@ -640,3 +687,124 @@ def test_cache_aware_keeps_conversations_and_spreads_distinct_ones(make_stub, ma
               for i, t in enumerate(topics)]
     counts = {name: spread.count(name) for name in ("stub-a", "stub-b")}
     assert max(counts.values()) <= 15, counts
+
+
+# ---------------------------------------------------------------------------- the Anthropic routes
+AMSG = [{"role": "user", "content": "Say hi."}]
+
+
+def assert_anthropic_error(r: httpx.Response, status: int, kind: str) -> str:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert body["error"]["type"] == kind and isinstance(body["error"]["message"], str), body
+    return str(body["error"]["message"])
+
+
+def test_anthropic_messages_proxied_with_retries(make_stub, make_router) -> None:
+    import anthropic
+
+    a, b = make_stub("stub-a"), make_stub("stub-b")
+    rs = make_router([a, b])
+    client = anthropic.Anthropic(base_url=rs.url, api_key="the-key", max_retries=0, timeout=10)
+    m = client.messages.create(model=MODEL, max_tokens=5, messages=AMSG)
+    assert m.content[0].type == "text" and m.content[0].text.startswith("héllo from stub-")
+    # The key reaches the replica, whichever header the client used (this SDK sends a Bearer).
+    h = (a.headers + b.headers)[0]
+    assert h.get("x-api-key") == "the-key" or h.get("authorization") == "Bearer the-key"
+    rs.http.post("/v1/messages", json={"model": MODEL, "max_tokens": 5, "messages": AMSG},
+                 headers={"x-api-key": "k2", "anthropic-version": "2023-06-01"})
+    assert any(h.get("x-api-key") == "k2" and h.get("anthropic-version") == "2023-06-01"
+               for h in a.headers + b.headers)
+    with client.messages.stream(model=MODEL, max_tokens=5, messages=AMSG) as s:
+        text = "".join(s.text_stream)
+    assert text in ("stub-a#0 stub-a#1 stub-a#2 ", "stub-b#0 stub-b#1 stub-b#2 ")
+    n = client.messages.count_tokens(model=MODEL, messages=AMSG)
+    assert n.input_tokens == prompt_tokens({"messages": AMSG})
+
+    # A full replica (Anthropic's 529) or a failing one, before the first byte: tried elsewhere.
+    for mode in ("529", "500"):
+        a.mode = mode
+        before = b.posts
+        for _ in range(4):
+            raw = client.messages.with_raw_response.create(model=MODEL, max_tokens=5, messages=AMSG)
+            assert raw.headers["x-tripod-replica"] == "stub-b"
+        assert b.posts == before + 4
+        a.mode = "ok"
+        wait_for(lambda: rs.states()["stub-a"] == "healthy", "stub-a routable again")
+    # Every replica full: 529 overloaded_error in Anthropic's shape, with Retry-After.
+    a.mode = b.mode = "529"
+    with pytest.raises(anthropic.InternalServerError) as info:
+        client.messages.create(model=MODEL, max_tokens=5, messages=AMSG)
+    resp = info.value.response
+    assert assert_anthropic_error(resp, 529, "overloaded_error") and resp.headers["retry-after"] == "1"
+    assert rs.states() == {"stub-a": "healthy", "stub-b": "healthy"}  # full is not failing
+    wait_for(rs.idle, "the router to be idle")
+
+
+def test_anthropic_errors_and_cut_stream_in_anthropic_shape(make_stub, make_router) -> None:
+    a = make_stub("stub-a")
+    rs = make_router([a], max_body_bytes=1024, max_pending=1)
+    headers = {"content-type": "application/json"}
+    assert_anthropic_error(rs.http.post("/v1/messages", content=b'{"model": ', headers=headers), 400,
+                           "invalid_request_error")
+    assert_anthropic_error(rs.http.post("/v1/messages", content=b'"x"', headers=headers), 400,
+                           "invalid_request_error")
+    big = json.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x" * 2000}]})
+    assert_anthropic_error(rs.http.post("/v1/messages", content=big, headers=headers), 413, "request_too_large")
+    assert_anthropic_error(rs.http.post("/v1/messages/nope", json={}), 404, "not_found_error")
+    assert a.posts == 0
+    # The router's own load shedding is a rate limit in Anthropic's terms.
+    a.mode = "hold"
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(rs.http.post, "/v1/messages", json={"model": MODEL, "max_tokens": 5, "messages": AMSG})
+        wait_for(lambda: a.active == 1, "one request held by the stub")
+        r = rs.http.post("/v1/messages", json={"model": MODEL, "max_tokens": 5, "messages": AMSG})
+        assert_anthropic_error(r, 429, "rate_limit_error")
+        a.release.set()
+        assert held.result().status_code == 200
+    a.mode = "cut_midstream"
+    with rs.http.stream("POST", "/v1/messages", json={"model": MODEL, "max_tokens": 5, "messages": AMSG,
+                                                       "stream": True}) as r:
+        raw = b"".join(r.iter_raw()).decode()
+    events = [blk.split("\n", 1) for blk in raw.strip().split("\n\n")]
+    assert [e[0] for e in events][:3] == ["event: message_start", "event: content_block_start",
+                                          "event: content_block_delta"]
+    assert events[-1][0] == "event: error"
+    err = json.loads(events[-1][1].removeprefix("data: "))
+    assert err["type"] == "error" and err["error"]["type"] == "api_error" and "stub-a" in err["error"]["message"]
+    wait_for(rs.idle, "the router to be idle")
+
+
+def test_cache_aware_follows_a_conversation_across_apis(make_stub, make_router) -> None:
+    """A conversation begun as OpenAI chat and continued as Anthropic messages renders to the same
+    text, so it stays where its prefix is cached; count_tokens does not claim a cached prompt."""
+    a, b = make_stub("stub-a"), make_stub("stub-b")
+    rs = make_router([a, b], policy="cache_aware")
+    system = "You are a terse assistant for the tripod tests. " * 3
+    tool = {"name": "lookup", "description": "Look a word up", "input_schema": {"type": "object"}}
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": "Look up 'tripod', please."},
+            {"role": "assistant", "content": "Looking.", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                "name": "lookup", "arguments": '{"word":"tripod"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "a stand with three legs"}]
+    r = rs.http.post("/v1/chat/completions", json={"model": MODEL, "messages": chat, "tools": [
+        {"type": "function", "function": {"name": "lookup", "description": "Look a word up",
+                                          "parameters": {"type": "object"}}}]})
+    home = r.headers["x-tripod-replica"]
+    for turn in range(4):
+        msgs = [{"role": "user", "content": "Look up 'tripod', please."},
+                {"role": "assistant", "content": [{"type": "text", "text": "Looking."},
+                                                  {"type": "tool_use", "id": "c1", "name": "lookup",
+                                                   "input": {"word": "tripod"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
+                                              "content": "a stand with three legs"},
+                                             {"type": "text", "text": f"Thanks! And question {turn}?"}]}]
+        r = rs.http.post("/v1/messages", json={"model": MODEL, "max_tokens": 5, "system": system,
+                                               "tools": [tool], "messages": msgs})
+        assert r.status_code == 200 and r.headers["x-tripod-replica"] == home
+    # count_tokens of a new, long conversation goes somewhere but is not remembered as cached there.
+    long_q = [{"role": "user", "content": "Count me: " + "words " * 200}]
+    r = rs.http.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": long_q})
+    assert r.status_code == 200
+    assert all(rep.tree.match(render_prompt("/v1/messages", {"messages": long_q})) < 20
+               for rep in rs.router.replicas.values())

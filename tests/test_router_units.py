@@ -318,6 +318,32 @@ def test_render_prompt_covers_the_whole_conversation() -> None:
     assert render_prompt("/v1/chat/completions", {"messages": "nonsense"}) == ""
 
 
+def test_render_prompt_same_conversation_same_text_across_apis() -> None:
+    """OpenAI chat and Anthropic messages of one conversation (system, tools, a call, its result)
+    render to the same text, so the prefix tree follows it whichever API continues it."""
+    chat = {"messages": [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U1"},
+        {"role": "assistant", "content": "A1", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"b": 2, "a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "R1"},
+        {"role": "user", "content": "U2"},
+    ], "tools": [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]}
+    messages = {"system": [{"type": "text", "text": "S"}], "messages": [
+        {"role": "user", "content": "U1"},
+        {"role": "assistant", "content": [{"type": "text", "text": "A1"},
+                                          {"type": "tool_use", "id": "c1", "name": "f", "input": {"a": 1, "b": 2}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "R1"},
+                                     {"type": "text", "text": "U2"}]},
+    ], "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}]}
+    text = render_prompt("/v1/chat/completions", chat)
+    assert text == render_prompt("/v1/messages", messages) == render_prompt("/v1/messages/count_tokens", messages)
+    assert text.startswith("<|system|>S\n<|tools|>") and text.endswith("<|tool|>R1\n<|user|>U2\n")
+    # A longer conversation extends the text of the shorter one.
+    shorter = {**messages, "messages": messages["messages"][:2]}
+    assert text.startswith(render_prompt("/v1/messages", shorter))
+
+
 def test_parse_load_reads_tripod_and_vllm_names() -> None:
     page = """# HELP x
 tripod:num_requests_running{model_name="m"} 3.0

@@ -87,6 +87,54 @@ def test_queue_overflow_gives_429_with_retry_after(keyed: ServerProcess) -> None
     assert r.status_code == 200
 
 
+def test_anthropic_auth_by_x_api_key(keyed: ServerProcess) -> None:
+    import anthropic
+
+    body = {"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    for headers in ({}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(f"{keyed.url}/v1/messages", json=body, headers=headers)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
+    bad = anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        bad.messages.create(**body)
+    good = anthropic.Anthropic(base_url=keyed.url, api_key=KEY, max_retries=0)
+    m = good.messages.create(**body)
+    assert m.usage.output_tokens >= 1
+    assert good.messages.count_tokens(model="default", messages=body["messages"]).input_tokens > 0
+    # Either header works on every guarded route; /health stays open.
+    assert httpx.get(f"{keyed.url}/v1/models", headers={"x-api-key": KEY}).status_code == 200
+    assert httpx.get(f"{keyed.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+def test_anthropic_full_server_answers_529_overloaded(keyed: ServerProcess) -> None:
+    """The same full queue as above: Anthropic's 529 overloaded_error, with Retry-After."""
+    body = {"model": "default", "max_tokens": 24, "ignore_eos": True, "stream": True,
+            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+
+    async def main() -> list[tuple[int, str, dict[str, str]]]:
+        async with httpx.AsyncClient(base_url=keyed.url, headers={"x-api-key": KEY}, timeout=120) as c:
+            async def one(i: int) -> tuple[int, str, dict[str, str]]:
+                async with c.stream("POST", "/v1/messages", json=body) as r:
+                    text = "".join([line + "\n" async for line in r.aiter_lines()])
+                    return r.status_code, text, dict(r.headers)
+
+            return await asyncio.gather(*(one(i) for i in range(8)))
+
+    results = asyncio.run(main())
+    codes = sorted(code for code, _, _ in results)
+    assert codes == [200] * 3 + [529] * 5, codes
+    for code, text, headers in results:
+        if code == 529:
+            assert headers["retry-after"] == "1"
+            assert json.loads(text) == {"type": "error", "error": {"type": "overloaded_error",
+                                                                   "message": json.loads(text)["error"]["message"]}}
+        else:
+            assert "event: message_stop" in text and '"stop_reason":"max_tokens"' in text
+    s = keyed.wait_idle()
+    assert s["consistent"] is True and s["kv_pinned"] == 0
+
+
 def test_sigterm_drains_in_flight_then_exits_0(tmp_path: Path) -> None:
     srv = ServerProcess(tmp_path, "--drain-timeout", "60")
     try:

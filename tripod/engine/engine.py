@@ -48,6 +48,8 @@ class StepOutput:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: bool = False
+    # params.prompt_logprobs: set on the request's first output only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -152,6 +154,8 @@ class Engine:
         self._grammars: GrammarBackend | None = None
         # Requests whose grammar is compiling off the loop: (future, copies, submitted at).
         self._compiling: list[tuple[concurrent.futures.Future[Any], list[Req], float]] = []
+        # Requests waiting for their prompt logprobs (params.prompt_logprobs), in arrival order.
+        self._scoring: list[list[Req]] = []
         log.info(
             "tripod engine: model=%s (%s, stored as %s, weights %s) dtype=%s device=%s kv_slots=%d (%.0f MiB) "
             "context=%d compute=%s loaded in %.1fs",
@@ -237,6 +241,7 @@ class Engine:
                 self.grammars.forget(fut)
                 continue
             spec = copies[0].params.grammar
+            assert spec is not None
             error = None
             if fut.done():
                 self.grammars.forget(fut)
@@ -271,7 +276,12 @@ class Engine:
         if overran:
             # The others are queued behind the stuck compile on its thread: move them.
             self.grammars.abandon()
-            still = [(f if f.done() else self.grammars.submit(c[0].params.grammar), c, t) for f, c, t in still]
+            moved = []
+            for f, c, t in still:
+                g = c[0].params.grammar
+                assert g is not None
+                moved.append((f if f.done() else self.grammars.submit(g), c, t))
+            still = moved
         self._compiling = still
 
     def _prepare(
@@ -282,6 +292,11 @@ class Engine:
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         limit = self.max_request_len
         if len(ids) >= limit:
             raise ValueError(
@@ -307,6 +322,11 @@ class Engine:
         return copies
 
     def _enqueue(self, copies: list[Req]) -> None:
+        if copies and copies[0].params.prompt_logprobs is not None and copies[0].prompt_logprobs is None:
+            for req in copies:
+                self._reqs[req.rid] = req
+            self._scoring.append(copies)  # queued once scored (_score_prompts)
+            return
         for req in copies:
             self._reqs[req.rid] = req
             self.scheduler.add(req)
@@ -321,7 +341,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._compiling)
+        return self.scheduler.has_work or bool(self._compiling) or bool(self._scoring)
 
     @property
     def pending(self) -> bool:
@@ -334,6 +354,7 @@ class Engine:
         """Run one forward pass for whatever the scheduler picks; report what changed."""
         t_start = time.perf_counter()
         self._poll_compiles()
+        self._score_prompts()
         outs: list[StepOutput] = []
         # Requests aborted while queued have finished without a step; report them once.
         for r in list(self._reqs.values()):
@@ -343,7 +364,7 @@ class Engine:
         items = self.scheduler.schedule()
         verifying = self._attach_drafts(items)
         if not items:
-            if self._compiling and not outs:
+            if self._compiling and not outs and not self._scoring:
                 # Nothing to run but grammars compiling: wait a little for one, not spin.
                 concurrent.futures.wait([f for f, _, _ in self._compiling], timeout=0.005,
                                         return_when=concurrent.futures.FIRST_COMPLETED)
@@ -420,6 +441,53 @@ class Engine:
                 self._reqs.pop(o.req.rid, None)
         st.bookkeeping_seconds += time.perf_counter() - t3
         return self._deliver(outs)
+
+    # ------------------------------------------------------------------ prompt logprobs
+    def _score_prompts(self) -> None:
+        """Compute the prompt logprobs of the oldest waiting group (one per step, so a long
+        prompt delays the running requests by one prefill at most), then queue it."""
+        while self._scoring:
+            live = [r for r in self._scoring[0] if not r.finished]
+            if not live:  # aborted while waiting: step() reports it
+                self._scoring.pop(0)
+                continue
+            if not self._score(live[0]):
+                return  # no scratch KV yet: try again next step, keeping the order
+            self._scoring.pop(0)
+            for r in live[1:]:
+                r.prompt_logprobs = live[0].prompt_logprobs
+            self._enqueue(live)
+            return
+
+    def _score(self, req: Req) -> bool:
+        """``req.prompt_logprobs`` from a separate forward over the prompt into scratch KV
+        slots (freed at once); False when the slots are not to be had now."""
+        ids = req.prompt_ids
+        alloc = self.pool.allocator
+        if alloc.num_free < len(ids):
+            self.cache.evict(len(ids) - alloc.num_free)
+        slots = alloc.alloc(len(ids))
+        if slots is None:
+            return False
+        k = req.params.prompt_logprobs or 0
+        out: list[TokenLogprob | None] = [None]  # the first token has no context to score it
+        try:
+            for s, logits in self.runner.prompt_logits(ids, slots, self.config.chunk_size):
+                m = min(logits.shape[0], len(ids) - 1 - s)  # rows that predict a prompt token
+                if m <= 0:
+                    continue
+                lp = torch.log_softmax(logits[:m], dim=-1)
+                target = torch.tensor(ids[s + 1 : s + 1 + m], device=lp.device)
+                chosen = lp.gather(1, target.unsqueeze(1)).squeeze(1).tolist()
+                tops: list[list[tuple[int, float]]] = [[] for _ in range(m)]
+                if k:
+                    vals, idx = lp.topk(k, dim=-1)
+                    tops = [list(zip(i, v, strict=True)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True)]
+                out.extend(TokenLogprob(ids[s + 1 + j], chosen[j], tops[j]) for j in range(m))
+        finally:
+            alloc.free(slots)
+        req.prompt_logprobs = out
+        return True
 
     # ------------------------------------------------------------------ jump-forward
     # When the grammar forces a continuation (a key name, punctuation), its tokens are proposed
@@ -506,6 +574,10 @@ class Engine:
     def _deliver(self, outs: list[StepOutput]) -> list[StepOutput]:
         """File each output in its stream's inbox (if one is listening); free idle memory."""
         for o in outs:
+            r = o.req
+            if r.prompt_logprobs is not None and not r.prompt_logprobs_reported:
+                o.prompt_logprobs = r.prompt_logprobs
+                r.prompt_logprobs_reported = True
             box = self._inboxes.get(o.req.rid)
             if box is not None:
                 box.append(o)
@@ -602,6 +674,7 @@ class Engine:
                         cached_tokens=r.cached_tokens,
                         logprobs=o.new_logprobs or None,
                         error=r.error,
+                        prompt_logprobs=o.prompt_logprobs,
                     )
         finally:
             for rid, r in mine.items():
@@ -621,6 +694,7 @@ class Engine:
             logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
             index=r.index,
             error=r.error,
+            prompt_logprobs=r.prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ checks

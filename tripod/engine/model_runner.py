@@ -9,6 +9,7 @@ Knows nothing of queues or sampling.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -275,3 +276,35 @@ class ModelRunner:
         ``verify`` item) and the sampling items in row order."""
         batch, sampling = self.build_batch(items)
         return self.run(batch), sampling
+
+    def prompt_logits(self, ids: list[int], slots: list[int], chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """Score a prompt: a forward of its own, outside any step, over ``ids`` in chunks of
+        ``chunk`` tokens, writing K/V into ``slots`` (scratch slots the caller owns and frees).
+        Yields ``(start, logits)``: float32 logits at every position of ``ids[start:start + n]``
+        (row j predicts token ``start + j + 1``)."""
+        # NOTE: prompt logprobs need logits at every prompt position, which a step's prefill
+        # never computes (and a cached prefix is never recomputed); this separate pass keeps
+        # the step path untouched.
+        assert len(slots) >= len(ids)
+        dev = self.device
+        for s in range(0, len(ids), chunk):
+            n = min(chunk, len(ids) - s)
+            if s == 0:
+                seg = PrefillSegment(0, n, 0, None, None)
+            else:
+                kv = torch.tensor(slots[: s + n], dtype=torch.long, device=dev)
+                q_pos = torch.arange(s, s + n, device=dev).unsqueeze(1)
+                k_pos = torch.arange(s + n, device=dev).unsqueeze(0)
+                seg = PrefillSegment(0, n, s, kv, k_pos <= q_pos)
+            batch = ForwardBatch(
+                input_ids=torch.tensor(ids[s : s + n], dtype=torch.long, device=dev),
+                positions=torch.arange(s, s + n, dtype=torch.long, device=dev),
+                out_slots=torch.tensor(slots[s : s + n], dtype=torch.long, device=dev),
+                num_decode=0,
+                decode_kv_idx=None,
+                decode_mask=None,
+                prefills=[seg],
+                logits_idx=torch.arange(n, dtype=torch.long, device=dev),
+                form=self.form,  # the projections as the steps run them (attention: torch path)
+            )
+            yield s, self.model(batch, self.pool)

@@ -16,7 +16,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tripod.engine.radix_cache import TreeNode
 
-_MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20
+# The bounds of every sampling parameter, in one place: the server checks requests against these
+# (``server/sampling.py`` builds a ``SamplingParams``, so it runs this very validation) and the
+# engine accepts exactly the same values.
+TEMPERATURE_MAX = 2.0
+PENALTY_RANGE = (-2.0, 2.0)  # frequency_penalty, presence_penalty (OpenAI's range)
+REPETITION_PENALTY_MAX = 10.0
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range
+MAX_LOGIT_BIAS = 1024  # entries per request
+MAX_N = 128
+
+GRAMMAR_KINDS = ("json", "regex", "ebnf", "choice", "structural_tag")
 
 
 class FinishReason(enum.StrEnum):
@@ -27,13 +38,44 @@ class FinishReason(enum.StrEnum):
     REJECTED = "rejected"  # the request itself is invalid (e.g. its grammar); ``Req.error`` says why
 
 
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """What the output must match. ``json``: ``value`` is a JSON schema (text), or "" for any
+    JSON object; ``regex``/``ebnf``: the pattern/grammar text; ``choice``: a JSON list of strings;
+    ``structural_tag``: an XGrammar structural tag (JSON text), e.g. free text with tool calls
+    whose bodies follow their schemas once their trigger appears."""
+
+    kind: str
+    value: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)} (got {self.kind!r})")
+        if not isinstance(self.value, str):
+            raise ValueError(f"grammar value must be a string (got {type(self.value).__name__})")
+
+
+class SamplingParamError(ValueError):
+    """A sampling parameter out of its bounds. ``param`` names the field, ``why`` says what it
+    must be; the message is ``"<param> <why> (got <value>)"``."""
+
+    def __init__(self, param: str, why: str, value: Any) -> None:
+        super().__init__(f"{param} {why} (got {value!r})")
+        self.param = param
+        self.why = why
+        self.value = value
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop. Validated on construction.
 
     ``temperature == 0`` means greedy. ``top_k == -1`` (or 0) disables top-k. Penalties follow
     OpenAI (``frequency_penalty``/``presence_penalty`` on generated tokens) and HF
-    (``repetition_penalty`` on prompt and generated tokens).
+    (``repetition_penalty`` on prompt and generated tokens). ``logit_bias`` (token id → bias in
+    [-100, 100]) is added to the logits before anything else, as OpenAI defines it.
+    ``prompt_logprobs`` (k >= 0) asks for the logprob of every prompt token (the first has none)
+    with the top-k alternatives at each position.
     """
 
     max_tokens: int = 16
@@ -50,46 +92,54 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     priority: int = 0  # higher is served first
-    # A ``structured.GrammarSpec``: the output must match it (None: unconstrained).
-    grammar: Any = None
+    # The output must match it (None: unconstrained).
+    grammar: GrammarSpec | None = None
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why} (got {getattr(self, name)!r})")
+        def bad(name: str, why: str) -> SamplingParamError:
+            return SamplingParamError(name, why, getattr(self, name))
+
+        def in_range(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            if not _finite(v) or v < lo or v > hi or (lo_open and v == lo):
+                raise bad(name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
-        if not _finite(self.temperature) or not 0.0 <= self.temperature <= 100.0:
-            raise bad("temperature", "must be between 0 and 100")
-        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
+        in_range("temperature", 0.0, TEMPERATURE_MAX)
+        in_range("top_p", 0.0, 1.0, lo_open=True)
         if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", "must be -1 (disabled), 0 (disabled) or a positive integer")
-        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be in [0, 1]")
-        if not _finite(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
-            raise bad("repetition_penalty", "must be in (0, 10]")
-        for name in ("frequency_penalty", "presence_penalty"):
-            v = getattr(self, name)
-            if not _finite(v) or not -2.0 <= v <= 2.0:
-                raise bad(name, "must be between -2 and 2")
+        in_range("min_p", 0.0, 1.0)
+        in_range("repetition_penalty", 0.0, REPETITION_PENALTY_MAX, lo_open=True)
+        in_range("frequency_penalty", *PENALTY_RANGE)
+        in_range("presence_penalty", *PENALTY_RANGE)
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", "must be an integer")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= _MAX_TOP_LOGPROBS
-        ):
-            raise bad("logprobs", f"must be an integer between 0 and {_MAX_TOP_LOGPROBS}")
-        if not _is_int(self.n) or not 1 <= self.n <= 128:
-            raise bad("n", "must be an integer between 1 and 128")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_TOP_LOGPROBS):
+                raise bad(name, f"must be an integer between 0 and {MAX_TOP_LOGPROBS}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer between 1 and {MAX_N}")
+        if not isinstance(self.stop_token_ids, list) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if not _is_int(self.priority):
             raise bad("priority", "must be an integer")
-        if self.grammar is not None:
-            from tripod.engine.structured import GrammarSpec
-
-            if not isinstance(self.grammar, GrammarSpec):
-                raise bad("grammar", "must be a GrammarSpec or None")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise bad("grammar", "must be a GrammarSpec or None")
+        if self.logit_bias is not None:
+            lb = self.logit_bias
+            if not isinstance(lb, dict) or len(lb) > MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            lo, hi = LOGIT_BIAS_RANGE
+            for k, v in lb.items():
+                if not _is_int(k) or k < 0:
+                    raise bad("logit_bias", "keys must be token ids (non-negative integers)")
+                if not _finite(v) or not lo <= v <= hi:
+                    raise bad("logit_bias", f"values must be in [{lo:g}, {hi:g}]")
 
     @property
     def greedy(self) -> bool:
@@ -166,6 +216,10 @@ class Req:
     matcher: Any = None
     # Jump-forward: grammar-forced tokens to verify in the next forward pass.
     draft: list[int] = field(default_factory=list)
+    # params.prompt_logprobs: one entry per prompt token (None for the first), computed before
+    # the request is queued and reported with its first output.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_reported: bool = False
 
     @property
     def all_ids(self) -> list[int]:
@@ -203,6 +257,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     index: int = 0
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs
 
     @property
     def prompt_tokens(self) -> int:
@@ -225,3 +280,4 @@ class StreamDelta:
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first delta

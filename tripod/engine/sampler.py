@@ -1,9 +1,10 @@
 """Turns a batch of logits into next tokens, one row per request.
 
-Greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p and min-p in
-one vectorised pass, then draw with the exponential race (argmax p / E, E ~ Exp(1)), whose
-noise comes from the request's own generator when it has a seed; so a seeded request draws
-the same tokens whatever else shares its batch.
+Logit bias first (OpenAI's ``logit_bias``: added to the raw logits), then penalties; whatever
+the caller masked (grammars) stays masked. Greedy rows take the argmax. Sampled rows go through
+temperature, top-k, top-p and min-p in one vectorised pass, then draw with the exponential race
+(argmax p / E, E ~ Exp(1)), whose noise comes from the request's own generator when it has a
+seed; so a seeded request draws the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ class Sampler:
         """``logits`` float32 ``[len(reqs), V]``; ``masks`` optional bool ``[len(reqs), V]``
         (True = allowed) from the structured-outputs layer."""
         assert logits.shape[0] == len(reqs)
-        if any(r.params.needs_penalties for r in reqs):
+        biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
+        if biased or any(r.params.needs_penalties for r in reqs):
             logits = logits.clone()
+            for i in biased:
+                _apply_bias(logits[i], reqs[i])
             for i, r in enumerate(reqs):
                 if r.params.needs_penalties:
                     _apply_penalties(logits[i], r)
@@ -111,6 +115,15 @@ class Sampler:
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
         return (probs / noise).argmax(dim=-1)
+
+
+def _apply_bias(row: torch.Tensor, req: Req) -> None:
+    bias = req.params.logit_bias
+    assert bias
+    ids = torch.tensor(list(bias.keys()), device=row.device)
+    vals = torch.tensor(list(bias.values()), dtype=row.dtype, device=row.device)
+    # NOTE: a masked (-inf) logit stays -inf whatever its bias: a grammar is never broken.
+    row.index_add_(0, ids, vals)
 
 
 def _apply_penalties(row: torch.Tensor, req: Req) -> None:

@@ -1,7 +1,8 @@
 """Structured outputs: grammar specs, the XGrammar compile cache, per-request matchers, masks.
 
 A request's ``SamplingParams.grammar`` is a ``GrammarSpec`` (JSON schema, any JSON, regex,
-EBNF or a list of choices). ``GrammarBackend`` compiles specs with XGrammar against the model's
+EBNF, a list of choices, or an XGrammar structural tag: the server's tool calling uses one, free
+text until a trigger such as ``<tool_call>``, then a call whose arguments follow its schema). ``GrammarBackend`` compiles specs with XGrammar against the model's
 tokenizer, in a worker thread (XGrammar releases the GIL, so the engine loop keeps stepping) and
 with a cache keyed by the spec. Each request copy then owns a ``GrammarMatcher``; before sampling,
 the rows of constrained requests get their token bitmask applied to the logits in one call, and
@@ -17,29 +18,17 @@ import logging
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from tripod.engine.request import GRAMMAR_KINDS, GrammarSpec
+
 log = logging.getLogger(__name__)
 
-KINDS = ("json", "regex", "ebnf", "choice")
+KINDS = GRAMMAR_KINDS
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-
-
-@dataclass(frozen=True, slots=True)
-class GrammarSpec:
-    """What the output must match. ``json``: ``value`` is a JSON schema (text), or "" for any
-    JSON object; ``regex``/``ebnf``: the pattern/grammar text; ``choice``: a JSON list of strings."""
-
-    kind: str
-    value: str
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"grammar kind must be one of {', '.join(KINDS)} (got {self.kind!r})")
 
 
 class GrammarError(ValueError):
@@ -116,15 +105,33 @@ class GrammarBackend:
                 out = self.compiler.compile_regex(spec.value)
             elif spec.kind == "ebnf":
                 out = self.compiler.compile_grammar(spec.value)
+            elif spec.kind == "structural_tag":
+                out = self.compiler.compile_structural_tag(json.dumps(self._tight_json(json.loads(spec.value))))
             else:
                 out = self.compiler.compile_grammar(choice_ebnf(json.loads(spec.value)))
         except (RuntimeError, ValueError, TypeError) as e:
-            what = {"json": "JSON schema", "regex": "regex", "ebnf": "grammar", "choice": "choice list"}[spec.kind]
+            what = {"json": "JSON schema", "regex": "regex", "ebnf": "grammar", "choice": "choice list",
+                    "structural_tag": "tool or structural tag definition"}[spec.kind]
             msg = _XGR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
             raise GrammarError(f"invalid {what}: {msg}") from None
         self.compiles += 1
         log.debug("compiled %s constraint in %.1f ms", spec.kind, (time.perf_counter() - t0) * 1e3)
         return out
+
+    def _tight_json(self, node: Any) -> Any:
+        """A structural tag with each ``json_schema`` format replaced by the grammar of that schema
+        without free whitespace (``any_whitespace=False``, strict), as plain JSON-schema
+        constraints compile here: no whitespace runaway, and long forced runs for jump-forward."""
+        if isinstance(node, list):
+            return [self._tight_json(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+            schema = node.get("json_schema")
+            text = json.dumps(schema if isinstance(schema, dict) else {})
+            grammar = self.xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+            return {"type": "grammar", "grammar": str(grammar)}
+        return {k: self._tight_json(v) for k, v in node.items()}
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_ids)

@@ -1,8 +1,10 @@
-"""The router's HTTP face: the same OpenAI routes as a server, plus /fleet (the replica table).
+"""The router's HTTP face: the same OpenAI and Anthropic routes as a server, plus /fleet (the
+replica table).
 
-``/v1/chat/completions``, ``/v1/completions``, ``/tokenize``, ``/detokenize`` are proxied to the
-replica the policy picks; ``/v1/models`` to any routable replica. ``/health`` is 200 while at least
-one replica is routable. ``/metrics`` is the router's own Prometheus page.
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/messages``, ``/v1/messages/count_tokens``,
+``/tokenize``, ``/detokenize`` are proxied to the replica the policy picks; ``/v1/models`` to any
+routable replica. ``/health`` is 200 while at least one replica is routable. ``/metrics`` is the
+router's own Prometheus page. The router's own errors on ``/v1/messages`` take Anthropic's shape.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tripod.router.replica import Replica
-from tripod.router.router import Router, RouterError
+from tripod.router.router import Router, RouterError, is_anthropic
 
 log = logging.getLogger("tripod.router")
 
-_PROXIED = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
+_PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
+            "/detokenize")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -58,7 +61,7 @@ def build_router_app(router: Router, lifespan: Any = None,
             try:
                 resp = await fn(request)
             except RouterError as e:
-                resp = e.response()
+                resp = e.response(anthropic=is_anthropic(request.url.path))
             metrics.http_requests.labels(route, str(resp.status_code)).inc()
             return resp
         return handler
@@ -93,7 +96,7 @@ def build_router_app(router: Router, lifespan: Any = None,
         for _ in range(router.config.max_retries + 1):
             rep = (await router.pick(router.route_request("", {}), tried)).replica
             tried.add(rep)
-            headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+            headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-api-key")}
             try:
                 r = await router.probe_client.get(rep.url + request.url.path, headers=headers)
             except httpx.HTTPError as e:
@@ -136,10 +139,11 @@ def build_router_app(router: Router, lifespan: Any = None,
         Route("/fleet", fleet, methods=["GET"]),
     ]
 
-    async def not_found(_: Request, e: Exception) -> Response:
+    async def not_found(request: Request, e: Exception) -> Response:
         code = e.status_code if isinstance(e, HTTPException) else 500
-        msg = {404: "no such route; see /v1/models, /v1/chat/completions, /v1/completions, /fleet",
+        msg = {404: "no such route; see /v1/models, /v1/chat/completions, /v1/completions, /v1/messages, /fleet",
                405: "this method is not allowed on this route"}.get(code, "internal error")
-        return RouterError(code, msg, "not_found" if code == 404 else "bad_method").response()
+        return RouterError(code, msg, "not_found" if code == 404 else "bad_method").response(
+            anthropic=is_anthropic(request.url.path))
 
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: not_found})

@@ -1,6 +1,7 @@
 """The router's core: the replica set, routing, health, and proxying one request.
 
-A request is parsed only far enough to render its prompt (the whole conversation) for the policy;
+A request is parsed only far enough to render its prompt (the whole conversation, the same text
+whether it came as OpenAI chat or as Anthropic messages) for the policy;
 its bytes go to the replica unchanged and the answer comes back unchanged (a stream chunk by chunk,
 never buffered). Failures before the first byte of an answer are retried on another replica; a
 stream cut after its first chunk ends with an error event, never a silent second answer.
@@ -31,7 +32,18 @@ from tripod.router.replicas import ReplicaProcess
 log = logging.getLogger("tripod.router")
 
 # A replica answering one of these has not started an answer: another replica may serve it.
-_RETRYABLE = {429, 500, 502, 503, 504}
+_RETRYABLE = {429, 500, 502, 503, 504, 529}
+_FULL = {429, 529}  # a replica at capacity (529: Anthropic's overloaded_error)
+# Requests whose prompt the replica caches (others, like count_tokens, only use it for the choice).
+_GENERATING = {"/v1/chat/completions", "/v1/completions", "/v1/messages"}
+# Anthropic's error types by status; other statuses are api_error.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
+                    529: "overloaded_error"}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 _HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
                 "proxy-authorization", "proxy-connection", "accept-encoding"}
 _PASS_BACK = ("content-type", "retry-after", "x-request-id", "cache-control")
@@ -41,33 +53,117 @@ _DEFAULT_OUTPUT = 256  # output budget counted into load when a request names no
 class RouterError(Exception):
     """An answer the router gives itself, as an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, code: str, retry_after: int | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str, retry_after: int | None = None,
+                 anthropic_status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.retry_after = retry_after
+        self.anthropic_status = anthropic_status or status  # e.g. 529 where OpenAI's side says 429
 
-    def response(self) -> Response:
+    def response(self, anthropic: bool = False) -> Response:
+        """The error in OpenAI's shape, or in Anthropic's (for ``/v1/messages``)."""
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        if anthropic:
+            status = self.anthropic_status
+            err = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"),
+                                              "message": self.message}}
+            return Response(json.dumps(err), status_code=status, media_type="application/json", headers=headers)
         kind = "invalid_request_error" if self.status < 500 and self.status != 429 else "server_error"
         body = {"error": {"message": self.message, "type": kind, "param": None, "code": self.code}}
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
         return Response(json.dumps(body), status_code=self.status, media_type="application/json", headers=headers)
+
+
+def _args(value: Any) -> str:
+    """A call's arguments in one canonical layout (OpenAI sends JSON text, Anthropic an object)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return value
+    return json.dumps(value, sort_keys=True)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content
+                       if isinstance(p, dict) and p.get("type", "text") == "text")
+    return content if isinstance(content, str) else ""
+
+
+def _turn(role: str, content: str, calls: list[tuple[str, str]] | None = None) -> str:
+    return f"<|{role}|>{content}" + "".join(f"<|call|>{n}{a}" for n, a in calls or []) + "\n"
+
+
+def _tools_text(tools: Any) -> str:
+    if not isinstance(tools, list) or not tools:
+        return ""
+    canon = []
+    for t in tools:
+        if not isinstance(t, dict):
+            continue
+        fn = t["function"] if isinstance(t.get("function"), dict) else t  # OpenAI nests it, Anthropic not
+        canon.append([fn.get("name"), fn.get("description"), fn.get("parameters", fn.get("input_schema"))])
+    return "<|tools|>" + json.dumps(canon, sort_keys=True) + "\n"
+
+
+def _chat_text(body: dict[str, Any]) -> str:
+    out = []
+    msgs = [m for m in body.get("messages") or [] if isinstance(m, dict)]
+    # A chat template puts the system message first, and the tools with it (or in it).
+    if msgs and msgs[0].get("role") in ("system", "developer"):
+        out.append(_turn("system", _text(msgs.pop(0).get("content"))))
+    out.append(_tools_text(body.get("tools")))
+    for m in msgs:
+        calls = [(str(c["function"].get("name")), _args(c["function"].get("arguments")))
+                 for c in m.get("tool_calls") or [] if isinstance(c, dict) and isinstance(c.get("function"), dict)]
+        out.append(_turn(str(m.get("role", "")), _text(m.get("content")), calls))
+    return "".join(out)
+
+
+def _messages_text(body: dict[str, Any]) -> str:
+    """An Anthropic conversation as the same text as its OpenAI equivalent: system first, text
+    blocks as content, tool_use blocks as calls, each tool_result block as a tool message."""
+    out = []
+    system = _text(body.get("system"))
+    if system:
+        out.append(_turn("system", system))
+    out.append(_tools_text(body.get("tools")))
+    for m in body.get("messages") or []:
+        if not isinstance(m, dict):
+            continue
+        role, content = str(m.get("role", "")), m.get("content")
+        if not isinstance(content, list):
+            out.append(_turn(role, _text(content)))
+            continue
+        text: list[str] = []
+        calls: list[tuple[str, str]] = []
+        for b in content:
+            if not isinstance(b, dict):
+                continue
+            if b.get("type") == "tool_result":
+                if text:
+                    out.append(_turn(role, "".join(text)))
+                    text = []
+                out.append(_turn("tool", _text(b.get("content"))))
+            elif b.get("type") == "tool_use":
+                calls.append((str(b.get("name")), _args(b.get("input") or {})))
+            else:
+                text.append(_text([b]))
+        if text or calls:
+            out.append(_turn(role, "".join(text), calls))
+    return "".join(out)
 
 
 def render_prompt(path: str, body: dict[str, Any]) -> str:
     """The text a replica's prefix cache would hold for this request: every message of a chat (role
-    and content, in order), or a completion's prompt (the first one of a batch)."""
+    and content, tool calls and results, in order; the same text for OpenAI chat and Anthropic
+    messages), or a completion's prompt (the first one of a batch)."""
     if path.endswith("chat/completions"):
-        out = []
-        for m in body.get("messages") or []:
-            if not isinstance(m, dict):
-                continue
-            content = m.get("content")
-            if isinstance(content, list):
-                content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            out.append(f"<|{m.get('role', '')}|>{content if content is not None else ''}\n")
-        return "".join(out)
+        return _chat_text(body)
+    if is_anthropic(path):
+        return _messages_text(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt:
         prompt = prompt[0] if not isinstance(prompt[0], int) else prompt
@@ -278,7 +374,7 @@ class Router:
         finally:
             self.queue_depth -= 1
 
-    def _begin(self, d: Decision, rr: RouteRequest, retry: bool) -> _Flight:
+    def _begin(self, d: Decision, rr: RouteRequest, retry: bool, caches: bool = True) -> _Flight:
         rep = d.replica
         share = d.matched_chars / max(len(rr.text), 1)
         cached = rr.prompt_tokens * share
@@ -288,7 +384,8 @@ class Router:
         rep.routed += 1
         rep.est_prompt_tokens += rr.prompt_tokens
         rep.est_cached_tokens += cached
-        rep.tree.insert(rr.text, self.clock())
+        if caches:  # the replica will hold this prompt in its prefix cache
+            rep.tree.insert(rr.text, self.clock())
         self.avg_request_tokens += 0.05 * (rr.prompt_tokens + rr.output_tokens - self.avg_request_tokens)
         self.metrics.routed.labels(rep.name, "retry" if retry else d.reason).inc()
         self.metrics.est_prompt.labels(rep.name).inc(rr.prompt_tokens)
@@ -309,6 +406,8 @@ class Router:
         try:
             usage = json.loads(content).get("usage") or {}
             tokens = int(usage.get("prompt_tokens") or 0)
+            if not tokens:  # Anthropic's accounting: uncached + read from the cache
+                tokens = int(usage.get("input_tokens") or 0) + int(usage.get("cache_read_input_tokens") or 0)
         except (ValueError, AttributeError, TypeError):
             return
         if tokens > 0 and len(rr.text) > 0:
@@ -337,10 +436,10 @@ class Router:
         try:
             for attempt in range(cfg.max_retries + 1):
                 # After a 429 only replicas routable right now are worth trying: waiting would not help.
-                d = await self.pick(rr, tried, wait=last is None or last[0] != 429)
+                d = await self.pick(rr, tried, wait=last is None or last[0] not in _FULL)
                 rep = d.replica
                 tried.add(rep)
-                flight = self._begin(d, rr, retry=attempt > 0)
+                flight = self._begin(d, rr, retry=attempt > 0, caches=path in _GENERATING)
                 outcome = await self._attempt(flight, path, raw, send_headers, stream, rr)
                 if isinstance(outcome, Response):
                     handed_off = stream and outcome.status_code == 200
@@ -358,8 +457,9 @@ class Router:
                 self.pending -= 1
         assert last is not None
         status, why, name = last
-        if status == 429:
-            raise RouterError(429, "every replica tried is at capacity; retry later", "overloaded", cfg.retry_after)
+        if status in _FULL:
+            raise RouterError(429, "every replica tried is at capacity; retry later", "overloaded", cfg.retry_after,
+                              anthropic_status=529)
         raise RouterError(502 if status else 503, f"the request failed on {len(tried)} replica(s), last on {name}: "
                           f"{why}; retry shortly", "replica_failed", cfg.retry_after)
 
@@ -377,12 +477,13 @@ class Router:
                 text = (await resp.aread()).decode(errors="replace")[:300]
                 # A full replica (429, or 503 with tripod's "overloaded" code under
                 # --overload-status 503) is healthy: try another, but keep routing to it.
-                full = resp.status_code == 429 or '"overloaded"' in text
+                full = resp.status_code in _FULL or '"overloaded"' in text
                 if not full:
                     rep.failures += 1
                     # NOTE: a 503 (draining, engine dead) asks for nothing more: out of rotation now.
                     self.record_failure(rep, f"answered {resp.status_code}", fatal=resp.status_code == 503)
-                return 429 if full else resp.status_code, f"{rep.name} answered {resp.status_code}: {text}", rep.name
+                return (resp.status_code if resp.status_code in _FULL else 429) if full else resp.status_code, \
+                    f"{rep.name} answered {resp.status_code}: {text}", rep.name
             back = {k: v for k, v in resp.headers.items() if k.lower() in _PASS_BACK}
             back["x-tripod-replica"] = rep.name
             if not stream or resp.status_code != 200:
@@ -398,7 +499,7 @@ class Router:
             self.record_success(rep)
             upstream = resp
             handed_off = True  # the stream owns the flight and the upstream response now
-            return ClosingStream(self._relay(f, it, first), headers=back,
+            return ClosingStream(self._relay(f, it, first, is_anthropic(path)), headers=back,
                                   on_close=lambda: self._close_stream(f, upstream))
         except (httpx.HTTPError, StopAsyncIteration) as e:
             rep.failures += 1
@@ -410,7 +511,8 @@ class Router:
                 if resp is not None:
                     await resp.aclose()
 
-    async def _relay(self, f: _Flight, it: AsyncIterator[bytes], first: bytes) -> AsyncIterator[bytes]:
+    async def _relay(self, f: _Flight, it: AsyncIterator[bytes], first: bytes,
+                     anthropic: bool = False) -> AsyncIterator[bytes]:
         rep = f.replica
         yield first
         sent = 1
@@ -423,11 +525,14 @@ class Router:
             self.metrics.stream_failures.labels(rep.name).inc()
             self.record_failure(rep, f"stream cut: {type(e).__name__}")
             log.warning("stream from %s cut after %d chunks: %s", rep.name, sent, e)
-            body = {"error": {
-                "message": f"the replica serving this stream ({rep.name}) failed after the answer had started "
-                           f"({type(e).__name__}); the answer is incomplete. It was not retried elsewhere, so no "
-                           "part of it is duplicated: send the request again.",
-                "type": "server_error", "param": None, "code": "replica_failed"}}
+            why = (f"the replica serving this stream ({rep.name}) failed after the answer had started "
+                   f"({type(e).__name__}); the answer is incomplete. It was not retried elsewhere, so no "
+                   "part of it is duplicated: send the request again.")
+            if anthropic:  # Anthropic's stream error event
+                err = {"type": "error", "error": {"type": "api_error", "message": why}}
+                yield b"event: error\ndata: " + json.dumps(err).encode() + b"\n\n"
+                return
+            body = {"error": {"message": why, "type": "server_error", "param": None, "code": "replica_failed"}}
             yield b"data: " + json.dumps(body).encode() + b"\n\n"
 
     def _close_stream(self, f: _Flight, resp: httpx.Response) -> None:

@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from tripod.config import EngineConfig, ServerConfig
+from tripod.engine.request import SamplingParams
 from tripod.server import ipc
 
 log = logging.getLogger("tripod.server")
@@ -47,8 +48,7 @@ class EnginePart:
 
     rid: str
     prompt_ids: list[int]
-    params: dict[str, Any]
-    grammar: dict[str, str] | None = None  # structured outputs: GrammarSpec fields
+    params: SamplingParams  # built and validated once, here in the HTTP process
 
 
 class RequestHandle:
@@ -360,7 +360,7 @@ class EngineClient:
             self._handles[p.rid] = h
         self.inflight += seqs
         for p in parts:
-            self._send(ipc.AddRequest(p.rid, p.prompt_ids, p.params, p.grammar))
+            self._send(ipc.AddRequest(p.rid, p.prompt_ids, p.params))
         return h
 
     async def engine_stats(self, timeout: float = 10.0) -> dict[str, Any]:

@@ -125,7 +125,11 @@ class EngineLoop:
                 raw = self.pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            msg = ipc.decode(raw)
+            try:
+                msg = ipc.decode(raw)
+            except ipc.InvalidAddRequest as e:
+                self._reject(e.rid, e.n, str(e))
+                continue
             if isinstance(msg, ipc.AddRequest):
                 self._add(msg)
             elif isinstance(msg, ipc.AbortRequest):
@@ -138,20 +142,17 @@ class EngineLoop:
                 raise AssertionError(f"unexpected message {msg!r}")
 
     def _add(self, msg: ipc.AddRequest) -> None:
-        from tripod.engine.request import SamplingParams
-
         try:
-            from tripod.engine.structured import GrammarSpec
-
-            grammar = GrammarSpec(**msg.grammar) if msg.grammar is not None else None
-            params = SamplingParams(**msg.params, grammar=grammar)
-            self.engine.add_request(msg.prompt_ids, params, request_id=msg.rid)
+            self.engine.add_request(msg.prompt_ids, msg.params, request_id=msg.rid)
         except ValueError as e:
-            # The server validates first; this is the backstop so a request is never lost.
-            n = int(msg.params.get("n", 1) or 1)
-            self.push.send(ipc.encode(ipc.Outputs([
-                ipc.SeqOutput(msg.rid, i, [], [], "rejected", 0, str(e)) for i in range(n)
-            ])))
+            # The server validates first (with the same SamplingParams); this is the backstop so
+            # a request is never lost.
+            self._reject(msg.rid, msg.params.n, str(e))
+
+    def _reject(self, rid: str, n: int, why: str) -> None:
+        self.push.send(ipc.encode(ipc.Outputs([
+            ipc.SeqOutput(rid, i, [], [], "rejected", 0, why) for i in range(n)
+        ])))
 
     def _send_outputs(self, outs: list[Any]) -> None:
         items = []
@@ -165,6 +166,10 @@ class EngineLoop:
                 finish_reason=r.finish_reason.value if o.finished and r.finish_reason else None,  # "rejected": 400
                 cached_tokens=r.cached_tokens,
                 error=r.error,
+                prompt_logprobs=None if o.prompt_logprobs is None else [
+                    [lp.token_id, lp.logprob, [list(t) for t in lp.top]] if lp is not None else [r.prompt_ids[0], None, []]
+                    for lp in o.prompt_logprobs
+                ],
             ))
         if items:
             self.push.send(ipc.encode(ipc.Outputs(items)))

@@ -29,6 +29,8 @@ class Delta:
     token_ids: list[int]
     logprobs: list[list[Any]]  # [id, logprob, [[id, logprob], ...]] per token
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended the sequence, if one did
+    prompt_logprobs: list[list[Any]] | None = None  # params.prompt_logprobs, with the first delta
 
 
 @dataclass(slots=True)
@@ -125,9 +127,10 @@ class Generation:
         if finish is not None:
             seq.finish_reason = finish
             self.metrics.request_success.labels(m, finish).inc()
-        if not text and not out.logprobs and finish is None:
+        if not text and not out.logprobs and finish is None and out.prompt_logprobs is None:
             return None
-        return Delta(seq.index, text, out.token_ids, out.logprobs, finish)
+        return Delta(seq.index, text, out.token_ids, out.logprobs, finish,
+                     seq.text.matched if finish == "stop" else None, out.prompt_logprobs)
 
     def _part(self, rid: str) -> Any:
         return next(p for p in self.handle.parts if p.rid == rid)
@@ -137,8 +140,8 @@ class Generation:
 
 
 # ---------------------------------------------------------------------- response bodies
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
 
 
 def chat_logprobs(text: TextSide, lps: list[list[Any]]) -> list[dict[str, Any]]:
@@ -156,15 +159,25 @@ class CompletionLogprobs:
         self.offset = offset  # characters before the first token (the echoed prompt)
 
     def body(self, lps: list[list[Any]]) -> dict[str, Any]:
-        tokens, token_lps, tops, offsets = [], [], [], []
+        """Entries ``[id, logprob, top]``; a None logprob (the prompt's first token, which nothing
+        predicts) gives null ``token_logprobs`` and ``top_logprobs`` entries, as OpenAI does."""
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         for tid, lp, top in lps:
             s = self.text.piece(tid)
             tokens.append(s)
             token_lps.append(lp)
-            tops.append({self.text.piece(t): v for t, v in top})
+            tops.append({self.text.piece(t): v for t, v in top} if lp is not None else None)
             offsets.append(self.offset)
             self.offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def merge_logprobs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two legacy logprobs objects, one after the other (echoed prompt, then the completion)."""
+    return {k: a[k] + b[k] for k in a}
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -179,6 +192,8 @@ class Collected:
     texts: dict[int, list[str]] = field(default_factory=dict)
     logprobs: dict[int, list[list[Any]]] = field(default_factory=dict)
     finish: dict[int, str | None] = field(default_factory=dict)
+    stop_sequence: dict[int, str | None] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[list[Any]]] = field(default_factory=dict)
 
 
 async def collect(gen: Generation, it: AsyncIterator[Delta], first: Delta | None) -> Collected:
@@ -194,6 +209,9 @@ async def collect(gen: Generation, it: AsyncIterator[Delta], first: Delta | None
         c.logprobs[d.index].extend(d.logprobs)
         if d.finish_reason is not None:
             c.finish[d.index] = d.finish_reason
+            c.stop_sequence[d.index] = d.stop_sequence
+        if d.prompt_logprobs is not None:
+            c.prompt_logprobs[d.index] = d.prompt_logprobs
 
     if first is not None:
         add(first)

@@ -4,6 +4,10 @@ Two PUSH/PULL pipes: server → engine carries ``AddRequest`` / ``AbortRequest``
 ``StatsRequest`` / ``Shutdown``; engine → server carries ``Ready``, ``Outputs`` (one message per
 engine step), ``Heartbeat``, ``StatsReply`` and ``Fatal``. Every message is a dataclass; on the wire
 it is ``[tag, fields...]`` in msgpack. The engine side speaks token ids only.
+
+``AddRequest`` carries a ``SamplingParams``, built and validated once in the HTTP process
+(``server/sampling.py``); on the wire it is its field values in declaration order (the grammar as
+``[kind, value]``), and the engine side rebuilds the same dataclass.
 """
 
 from __future__ import annotations
@@ -14,13 +18,26 @@ from typing import Any
 
 import msgpack
 
+from tripod.engine.request import GrammarSpec, SamplingParams
+
+_PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+
 
 @dataclass(slots=True)
 class AddRequest:
     rid: str  # the group id; copies are "{rid}-{i}" inside the engine when n > 1
     prompt_ids: list[int]
-    params: dict[str, Any]  # SamplingParams fields
-    grammar: dict[str, str] | None = None  # structured outputs: GrammarSpec fields
+    params: SamplingParams
+
+
+class InvalidAddRequest(ValueError):
+    """An ``AddRequest`` whose parameters do not validate on the engine side (a backstop: the
+    server validated them with the same code). Carries what a rejection needs."""
+
+    def __init__(self, rid: str, n: int, message: str) -> None:
+        super().__init__(message)
+        self.rid = rid
+        self.n = n
 
 
 @dataclass(slots=True)
@@ -64,6 +81,9 @@ class SeqOutput:
     finish_reason: str | None = None
     cached_tokens: int = 0
     error: str | None = None
+    # params.prompt_logprobs, with the sequence's first output: per prompt token
+    # [id, logprob, top] as above, the first token's logprob None.
+    prompt_logprobs: list[list[Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -95,8 +115,21 @@ _TAG = {cls: i for i, cls in enumerate(_TYPES)}
 
 def _flat(obj: Any) -> Any:
     if isinstance(obj, SeqOutput):
-        return [obj.rid, obj.index, obj.token_ids, obj.logprobs, obj.finish_reason, obj.cached_tokens, obj.error]
+        return [obj.rid, obj.index, obj.token_ids, obj.logprobs, obj.finish_reason, obj.cached_tokens, obj.error,
+                obj.prompt_logprobs]
+    if isinstance(obj, SamplingParams):
+        return [_flat(getattr(obj, name)) for name in _PARAM_FIELDS]
+    if isinstance(obj, GrammarSpec):
+        return [obj.kind, obj.value]
     return obj
+
+
+def _params(values: list[Any]) -> SamplingParams:
+    fields = dict(zip(_PARAM_FIELDS, values, strict=True))
+    g = fields.get("grammar")
+    if g is not None:
+        fields["grammar"] = GrammarSpec(*g)
+    return SamplingParams(**fields)
 
 
 def encode(msg: Any) -> bytes:
@@ -112,4 +145,11 @@ def decode(data: bytes) -> Any:
     cls = _TYPES[tag]
     if cls is Outputs:
         return Outputs([SeqOutput(*it) for it in values[0]])
+    if cls is AddRequest:
+        rid, prompt_ids, params = values
+        try:
+            return AddRequest(rid, prompt_ids, _params(params))
+        except (ValueError, TypeError) as e:
+            n = params[_PARAM_FIELDS.index("n")]
+            raise InvalidAddRequest(rid, n if isinstance(n, int) and 0 < n <= 128 else 1, str(e)) from None
     return cls(*values)

@@ -1,22 +1,32 @@
-"""The OpenAI wire protocol: request models (pydantic, strict types) and range checks.
+"""The OpenAI wire protocol: request models (pydantic, strict types), ``APIError`` (whose body
+takes OpenAI's or Anthropic's shape), and the OpenAI-specific checks.
 
 Types are checked by pydantic in strict mode (``"5"`` is not a number, ``true`` is not 1);
-ranges and cross-field rules are checked here with messages that say what to change. Unknown
-fields are ignored, as OpenAI-compatible servers do, so clients that send newer fields keep working;
-known OpenAI features tripod does not implement are refused by name rather than ignored.
+ranges are ``SamplingParams``' own (``server/sampling.py``), cross-field rules are checked here
+with messages that say what to change. Unknown fields are ignored, as OpenAI-compatible servers
+do, so clients that send newer fields keep working; known OpenAI features tripod does not
+implement are refused by name rather than ignored.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-MAX_STOP = 16
-MAX_STOP_LEN = 256
-MAX_TOP_LOGPROBS = 20
+from tripod.engine.request import GrammarSpec
+
+if TYPE_CHECKING:
+    from tripod.server.conversation import Message
+    from tripod.server.tools import ToolChoice, ToolSpec
+
+# Anthropic's error types by HTTP status (its API documents these; others map to api_error).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+    429: "rate_limit_error", 529: "overloaded_error",
+}
 
 
 class APIError(Exception):
@@ -42,6 +52,11 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic_body(self) -> dict[str, Any]:
+        """The same error in Anthropic's shape (``/v1/messages``)."""
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                           "message": self.message}}
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -56,10 +71,44 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+class CallFunction(_Strict):
+    name: str
+    arguments: str | dict[str, Any]  # a JSON string, as OpenAI sends it (an object is accepted)
+
+
+class MessageToolCall(_Strict):
+    id: str
+    type: str = "function"
+    function: CallFunction
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # role "assistant"
+    tool_call_id: str | None = None  # role "tool"
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: str
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: str
+    function: NamedFunction
 
 
 class _Sampling(_Strict):
@@ -82,6 +131,7 @@ class _Sampling(_Strict):
     priority: int = 0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    metadata: dict[str, Any] | None = None
 
 
 class StructuredOutputs(_Strict):
@@ -112,8 +162,11 @@ class ChatCompletionRequest(_Constrained):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None  # OpenAI's deprecated function calling: refused by name
+    function_call: Any = None
 
 
 class CompletionRequest(_Constrained):
@@ -136,7 +189,7 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def parse(cls: type[_Strict], raw: bytes) -> Any:
+def parse(cls: type[BaseModel], raw: bytes) -> Any:
     """Bytes → request model, or an ``APIError`` naming the first bad field."""
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object")
@@ -173,123 +226,16 @@ def _jsonable(x: Any) -> bool:
         return False
 
 
-def sampling_params(
-    req: _Sampling,
-    *,
-    max_tokens: int | None,
-    default_max_tokens: int,
-    prompt_len: int,
-    max_len: int,
-    max_n: int,
-    logprobs: int | None,
-    vocab_size: int,
-    max_tokens_param: str = "max_tokens",
-) -> tuple[dict[str, Any], list[str]]:
-    """Check ranges; return (``SamplingParams`` fields, stop strings)."""
-
-    def bad(param: str, why: str) -> APIError:
-        return APIError(400, f"'{param}' {why} (got {getattr(req, param, None)!r})", param=param)
-
-    def num(name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-        v = getattr(req, name)
-        if v is None:
-            return default
-        if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
-            interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-            raise bad(name, f"must be in {interval}")
-        return float(v)
-
-    temperature = num("temperature", 1.0, 0.0, 2.0)
-    top_p = num("top_p", 1.0, 0.0, 1.0, lo_open=True)
-    min_p = num("min_p", 0.0, 0.0, 1.0)
-    freq = num("frequency_penalty", 0.0, -2.0, 2.0)
-    pres = num("presence_penalty", 0.0, -2.0, 2.0)
-    rep = num("repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)
-    top_k = -1 if req.top_k is None else req.top_k
-    if top_k < -1:
-        raise bad("top_k", "must be -1 (disabled) or >= 0")
-    if top_k > vocab_size:
-        raise bad("top_k", f"must be at most the vocabulary size {vocab_size}")
-    n = 1 if req.n is None else req.n
-    if not 1 <= n <= max_n:
-        raise bad("n", f"must be between 1 and {max_n}")
-    if req.seed is not None and not -(2**63) <= req.seed < 2**63:
-        raise bad("seed", "must fit in 64 bits")
-    if not -(2**31) <= req.priority < 2**31:
-        raise bad("priority", "must fit in 32 bits")
-    if req.logit_bias:
-        raise APIError(400, "'logit_bias' is not supported by tripod; remove it", param="logit_bias")
-    stops = _stop_strings(req.stop)
-    stop_ids = list(req.stop_token_ids or [])
-    bad_id = next((t for t in stop_ids if not 0 <= t < vocab_size), None)
-    if bad_id is not None:
-        raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
-    if req.stream_options is not None and not req.stream:
-        raise bad("stream_options", "is only allowed when 'stream' is true")
-
-    room = max_len - prompt_len
-    if room < 1:
-        raise APIError(
-            400,
-            f"the prompt has {prompt_len} tokens but this model's context allows at most "
-            f"{max_len - 1} prompt tokens ({max_len} in all, with at least one generated); "
-            "shorten the prompt",
-            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-            code="context_length_exceeded",
-        )
-    if max_tokens is None:
-        max_tokens = min(default_max_tokens, room)
-    elif max_tokens < 1:
-        raise APIError(400, f"'{max_tokens_param}' must be >= 1 (got {max_tokens})", param=max_tokens_param)
-    elif max_tokens > room:
-        raise APIError(
-            400,
-            f"'{max_tokens_param}' is {max_tokens} but the prompt has {prompt_len} tokens and the context "
-            f"is {max_len}, leaving room for at most {room}; lower {max_tokens_param} or shorten the prompt",
-            param=max_tokens_param,
-            code="context_length_exceeded",
-        )
-    params = {
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "min_p": min_p,
-        "repetition_penalty": rep,
-        "frequency_penalty": freq,
-        "presence_penalty": pres,
-        "seed": req.seed,
-        "logprobs": logprobs,
-        "stop_token_ids": stop_ids,
-        "ignore_eos": req.ignore_eos,
-        "n": n,
-        "priority": req.priority,
-    }
-    return params, stops
-
-
-def _stop_strings(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    if len(stops) > MAX_STOP:
-        raise APIError(400, f"'stop' may hold at most {MAX_STOP} strings (got {len(stops)})", param="stop")
-    for s in stops:
-        if not s:
-            raise APIError(400, "'stop' strings must not be empty", param="stop")
-        if len(s) > MAX_STOP_LEN:
-            raise APIError(400, f"'stop' strings must be at most {MAX_STOP_LEN} characters", param="stop")
-    return stops
-
-
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template wants them: plain dicts with string content."""
+def chat_messages(messages: list[ChatMessage]) -> list[Message]:
+    """OpenAI messages → ``Message``s (string content, tool calls and results kept)."""
+    from tripod.server.conversation import Message, PastCall
+
     if not messages:
         raise APIError(400, "'messages' must hold at least one message", param="messages")
-    out: list[dict[str, Any]] = []
+    out: list[Message] = []
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise APIError(
@@ -311,15 +257,57 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if m.role != "assistant":
                 raise APIError(400, f"messages[{i}].content is required", param=f"messages.{i}.content")
             content = ""
-        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
-        if m.name is not None:
-            msg["name"] = m.name
-        out.append(msg)
+        calls = []
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise APIError(400, f"messages[{i}]: only assistant messages carry 'tool_calls'",
+                               param=f"messages.{i}.tool_calls")
+            for c in m.tool_calls:
+                args = c.function.arguments
+                calls.append(PastCall(c.id, c.function.name, args if isinstance(args, str) else json.dumps(args)))
+        if m.role == "tool" and not m.tool_call_id:
+            raise APIError(400, f"messages[{i}]: a 'tool' message needs the 'tool_call_id' of the call it "
+                           "answers", param=f"messages.{i}.tool_call_id")
+        out.append(Message("system" if m.role == "developer" else m.role, content, calls,
+                           m.tool_call_id if m.role == "tool" else None, m.name))
     return out
 
 
-def grammar_spec(req: _Constrained) -> dict[str, str] | None:
-    """The request's output constraint as ``{"kind", "value"}`` (``engine.structured.GrammarSpec``),
+def openai_tools(req: ChatCompletionRequest, default_parallel: bool = True) -> tuple[list[ToolSpec], ToolChoice]:
+    """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` → checked tools and choice (an unset
+    ``parallel_tool_calls`` means ``default_parallel``)."""
+    from tripod.server.tools import ToolChoice, check_choice, check_tools
+
+    if req.functions is not None or req.function_call is not None:
+        raise APIError(400, "'functions' / 'function_call' (OpenAI's deprecated function calling) are not "
+                       "supported; send 'tools' and 'tool_choice'", param="functions")
+    raw = []
+    for i, t in enumerate(req.tools or []):
+        if t.type != "function":
+            raise APIError(400, f"tools[{i}].type must be 'function' (got {t.type!r})", param=f"tools.{i}.type")
+        raw.append((t.function.name, t.function.description, t.function.parameters))
+    tools = check_tools(raw, "tools")
+    parallel = default_parallel if req.parallel_tool_calls is None else req.parallel_tool_calls
+    tc = req.tool_choice
+    if tc is None:
+        choice = ToolChoice("auto" if tools else "none", parallel=parallel)
+    elif isinstance(tc, str):
+        if tc not in ("auto", "none", "required"):
+            raise APIError(400, f"'tool_choice' must be 'auto', 'none', 'required' or "
+                           f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}} (got {tc!r})",
+                           param="tool_choice")
+        choice = ToolChoice(tc, parallel=parallel)  # type: ignore[arg-type]
+    else:
+        if tc.type != "function":
+            raise APIError(400, f"'tool_choice.type' must be 'function' (got {tc.type!r})", param="tool_choice")
+        choice = ToolChoice("named", tc.function.name, parallel=False)
+    if choice.mode == "auto" and not tools:
+        choice = ToolChoice("none")
+    return tools, check_choice(choice, tools, "tool_choice")
+
+
+def grammar_spec(req: _Constrained) -> GrammarSpec | None:
+    """The request's output constraint as a ``GrammarSpec``,
     from whichever of OpenAI's ``response_format``, tripod's ``regex``/``ebnf``/``choice`` or
     vLLM's ``structured_outputs``/``guided_*`` the request used; None if unconstrained."""
     found: list[tuple[str, str, str]] = []  # (param, kind, value)
@@ -376,7 +364,7 @@ def grammar_spec(req: _Constrained) -> dict[str, str] | None:
     if not found:
         return None
     _, kind, value = found[0]
-    return {"kind": kind, "value": value}
+    return GrammarSpec(kind, value)
 
 
-FinishReasonT = Literal["stop", "length"]
+FinishReasonT = Literal["stop", "length", "tool_calls"]

@@ -25,12 +25,35 @@ class TextSide:
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=special))
 
-    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def template(self) -> str:
+        """The chat template's source ("" if the tokenizer has none)."""
+        t = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(t, dict):  # several named templates: the default one
+            t = t.get("default") or next(iter(t.values()), "")
+        return t if isinstance(t, str) else ""
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        continue_final: bool = False,
+    ) -> list[int]:
+        """Render a conversation with the model's template. ``tools`` go to templates that take
+        them; ``continue_final``: the last (assistant) message is continued, not closed."""
         import jinja2
 
+        kw: dict[str, Any] = {}
+        if tools:
+            kw["tools"] = tools
+        if continue_final:
+            kw["continue_final_message"] = True
+            add_generation_prompt = False
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kw
             )
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {e}") from e
@@ -92,6 +115,7 @@ class SeqText:
         self.stop = stop
         self.held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, ids: list[int], final: bool = False) -> str:
         """Feed new tokens; returns the text that may be shown now. Sets ``stopped`` on a match."""
@@ -103,9 +127,11 @@ class SeqText:
         if not self.stop:
             out, self.held = self.held, ""
             return out
-        cut = min((i for i in (self.held.find(s) for s in self.stop) if i >= 0), default=-1)
+        found = [(i, s) for s in self.stop if (i := self.held.find(s)) >= 0]
+        cut = min(found)[0] if found else -1
         if cut >= 0:
             self.stopped = True
+            self.matched = min(found)[1]
             out, self.held = self.held[:cut], ""
             return out
         if final:

@@ -1,0 +1,101 @@
+"""The admin surface: ``/health``, ``/metrics``, ``/v1/models``, ``/tokenize``, ``/detokenize``,
+``/debug/engine``."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tripod.server.engine_client import EngineDead
+from tripod.server.protocol import (
+    APIError,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_messages,
+    parse,
+)
+from tripod.server.serving import ServerState, check_ids, check_model, read_body
+
+
+def model_card(state: ServerState) -> dict[str, Any]:
+    info = state.client.info
+    meta = {
+        "dtype": info.dtype if info else None,
+        "quantization": state.quantization,
+        # "dequantized" (to dtype) or "stored" (GGUF Q4_1/Q8_0 executed as stored; --weights).
+        "weights": state.engine_config.weights,
+        "architecture": info.architecture if info else None,
+        "max_model_len": state.max_len,
+        "device": state.engine_config.device,
+        # How tools reach the model: its chat template's own rendering, or tripod's generic
+        # prompt format (templates without tools); and the syntax calls are parsed in.
+        "tool_calling": state.chat.describe(),
+    }
+    # The same facts at the top level (as vLLM puts max_model_len) and under "metadata".
+    created_at = datetime.fromtimestamp(state.created, UTC).isoformat().replace("+00:00", "Z")
+    # OpenAI's fields (id, object, created, owned_by) and Anthropic's (type, display_name, created_at).
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tripod",
+            "type": "model", "display_name": state.model_name, "created_at": created_at, **meta, "metadata": meta}
+
+
+def add_admin_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        c = state.client
+        if not c.alive:
+            return JSONResponse({"status": "dead", "reason": c.dead_reason}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({
+            "status": "ok", "model": state.model_name, "engine_pid": c.pid,
+            "running": c.stats.get("running", 0), "waiting": c.stats.get("waiting", 0),
+        })
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.engine_alive.set(1 if state.client.alive else 0)
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = model_card(state)
+        # Anthropic's list shape (data, first_id, last_id, has_more) beside OpenAI's (object, data).
+        return JSONResponse({"object": "list", "data": [card], "first_id": card["id"], "last_id": card["id"],
+                             "has_more": False})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        check_model(state, model_id)
+        return JSONResponse(model_card(state))
+
+    @app.get("/debug/engine")
+    async def debug_engine() -> JSONResponse:
+        """The engine's own accounting (KV slots, queues; the KV invariant when idle)."""
+        try:
+            stats = await state.client.engine_stats()
+        except EngineDead as e:
+            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+        return JSONResponse({**stats, "inflight": state.client.inflight})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        req: TokenizeRequest = parse(TokenizeRequest, await read_body(request, state.config.max_body_bytes))
+        check_model(state, req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'")
+        if req.messages is not None:
+            ids = state.chat.render(chat_messages(req.messages))
+        else:
+            assert req.prompt is not None
+            ids = state.text.encode(req.prompt, special=req.add_special_tokens)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_len})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        req: DetokenizeRequest = parse(DetokenizeRequest, await read_body(request, state.config.max_body_bytes))
+        check_model(state, req.model)
+        check_ids(state, req.tokens, "tokens")
+        return JSONResponse({"prompt": state.text.decode(req.tokens, skip_special_tokens=False)})

@@ -1,0 +1,224 @@
+"""The Anthropic surface: ``POST /v1/messages`` (text, tool use, streaming with Anthropic's event
+sequence) and ``POST /v1/messages/count_tokens``.
+
+Errors on these routes take Anthropic's shape (``app.py`` picks it by path); a full server answers
+529 ``overloaded_error``. ``usage`` follows Anthropic's accounting: ``input_tokens`` are the prompt
+tokens not read from the prefix cache, ``cache_read_input_tokens`` those that were (their sum is
+what ``count_tokens`` says).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tripod.asgi import ClosingStream
+from tripod.server.anthropic_protocol import (
+    TEMPERATURE_MAX,
+    CountTokensRequest,
+    MessagesRequest,
+    conversation,
+    output_format,
+)
+from tripod.server.engine_client import EnginePart
+from tripod.server.generation import Delta, Usage, collect, new_id
+from tripod.server.protocol import APIError, parse
+from tripod.server.sampling import build_sampling, stop_strings
+from tripod.server.serving import (
+    ServerState,
+    Started,
+    check_model,
+    read_body,
+    start_generation,
+    until_disconnect,
+)
+from tripod.server.tools import (
+    ArgsPiece,
+    CallEnd,
+    CallStart,
+    TextPiece,
+    ToolCallParser,
+    ToolCallStream,
+    ToolEvent,
+)
+
+OVERLOADED = 529  # Anthropic's status for a server at capacity
+
+
+def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await _messages(state, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> JSONResponse:
+        req: CountTokensRequest = parse(CountTokensRequest, await read_body(request, state.config.max_body_bytes))
+        check_model(state, req.model)
+        msgs, tools, _, cont = conversation(req, state.chat.parallel_default)
+        ids = state.chat.render(msgs, tools, continue_final=cont)
+        return JSONResponse({"input_tokens": len(ids)})
+
+
+def _usage(u: Usage) -> dict[str, int]:
+    return {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
+            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+class Blocks:
+    """Tool-parser events → Anthropic content blocks, and the stream events that build them.
+    Streamed and whole answers both go through it, so they always agree. A text block opens only
+    once it has more than whitespace (Anthropic refuses blank text blocks sent back to it)."""
+
+    def __init__(self) -> None:
+        self.content: list[dict[str, Any]] = []
+        self.open = False
+        self.blank = ""  # whitespace waiting for a text block to open
+        self.args = ""
+        self.calls = 0
+
+    def feed(self, events: list[ToolEvent]) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        for e in events:
+            if isinstance(e, TextPiece):
+                text = self.blank + e.text
+                if not self.open:
+                    if not text.strip():
+                        self.blank = text
+                        continue
+                    self._start(out, {"type": "text", "text": ""})
+                self.blank = ""
+                self.content[-1]["text"] += text
+                out.append(("content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1,
+                                                    "delta": {"type": "text_delta", "text": text}}))
+            elif isinstance(e, CallStart):
+                self.close(out)
+                self.blank = ""
+                self.args = ""
+                self.calls += 1
+                self._start(out, {"type": "tool_use", "id": e.id, "name": e.name, "input": {}})
+            elif isinstance(e, ArgsPiece):
+                self.args += e.text
+                out.append(("content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1,
+                                                    "delta": {"type": "input_json_delta", "partial_json": e.text}}))
+            elif isinstance(e, CallEnd):
+                try:
+                    self.content[-1]["input"] = json.loads(self.args) if self.args else {}
+                except ValueError:  # cut by max_tokens: the arguments are incomplete
+                    self.content[-1]["input"] = {}
+                self.close(out)
+        return out
+
+    def _start(self, out: list[tuple[str, dict[str, Any]]], block: dict[str, Any]) -> None:
+        self.content.append(block)
+        self.open = True
+        start = dict(block, text="") if block["type"] == "text" else dict(block)
+        out.append(("content_block_start", {"type": "content_block_start", "index": len(self.content) - 1,
+                                            "content_block": start}))
+
+    def close(self, out: list[tuple[str, dict[str, Any]]]) -> None:
+        if self.open:
+            self.open = False
+            out.append(("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1}))
+
+
+def _stop_reason(finish: str | None, stop_sequence: str | None, calls: int) -> str:
+    if finish == "length":
+        return "max_tokens"
+    if stop_sequence is not None:
+        return "stop_sequence"
+    return "tool_use" if calls else "end_turn"
+
+
+async def _messages(state: ServerState, request: Request) -> Response:
+    arrival = time.monotonic()
+    req: MessagesRequest = parse(MessagesRequest, await read_body(request, state.config.max_body_bytes))
+    check_model(state, req.model)
+    msgs, tools, choice, cont = conversation(req, state.chat.parallel_default)
+    ids = state.chat.render(msgs, tools, continue_final=cont)
+    if req.temperature is not None and req.temperature > TEMPERATURE_MAX:
+        raise APIError(400, f"'temperature' must be in [0, 1] (got {req.temperature!r})", param="temperature")
+    parser = state.chat.parser if choice.mode != "none" else None
+    grammar = parser.grammar(tools, choice) if parser else None
+    fmt = output_format(req)
+    if grammar is not None and fmt is not None:
+        raise APIError(400, "tool use cannot be combined with 'output_config.format'; set tool_choice "
+                       "{\"type\": \"none\"} or drop the format", param="output_config.format")
+    params = build_sampling(
+        state.limits, prompt_len=len(ids), max_tokens=req.max_tokens, default_max_tokens=state.max_len,
+        prompt_param="messages", grammar=grammar or fmt,
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, ignore_eos=req.ignore_eos,
+        priority=req.priority,
+    )
+    stops = stop_strings(req.stop_sequences, "stop_sequences")
+    rid = new_id("msg", "_")
+    started = await start_generation(state, request, [EnginePart(rid, ids, params)], stops, arrival,
+                                     overload_status=OVERLOADED)
+    if req.stream:
+        return ClosingStream(_stream(state, started, rid, parser), on_close=started.handle.close,
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        c = await until_disconnect(request, collect(started.gen, started.it, started.first))
+    finally:
+        started.handle.close()
+    started.gen.done()
+    text = "".join(c.texts[0])
+    blocks = Blocks()
+    ps = parser.stream(lambda: new_id("toolu", "_")) if parser else None
+    blocks.feed((ps.feed(text) + ps.finish()) if ps else [TextPiece(text)])
+    return JSONResponse({
+        "id": rid, "type": "message", "role": "assistant", "model": state.model_name, "content": blocks.content,
+        "stop_reason": _stop_reason(c.finish[0], c.stop_sequence.get(0), blocks.calls),
+        "stop_sequence": c.stop_sequence.get(0), "usage": _usage(started.gen.usage),
+    })
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+
+async def _stream(state: ServerState, s: Started, rid: str, parser: ToolCallParser | None) -> AsyncIterator[bytes]:
+    blocks = Blocks()
+    ps: ToolCallStream | None = parser.stream(lambda: new_id("toolu", "_")) if parser else None
+
+    def events(d: Delta) -> list[bytes]:
+        if ps is None:
+            evs: list[ToolEvent] = [TextPiece(d.text)] if d.text else []
+        else:
+            evs = ps.feed(d.text) + (ps.finish() if d.finish_reason is not None else [])
+        return [_event(n, x) for n, x in blocks.feed(evs)]
+
+    try:
+        yield _event("message_start", {"type": "message_start", "message": {
+            "id": rid, "type": "message", "role": "assistant", "model": state.model_name, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": _usage(s.gen.usage)}})
+        yield _event("ping", {"type": "ping"})
+        finish: Delta | None = None
+        if s.first is not None:
+            for b in events(s.first):
+                yield b
+            finish = s.first if s.first.finish_reason is not None else None
+        async for d in s.it:
+            for b in events(d):
+                yield b
+            if d.finish_reason is not None:
+                finish = d
+        s.gen.done()
+        tail: list[tuple[str, dict[str, Any]]] = []
+        blocks.close(tail)
+        for n, x in tail:
+            yield _event(n, x)
+        stop_seq = finish.stop_sequence if finish else None
+        yield _event("message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": _stop_reason(finish.finish_reason if finish else None, stop_seq, blocks.calls),
+                      "stop_sequence": stop_seq},
+            "usage": _usage(s.gen.usage)})
+        yield _event("message_stop", {"type": "message_stop"})
+    except APIError as e:
+        # The status line is gone already: the error travels as an event, as Anthropic does.
+        yield _event("error", e.anthropic_body())

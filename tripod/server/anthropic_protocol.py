@@ -1,0 +1,204 @@
+"""The Anthropic Messages wire protocol: request models (strict pydantic, like the OpenAI side)
+and their translation into ``Message``s, tools and a tool choice.
+
+Content blocks are read as one permissive model and checked by type here, so an unsupported block
+(``image``, ``document``, ``thinking``) is refused by name with a 400 rather than a schema dump.
+``cache_control`` marks are accepted and ignored: tripod's prefix cache needs no hints.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tripod.engine.request import GrammarSpec
+from tripod.server.conversation import Message, PastCall
+from tripod.server.protocol import APIError
+from tripod.server.tools import ToolChoice, ToolSpec, check_choice, check_tools
+
+TEMPERATURE_MAX = 1.0  # Anthropic's range is [0, 1] (tripod's sampler allows up to 2)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class Block(_Strict):
+    type: str
+    text: str | None = None
+    id: str | None = None  # tool_use
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[Block] | None = None
+    is_error: bool | None = None
+
+
+class AnthropicMessage(_Strict):
+    role: str
+    content: str | list[Block]
+
+
+class AnthropicTool(_Strict):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None  # "custom" or absent; Anthropic's server tools name a version here
+
+
+class AnthropicToolChoice(_Strict):
+    type: str
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class _Conversation(_Strict):
+    model: str
+    messages: list[AnthropicMessage]
+    system: str | list[Block] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class OutputFormat(_Strict):
+    type: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: OutputFormat | None = None
+
+
+class MessagesRequest(_Conversation):
+    max_tokens: int
+    output_config: OutputConfig | None = None  # Anthropic's structured outputs (format: json_schema)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: dict[str, Any] | None = None
+    stream: bool = False
+    # tripod's extensions, as on the OpenAI side.
+    seed: int | None = None
+    ignore_eos: bool = False
+    priority: int = 0
+
+
+class CountTokensRequest(_Conversation):
+    pass
+
+
+def _text_of(blocks: str | list[Block] | None, where: str) -> str:
+    if blocks is None:
+        return ""
+    if isinstance(blocks, str):
+        return blocks
+    parts = []
+    for j, b in enumerate(blocks):
+        if b.type != "text" or b.text is None:
+            raise APIError(400, f"{where}.{j}: content blocks of type {b.type!r} are not supported here; "
+                           "send text blocks", param=f"{where}.{j}.type")
+        parts.append(b.text)
+    return "".join(parts)
+
+
+def conversation(req: _Conversation, default_parallel: bool = True,
+                 ) -> tuple[list[Message], list[ToolSpec], ToolChoice, bool]:
+    """→ (messages, tools, tool choice, whether the last assistant message is to be continued).
+    ``default_parallel``: whether several calls are allowed unless ``disable_parallel_tool_use``
+    says."""
+    if req.thinking is not None and req.thinking.get("type") not in (None, "disabled"):
+        raise APIError(400, "'thinking' (extended thinking) is not supported by tripod; remove it or set "
+                       "its type to 'disabled'", param="thinking")
+    out: list[Message] = []
+    system = _text_of(req.system, "system")
+    if system:
+        out.append(Message("system", system))
+    if not req.messages:
+        raise APIError(400, "'messages' must hold at least one message", param="messages")
+    for i, m in enumerate(req.messages):
+        where = f"messages.{i}"
+        if m.role not in ("user", "assistant"):
+            raise APIError(400, f"{where}.role must be 'user' or 'assistant' (got {m.role!r}); put system text in "
+                           "the top-level 'system'", param=f"{where}.role")
+        if isinstance(m.content, str):
+            out.append(Message(m.role, m.content))
+            continue
+        texts: list[str] = []
+        calls: list[PastCall] = []
+        for j, b in enumerate(m.content):
+            at = f"{where}.content.{j}"
+            if b.type == "text":
+                if b.text is None:
+                    raise APIError(400, f"{at}.text is required", param=f"{at}.text")
+                texts.append(b.text)
+            elif b.type == "tool_use" and m.role == "assistant":
+                if not b.id or not b.name:
+                    raise APIError(400, f"{at}: a tool_use block needs 'id' and 'name'", param=at)
+                calls.append(PastCall(b.id, b.name, json.dumps(b.input or {}, ensure_ascii=False)))
+            elif b.type == "tool_result" and m.role == "user":
+                if not b.tool_use_id:
+                    raise APIError(400, f"{at}: a tool_result block needs 'tool_use_id'", param=at)
+                if texts:  # text before a result: keep the order
+                    out.append(Message("user", "".join(texts)))
+                    texts = []
+                content = _text_of(b.content, f"{at}.content")
+                out.append(Message("tool", f"Error: {content}" if b.is_error else content,
+                                   tool_call_id=b.tool_use_id))
+            elif b.type in ("tool_use", "tool_result"):
+                raise APIError(400, f"{at}: {b.type} blocks belong in "
+                               f"{'assistant' if b.type == 'tool_use' else 'user'} messages", param=f"{at}.type")
+            else:
+                raise APIError(400, f"{at}: content blocks of type {b.type!r} are not supported by tripod; send "
+                               "text, tool_use and tool_result blocks", param=f"{at}.type")
+        if texts or calls or not m.content:
+            out.append(Message(m.role, "".join(texts), calls))
+    last = req.messages[-1]
+    continue_final = last.role == "assistant" and not out[-1].tool_calls
+    tools, choice = _tools(req, default_parallel)
+    return out, tools, choice, continue_final
+
+
+def output_format(req: MessagesRequest) -> GrammarSpec | None:
+    """``output_config.format`` (a JSON schema the answer must match) as a grammar."""
+    fmt = req.output_config.format if req.output_config else None
+    if fmt is None:
+        return None
+    if fmt.type != "json_schema" or fmt.schema_ is None:
+        raise APIError(400, "'output_config.format' must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                       param="output_config.format")
+    return GrammarSpec("json", json.dumps(fmt.schema_))
+
+
+def _tools(req: _Conversation, default_parallel: bool) -> tuple[list[ToolSpec], ToolChoice]:
+    raw = []
+    for i, t in enumerate(req.tools or []):
+        if t.type not in (None, "custom"):
+            raise APIError(400, f"tools.{i}: the server tool {t.type!r} is not supported by tripod; define "
+                           "client tools (name, description, input_schema)", param=f"tools.{i}.type")
+        if t.input_schema is None:
+            raise APIError(400, f"tools.{i}.input_schema is required", param=f"tools.{i}.input_schema")
+        raw.append((t.name, t.description, t.input_schema))
+    tools = check_tools(raw, "tools")
+    tc = req.tool_choice
+    if tc is None or tc.disable_parallel_tool_use is None:
+        parallel = default_parallel
+    else:
+        parallel = not tc.disable_parallel_tool_use
+    if tc is None or tc.type == "auto":
+        choice = ToolChoice("auto" if tools else "none", parallel=parallel)
+    elif tc.type == "any":
+        choice = ToolChoice("required", parallel=parallel)
+    elif tc.type == "tool":
+        if not tc.name:
+            raise APIError(400, "'tool_choice.name' is required when its type is 'tool'", param="tool_choice.name")
+        choice = ToolChoice("named", tc.name, parallel=False)
+    elif tc.type == "none":
+        choice = ToolChoice("none")
+    else:
+        raise APIError(400, f"'tool_choice.type' must be 'auto', 'any', 'tool' or 'none' (got {tc.type!r})",
+                       param="tool_choice.type")
+    return tools, check_choice(choice, tools, "tool_choice")

@@ -1,0 +1,352 @@
+"""The OpenAI surface: ``POST /v1/chat/completions`` (with tool calling) and
+``POST /v1/completions`` (with echo and prompt logprobs), whole answers or SSE streams."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tripod.asgi import ClosingStream
+from tripod.engine.request import GrammarSpec
+from tripod.server.engine_client import EnginePart
+from tripod.server.generation import (
+    SSE_DONE,
+    CompletionLogprobs,
+    Delta,
+    chat_logprobs,
+    collect,
+    merge_logprobs,
+    new_id,
+    sse,
+)
+from tripod.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    grammar_spec,
+    openai_tools,
+    parse,
+)
+from tripod.server.sampling import build_sampling, logit_bias_ids, stop_strings
+from tripod.server.serving import (
+    ServerState,
+    Started,
+    check_ids,
+    check_model,
+    read_body,
+    start_generation,
+    until_disconnect,
+)
+from tripod.server.tools import (
+    ArgsPiece,
+    CallStart,
+    TextPiece,
+    ToolCallParser,
+    ToolCallStream,
+    ToolEvent,
+    parse_all,
+)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
+
+
+def add_openai_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _chat(state, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _completions(state, request)
+
+
+def _sampling_fields(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    """The ``SamplingParams`` fields both OpenAI routes name the same way."""
+    return {
+        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
+        "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
+        "repetition_penalty": req.repetition_penalty, "seed": req.seed, "n": req.n,
+        "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos, "priority": req.priority,
+        "logit_bias": logit_bias_ids(req.logit_bias),
+    }
+
+
+def _check_stream_options(req: ChatCompletionRequest | CompletionRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+
+
+# ---------------------------------------------------------------------- chat
+async def _chat(state: ServerState, request: Request) -> Response:
+    arrival = time.monotonic()
+    req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_body(request, state.config.max_body_bytes))
+    check_model(state, req.model)
+    tools, choice = openai_tools(req, state.chat.parallel_default)
+    ids = state.chat.render(chat_messages(req.messages), tools)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    parser = state.chat.parser if choice.mode != "none" else None
+    grammar = _one_constraint(parser.grammar(tools, choice) if parser else None, grammar_spec(req))
+    _check_stream_options(req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    names = {"logprobs": "top_logprobs"}
+    if req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    params = build_sampling(
+        state.limits, prompt_len=len(ids), max_tokens=max_tokens, default_max_tokens=state.max_len,
+        names=names, prompt_param="messages", grammar=grammar,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None, **_sampling_fields(req),
+    )
+    stops = stop_strings(req.stop)
+    rid = new_id("chatcmpl")
+    started = await start_generation(state, request, [EnginePart(rid, ids, params)], stops, arrival)
+    if req.stream:
+        body = _chat_stream(state, req, started, rid, parser)
+        return ClosingStream(body, on_close=started.handle.close, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+    try:
+        c = await until_disconnect(request, collect(started.gen, started.it, started.first))
+    finally:
+        started.handle.close()
+    started.gen.done()
+    choices = []
+    for idx in sorted(c.texts):
+        text = "".join(c.texts[idx])
+        finish = c.finish[idx]
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if parser is not None:
+            ans = parse_all(parser, text, lambda: new_id("call", "_"))
+            if ans.calls:
+                message = {"role": "assistant", "content": ans.text or None, "tool_calls": [
+                    {"id": k.id, "type": "function", "function": {"name": k.name, "arguments": k.arguments}}
+                    for k in ans.calls]}
+                finish = "tool_calls" if finish == "stop" else finish
+            else:
+                message["content"] = ans.text
+        choices.append({
+            "index": idx, "message": message,
+            "logprobs": {"content": chat_logprobs(state.text, c.logprobs[idx])} if req.logprobs else None,
+            "finish_reason": finish,
+        })
+    return JSONResponse({
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
+        "choices": choices, "usage": started.gen.usage.body(), "system_fingerprint": state.fingerprint(),
+    })
+
+
+def _one_constraint(tool_grammar: GrammarSpec | None, other: GrammarSpec | None) -> GrammarSpec | None:
+    if tool_grammar is not None and other is not None:
+        raise APIError(400, "tool calls cannot be combined with another output constraint (response_format, "
+                       "regex, ...); set 'tool_choice': 'none' or drop the constraint", param="tool_choice")
+    return tool_grammar or other
+
+
+def _tool_delta(e: ToolEvent) -> dict[str, Any] | None:
+    if isinstance(e, TextPiece):
+        return {"content": e.text}
+    if isinstance(e, CallStart):
+        return {"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                "function": {"name": e.name, "arguments": ""}}]}
+    if isinstance(e, ArgsPiece):
+        return {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
+    return None  # CallEnd: OpenAI's stream has no event for it
+
+
+async def _chat_stream(state: ServerState, req: ChatCompletionRequest, s: Started, rid: str,
+                       parser: ToolCallParser | None) -> AsyncIterator[bytes]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    created = int(time.time())
+    fp = state.fingerprint()
+    streams: dict[int, ToolCallStream] = {}
+    called: set[int] = set()
+
+    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+        body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                "model": state.model_name, "system_fingerprint": fp, "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return sse(body)
+
+    def chunks(d: Delta) -> list[bytes]:
+        lps = {"content": chat_logprobs(state.text, d.logprobs)} if req.logprobs else None
+        finish = d.finish_reason
+        if parser is None:
+            deltas = [{"content": d.text}] if d.text or finish is None else [{}]
+        else:
+            ps = streams.setdefault(d.index, parser.stream(lambda: new_id("call", "_")))
+            events = ps.feed(d.text) + (ps.finish() if finish is not None else [])
+            if any(isinstance(e, CallStart) for e in events):
+                called.add(d.index)
+            deltas = [x for x in map(_tool_delta, events) if x is not None]
+            if finish == "stop" and d.index in called:
+                finish = "tool_calls"
+            if not deltas and (lps is not None or finish is not None):
+                deltas = [{}]
+        return [chunk([{"index": d.index, "delta": delta, "logprobs": lps if j == 0 else None,
+                        "finish_reason": finish if j == len(deltas) - 1 else None}])
+                for j, delta in enumerate(deltas)]
+
+    try:
+        indices = sorted(q.index for q in s.gen.seqs.values())
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in indices])
+        if s.first is not None:
+            for b in chunks(s.first):
+                yield b
+        async for d in s.it:
+            for b in chunks(d):
+                yield b
+        s.gen.done()
+        if include_usage:
+            yield chunk([], s.gen.usage.body())
+    except APIError as e:
+        # The status line is gone already; the error travels as an event, as OpenAI does.
+        yield sse(e.body())
+    yield SSE_DONE
+
+
+# ---------------------------------------------------------------------- completions
+async def _completions(state: ServerState, request: Request) -> Response:
+    arrival = time.monotonic()
+    req: CompletionRequest = parse(CompletionRequest, await read_body(request, state.config.max_body_bytes))
+    check_model(state, req.model)
+    if req.suffix:
+        raise APIError(400, "'suffix' is not supported by tripod; remove it", param="suffix")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise APIError(400, "'best_of' is not supported by tripod; remove it or set it equal to 'n'",
+                       param="best_of")
+    _check_stream_options(req)
+    # echo + max_tokens 0: OpenAI's idiom for scoring a text (the prompt's logprobs, nothing
+    # generated). The engine generates one token, which the answer leaves out.
+    score_only = req.echo and req.max_tokens == 0
+    prompts = _prompt_ids(state, req.prompt)
+    rid = new_id("cmpl")
+    grammar = grammar_spec(req)
+    stops = stop_strings(req.stop)
+    parts = []
+    for i, ids in enumerate(prompts):
+        params = build_sampling(
+            state.limits, prompt_len=len(ids), max_tokens=1 if score_only else req.max_tokens,
+            default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, grammar=grammar, logprobs=req.logprobs,
+            # echo + logprobs: the echoed prompt's tokens get logprobs too (the first has none).
+            prompt_logprobs=req.logprobs if req.echo else None, **_sampling_fields(req),
+        )
+        parts.append(EnginePart(rid if len(prompts) == 1 else f"{rid}-p{i}", ids, params))
+    started = await start_generation(state, request, parts, stops, arrival)
+    n = parts[0].params.n
+    echo = [state.text.decode(p.prompt_ids) for p in parts] if req.echo else None
+    if req.stream:
+        body = _completion_stream(state, req, started, rid, echo, n, score_only)
+        return ClosingStream(body, on_close=started.handle.close, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+    try:
+        c = await until_disconnect(request, collect(started.gen, started.it, started.first))
+    finally:
+        started.handle.close()
+    started.gen.done()
+    choices = []
+    for idx in sorted(c.texts):
+        prefix = echo[idx // n] if echo else ""
+        generated = [] if score_only else c.logprobs[idx]
+        lps = None
+        if req.logprobs is not None:
+            b = CompletionLogprobs(state.text, len(prefix))
+            if echo:
+                b.offset = 0
+                lps = merge_logprobs(b.body(c.prompt_logprobs.get(idx, [])), b.body(generated))
+            else:
+                lps = b.body(generated)
+        choices.append({"index": idx, "text": prefix + ("" if score_only else "".join(c.texts[idx])),
+                        "logprobs": lps, "finish_reason": "length" if score_only else c.finish[idx]})
+    return JSONResponse({
+        "id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
+        "choices": choices, "usage": _usage(started, score_only), "system_fingerprint": state.fingerprint(),
+    })
+
+
+def _usage(s: Started, score_only: bool) -> dict[str, Any]:
+    u = s.gen.usage.body()
+    if score_only:  # the one token generated to score the prompt is not the caller's
+        u["completion_tokens"] = 0
+        u["total_tokens"] = u["prompt_tokens"]
+    return u
+
+
+async def _completion_stream(state: ServerState, req: CompletionRequest, s: Started, rid: str,
+                             echo: list[str] | None, n: int, score_only: bool) -> AsyncIterator[bytes]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    created = int(time.time())
+    fp = state.fingerprint()
+    builders: dict[int, CompletionLogprobs] = {}
+    echoed: set[int] = set()
+
+    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+        body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
+                                "model": state.model_name, "system_fingerprint": fp, "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return sse(body)
+
+    def chunks(d: Delta) -> list[bytes]:
+        out = []
+        b = builders.setdefault(d.index, CompletionLogprobs(state.text, 0))
+        if echo and d.index not in echoed:
+            # The echoed prompt goes first, with its logprobs (they come with the first delta).
+            echoed.add(d.index)
+            plp = b.body(d.prompt_logprobs or []) if req.logprobs is not None else None
+            if plp is None:
+                b.offset = len(echo[d.index // n])
+            out.append(chunk([{"index": d.index, "text": echo[d.index // n], "logprobs": plp,
+                               "finish_reason": None}]))
+        if score_only:
+            if d.finish_reason is not None:
+                out.append(chunk([{"index": d.index, "text": "", "logprobs": None, "finish_reason": "length"}]))
+            return out
+        lps = b.body(d.logprobs) if req.logprobs is not None else None
+        out.append(chunk([{"index": d.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}]))
+        return out
+
+    try:
+        if s.first is not None:
+            for x in chunks(s.first):
+                yield x
+        async for d in s.it:
+            for x in chunks(d):
+                yield x
+        s.gen.done()
+        if include_usage:
+            yield chunk([], _usage(s, score_only))
+    except APIError as e:
+        yield sse(e.body())
+    yield SSE_DONE
+
+
+def _prompt_ids(state: ServerState, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise APIError(400, "'prompt' must not be empty", param="prompt")
+    if len(prompts) > state.config.max_n * 8:
+        raise APIError(400, f"at most {state.config.max_n * 8} prompts per request", param="prompt")
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            if not p:
+                raise APIError(400, "'prompt' must not be empty", param="prompt")
+            out.append(state.text.encode(p))
+        else:
+            if not p:
+                raise APIError(400, "'prompt' token lists must not be empty", param="prompt")
+            check_ids(state, p, "prompt")
+            out.append(list(p))
+    return out
+

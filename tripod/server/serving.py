@@ -1,0 +1,175 @@
+"""What every API surface of the HTTP process shares: the server's state, request-body and
+disconnect helpers, and starting a generation (admission, the first delta, client gone).
+
+The API modules (``openai_api``, ``anthropic_api``, ``admin_api``) build their answers on these;
+``app.build_app`` wires them together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+
+from tripod.config import EngineConfig, ServerConfig
+from tripod.server.conversation import ChatRenderer
+from tripod.server.engine_client import (
+    EngineClient,
+    EngineDead,
+    EnginePart,
+    Overloaded,
+    RequestHandle,
+)
+from tripod.server.generation import Delta, Generation
+from tripod.server.metrics import ServerMetrics
+from tripod.server.protocol import APIError
+from tripod.server.sampling import Limits
+from tripod.server.text import TextSide
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServerState:
+    """Everything the routes share. ``exit_code`` is what the process exits with."""
+
+    engine_config: EngineConfig
+    config: ServerConfig
+    text: TextSide
+    client: EngineClient
+    model_name: str
+    quantization: str
+    metrics: ServerMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    exit_code: int = 0
+    request_shutdown: Callable[[], None] | None = None
+    renderer: ChatRenderer | None = None
+
+    def __post_init__(self) -> None:
+        if self.renderer is None:
+            self.renderer = ChatRenderer(self.text)
+
+    @property
+    def chat(self) -> ChatRenderer:
+        assert self.renderer is not None
+        return self.renderer
+
+    @property
+    def max_len(self) -> int:
+        info = self.client.info
+        assert info is not None
+        return info.max_request_len
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.max_len, self.config.max_n, self.text.vocab_size)
+
+    def fingerprint(self) -> str:
+        info = self.client.info
+        return f"tripod-{info.dtype if info else '?'}-{self.quantization}"
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes; send less", code="body_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def until_disconnect(request: Request, aw: Awaitable[T]) -> T:
+    """Await ``aw`` unless the client goes away first (then raise ``ClientGone``)."""
+    task = asyncio.ensure_future(aw)
+
+    async def disconnected() -> None:
+        # NOTE: the body was read already, so the next ASGI message can only be the disconnect.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watch.cancel()
+        raise
+    if task in done:
+        watch.cancel()
+        return task.result()
+    task.cancel()
+    raise ClientGone()
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    if name is None or name in (state.model_name, "default"):
+        return
+    raise APIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+                   param="model", code="model_not_found")
+
+
+def check_ids(state: ServerState, ids: list[int], what: str) -> None:
+    try:
+        state.text.check_ids(ids, what)
+    except ValueError as e:
+        raise APIError(400, str(e), param=what) from None
+
+
+@dataclass(slots=True)
+class Started:
+    """A generation whose first delta has come: the caller streams or collects the rest, and
+    closes ``handle`` when done (a stream hands that to its response)."""
+
+    handle: RequestHandle
+    gen: Generation
+    it: AsyncIterator[Delta]
+    first: Delta | None
+
+
+async def start_generation(
+    state: ServerState,
+    request: Request,
+    parts: list[EnginePart],
+    stops: list[str],
+    arrival: float,
+    overload_status: int | None = None,
+) -> Started:
+    """Admit ``parts`` and wait for the first delta. The first delta comes before the response
+    starts: a request the engine refuses still gets its 4xx status, and a client gone during
+    prefill is noticed."""
+    cfg = state.config
+    if state.draining:
+        raise APIError(503, "the server is shutting down; retry on another replica", type="server_error",
+                       code="draining", headers={"Retry-After": str(cfg.retry_after)})
+    n = parts[0].params.n
+    try:
+        handle = state.client.open(parts, n)
+    except Overloaded as e:
+        raise APIError(overload_status or cfg.overload_status, f"the server is at capacity ({e}); retry later",
+                       type="server_error", code="overloaded",
+                       headers={"Retry-After": str(cfg.retry_after)}) from None
+    except EngineDead as e:
+        raise APIError(503, f"the engine is not running: {e}", type="server_error", code="engine_dead") from None
+    gen = Generation(handle, state.text, stops, state.metrics, arrival)
+    try:
+        it = gen.deltas()
+        first = await until_disconnect(request, anext(it, None))
+    except BaseException:
+        handle.close()
+        raise
+    return Started(handle, gen, it, first)
