@@ -166,7 +166,7 @@ def test_launch_and_ctrl_c_keeps_what_was_measured(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     proc = subprocess.Popen(
         [sys.executable, "-m", "tripod.cli", "bench", "--launch",
-         "--launch-args", "--dtype float32 --kv-cache-tokens 8192 --threads 2",
+         "--launch-args", "--dtype float32 --kernels optimized --kv-cache-tokens 8192 --threads 2",
          "--concurrency", "1,2", "--prompts-per-concurrency", "12", "--isl", "24", "--osl", "16",
          "--warmup", "1", "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

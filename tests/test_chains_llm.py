@@ -23,7 +23,7 @@ from tripod import chains
 from tripod.chains.loader import load_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "chains"
-MODEL_ARGS = "--model-args=--dtype float32 --threads 1 --kv-cache-tokens 4096 --max-running 8"
+MODEL_ARGS = "--model-args=--dtype float32 --kernels optimized --threads 1 --kv-cache-tokens 4096 --max-running 8"
 TEXT = " ".join((EXAMPLES / "docs" / name).read_text() for name in ("tides.txt", "glaciers.txt"))
 
 

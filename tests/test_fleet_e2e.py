@@ -18,7 +18,7 @@ import openai
 import pytest
 from server_helpers import ServerProcess, TripodProcess
 
-REPLICA_ARGS = ("--dtype", "float32", "--kv-cache-tokens", "8192", "--threads", "1")
+REPLICA_ARGS = ("--dtype", "float32", "--kernels", "optimized", "--kv-cache-tokens", "8192", "--threads", "1")
 WORDS = ("river mountain lantern copper orchard violet harbor glacier meadow falcon ember quartz willow canyon "
          "saffron thunder marble prairie beacon cobalt juniper tundra velvet compass aurora cedar delta "
          "granite horizon ivory jasmine kestrel lagoon mosaic nectar obsidian pebble quiver raven sierra").split()
