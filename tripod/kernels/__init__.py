@@ -13,6 +13,7 @@ torch's ops only: nothing here is required.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -43,12 +44,18 @@ def ready() -> bool:
 
 def unavailable_reason() -> str | None:
     """Why the kernels cannot be used on this machine (None: they can, or may still build)."""
-    return _failed or KernelBuild().unsupported_reason()
+    return _failed or _machine_reason()
+
+
+@functools.cache
+def _machine_reason() -> str | None:
+    return KernelBuild().unsupported_reason()
 
 
 def load(*, wait: bool = True) -> bool:
-    """Load the kernels, building them first if needed. ``wait=False`` starts the build in a
-    background thread and returns at once (True only if they were already cached and loaded)."""
+    """Load the kernels, building them first if needed (in a background thread that runs the
+    build in its own process). ``wait=False`` returns at once: True only if they were already
+    built and are now loaded; otherwise they load when the build ends (``ready()``)."""
     global _thread
     with _lock:
         if _loaded or _failed is not None:
@@ -61,12 +68,12 @@ def load(*, wait: bool = True) -> bool:
         if build.is_built():
             _load_library(build)
             return _loaded
-        if not wait:
-            if _thread is None:
-                _thread = threading.Thread(target=_build_and_load, args=(build,), name="tripod-kernels", daemon=True)
-                _thread.start()
-            return False
-    _build_and_load(build)
+        if _thread is None:
+            _thread = threading.Thread(target=_build_and_load, args=(build,), name="tripod-kernels", daemon=True)
+            _thread.start()
+        thread = _thread
+    if wait:
+        thread.join()
     return _loaded
 
 
@@ -106,6 +113,8 @@ def _load_library(build: KernelBuild) -> None:
     global _loaded
     import torch
 
+    if _loaded:  # a background build and a waiting caller may both get here
+        return
     try:
         torch.ops.load_library(str(build.library))
     except Exception as e:
