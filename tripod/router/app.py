@@ -31,6 +31,18 @@ _PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/mess
             "/detokenize")
 
 
+def json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 saying what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise RouterError(400, f"the request body is not valid JSON ({e}); send a JSON object",
+                          "invalid_json") from None
+    if not isinstance(body, dict):
+        raise RouterError(400, "the request body must be a JSON object", "invalid_json")
+    return body
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length")
     too_big = RouterError(413, f"the request body is larger than {limit} bytes; send a smaller one",
@@ -68,13 +80,7 @@ def build_router_app(router: Router, lifespan: Any = None,
 
     async def proxied(request: Request) -> Response:
         raw = await _read_body(request, router.config.max_body_bytes)
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise RouterError(400, f"the request body is not valid JSON ({e}); send a JSON object",
-                              "invalid_json") from None
-        if not isinstance(body, dict):
-            raise RouterError(400, "the request body must be a JSON object", "invalid_json")
+        body = json_object(raw)
         forward = asyncio.ensure_future(router.forward(request.url.path, raw, body, dict(request.headers)))
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait({forward, gone}, return_when=asyncio.FIRST_COMPLETED)

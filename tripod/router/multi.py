@@ -14,7 +14,6 @@ on its own; ``multi_router_routes`` gives the routes to mount next to others.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tripod.router.app import _PROXIED, _disconnected, _read_body
+from tripod.router.app import _PROXIED, _disconnected, _read_body, json_object
 from tripod.router.merge import merge_pages
 from tripod.router.router import Router, RouterError
 from tripod.router.supervisor import Supervisor
@@ -161,13 +160,7 @@ def multi_router_routes(multi: MultiRouter) -> list[Route]:
     async def proxied(request: Request) -> tuple[Response, ModelFleet | None]:
         limit = min((f.router.config.max_body_bytes for f in multi.fleets.values()), default=4 * 2**20)
         raw = await _read_body(request, limit)
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise RouterError(400, f"the request body is not valid JSON ({e}); send a JSON object",
-                              "invalid_json") from None
-        if not isinstance(body, dict):
-            raise RouterError(400, "the request body must be a JSON object", "invalid_json")
+        body = json_object(raw)
         fleet = multi.fleet_for(body.get("model"))
         forward = asyncio.ensure_future(fleet.router.forward(request.url.path, raw, body, dict(request.headers)))
         gone = asyncio.ensure_future(_disconnected(request))

@@ -223,16 +223,21 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
   alignas(64) float p[kTile];
   for (int k0 = pc.k0; k0 < pc.k1; k0 += kTile) {
     const int n = std::min(kTile, pc.k1 - k0);
-    if (k0 + 2 * kTile < pc.k1) {  // two tiles ahead: slots are not always adjacent
-      const int nn = std::min(kTile, pc.k1 - k0 - 2 * kTile);
-      for (int j = 0; j < nn; ++j) {
-        const char* r = reinterpret_cast<const char*>(k_of(k0 + 2 * kTile + j, 0));
+    // The next tile's rows, prefetched a few at a time while this tile is computed (below):
+    // a burst of a whole tile's lines would overflow the core's outstanding-miss slots.
+    const int next_n = std::max(0, std::min(kTile, pc.k1 - k0 - kTile));
+    const char* next_rows[kTile];
+    for (int j = 0; j < next_n; ++j) next_rows[j] = reinterpret_cast<const char*>(k_of(k0 + kTile + j, 0));
+    int next_done = 0;
+    auto prefetch_some = [&](int upto) {  // rows [next_done, upto) of the next tile
+      for (; next_done < std::min(upto, next_n); ++next_done) {
+        const char* r = next_rows[next_done];
         for (int64_t off = 0; off < span; off += 64) {
           _mm_prefetch(r + off, _MM_HINT_T0);
           _mm_prefetch(r + (int64_t)a.KVH * D * sizeof(T) + off, _MM_HINT_T0);
         }
       }
-    }
+    };
     const T* base[kTile];  // each key's row at KV head g0 (past the end: any valid row, masked)
     for (int j = 0; j < kTile; ++j) base[j] = k_of(k0 + (j < n ? j : 0), 0);
     for (int gl = 0; gl < G; ++gl)
@@ -262,6 +267,7 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
         }
       }
     for (int qv = 0; qv < nqv; ++qv) {
+      prefetch_some((qv + 1) * kTile / nqv + 1);
       const int valid = std::min(n, blk.len0 + qv / per_query - k0);  // causal limit of this query
       if (valid <= 0) continue;  // the whole tile is in this query's future
       const int gl = (qv / group) % G;
