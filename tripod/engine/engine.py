@@ -136,6 +136,13 @@ class Engine:
             # (tests, benchmarks); under "auto" serve on torch's ops while it builds in the
             # background, and switch when it is loaded.
             kernels.load(wait=config.kernels == "optimized" or config.weights == "stored")
+        # NOTE: while the kernels build in the background the compiler holds a core; a
+        # parallel region whose thread shares that core waits for it at every barrier (10x
+        # slower steps on 2 cores), so serve on one thread fewer until the build ends.
+        self._threads_after_build: int | None = None
+        if kernels.building() and torch.get_num_threads() > 1:
+            self._threads_after_build = torch.get_num_threads()
+            torch.set_num_threads(self._threads_after_build - 1)
         self.runner = ModelRunner(
             self.loaded.model, self.pool, self.device, use_mirror=config.decode_mirror,
             path=path, max_len=self.max_request_len, stored=config.weights == "stored",
@@ -353,6 +360,9 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one forward pass for whatever the scheduler picks; report what changed."""
         t_start = time.perf_counter()
+        if self._threads_after_build is not None and not kernels.building():
+            torch.set_num_threads(self._threads_after_build)  # the build is over
+            self._threads_after_build = None
         self._poll_compiles()
         self._score_prompts()
         outs: list[StepOutput] = []

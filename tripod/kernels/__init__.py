@@ -42,6 +42,11 @@ def ready() -> bool:
     return _loaded
 
 
+def building() -> bool:
+    """Whether a background build is running in this process (started by ``load(wait=False)``)."""
+    return _thread is not None and _thread.is_alive()
+
+
 def unavailable_reason() -> str | None:
     """Why the kernels cannot be used on this machine (None: they can, or may still build)."""
     return _failed or _machine_reason()
@@ -130,4 +135,4 @@ def _fail(why: str) -> None:
     log.warning("tripod CPU kernels unavailable, using torch's ops: %s", why)
 
 
-__all__ = ["cpu_flags", "load", "ops", "ready", "unavailable_reason", "wait"]
+__all__ = ["building", "cpu_flags", "load", "ops", "ready", "unavailable_reason", "wait"]
