@@ -47,6 +47,15 @@ class EngineConfig:
     # Structured outputs: verify grammar-forced text in one forward pass (lossless; see engine).
     jump_forward: bool = True
     max_jump_forward: int = 32  # draft tokens per verification
+    # Speculative decoding (engine/speculative): None (off), "ngram" (prompt lookup), "draft:PATH"
+    # (a smaller model with the same tokenizer; "draft:embedded" = the embedded model) or "self:K"
+    # (this model's first K layers and its head: a self-speculative draft sharing weights and KV).
+    # Lossless: outputs are those of plain decoding. Per request: SamplingParams.speculative.
+    speculative: str | None = None
+    num_draft_tokens: int = 4  # most draft tokens per request per step
+    # Speculate only while at most this many requests decode in a step (the measured break-even
+    # batch on 2 CPU cores; docs/architecture.md): a big batch has no compute to spare.
+    spec_max_batch: int = 8
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES, *_ALIASES):
@@ -73,6 +82,12 @@ class EngineConfig:
                     "--weights stored computes in float32 with exactly the dequantized weights; "
                     f"use --dtype auto or float32 (got {self.dtype!r})"
                 )
+        if self.speculative is not None:
+            parse_speculative(self.speculative)  # raises with what to change
+        if not 1 <= self.num_draft_tokens <= 64:
+            raise ValueError(f"num_draft_tokens must be in [1, 64] (got {self.num_draft_tokens})")
+        if self.spec_max_batch < 0:
+            raise ValueError(f"spec_max_batch must be >= 0 (got {self.spec_max_batch})")
         if self.policy not in ("lpm", "fcfs"):
             raise ValueError(f"policy must be 'lpm' or 'fcfs' (got {self.policy!r})")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -101,6 +116,31 @@ class EngineConfig:
         if name == "float16" and device.type != "cuda":
             raise ValueError("float16 is only supported on CUDA; use bfloat16 or float32 on the CPU")
         return _DTYPES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeSpec:
+    """A parsed ``--speculative`` value: ``kind`` is ngram | draft | self; ``path`` the draft
+    checkpoint (None: the embedded model); ``layers`` the self-speculative draft's depth."""
+
+    kind: str
+    path: str | None = None
+    layers: int = 0
+
+
+def parse_speculative(value: str) -> SpeculativeSpec:
+    """``ngram`` | ``draft:PATH`` (``draft:embedded``: the embedded model) | ``self:K``."""
+    kind, _, arg = value.partition(":")
+    if kind == "ngram" and not arg:
+        return SpeculativeSpec("ngram")
+    if kind == "draft" and arg:
+        return SpeculativeSpec("draft", None if arg == "embedded" else arg)
+    if kind == "self" and arg.isdigit() and int(arg) >= 1:
+        return SpeculativeSpec("self", layers=int(arg))
+    raise ValueError(
+        f"speculative must be 'ngram', 'draft:PATH' (a checkpoint with the same tokenizer, or "
+        f"'draft:embedded') or 'self:K' (the model's first K layers as its own draft); got {value!r}"
+    )
 
 
 def native_bf16(device: torch.device) -> bool:

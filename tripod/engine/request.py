@@ -96,6 +96,9 @@ class SamplingParams:
     grammar: GrammarSpec | None = None
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
+    # Speculative decoding for this request when the engine has a proposer (False: decode
+    # plainly; outputs are the same either way, only the speed differs).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> SamplingParamError:
@@ -130,6 +133,8 @@ class SamplingParams:
             raise bad("priority", "must be an integer")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise bad("grammar", "must be a GrammarSpec or None")
+        if not isinstance(self.speculative, bool):
+            raise bad("speculative", "must be true or false")
         if self.logit_bias is not None:
             lb = self.logit_bias
             if not isinstance(lb, dict) or len(lb) > MAX_LOGIT_BIAS:
