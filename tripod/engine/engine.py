@@ -31,6 +31,7 @@ from tripod.engine.request import (
 )
 from tripod.engine.sampler import Sampler, make_generator
 from tripod.engine.scheduler import SchedulePolicy, Scheduler
+from tripod.engine.speculative.counts import SpecCounts
 from tripod.engine.structured import GrammarBackend, GrammarError
 from tripod.loader import LoadedModel, load_model
 from tripod.memory.kv_pool import KVPool, slots_from_budget
@@ -73,6 +74,8 @@ class EngineStats:
     prefill_tokens: int = 0  # tokens computed in prefill chunks (not decodes, not verifies)
     jump_forward_proposed: int = 0  # grammar-forced draft tokens sent for verification
     jump_forward_accepted: int = 0  # of those, tokens the model itself chose (= passes saved)
+    # Speculative decoding per proposer ("ngram", "draft", "self", "jump_forward").
+    spec: dict[str, SpecCounts] = field(default_factory=dict)
 
 
 class Engine:
