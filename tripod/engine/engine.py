@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tripod import kernels
-from tripod.config import EngineConfig
+from tripod.config import EngineConfig, parse_speculative
 from tripod.engine.detokenizer import IncrementalDetokenizer
 from tripod.engine.model_runner import ModelRunner
 from tripod.engine.radix_cache import RadixCache
@@ -32,6 +32,10 @@ from tripod.engine.request import (
 from tripod.engine.sampler import Sampler, make_generator
 from tripod.engine.scheduler import SchedulePolicy, Scheduler
 from tripod.engine.speculative.counts import SpecCounts
+from tripod.engine.speculative.draft_model import DraftModelProposer
+from tripod.engine.speculative.ngram import NgramProposer
+from tripod.engine.speculative.proposer import Proposer
+from tripod.engine.speculative.speculator import Speculator
 from tripod.engine.structured import GrammarBackend, GrammarError
 from tripod.loader import LoadedModel, load_model
 from tripod.memory.kv_pool import KVPool, slots_from_budget
@@ -72,10 +76,21 @@ class EngineStats:
     sample_seconds: float = 0.0
     bookkeeping_seconds: float = 0.0
     prefill_tokens: int = 0  # tokens computed in prefill chunks (not decodes, not verifies)
-    jump_forward_proposed: int = 0  # grammar-forced draft tokens sent for verification
-    jump_forward_accepted: int = 0  # of those, tokens the model itself chose (= passes saved)
+    propose_seconds: float = 0.0  # speculative proposals (draft-model passes included)
     # Speculative decoding per proposer ("ngram", "draft", "self", "jump_forward").
     spec: dict[str, SpecCounts] = field(default_factory=dict)
+
+    @property
+    def jump_forward_proposed(self) -> int:
+        """Grammar-forced draft tokens sent for verification."""
+        c = self.spec.get("jump_forward")
+        return c.draft_tokens if c else 0
+
+    @property
+    def jump_forward_accepted(self) -> int:
+        """Of those, tokens the model itself chose (= forward passes saved)."""
+        c = self.spec.get("jump_forward")
+        return c.accepted_tokens if c else 0
 
 
 class Engine:
@@ -111,10 +126,23 @@ class Engine:
         t0 = time.monotonic()
         if loaded is not None and config.weights == "stored" and loaded.weights != "stored":
             raise ValueError("--weights stored needs the model loaded with its stored weights (load_model(..., weights='stored'))")
+        self.stats_spec: dict[str, SpecCounts] = {}
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, weights=config.weights)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        self.draft: LoadedModel | None = None
+        spec = parse_speculative(config.speculative) if config.speculative else None
+        if spec is not None and spec.kind == "draft":
+            self.draft = self._load_draft(spec.path)
+            dc = self.draft.config
+            # NOTE: the draft's K/V live at the target's slot ids: one token slot costs both.
+            per_token += KVPool.bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype)
+        if spec is not None and spec.kind == "self" and spec.layers >= mc.num_layers:
+            raise ValueError(
+                f"self:{spec.layers} asks for {spec.layers} layers but the model has {mc.num_layers}; "
+                f"use self:K with K in [1, {mc.num_layers - 1}]"
+            )
         num_slots = slots_from_budget(
             kv_cache_tokens=config.kv_cache_tokens,
             kv_mem_fraction=config.kv_mem_fraction,
@@ -153,11 +181,15 @@ class Engine:
         if config.weights == "stored" and self.runner.kernel_reason is not None:
             raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {self.runner.kernel_reason}")
         self.sampler = Sampler(self.device, config.seed)
+        self.spec = Speculator(
+            lambda: self.config, self.tokenizer, self.pool.allocator, self.sampler, self.stats_spec,
+            self._make_proposer(path),
+        )
         eos = set(mc.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_ids = frozenset(eos)
-        self.stats = EngineStats()
+        self.stats = EngineStats(spec=self.stats_spec)
         self._reqs: dict[str, Req] = {}
         self._inboxes: dict[str, list[StepOutput]] = {}  # rid -> undelivered stream outputs
         self._rid_counter = itertools.count()
@@ -168,7 +200,7 @@ class Engine:
         self._scoring: list[list[Req]] = []
         log.info(
             "tripod engine: model=%s (%s, stored as %s, weights %s) dtype=%s device=%s kv_slots=%d (%.0f MiB) "
-            "context=%d compute=%s loaded in %.1fs",
+            "context=%d compute=%s speculative=%s loaded in %.1fs",
             self.loaded.name,
             mc.architecture,
             self.loaded.quantization,
@@ -179,8 +211,43 @@ class Engine:
             num_slots * per_token / 2**20,
             self.context_len,
             self.runner.describe(),
+            config.speculative or "off",
             time.monotonic() - t0,
         )
+
+    def _load_draft(self, path: str | None) -> LoadedModel:
+        """The ``draft:PATH`` model, checked to share the target's tokenizer token for token."""
+        draft = load_model(path, self.dtype, self.device)
+        mc, dc = self.model_config, draft.config
+        if dc.vocab_size != mc.vocab_size or draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(
+                f"the draft model {draft.name} does not share {self.loaded.name}'s tokenizer "
+                f"(vocabularies of {dc.vocab_size} and {mc.vocab_size} tokens, or different tokens); "
+                "a draft must tokenize exactly like the model it drafts for"
+            )
+        return draft
+
+    def _make_proposer(self, path: str) -> Proposer | None:
+        cfg = self.config
+        if cfg.speculative is None:
+            return None
+        spec = parse_speculative(cfg.speculative)
+        if spec.kind == "ngram":
+            return NgramProposer()
+        if spec.kind == "self":
+            view = self.loaded.model.truncated(spec.layers)
+            runner = ModelRunner(
+                view, self.pool, self.device, use_mirror=False, path=path, max_len=self.max_request_len,
+                stored=cfg.weights == "stored",
+            )
+            return DraftModelProposer("self", runner, self.sampler, shares_kv=True, catch_up=cfg.chunk_size)
+        assert self.draft is not None
+        dc = self.draft.config
+        pool = KVPool(self.pool.num_slots, dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype, self.device)
+        runner = ModelRunner(
+            self.draft.model, pool, self.device, use_mirror=False, path=path, max_len=self.max_request_len,
+        )
+        return DraftModelProposer("draft", runner, self.sampler, shares_kv=False, catch_up=cfg.chunk_size)
 
     # ------------------------------------------------------------------ describing
     @property
@@ -375,7 +442,9 @@ class Engine:
                 outs.append(StepOutput(r, [], [], True))
                 del self._reqs[r.rid]
         items = self.scheduler.schedule()
-        verifying = self._attach_drafts(items)
+        t_prop = time.perf_counter()
+        verifying = self.spec.attach(items, self.config.max_batch_tokens - sum(it.length for it in items))
+        self.stats.propose_seconds += time.perf_counter() - t_prop
         if not items:
             if self._compiling and not outs and not self._scoring:
                 # Nothing to run but grammars compiling: wait a little for one, not spin.
@@ -422,7 +491,12 @@ class Engine:
             req = it.req
             if it.verify:
                 r0 = verify_rows[id(req)]
-                outs.append(self._verify(it, all_logits[r0 : r0 + it.length]))
+                v = self.spec.verify(it, all_logits[r0 : r0 + it.length], self._mask_row, self._stop_reason)
+                self.stats.generated_tokens += len(v.tokens)
+                if v.reason is not None:
+                    self.scheduler.finish(req, v.reason)
+                    req.finish_time = time.monotonic()
+                outs.append(StepOutput(req, v.tokens, v.logprobs, req.finished))
                 continue
             req.computed += it.length
             j = sampled_at.get(id(req))
@@ -448,7 +522,6 @@ class Engine:
                 self.scheduler.finish(req, reason)
                 req.finish_time = time.monotonic()
             outs.append(StepOutput(req, [tok], [lp] if lp is not None else [], req.finished))
-            self._propose(req)
         for o in outs:
             if o.finished:
                 self._reqs.pop(o.req.rid, None)
@@ -502,87 +575,12 @@ class Engine:
         req.prompt_logprobs = out
         return True
 
-    # ------------------------------------------------------------------ jump-forward
-    # When the grammar forces a continuation (a key name, punctuation), its tokens are proposed
-    # as a draft and verified in the request's next forward pass: [last token, d1..dk] in one
-    # go, logits at every position. Position j is then sampled exactly as plain decoding would
-    # (same mask, penalties, seed stream); while the sampled token equals d(j+1), its KV is
-    # already computed and decoding moves on, else the sampled token ends the step. For a
-    # deterministic draft this is the speculative acceptance rule (accept d with probability
-    # p(d), else sample the residual), so outputs are those of plain constrained decoding, in
-    # fewer forward passes.
-    def _propose(self, req: Req) -> None:
-        req.draft = []
-        if req.finished or req.matcher is None or not self.config.jump_forward:
-            return
-        forced = req.matcher.find_jump_forward_string()
-        if not forced:
-            return
-        room = min(req.params.max_tokens - len(req.output_ids), req.max_len - req.seq_len) - 1
-        k = min(room, self.config.max_jump_forward)
-        if k > 0:
-            req.draft = list(self.tokenizer.encode(forced, add_special_tokens=False))[:k]
-
-    def _attach_drafts(self, items: list[Any]) -> list[Any]:
-        """Turn decode items of requests with a draft into verification items."""
-        out = []
-        for it in items:
-            req = it.req
-            if not req.draft or it.length != 1 or it.start != req.seq_len - 1:
-                continue
-            slots = self.pool.allocator.alloc(len(req.draft))
-            if slots is None:  # no spare KV: decode plainly this step
-                req.draft = []
-                continue
-            req.slots.extend(slots)
-            req.output_ids.extend(req.draft)
-            it.length = 1 + len(req.draft)
-            it.verify = True
-            self.stats.jump_forward_proposed += len(req.draft)
-            out.append(it)
-        return out
-
-    def _verify(self, it: Any, logits: torch.Tensor) -> StepOutput:
-        req = it.req
-        draft, req.draft = req.draft, []
-        start = req.seq_len  # index of the first token this step decides
-        new: list[int] = []
-        new_lps: list[TokenLogprob] = []
-        reason = None
-        for j in range(len(draft) + 1):
-            row = logits[j : j + 1]
-            if req.matcher is not None:
-                self.grammars.apply_masks(row, [req.matcher])
-            res = self.sampler.sample(row, [req])
-            tok, lp = res.token_ids[0], res.logprobs[0]
-            if req.matcher is not None:
-                ok = req.matcher.accept_token(tok)
-                assert ok, f"{req.rid}: the grammar refused sampled token {tok}"
-            if not req.output_ids and req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            req.output_ids.append(tok)
-            new.append(tok)
-            if lp is not None:
-                req.output_logprobs.append(lp)
-                new_lps.append(lp)
-            self.stats.generated_tokens += 1
-            reason = self._stop_reason(req, tok)
-            if reason is not None or j == len(draft) or tok != draft[j]:
-                break
-            self.stats.jump_forward_accepted += 1
-        # Tokens [0, start + len(new) - 1) have valid KV; the last new token has none yet
-        # (exactly the state plain decoding leaves). Unused draft slots go back.
-        req.computed = start + len(new) - 1
-        extra = req.slots[req.computed :]
-        del req.slots[req.computed :]
-        req.slots_version += 1
-        self.pool.allocator.free(extra)
-        if reason is not None:
-            self.scheduler.finish(req, reason)
-            req.finish_time = time.monotonic()
-        else:
-            self._propose(req)
-        return StepOutput(req, new, new_lps, req.finished)
+    # ------------------------------------------------------------------ speculation
+    # Drafts (grammar-forced text, n-gram lookups, a draft model's guesses) are attached to
+    # decode items by ``self.spec`` after scheduling and verified in the same forward pass; see
+    # engine/speculative.
+    def _mask_row(self, row: torch.Tensor, matcher: Any) -> None:
+        self.grammars.apply_masks(row, [matcher])
 
     def _deliver(self, outs: list[StepOutput]) -> list[StepOutput]:
         """File each output in its stream's inbox (if one is listening); free idle memory."""

@@ -219,8 +219,13 @@ class Req:
     group: str = ""  # the id the caller gave (shared by the n copies)
     # Structured outputs: an XGrammar matcher that has accepted exactly ``output_ids``.
     matcher: Any = None
-    # Jump-forward: grammar-forced tokens to verify in the next forward pass.
+    # Speculative decoding (engine/speculative): tokens proposed for this step's verification,
+    # which proposer made them, and (draft models sampling without a seed) the draft's
+    # distribution at each of them ``[len(draft), V]`` for the rejection-sampling rule.
     draft: list[int] = field(default_factory=list)
+    draft_source: str = ""
+    draft_probs: Any = None
+    spec: Any = None  # speculative.SpecState: adaptive draft length, the draft model's KV progress
     # params.prompt_logprobs: one entry per prompt token (None for the first), computed before
     # the request is queued and reported with its first output.
     prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -39,20 +39,9 @@ class Sampler:
         """``logits`` float32 ``[len(reqs), V]``; ``masks`` optional bool ``[len(reqs), V]``
         (True = allowed) from the structured-outputs layer."""
         assert logits.shape[0] == len(reqs)
-        biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
-        if biased or any(r.params.needs_penalties for r in reqs):
-            logits = logits.clone()
-            for i in biased:
-                _apply_bias(logits[i], reqs[i])
-            for i, r in enumerate(reqs):
-                if r.params.needs_penalties:
-                    _apply_penalties(logits[i], r)
+        logits = self.adjust(logits, reqs)
         if masks is not None:
             logits = logits.masked_fill(~masks, float("-inf"))
-
-        want_lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        lps: list[TokenLogprob | None] = [None] * len(reqs)
-        logprob_rows = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
 
         tokens = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
@@ -62,21 +51,44 @@ class Sampler:
         elif greedy:
             tokens[greedy] = logits[greedy].argmax(dim=-1)
         if sampled:
-            tokens[sampled] = self._sample_rows(logits[sampled], [reqs[i] for i in sampled])
+            sub = [reqs[i] for i in sampled]
+            tokens[sampled] = self.race(self.probs(logits[sampled], sub), sub)
         out = tokens.tolist()
+        return SampleResult(out, self.logprobs(logits, reqs, out))
 
-        if logprob_rows is not None:
-            for j, i in enumerate(want_lp):
-                row = logprob_rows[j]
-                k = reqs[i].params.logprobs or 0
-                top: list[tuple[int, float]] = []
-                if k:
-                    vals, ids = row.topk(k)
-                    top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-                lps[i] = TokenLogprob(out[i], float(row[out[i]]), top)
-        return SampleResult(out, lps)
+    def adjust(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """Logit bias, then penalties (a copy when any applies; masks already in stay)."""
+        biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
+        if biased or any(r.params.needs_penalties for r in reqs):
+            logits = logits.clone()
+            for i in biased:
+                _apply_bias(logits[i], reqs[i])
+            for i, r in enumerate(reqs):
+                if r.params.needs_penalties:
+                    _apply_penalties(logits[i], r)
+        return logits
 
-    def _sample_rows(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    def logprobs(self, logits: torch.Tensor, reqs: list[Req], tokens: list[int]) -> list[TokenLogprob | None]:
+        """The chosen tokens' logprobs (and top-k) for the rows whose request asked, from the
+        adjusted logits (before temperature, as OpenAI reports them)."""
+        want_lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        lps: list[TokenLogprob | None] = [None] * len(reqs)
+        if not want_lp:
+            return lps
+        logprob_rows = torch.log_softmax(logits[want_lp], dim=-1)
+        for j, i in enumerate(want_lp):
+            row = logprob_rows[j]
+            k = reqs[i].params.logprobs or 0
+            top: list[tuple[int, float]] = []
+            if k:
+                vals, ids = row.topk(k)
+                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+            lps[i] = TokenLogprob(tokens[i], float(row[tokens[i]]), top)
+        return lps
+
+    def probs(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """The distribution sampled requests draw from: temperature, then top-k, top-p and
+        min-p. Rows are not renormalised after filtering (the race does not need it)."""
         dev = logits.device
         _n, vocab = logits.shape
         temp = torch.tensor([r.params.temperature for r in reqs], device=dev).unsqueeze(1)
@@ -103,18 +115,32 @@ class Sampler:
         if max(min_p) > 0.0:
             mp = torch.tensor(min_p, device=dev).unsqueeze(1)
             probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs
+
+    def race(self, probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """Draw one index per row with probability proportional to ``probs``."""
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples index i with probability
         # p_i / sum(p), so no renormalisation is needed after filtering.
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
         if unseeded:
             noise[unseeded] = torch.empty(
-                len(unseeded), vocab, device=dev
+                len(unseeded), probs.shape[1], device=probs.device
             ).exponential_(generator=self.generator)
         for i, r in enumerate(reqs):
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
         return (probs / noise).argmax(dim=-1)
+
+    def uniform(self) -> float:
+        """One U(0, 1) draw from the engine's generator (speculative rejection sampling)."""
+        return float(torch.rand((), generator=self.generator, device=self.device))
+
+    def draw(self, weights: torch.Tensor) -> int:
+        """One index drawn with probability proportional to ``weights`` (1-D), from the
+        engine's generator."""
+        noise = torch.empty_like(weights).exponential_(generator=self.generator)
+        return int((weights / noise).argmax())
 
 
 def _apply_bias(row: torch.Tensor, req: Req) -> None:

@@ -7,6 +7,7 @@ tokens the sampler needs.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -148,6 +149,19 @@ class LlamaForCausalLM(nn.Module):
         if form not in self.head_ops:
             head = self.embed if self.lm_head is None else self.lm_head
             self.head_ops[form] = make_linear(head, None, form, ops=kernel_ops, stored=self.stored_head)
+
+    def truncated(self, num_layers: int) -> LlamaForCausalLM:
+        """A view of this model with only its first ``num_layers`` layers, sharing every weight
+        (and the final norm and head): a self-speculative draft whose K/V are exactly this
+        model's first layers' K/V."""
+        if not 1 <= num_layers < self.cfg.num_layers:
+            raise ValueError(f"a truncated draft needs 1 to {self.cfg.num_layers - 1} layers (got {num_layers})")
+        view = copy.copy(self)
+        # NOTE: nn.Module keeps submodules in dicts; copy them so the view's layer list is its own.
+        view._modules = dict(self._modules)
+        view._parameters = dict(self._parameters)
+        view.layers = nn.ModuleList(list(self.layers)[:num_layers])
+        return view
 
     def release(self, form: Form) -> None:
         """Forget a form's packed weights (the runner moved on from it: memory back)."""

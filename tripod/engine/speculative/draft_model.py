@@ -1,0 +1,161 @@
+"""A draft model as a proposer: a smaller model with the same tokenizer (``draft:PATH``), or this
+model's own first K layers and head (``self:K``), run by the same engine over the same KV slots.
+
+KV: a draft token's slot is the slot the target verifies it in, so the draft's K/V share the
+target's slot ids and the one allocator (the same pool accounting, and the radix cache's slots
+carry the draft's K/V too). ``self:K`` shares the target's pool outright: its layers are the
+target's first K, so the target's own prefill and verification already wrote them. A separate
+draft model has a pool of its own (same slot ids, its own layers), kept in step with the
+target's prefill chunks, and caught up on what it missed (tokens decoded while speculation was
+off, a verification's last accepted token) before it proposes. Which slots hold draft K/V for
+which token is stamped per slot (token id and position), so a prefix from the radix cache is
+reused when its draft K/V were computed and recomputed when not. A stale stamp can only cost
+acceptance, never correctness: the target checks every draft token.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tripod.engine.sampler import Sampler
+from tripod.engine.scheduler import ScheduledItem
+from tripod.engine.speculative.proposer import Proposal, Proposer
+
+if TYPE_CHECKING:
+    from tripod.engine.model_runner import ModelRunner
+    from tripod.engine.request import Req
+
+
+class DraftModelProposer(Proposer):
+    writes_kv = True
+
+    def __init__(self, name: str, runner: ModelRunner, sampler: Sampler, *, shares_kv: bool, catch_up: int) -> None:
+        self.name = name
+        self.runner = runner
+        self.sampler = sampler
+        self.shares_kv = shares_kv
+        self.catch_up = catch_up  # most tokens the draft computes for one request in one pass
+        n = runner.pool.num_slots
+        self._tok = np.full(n, -1, dtype=np.int64)  # per slot: the token its draft K/V are of
+        self._pos = np.full(n, -1, dtype=np.int64)  # ... and at which position
+        self.draft_passes = 0
+        self.draft_seconds = 0.0
+
+    # ------------------------------------------------------------------ draft KV bookkeeping
+    def _computed(self, req: Req, cap: int) -> int:
+        """How many of the request's first ``cap`` tokens have valid draft K/V in their slots."""
+        n = min(cap, len(req.slots))
+        if n <= 0:
+            return 0
+        slots = np.fromiter(req.slots[:n], dtype=np.int64, count=n)
+        ids = np.fromiter(req.all_ids[:n], dtype=np.int64, count=n)
+        ok = (self._tok[slots] == ids) & (self._pos[slots] == np.arange(n))
+        bad = np.flatnonzero(~ok)
+        return int(bad[0]) if bad.size else n
+
+    def _stamp(self, items: list[ScheduledItem]) -> None:
+        if self.shares_kv:
+            return
+        for it in items:
+            r, s, n = it.req, it.start, it.length
+            slots = np.fromiter(r.slots[s : s + n], dtype=np.int64, count=n)
+            self._tok[slots] = r.all_ids[s : s + n]
+            self._pos[slots] = np.arange(s, s + n)
+
+    def _forward(self, items: list[ScheduledItem]) -> dict[int, torch.Tensor]:
+        """Run the draft over ``items``; the logits row of each item that samples, by id(item)."""
+        import time
+
+        t0 = time.perf_counter()
+        logits, sampling = self.runner.forward(items)
+        self._stamp(items)
+        self.draft_passes += 1
+        self.draft_seconds += time.perf_counter() - t0
+        return {id(it): logits[j] for j, it in enumerate(sampling)}
+
+    # ------------------------------------------------------------------ proposing
+    def propose(self, reqs: list[Req], lengths: list[int], items: list[ScheduledItem]) -> list[Proposal | None]:
+        proposing = {id(r) for r in reqs}
+        first: list[ScheduledItem] = []
+        if not self.shares_kv:
+            # Prefill chunks of requests that may speculate later: the draft keeps pace.
+            for it in items:
+                r = it.req
+                if id(r) in proposing or it.length == 1 or it.verify or not r.params.speculative:
+                    continue
+                end = it.start + it.length
+                dc = self._computed(r, it.start)
+                if end - dc <= self.catch_up:
+                    first.append(ScheduledItem(r, dc, end - dc))
+        heads: list[ScheduledItem | None] = []
+        for r in reqs:
+            last = r.seq_len - 1  # its slot is reserved (a decode item), its K/V not yet computed
+            dc = last if self.shares_kv else self._computed(r, last)
+            if r.seq_len - dc > self.catch_up:  # far behind: catch up now, propose next time
+                first.append(ScheduledItem(r, dc, self.catch_up))
+                heads.append(None)
+                continue
+            head = ScheduledItem(r, dc, r.seq_len - dc)
+            first.append(head)
+            heads.append(head)
+        rows = self._forward(first)
+
+        toks: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        # NOTE: a seeded request's draft draws with the noise its own generator will give the
+        # target at each position (a copy of the generator's state), so the draft guesses the
+        # very token the target's sample will be whenever their distributions agree.
+        gens: list[torch.Generator | None] = []
+        for r in reqs:
+            g = None
+            if r.generator is not None and not r.params.greedy:
+                g = torch.Generator(device=r.generator.device)
+                g.set_state(r.generator.get_state())
+            gens.append(g)
+        active = [i for i, h in enumerate(heads) if h is not None]
+        logit_of = {i: rows[id(heads[i])] for i in active}  # type: ignore[arg-type]
+        added = [0] * len(reqs)
+        try:
+            while active:
+                for i in active:
+                    t, q = self._pick(reqs[i], logit_of[i], gens[i])
+                    toks[i].append(t)
+                    if q is not None:
+                        probs[i].append(q)
+                active = [i for i in active if len(toks[i]) < lengths[i]]
+                if not active:
+                    break
+                step_items = []
+                for i in active:
+                    reqs[i].output_ids.append(toks[i][-1])  # the forward reads tokens from all_ids
+                    added[i] += 1
+                    step_items.append(ScheduledItem(reqs[i], reqs[i].seq_len - 1, 1))
+                rows = self._forward(step_items)
+                logit_of = {i: rows[id(it)] for i, it in zip(active, step_items, strict=True)}
+        finally:
+            for i, r in enumerate(reqs):
+                if added[i]:
+                    del r.output_ids[len(r.output_ids) - added[i] :]
+        out: list[Proposal | None] = []
+        for i in range(len(reqs)):
+            if len(toks[i]) != lengths[i]:
+                out.append(None)
+            else:
+                out.append(Proposal(toks[i], torch.stack(probs[i]) if probs[i] else None))
+        return out
+
+    def _pick(self, req: Req, logits: torch.Tensor, gen: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+        """The draft's token at one position (and its distribution when drawn without a seed)."""
+        s = self.sampler
+        adjusted = s.adjust(logits.unsqueeze(0), [req])
+        if req.params.greedy:
+            return int(adjusted.argmax()), None
+        p = s.probs(adjusted, [req])[0]
+        if gen is not None:
+            noise = torch.empty_like(p).exponential_(generator=gen)
+            return int((p / noise).argmax()), None
+        p = p / p.sum()
+        return s.draw(p), p

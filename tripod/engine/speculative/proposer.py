@@ -1,0 +1,48 @@
+"""What a proposer is: something that guesses a request's next tokens before the model runs.
+
+Proposals are checked by the model in the request's next forward pass (``verify.py``), so a
+proposer can only change speed, never the output. A deterministic proposal (n-gram, grammar,
+a greedy or seeded draft) carries tokens only; a draft model that *sampled* its tokens also
+carries its distribution at each of them, for the rejection-sampling rule.
+
+A multi-token-prediction module (DeepSeek-V3's ``num_nextn_predict_layers``) is one more
+``Proposer`` with ``writes_kv = True``: it reads the target's last hidden states (which the
+runner would hand it in ``propose``'s step items) instead of running a separate model; it lands
+with the DeepSeek model class.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tripod.engine.request import Req
+    from tripod.engine.scheduler import ScheduledItem
+
+
+@dataclass(slots=True)
+class Proposal:
+    tokens: list[int]
+    # [len(tokens), V] float32, rows summing to 1: the distribution each token was drawn from
+    # (None: deterministic; the plain-sampling acceptance rule applies).
+    probs: Any = None
+
+
+class Proposer(abc.ABC):
+    """Guesses continuations for a batch of requests.
+
+    ``writes_kv``: the proposer runs a model over the draft positions, so the speculator
+    allocates the request's draft KV slots (``req.slots`` grows by ``lengths[i]``) *before*
+    ``propose`` and the proposal must have exactly that many tokens (or be None, and the
+    speculator frees them).
+    """
+
+    name: str = ""
+    writes_kv: bool = False
+
+    @abc.abstractmethod
+    def propose(self, reqs: list[Req], lengths: list[int], items: list[ScheduledItem]) -> list[Proposal | None]:
+        """Up to ``lengths[i]`` tokens that may follow ``reqs[i].all_ids``. ``items`` is the
+        whole step (a draft model keeps its own KV in step with the target's prefill chunks)."""

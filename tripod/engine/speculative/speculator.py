@@ -1,0 +1,187 @@
+"""The speculator: between the scheduler and the forward pass it turns decode items into
+verification items carrying drafts, and after the pass it accepts what the model agrees with.
+
+Per step: every decode item whose request may speculate gets a draft, from the grammar when the
+grammar forces text (jump-forward), else from the configured proposer; the draft's KV slots are
+allocated onto the request (they are the slots the forward verifies the draft in), and the item
+becomes ``[last token, draft...]`` with logits at every position. After the forward,
+``verify.accept`` picks the tokens and the slots of rejected positions go back to the allocator
+at once (the request is left exactly as plain decoding would leave it: every token but the last
+has K/V).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tripod.config import EngineConfig
+from tripod.engine.request import Req
+from tripod.engine.sampler import Sampler
+from tripod.engine.scheduler import ScheduledItem
+from tripod.engine.speculative.adaptive import AdaptivePolicy
+from tripod.engine.speculative.counts import SpecCounts
+from tripod.engine.speculative.grammar import GrammarProposer
+from tripod.engine.speculative.proposer import Proposal, Proposer
+from tripod.engine.speculative.verify import Verdict, accept
+
+if TYPE_CHECKING:
+    from tripod.memory.kv_pool import SlotAllocator
+
+log = logging.getLogger(__name__)
+
+
+class Speculator:
+    """Owns the proposers, the adaptive policy and the per-proposer counters."""
+
+    def __init__(
+        self,
+        config: Callable[[], EngineConfig],
+        tokenizer: Any,
+        allocator: SlotAllocator,
+        sampler: Sampler,
+        counts: dict[str, SpecCounts],
+        proposer: Proposer | None,
+    ) -> None:
+        self._config = config  # the engine's current config (tests and operators may swap it)
+        self.allocator = allocator
+        self.sampler = sampler
+        self.counts = counts
+        self.grammar = GrammarProposer(tokenizer)
+        self.proposer = proposer
+        self.policy = AdaptivePolicy(config().num_draft_tokens, config().spec_max_batch)
+        self.draft_seconds = 0.0  # proposing (draft-model passes included)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config()
+
+    @property
+    def method(self) -> str | None:
+        return self.config.speculative
+
+    def attach(self, items: list[ScheduledItem], budget: int) -> list[ScheduledItem]:
+        """Give drafts to the decode items that speculate this step (at most ``budget`` draft
+        tokens in all); returns them, now verification items."""
+        t0 = time.perf_counter()
+        cfg = self.config
+        self.policy.max_k, self.policy.max_batch = cfg.num_draft_tokens, cfg.spec_max_batch
+        decodes = [it for it in items if it.length == 1 and it.start == it.req.seq_len - 1]
+        step_ok = self.proposer is not None and self.policy.step_allows(len(decodes))
+        forced: list[tuple[ScheduledItem, int]] = []
+        wanted: list[tuple[ScheduledItem, int]] = []
+        for it in decodes:
+            req = it.req
+            room = min(req.params.max_tokens - len(req.output_ids), req.max_len - req.seq_len) - 1
+            if room <= 0:
+                continue
+            if req.matcher is not None and self.config.jump_forward:
+                forced.append((it, min(room, self.config.max_jump_forward)))
+            elif step_ok and req.params.speculative:
+                st = self.policy.state(req)
+                if self.policy.wants(st):
+                    wanted.append((it, min(room, st.k)))
+        out: list[ScheduledItem] = []
+        if forced:
+            props = self.grammar.propose([it.req for it, _ in forced], [k for _, k in forced], items)
+            left: list[tuple[ScheduledItem, int]] = []
+            for (it, k), p in zip(forced, props, strict=True):
+                if p is not None:
+                    budget = self._attach(it, p, self.grammar.name, budget, out)
+                elif step_ok and it.req.params.speculative:  # nothing forced: the proposer may guess
+                    st = self.policy.state(it.req)
+                    if self.policy.wants(st):
+                        left.append((it, min(k, st.k)))
+            wanted = left + wanted
+        if wanted and self.proposer is not None and budget > 0:
+            self._propose(wanted, items, budget, out)
+        self.draft_seconds += time.perf_counter() - t0
+        return out
+
+    def _propose(
+        self, wanted: list[tuple[ScheduledItem, int]], items: list[ScheduledItem], budget: int, out: list[ScheduledItem]
+    ) -> int:
+        proposer = self.proposer
+        assert proposer is not None
+        chosen: list[tuple[ScheduledItem, int]] = []
+        for it, k in wanted:
+            k = min(k, budget)
+            if k <= 0:
+                break
+            if proposer.writes_kv:
+                slots = self.allocator.alloc(k)
+                if slots is None:  # no spare KV: decode plainly this step
+                    continue
+                it.req.slots.extend(slots)
+            chosen.append((it, k))
+            budget -= k
+        if not chosen:
+            return budget
+        props = proposer.propose([it.req for it, _ in chosen], [k for _, k in chosen], items)
+        for (it, k), p in zip(chosen, props, strict=True):
+            req = it.req
+            if proposer.writes_kv:
+                if p is None:  # the draft could not propose (catching up): give the slots back
+                    self._trim(req, len(req.slots) - k)
+                    continue
+                req.draft, req.draft_source, req.draft_probs = p.tokens, proposer.name, p.probs
+                self._mark(it, proposer.name)
+                out.append(it)
+            elif p is not None:
+                budget += k
+                budget = self._attach(it, p, proposer.name, budget, out)
+            else:
+                budget += k
+        return budget
+
+    def _attach(self, it: ScheduledItem, p: Proposal, name: str, budget: int, out: list[ScheduledItem]) -> int:
+        """Allocate a deterministic proposal's KV slots and make ``it`` its verification."""
+        toks = p.tokens[: max(0, budget)]
+        if not toks:
+            return budget
+        slots = self.allocator.alloc(len(toks))
+        if slots is None:
+            return budget
+        req = it.req
+        req.slots.extend(slots)
+        req.draft, req.draft_source, req.draft_probs = toks, name, None
+        self._mark(it, name)
+        out.append(it)
+        return budget - len(toks)
+
+    def _mark(self, it: ScheduledItem, name: str) -> None:
+        req = it.req
+        req.output_ids.extend(req.draft)  # in all_ids for the forward only (see Engine.step)
+        it.length = 1 + len(req.draft)
+        it.verify = True
+        c = self.counts.setdefault(name, SpecCounts())
+        c.drafts += 1
+        c.draft_tokens += len(req.draft)
+
+    def _trim(self, req: Req, keep: int) -> None:
+        """Give back ``req``'s slots from ``keep`` on (draft positions the target won't keep)."""
+        extra = req.slots[keep:]
+        del req.slots[keep:]
+        req.slots_version += 1
+        self.allocator.free(extra)
+
+    def verify(self, it: ScheduledItem, logits: torch.Tensor, apply_mask: Any, stop_reason: Any) -> Verdict:
+        """Accept the draft of verification item ``it`` from its rows of ``logits``; the KV of
+        rejected positions is freed."""
+        req = it.req
+        draft, probs, name = req.draft, req.draft_probs, req.draft_source
+        req.draft, req.draft_probs, req.draft_source = [], None, ""
+        start = req.seq_len  # index of the first token this step decides
+        verdict = accept(req, draft, probs, logits, self.sampler, apply_mask, stop_reason)
+        # Tokens [0, start + len(new) - 1) have valid KV; the last new token has none yet
+        # (exactly the state plain decoding leaves). Unused draft slots go back.
+        req.computed = start + len(verdict.tokens) - 1
+        self._trim(req, req.computed)
+        self.counts.setdefault(name, SpecCounts()).accepted_tokens += verdict.accepted
+        if name != self.grammar.name and req.spec is not None:
+            self.policy.update(req.spec, len(draft), verdict.accepted)
+        return verdict
