@@ -259,7 +259,7 @@ def _print_table(runs: list[dict[str, Any]]) -> None:
     for c in ("target", "load", "ok/failed", "out tok/s", "tok/s/user", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
               "goodput req/s", "cached"):
         t.add_column(c)
-    spec_cols = any(r.get("spec_decode") for r in runs)
+    spec_cols = any((r.get("spec_decode") or {}).get("draft_tokens") for r in runs)
     if spec_cols:
         t.add_column("spec accept")
         t.add_column("mean acc. len")
