@@ -15,7 +15,6 @@ A server that exposes none of them gets no ``spec_decode`` entry in the report.
 from __future__ import annotations
 
 import asyncio
-import math
 import re
 from typing import Any
 
@@ -71,8 +70,9 @@ async def scrape(client: httpx.AsyncClient, target: Target, settle: float = SETT
 def _rates(drafts: float, draft_tokens: float, accepted: float) -> dict[str, Any]:
     return {
         "drafts": int(drafts), "draft_tokens": int(draft_tokens), "accepted_tokens": int(accepted),
-        "acceptance_rate": accepted / draft_tokens if draft_tokens else math.nan,
-        "mean_accepted_length": 1.0 + accepted / drafts if drafts else math.nan,
+        # None, not NaN: results.json stays strict JSON when nothing was drafted.
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "mean_accepted_length": 1.0 + accepted / drafts if drafts else None,
     }
 
 
