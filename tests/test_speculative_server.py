@@ -103,7 +103,7 @@ def test_speculative_must_be_a_boolean(server: ServerProcess, path: str, body: d
     assert "speculative" in r.text and "boolean" in r.text
 
 
-def test_openai_client_extra_body_false_is_accepted(client: openai.OpenAI) -> None:
+def test_openai_client_gets_a_400_for_a_bad_value(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="speculative"):
         _copy_answer(client, extra_body={"speculative": "no"})
 
