@@ -44,34 +44,39 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
 def _spec_counts(server: ServerProcess) -> dict[str, dict[str, float]]:
     counts = parse_metrics(httpx.get(f"{server.url}/metrics", timeout=10).text)
     assert counts is not None, "the server exposes no tripod:spec_decode_* counters"
     return counts
 
 
-def _copy_answer(client: openai.OpenAI, **extra: Any) -> str:
-    r = client.chat.completions.create(model="", messages=[{"role": "user", "content": COPY}], max_tokens=64,
+def _copy_answer(client: openai.OpenAI, model: str, **extra: Any) -> str:
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": COPY}], max_tokens=48,
                                        temperature=0, **extra)
     return r.choices[0].message.content or ""
 
 
-def test_speculation_does_not_change_greedy_text(client: openai.OpenAI) -> None:
-    spec = _copy_answer(client)
-    plain = _copy_answer(client, extra_body={"speculative": False})
+def test_speculation_does_not_change_greedy_text(client: openai.OpenAI, model: str) -> None:
+    spec = _copy_answer(client, model)
+    plain = _copy_answer(client, model, extra_body={"speculative": False})
     assert spec == plain and spec.strip()
-    comp = [client.completions.create(model="", prompt=COPY + "\n1.", max_tokens=32, temperature=0,
+    comp = [client.completions.create(model=model, prompt=COPY + "\n1.", max_tokens=24, temperature=0,
                                       extra_body=extra).choices[0].text
             for extra in ({}, {"speculative": False})]
     assert comp[0] == comp[1]
 
 
-def test_metrics_count_ngram_drafts(client: openai.OpenAI, server: ServerProcess) -> None:
+def test_metrics_count_ngram_drafts(client: openai.OpenAI, model: str, server: ServerProcess) -> None:
     """Needs the engine side of issue 12 (an engine that speculates): the server's part is the
     heartbeat's ``spec_decode`` turned into counters."""
     assert "tripod:spec_decode_num_drafts_total" in httpx.get(f"{server.url}/metrics", timeout=10).text
     before = _spec_counts(server)
-    _copy_answer(client)
+    _copy_answer(client, model)
     deadline = time.monotonic() + 5  # the counters arrive with the engine's heartbeat (0.5 s)
     while True:
         delta = summarize_spec(before, _spec_counts(server))
@@ -103,13 +108,13 @@ def test_speculative_must_be_a_boolean(server: ServerProcess, path: str, body: d
     assert "speculative" in r.text and "boolean" in r.text
 
 
-def test_openai_client_gets_a_400_for_a_bad_value(client: openai.OpenAI) -> None:
+def test_openai_client_gets_a_400_for_a_bad_value(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError, match="speculative"):
-        _copy_answer(client, extra_body={"speculative": "no"})
+        _copy_answer(client, model, extra_body={"speculative": "no"})
 
 
 def test_anthropic_messages_accept_the_field(server: ServerProcess) -> None:
-    body = {"model": "default", "messages": [{"role": "user", "content": COPY}], "max_tokens": 24}
+    body = {"model": "default", "messages": [{"role": "user", "content": COPY}], "max_tokens": 24, "temperature": 0}
     texts = [httpx.post(f"{server.url}/v1/messages", json={**body, "speculative": s}, timeout=60).json()
              ["content"][0]["text"] for s in (True, False)]
     assert texts[0] == texts[1]
