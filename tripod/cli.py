@@ -42,6 +42,26 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "bf16's bytes per token, exactly the dequantized weights, float32 compute)")
     g.add_argument("--no-jump-forward", action="store_true",
                    help="structured outputs: decode grammar-forced text token by token (outputs are identical either way)")
+    g.add_argument("--speculative", default=None, type=_speculative, metavar="METHOD",
+                   help="speculative decoding (lossless: outputs are those of plain decoding): ngram (prompt "
+                        "lookup) | draft:PATH (a smaller model with the same tokenizer; draft:embedded) | self:K "
+                        "(this model's first K layers as its draft); a request opts out with \"speculative\": false")
+    g.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
+                   help="speculative: most draft tokens per request per step (1-64)")
+    g.add_argument("--spec-max-batch", type=int, default=8, metavar="B",
+                   help="speculative: speculate only while at most B requests decode in a step (0: never)")
+
+
+def _speculative(value: str) -> str:
+    """``--speculative``'s type: checked at parse time (argparse's exit 2 with the reason), so a
+    fleet refuses a bad method before it launches any replica."""
+    from tripod.config import parse_speculative
+
+    try:
+        parse_speculative(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -177,6 +197,9 @@ def _engine_config(args: argparse.Namespace) -> Any:
         jump_forward=not args.no_jump_forward,
         kernels=args.kernels,
         weights=args.weights,
+        speculative=args.speculative,
+        num_draft_tokens=args.num_draft_tokens,
+        spec_max_batch=args.spec_max_batch,
     )
 
 
@@ -411,6 +434,9 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     from tripod.config import FleetConfig
     from tripod.router.launch import serve_fleet
 
+    # The replicas' engine options are checked once, here: a bad value (--num-draft-tokens 0) is
+    # one clear exit 2 rather than every replica failing to start.
+    _engine_config(args)
     lo = args.min_replicas if args.min_replicas is not None else (args.replicas or 1)
     hi = args.max_replicas if args.max_replicas is not None else (args.replicas or lo)
     fleet = FleetConfig(

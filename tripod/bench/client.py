@@ -29,7 +29,8 @@ async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest, tim
                             "stream_options": {"include_usage": True}, **req.extra}
     if target.model:
         body["model"] = target.model
-    if target.ignore_eos and "response_format" not in req.extra:
+    # A dataset whose answers end by themselves (copy, structured) says so in ``extra``.
+    if target.ignore_eos and "response_format" not in req.extra and "ignore_eos" not in req.extra:
         body["ignore_eos"] = True
     if req.messages is not None:
         path, body["messages"] = "/v1/chat/completions", req.messages

@@ -2,7 +2,8 @@
 
 Each dataset yields ``BenchRequest``s: a prompt (text for /v1/completions) or messages (for
 /v1/chat/completions), the output length to ask for, and for ``agentic`` the session it belongs
-to. Lengths are in tokens of the target's tokenizer (``tokenizer``: anything with ``encode`` and
+to. ``copy`` (rewrite / rename / reverse / repeat: answers that reuse the prompt; see
+``copy_tasks.py``) asks for at most ``osl`` tokens and lets the model stop by itself. Lengths are in tokens of the target's tokenizer (``tokenizer``: anything with ``encode`` and
 ``decode``, e.g. the served model's).
 """
 
@@ -12,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-DATASETS = ("random", "shared-prefix", "agentic", "structured")
+DATASETS = ("random", "shared-prefix", "agentic", "structured", "copy")
 
 _WORDS = (
     "time river stone light cloud garden window market letter engine signal harbor forest lantern "
@@ -88,6 +89,13 @@ def make_requests(
         for i in range(count):
             q = mk.text(_length(rng, isl, range_ratio), lead=f"Question {i}:")
             out.append(BenchRequest(_length(rng, osl, range_ratio), prompt=prefixes[i % num_groups] + "\n" + q))
+    elif name == "copy":
+        from tripod.bench.copy_tasks import copy_prompts
+
+        for i, text in enumerate(copy_prompts(count, tokenizer, isl, rng)):
+            # A distinct lead per request: no two prompts share a cached prefix beyond the chat header.
+            out.append(BenchRequest(osl, messages=[{"role": "user", "content": f"Task {seed}-{i}. {text}"}],
+                                    extra={"ignore_eos": False}))
     elif name == "structured":
         for i in range(count):
             schema = _SCHEMAS[i % len(_SCHEMAS)]

@@ -48,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch-args", default="", help="extra arguments for the launched tripod serve")
     p.add_argument("--api-key", default=os.environ.get("TRIPOD_API_KEY"))
     p.add_argument("--dataset", default="random", choices=DATASETS)
-    p.add_argument("--isl", type=int, default=256, help="input length in tokens (random/structured; suffix for shared-prefix)")
-    p.add_argument("--osl", type=int, default=128, help="output length in tokens")
+    p.add_argument("--isl", type=int, default=256, help="input length in tokens (random/structured; at most, for copy; suffix for shared-prefix)")
+    p.add_argument("--osl", type=int, default=128, help="output length in tokens (copy: at most; the model stops by itself)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [x(1-r), x(1+r)]")
     p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: system prompt tokens")
     p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: distinct system prompts")
@@ -152,11 +152,13 @@ def run(args: argparse.Namespace) -> int:
                                      range_ratio=args.range_ratio, seed=args.seed + (conc or 0), prefix_len=args.prefix_len,
                                      num_groups=args.num_groups, turns=args.turns, think_time=args.think_time)
                 warm, measured = reqs[: args.warmup], reqs[args.warmup :]
-                level, interrupted = _measure(args, target, warm, measured, conc, rate)
+                level, interrupted, spec_decode = _measure(args, target, warm, measured, conc, rate)
                 summary = summarize(level.results, level.duration, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
                                     machines=args.machines)
                 runs.append({"target": target.label, "mode": "closed" if conc else "open", "dataset": args.dataset,
                              "concurrency": conc, "request_rate": rate, **summary})
+                if spec_decode is not None:  # only servers that count speculative decoding
+                    runs[-1]["spec_decode"] = spec_decode
                 write_all(out, config, runs)  # after every level: an interrupted run keeps what it measured
                 _print_row(runs[-1])
                 if interrupted or _STOP.requested:
@@ -179,10 +181,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace, target: Target, warm: list[Any], measured: list[Any], conc: int | None,
-             rate: float | None) -> tuple[Any, bool]:
+             rate: float | None) -> tuple[Any, bool, dict[str, Any] | None]:
+    """Run one level: (its results, whether it was interrupted, its speculative-decoding counts
+    from the target's /metrics or None)."""
+    import httpx
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tripod.bench import runner
+    from tripod.bench import runner, spec
 
     what = f"{target.label} C={conc}" if conc else f"{target.label} rate={rate}/s"
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -194,18 +199,27 @@ def _measure(args: argparse.Namespace, target: Target, warm: list[Any], measured
             failures[0] += 0 if r.ok else 1
             prog.update(task, advance=1, status=f"{failures[0]} failed" if failures[0] else "")
 
+        spec_decode: list[dict[str, Any] | None] = [None]
+
         async def go() -> Any:
             if warm:
                 w = await runner.closed_loop(target, warm, max(1, min(conc or 1, len(warm))),
                                              max_duration=args.max_duration, timeout=args.timeout)
                 if w.interrupted:
                     return runner.Level([], 0.0, interrupted=True)
+            async with httpx.AsyncClient() as http:
+                before = await spec.scrape(http, target)
             if conc:
-                return await runner.closed_loop(target, measured, conc, max_duration=args.max_duration,
-                                                timeout=args.timeout, on_done=done)
-            return await runner.open_loop(target, measured, rate or 1.0, burstiness=args.burstiness,
-                                          max_concurrency=args.max_concurrency, max_duration=args.max_duration,
-                                          timeout=args.timeout, seed=args.seed, on_done=done)
+                level = await runner.closed_loop(target, measured, conc, max_duration=args.max_duration,
+                                                 timeout=args.timeout, on_done=done)
+            else:
+                level = await runner.open_loop(target, measured, rate or 1.0, burstiness=args.burstiness,
+                                               max_concurrency=args.max_concurrency, max_duration=args.max_duration,
+                                               timeout=args.timeout, seed=args.seed, on_done=done)
+            if before is not None and not level.interrupted:
+                async with httpx.AsyncClient() as http:
+                    spec_decode[0] = spec.summarize_spec(before, await spec.scrape(http, target))
+            return level
 
         main = asyncio.new_event_loop()
         task_ = main.create_task(go())
@@ -214,9 +228,9 @@ def _measure(args: argparse.Namespace, target: Target, warm: list[Any], measured
             task_.cancel()
         try:
             level = main.run_until_complete(task_)
-            return level, level.interrupted
+            return level, level.interrupted, spec_decode[0]
         except asyncio.CancelledError:
-            return runner.Level([], 0.0, interrupted=True), True
+            return runner.Level([], 0.0, interrupted=True), True, None
         finally:
             _STOP.loop = _STOP.task = None
             main.run_until_complete(main.shutdown_asyncgens())  # httpx's stream generators
@@ -226,7 +240,15 @@ def _measure(args: argparse.Namespace, target: Target, warm: list[Any], measured
 def _print_row(r: dict[str, Any]) -> None:
     print(f"{r['target']} {'C=' + str(r['concurrency']) if r['concurrency'] else 'rate=' + str(r['request_rate'])}: "
           f"{r['completed']} ok, {r['failed']} failed, {r['output_throughput']:.1f} out tok/s, "
-          f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms, TPOT p50 {r['tpot_ms']['p50']:.1f} ms", file=sys.stderr)
+          f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms, TPOT p50 {r['tpot_ms']['p50']:.1f} ms{_spec_text(r)}",
+          file=sys.stderr)
+
+
+def _spec_text(r: dict[str, Any]) -> str:
+    sd = r.get("spec_decode")
+    if not sd or not sd["draft_tokens"]:
+        return ""
+    return f", acceptance {100 * sd['acceptance_rate']:.0f}%, mean accepted length {sd['mean_accepted_length']:.2f}"
 
 
 def _print_table(runs: list[dict[str, Any]]) -> None:
@@ -237,12 +259,22 @@ def _print_table(runs: list[dict[str, Any]]) -> None:
     for c in ("target", "load", "ok/failed", "out tok/s", "tok/s/user", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
               "goodput req/s", "cached"):
         t.add_column(c)
+    spec_cols = any((r.get("spec_decode") or {}).get("draft_tokens") for r in runs)
+    if spec_cols:
+        t.add_column("spec accept")
+        t.add_column("mean acc. len")
     for r in runs:
         load = f"C={r['concurrency']}" if r["concurrency"] else f"{r['request_rate']}/s"
-        t.add_row(r["target"], load, f"{r['completed']}/{r['failed']}", f"{r['output_throughput']:.1f}",
-                  f"{r['interactivity']:.1f}", f"{r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f}",
-                  f"{r['tpot_ms']['p50']:.1f} / {r['tpot_ms']['p99']:.1f}", f"{r['goodput']:.2f}",
-                  f"{100 * r['cached_token_share']:.0f}%")
+        cells = [r["target"], load, f"{r['completed']}/{r['failed']}", f"{r['output_throughput']:.1f}",
+                 f"{r['interactivity']:.1f}", f"{r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f}",
+                 f"{r['tpot_ms']['p50']:.1f} / {r['tpot_ms']['p99']:.1f}", f"{r['goodput']:.2f}",
+                 f"{100 * r['cached_token_share']:.0f}%"]
+        if spec_cols:
+            sd = r.get("spec_decode") or {}
+            has = bool(sd.get("draft_tokens"))
+            cells += [f"{100 * sd['acceptance_rate']:.0f}%" if has else "-",
+                      f"{sd['mean_accepted_length']:.2f}" if has else "-"]
+        t.add_row(*cells)
     Console(stderr=True).print(t)
 
 

@@ -10,11 +10,14 @@ from pathlib import Path
 from typing import Any
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+SPEC_KEYS = ("drafts", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length")
 CSV_FIELDS = [
     "target", "mode", "dataset", "concurrency", "request_rate", "completed", "failed", "duration_s",
     "input_tokens", "output_tokens", "request_throughput", "input_throughput", "output_throughput",
     "output_throughput_per_machine", "total_throughput", "interactivity", "goodput", "cached_token_share",
     *[f"{m}_{s}" for m in LATENCIES for s in ("mean", "p50", "p90", "p95", "p99")],
+    # From the server's /metrics (bench/spec.py); empty for servers that do not count them.
+    *[f"spec_{k}" for k in SPEC_KEYS],
 ]
 
 
@@ -29,6 +32,8 @@ def write_all(out: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> 
             for m in LATENCIES:
                 for s, v in (r.get(m) or {}).items():
                     row[f"{m}_{s}"] = v
+            for k in SPEC_KEYS:
+                row[f"spec_{k}"] = (r.get("spec_decode") or {}).get(k)
             w.writerow(row)
     curves: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
@@ -104,13 +109,16 @@ def plot_latency(path: Path, curves: dict[str, list[dict[str, Any]]]) -> None:
 def write_html(path: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> None:
     cols = ["target", "concurrency", "request_rate", "completed", "failed", "output_throughput", "interactivity",
             "goodput", "cached_token_share"]
-    head = "".join(f"<th>{c}</th>" for c in [*cols, "TTFT p50/p99 ms", "TPOT p50/p99 ms", "E2E p50/p99 ms"])
+    spec_cols = ["acceptance_rate", "mean_accepted_length"] if any(r.get("spec_decode") for r in runs) else []
+    head = "".join(f"<th>{c}</th>" for c in [*cols, "TTFT p50/p99 ms", "TPOT p50/p99 ms", "E2E p50/p99 ms",
+                                             *[f"spec {c}" for c in spec_cols]])
     body = []
     for r in runs:
         cells = [_fmt(r.get(c)) for c in cols]
         for m in ("ttft_ms", "tpot_ms", "e2e_ms"):
             d = r.get(m) or {}
             cells.append(f"{_fmt(d.get('p50'))} / {_fmt(d.get('p99'))}")
+        cells += [_fmt((r.get("spec_decode") or {}).get(c)) for c in spec_cols]
         body.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     path.write_text(f"""<!doctype html><html><head><meta charset="utf-8"><title>tripod bench</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px}}</style>

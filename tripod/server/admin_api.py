@@ -27,6 +27,8 @@ def model_card(state: ServerState) -> dict[str, Any]:
         "quantization": state.quantization,
         # "dequantized" (to dtype) or "stored" (GGUF Q4_1/Q8_0 executed as stored; --weights).
         "weights": state.engine_config.weights,
+        # Speculative decoding (lossless; --speculative): the method (null: off) and its settings.
+        "speculative": speculative_card(state),
         "architecture": info.architecture if info else None,
         "max_model_len": state.max_len,
         "device": state.engine_config.device,
@@ -39,6 +41,14 @@ def model_card(state: ServerState) -> dict[str, Any]:
     # OpenAI's fields (id, object, created, owned_by) and Anthropic's (type, display_name, created_at).
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tripod",
             "type": "model", "display_name": state.model_name, "created_at": created_at, **meta, "metadata": meta}
+
+
+def speculative_card(state: ServerState) -> dict[str, Any]:
+    cfg = state.engine_config
+    return {"method": cfg.speculative, "num_draft_tokens": cfg.num_draft_tokens if cfg.speculative else None,
+            "max_batch": cfg.spec_max_batch if cfg.speculative else None,
+            # Grammar-forced text verified in one pass (structured outputs; --no-jump-forward).
+            "jump_forward": cfg.jump_forward}
 
 
 def add_admin_routes(app: FastAPI, state: ServerState) -> None:

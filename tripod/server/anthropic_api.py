@@ -152,7 +152,7 @@ async def _messages(state: ServerState, request: Request) -> Response:
         state.limits, prompt_len=len(ids), max_tokens=req.max_tokens, default_max_tokens=state.max_len,
         prompt_param="messages", grammar=grammar or fmt,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, ignore_eos=req.ignore_eos,
-        priority=req.priority,
+        priority=req.priority, speculative=req.speculative,
     )
     stops = stop_strings(req.stop_sequences, "stop_sequences")
     rid = new_id("msg", "_")

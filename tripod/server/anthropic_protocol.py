@@ -85,6 +85,7 @@ class MessagesRequest(_Conversation):
     seed: int | None = None
     ignore_eos: bool = False
     priority: int = 0
+    speculative: bool = True  # false: no speculative decoding for this request
 
 
 class CountTokensRequest(_Conversation):

@@ -141,6 +141,10 @@ async def lifespan_for(state: ServerState) -> AsyncIterator[None]:
         state.model_name, info.architecture, state.quantization, state.engine_config.weights, info.dtype,
         info.max_request_len, info.pid,
     )
+    ec = state.engine_config
+    if ec.speculative:
+        log.info("speculative decoding: %s, up to %d draft tokens per request, while at most %d requests decode",
+                 ec.speculative, ec.num_draft_tokens, ec.spec_max_batch)
     cfg = state.config
     tools = state.chat.describe()
     log.info("serving the OpenAI API at http://%s:%d/v1 and the Anthropic Messages API at /v1/messages%s; "

@@ -193,6 +193,9 @@ class EngineLoop:
             "jump_forward_proposed": e.stats.jump_forward_proposed,
             "jump_forward_accepted": e.stats.jump_forward_accepted,
             "prefill_tokens": e.stats.prefill_tokens,
+            # Speculative decoding, cumulative per proposer: [drafts, draft tokens, accepted tokens]
+            # (ServerMetrics turns them into tripod:spec_decode_num_*_total).
+            "spec_decode": {name: [c.drafts, c.draft_tokens, c.accepted_tokens] for name, c in e.stats.spec.items()},
             "compute": e.runner.describe(),  # the compute path of the next step
             # Seconds spent in each part of the loop since start (benchmarks/serve_profile.py).
             "time": {

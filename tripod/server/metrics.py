@@ -6,6 +6,10 @@ dashboards port by a find-and-replace: ``tripod:time_to_first_token_seconds``,
 ``tripod:num_requests_running`` / ``_waiting``, ``tripod:kv_cache_usage_perc``,
 ``tripod:prefix_cache_hits_total`` (tokens), ``tripod:request_success_total{finished_reason}``,
 and ``tripod:http_requests_total{route,status}`` for every answer, errors included.
+Speculative decoding as vLLM counts it, per proposer (ngram, draft, self, jump_forward):
+``tripod:spec_decode_num_drafts_total``, ``tripod:spec_decode_num_draft_tokens_total``,
+``tripod:spec_decode_num_accepted_tokens_total`` {model_name, proposer}; acceptance rate =
+accepted / draft tokens, mean accepted length = 1 + accepted / drafts.
 """
 
 from __future__ import annotations
@@ -79,6 +83,15 @@ class ServerMetrics:
         self.passes_saved = Counter(
             "tripod:forward_passes_saved", "decode forward passes saved (jump-forward)", labels, registry=r
         )
+        # The heartbeat's "spec_decode" entries, in its order: [drafts, draft tokens, accepted tokens].
+        self.spec_counters = tuple(
+            Counter(f"tripod:spec_decode_num_{what}", doc, [*labels, "proposer"], registry=r)
+            for what, doc in (
+                ("drafts", "verification rounds that carried a speculative draft"),
+                ("draft_tokens", "speculative draft tokens sent for verification"),
+                ("accepted_tokens", "speculative draft tokens accepted (each saves a forward pass)"),
+            )
+        )
         self._engine_counts: dict[str, int] = {}
 
     def on_heartbeat(self, s: dict[str, Any]) -> None:
@@ -97,6 +110,17 @@ class ServerMetrics:
                 for c in counters:
                     c.labels(m).inc(new)
             self._engine_counts[key] = s.get(key, 0)
+        self._on_spec_decode(s.get("spec_decode") or {})
+
+    def _on_spec_decode(self, spec: dict[str, list[int]]) -> None:
+        m = self.model_name
+        for proposer, values in spec.items():
+            for i, (counter, value) in enumerate(zip(self.spec_counters, values, strict=True)):
+                key = f"spec_decode/{proposer}/{i}"
+                new = value - self._engine_counts.get(key, 0)
+                if new > 0:
+                    counter.labels(m, proposer).inc(new)
+                self._engine_counts[key] = value
 
     def on_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
         m = self.model_name

@@ -72,7 +72,7 @@ def _sampling_fields(req: ChatCompletionRequest | CompletionRequest) -> dict[str
         "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
         "repetition_penalty": req.repetition_penalty, "seed": req.seed, "n": req.n,
         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos, "priority": req.priority,
-        "logit_bias": logit_bias_ids(req.logit_bias),
+        "logit_bias": logit_bias_ids(req.logit_bias), "speculative": req.speculative,
     }
 
 

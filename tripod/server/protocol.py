@@ -132,6 +132,9 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
+    # tripod's extension: false decodes this request plainly on a server started with
+    # --speculative (its outputs are the same either way; only the speed differs).
+    speculative: bool = True
 
 
 class StructuredOutputs(_Strict):
