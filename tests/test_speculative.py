@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tripod.engine.request import SamplingParams
-from tripod.engine.speculative.adaptive import AdaptivePolicy, SpecState
+from tripod.engine.speculative.adaptive import AdaptivePolicy, SpecState, expected_tokens
 from tripod.engine.speculative.ngram import NgramIndex
 from tripod.engine.structured import GrammarSpec
 
@@ -49,7 +49,8 @@ def plain(make_engine: Any) -> Iterator[Any]:
 
 @pytest.fixture(scope="module", params=METHODS)
 def spec(request: Any, make_engine: Any) -> Iterator[Any]:
-    eng = make_engine(kernels="optimized", kv_cache_tokens=16384, speculative=request.param, spec_max_batch=64)
+    eng = make_engine(kernels="optimized", kv_cache_tokens=16384, speculative=request.param, spec_max_batch=64,
+                      spec_adaptive=False)
     yield eng
     assert not eng.has_work
     eng.assert_consistent()
@@ -120,7 +121,8 @@ def test_prefix_cache_and_chunked_prefill(make_engine: Any, plain: Any) -> None:
     """A prompt longer than a prefill chunk, twice (the second from the radix cache): the same
     tokens; a separate draft model keeps its KV in step with the chunks (it accepts as much the
     second time, from cached draft KV)."""
-    eng = make_engine(kernels="optimized", kv_cache_tokens=16384, speculative="draft:embedded", chunk_size=64)
+    eng = make_engine(kernels="optimized", kv_cache_tokens=16384, speculative="draft:embedded", chunk_size=64,
+                      spec_adaptive=False)
     ids = chat(plain, "Repeat this twice:\n\n" + PASSAGE + "\n\n" + PASSAGE)
     assert len(ids) > 2 * 64
     sp = SamplingParams(max_tokens=48, temperature=0)
@@ -196,7 +198,8 @@ def _chi2_p(a: Counter[int], b: Counter[int]) -> float:
 def test_unseeded_sampling_keeps_its_distribution(make_engine: Any, plain: Any, method: str) -> None:
     """Unseeded draws differ with speculation (the rejection rule for a sampling draft model; the
     plain rule for n-gram), so compare distributions of the 2nd, 3rd and 4th tokens."""
-    eng = make_engine(kernels="optimized", kv_cache_tokens=16384, speculative=method, spec_max_batch=512)
+    eng = make_engine(kernels="optimized", kv_cache_tokens=16384, speculative=method, spec_max_batch=512,
+                      spec_adaptive=False)
     ids = chat(plain, "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the")
     sp = SamplingParams(max_tokens=4, temperature=1.0, n=100, ignore_eos=True)
     outs_a = [o for _ in range(4) for o in eng.generate(ids, sp)]
@@ -221,18 +224,41 @@ def test_ngram_index_points_into_the_past() -> None:
     assert NgramIndex((2,)).lookup([7, 7], 2) == []  # the suffix itself is no match
 
 
-def test_adaptive_draft_length_and_pause() -> None:
-    pol = AdaptivePolicy(max_k=4, max_batch=8)
-    st = SpecState(k=4)
-    pol.update(st, 4, 4)
-    assert st.k == 4
-    pol.update(st, 4, 1)
-    assert st.k == 2
-    pol.update(st, 2, 2)
-    assert st.k == 3
-    for _ in range(3):
-        pol.update(st, st.k, 0)
-    assert st.pause > 0 and st.k == 1
-    n = st.pause
-    assert [pol.wants(st) for _ in range(n + 1)] == [False] * n + [True]
-    assert pol.step_allows(8) and not pol.step_allows(9)
+def test_adaptive_policy_speculates_only_where_it_pays() -> None:
+    pol = AdaptivePolicy(max_k=4, max_batch=64)
+    cheap = SpecState(alpha=0.7)
+    assert pol.plan(cheap, "ngram") == 4  # nothing measured yet: drafts look free
+    for rows, ms in [(1, 7.7), (5, 10.1), (2, 8.3), (16, 24.0), (20, 27.0), (4, 9.5)] * 3:
+        pol.observe_step(rows, ms / 1e3)  # a decode step: ~7 ms + ~1 ms per row
+    t0, t1 = pol.steps.line()
+    assert 5e-3 < t0 < 8e-3 and 5e-4 < t1 < 1.5e-3
+    assert pol.plan(SpecState(alpha=0.7), "ngram", batch=1) >= 3  # free drafts at batch 1: long runs
+    big = SpecState(alpha=0.7)
+    assert pol.plan(big, "ngram", batch=32) == 0 and big.pause == 4  # at 32 rows the verify rows cost too much
+    pol.observe_pass("self", 6e-3)  # a draft pass costs most of a target step
+    poor = SpecState(alpha=0.4)
+    assert pol.plan(poor, "self") == 0 and poor.pause == 4  # 1.4 tokens for ~1.9 steps: no
+    assert [pol.plan(poor, "self") for _ in range(4)] == [0, 0, 0, 0]
+    assert pol.plan(poor, "self") == 1  # the pause is over: probe one round
+    pol.update(poor, "self", 1, 0)
+    assert pol.plan(poor, "self") == 0 and poor.pause == 8  # still no: twice as long
+    assert pol.plan(SpecState(alpha=0.97), "self") == 0  # a draft as slow as the model never pays
+    pol.observe_pass("draft", 1.5e-3)  # a small draft model
+    assert pol.plan(SpecState(alpha=0.9), "draft") >= 2  # good guesses at a fifth of the cost pay
+    for _ in range(20):
+        pol.update(SpecState(alpha=0.0), "self", 4, 0)
+    assert pol.state(type("R", (), {"spec": None})(), "self").alpha < 0.3  # new requests start from the record
+    assert pol.step_allows(64) and not pol.step_allows(65)
+    assert expected_tokens(1.0, 3) == 4 and expected_tokens(0.5, 1) == pytest.approx(1.5)
+
+
+def test_adaptive_off_switch_keeps_random_work_from_slowing(make_engine: Any, plain: Any) -> None:
+    """A draft that costs a whole target step (the model drafting for itself) never pays: the
+    adaptive policy stops proposing after measuring it."""
+    eng = make_engine(kernels="optimized", kv_cache_tokens=16384, speculative="draft:embedded")
+    ids = chat(plain, PROMPTS[2])
+    sp = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    out = eng.generate(ids, sp)[0]
+    assert out.token_ids == plain.generate(ids, sp)[0].token_ids
+    drafts = counts(eng)[0]
+    assert 0 < drafts < 12  # measured, then paused (96 tokens would be ~20 rounds of 4)

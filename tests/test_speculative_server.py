@@ -71,6 +71,34 @@ def test_speculation_does_not_change_greedy_text(client: openai.OpenAI, model: s
     assert comp[0] == comp[1]
 
 
+def test_stop_string_inside_an_accepted_run(client: openai.OpenAI, model: str, server: ServerProcess) -> None:
+    """A stop string completed inside a speculated run ends the answer at that token: the same
+    text and the same completion_tokens as plain decoding, streamed or not."""
+    before = _spec_counts(server)
+    answers = []
+    for extra in ({}, {"speculative": False}):
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": COPY}], max_tokens=60,
+                                           temperature=0, stop=["umbrella"], extra_body=extra)
+        assert r.choices[0].finish_reason == "stop" and r.usage is not None
+        answers.append((r.choices[0].message.content, r.usage.completion_tokens))
+        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": COPY}],
+                                                max_tokens=60, temperature=0, stop=["umbrella"], stream=True,
+                                                stream_options={"include_usage": True}, extra_body=extra)
+        text, usage = "", None
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+        answers.append((text, usage))
+    assert len(set(answers)) == 1, answers
+    assert "lemons" in answers[0][0] and "umbrella" not in answers[0][0]
+    deadline = time.monotonic() + 5  # the counters arrive with the engine's heartbeat
+    while _spec_counts(server) == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _spec_counts(server) != before  # the speculated runs did carry drafts
+
+
 def test_metrics_count_ngram_drafts(client: openai.OpenAI, model: str, server: ServerProcess) -> None:
     """Needs the engine side of issue 12 (an engine that speculates): the server's part is the
     heartbeat's ``spec_decode`` turned into counters."""

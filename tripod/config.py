@@ -56,6 +56,9 @@ class EngineConfig:
     # Speculate only while at most this many requests decode in a step (the measured break-even
     # batch on 2 CPU cores; docs/architecture.md): a big batch has no compute to spare.
     spec_max_batch: int = 8
+    # Draft lengths from a measured cost model (speculate only where it pays); False: always the
+    # full num_draft_tokens (for measuring a proposer's acceptance).
+    spec_adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES, *_ALIASES):

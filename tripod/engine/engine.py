@@ -465,6 +465,7 @@ class Engine:
             st.prefill_tokens += chunk_tokens
         else:
             st.decode_forward_seconds += t2 - t1
+        self.spec.observe_step(sum(it.length for it in items), t2 - t1, decode_only=not chunk_tokens)
         if verifying:
             for it in verifying:  # the drafts were in all_ids for the forward only
                 del it.req.output_ids[len(it.req.output_ids) - len(it.req.draft) :]

@@ -104,7 +104,21 @@ class Generation:
             self.usage.cached_tokens += out.cached_tokens
             self.metrics.on_prompt(len(self._part(out.rid).prompt_ids), out.cached_tokens)
         m = self.metrics.model_name
-        if out.token_ids:
+        final = out.finish_reason is not None
+        ids, lps = out.token_ids, out.logprobs
+        if seq.text.stop and len(ids) > 1:
+            # NOTE: a speculative run (or a jump-forward) delivers several tokens at once; a stop
+            # string completed inside it ends the sequence at that token, exactly as plain
+            # decoding would have, so the tokens after it are neither shown nor counted.
+            text = ""
+            for i, t in enumerate(ids):
+                text += seq.text.push([t], final=final and i == len(ids) - 1)
+                if seq.text.stopped:
+                    ids, lps = ids[: i + 1], (lps[: i + 1] if lps else lps)
+                    break
+        else:
+            text = seq.text.push(ids, final=final)
+        if ids:
             if seq.tokens == 0:
                 if self.first_token_time is None:
                     self.first_token_time = now
@@ -112,11 +126,9 @@ class Generation:
             else:
                 self.metrics.itl.labels(m).observe(now - seq.last_time)
             seq.last_time = now
-            seq.tokens += len(out.token_ids)
-            self.usage.completion_tokens += len(out.token_ids)
-            self.metrics.generation_tokens.labels(m).inc(len(out.token_ids))
-        final = out.finish_reason is not None
-        text = seq.text.push(out.token_ids, final=final)
+            seq.tokens += len(ids)
+            self.usage.completion_tokens += len(ids)
+            self.metrics.generation_tokens.labels(m).inc(len(ids))
         finish = None
         if seq.text.stopped:
             finish = "stop"
@@ -127,9 +139,9 @@ class Generation:
         if finish is not None:
             seq.finish_reason = finish
             self.metrics.request_success.labels(m, finish).inc()
-        if not text and not out.logprobs and finish is None and out.prompt_logprobs is None:
+        if not text and not lps and finish is None and out.prompt_logprobs is None:
             return None
-        return Delta(seq.index, text, out.token_ids, out.logprobs, finish,
+        return Delta(seq.index, text, ids, lps, finish,
                      seq.text.matched if finish == "stop" else None, out.prompt_logprobs)
 
     def _part(self, rid: str) -> Any:

@@ -43,6 +43,8 @@ class DraftModelProposer(Proposer):
         self._pos = np.full(n, -1, dtype=np.int64)  # ... and at which position
         self.draft_passes = 0
         self.draft_seconds = 0.0
+        # The mean pass time of the last proposal (the adaptive policy's draft cost).
+        self.last_pass_seconds: float | None = None
 
     # ------------------------------------------------------------------ draft KV bookkeeping
     def _computed(self, req: Req, cap: int) -> int:
@@ -101,7 +103,11 @@ class DraftModelProposer(Proposer):
             head = ScheduledItem(r, dc, r.seq_len - dc)
             first.append(head)
             heads.append(head)
+        if not first:
+            return []
+        passes0, seconds0 = self.draft_passes, self.draft_seconds
         rows = self._forward(first)
+        first_pass = self.draft_seconds - seconds0  # catch-up and shadowed chunks: not a draft's cost
 
         toks: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
@@ -139,6 +145,9 @@ class DraftModelProposer(Proposer):
             for i, r in enumerate(reqs):
                 if added[i]:
                     del r.output_ids[len(r.output_ids) - added[i] :]
+        if reqs and self.draft_passes > passes0 + 1:
+            later = (self.draft_seconds - seconds0 - first_pass) / (self.draft_passes - passes0 - 1)
+            self.last_pass_seconds = later / len(reqs)  # per request: a pass is shared by the batch
         out: list[Proposal | None] = []
         for i in range(len(reqs)):
             if len(toks[i]) != lengths[i]:

@@ -53,7 +53,7 @@ class Speculator:
         self.counts = counts
         self.grammar = GrammarProposer(tokenizer)
         self.proposer = proposer
-        self.policy = AdaptivePolicy(config().num_draft_tokens, config().spec_max_batch)
+        self.policy = AdaptivePolicy(config().num_draft_tokens, config().spec_max_batch, config().spec_adaptive)
         self.draft_seconds = 0.0  # proposing (draft-model passes included)
 
     @property
@@ -69,7 +69,9 @@ class Speculator:
         tokens in all); returns them, now verification items."""
         t0 = time.perf_counter()
         cfg = self.config
-        self.policy.max_k, self.policy.max_batch = cfg.num_draft_tokens, cfg.spec_max_batch
+        pol = self.policy
+        pol.max_k, pol.max_batch, pol.adaptive = cfg.num_draft_tokens, cfg.spec_max_batch, cfg.spec_adaptive
+        name = self.proposer.name if self.proposer is not None else ""
         decodes = [it for it in items if it.length == 1 and it.start == it.req.seq_len - 1]
         step_ok = self.proposer is not None and self.policy.step_allows(len(decodes))
         forced: list[tuple[ScheduledItem, int]] = []
@@ -82,9 +84,9 @@ class Speculator:
             if req.matcher is not None and self.config.jump_forward:
                 forced.append((it, min(room, self.config.max_jump_forward)))
             elif step_ok and req.params.speculative:
-                st = self.policy.state(req)
-                if self.policy.wants(st):
-                    wanted.append((it, min(room, st.k)))
+                k = pol.plan(pol.state(req, name), name, len(decodes))
+                if k > 0:
+                    wanted.append((it, min(room, k)))
         out: list[ScheduledItem] = []
         if forced:
             props = self.grammar.propose([it.req for it, _ in forced], [k for _, k in forced], items)
@@ -93,12 +95,15 @@ class Speculator:
                 if p is not None:
                     budget = self._attach(it, p, self.grammar.name, budget, out)
                 elif step_ok and it.req.params.speculative:  # nothing forced: the proposer may guess
-                    st = self.policy.state(it.req)
-                    if self.policy.wants(st):
-                        left.append((it, min(k, st.k)))
+                    kk = pol.plan(pol.state(it.req, name), name, len(decodes))
+                    if kk > 0:
+                        left.append((it, min(k, kk)))
             wanted = left + wanted
         if wanted and self.proposer is not None and budget > 0:
             self._propose(wanted, items, budget, out)
+        elif step_ok and self.proposer is not None and self.proposer.writes_kv:
+            # Nobody proposes this step, but a separate draft keeps pace with prefill chunks.
+            self.proposer.propose([], [], items)
         self.draft_seconds += time.perf_counter() - t0
         return out
 
@@ -162,6 +167,16 @@ class Speculator:
         c.drafts += 1
         c.draft_tokens += len(req.draft)
 
+    def observe_step(self, rows: int, seconds: float, decode_only: bool) -> None:
+        """The target's forward time of a step of ``rows`` tokens: decode steps (verification
+        rows included) fit the step-time line; a draft model's pass is measured by it."""
+        if decode_only:
+            self.policy.observe_step(rows, seconds)
+        p = self.proposer
+        if p is not None and getattr(p, "last_pass_seconds", None) is not None:
+            self.policy.observe_pass(p.name, p.last_pass_seconds)
+            p.last_pass_seconds = None
+
     def _trim(self, req: Req, keep: int) -> None:
         """Give back ``req``'s slots from ``keep`` on (draft positions the target won't keep)."""
         extra = req.slots[keep:]
@@ -183,5 +198,5 @@ class Speculator:
         self._trim(req, req.computed)
         self.counts.setdefault(name, SpecCounts()).accepted_tokens += verdict.accepted
         if name != self.grammar.name and req.spec is not None:
-            self.policy.update(req.spec, len(draft), verdict.accepted)
+            self.policy.update(req.spec, name, len(draft), verdict.accepted)
         return verdict

@@ -1,0 +1,80 @@
+"""Where speculation stops paying: offline output tok/s by batch size, with and without a
+proposer, on copy-heavy prompts (where drafts are accepted) and random-word prompts.
+
+    benchmarks/spec_break_even.py [--method ngram] [--batches 1,2,4,8,16,32] [--dtype bfloat16]
+
+Each batch of B identical-length requests runs to completion (``generate``), greedy, 128 output
+tokens each (copy prompts stop by themselves); the engine's ``spec_max_batch`` is lifted so
+speculation runs at every B. Prints a markdown table; the break-even batch is where the ratio
+falls below 1. Nothing is asserted: the result goes to benchmarks/results/ with the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import subprocess
+import time
+
+from tripod import Engine, SamplingParams
+from tripod.bench.copy_tasks import copy_prompts
+from tripod.bench.datasets import TextMaker
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def run(engine: Engine, prompts: list[list[int]], sp: SamplingParams) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, sp)
+    return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--method", default="ngram")
+    ap.add_argument("--batches", default="1,2,4,8,16,32")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    args = ap.parse_args()
+    plain = Engine(dtype=args.dtype, kernels="optimized", kv_cache_tokens=65536)
+    spec = Engine(dtype=args.dtype, kernels="optimized", kv_cache_tokens=65536, loaded=plain.loaded,
+                  speculative=args.method, spec_max_batch=10_000)
+    rng = random.Random(0)
+    batches = [int(b) for b in args.batches.split(",")]
+    n = max(batches)
+    tok = plain.tokenizer
+    words = TextMaker(tok, rng)
+    sets = {
+        "copy": [plain.apply_chat_template([{"role": "user", "content": p}]) for p in copy_prompts(n, tok, 300, rng)],
+        "random": [plain.apply_chat_template([{"role": "user", "content": words.text(250)}]) for _ in range(n)],
+    }
+    print(f"# {args.method} vs none, {args.dtype}, {cpu_name()}, {time.strftime('%Y-%m-%d')}\n")
+    print("| dataset | batch | none tok/s | spec tok/s | ratio | accepted / draft tokens |")
+    print("|---|---|---|---|---|---|")
+    for name, prompts in sets.items():
+        sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=name == "random")
+        run(plain, prompts[:2], sp)  # warm-up
+        run(spec, prompts[:2], sp)
+        for b in batches:
+            ta, na = run(plain, prompts[:b], sp)
+            before = [(c.draft_tokens, c.accepted_tokens) for c in spec.stats.spec.values()]
+            tb, nb = run(spec, prompts[:b], sp)
+            after = [(c.draft_tokens, c.accepted_tokens) for c in spec.stats.spec.values()]
+            drafted = sum(a[0] for a in after) - sum(x[0] for x in before)
+            acc = sum(a[1] for a in after) - sum(x[1] for x in before)
+            print(f"| {name} | {b} | {na / ta:.1f} | {nb / tb:.1f} | {na / ta and (nb / tb) / (na / ta):.2f} | "
+                  f"{acc} / {drafted} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
