@@ -27,6 +27,7 @@ from typing import Any
 
 MARGIN = 1.05  # speculate only for an expected gain of at least 5 %
 MAX_PAUSE = 64  # steps
+LATE_PAUSES = 3  # a new request of a proposer that does not pay starts at the 4th pause (32 steps)
 REQ_EMA = 0.5  # weight of the newest round in a request's acceptance
 PROPOSER_EMA = 0.1  # ... and in the proposer's running average
 STEP_EMA = 0.1  # ... in the measured draft-pass times
@@ -114,10 +115,21 @@ class AdaptivePolicy:
         return (batch + expected_tokens(alpha, k) - 1.0) * base / (batch * (base + delta))
 
     # ------------------------------------------------------------------ deciding
-    def state(self, req: Any, proposer: str) -> SpecState:
+    def pays(self, proposer: str, batch: int) -> bool:
+        """Whether the proposer's record says speculating pays at this batch size now."""
+        if not self.adaptive:
+            return True
+        a = self.alpha.get(proposer, self.prior)
+        return any(self.gain(a, k, batch, proposer) > MARGIN for k in range(1, self.max_k + 1))
+
+    def state(self, req: Any, proposer: str, batch: int = 1) -> SpecState:
         if req.spec is None:
-            req.spec = SpecState(alpha=self.alpha.get(proposer, self.prior))
-        st: SpecState = req.spec
+            st = req.spec = SpecState(alpha=self.alpha.get(proposer, self.prior))
+            if not self.pays(proposer, batch):
+                # Known not to pay: start with a long pause (later probes may still prove it does).
+                st.pauses = LATE_PAUSES
+                st.pause = min(MAX_PAUSE, 2 ** (st.pauses + 2))
+        st = req.spec
         return st
 
     def step_allows(self, decoding: int) -> bool:

@@ -84,7 +84,7 @@ class Speculator:
             if req.matcher is not None and self.config.jump_forward:
                 forced.append((it, min(room, self.config.max_jump_forward)))
             elif step_ok and req.params.speculative:
-                k = pol.plan(pol.state(req, name), name, len(decodes))
+                k = pol.plan(pol.state(req, name, len(decodes)), name, len(decodes))
                 if k > 0:
                     wanted.append((it, min(room, k)))
         out: list[ScheduledItem] = []
@@ -95,14 +95,15 @@ class Speculator:
                 if p is not None:
                     budget = self._attach(it, p, self.grammar.name, budget, out)
                 elif step_ok and it.req.params.speculative:  # nothing forced: the proposer may guess
-                    kk = pol.plan(pol.state(it.req, name), name, len(decodes))
+                    kk = pol.plan(pol.state(it.req, name, len(decodes)), name, len(decodes))
                     if kk > 0:
                         left.append((it, min(k, kk)))
             wanted = left + wanted
         if wanted and self.proposer is not None and budget > 0:
             self._propose(wanted, items, budget, out)
-        elif step_ok and self.proposer is not None and self.proposer.writes_kv:
-            # Nobody proposes this step, but a separate draft keeps pace with prefill chunks.
+        elif step_ok and self.proposer is not None and self.proposer.writes_kv and pol.pays(name, len(decodes)):
+            # Nobody proposes this step, but a separate draft keeps pace with prefill chunks
+            # (while it pays: otherwise a request catches up if and when it proposes).
             self.proposer.propose([], [], items)
         self.draft_seconds += time.perf_counter() - t0
         return out
