@@ -262,3 +262,8 @@ def test_adaptive_off_switch_keeps_random_work_from_slowing(make_engine: Any, pl
     assert out.token_ids == plain.generate(ids, sp)[0].token_ids
     drafts = counts(eng)[0]
     assert 0 < drafts < 12  # measured, then paused (96 tokens would be ~20 rounds of 4)
+    # The next request (its prefill a step with nobody decoding) starts paused: the proposer's
+    # record says it does not pay.
+    again = eng.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    assert again.token_ids == out.token_ids[:24]
+    assert counts(eng)[0] == drafts

@@ -107,6 +107,7 @@ class AdaptivePolicy:
         batch's tokens per second (1: no change)."""
         if not self.steps.known:
             return expected_tokens(alpha, k)  # nothing measured yet: drafts look free
+        batch = max(1, batch)  # a step of prefill chunks only: as if this request decoded alone
         t0, t1 = self.steps.line()
         base = t0 + t1 * batch
         if base <= 0.0:
