@@ -15,7 +15,9 @@ where its acceptance pays for its passes.
 Acceptance is tracked per request (starting from the proposer's running average, so once a
 proposer is known not to pay, new requests don't try it either); a request that should not
 speculate pauses, for twice as long each time (up to ``MAX_PAUSE`` steps), then probes one round
-with k = 1 to refresh its estimate. Above ``spec_max_batch`` decoding requests nobody speculates
+with k = 1 to refresh its estimate. Probes are exploration and get a budget: at most
+``EXPLORE_SHARE`` of the engine's time (a separate draft model's probe first catches up on every
+token it missed, which costs a prefill of them); past it a due probe waits. Above ``spec_max_batch`` decoding requests nobody speculates
 (grammar-forced jump-forward excepted: its tokens cost nothing to propose).
 ``adaptive=False`` always drafts the maximum (tests, and measuring a proposer's acceptance).
 """
@@ -27,6 +29,8 @@ from typing import Any
 
 MARGIN = 1.05  # speculate only for an expected gain of at least 5 %
 MAX_PAUSE = 64  # steps
+PROBE_RETRY = 8  # steps a due probe waits when the exploration budget is spent
+EXPLORE_SHARE = 0.02  # of the engine's time, at most, on probes
 LATE_PAUSES = 3  # a new request of a proposer that does not pay starts at the 4th pause (32 steps)
 REQ_EMA = 0.5  # weight of the newest round in a request's acceptance
 PROPOSER_EMA = 0.1  # ... and in the proposer's running average
@@ -41,6 +45,7 @@ class SpecState:
     pause: int = 0  # steps left without speculating
     pauses: int = 0  # pauses so far (each twice as long as the last)
     probe: bool = False  # the next round probes with one draft token
+    probing: bool = False  # this round is a probe
     ngram: Any = None  # ngram.NgramIndex over the request's tokens
     rounds: int = 0
     proposed: int = 0
@@ -92,6 +97,8 @@ class AdaptivePolicy:
         self.alpha: dict[str, float] = {}  # per proposer: running acceptance
         self.steps = StepModel()
         self.pass_seconds: dict[str, float] = {}  # per proposer: a draft pass, per request (EMA)
+        self.total_seconds = 0.0  # the engine's forward and proposal time
+        self.explore_seconds = 0.0  # of which, proposals that were all probes
 
     # ------------------------------------------------------------------ measuring
     def observe_step(self, rows: int, seconds: float) -> None:
@@ -145,8 +152,13 @@ class AdaptivePolicy:
             st.probe = st.pause == 0
             return 0
         if st.probe:
+            if self.explore_seconds > EXPLORE_SHARE * self.total_seconds:
+                st.pause = PROBE_RETRY  # over the exploration budget: later
+                return 0
             st.probe = False
+            st.probing = True
             return 1
+        st.probing = False
         best_k, best = 0, MARGIN
         for k in range(1, self.max_k + 1):
             g = self.gain(st.alpha, k, batch, proposer)

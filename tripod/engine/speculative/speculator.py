@@ -74,6 +74,9 @@ class Speculator:
         name = self.proposer.name if self.proposer is not None else ""
         decodes = [it for it in items if it.length == 1 and it.start == it.req.seq_len - 1]
         step_ok = self.proposer is not None and self.policy.step_allows(len(decodes))
+        # The batch the requests decode in: this step's decodes and prefills (a step of prompts
+        # only is followed by their decodes together).
+        batch = len({id(it.req) for it in items})
         forced: list[tuple[ScheduledItem, int]] = []
         wanted: list[tuple[ScheduledItem, int]] = []
         for it in decodes:
@@ -84,7 +87,7 @@ class Speculator:
             if req.matcher is not None and self.config.jump_forward:
                 forced.append((it, min(room, self.config.max_jump_forward)))
             elif step_ok and req.params.speculative:
-                k = pol.plan(pol.state(req, name, len(decodes)), name, len(decodes))
+                k = pol.plan(pol.state(req, name, batch), name, batch)
                 if k > 0:
                     wanted.append((it, min(room, k)))
         out: list[ScheduledItem] = []
@@ -95,13 +98,13 @@ class Speculator:
                 if p is not None:
                     budget = self._attach(it, p, self.grammar.name, budget, out)
                 elif step_ok and it.req.params.speculative:  # nothing forced: the proposer may guess
-                    kk = pol.plan(pol.state(it.req, name, len(decodes)), name, len(decodes))
+                    kk = pol.plan(pol.state(it.req, name, batch), name, batch)
                     if kk > 0:
                         left.append((it, min(k, kk)))
             wanted = left + wanted
         if wanted and self.proposer is not None and budget > 0:
             self._propose(wanted, items, budget, out)
-        elif step_ok and self.proposer is not None and self.proposer.writes_kv and pol.pays(name, len(decodes)):
+        elif step_ok and self.proposer is not None and self.proposer.writes_kv and pol.pays(name, batch):
             # Nobody proposes this step, but a separate draft keeps pace with prefill chunks
             # (while it pays: otherwise a request catches up if and when it proposes).
             self.proposer.propose([], [], items)
@@ -127,7 +130,12 @@ class Speculator:
             budget -= k
         if not chosen:
             return budget
+        t0 = time.perf_counter()
         props = proposer.propose([it.req for it, _ in chosen], [k for _, k in chosen], items)
+        spent = time.perf_counter() - t0
+        self.policy.total_seconds += spent
+        if all(it.req.spec is not None and it.req.spec.probing for it, _ in chosen):
+            self.policy.explore_seconds += spent
         for (it, k), p in zip(chosen, props, strict=True):
             req = it.req
             if proposer.writes_kv:
@@ -171,6 +179,7 @@ class Speculator:
     def observe_step(self, rows: int, seconds: float, decode_only: bool) -> None:
         """The target's forward time of a step of ``rows`` tokens: decode steps (verification
         rows included) fit the step-time line; a draft model's pass is measured by it."""
+        self.policy.total_seconds += seconds
         if decode_only:
             self.policy.observe_step(rows, seconds)
         p = self.proposer
