@@ -253,15 +253,16 @@ def test_adaptive_policy_speculates_only_where_it_pays() -> None:
 
 
 def test_adaptive_off_switch_keeps_random_work_from_slowing(make_engine: Any, plain: Any) -> None:
-    """A draft that costs a whole target step (the model drafting for itself) never pays: the
-    adaptive policy stops proposing after measuring it."""
-    eng = make_engine(kernels="optimized", kv_cache_tokens=16384, speculative="draft:embedded")
+    """A draft that guesses badly for its cost (this tiny model's first 20 layers on free text)
+    is measured in the first rounds, then paused: a few probes, not a draft every step."""
+    eng = make_engine(kernels="optimized", kv_cache_tokens=16384, speculative="self:20")
     ids = chat(plain, PROMPTS[2])
     sp = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
     out = eng.generate(ids, sp)[0]
     assert out.token_ids == plain.generate(ids, sp)[0].token_ids
-    drafts = counts(eng)[0]
-    assert 0 < drafts < 12  # measured, then paused (96 tokens would be ~20 rounds of 4)
+    drafts, tokens, accepted = counts(eng)
+    assert accepted < tokens / 2  # it does guess badly
+    assert 0 < drafts <= 8  # measured, then paused (drafting every step: ~70 rounds)
     # The next request (its prefill a step with nobody decoding) starts paused: the proposer's
     # record says it does not pay.
     again = eng.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]

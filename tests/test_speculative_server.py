@@ -78,11 +78,11 @@ def test_stop_string_inside_an_accepted_run(client: openai.OpenAI, model: str, s
     answers = []
     for extra in ({}, {"speculative": False}):
         r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": COPY}], max_tokens=60,
-                                           temperature=0, stop=["umbrella"], extra_body=extra)
+                                           temperature=0, stop=["Honey"], extra_body=extra)
         assert r.choices[0].finish_reason == "stop" and r.usage is not None
         answers.append((r.choices[0].message.content, r.usage.completion_tokens))
         stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": COPY}],
-                                                max_tokens=60, temperature=0, stop=["umbrella"], stream=True,
+                                                max_tokens=60, temperature=0, stop=["Honey"], stream=True,
                                                 stream_options={"include_usage": True}, extra_body=extra)
         text, usage = "", None
         for chunk in stream:
@@ -92,7 +92,7 @@ def test_stop_string_inside_an_accepted_run(client: openai.OpenAI, model: str, s
                 usage = chunk.usage.completion_tokens
         answers.append((text, usage))
     assert len(set(answers)) == 1, answers
-    assert "lemons" in answers[0][0] and "umbrella" not in answers[0][0]
+    assert "Copper" in answers[0][0] and "Honey" not in answers[0][0]  # the model copies "1. Apples 2. Bread 3. Copper …"
     deadline = time.monotonic() + 5  # the counters arrive with the engine's heartbeat
     while _spec_counts(server) == before and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from tripod import kernels
-from tripod.config import EngineConfig, parse_speculative
+from tripod.config import EngineConfig
 from tripod.engine.detokenizer import IncrementalDetokenizer
 from tripod.engine.model_runner import ModelRunner
+from tripod.engine.prompt_logprobs import score_prompt
 from tripod.engine.radix_cache import RadixCache
 from tripod.engine.request import (
     FinishReason,
@@ -32,9 +33,7 @@ from tripod.engine.request import (
 from tripod.engine.sampler import Sampler, make_generator
 from tripod.engine.scheduler import SchedulePolicy, Scheduler
 from tripod.engine.speculative.counts import SpecCounts
-from tripod.engine.speculative.draft_model import DraftModelProposer
-from tripod.engine.speculative.ngram import NgramProposer
-from tripod.engine.speculative.proposer import Proposer
+from tripod.engine.speculative.factory import load_draft, make_proposer
 from tripod.engine.speculative.speculator import Speculator
 from tripod.engine.structured import GrammarBackend, GrammarError
 from tripod.loader import LoadedModel, load_model
@@ -131,18 +130,11 @@ class Engine:
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
-        self.draft: LoadedModel | None = None
-        spec = parse_speculative(config.speculative) if config.speculative else None
-        if spec is not None and spec.kind == "draft":
-            self.draft = self._load_draft(spec.path)
+        self.draft = load_draft(config, self.loaded, self.dtype, self.device)
+        if self.draft is not None:
             dc = self.draft.config
             # NOTE: the draft's K/V live at the target's slot ids: one token slot costs both.
             per_token += KVPool.bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype)
-        if spec is not None and spec.kind == "self" and spec.layers >= mc.num_layers:
-            raise ValueError(
-                f"self:{spec.layers} asks for {spec.layers} layers but the model has {mc.num_layers}; "
-                f"use self:K with K in [1, {mc.num_layers - 1}]"
-            )
         num_slots = slots_from_budget(
             kv_cache_tokens=config.kv_cache_tokens,
             kv_mem_fraction=config.kv_mem_fraction,
@@ -183,7 +175,8 @@ class Engine:
         self.sampler = Sampler(self.device, config.seed)
         self.spec = Speculator(
             lambda: self.config, self.tokenizer, self.pool.allocator, self.sampler, self.stats_spec,
-            self._make_proposer(path),
+            make_proposer(config, self.loaded, self.draft, self.pool, self.sampler, path=path,
+                          max_len=self.max_request_len, device=self.device, dtype=self.dtype),
         )
         eos = set(mc.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -214,40 +207,6 @@ class Engine:
             config.speculative or "off",
             time.monotonic() - t0,
         )
-
-    def _load_draft(self, path: str | None) -> LoadedModel:
-        """The ``draft:PATH`` model, checked to share the target's tokenizer token for token."""
-        draft = load_model(path, self.dtype, self.device)
-        mc, dc = self.model_config, draft.config
-        if dc.vocab_size != mc.vocab_size or draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
-            raise ValueError(
-                f"the draft model {draft.name} does not share {self.loaded.name}'s tokenizer "
-                f"(vocabularies of {dc.vocab_size} and {mc.vocab_size} tokens, or different tokens); "
-                "a draft must tokenize exactly like the model it drafts for"
-            )
-        return draft
-
-    def _make_proposer(self, path: str) -> Proposer | None:
-        cfg = self.config
-        if cfg.speculative is None:
-            return None
-        spec = parse_speculative(cfg.speculative)
-        if spec.kind == "ngram":
-            return NgramProposer()
-        if spec.kind == "self":
-            view = self.loaded.model.truncated(spec.layers)
-            runner = ModelRunner(
-                view, self.pool, self.device, use_mirror=False, path=path, max_len=self.max_request_len,
-                stored=cfg.weights == "stored",
-            )
-            return DraftModelProposer("self", runner, self.sampler, shares_kv=True, catch_up=cfg.chunk_size)
-        assert self.draft is not None
-        dc = self.draft.config
-        pool = KVPool(self.pool.num_slots, dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype, self.device)
-        runner = ModelRunner(
-            self.draft.model, pool, self.device, use_mirror=False, path=path, max_len=self.max_request_len,
-        )
-        return DraftModelProposer("draft", runner, self.sampler, shares_kv=False, catch_up=cfg.chunk_size)
 
     # ------------------------------------------------------------------ describing
     @property
@@ -538,43 +497,13 @@ class Engine:
             if not live:  # aborted while waiting: step() reports it
                 self._scoring.pop(0)
                 continue
-            if not self._score(live[0]):
+            if not score_prompt(live[0], self.runner, self.pool.allocator, self.cache, self.config.chunk_size):
                 return  # no scratch KV yet: try again next step, keeping the order
             self._scoring.pop(0)
             for r in live[1:]:
                 r.prompt_logprobs = live[0].prompt_logprobs
             self._enqueue(live)
             return
-
-    def _score(self, req: Req) -> bool:
-        """``req.prompt_logprobs`` from a separate forward over the prompt into scratch KV
-        slots (freed at once); False when the slots are not to be had now."""
-        ids = req.prompt_ids
-        alloc = self.pool.allocator
-        if alloc.num_free < len(ids):
-            self.cache.evict(len(ids) - alloc.num_free)
-        slots = alloc.alloc(len(ids))
-        if slots is None:
-            return False
-        k = req.params.prompt_logprobs or 0
-        out: list[TokenLogprob | None] = [None]  # the first token has no context to score it
-        try:
-            for s, logits in self.runner.prompt_logits(ids, slots, self.config.chunk_size):
-                m = min(logits.shape[0], len(ids) - 1 - s)  # rows that predict a prompt token
-                if m <= 0:
-                    continue
-                lp = torch.log_softmax(logits[:m], dim=-1)
-                target = torch.tensor(ids[s + 1 : s + 1 + m], device=lp.device)
-                chosen = lp.gather(1, target.unsqueeze(1)).squeeze(1).tolist()
-                tops: list[list[tuple[int, float]]] = [[] for _ in range(m)]
-                if k:
-                    vals, idx = lp.topk(k, dim=-1)
-                    tops = [list(zip(i, v, strict=True)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True)]
-                out.extend(TokenLogprob(ids[s + 1 + j], chosen[j], tops[j]) for j in range(m))
-        finally:
-            alloc.free(slots)
-        req.prompt_logprobs = out
-        return True
 
     # ------------------------------------------------------------------ speculation
     # Drafts (grammar-forced text, n-gram lookups, a draft model's guesses) are attached to

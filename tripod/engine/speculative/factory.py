@@ -1,0 +1,74 @@
+"""Building the proposer ``EngineConfig.speculative`` names, with what it needs from the engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tripod.config import EngineConfig, parse_speculative
+from tripod.engine.model_runner import ModelRunner
+from tripod.engine.sampler import Sampler
+from tripod.engine.speculative.draft_model import DraftModelProposer
+from tripod.engine.speculative.ngram import NgramProposer
+from tripod.engine.speculative.proposer import Proposer
+from tripod.loader import LoadedModel, load_model
+from tripod.memory.kv_pool import KVPool
+
+
+def load_draft(config: EngineConfig, target: LoadedModel, dtype: torch.dtype, device: torch.device) -> LoadedModel | None:
+    """The ``draft:PATH`` model (None for other methods), checked to share the target's
+    tokenizer token for token; ``self:K`` is checked against the target's depth."""
+    if config.speculative is None:
+        return None
+    spec = parse_speculative(config.speculative)
+    layers = target.config.num_layers
+    if spec.kind == "self" and spec.layers >= layers:
+        raise ValueError(
+            f"self:{spec.layers} asks for {spec.layers} layers but the model has {layers}; "
+            f"use self:K with K in [1, {layers - 1}]"
+        )
+    if spec.kind != "draft":
+        return None
+    draft = load_model(spec.path, dtype, device)
+    mc, dc = target.config, draft.config
+    if dc.vocab_size != mc.vocab_size or draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise ValueError(
+            f"the draft model {draft.name} does not share {target.name}'s tokenizer "
+            f"(vocabularies of {dc.vocab_size} and {mc.vocab_size} tokens, or different tokens); "
+            "a draft must tokenize exactly like the model it drafts for"
+        )
+    return draft
+
+
+def make_proposer(
+    config: EngineConfig,
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    pool: KVPool,
+    sampler: Sampler,
+    *,
+    path: str,
+    max_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    **_: Any,
+) -> Proposer | None:
+    """The configured proposer. Draft models get a model runner of their own: ``self:K`` over
+    the target's pool (its layers are the target's first K), ``draft:PATH`` over a pool of its
+    own with the target's slot ids (``pool.num_slots``)."""
+    if config.speculative is None:
+        return None
+    spec = parse_speculative(config.speculative)
+    if spec.kind == "ngram":
+        return NgramProposer()
+    if spec.kind == "self":
+        view = target.model.truncated(spec.layers)
+        runner = ModelRunner(view, pool, device, use_mirror=False, path=path, max_len=max_len,
+                             stored=config.weights == "stored")
+        return DraftModelProposer("self", runner, sampler, shares_kv=True, catch_up=config.chunk_size)
+    assert draft is not None
+    dc = draft.config
+    own = KVPool(pool.num_slots, dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype, device)
+    runner = ModelRunner(draft.model, own, device, use_mirror=False, path=path, max_len=max_len)
+    return DraftModelProposer("draft", runner, sampler, shares_kv=False, catch_up=config.chunk_size)
