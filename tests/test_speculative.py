@@ -138,6 +138,21 @@ def test_prefix_cache_and_chunked_prefill(make_engine: Any, plain: Any) -> None:
     eng.assert_consistent()
 
 
+def test_fully_cached_prompt_is_accounted_before_speculating(make_engine: Any, plain: Any) -> None:
+    """A prompt served from the cache but for its last token: that token's one-token prefill
+    step is the prompt's (prefix insertion, cached-token accounting), not a speculation round."""
+    eng = make_engine(kernels="optimized", speculative="self:24", spec_adaptive=False)
+    ids = chat(plain, PROMPTS[0])
+    sp = SamplingParams(max_tokens=20, temperature=0)
+    a = eng.generate(ids, sp)[0]
+    before = eng.stats.cached_prompt_tokens
+    b = eng.generate(ids, sp)[0]
+    assert a.token_ids == b.token_ids == plain.generate(ids, sp)[0].token_ids
+    assert b.cached_tokens == len(ids) - 1
+    assert eng.stats.cached_prompt_tokens - before == b.cached_tokens
+    eng.assert_consistent()
+
+
 def test_retraction_under_kv_pressure_and_n(make_engine: Any, plain: Any) -> None:
     eng = make_engine(kernels="optimized", kv_cache_tokens=600, speculative="ngram")
     prompts = [chat(plain, PROMPTS[0]), chat(plain, PROMPTS[2])]

@@ -72,7 +72,10 @@ class Speculator:
         pol = self.policy
         pol.max_k, pol.max_batch, pol.adaptive = cfg.num_draft_tokens, cfg.spec_max_batch, cfg.spec_adaptive
         name = self.proposer.name if self.proposer is not None else ""
-        decodes = [it for it in items if it.length == 1 and it.start == it.req.seq_len - 1]
+        # NOTE: only requests that have sampled a token: a one-token last prefill chunk (the rest
+        # of the prompt cached) also ends at seq_len - 1, but its step must run the prompt's own
+        # bookkeeping (prefix insertion, first-token accounting) in Engine.step.
+        decodes = [it for it in items if it.length == 1 and it.start == it.req.seq_len - 1 and it.req.output_ids]
         step_ok = self.proposer is not None and self.policy.step_allows(len(decodes))
         # The batch the requests decode in: this step's decodes and prefills (a step of prompts
         # only is followed by their decodes together).
