@@ -7,31 +7,21 @@ Each batch of B identical-length requests runs to completion (``generate``), gre
 tokens each (copy prompts stop by themselves); ``spec_max_batch`` is lifted. "always" drafts
 the maximum every step (``spec_adaptive=False``): the break-even batch is where its ratio falls
 below 1. "adaptive" is the default policy (engine/speculative/adaptive.py), which should follow
-the better of the two. Prints a markdown table. Nothing is asserted: the result goes to benchmarks/results/ with the machine.
+the better of the two. Prints a markdown table. Nothing is asserted: the result goes to
+benchmarks/results/ with the machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import random
-import subprocess
 import time
+
+from speculative import machine  # benchmarks/speculative.py (this script's folder is on sys.path)
 
 from tripod import Engine, SamplingParams
 from tripod.bench.copy_tasks import copy_prompts
 from tripod.bench.datasets import TextMaker
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def run(engine: Engine, prompts: list[list[int]], sp: SamplingParams) -> tuple[float, int]:
@@ -61,7 +51,7 @@ def main() -> None:
         "copy": [plain.apply_chat_template([{"role": "user", "content": p}]) for p in copy_prompts(n, tok, 300, rng)],
         "random": [plain.apply_chat_template([{"role": "user", "content": words.text(250)}]) for _ in range(n)],
     }
-    print(f"# {args.method} vs none, {args.dtype}, {cpu_name()}, {time.strftime('%Y-%m-%d')}\n")
+    print(f"# {args.method} vs none, {args.dtype}, {machine()}, {time.strftime('%Y-%m-%d')}\n")
     print("| dataset | batch | none tok/s | always tok/s | ratio | accepted / draft tokens | adaptive tok/s | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for name, prompts in sets.items():

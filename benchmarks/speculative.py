@@ -103,7 +103,8 @@ def _measure_method(method: str, args: argparse.Namespace, work: Path) -> tuple[
     return rows, None
 
 
-def _machine() -> str:
+def machine() -> str:
+    """The CPU's model name and core count (lscpu), for result headers."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
         model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
@@ -138,7 +139,7 @@ def _write(out: Path, rows: list[Row], failures: dict[str, str], command: str, s
     lines = [
         "# Speculative decoding over HTTP",
         "",
-        f"Machine: {_machine()}. Model: embedded SmolLM2-135M-Instruct unless `--serve-args` says otherwise.",
+        f"Machine: {machine()}. Model: embedded SmolLM2-135M-Instruct unless `--serve-args` says otherwise.",
         f"Command: `{command}` ({started}).",
         "",
         "Greedy. `copy`: rewrite-with-typos-fixed / rename-a-variable / reverse-a-list / repeat-and-summarize",

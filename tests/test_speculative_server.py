@@ -55,6 +55,17 @@ def _spec_counts(server: ServerProcess) -> dict[str, dict[str, float]]:
     return counts
 
 
+def _counts_after(server: ServerProcess, before: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The counters once they differ from ``before`` (they arrive with the engine's heartbeat,
+    every 0.5 s), or as they are after 5 s."""
+    deadline = time.monotonic() + 5
+    now = _spec_counts(server)
+    while now == before and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling /metrics for the next heartbeat
+        now = _spec_counts(server)
+    return now
+
+
 def _copy_answer(client: openai.OpenAI, model: str, **extra: Any) -> str:
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": COPY}], max_tokens=48,
                                        temperature=0, **extra)
@@ -93,10 +104,7 @@ def test_stop_string_inside_an_accepted_run(client: openai.OpenAI, model: str, s
         answers.append((text, usage))
     assert len(set(answers)) == 1, answers
     assert "Copper" in answers[0][0] and "Honey" not in answers[0][0]  # the model copies "1. Apples 2. Bread 3. Copper …"
-    deadline = time.monotonic() + 5  # the counters arrive with the engine's heartbeat
-    while _spec_counts(server) == before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _spec_counts(server) != before  # the speculated runs did carry drafts
+    assert _counts_after(server, before) != before  # the speculated runs did carry drafts
 
 
 def test_metrics_count_ngram_drafts(client: openai.OpenAI, model: str, server: ServerProcess) -> None:
@@ -105,13 +113,8 @@ def test_metrics_count_ngram_drafts(client: openai.OpenAI, model: str, server: S
     assert "tripod:spec_decode_num_drafts_total" in httpx.get(f"{server.url}/metrics", timeout=10).text
     before = _spec_counts(server)
     _copy_answer(client, model)
-    deadline = time.monotonic() + 5  # the counters arrive with the engine's heartbeat (0.5 s)
-    while True:
-        delta = summarize_spec(before, _spec_counts(server))
-        assert delta is not None
-        if delta["draft_tokens"] > 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    delta = summarize_spec(before, _counts_after(server, before))
+    assert delta is not None
     assert set(delta["by_proposer"]) == {"ngram"}, delta
     assert delta["draft_tokens"] > 0 and delta["drafts"] > 0
     assert 0 <= delta["accepted_tokens"] <= delta["draft_tokens"]

@@ -125,7 +125,6 @@ class Engine:
         t0 = time.monotonic()
         if loaded is not None and config.weights == "stored" and loaded.weights != "stored":
             raise ValueError("--weights stored needs the model loaded with its stored weights (load_model(..., weights='stored'))")
-        self.stats_spec: dict[str, SpecCounts] = {}
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, weights=config.weights)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -173,8 +172,9 @@ class Engine:
         if config.weights == "stored" and self.runner.kernel_reason is not None:
             raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {self.runner.kernel_reason}")
         self.sampler = Sampler(self.device, config.seed)
+        self.stats = EngineStats()
         self.spec = Speculator(
-            lambda: self.config, self.tokenizer, self.pool.allocator, self.sampler, self.stats_spec,
+            lambda: self.config, self.tokenizer, self.pool.allocator, self.sampler, self.stats.spec,
             make_proposer(config, self.loaded, self.draft, self.pool, self.sampler, path=path,
                           max_len=self.max_request_len, device=self.device, dtype=self.dtype),
         )
@@ -182,7 +182,6 @@ class Engine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_ids = frozenset(eos)
-        self.stats = EngineStats(spec=self.stats_spec)
         self._reqs: dict[str, Req] = {}
         self._inboxes: dict[str, list[StepOutput]] = {}  # rid -> undelivered stream outputs
         self._rid_counter = itertools.count()

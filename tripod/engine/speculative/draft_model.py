@@ -15,6 +15,7 @@ acceptance, never correctness: the target checks every draft token.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,8 +44,6 @@ class DraftModelProposer(Proposer):
         self._pos = np.full(n, -1, dtype=np.int64)  # ... and at which position
         self.draft_passes = 0
         self.draft_seconds = 0.0
-        # The mean pass time of the last proposal (the adaptive policy's draft cost).
-        self.last_pass_seconds: float | None = None
 
     # ------------------------------------------------------------------ draft KV bookkeeping
     def _computed(self, req: Req, cap: int) -> int:
@@ -69,8 +68,6 @@ class DraftModelProposer(Proposer):
 
     def _forward(self, items: list[ScheduledItem]) -> dict[int, torch.Tensor]:
         """Run the draft over ``items``; the logits row of each item that samples, by id(item)."""
-        import time
-
         t0 = time.perf_counter()
         logits, sampling = self.runner.forward(items)
         self._stamp(items)

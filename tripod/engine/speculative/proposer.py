@@ -41,6 +41,9 @@ class Proposer(abc.ABC):
 
     name: str = ""
     writes_kv: bool = False
+    # A model-running proposer's mean draft-pass time per request in its last proposal, for the
+    # adaptive policy's cost model (the speculator reads it once and clears it).
+    last_pass_seconds: float | None = None
 
     @abc.abstractmethod
     def propose(self, reqs: list[Req], lengths: list[int], items: list[ScheduledItem]) -> list[Proposal | None]:

@@ -12,7 +12,6 @@ has K/V).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -31,9 +30,6 @@ from tripod.engine.speculative.verify import Verdict, accept
 
 if TYPE_CHECKING:
     from tripod.memory.kv_pool import SlotAllocator
-
-log = logging.getLogger(__name__)
-
 
 class Speculator:
     """Owns the proposers, the adaptive policy and the per-proposer counters."""
@@ -54,20 +50,14 @@ class Speculator:
         self.grammar = GrammarProposer(tokenizer)
         self.proposer = proposer
         self.policy = AdaptivePolicy(config().num_draft_tokens, config().spec_max_batch, config().spec_adaptive)
-        self.draft_seconds = 0.0  # proposing (draft-model passes included)
 
     @property
     def config(self) -> EngineConfig:
         return self._config()
 
-    @property
-    def method(self) -> str | None:
-        return self.config.speculative
-
     def attach(self, items: list[ScheduledItem], budget: int) -> list[ScheduledItem]:
         """Give drafts to the decode items that speculate this step (at most ``budget`` draft
         tokens in all); returns them, now verification items."""
-        t0 = time.perf_counter()
         cfg = self.config
         pol = self.policy
         pol.max_k, pol.max_batch, pol.adaptive = cfg.num_draft_tokens, cfg.spec_max_batch, cfg.spec_adaptive
@@ -76,7 +66,7 @@ class Speculator:
         # of the prompt cached) also ends at seq_len - 1, but its step must run the prompt's own
         # bookkeeping (prefix insertion, first-token accounting) in Engine.step.
         decodes = [it for it in items if it.length == 1 and it.start == it.req.seq_len - 1 and it.req.output_ids]
-        step_ok = self.proposer is not None and self.policy.step_allows(len(decodes))
+        step_ok = self.proposer is not None and pol.step_allows(len(decodes))
         # The batch the requests decode in: this step's decodes and prefills (a step of prompts
         # only is followed by their decodes together).
         batch = len({id(it.req) for it in items})
@@ -87,8 +77,8 @@ class Speculator:
             room = min(req.params.max_tokens - len(req.output_ids), req.max_len - req.seq_len) - 1
             if room <= 0:
                 continue
-            if req.matcher is not None and self.config.jump_forward:
-                forced.append((it, min(room, self.config.max_jump_forward)))
+            if req.matcher is not None and cfg.jump_forward:
+                forced.append((it, min(room, cfg.max_jump_forward)))
             elif step_ok and req.params.speculative:
                 k = pol.plan(pol.state(req, name, batch), name, batch)
                 if k > 0:
@@ -111,12 +101,12 @@ class Speculator:
             # Nobody proposes this step, but a separate draft keeps pace with prefill chunks
             # (while it pays: otherwise a request catches up if and when it proposes).
             self.proposer.propose([], [], items)
-        self.draft_seconds += time.perf_counter() - t0
         return out
 
     def _propose(
         self, wanted: list[tuple[ScheduledItem, int]], items: list[ScheduledItem], budget: int, out: list[ScheduledItem]
-    ) -> int:
+    ) -> None:
+        """Ask the configured proposer for drafts for ``wanted`` within ``budget`` draft tokens."""
         proposer = self.proposer
         assert proposer is not None
         chosen: list[tuple[ScheduledItem, int]] = []
@@ -132,7 +122,7 @@ class Speculator:
             chosen.append((it, k))
             budget -= k
         if not chosen:
-            return budget
+            return
         t0 = time.perf_counter()
         props = proposer.propose([it.req for it, _ in chosen], [k for _, k in chosen], items)
         spent = time.perf_counter() - t0
@@ -149,11 +139,9 @@ class Speculator:
                 self._mark(it, proposer.name)
                 out.append(it)
             elif p is not None:
-                budget += k
-                budget = self._attach(it, p, proposer.name, budget, out)
+                budget = self._attach(it, p, proposer.name, budget + k, out)
             else:
                 budget += k
-        return budget
 
     def _attach(self, it: ScheduledItem, p: Proposal, name: str, budget: int, out: list[ScheduledItem]) -> int:
         """Allocate a deterministic proposal's KV slots and make ``it`` its verification."""
@@ -186,7 +174,7 @@ class Speculator:
         if decode_only:
             self.policy.observe_step(rows, seconds)
         p = self.proposer
-        if p is not None and getattr(p, "last_pass_seconds", None) is not None:
+        if p is not None and p.last_pass_seconds is not None:
             self.policy.observe_pass(p.name, p.last_pass_seconds)
             p.last_pass_seconds = None
 
