@@ -37,7 +37,7 @@ from tripod.engine.speculative.factory import load_draft, make_proposer
 from tripod.engine.speculative.speculator import Speculator
 from tripod.engine.structured import GrammarBackend, GrammarError
 from tripod.loader import LoadedModel, load_model
-from tripod.memory.kv_pool import KVPool, slots_from_budget
+from tripod.memory.kv_pool import slots_from_budget
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +128,12 @@ class Engine:
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, weights=config.weights)
         self.model_config = mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
-        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_token = mc.pool_spec().bytes_per_token(self.dtype)
         self.draft = load_draft(config, self.loaded, self.dtype, self.device)
         if self.draft is not None:
             dc = self.draft.config
             # NOTE: the draft's K/V live at the target's slot ids: one token slot costs both.
-            per_token += KVPool.bytes_per_token(dc.num_layers, dc.num_kv_heads, dc.head_dim, self.dtype)
+            per_token += dc.pool_spec().bytes_per_token(self.dtype)
         num_slots = slots_from_budget(
             kv_cache_tokens=config.kv_cache_tokens,
             kv_mem_fraction=config.kv_mem_fraction,
@@ -141,7 +141,7 @@ class Engine:
             device=self.device,
             max_tokens_cap=config.max_kv_cache_tokens,
         )
-        self.pool = KVPool(num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.pool = mc.pool_spec().make(num_slots, self.dtype, self.device)
         self.cache = RadixCache(self.pool.allocator, enabled=config.enable_prefix_cache)
         self.scheduler = Scheduler(
             self.pool.allocator,

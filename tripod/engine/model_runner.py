@@ -18,7 +18,7 @@ from tripod.engine.decode_mirror import DecodeMirror
 from tripod.engine.scheduler import ScheduledItem
 from tripod.layers.attention import ForwardBatch, KernelMeta, PrefillSegment
 from tripod.layers.linear import Form, onednn_supported
-from tripod.memory.kv_pool import KVPool
+from tripod.memory.kv_pool import KVPool, Pool
 from tripod.memory.slot_table import SlotTable
 from tripod.models.llama import LlamaForCausalLM
 
@@ -31,7 +31,7 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        pool: KVPool,
+        pool: Pool,
         device: torch.device,
         use_mirror: bool = True,
         path: str = "eager",
@@ -46,7 +46,8 @@ class ModelRunner:
         pool_bytes = pool.kv.numel() * pool.kv.element_size()
         # Budget: half the pool's size, at least 64 MiB (small pools still get dense decode).
         budget = max(pool_bytes // 2, 64 << 20)
-        self.mirror = DecodeMirror(pool, max_bytes=budget) if use_mirror else None
+        # The mirror holds K/V rows; a latent (MLA) pool's decodes read the pool itself.
+        self.mirror = DecodeMirror(pool, max_bytes=budget) if use_mirror and isinstance(pool, KVPool) else None
         self.kernel_reason = self._kernel_obstacle()
         self.table = SlotTable(max_len or pool.num_slots, device) if self.kernel_reason is None else None
         self._form: Form | None = None
@@ -59,6 +60,12 @@ class ModelRunner:
         if self.device.type != "cpu":
             return f"they are CPU kernels (the device is {self.device})"
         cfg = self.model.cfg
+        if cfg.mla is not None:
+            return "multi-head latent attention runs on torch's ops (latent pool, absorbed decode)"
+        if cfg.sliding_window is not None:
+            return "sliding-window attention layers run on torch's ops"
+        if cfg.attn_softcap is not None:
+            return "soft-capped attention runs on torch's ops"
         if cfg.head_dim not in (32, 64, 96, 128, 256) or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 8:
             return f"head_dim {cfg.head_dim} / {cfg.num_heads} heads over {cfg.num_kv_heads} is not a shape they cover"
         if self.pool.kv.dtype not in (torch.float32, torch.bfloat16):

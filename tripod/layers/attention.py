@@ -1,6 +1,8 @@
 """Paged (page size 1) attention over the KV pool, for a flat batch of mixed work.
 
-Two backends behind one call (``attend``), picked per step by the model runner:
+Two backends behind one call (``attend``), picked per step by the model runner (a layer's
+``AttnSpec`` carries its heads, scale, optional sliding window and logit soft-cap; per-head q/k
+RMSNorm runs before RoPE on either backend):
 
 - kernels (CPU with tripod's C++ kernels; ``ForwardBatch.kernel`` set): RoPE and the KV write in
   one pass, then every query row attends its own keys straight from the pool through the slot
@@ -8,7 +10,8 @@ Two backends behind one call (``attend``), picked per step by the model runner:
 - torch (CUDA, the float32 reference path, or before/without the kernels): a step's tokens are
   laid out flat: first one token per decoding request, then each prefill chunk's tokens. Decodes
   attend in one padded, batched SDPA call (over the dense decode mirror, or gathered); each
-  prefill chunk attends to its cached prefix plus itself with a causal mask.
+  prefill chunk attends to its cached prefix plus itself with a causal mask. Sliding-window
+  layers and soft-capped logits run here only (the runner keeps such models off the kernels).
 """
 
 from __future__ import annotations
@@ -19,8 +22,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tripod.layers.norm import head_norm
 from tripod.layers.rotary import RotaryEmbedding, apply_rotary
 from tripod.memory.kv_pool import KVPool
+
+
+@dataclass(frozen=True, slots=True)
+class AttnSpec:
+    """One attention layer's shape and rules."""
+
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+    window: int | None = None  # sliding window: a query at p sees keys p - window + 1 .. p
+    softcap: float | None = None  # scores -> tanh(scores / cap) * cap before the softmax
 
 
 @dataclass(slots=True)
@@ -74,29 +89,70 @@ def attend(
     batch: ForwardBatch,
     rotary: RotaryEmbedding,
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
-    num_heads: int,
-    num_kv_heads: int,
-    scale: float,
+    spec: AttnSpec,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """The attention block after the QKV projection: rotate Q/K, write this step's K/V into
-    the pool, attend. ``qkv`` ``[T, (H + 2 KVH) * D]`` → ``[T, H * D]``."""
+    """The attention block after the QKV projection: (normalize Q/K per head,) rotate Q/K, write
+    this step's K/V into the pool, attend. ``qkv`` ``[T, (H + 2 KVH) * D]`` → ``[T, H * D]``."""
     t = qkv.shape[0]
     d = pool.head_dim
+    nh, nkv = spec.num_heads, spec.num_kv_heads
+    if qk_norm is not None:
+        qw, kw, eps = qk_norm
+        heads = qkv.view(t, -1, d)
+        ops = batch.kernel_ops if batch.kernel is not None else None
+        q_n = head_norm(heads[:, :nh], qw, eps, ops)
+        k_n = head_norm(heads[:, nh : nh + nkv], kw, eps, ops)
+        qkv = torch.cat((q_n.reshape(t, -1), k_n.reshape(t, -1), qkv[:, (nh + nkv) * d :]), dim=1)
     if batch.kernel is not None:
         ops = batch.kernel_ops
         m = batch.kernel
         kv = pool.kv[layer]
         # NOTE: rotates Q and K inside qkv, in place, and copies K|V into the pool slots.
-        ops.rope_store_kv(qkv, batch.positions, rotary.cos, rotary.sin, kv, batch.out_slots, num_heads, num_kv_heads)
-        q = qkv.view(t, -1, d)[:, :num_heads]
-        return ops.paged_attention(q, kv, m.table, m.rows, m.lens, scale).view(t, num_heads * d)
+        ops.rope_store_kv(qkv, batch.positions, rotary.cos, rotary.sin, kv, batch.out_slots, nh, nkv)
+        q = qkv.view(t, -1, d)[:, :nh]
+        return ops.paged_attention(q, kv, m.table, m.rows, m.lens, spec.scale).view(t, nh * d)
     assert cos_sin is not None
     heads = qkv.reshape(t, -1, d)
     # Q and K heads are adjacent in the fused output: rotate them in one pass.
-    qk = apply_rotary(heads[:, : num_heads + num_kv_heads], *cos_sin)
-    q, k = qk[:, :num_heads], qk[:, num_heads:]
-    v = heads[:, num_heads + num_kv_heads :]
-    return paged_attention(q, k, v, layer, pool, batch, scale).view(t, num_heads * d)
+    qk = apply_rotary(heads[:, : nh + nkv], *cos_sin)
+    q, k = qk[:, :nh], qk[:, nh:]
+    v = heads[:, nh + nkv :]
+    return paged_attention(q, k, v, layer, pool, batch, spec).view(t, nh * d)
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` (grouped-query), or its soft-capped form spelled out."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    rep = q.shape[-3] // k.shape[-3]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if causal:
+        lq, lk = s.shape[-2], s.shape[-1]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (and sliding-window) visibility: ``[len(q_pos), len(k_pos)]`` bool."""
+    q, k = q_pos.unsqueeze(1), k_pos.unsqueeze(0)
+    m = k <= q
+    if window is not None:
+        m &= k > q - window
+    return m
 
 
 def paged_attention(
@@ -106,7 +162,7 @@ def paged_attention(
     layer: int,
     pool: KVPool,
     batch: ForwardBatch,
-    scale: float,
+    spec: AttnSpec,
 ) -> torch.Tensor:
     """q ``[T, H, D]``, k/v ``[T, KVH, D]`` (already rotated) → ``[T, H, D]``.
 
@@ -114,34 +170,36 @@ def paged_attention(
     """
     pool.write(layer, batch.out_slots, k, v)
     out = torch.empty_like(q)
+    scale, cap, window = spec.scale, spec.softcap, spec.window
     nd = batch.num_decode
+    dev = q.device
     if nd:
         assert batch.decode_mask is not None
         width = batch.decode_mask.shape[-1]
         if batch.decode_mirror is not None:
             rows = batch.decode_mirror[layer]
-            rows[torch.arange(nd, device=q.device), batch.positions[:nd]] = torch.stack(
-                (k[:nd], v[:nd]), dim=1
-            )
+            rows[torch.arange(nd, device=dev), batch.positions[:nd]] = torch.stack((k[:nd], v[:nd]), dim=1)
             dense = rows[:nd, :width]  # [B, L, 2, KVH, D]
             kc, vc = dense.select(2, 0), dense.select(2, 1)
         else:
             assert batch.decode_kv_idx is not None
             kc, vc = pool.gather(layer, batch.decode_kv_idx)  # [B, L, KVH, D] each
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2), kc, vc, attn_mask=batch.decode_mask, scale=scale, enable_gqa=True
-        )
+        mask = batch.decode_mask
+        if window is not None:
+            keys = torch.arange(width, device=dev).unsqueeze(0)
+            mask = mask & (keys > batch.positions[:nd].unsqueeze(1) - window)[:, None, None, :]
+        o = sdpa(q[:nd].unsqueeze(2), kc, vc, mask, scale, cap)
         out[:nd] = o.squeeze(2)
     for s0, p0, n, kv in batch.verifies:
         kc, vc = pool.gather(layer, kv)  # [p0 + n, KVH, D] each
         kc, vc = kc.unsqueeze(0).transpose(1, 2), vc.unsqueeze(0).transpose(1, 2)
         for j in range(n):
             w = p0 + j + 1
-            o = F.scaled_dot_product_attention(
-                q[s0 + j : s0 + j + 1].unsqueeze(2), kc[:, :, :w], vc[:, :, :w],
-                attn_mask=_all_true(w, q.device), scale=scale, enable_gqa=True,
-            )
+            mask = _all_true(w, dev)
+            if window is not None:
+                mask = mask & (torch.arange(w, device=dev) > w - 1 - window)
+            o = sdpa(q[s0 + j : s0 + j + 1].unsqueeze(2), kc[:, :, :w], vc[:, :, :w], mask, scale, cap)
             out[s0 + j] = o[0, :, 0]
     for seg in batch.prefills:
         s, n = seg.start, seg.length
@@ -149,14 +207,20 @@ def paged_attention(
         if seg.prefix_len == 0:
             ks = k[s : s + n].transpose(0, 1).unsqueeze(0)
             vs = v[s : s + n].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            if window is None or n <= window:
+                o = sdpa(qs, ks, vs, None, scale, cap, causal=True)
+            else:
+                p = torch.arange(n, device=dev)
+                o = sdpa(qs, ks, vs, window_mask(p, p, window), scale, cap)
         else:
             assert seg.kv_slots is not None
             ks, vs = pool.gather(layer, seg.kv_slots)
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=seg.mask, scale=scale, enable_gqa=True
-            )
+            mask = seg.mask
+            if window is not None:
+                mask = window_mask(torch.arange(seg.prefix_len, seg.prefix_len + n, device=dev),
+                                   torch.arange(seg.prefix_len + n, device=dev), window)
+            o = sdpa(qs, ks, vs, mask, scale, cap)
         out[s : s + n] = o.squeeze(0).transpose(0, 1)
     return out
 

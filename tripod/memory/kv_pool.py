@@ -1,13 +1,42 @@
-"""KV memory: a token-slot allocator and the per-layer K/V tensors it indexes.
+"""KV memory: a token-slot allocator and the per-layer tensors it indexes.
 
-A *slot* is one token's K and V in every layer. Slots are handed out one token at a time
-(page size 1), so a request's KV may be scattered; attention gathers it through the
-request's slot list.
+A *slot* is one token's attention state in every layer: its K and V per KV head (``KVPool``, for
+MHA/GQA models) or multi-head latent attention's compressed latent (``LatentPool``). Slots are
+handed out one token at a time (page size 1), so a request's state may be scattered; attention
+gathers it through the request's slot list. The allocator, the radix cache and eviction see
+slots only, so they work the same over either pool.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """The shape of one token's state in every layer (models say which: ``ModelConfig.pool_spec``)."""
+
+    num_layers: int
+    kind: Literal["mha", "latent"]
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    latent_dim: int = 0
+
+    def values_per_token(self) -> int:
+        if self.kind == "latent":
+            return self.num_layers * self.latent_dim
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.values_per_token() * torch.empty((), dtype=dtype).element_size()
+
+    def make(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> KVPool | LatentPool:
+        if self.kind == "latent":
+            return LatentPool(num_slots, self.num_layers, self.latent_dim, dtype, device)
+        return KVPool(num_slots, self.num_layers, self.num_kv_heads, self.head_dim, dtype, device)
 
 
 class SlotAllocator:
@@ -58,6 +87,8 @@ class KVPool:
     Zero-initialised so that padded (masked) reads in batched attention never see NaN.
     """
 
+    kind = "mha"
+
     def __init__(
         self,
         num_slots: int,
@@ -74,10 +105,6 @@ class KVPool:
         self._rows = self.kv.view(num_layers, num_slots, 2 * num_kv_heads * head_dim)
         self.allocator = SlotAllocator(num_slots)
 
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.kv[layer].index_copy_(0, slots, torch.stack((k, v), dim=1))
 
@@ -90,6 +117,30 @@ class KVPool:
         rows = self._rows[layer].index_select(0, slots.reshape(-1))
         g = rows.view(*slots.shape, 2, self.num_kv_heads, self.head_dim)
         return g.select(-3, 0), g.select(-3, 1)
+
+
+class LatentPool:
+    """Per-layer latent state, preallocated: ``kv[layer]`` is ``[num_slots, latent_dim]`` (MLA's
+    normalized KV latent followed by its rotated shared key). Zero-initialised like ``KVPool``."""
+
+    kind = "latent"
+
+    def __init__(self, num_slots: int, num_layers: int, latent_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_slots = num_slots
+        self.latent_dim = latent_dim
+        self.kv = torch.zeros((num_layers, num_slots, latent_dim), dtype=dtype, device=device)
+        self.allocator = SlotAllocator(num_slots)
+
+    def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
+        self.kv[layer].index_copy_(0, slots, latent)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The latents of ``slots`` (any shape ``S``): ``[*S, latent_dim]``."""
+        return self.kv[layer].index_select(0, slots.reshape(-1)).view(*slots.shape, self.latent_dim)
+
+
+Pool = KVPool | LatentPool
 
 
 def slots_from_budget(

@@ -1,9 +1,21 @@
-"""The architecture description every loader produces and every model consumes."""
+"""The architecture description every loader produces and every model consumes.
+
+One frozen ``ModelConfig`` for every family: the Llama shape (every family has it), plus optional
+parts a family adds — per-head q/k norms and sliding-window layers (Qwen3, Mistral, Gemma 3), a
+mixture of experts (``MoEConfig``: Mixtral, Qwen2/3-MoE, DeepSeek), multi-head latent attention
+(``MLAConfig``: DeepSeek-V2/V3) and Gemma's norms, embedding scale and soft-capping.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from tripod.layers.mla import MLAConfig
+from tripod.layers.moe import MoEConfig
+from tripod.memory.kv_pool import PoolSpec
+
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,37 +39,210 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    qk_norm: bool = False  # per-head RMSNorm of Q and K before RoPE (Qwen3, Gemma 3)
+    # Sliding-window attention: a query at position p sees keys p - window + 1 .. p, on the
+    # layers ``sliding_layers`` names (all layers when it is None and ``sliding_window`` is set).
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = None
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' own RoPE base
+    # Gemma: RMSNorm weights applied as (1 + w), embeddings scaled by sqrt(hidden), norms around
+    # both sublayers' outputs too, its own attention scale, tanh soft-capping of the logits.
+    norm_offset: bool = False
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
+    num_nextn_predict_layers: int = 0  # DeepSeek-V3's multi-token-prediction modules
+
+    def is_sliding(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return self.sliding_layers is None or layer in self.sliding_layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.moe.dense_layers
+
+    @property
+    def attn_scale(self) -> float:
+        if self.mla is not None:
+            return self.mla.qk_head_dim**-0.5 * _mla_mscale(self.rope_scaling)
+        if self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar) ** -0.5
+        return self.head_dim**-0.5
+
+    def pool_spec(self) -> PoolSpec:
+        """What one token costs in the KV pool: K and V per KV head, or MLA's latent."""
+        if self.mla is not None:
+            return PoolSpec(self.num_layers, "latent", latent_dim=self.mla.latent_dim)
+        return PoolSpec(self.num_layers, "mha", num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+
+    def mha_equivalent_spec(self) -> PoolSpec:
+        """The pool the same model would need with its attention expanded (MLA: every head's K
+        and V stored; otherwise the model's own)."""
+        if self.mla is None:
+            return self.pool_spec()
+        m = self.mla
+        # K is qk_head_dim wide, V v_head_dim: counted as two heads of their mean width.
+        return PoolSpec(self.num_layers, "mha", num_kv_heads=self.num_heads,
+                        head_dim=(m.qk_head_dim + m.v_head_dim) // 2)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from an HF ``config.json`` (old ``rope_scaling`` or new ``rope_parameters``)."""
         archs = d.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        mtype = str(d.get("model_type") or "")
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         rope = d.get("rope_parameters") or d.get("rope_scaling") or None
         theta = d.get("rope_theta")
+        local_theta = d.get("rope_local_base_freq")
+        if isinstance(rope, dict) and "full_attention" in rope:  # per layer type (Gemma 3)
+            local = rope.get("sliding_attention") or {}
+            local_theta = local.get("rope_theta", local_theta)
+            rope = rope["full_attention"]
         if theta is None and isinstance(rope, dict):
             theta = rope.get("rope_theta")
         if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in (None, "default"):
             rope = None
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        gemma = mtype.startswith("gemma") or arch.startswith("Gemma")
+        act = str(d.get("hidden_activation") or d.get("hidden_act") or "silu")
+        if act in ("gelu_pytorch_tanh", "gelu_tanh"):
+            act = "gelu_tanh"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"activation {act!r} is not supported; supported: silu, gelu_pytorch_tanh")
+        mla = _mla(d)
+        layers = int(d["num_hidden_layers"])
+        window, sliding = _sliding(d, layers)
         return cls(
-            architecture=archs[0],
+            architecture=arch,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
+            head_dim=int(d.get("head_dim") or hidden // heads) if mla is None else mla.qk_head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta if theta is not None else 10000.0),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             rope_scaling=dict(rope) if rope else None,
             attention_bias=bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            hidden_act=act,
+            qk_norm=mtype in ("qwen3", "qwen3_moe") or mtype.startswith("gemma3")
+            or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            sliding_window=window,
+            sliding_layers=sliding,
+            rope_local_theta=float(local_theta) if local_theta is not None and gemma else None,
+            norm_offset=gemma,
+            embed_scale=gemma,
+            sandwich_norms=gemma,
+            query_pre_attn_scalar=float(d["query_pre_attn_scalar"]) if d.get("query_pre_attn_scalar") else None,
+            attn_softcap=_opt_float(d.get("attn_logit_softcapping")),
+            final_softcap=_opt_float(d.get("final_logit_softcapping")),
+            moe=_moe(d, layers),
+            mla=mla,
+            num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
         )
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _sliding(d: dict[str, Any], layers: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """The sliding window and the layers it applies to, as HF's config says."""
+    window = d.get("sliding_window")
+    if not window:
+        return None, None
+    mtype = str(d.get("model_type") or "")
+    types = d.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        return (int(window), sliding) if sliding else (None, None)
+    if mtype.startswith("qwen"):
+        # Qwen2/3 declare sliding_window but apply it only with use_sliding_window.
+        if not d.get("use_sliding_window"):
+            return None, None
+        first_full = int(d.get("max_window_layers", layers))
+        return int(window), tuple(range(first_full, layers))
+    if mtype.startswith("gemma3"):
+        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+        return int(window), tuple(i for i in range(layers) if (i + 1) % pattern)
+    return int(window), None  # Mistral / Mixtral: every layer
+
+
+def _moe(d: dict[str, Any], layers: int) -> MoEConfig | None:
+    n = d.get("num_experts") or d.get("num_local_experts") or d.get("n_routed_experts")
+    if not n:
+        return None
+    mtype = str(d.get("model_type") or "")
+    top_k = int(d.get("num_experts_per_tok") or 2)
+    inter = int(d.get("moe_intermediate_size") or d["intermediate_size"])
+    if mtype.startswith("deepseek"):
+        first_dense = int(d.get("first_k_dense_replace") or 0)
+        freq = int(d.get("moe_layer_freq") or 1)
+        dense = tuple(i for i in range(layers) if i < first_dense or i % freq)
+        v3 = mtype == "deepseek_v3" or d.get("topk_method") == "noaux_tc"
+        method = d.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+        topk_method = {"noaux_tc": "group_top2", "group_limited_greedy": "group_max", "greedy": "greedy"}.get(method)
+        if topk_method is None:
+            raise ValueError(f"DeepSeek topk_method {method!r} is not supported")
+        scoring = str(d.get("scoring_func") or ("sigmoid" if v3 else "softmax"))
+        return MoEConfig(
+            num_experts=int(n), top_k=top_k, intermediate_size=inter, scoring=scoring,
+            norm_topk_prob=bool(d.get("norm_topk_prob", v3)),
+            routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+            topk_method=topk_method, n_group=int(d.get("n_group") or 1), topk_group=int(d.get("topk_group") or 1),
+            correction_bias=v3, shared_intermediate_size=inter * int(d.get("n_shared_experts") or 0),
+            dense_layers=dense,
+        )
+    only = tuple(int(i) for i in d.get("mlp_only_layers") or ())
+    step = int(d.get("decoder_sparse_step") or 1)
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    shared = int(d.get("shared_expert_intermediate_size") or 0)
+    return MoEConfig(
+        num_experts=int(n), top_k=top_k, intermediate_size=inter,
+        # Mixtral always renormalizes; Qwen's MoEs say so in norm_topk_prob.
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)) if mtype != "mixtral" else True,
+        shared_intermediate_size=shared, shared_gate=shared > 0, dense_layers=dense,
+    )
+
+
+def _mla(d: dict[str, Any]) -> MLAConfig | None:
+    if not d.get("kv_lora_rank"):
+        return None
+    mtype = str(d.get("model_type") or "")
+    return MLAConfig(
+        kv_lora_rank=int(d["kv_lora_rank"]),
+        qk_nope_head_dim=int(d["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(d["qk_rope_head_dim"]),
+        v_head_dim=int(d["v_head_dim"]),
+        q_lora_rank=int(d["q_lora_rank"]) if d.get("q_lora_rank") else None,
+        # V2 rotates (even, odd) pairs as complex numbers; V3 says so in rope_interleave.
+        rope_interleave=True if mtype == "deepseek_v2" else bool(d.get("rope_interleave", True)),
+    )
+
+
+def _mla_mscale(rope: dict[str, Any] | None) -> float:
+    """DeepSeek's YaRN: the softmax scale grows by mscale(factor, mscale_all_dim) squared."""
+    import math
+
+    if not rope or rope.get("rope_type", rope.get("type", "default")) == "default":
+        return 1.0
+    all_dim = rope.get("mscale_all_dim") or 0
+    factor = float(rope.get("factor") or 1.0)
+    if not all_dim or factor <= 1:
+        return 1.0
+    m = 0.1 * float(all_dim) * math.log(factor) + 1.0
+    return m * m

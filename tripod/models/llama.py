@@ -1,118 +1,169 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM): RMSNorm, RoPE, GQA, SwiGLU.
+"""The decoder every supported family is built from, and the Llama-shaped families themselves.
 
-Runs over a flat batch (``ForwardBatch``) that mixes decode tokens and prefill chunks. Q/K/V
-and gate/up projections are fused into one matmul each; logits are computed only for the
-tokens the sampler needs.
+A layer is norm → attention → residual, norm → MLP → residual, over a flat batch
+(``ForwardBatch``) that mixes decode tokens and prefill chunks. Its parts come from the config:
+
+- attention: GQA with fused Q/K/V (biases for Qwen2; per-head q/k RMSNorm for Qwen3 and Gemma 3;
+  a sliding window on the layers that have one; Gemma's scale and soft-cap), or MLA
+  (``models/deepseek.py``);
+- MLP: the gated MLP (SwiGLU or GELU-tanh) or a mixture of experts (``layers/moe.py``) — Mixtral,
+  Qwen2-MoE (shared expert with its gate), Qwen3-MoE, DeepSeek;
+- Gemma's extras: (1 + w) norms, norms around both sublayers' outputs ("sandwich"), scaled
+  embeddings, per-layer-type RoPE bases, final-logit soft-cap.
+
+Logits are computed only for the tokens the sampler needs.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tripod.layers.attention import ForwardBatch, attend
+from tripod.layers.attention import AttnSpec, ForwardBatch, attend
 from tripod.layers.linear import Form, Linear, StoredWeight, make_linear
+from tripod.layers.mlp import GatedMLP
+from tripod.layers.moe import MoE
+from tripod.layers.norm import norm, rms_norm
 from tripod.layers.rotary import RotaryEmbedding
 from tripod.memory.kv_pool import KVPool
 from tripod.models.config import ModelConfig
 
+__all__ = ["LlamaForCausalLM", "rms_norm"]
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype != torch.float32:
-        # The fused kernel: float32 inside, one rounding at the end (HF rounds once more,
-        # before the weight; the difference is below bf16's own resolution).
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    # NOTE: float32 follows HF's LlamaRMSNorm op for op, so fp32 parity is exact.
-    h = x
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h
+Getter = Callable[[str], torch.Tensor]
 
 
-class LlamaLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool, dtype: torch.dtype) -> None:
+def _param(*shape: int, dtype: torch.dtype, fill: float | None = None) -> nn.Parameter:
+    t = torch.empty(*shape, dtype=dtype) if fill is None else torch.full(shape, fill, dtype=dtype)
+    return nn.Parameter(t, requires_grad=False)
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention with fused Q/K/V and the family options of ``ModelConfig``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.spec = AttnSpec(
+            cfg.num_heads, cfg.num_kv_heads, cfg.attn_scale,
+            window=cfg.sliding_window if cfg.is_sliding(layer) else None, softcap=cfg.attn_softcap,
+        )
+        self.eps = cfg.rms_norm_eps
+        self.qkv = _param(self.q_size + 2 * self.kv_size, h, dtype=dtype)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype, fill=0.0) if qkv_bias else None
+        self.o = _param(h, self.q_size, dtype=dtype)
+        self.o_bias = _param(h, dtype=dtype, fill=0.0) if cfg.attention_bias else None
+        self.q_norm = _param(d, dtype=dtype, fill=1.0) if cfg.qk_norm else None
+        self.k_norm = _param(d, dtype=dtype, fill=1.0) if cfg.qk_norm else None
+        self.ops: dict[Form, tuple[Linear, Linear]] = {}
+
+    def prepare(self, form: Form, kernel_ops: Any, stored: dict[str, StoredWeight]) -> None:
+        if form not in self.ops:
+            self.ops[form] = (
+                make_linear(self.qkv, self.qkv_bias, form, ops=kernel_ops, stored=stored.get("qkv")),
+                make_linear(self.o, self.o_bias, form, ops=kernel_ops, stored=stored.get("o")),
+            )
+
+    def release(self, form: Form) -> None:
+        self.ops.pop(form, None)
+
+    def load(self, get: Getter, has: Callable[[str], bool], a: str, offset: bool) -> None:
+        self.qkv.data = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]).contiguous()
+        if self.qkv_bias is not None:
+            self.qkv_bias.data = torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
+        self.o.data = get(a + "o_proj.weight").contiguous()
+        if self.o_bias is not None:
+            self.o_bias.data = get(a + "o_proj.bias")
+        if self.q_norm is not None and self.k_norm is not None:
+            self.q_norm.data = _norm_weight(get(a + "q_norm.weight"), offset)
+            self.k_norm.data = _norm_weight(get(a + "k_norm.weight"), offset)
+
+    def forward(self, h: torch.Tensor, layer: int, pool: KVPool, batch: ForwardBatch, rotary: RotaryEmbedding,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None, residual: torch.Tensor | None) -> torch.Tensor:
+        qkv_op, o_op = self.ops[batch.form]
+        qk = (self.q_norm, self.k_norm, self.eps) if self.q_norm is not None and self.k_norm is not None else None
+        a = attend(qkv_op(h), layer, pool, batch, rotary, cos_sin, self.spec, qk)
+        return o_op(a, residual=residual)
+
+
+class DecoderLayer(nn.Module):
+    """Norms, attention and MLP of one layer. ``sandwich``: Gemma's extra norms on both
+    sublayers' outputs (before their residual adds)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, attn: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
         if cfg.mlp_bias:
             raise ValueError("checkpoints with MLP biases (mlp_bias=true) are not supported yet")
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.q_size = cfg.num_heads * d
-        self.kv_size = cfg.num_kv_heads * d
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        h = cfg.hidden_size
+        self.layer = layer
         self.eps = cfg.rms_norm_eps
-        self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
-        self.post_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
-        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, h, dtype=dtype), requires_grad=False)
-        self.qkv_bias = (
-            nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, dtype=dtype), requires_grad=False)
-            if qkv_bias
-            else None
-        )
-        self.o = nn.Parameter(torch.empty(h, self.q_size, dtype=dtype), requires_grad=False)
-        self.o_bias = (
-            nn.Parameter(torch.zeros(h, dtype=dtype), requires_grad=False) if cfg.attention_bias else None
-        )
-        i = cfg.intermediate_size
-        self.gate_up = nn.Parameter(torch.empty(2 * i, h, dtype=dtype), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(h, i, dtype=dtype), requires_grad=False)
-        self.inter = i
-        self.scale = d**-0.5
-        # Executable forms of the projections (see LlamaForCausalLM.prepare), and the GGUF
-        # blocks of the fused projections when the model was loaded with its stored weights.
-        self.ops: dict[Form, LayerOps] = {}
+        self.sandwich = cfg.sandwich_norms
+        self.input_norm = _param(h, dtype=dtype, fill=1.0)
+        self.post_norm = _param(h, dtype=dtype, fill=1.0)  # before the MLP (HF's post_attention_layernorm)
+        self.attn_out_norm = _param(h, dtype=dtype, fill=1.0) if self.sandwich else None
+        self.mlp_out_norm = _param(h, dtype=dtype, fill=1.0) if self.sandwich else None
+        self.attn = attn
+        self.mlp: GatedMLP | MoE
+        if cfg.is_moe_layer(layer):
+            assert cfg.moe is not None
+            self.mlp = MoE(cfg.moe, h, cfg.hidden_act, dtype)
+        else:
+            self.mlp = GatedMLP(h, cfg.intermediate_size, cfg.hidden_act, dtype)
+        # The GGUF blocks of the fused projections, when loaded with the stored weights.
         self.stored: dict[str, StoredWeight] = {}
 
-    def prepare(self, form: Form, kernel_ops: Any = None) -> None:
-        """Build the projections' executable form (after the weights are loaded)."""
-        if form in self.ops:
-            return
-        st = self.stored.get
+    def prepare(self, form: Form, kernel_ops: Any) -> None:
+        self.attn.prepare(form, kernel_ops, self.stored)
+        self.mlp.prepare(form, kernel_ops, self.stored)
 
-        def mk(w: torch.Tensor, b: torch.Tensor | None, name: str) -> Linear:
-            return make_linear(w, b, form, ops=kernel_ops, stored=st(name))
+    def release(self, form: Form) -> None:
+        self.attn.release(form)
+        self.mlp.release(form)
 
-        self.ops[form] = LayerOps(
-            qkv=mk(self.qkv, self.qkv_bias, "qkv"),
-            o=mk(self.o, self.o_bias, "o"),
-            gate_up=mk(self.gate_up, None, "gate_up"),
-            down=mk(self.down, None, "down"),
-        )
+    def forward(self, x: torch.Tensor, ctx: _Step) -> torch.Tensor:
+        b, k = ctx.batch, ctx.batch.kernel_ops
+        h = norm(x, self.input_norm, self.eps, k)
+        rotary, cos_sin = ctx.rope(self.layer)
+        if self.attn_out_norm is None:
+            x = self._attend(h, ctx, rotary, cos_sin, residual=x)
+            h = norm(x, self.post_norm, self.eps, k)
+            return self.mlp(h, b.form, k, residual=x)
+        a = self._attend(h, ctx, rotary, cos_sin, residual=None)
+        x = x + norm(a, self.attn_out_norm, self.eps, k)
+        h = norm(x, self.post_norm, self.eps, k)
+        assert self.mlp_out_norm is not None
+        return x + norm(self.mlp(h, b.form, k), self.mlp_out_norm, self.eps, k)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
-        rotary: RotaryEmbedding,
-        layer: int,
-        pool: KVPool,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
-        ops = self.ops[batch.form]
-        k = batch.kernel_ops
-        h = k.rms_norm(x, self.input_norm, self.eps) if k is not None else rms_norm(x, self.input_norm, self.eps)
-        qkv = ops.qkv(h)
-        a = attend(qkv, layer, pool, batch, rotary, cos_sin, self.num_heads, self.num_kv_heads, self.scale)
-        x = ops.o(a, residual=x)
-        h = k.rms_norm(x, self.post_norm, self.eps) if k is not None else rms_norm(x, self.post_norm, self.eps)
-        gu = ops.gate_up(h)
-        if k is not None:
-            act = k.silu_mul(gu)
-        else:
-            g, u = gu.split([self.inter, self.inter], dim=-1)
-            act = F.silu(g) * u
-        return ops.down(act, residual=x)
+    def _attend(self, h: torch.Tensor, ctx: _Step, rotary: RotaryEmbedding,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None, residual: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(self.attn, GQAttention):
+            return self.attn(h, self.layer, ctx.pool, ctx.batch, rotary, cos_sin, residual)
+        assert cos_sin is not None and residual is not None
+        return self.attn(h, self.layer, ctx.pool, ctx.batch, cos_sin, residual)
 
 
-class LayerOps:
-    """A layer's projections in executable form (``layers.linear``)."""
+class _Step:
+    """What every layer of one forward pass shares: the batch, the pool and the RoPE tables
+    (computed once per rotary per pass)."""
 
-    __slots__ = ("down", "gate_up", "o", "qkv")
+    __slots__ = ("batch", "model", "pool", "tables")
 
-    def __init__(self, qkv: Linear, o: Linear, gate_up: Linear, down: Linear) -> None:
-        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+    def __init__(self, model: LlamaForCausalLM, batch: ForwardBatch, pool: Any, dtype: torch.dtype) -> None:
+        self.model, self.batch, self.pool = model, batch, pool
+        self.tables: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+    def rope(self, layer: int) -> tuple[RotaryEmbedding, tuple[torch.Tensor, torch.Tensor] | None]:
+        rotary = self.model.rotary_for(layer)
+        key = id(rotary)
+        if key not in self.tables:
+            self.tables[key] = None if self.batch.kernel is not None else rotary.tables(self.batch.positions, self.model.dtype)
+        return rotary, self.tables[key]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -125,20 +176,33 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
-        qkv_bias = self.qkv_bias or cfg.attention_bias
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaLayer(cfg, qkv_bias, dtype) for _ in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size, dtype=dtype, fill=1.0)
         self.lm_head: torch.Tensor | None = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Parameter(
-                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
-            )
-        self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, device
+            self.lm_head = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.rotary = RotaryEmbedding(self.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, device)
+        self.local_rotary = (
+            RotaryEmbedding(self.rope_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings, device)
+            if cfg.rope_local_theta is not None else None
         )
         self.head_ops: dict[Form, Linear] = {}
         self.stored_head: StoredWeight | None = None
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype) if cfg.embed_scale else None
+
+    @property
+    def rope_dim(self) -> int:
+        return self.cfg.head_dim
+
+    def make_layer(self, i: int) -> DecoderLayer:
+        cfg = self.cfg
+        return DecoderLayer(cfg, i, GQAttention(cfg, i, self.qkv_bias or cfg.attention_bias, self.dtype), self.dtype)
+
+    def rotary_for(self, layer: int) -> RotaryEmbedding:
+        if self.local_rotary is not None and self.cfg.is_sliding(layer):
+            return self.local_rotary
+        return self.rotary
 
     def prepare(self, form: Form, kernel_ops: Any = None) -> None:
         """Build every projection's executable form (``layers.linear.Form``). Several forms may
@@ -166,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
     def release(self, form: Form) -> None:
         """Forget a form's packed weights (the runner moved on from it: memory back)."""
         for layer in self.layers:
-            layer.ops.pop(form, None)
+            layer.release(form)
         self.head_ops.pop(form, None)
 
     @property
@@ -174,17 +238,21 @@ class LlamaForCausalLM(nn.Module):
         return self.stored_head is not None or any(layer.stored for layer in self.layers)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, pool: Any) -> torch.Tensor:
         x = F.embedding(batch.input_ids, self.embed)
-        cos_sin = None if batch.kernel is not None else self.rotary.tables(batch.positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos_sin, self.rotary, i, pool, batch)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        ctx = _Step(self, batch, pool, x.dtype)
+        for layer in self.layers:
+            x = layer(x, ctx)
         if batch.logits_idx is not None:
             x = x.index_select(0, batch.logits_idx)
-        k = batch.kernel_ops
-        eps = self.cfg.rms_norm_eps
-        x = k.rms_norm(x, self.norm, eps) if k is not None else rms_norm(x, self.norm, eps)
-        return self.head_ops[batch.form](x).float()
+        x = norm(x, self.norm, self.cfg.rms_norm_eps, batch.kernel_ops)
+        logits = self.head_ops[batch.form](x).float()
+        if self.cfg.final_softcap is not None:
+            cap = self.cfg.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     # ------------------------------------------------------------------ weights
     def load_stored(self, stored: Mapping[str, StoredWeight]) -> None:
@@ -224,8 +292,18 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             return weights[name].to(device=self.device, dtype=self.dtype)
 
+        def has(name: str) -> bool:
+            return name in weights
+
+        def get_f32(name: str) -> torch.Tensor:  # router weights stay float32
+            get(name)  # the missing-tensor error
+            return weights[name].to(device=self.device, dtype=torch.float32).contiguous()
+
+        self._get_f32 = get_f32
+
+        offset = self.cfg.norm_offset
         self.embed.data = get("model.embed_tokens.weight").contiguous()
-        self.norm.data = get("model.norm.weight")
+        self.norm.data = _norm_weight(get("model.norm.weight"), offset)
         if self.lm_head is not None:
             if "lm_head.weight" in weights:
                 self.lm_head.data = get("lm_head.weight").contiguous()
@@ -233,24 +311,45 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.data = self.embed.data
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            layer.input_norm.data = get(p + "input_layernorm.weight")
-            layer.post_norm.data = get(p + "post_attention_layernorm.weight")
-            a = p + "self_attn."
-            layer.qkv.data = torch.cat(
-                [get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]
-            ).contiguous()
-            if layer.qkv_bias is not None:
-                layer.qkv_bias.data = torch.cat(
-                    [get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")]
-                )
-            layer.o.data = get(a + "o_proj.weight").contiguous()
-            if layer.o_bias is not None:
-                layer.o_bias.data = get(a + "o_proj.bias")
-            m = p + "mlp."
-            layer.gate_up.data = torch.cat(
-                [get(m + "gate_proj.weight"), get(m + "up_proj.weight")]
-            ).contiguous()
-            layer.down.data = get(m + "down_proj.weight").contiguous()
+            layer.input_norm.data = _norm_weight(get(p + "input_layernorm.weight"), offset)
+            if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
+                layer.attn_out_norm.data = _norm_weight(get(p + "post_attention_layernorm.weight"), offset)
+                layer.post_norm.data = _norm_weight(get(p + "pre_feedforward_layernorm.weight"), offset)
+                layer.mlp_out_norm.data = _norm_weight(get(p + "post_feedforward_layernorm.weight"), offset)
+            else:
+                layer.post_norm.data = _norm_weight(get(p + "post_attention_layernorm.weight"), offset)
+            self.load_attention(layer, get, has, p)
+            self.load_mlp(layer, get, has, p)
+
+    def load_attention(self, layer: DecoderLayer, get: Getter, has: Callable[[str], bool], p: str) -> None:
+        assert isinstance(layer.attn, GQAttention)
+        layer.attn.load(get, has, p + "self_attn.", self.cfg.norm_offset)
+
+    def load_mlp(self, layer: DecoderLayer, get: Getter, has: Callable[[str], bool], p: str) -> None:
+        mlp = layer.mlp
+        if isinstance(mlp, GatedMLP):
+            mlp.load(get, p + "mlp.")
+            return
+        if has(p + "block_sparse_moe.gate.weight"):  # Mixtral's names
+            m, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
+        else:
+            m, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+        mlp.router.data = self._get_f32(m + "gate.weight")
+        if mlp.bias is not None:
+            mlp.bias.data = self._get_f32(m + "gate.e_score_correction_bias")
+        mlp.experts.load(get, has, m + "experts.", names)
+        if mlp.shared is not None:
+            shared = m + ("shared_expert." if has(m + "shared_expert.gate_proj.weight") else "shared_experts.")
+            mlp.shared.load(get, shared)
+        if mlp.shared_gate is not None:
+            mlp.shared_gate.data = get(m + "shared_expert_gate.weight")
+
+
+def _norm_weight(w: torch.Tensor, offset: bool) -> torch.Tensor:
+    """Gemma's norms multiply by (1 + w): folded into the weight once (float32 like HF)."""
+    if not offset:
+        return w
+    return (1.0 + w.float()).to(w.dtype)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

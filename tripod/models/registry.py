@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from tripod.models.deepseek import DeepseekForCausalLM
 from tripod.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 
+# Every family is the one decoder (models/llama.py) configured by its ModelConfig; the classes
+# differ only where the weights or the attention differ.
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 }
 
 

@@ -13,7 +13,7 @@ from tripod.engine.speculative.draft_model import DraftModelProposer
 from tripod.engine.speculative.ngram import NgramProposer
 from tripod.engine.speculative.proposer import Proposer
 from tripod.loader import LoadedModel, load_model
-from tripod.memory.kv_pool import KVPool
+from tripod.memory.kv_pool import Pool
 
 
 def load_draft(config: EngineConfig, target: LoadedModel, dtype: torch.dtype, device: torch.device) -> LoadedModel | None:
@@ -45,7 +45,7 @@ def make_proposer(
     config: EngineConfig,
     target: LoadedModel,
     draft: LoadedModel | None,
-    pool: KVPool,
+    pool: Pool,
     sampler: Sampler,
     *,
     path: str,
@@ -69,6 +69,6 @@ def make_proposer(
         return DraftModelProposer("self", runner, sampler, shares_kv=True, catch_up=config.chunk_size)
     assert draft is not None
     dc = draft.config
-    own = KVPool(pool.num_slots, dc.num_layers, dc.num_kv_heads, dc.head_dim, dtype, device)
+    own = dc.pool_spec().make(pool.num_slots, dtype, device)
     runner = ModelRunner(draft.model, own, device, use_mirror=False, path=path, max_len=max_len)
     return DraftModelProposer("draft", runner, sampler, shares_kv=False, catch_up=config.chunk_size)

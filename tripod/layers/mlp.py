@@ -1,0 +1,52 @@
+"""The gated MLP (SwiGLU, or GELU-tanh for Gemma): gate and up fused into one projection."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tripod.layers.linear import Form, Linear, StoredWeight, make_linear
+
+
+def activate(gu: torch.Tensor, inter: int, act: str, kernel_ops: Any = None) -> torch.Tensor:
+    """``act(gate) * up`` of a fused ``[T, 2 * inter]`` gate/up output."""
+    if act == "silu" and kernel_ops is not None:
+        return kernel_ops.silu_mul(gu)
+    g, u = gu.split([inter, inter], dim=-1)
+    if act == "silu":
+        return F.silu(g) * u
+    return F.gelu(g, approximate="tanh") * u
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``; its projections prepared per compute form."""
+
+    def __init__(self, hidden: int, inter: int, act: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inter, self.act = inter, act
+        self.gate_up = nn.Parameter(torch.empty(2 * inter, hidden, dtype=dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(hidden, inter, dtype=dtype), requires_grad=False)
+        self.ops: dict[Form, tuple[Linear, Linear]] = {}
+
+    def prepare(self, form: Form, kernel_ops: Any, stored: dict[str, StoredWeight]) -> None:
+        if form not in self.ops:
+            self.ops[form] = (
+                make_linear(self.gate_up, None, form, ops=kernel_ops, stored=stored.get("gate_up")),
+                make_linear(self.down, None, form, ops=kernel_ops, stored=stored.get("down")),
+            )
+
+    def release(self, form: Form) -> None:
+        self.ops.pop(form, None)
+
+    def load(self, get: Callable[[str], torch.Tensor], prefix: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+        g, u, d = names
+        self.gate_up.data = torch.cat([get(f"{prefix}{g}.weight"), get(f"{prefix}{u}.weight")]).contiguous()
+        self.down.data = get(f"{prefix}{d}.weight").contiguous()
+
+    def forward(self, h: torch.Tensor, form: Form, kernel_ops: Any, residual: torch.Tensor | None = None) -> torch.Tensor:
+        gate_up, down = self.ops[form]
+        return down(activate(gate_up(h), self.inter, self.act, kernel_ops), residual=residual)

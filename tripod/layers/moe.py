@@ -1,0 +1,158 @@
+"""Mixture-of-experts MLP: routing in one vectorised pass, then grouped dispatch.
+
+Routing (``route``) covers the families' rules: softmax or sigmoid scores, optional group-limited
+choice (DeepSeek-V2's best-expert group score, V3's sum of the best two after the correction
+bias), renormalisation of the chosen weights and the routed scaling factor. Dispatch sorts the
+(token, expert) pairs by expert and runs one fused gate/up matmul and one down matmul per *active*
+expert over all of its tokens, then adds the weighted results back per token: the Python loop is
+over experts that received tokens, never over tokens.
+
+An ``ExpertSet`` (a layer's experts: stacked ``[E, 2I, H]`` gate/up and ``[E, H, I]`` down) is
+the unit that could live on another device for expert parallelism: it takes tokens and their
+expert assignment and returns their weighted sum; nothing else in the layer touches its weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tripod.layers.linear import Form, StoredWeight
+from tripod.layers.mlp import GatedMLP, activate
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """A sparse MLP: ``top_k`` of ``num_experts`` gated SwiGLU experts per token."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    scoring: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
+    norm_topk_prob: bool = True  # renormalize the chosen experts' weights to sum to 1
+    routed_scaling_factor: float = 1.0
+    # Expert choice restricted to the best ``topk_group`` of ``n_group`` expert groups
+    # ("greedy": no groups; "group_max": a group scores its best expert (DeepSeek-V2);
+    # "group_top2": the sum of its best two, after the correction bias (DeepSeek-V3)).
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    correction_bias: bool = False  # V3's e_score_correction_bias: used to choose, not to weight
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    shared_gate: bool = False  # Qwen2-MoE: the shared expert's output scaled by sigmoid(gate(x))
+    dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense (``intermediate_size``)
+
+
+def route(logits: torch.Tensor, spec: MoEConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits`` float32 ``[T, E]`` → (weights float32 ``[T, k]``, expert ids ``[T, k]``)."""
+    scores = logits.sigmoid() if spec.scoring == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores + bias if bias is not None else scores
+    if spec.topk_method != "greedy" and spec.n_group > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, spec.n_group, e // spec.n_group)
+        if spec.topk_method == "group_top2":
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        keep = group_scores.topk(spec.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, keep, 1.0).bool()
+        expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, e // spec.n_group).reshape(t, e)
+        # V3 masks out with -inf (its scores can be any sign after the bias); V2 with 0.
+        fill = float("-inf") if spec.topk_method == "group_top2" else 0.0
+        choice = choice.masked_fill(~expert_mask, fill)
+    idx = choice.topk(spec.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, idx)
+    if spec.norm_topk_prob:
+        denom = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (denom + 1e-20) if spec.scoring == "sigmoid" else weights / denom
+    if spec.routed_scaling_factor != 1.0:
+        weights = weights * spec.routed_scaling_factor
+    return weights, idx
+
+
+class ExpertSet(nn.Module):
+    """A layer's routed experts, stacked."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, act: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_experts, self.inter, self.act = num_experts, inter, act
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False)
+
+    def load(self, get: Callable[[str], torch.Tensor], has: Callable[[str], bool], prefix: str,
+             names: tuple[str, str, str]) -> None:
+        """Per-expert tensors (``{prefix}{e}.gate_proj.weight`` …) or the stacked form some
+        checkpoints hold (``{prefix}gate_up_proj`` ``[E, 2I, H]``, ``{prefix}down_proj``)."""
+        if has(prefix + "gate_up_proj"):
+            self.gate_up.data = get(prefix + "gate_up_proj").contiguous()
+            self.down.data = get(prefix + "down_proj").contiguous()
+            return
+        g, u, d = names
+        self.gate_up.data = torch.stack([
+            torch.cat([get(f"{prefix}{e}.{g}.weight"), get(f"{prefix}{e}.{u}.weight")])
+            for e in range(self.num_experts)
+        ]).contiguous()
+        self.down.data = torch.stack([get(f"{prefix}{e}.{d}.weight") for e in range(self.num_experts)]).contiguous()
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, H]``, ``weights``/``idx`` ``[T, k]`` → the weighted sum ``[T, H]``."""
+        k = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        tokens = order // k
+        w = weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = tokens[start : start + n]
+            xs = x.index_select(0, rows)
+            h = activate(xs @ self.gate_up[e].t(), self.inter, self.act)
+            out.index_add_(0, rows, (h @ self.down[e].t()) * w[start : start + n])
+            start += n
+        return out
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ a shared expert, gated for Qwen2-MoE)."""
+
+    def __init__(self, spec: MoEConfig, hidden: int, act: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.spec = spec
+        # NOTE: the router runs in float32 whatever the model's dtype (DeepSeek's own rule; for
+        # the other families it only matters in bf16, where it can move a near-tied choice).
+        self.router = nn.Parameter(torch.empty(spec.num_experts, hidden, dtype=torch.float32), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.zeros(spec.num_experts, dtype=torch.float32), requires_grad=False)
+            if spec.correction_bias else None
+        )
+        self.experts = ExpertSet(spec.num_experts, hidden, spec.intermediate_size, act, dtype)
+        self.shared = GatedMLP(hidden, spec.shared_intermediate_size, act, dtype) if spec.shared_intermediate_size else None
+        self.shared_gate = (
+            nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False) if spec.shared_gate else None
+        )
+
+    def prepare(self, form: Form, kernel_ops: Any, stored: dict[str, StoredWeight]) -> None:
+        if self.shared is not None:
+            self.shared.prepare(form, kernel_ops, {})
+
+    def release(self, form: Form) -> None:
+        if self.shared is not None:
+            self.shared.release(form)
+
+    def forward(self, h: torch.Tensor, form: Form, kernel_ops: Any, residual: torch.Tensor | None = None) -> torch.Tensor:
+        logits = torch.nn.functional.linear(h.float(), self.router)
+        weights, idx = route(logits, self.spec, self.bias)
+        out = self.experts(h, weights, idx)
+        if self.shared is not None:
+            s = self.shared(h, form, kernel_ops)
+            if self.shared_gate is not None:
+                s = torch.sigmoid(torch.nn.functional.linear(h, self.shared_gate)) * s
+            out = out + s
+        return out if residual is None else residual + out
