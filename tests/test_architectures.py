@@ -1,0 +1,151 @@
+"""Every supported architecture, token-exact against Hugging Face transformers (fp32).
+
+For each family a tiny random checkpoint is built and saved with transformers (``tiny_models``),
+loaded by tripod from the folder, and its greedy tokens compared with transformers' on the same
+weights: each prompt alone, all prompts in one batch (the second time round their prefixes are
+cached: radix hits), with chunked prefill (chunks shorter than the prompts, windows shorter than
+the sequences), on the reference path and on the optimized one. Same near-tie rule as the other
+parity tests (``conftest.check_greedy_tokens``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import HFReference, check_greedy_tokens
+from tiny_models import ARCHS, VOCAB, build_hf, save, save_fp8
+
+from tripod import Engine, SamplingParams
+
+N_TOKENS = 24
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    a = torch.randint(3, VOCAB, (45,), generator=g).tolist()
+    b = torch.randint(3, VOCAB, (7,), generator=g).tolist()
+    c = torch.randint(3, VOCAB, (30,), generator=g).tolist()
+    d = a[:33] + torch.randint(3, VOCAB, (5,), generator=g).tolist()  # shares a's first 33 tokens
+    return [a, b, c, d]
+
+
+PROMPTS = _prompts()
+PARAMS = SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> Any:
+    """kind -> (folder, HF reference), built once per module."""
+    made: dict[str, tuple[Path, HFReference]] = {}
+
+    def get(kind: str) -> tuple[Path, HFReference]:
+        if kind not in made:
+            model = build_hf(kind)
+            folder = save(model, tmp_path_factory.mktemp(kind), hf_tokenizer)
+            made[kind] = (folder, HFReference(model))
+        return made[kind]
+
+    return get
+
+
+def _check_engine(eng: Engine, ref: HFReference, what: str) -> None:
+    refs = [ref.greedy(p, N_TOKENS) for p in PROMPTS]
+    for i, p in enumerate(PROMPTS):  # alone, cold cache (d's prefix is a's: a hit already)
+        (out,) = eng.generate([p], PARAMS)
+        check_greedy_tokens(out.token_ids, refs[i], f"{what} prompt {i} alone")
+    cached_before = eng.stats.cached_prompt_tokens
+    outs = eng.generate(PROMPTS, PARAMS)  # batched, every prefix now in the radix cache
+    for i, out in enumerate(outs):
+        check_greedy_tokens(out.token_ids, refs[i], f"{what} prompt {i} batched")
+    assert eng.stats.cached_prompt_tokens > cached_before, "the batched run never hit the prefix cache"
+    eng.assert_consistent()
+
+
+@pytest.mark.parametrize("kind", list(ARCHS))
+@pytest.mark.parametrize("kernels", ["eager", "optimized"])
+def test_greedy_parity(kind: str, kernels: str, tiny: Any) -> None:
+    folder, ref = tiny(kind)
+    eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=4096, chunk_size=16,
+                 max_batch_tokens=64, max_running=8, kernels=kernels)
+    assert eng.model_config.architecture == ref.model.config.architectures[0]
+    _check_engine(eng, ref, f"{kind}/{kernels}")
+
+
+def test_config_features_read(tiny: Any) -> None:
+    """The family options reach tripod's config (a silently ignored option is a fidelity bug)."""
+    from tripod.loader.hf_loader import HFFolder
+
+    def cfg(kind: str) -> Any:
+        return HFFolder(tiny(kind)[0]).config()
+
+    assert cfg("mistral-sliding").sliding_window == 12 and cfg("mistral-sliding").is_sliding(2)
+    g = cfg("gemma3")
+    assert (g.sliding_layers, g.rope_local_theta, g.final_softcap, g.norm_offset) == ((0, 1), 10000.0, 30.0, True)
+    assert cfg("qwen3").qk_norm and not cfg("llama").qk_norm
+    q2 = cfg("qwen2-moe").moe
+    assert q2 is not None and q2.shared_gate and q2.dense_layers == (1,) and not q2.norm_topk_prob
+    v3 = cfg("deepseek-v3")
+    assert v3.moe is not None and v3.moe.scoring == "sigmoid" and v3.moe.correction_bias
+    assert v3.moe.topk_method == "group_top2" and v3.moe.dense_layers == (0,)
+    assert v3.mla is not None and v3.mla.q_lora_rank == 24
+    v2 = cfg("deepseek-v2")
+    assert v2.moe is not None and v2.moe.topk_method == "group_max" and v2.mla is not None and v2.mla.q_lora_rank is None
+
+
+def test_mla_latent_pool_bytes(tiny: Any) -> None:
+    """MLA's pool holds the latent per token, not per-head K/V: fewer bytes than MHA would."""
+    folder, _ = tiny("deepseek-v3")
+    eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=256)
+    mc = eng.model_config
+    assert mc.mla is not None
+    assert eng.pool.kv.shape == (mc.num_layers, 256, mc.mla.kv_lora_rank + mc.mla.qk_rope_head_dim)
+    latent = mc.pool_spec().bytes_per_token(torch.float32)
+    mha = mc.mha_equivalent_spec().bytes_per_token(torch.float32)
+    assert latent == mc.num_layers * 24 * 4
+    assert mha == mc.num_layers * 4 * (24 + 16) * 4
+    assert eng.kv_bytes_per_token == latent
+
+
+def test_mla_absorbed_equals_expanded(tiny: Any) -> None:
+    """The decode form (W_UK folded into the query, W_UV after attention, latents never
+    expanded) and the prefill form (latents expanded to per-head K/V) give the same output."""
+    from tripod.layers.mla import MLAttention
+
+    folder, _ = tiny("deepseek-v3")
+    eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=256)
+    attn = eng.loaded.model.layers[1].attn
+    assert isinstance(attn, MLAttention)
+    attn.prepare("dense", None)
+    g = torch.Generator().manual_seed(3)
+    c, h, n = attn.cfg, attn.h, 9
+    q_nope = torch.randn(n, h, c.qk_nope_head_dim, generator=g)
+    q_pe = torch.randn(n, h, c.qk_rope_head_dim, generator=g)
+    lat = torch.randn(n, c.latent_dim, generator=g)
+    expanded = attn._expanded(q_nope, q_pe, lat, None, True, attn.ops["dense"])
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[:, None, None, :]
+    absorbed = attn._absorbed(q_nope, q_pe, lat.unsqueeze(0).expand(n, -1, -1), mask)
+    torch.testing.assert_close(absorbed, expanded, rtol=1e-4, atol=1e-5)
+
+
+def test_fp8_block_checkpoint(tmp_path: Path, hf_tokenizer: Any) -> None:
+    """DeepSeek's block-wise FP8 folder loads (dequantized to the run dtype by default, said so)
+    and decodes the same greedy tokens as transformers holding the dequantized weights."""
+    model = build_hf("deepseek-v3", seed=3)
+    folder, deq = save_fp8(model, tmp_path / "v3-fp8", hf_tokenizer, block=16)
+    model.load_state_dict({k: v for k, v in deq.items() if k in model.state_dict()}, strict=False)
+    ref = HFReference(model)
+    eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=4096, chunk_size=16)
+    assert eng.loaded.quantization == "fp8 (block 16x16, e4m3)"
+    assert eng.loaded.weights == "dequantized"
+    _check_engine(eng, ref, "deepseek-v3 fp8 dequantized")
+
+
+def test_fp8_refused_in_kernels_weights_mode_on_gguf_only(tmp_path: Path, hf_tokenizer: Any) -> None:
+    """An absurd combination gets a clear error, not a silent precision change."""
+    model = build_hf("llama", seed=4)
+    folder = save(model, tmp_path / "llama", hf_tokenizer)
+    with pytest.raises(ValueError, match="stored"):
+        Engine(model=str(folder), dtype="float32", kv_cache_tokens=256, weights="stored")

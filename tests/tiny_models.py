@@ -1,0 +1,142 @@
+"""Tiny random checkpoints of every supported architecture, built and saved with transformers.
+
+Each is a few layers and a small hidden size, with weights re-drawn large enough that greedy
+choices are decisive (transformers' 0.02-std initialisation gives near-uniform logits, where any
+rounding difference flips a choice). Saved as an HF folder with the embedded model's tokenizer;
+DeepSeek-V3 can also be saved in DeepSeek's block-wise FP8 format.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 256
+COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+# kind -> (model_type, extra config)
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "mistral-sliding": ("mistral", dict(sliding_window=12, head_dim=16)),
+    "qwen3": ("qwen3", dict(head_dim=16)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "qwen2-moe": ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3-moe": ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                                    mlp_only_layers=[0], norm_topk_prob=True)),
+    "deepseek-v2": ("deepseek_v2", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                                        topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+                                        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
+                                        qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4)),
+    "deepseek-v3": ("deepseek_v3", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                                        routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=16,
+                                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                        num_key_value_heads=4, num_nextn_predict_layers=0,
+                                        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 128,
+                                                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                                      "mscale_all_dim": 1.0, "rope_theta": 10000.0})),
+    "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=12, query_pre_attn_scalar=16,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                   final_logit_softcapping=30.0)),
+}
+
+
+def build_hf(kind: str, seed: int = 0) -> Any:
+    """The transformers model (fp32, eval) with decisive random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mtype, extra = ARCHS[kind]
+    cfg = AutoConfig.for_model(mtype, **{**COMMON, **extra})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:  # projections, experts, embeddings: unit-variance outputs
+                fan_in = p.shape[-1]
+                std = 1.0 if "embed" in name else 1.0 / math.sqrt(fan_in)
+                if "lm_head" in name:
+                    std = 3.0 / math.sqrt(fan_in)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+            elif name.endswith("norm.weight"):
+                base = 0.0 if mtype.startswith("gemma") else 1.0  # Gemma's norms scale by (1 + w)
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+    model.eval()
+    return model
+
+
+def save(model: Any, folder: Path, tokenizer: Any) -> Path:
+    model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def save_fp8(model: Any, folder: Path, tokenizer: Any, block: int = 16) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Save ``model`` as DeepSeek's block-wise FP8 checkpoint: every projection of the decoder
+    layers as ``float8_e4m3fn`` with a ``weight_scale_inv`` per ``block``×``block`` tile. Returns
+    the folder and the dequantized state dict (what an fp32 reference must hold)."""
+    from safetensors.torch import load_file, save_file
+
+    save(model, folder, tokenizer)
+    files = sorted(folder.glob("*.safetensors"))
+    deq: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors = load_file(str(f))
+        out: dict[str, torch.Tensor] = {}
+        for name, w in tensors.items():
+            quantize = (
+                name.startswith("model.layers.") and name.endswith("proj.weight") and w.ndim == 2
+                and "layernorm" not in name
+            )
+            if not quantize:
+                out[name] = w
+                deq[name] = w
+                continue
+            q, scale = _quantize_blocks(w, block)
+            out[name] = q
+            out[name.replace(".weight", ".weight_scale_inv")] = scale
+            deq[name] = dequantize_blocks(q, scale, block)
+        save_file(out, str(f), metadata={"format": "pt"})
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block]}
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return folder, deq
+
+
+def _quantize_blocks(w: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = w.shape
+    rows, cols = -(-n // b), -(-k // b)
+    scale = torch.empty(rows, cols, dtype=torch.float32)
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    for i in range(rows):
+        for j in range(cols):
+            tile = w[i * b : (i + 1) * b, j * b : (j + 1) * b].float()
+            s = tile.abs().max().clamp(min=1e-12) / 448.0
+            scale[i, j] = s
+            q[i * b : (i + 1) * b, j * b : (j + 1) * b] = (tile / s).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, b: int) -> torch.Tensor:
+    """An independent reference dequantization (tile by tile)."""
+    n, k = q.shape
+    out = torch.empty(n, k, dtype=torch.float32)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            out[i * b : (i + 1) * b, j * b : (j + 1) * b] = q[i * b : (i + 1) * b, j * b : (j + 1) * b].float() * scale[i, j]
+    return out
