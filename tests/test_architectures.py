@@ -10,6 +10,7 @@ parity tests (``conftest.check_greedy_tokens``).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -133,10 +134,22 @@ def test_mla_absorbed_equals_expanded(tiny: Any) -> None:
 def test_fp8_block_checkpoint(tmp_path: Path, hf_tokenizer: Any) -> None:
     """DeepSeek's block-wise FP8 folder loads (dequantized to the run dtype by default, said so)
     and decodes the same greedy tokens as transformers holding the dequantized weights."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
     model = build_hf("deepseek-v3", seed=3)
     folder, deq = save_fp8(model, tmp_path / "v3-fp8", hf_tokenizer, block=16)
-    model.load_state_dict({k: v for k, v in deq.items() if k in model.state_dict()}, strict=False)
-    ref = HFReference(model)
+    # The reference: transformers on the dequantized tensors (an unquantized copy of the folder,
+    # dequantized tile by tile in the test, independently of tripod's loader).
+    plain = tmp_path / "v3-dequantized"
+    plain.mkdir()
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["quantization_config"]
+    (plain / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in deq.items()}, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    ref_model = AutoModelForCausalLM.from_pretrained(str(plain), dtype=torch.float32).eval()
+    assert any(t.dtype == torch.float8_e4m3fn for t in _tensors(folder).values()), "nothing was stored as FP8"
+    ref = HFReference(ref_model)
     eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=4096, chunk_size=16)
     assert eng.loaded.quantization == "fp8 (block 16x16, e4m3)"
     assert eng.loaded.weights == "dequantized"
@@ -149,3 +162,12 @@ def test_fp8_refused_in_kernels_weights_mode_on_gguf_only(tmp_path: Path, hf_tok
     folder = save(model, tmp_path / "llama", hf_tokenizer)
     with pytest.raises(ValueError, match="stored"):
         Engine(model=str(folder), dtype="float32", kv_cache_tokens=256, weights="stored")
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in folder.glob("*.safetensors"):
+        out.update(load_file(str(f)))
+    return out

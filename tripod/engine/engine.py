@@ -142,6 +142,10 @@ class Engine:
             max_tokens_cap=config.max_kv_cache_tokens,
         )
         self.pool = mc.pool_spec().make(num_slots, self.dtype, self.device)
+        self.kv_bytes_per_token = mc.pool_spec().bytes_per_token(self.dtype)
+        if mc.mla is not None:
+            log.info("MLA latent KV: %d bytes per token (the same model with MHA: %d)", self.kv_bytes_per_token,
+                     mc.mha_equivalent_spec().bytes_per_token(self.dtype))
         self.cache = RadixCache(self.pool.allocator, enabled=config.enable_prefix_cache)
         self.scheduler = Scheduler(
             self.pool.allocator,

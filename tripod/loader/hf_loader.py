@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tripod.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 class HFFolder:
@@ -38,27 +41,70 @@ class HFFolder:
         return cfg
 
     @property
-    def quantization(self) -> str:
+    def fp8_block(self) -> tuple[int, int] | None:
+        """DeepSeek's block-wise FP8 format (``quant_method: fp8`` with ``weight_block_size``):
+        the block shape, or None for an unquantized folder. Other quantizations are refused."""
         q = self.raw_config.get("quantization_config")
-        if q:
-            raise ValueError(
-                f"quantized checkpoints ({q.get('quant_method', q)}) are not supported yet; "
-                "use an unquantized folder or a GGUF file"
-            )
+        if not q:
+            return None
+        method = q.get("quant_method")
+        block = q.get("weight_block_size")
+        if method == "fp8" and isinstance(block, list) and len(block) == 2:
+            if q.get("fmt", "e4m3") != "e4m3":
+                raise ValueError(f"FP8 format {q.get('fmt')!r} is not supported (only e4m3)")
+            return int(block[0]), int(block[1])
+        raise ValueError(
+            f"quantized checkpoints ({method or q}) are not supported; tripod loads unquantized "
+            "folders, DeepSeek's block-wise FP8 folders and GGUF files"
+        )
+
+    @property
+    def quantization(self) -> str:
+        block = self.fp8_block
+        if block is not None:
+            return f"fp8 (block {block[0]}x{block[1]}, e4m3)"
         return str(self.raw_config.get("torch_dtype") or self.raw_config.get("dtype") or "none")
 
     def weights(self) -> dict[str, torch.Tensor]:
+        """Every tensor; block-wise FP8 weights dequantized (float32) with their
+        ``weight_scale_inv`` (the scales themselves are not returned)."""
         from safetensors.torch import load_file
 
         out: dict[str, torch.Tensor] = {}
         for f in self.files:
             out.update(load_file(str(f)))
+        block = self.fp8_block
+        if block is None:
+            return out
+        scales = [n for n in out if n.endswith(".weight_scale_inv")]
+        for s in scales:
+            w = s.removesuffix("_scale_inv")
+            if w not in out:
+                raise ValueError(f"FP8 checkpoint has {s} but no {w}")
+            out[w] = dequantize_fp8_blocks(out[w], out.pop(s), block)
+        left = [n for n, t in out.items() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
+        if left:
+            raise ValueError(f"FP8 tensors without a weight_scale_inv: {', '.join(left[:4])}")
+        log.info("%s: %d block-wise FP8 weights dequantized at load (block %dx%d)", self.path.name,
+                 len(scales), *block)
         return out
 
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+
+
+def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``w`` float8 ``[N, K]`` times its per-block scale ``[ceil(N/bn), ceil(K/bk)]`` → float32."""
+    bn, bk = block
+    n, k = w.shape
+    rows, cols = -(-n // bn), -(-k // bk)
+    if tuple(scale_inv.shape) != (rows, cols):
+        raise ValueError(f"FP8 weight {tuple(w.shape)} needs a {rows}x{cols} scale grid for {bn}x{bk} blocks, "
+                         f"got {tuple(scale_inv.shape)}")
+    s = scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    return w.float() * s
 
 
 def _replace(cfg: ModelConfig, **kw: Any) -> ModelConfig:
