@@ -9,7 +9,12 @@ from typing import Any
 
 import torch
 
-from tripod.loader.embedded import EMBEDDED_NAME, embedded_model_path
+from tripod.loader.embedded import (
+    EMBEDDED_NAME,
+    PACKAGED_MODELS,
+    embedded_model_path,
+    packaged_model_path,
+)
 from tripod.loader.gguf_loader import GGUFFile
 from tripod.loader.hf_loader import HFFolder
 from tripod.models.config import ModelConfig
@@ -79,12 +84,15 @@ def _open(model: str | None) -> tuple[str, Path, GGUFFile | HFFolder]:
     if model is None:
         path = embedded_model_path()
         name = EMBEDDED_NAME
+    elif model in PACKAGED_MODELS and not Path(model).exists():
+        path = packaged_model_path(model)
+        name = model
     else:
         path = Path(model).expanduser()
         if not path.exists():
             raise ValueError(
-                f"model path {str(path)!r} does not exist (give a .gguf file or a local HF folder; "
-                "tripod never downloads weights)"
+                f"model path {str(path)!r} does not exist (give a .gguf file, a local HF folder or "
+                f"one of the packaged models: {', '.join(PACKAGED_MODELS)}; tripod never downloads weights)"
             )
         name = path.stem if path.is_file() else path.name
     src: GGUFFile | HFFolder

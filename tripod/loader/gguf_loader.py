@@ -22,7 +22,7 @@ from tripod.models.config import ModelConfig
 log = logging.getLogger(__name__)
 
 # GGUF architecture → HF architecture; both share llama.cpp's tensor naming.
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -37,6 +37,15 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma 3: norms on both sublayers' outputs, per-head q/k norms; "ffn_norm" is the pre-MLP norm.
+_GEMMA3_NAMES = {
+    **_LAYER_NAMES,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -94,7 +103,20 @@ class GGUFFile:
             rope_scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in freqs.data]}
         eos = self.field("tokenizer.ggml.eos_token_id")
         bos = self.field("tokenizer.ggml.bos_token_id")
-        return ModelConfig(
+        extra: dict[str, Any] = {}
+        if a == "gemma3":
+            layers = int(self.field(f"{a}.block_count"))
+            key_len = int(self.field(f"{a}.attention.key_length"))
+            window = self.field(f"{a}.attention.sliding_window")
+            # llama.cpp's Gemma 3: every sixth layer global, the others local with RoPE base 10k.
+            extra = dict(
+                head_dim=key_len, hidden_act="gelu_tanh", qk_norm=True, norm_offset=True,
+                embed_scale=True, sandwich_norms=True, query_pre_attn_scalar=float(key_len),
+                sliding_window=int(window) if window else None,
+                sliding_layers=tuple(i for i in range(layers) if (i + 1) % 6) if window else None,
+                rope_local_theta=float(self.field(f"{a}.rope.freq_base_swa", 10000.0)),
+            )
+        base = dict(
             architecture=_ARCHS[a],
             vocab_size=vocab,
             hidden_size=hidden,
@@ -111,6 +133,8 @@ class GGUFFile:
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=(int(eos),) if eos is not None else (),
         )
+        base.update(extra)
+        return ModelConfig(**base)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """All tensors, dequantized to float32, under HF names."""
@@ -119,12 +143,14 @@ class GGUFFile:
         cfg = self.config()
         out: dict[str, torch.Tensor] = {}
         for t in self.reader.tensors:
-            name = _hf_name(t.name)
+            name = _hf_name(t.name, self.arch)
             if name is None:
                 log.debug("skipping GGUF tensor %s", t.name)
                 continue
             w = gguf.quants.dequantize(t.data, t.tensor_type)
             w = np.ascontiguousarray(w, dtype=np.float32)
+            if self.arch == "gemma3" and name.endswith("norm.weight"):
+                w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norms with the 1 added
             if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 n = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
                 w = _unpermute_rotary(w, n)
@@ -139,7 +165,7 @@ class GGUFFile:
         cfg = self.config()
         out: dict[str, Any] = {}
         for t in self.reader.tensors:
-            name = _hf_name(t.name)
+            name = _hf_name(t.name, self.arch)
             kind = t.tensor_type.name
             if name is None or kind not in STORED_KINDS or len(t.shape) != 2:
                 continue
@@ -189,13 +215,14 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tripod"
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES
     if gguf_name.startswith("blk."):
         _, idx, rest = gguf_name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+        if rest in names:
+            return f"model.layers.{idx}.{names[rest]}"
     return None
 
 
