@@ -24,9 +24,14 @@ CSV_FIELDS = [
 ]
 
 
-def write_all(out: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+def write_results_json(out: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    """results.json: the run's config and every level's summary (what the console reads)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"config": config, "runs": runs}, indent=2, default=_json_default))
+
+
+def write_all(out: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    write_results_json(out, config, runs)
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
