@@ -12,7 +12,13 @@ from bench_fixtures import write_run
 
 from tripod.bench.metrics import RequestResult, cost_per_million, relative_noise, summarize
 from tripod.console.bench_runs import bench_index, read_run
-from tripod.console.history import DEFAULT_NOISE, NOISE_FLOOR, Z, build_history, noise_from_percentiles
+from tripod.console.history import (
+    DEFAULT_NOISE,
+    NOISE_FLOOR,
+    Z,
+    build_history,
+    noise_from_percentiles,
+)
 from tripod.console.models import HistorySeries
 
 
