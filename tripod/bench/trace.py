@@ -69,7 +69,8 @@ def _why(e: ValidationError) -> str:
     parts = []
     for err in e.errors():
         where = ".".join(str(x) for x in err["loc"])
-        parts.append(f"{where}: {err['msg']}" if where else err["msg"])
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)
     return "; ".join(parts)
 
 
