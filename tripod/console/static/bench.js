@@ -56,6 +56,10 @@ export class BenchView {
     const runs = this.index.runs.filter((r) => this.selected.has(r.id));
     box.innerHTML = runs.map((r) => `<figure><figcaption>${esc(r.started_text)} · ${esc(r.id)}</figcaption>` +
       `<canvas data-run="${esc(r.id)}"></canvas></figure>`).join("");
+    // One scale for all of them, so side by side means comparable.
+    const levels = runs.flatMap((r) => r.levels);
+    const xMax = Math.max(0, ...levels.map((l) => l.interactivity ?? 0));
+    const yMax = Math.max(0, ...levels.map((l) => l.output_throughput_per_machine));
     runs.forEach((r) => {
       const byTarget = new Map();
       for (const l of r.levels) {
@@ -69,7 +73,7 @@ export class BenchView {
             tag: l.concurrency !== null ? `C=${l.concurrency}` : l.request_rate !== null ? `${l.request_rate}/s` : l.mode })),
       }));
       drawXY(box.querySelector(`canvas[data-run="${CSS.escape(r.id)}"]`), {
-        curves, xLabel: "tok/s per user", yLabel: `output tok/s per machine${r.machines > 1 ? ` (${r.machines} machines)` : ""}`,
+        curves, xMax, yMax, xLabel: "tok/s per user", yLabel: `output tok/s per machine${r.machines > 1 ? ` (${r.machines} machines)` : ""}`,
       });
     });
   }

@@ -110,11 +110,15 @@ export class TimeChart {
       ctx.stroke();
     });
     ctx.setLineDash([]);
-    legend(ctx, this.series.map((s, i) => ({ label: s.label, color: s.color || PALETTE[i % PALETTE.length] })), box.x, 8);
+    const shown = this.series.map((s, i) => ({ label: s.label, color: s.color || PALETTE[i % PALETTE.length],
+      has: visible.some((p) => p[s.key] !== null && p[s.key] !== undefined) }));
+    legend(ctx, shown.some((s) => s.has) ? shown.filter((s) => s.has) : shown, box.x, 8);
     const d = this.canvas.dataset;
     d.points = String(count);
     d.last = last === null ? "" : String(last);
-    d.max = String(Math.max(0, ...visible.map((p) => (p[this.series[0].key] ?? 0) * this.scale)));
+    const firsts = visible.map((p) => p[this.series[0].key]).filter((v) => v !== null && v !== undefined);
+    d.max = firsts.length ? String(Math.max(...firsts) * this.scale) : "";
+    d.min = firsts.length ? String(Math.min(...firsts) * this.scale) : "";
     return count;
   }
 }
@@ -138,15 +142,16 @@ export function markEvents(canvas, events, now, span) {
 }
 
 // An x/y chart: curves [{label, color, points: [{x, y, tag, flag}]}]; xTicks: optional
-// [{x, label}] for a categorical x axis (dates). Flagged points are drawn as red rings.
-export function drawXY(canvas, { curves, xLabel, yLabel, xTicks = null, fmt = fmtNum }) {
+// [{x, label}] for a categorical x axis (dates); xMax/yMax: share axes between charts. Flagged
+// points are drawn as red rings.
+export function drawXY(canvas, { curves, xLabel, yLabel, xTicks = null, fmt = fmtNum, xMax = null, yMax = null }) {
   const { ctx, w, h } = setup(canvas);
   const box = { x: 48, y: 20, w: w - 60, h: h - 54 };
   const all = curves.flatMap((c) => c.points).filter((p) => Number.isFinite(p.x) && Number.isFinite(p.y));
   const xs = all.map((p) => p.x);
   const xmin = xTicks ? Math.min(...xs) - 0.5 : 0;
-  const xmax = xTicks ? Math.max(...xs) + 0.5 : niceMax(Math.max(1e-9, ...xs));
-  const ymax = niceMax(Math.max(1e-9, ...all.map((p) => p.y)));
+  const xmax = xTicks ? Math.max(...xs) + 0.5 : niceMax(Math.max(1e-9, xMax ?? 0, ...xs));
+  const ymax = niceMax(Math.max(1e-9, yMax ?? 0, ...all.map((p) => p.y)));
   yAxis(ctx, box, ymax, fmt);
   const X = (x) => box.x + ((x - xmin) / (xmax - xmin || 1)) * box.w;
   const Y = (y) => box.y + box.h - (y / ymax) * box.h;
