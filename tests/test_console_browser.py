@@ -4,7 +4,7 @@ answer and a schema-valid JSON answer), a live chart under load, the benchmark h
 slower run flagged, and the fleet view showing a replica go down when it is killed.
 
 The browser is Debian's ``chromium`` driven by Playwright for Python (never a downloaded browser
-build); ``make install`` installs it when it can. Without it these tests skip and say why. Each
+build); ``make test`` installs it when it can (``make browser``). Without it these tests skip and say why. Each
 view's screenshot is saved under ``$TRIPOD_ARTIFACTS`` (default ``test-artifacts/``).
 """
 
@@ -41,8 +41,8 @@ def chromium_or_skip() -> str:
         pytest.skip("Playwright for Python is not installed (it is in the 'test' extra: pip install -e '.[test]')")
     path = os.environ.get("TRIPOD_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if not path:
-        pytest.skip("no chromium on this machine: `make install` installs Debian's with apt-get when it can "
-                    "(root + apt); or set TRIPOD_CHROMIUM to a Chromium binary")
+        pytest.skip("no chromium on this machine: `make test` installs Debian's with apt-get when it can "
+                    "(root + apt-get; `make browser`); or set TRIPOD_CHROMIUM to a Chromium binary")
     return path
 
 
@@ -69,14 +69,19 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, bench_dir: Path) -> Iterator
 
 
 @pytest.fixture(scope="module")
-def page(fleet: TripodProcess) -> Iterator[Any]:
-    """One browser tab on the fleet's console, logged in with the API key through the page's prompt."""
-    path = chromium_or_skip()
+def chromium() -> str:
+    return chromium_or_skip()
+
+
+@pytest.fixture(scope="module")
+def page(chromium: str, fleet: TripodProcess) -> Iterator[Any]:
+    """One browser tab on the fleet's console, logged in with the API key through the page's prompt.
+    (``chromium`` first: without a browser the tests skip before a fleet is started for them.)"""
     from playwright.sync_api import expect, sync_playwright
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=path, headless=True)
+        browser = pw.chromium.launch(executable_path=chromium, headless=True)
         tab = browser.new_page(viewport={"width": 1400, "height": 900})
         errors: list[str] = []
         tab.on("pageerror", lambda e: errors.append(str(e)))
