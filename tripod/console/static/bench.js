@@ -95,7 +95,7 @@ export class BenchView {
       for (const p of series.points) {
         if (p.slower) {
           lines.push(`<li class="flag" data-run="${esc(p.run)}">${esc(p.run)} is ${pctChange(p.change)} in output tok/s vs ` +
-            `${esc(p.previous)} at ${esc(series.label)} (beyond the noise: ±${(100 * p.threshold).toFixed(1)}%)</li>`);
+            `${esc(p.previous)} at ${esc(series.label)} (the noise of both allows −${(100 * p.threshold).toFixed(1)}%)</li>`);
         }
         if (p.ttft_worse) {
           lines.push(`<li class="flag ttft" data-run="${esc(p.run)}">${esc(p.run)}: TTFT p50 ${pctChange(p.ttft_change)} vs ` +
