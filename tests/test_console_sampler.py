@@ -4,6 +4,8 @@ its JSON API (auth, bad input), on fake sources: no server, no model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Literal
 
 import pytest
@@ -167,3 +169,33 @@ def test_the_api_answers_bad_input_with_4xx() -> None:
         assert info["kind"] == "fleet" and info["auth"] is False and info["bench_dir"] is None
         fleet = c.get("/ui/api/fleet").json()
         assert [n["name"] for n in fleet["nodes"]] == ["replica-0", "replica-1"]
+
+
+def test_tripod_route_mounts_the_console_behind_its_key(tmp_path: object) -> None:
+    """``tripod route --api-key K --bench-dir D``: the router (which leaves the API's auth to its
+    replicas) guards the console's JSON itself; a replica that does not answer is listed as starting."""
+    from tripod.config import RouterConfig
+    from tripod.router.app import build_router_app
+    from tripod.router.router import Router
+
+    router = Router(RouterConfig(api_key="k", bench_dir=str(tmp_path), health_interval=0.2))
+    router.add_replica("replica-0", "http://127.0.0.1:9")  # nothing listens there
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: object) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    with TestClient(build_router_app(router, lifespan)) as c:
+        assert c.get("/ui").status_code == 200
+        assert c.get("/ui/api/fleet").status_code == 401
+        f = c.get("/ui/api/fleet", headers={"Authorization": "Bearer k"}).json()
+        assert f["kind"] == "fleet" and f["autoscaler"] is None
+        assert [(n["name"], n["state"], n["circuit"]) for n in f["nodes"]] == [("replica-0", "starting", "open")]
+        b = c.get("/ui/api/bench", headers={"Authorization": "Bearer k"}).json()
+        assert b["dir"] == str(tmp_path) and b["runs"] == [] and "no tripod bench results" in b["message"]
+        s = c.get("/ui/api/series", headers={"x-api-key": "k"}).json()
+        assert s["interval_s"] == 1.0 and all(p["nodes_up"] == 0 for p in s["points"])

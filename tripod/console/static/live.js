@@ -65,7 +65,8 @@ export class FleetView {
     const rows = f.nodes.map((n) => {
       const cached = n.cached_share !== null ? pct(n.cached_share)
         : n.estimated_cached_share !== null ? `~${pct(n.estimated_cached_share)} (est.)` : "–";
-      const state = n.state === "down" && n.restart_in_s !== null ? `down (restart in ${n.restart_in_s.toFixed(0)} s)` : n.state;
+      const state = n.state !== "down" || n.restart_in_s === null ? n.state
+        : n.restart_in_s < 0.5 ? "down (relaunching)" : `down (restart in ${n.restart_in_s.toFixed(0)} s)`;
       return `<tr data-node="${esc(n.name)}" data-state="${esc(n.state)}">
         <td>${esc(n.name)}</td><td><span class="badge ${esc(n.state)}">${esc(state)}</span></td>
         <td>${n.circuit ? `<span class="badge ${n.circuit}">${n.circuit}</span>` : "–"}</td>
