@@ -87,10 +87,10 @@ def read_run(path: Path, root: Path) -> BenchRun:
         raise NotARun(f"not JSON: {e}") from None
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         raise NotARun("no 'runs' list: not written by tripod bench")
-    config = data.get("config") if isinstance(data.get("config"), dict) else {}
+    config: dict[str, Any] = data["config"] if isinstance(data.get("config"), dict) else {}
     if "compare" in config:
         raise NotARun("a 'tripod bench compare' overlay, not a run")
-    options = config.get("options") if isinstance(config.get("options"), dict) else {}
+    options: dict[str, Any] = config["options"] if isinstance(config.get("options"), dict) else {}
     dataset = options.get("dataset") if isinstance(options.get("dataset"), str) else None
     if dataset == "trace" and isinstance(options.get("trace"), str):
         dataset = f"trace:{Path(options['trace']).name}"

@@ -135,13 +135,13 @@ def delta(before: Reading | None, after: Reading) -> Delta:
     d = Delta()
     if before is None:
         return d
-    reset = any(getattr(after, n) < getattr(before, n) for n in _CUMULATIVE) or any(
-        after.ttft_buckets.get(le, 0.0) < n for le, n in before.ttft_buckets.items())
-    for n in _CUMULATIVE:
-        a = getattr(after, n)
-        setattr(d, n, a if reset else a - getattr(before, n))
-    for le, n in after.ttft_buckets.items():
-        d.ttft_buckets[le] = n if reset else n - before.ttft_buckets.get(le, 0.0)
+    reset = any(getattr(after, name) < getattr(before, name) for name in _CUMULATIVE) or any(
+        after.ttft_buckets.get(le, 0.0) < count for le, count in before.ttft_buckets.items())
+    for name in _CUMULATIVE:
+        a = getattr(after, name)
+        setattr(d, name, a if reset else a - getattr(before, name))
+    for le, count in after.ttft_buckets.items():
+        d.ttft_buckets[le] = count if reset else count - before.ttft_buckets.get(le, 0.0)
     return d
 
 

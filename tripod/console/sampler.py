@@ -147,7 +147,7 @@ class Sampler:
 
     def _note_states(self, fleet: FleetView) -> None:
         now = self.wall()
-        seen = {}
+        seen: dict[str, str] = {}
         for n in fleet.nodes:
             seen[n.name] = n.state
             old = self._states.get(n.name)
