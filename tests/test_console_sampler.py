@@ -199,3 +199,61 @@ def test_tripod_route_mounts_the_console_behind_its_key(tmp_path: object) -> Non
         assert b["dir"] == str(tmp_path) and b["runs"] == [] and "no tripod bench results" in b["message"]
         s = c.get("/ui/api/series", headers={"x-api-key": "k"}).json()
         assert s["interval_s"] == 1.0 and all(p["nodes_up"] == 0 for p in s["points"])
+
+
+class _Proc:
+    def __init__(self, index: int) -> None:
+        self.name, self.url, self.pid = f"replica-{index}", f"http://127.0.0.1:{9000 + index}", 100 + index
+        self.code: int | None = None
+
+    def exit_code(self) -> int | None:
+        return self.code
+
+    def terminate(self) -> None:
+        self.code = 0
+
+    def kill(self) -> None:
+        self.code = -9
+
+    def wait(self, timeout: float) -> int | None:
+        return self.code
+
+
+class _Launcher:
+    blocking = False
+
+    def __init__(self) -> None:
+        self.procs: list[_Proc] = []
+
+    def launch(self, index: int) -> _Proc:
+        self.procs.append(_Proc(index))
+        return self.procs[-1]
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_fleet_view_shows_the_autoscaler_scale_events_and_down_slots() -> None:
+    from tripod.config import FleetConfig, RouterConfig
+    from tripod.router.console_source import RouterConsoleSource
+    from tripod.router.router import Router
+    from tripod.router.supervisor import Supervisor
+
+    async def go() -> tuple[FleetView, FleetView]:
+        router = Router(RouterConfig())
+        launcher = _Launcher()
+        sup = Supervisor(router, launcher, FleetConfig(min_replicas=1, max_replicas=3, target_inflight=4))
+        source = RouterConsoleSource(router, sup)
+        await sup.scale_to(2)
+        up = await source.fleet()
+        launcher.procs[1].code = 1  # replica-1 crashes
+        await sup.check()
+        return up, await source.fleet()
+
+    up, after = asyncio.run(go())
+    assert [(n.name, n.state, n.pid) for n in up.nodes] == [("replica-0", "starting", 100), ("replica-1", "starting", 101)]
+    assert up.autoscaler is not None and (up.autoscaler.min_replicas, up.autoscaler.max_replicas) == (1, 3)
+    assert up.autoscaler.active == 2 and up.autoscaler.target_inflight == 4
+    assert [e.text for e in up.events] == ["scale 0 → 2 replicas"] and up.events[0].t > 1e9  # a wall time
+    down = next(n for n in after.nodes if n.name == "replica-1")
+    assert down.state == "down" and down.restarts == 1 and down.restart_in_s is not None and 0 < down.restart_in_s <= 1.0
