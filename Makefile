@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tripod-installed
 
-.PHONY: install serve test test-all lint bench clean
+.PHONY: install browser serve test test-all lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,21 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+# The console's browser tests (tests/test_console_browser.py) drive the system's chromium through
+# Playwright, never a downloaded browser build. Installed here with apt-get when it is missing and
+# that is possible (root and apt-get: Debian's package); otherwise this says why and goes on, and
+# those tests skip, saying the same. Only `make test` asks for it: `make serve` needs no browser.
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+		:; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium with apt-get (for the console's browser tests)"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+			|| echo "apt-get could not install chromium: the console's browser tests will skip"; \
+	else \
+		echo "chromium is missing and cannot be installed here (that needs root and apt-get): the console's browser tests will skip"; \
+	fi
+
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
@@ -41,11 +56,11 @@ serve: install
 	$(BIN)/tripod serve --host $(HOST) --port $(PORT)
 
 # TRIPOD_SLOW=1 make test: the long tests too (as test-all).
-test: install
+test: install browser
 	$(BIN)/python -m pytest -q $(if $(TRIPOD_SLOW),-m "slow or not slow",)
 
 # The long tests too (CI runs these when TRIPOD_SLOW=1).
-test-all: install
+test-all: install browser
 	$(BIN)/python -m pytest -q -m "slow or not slow"
 
 lint: install

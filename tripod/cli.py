@@ -127,6 +127,13 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     _router_args(p, "--router-policy")
 
 
+def _console_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("console (GET /ui: live view, playground, benchmark history)")
+    g.add_argument("--bench-dir", default=None, metavar="DIR",
+                   help="where tripod bench wrote its runs (a --out folder, or a folder of them): the "
+                        "console's Benchmarks view and history")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tripod", description="tripod: mission-critical LLM inference")
     parser.add_argument("--log-level", default=os.environ.get("TRIPOD_LOG_LEVEL", "INFO"))
@@ -146,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(srv)
     _server_args(srv)
     _fleet_args(srv)
+    _console_args(srv)
 
     rte = sub.add_parser("route", help="route the OpenAI API over running servers (--replica URL ...)")
     rte.add_argument("--replica", action="append", default=[], metavar="URL", help="a server; repeat for each")
@@ -153,7 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     rte.add_argument("--port", type=int, default=8000)
     rte.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     rte.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
+    rte.add_argument("--api-key", default=os.environ.get("TRIPOD_API_KEY"),
+                     help="require this key on the console's JSON API (/ui/api/*); the replicas check "
+                          "their own on the API (default: $TRIPOD_API_KEY)")
     _router_args(rte, "--policy")
+    _console_args(rte)
 
     chat = sub.add_parser("chat", help="chat in the terminal, with a server (--url) or an in-process engine")
     chat.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (default: in-process)")
@@ -402,6 +414,7 @@ def _router_config(args: argparse.Namespace) -> Any:
         host=args.host, port=args.port, policy=args.router_policy, load_weight=args.load_weight,
         balance_abs=args.balance_abs, balance_rel=args.balance_rel, max_retries=args.max_retries,
         max_pending=args.max_pending, queue_timeout=args.queue_timeout, health_interval=args.health_interval,
+        api_key=args.api_key or None, bench_dir=args.bench_dir,
     )
 
 
@@ -472,6 +485,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key or None,
         served_model_name=args.served_model_name, max_waiting=args.max_waiting,
         overload_status=args.overload_status, drain_timeout=args.drain_timeout, max_n=args.max_n,
+        bench_dir=args.bench_dir,
     )
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     return serve(_engine_config(args), cfg, level)

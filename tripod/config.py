@@ -180,6 +180,7 @@ class ServerConfig:
     engine_start_timeout: float = 600.0
     # After the engine dies: seconds to keep answering 503 (so health checkers see it) before exit.
     dead_grace: float = 2.0
+    bench_dir: str | None = None  # the console's benchmark history: where tripod bench wrote its runs
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -230,6 +231,10 @@ class RouterConfig:
     request_timeout: float = 600.0  # longest silence from a replica during one request
     retry_after: int = 1
     max_body_bytes: int = 4 * 2**20
+    # The console (/ui): its JSON API needs this key when set (the replicas check their own on the
+    # API); and where tripod bench wrote its runs, for the benchmark history.
+    api_key: str | None = None
+    bench_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:

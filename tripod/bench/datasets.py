@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DATASETS = ("random", "shared-prefix", "agentic", "structured", "copy")
+TRACE = "trace"  # a recorded file replayed as recorded (bench/trace.py), not generated here
 
 _WORDS = (
     "time river stone light cloud garden window market letter engine signal harbor forest lantern "
@@ -28,10 +29,11 @@ _WORDS = (
 class BenchRequest:
     max_tokens: int
     prompt: str | None = None  # /v1/completions
-    messages: list[dict[str, str]] | None = None  # /v1/chat/completions
+    messages: list[dict[str, Any]] | None = None  # /v1/chat/completions
     session: str | None = None
     turn: int = 0
     think_time: float = 0.0  # seconds to wait before sending (agentic turns)
+    offset: float | None = None  # trace replay: when to send, seconds after the replay's start
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. response_format
 
 

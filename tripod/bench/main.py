@@ -3,6 +3,8 @@
     tripod bench --base-url http://127.0.0.1:8000 --concurrency 1,2,4,8 --out bench-out
     tripod bench --launch --base-url http://127.0.0.1:8080,label=llama.cpp --dataset shared-prefix
     tripod bench --base-url URL --request-rate 4 --burstiness 0.5 --num-prompts 200
+    tripod bench --base-url URL --dataset trace --trace session.jsonl    # replay a recording
+    tripod bench --base-url URL --cost-per-hour 3.2 --machines 2         # + $ per million output tokens
     tripod bench compare DIR1 DIR2 --out compare-out
 """
 
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tripod.bench.client import Target
-from tripod.bench.datasets import DATASETS, make_requests
+from tripod.bench.datasets import DATASETS, TRACE, make_requests
 from tripod.bench.metrics import RequestResult, summarize
 from tripod.bench.report import write_all
 
@@ -47,7 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch", action="store_true", help="also start tripod serve for the run (label 'tripod')")
     p.add_argument("--launch-args", default="", help="extra arguments for the launched tripod serve")
     p.add_argument("--api-key", default=os.environ.get("TRIPOD_API_KEY"))
-    p.add_argument("--dataset", default="random", choices=DATASETS)
+    p.add_argument("--dataset", default="random", choices=[*DATASETS, TRACE],
+                   help="generated traffic, or 'trace': replay --trace FILE as recorded")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="--dataset trace: a JSONL file of recorded requests (per line: offset s, messages or "
+                        "prompt, output_tokens, optional session; see tripod/bench/trace.py), each sent at its "
+                        "offset with max_tokens = its recorded output length (no warm-up)")
     p.add_argument("--isl", type=int, default=256, help="input length in tokens (random/structured; at most, for copy; suffix for shared-prefix)")
     p.add_argument("--osl", type=int, default=128, help="output length in tokens (copy: at most; the model stops by itself)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [x(1-r), x(1+r)]")
@@ -66,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds at most per request")
     p.add_argument("--slo", default=None, help="goodput SLOs, e.g. ttft=2000,tpot=100 (milliseconds)")
     p.add_argument("--machines", type=int, default=1, help="divide throughput by this for the per-machine axis")
+    p.add_argument("--cost-per-hour", type=float, default=None, metavar="USD",
+                   help="price of one machine per hour: reports cost per million output tokens "
+                        "(x --machines machines)")
     p.add_argument("--tokenizer", default=None, help="model whose tokenizer sets lengths (default: the embedded model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-out", help="output folder")
@@ -113,12 +123,27 @@ def run(args: argparse.Namespace) -> int:
     if not targets and not args.launch:
         raise ValueError("give at least one --base-url, or --launch")
     slo_ttft, slo_tpot = parse_slo(args.slo)
-    levels = [int(x) for x in args.concurrency.split(",") if x.strip()] if args.request_rate is None else []
-    if args.request_rate is None and (not levels or min(levels) < 1):
-        raise ValueError("--concurrency needs positive integers, e.g. 1,2,4,8")
-    from tripod.loader import load_tokenizer
+    if args.cost_per_hour is not None and not args.cost_per_hour > 0:
+        raise ValueError(f"--cost-per-hour must be a price > 0 in USD (got {args.cost_per_hour})")
+    if args.machines < 1:
+        raise ValueError(f"--machines must be >= 1 (got {args.machines})")
+    trace = None
+    if args.dataset == TRACE:
+        if not args.trace:
+            raise ValueError("--dataset trace replays a recording: give it with --trace FILE")
+        from tripod.bench.trace import load_trace
 
-    tok = load_tokenizer(args.tokenizer).tokenizer
+        trace = load_trace(args.trace)
+    elif args.trace:
+        raise ValueError("--trace FILE is replayed with --dataset trace")
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()] if args.request_rate is None else []
+    if trace is None and args.request_rate is None and (not levels or min(levels) < 1):
+        raise ValueError("--concurrency needs positive integers, e.g. 1,2,4,8")
+    tok = None
+    if trace is None:
+        from tripod.loader import load_tokenizer
+
+        tok = load_tokenizer(args.tokenizer).tokenizer
     launched = None
     if args.launch:
         launched, url = _launch(args.launch_args)
@@ -129,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
             {"base_url": t.base_url, "label": t.label, "model": t.model} for t in targets],
         "model": args.tokenizer or "embedded SmolLM2-135M-Instruct", "machine": _machine(),
         "options": {k: v for k, v in vars(args).items() if k not in ("api_key", "func")},
-        "machines": args.machines, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machines": args.machines, "cost_per_hour": args.cost_per_hour, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     runs: list[dict[str, Any]] = []
     interrupted = False
@@ -145,17 +170,24 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         for target in targets:
-            plan: list[tuple[int | None, float | None]] = [(c, None) for c in levels] or [(None, args.request_rate)]
+            plan: list[tuple[int | None, float | None]] = (
+                [(None, None)] if trace is not None else [(c, None) for c in levels] or [(None, args.request_rate)])
             for conc, rate in plan:
-                count = conc * args.prompts_per_concurrency if conc else args.num_prompts
-                reqs = make_requests(args.dataset, count + args.warmup, tok, isl=args.isl, osl=args.osl,
-                                     range_ratio=args.range_ratio, seed=args.seed + (conc or 0), prefix_len=args.prefix_len,
-                                     num_groups=args.num_groups, turns=args.turns, think_time=args.think_time)
-                warm, measured = reqs[: args.warmup], reqs[args.warmup :]
-                level, interrupted, spec_decode = _measure(args, target, warm, measured, conc, rate)
+                if trace is not None:  # the recording is the workload, cold start included: no warm-up
+                    warm, measured = [], trace
+                else:
+                    count = conc * args.prompts_per_concurrency if conc else args.num_prompts
+                    reqs = make_requests(args.dataset, count + args.warmup, tok, isl=args.isl, osl=args.osl,
+                                         range_ratio=args.range_ratio, seed=args.seed + (conc or 0),
+                                         prefix_len=args.prefix_len, num_groups=args.num_groups, turns=args.turns,
+                                         think_time=args.think_time)
+                    warm, measured = reqs[: args.warmup], reqs[args.warmup :]
+                level, interrupted, spec_decode = _measure(args, target, warm, measured, conc, rate,
+                                                           replay=trace is not None)
                 summary = summarize(level.results, level.duration, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
-                                    machines=args.machines)
-                runs.append({"target": target.label, "mode": "closed" if conc else "open", "dataset": args.dataset,
+                                    machines=args.machines, cost_per_hour=args.cost_per_hour)
+                mode = "trace" if trace is not None else "closed" if conc else "open"
+                runs.append({"target": target.label, "mode": mode, "dataset": args.dataset,
                              "concurrency": conc, "request_rate": rate, **summary})
                 if spec_decode is not None:  # only servers that count speculative decoding
                     runs[-1]["spec_decode"] = spec_decode
@@ -181,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace, target: Target, warm: list[Any], measured: list[Any], conc: int | None,
-             rate: float | None) -> tuple[Any, bool, dict[str, Any] | None]:
+             rate: float | None, replay: bool = False) -> tuple[Any, bool, dict[str, Any] | None]:
     """Run one level: (its results, whether it was interrupted, its speculative-decoding counts
     from the target's /metrics or None)."""
     import httpx
@@ -189,7 +221,7 @@ def _measure(args: argparse.Namespace, target: Target, warm: list[Any], measured
 
     from tripod.bench import runner, spec
 
-    what = f"{target.label} C={conc}" if conc else f"{target.label} rate={rate}/s"
+    what = f"{target.label} {_load({'concurrency': conc, 'request_rate': rate, 'mode': 'trace' if replay else ''})}"
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[status]}"), transient=False, disable=not sys.stderr.isatty()) as prog:
         task = prog.add_task(what, total=len(measured), status="")
@@ -209,7 +241,10 @@ def _measure(args: argparse.Namespace, target: Target, warm: list[Any], measured
                     return runner.Level([], 0.0, interrupted=True)
             async with httpx.AsyncClient() as http:
                 before = await spec.scrape(http, target)
-            if conc:
+            if replay:
+                level = await runner.trace_replay(target, measured, max_duration=args.max_duration,
+                                                  timeout=args.timeout, on_done=done)
+            elif conc:
                 level = await runner.closed_loop(target, measured, conc, max_duration=args.max_duration,
                                                  timeout=args.timeout, on_done=done)
             else:
@@ -237,9 +272,20 @@ def _measure(args: argparse.Namespace, target: Target, warm: list[Any], measured
             main.close()
 
 
+def _load(r: dict[str, Any]) -> str:
+    if r.get("mode") == "trace":
+        return "trace"
+    return f"C={r['concurrency']}" if r.get("concurrency") else f"rate={r.get('request_rate')}"
+
+
+def _cost_text(r: dict[str, Any]) -> str:
+    c = r.get("cost_per_million_output_tokens")
+    return "" if c is None else f", ${c:.3g} per M output tokens"
+
+
 def _print_row(r: dict[str, Any]) -> None:
-    print(f"{r['target']} {'C=' + str(r['concurrency']) if r['concurrency'] else 'rate=' + str(r['request_rate'])}: "
-          f"{r['completed']} ok, {r['failed']} failed, {r['output_throughput']:.1f} out tok/s, "
+    print(f"{r['target']} {_load(r)}: "
+          f"{r['completed']} ok, {r['failed']} failed, {r['output_throughput']:.1f} out tok/s{_cost_text(r)}, "
           f"TTFT p50 {r['ttft_ms']['p50']:.0f} ms, TPOT p50 {r['tpot_ms']['p50']:.1f} ms{_spec_text(r)}",
           file=sys.stderr)
 
@@ -256,17 +302,18 @@ def _print_table(runs: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     t = Table(title="tripod bench")
-    for c in ("target", "load", "ok/failed", "out tok/s", "tok/s/user", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-              "goodput req/s", "cached"):
+    cost_col = any(r.get("cost_per_million_output_tokens") is not None for r in runs)
+    for c in ("target", "load", "ok/failed", "out tok/s", *(["$/M out tok"] if cost_col else []), "tok/s/user",
+              "TTFT p50/p99 ms", "TPOT p50/p99 ms", "goodput req/s", "cached"):
         t.add_column(c)
     spec_cols = any((r.get("spec_decode") or {}).get("draft_tokens") for r in runs)
     if spec_cols:
         t.add_column("spec accept")
         t.add_column("mean acc. len")
     for r in runs:
-        load = f"C={r['concurrency']}" if r["concurrency"] else f"{r['request_rate']}/s"
-        cells = [r["target"], load, f"{r['completed']}/{r['failed']}", f"{r['output_throughput']:.1f}",
-                 f"{r['interactivity']:.1f}", f"{r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f}",
+        cost = r.get("cost_per_million_output_tokens")
+        cells = [r["target"], _load(r), f"{r['completed']}/{r['failed']}", f"{r['output_throughput']:.1f}",
+                 *([f"{cost:.3g}" if cost is not None else "-"] if cost_col else []), f"{r['interactivity']:.1f}", f"{r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f}",
                  f"{r['tpot_ms']['p50']:.1f} / {r['tpot_ms']['p99']:.1f}", f"{r['goodput']:.2f}",
                  f"{100 * r['cached_token_share']:.0f}%"]
         if spec_cols:

@@ -13,6 +13,11 @@ Per run (``duration`` = first request sent → last request finished, warm-up ex
 - goodput = completed requests meeting every SLO (TTFT ≤ ttft, TPOT ≤ tpot) / duration
 - cached token share = Σ cached prompt tokens / Σ prompt tokens  (from usage)
 - per session (agentic): E2E summed over its turns / output tokens of its turns; p90 over sessions
+- cost per million output tokens = cost per machine-hour × machines / (output tok/s × 3600) × 10⁶
+  (with ``--cost-per-hour``)
+- noise (the level's own spread, for comparing runs): relative standard error of the mean,
+  sd / mean / √n, of the per-request decode rates ((output tokens − 1) / (E2E − TTFT)) and of
+  the per-request TTFTs
 Distributions are summarized as mean and p50/p90/p95/p99 (linear interpolation between ranks).
 """
 
@@ -71,6 +76,27 @@ def summary_ms(values_s: list[float]) -> dict[str, float]:
     return out
 
 
+def relative_noise(values: list[float]) -> float | None:
+    """sd / mean / √n: the relative standard error of the mean of ``values`` (None below 2 values
+    or for a mean ≤ 0)."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean = sum(values) / n
+    if mean <= 0:
+        return None
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return sd / mean / math.sqrt(n)
+
+
+def cost_per_million(cost_per_hour: float | None, machines: int, output_throughput: float) -> float | None:
+    """USD per million output tokens at ``output_throughput`` tok/s on ``machines`` machines that cost
+    ``cost_per_hour`` each; None without a price or without output."""
+    if cost_per_hour is None or output_throughput <= 0:
+        return None
+    return cost_per_hour * max(machines, 1) / (output_throughput * 3600.0) * 1e6
+
+
 def summarize(
     results: list[RequestResult],
     duration: float,
@@ -78,6 +104,7 @@ def summarize(
     slo_ttft: float | None = None,
     slo_tpot: float | None = None,
     machines: int = 1,
+    cost_per_hour: float | None = None,
 ) -> dict[str, Any]:
     """The run's metrics (see the module docstring for every formula)."""
     ok = [r for r in results if r.ok]
@@ -122,4 +149,12 @@ def summarize(
         "goodput": sum(1 for r in ok if meets(r)) / dur,
         "cached_token_share": sum(r.cached_tokens for r in ok) / in_tokens if in_tokens else 0.0,
         "session_p90_ms_per_token": percentile([v * 1000 for v in per_session], 90) if per_session else None,
+        "cost_per_million_output_tokens": cost_per_million(cost_per_hour, machines, out_tokens / dur),
+        "noise": {
+            "output_throughput": relative_noise(
+                [(r.output_tokens - 1) / (r.e2e - r.ttft) for r in ok
+                 if r.output_tokens >= 2 and r.e2e is not None and r.ttft is not None and r.e2e > r.ttft]),
+            "ttft": relative_noise([r.ttft for r in ok if r.ttft is not None]),
+            "n": len(ok),
+        },
     }

@@ -14,16 +14,24 @@ SPEC_KEYS = ("drafts", "draft_tokens", "accepted_tokens", "acceptance_rate", "me
 CSV_FIELDS = [
     "target", "mode", "dataset", "concurrency", "request_rate", "completed", "failed", "duration_s",
     "input_tokens", "output_tokens", "request_throughput", "input_throughput", "output_throughput",
-    "output_throughput_per_machine", "total_throughput", "interactivity", "goodput", "cached_token_share",
+    "output_throughput_per_machine", "total_throughput", "cost_per_million_output_tokens", "interactivity", "goodput",
+    "cached_token_share",
     *[f"{m}_{s}" for m in LATENCIES for s in ("mean", "p50", "p90", "p95", "p99")],
     # From the server's /metrics (bench/spec.py); empty for servers that do not count them.
     *[f"spec_{k}" for k in SPEC_KEYS],
+    # The level's own spread (relative standard errors; bench/metrics.py), for comparing runs.
+    "noise_output_throughput", "noise_ttft",
 ]
 
 
-def write_all(out: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+def write_results_json(out: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    """results.json: the run's config and every level's summary (what the console reads)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"config": config, "runs": runs}, indent=2, default=_json_default))
+
+
+def write_all(out: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    write_results_json(out, config, runs)
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
@@ -34,6 +42,8 @@ def write_all(out: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> 
                     row[f"{m}_{s}"] = v
             for k in SPEC_KEYS:
                 row[f"spec_{k}"] = (r.get("spec_decode") or {}).get(k)
+            for k in ("output_throughput", "ttft"):
+                row[f"noise_{k}"] = (r.get("noise") or {}).get(k)
             w.writerow(row)
     curves: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
@@ -93,7 +103,7 @@ def plot_latency(path: Path, curves: dict[str, list[dict[str, Any]]]) -> None:
     for ax, metric in zip(axes, ("ttft_ms", "tpot_ms"), strict=True):
         for label, runs in curves.items():
             runs = sorted(runs, key=lambda r: r.get("concurrency") or r.get("request_rate") or 0)
-            xs = [r.get("concurrency") or r.get("request_rate") or 0 for r in runs]
+            xs = [r.get("concurrency") or r.get("request_rate") or 1 for r in runs]  # a trace replay: one point
             for p, style in (("p50", "-"), ("p99", "--")):
                 ax.plot(xs, [(r.get(metric) or {}).get(p) for r in runs], style, marker=".", label=f"{label} {p}")
         ax.set_xlabel("concurrency (or request rate)")
@@ -107,8 +117,10 @@ def plot_latency(path: Path, curves: dict[str, list[dict[str, Any]]]) -> None:
 
 
 def write_html(path: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -> None:
-    cols = ["target", "concurrency", "request_rate", "completed", "failed", "output_throughput", "interactivity",
+    cols = ["target", "mode", "concurrency", "request_rate", "completed", "failed", "output_throughput", "interactivity",
             "goodput", "cached_token_share"]
+    if any(r.get("cost_per_million_output_tokens") is not None for r in runs):
+        cols.insert(cols.index("output_throughput") + 1, "cost_per_million_output_tokens")
     spec_cols = ["acceptance_rate", "mean_accepted_length"] if any(r.get("spec_decode") for r in runs) else []
     head = "".join(f"<th>{c}</th>" for c in [*cols, "TTFT p50/p99 ms", "TPOT p50/p99 ms", "E2E p50/p99 ms",
                                              *[f"spec {c}" for c in spec_cols]])
@@ -124,7 +136,8 @@ def write_html(path: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px}}</style>
 </head><body><h1>tripod bench</h1>
 <p>Formulas: TPOT = (E2E − TTFT)/(output tokens − 1); interactivity = 1/median TPOT; goodput = requests
-meeting the SLOs per second; throughput = tokens / run duration. Config: <code>{html.escape(json.dumps(config, default=str))}</code></p>
+meeting the SLOs per second; throughput = tokens / run duration; cost per million output tokens = cost per
+machine-hour × machines / (output tok/s × 3600) × 10⁶. Config: <code>{html.escape(json.dumps(config, default=str))}</code></p>
 <h2>Throughput vs interactivity</h2><img src="pareto.png" alt="pareto">
 <h2>Latency percentiles</h2><img src="latency.png" alt="latency">
 <h2>Runs</h2><table><tr>{head}</tr>{''.join(body)}</table>

@@ -26,6 +26,7 @@ class Level:
     results: list[RequestResult]
     duration: float
     interrupted: bool = False
+    started: float = 0.0  # perf_counter() when the level began (a trace's offsets count from here)
 
 
 def _units(requests: list[BenchRequest]) -> list[list[BenchRequest]]:
@@ -82,7 +83,7 @@ async def closed_loop(
             interrupted = True
             for t in tasks:
                 t.cancel()
-        return Level(results, time.perf_counter() - t0, interrupted)
+        return Level(results, time.perf_counter() - t0, interrupted, t0)
 
 
 async def open_loop(
@@ -138,4 +139,53 @@ async def open_loop(
             interrupted = True
             for t in tasks:
                 t.cancel()
-        return Level(results, time.perf_counter() - t0, interrupted)
+        return Level(results, time.perf_counter() - t0, interrupted, t0)
+
+
+async def trace_replay(
+    target: Target,
+    requests: list[BenchRequest],
+    *,
+    max_duration: float,
+    timeout: float,
+    on_done: Callable[[RequestResult], None] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> Level:
+    """Each request sent at its recorded ``offset`` after the replay's start, whatever is still in
+    flight (a recording's arrivals do not wait for the server; a later turn carries its recorded
+    history). ``duration`` runs from the first request sent to the last answer."""
+    order = sorted(requests, key=lambda r: r.offset or 0.0)
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as client:
+
+        async def one(req: BenchRequest) -> None:
+            res = await send(client, target, req, timeout)
+            results.append(res)
+            if on_done is not None:
+                on_done(res)
+
+        t0 = time.perf_counter()
+        deadline = t0 + max_duration
+        tasks: list[asyncio.Task[None]] = []
+        interrupted = False
+        try:
+            for req in order:
+                at = t0 + (req.offset or 0.0)
+                if at >= deadline:
+                    break
+                wait = at - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                tasks.append(asyncio.create_task(one(req)))
+            remaining = max(0.0, deadline - time.perf_counter())
+            _, pending = await asyncio.wait(tasks, timeout=remaining) if tasks else (set(), set())
+            for t in pending:
+                t.cancel()
+        except asyncio.CancelledError:
+            interrupted = True
+            for t in tasks:
+                t.cancel()
+        first = t0 + (order[0].offset or 0.0) if order else t0
+        return Level(results, max(0.0, time.perf_counter() - first), interrupted, t0)

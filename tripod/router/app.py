@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from starlette.applications import Starlette
@@ -22,8 +22,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tripod.console.app import Console
+from tripod.router.console_source import RouterConsoleSource
 from tripod.router.replica import Replica
 from tripod.router.router import Router, RouterError, is_anthropic
+
+if TYPE_CHECKING:
+    from tripod.router.supervisor import Supervisor
 
 log = logging.getLogger("tripod.router")
 
@@ -65,8 +70,13 @@ async def _disconnected(request: Request) -> None:
 
 
 def build_router_app(router: Router, lifespan: Any = None,
-                     fleet_info: Callable[[], dict[str, Any]] | None = None) -> Starlette:
+                     fleet_info: Callable[[], dict[str, Any]] | None = None,
+                     supervisor: Supervisor | None = None) -> Starlette:
+    """The router's app; ``supervisor`` (a fleet this process launched) adds the slots that are
+    down and the autoscaler to the console's fleet view."""
     metrics = router.metrics
+    console = Console(RouterConsoleSource(router, supervisor), api_key=router.config.api_key,
+                      bench_dir=router.config.bench_dir)
 
     def counted(route: str, fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
@@ -143,13 +153,14 @@ def build_router_app(router: Router, lifespan: Any = None,
         Route("/health", counted("/health", health), methods=["GET"]),
         Route("/metrics", metrics_page, methods=["GET"]),
         Route("/fleet", fleet, methods=["GET"]),
+        *console.routes(),  # /ui: the console (tripod.console)
     ]
 
     async def not_found(request: Request, e: Exception) -> Response:
         code = e.status_code if isinstance(e, HTTPException) else 500
-        msg = {404: "no such route; see /v1/models, /v1/chat/completions, /v1/completions, /v1/messages, /fleet",
+        msg = {404: "no such route; see /v1/models, /v1/chat/completions, /v1/completions, /v1/messages, /fleet, /ui",
                405: "this method is not allowed on this route"}.get(code, "internal error")
         return RouterError(code, msg, "not_found" if code == 404 else "bad_method").response(
             anthropic=is_anthropic(request.url.path))
 
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: not_found})
+    return Starlette(routes=routes, lifespan=console.wrap_lifespan(lifespan), exception_handlers={HTTPException: not_found})

@@ -110,6 +110,6 @@ def serve_fleet(config: RouterConfig, fleet: FleetConfig, serve_args: list[str],
             await supervisor.stop()
             await router.stop()
 
-    app = build_router_app(router, lifespan, fleet_info=supervisor.info)
+    app = build_router_app(router, lifespan, fleet_info=supervisor.info, supervisor=supervisor)
     started = _run(router, app, config, log_level, fleet.drain_timeout)
     return 2 if failed or not started else 0

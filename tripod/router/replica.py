@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from tripod.router.prefix_tree import PrefixTree
 
@@ -80,7 +80,7 @@ class Replica:
         replica reports beyond them (traffic from elsewhere), at the average request size."""
         return self.inflight_tokens + self.external * avg_request_tokens
 
-    def state(self) -> str:
+    def state(self) -> Literal["healthy", "starting", "unhealthy", "draining"]:
         if self.draining:
             return "draining"
         if self.breaker.closed:

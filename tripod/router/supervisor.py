@@ -182,7 +182,9 @@ class Supervisor:
     async def scale_to(self, n: int) -> None:
         n = max(self.config.min_replicas, min(self.config.max_replicas, n))
         active = self.active
-        self.scale_events.append({"at": round(self.clock(), 3), "from": len(active), "to": n})
+        # "at": this supervisor's clock; "wall": Unix time, for the console's timeline.
+        self.scale_events.append({"at": round(self.clock(), 3), "wall": round(time.time(), 3), "from": len(active),
+                                  "to": n})
         if n > len(active):
             log.info("scaling up: %d → %d replicas", len(active), n)
             await asyncio.gather(*(self._launch(self._new_slot()) for _ in range(n - len(active))))
@@ -217,6 +219,13 @@ class Supervisor:
         self.router.remove_replica(slot.name)
         self.slots.pop(slot.index, None)
         log.info("%s drained and stopped", slot.name)
+
+    def down(self) -> list[tuple[str, int, float | None]]:
+        """Slots with no process now (crashed, waiting to be relaunched, or launching): (name,
+        restarts, seconds until the relaunch or None)."""
+        now = self.clock()
+        return [(s.name, s.restarts, None if s.restart_at is None else max(0.0, s.restart_at - now))
+                for s in self.slots.values() if s.process is None and not s.stopping]
 
     def info(self) -> dict[str, Any]:
         cfg = self.config

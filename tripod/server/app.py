@@ -20,8 +20,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tripod.console.app import Console, is_open_path
 from tripod.server.admin_api import add_admin_routes
 from tripod.server.anthropic_api import add_anthropic_routes
+from tripod.server.console_source import ServerConsoleSource
 from tripod.server.openai_api import add_openai_routes
 from tripod.server.protocol import APIError
 from tripod.server.serving import ClientGone, ServerState, too_large
@@ -81,7 +83,9 @@ class GuardMiddleware:
 
         try:
             headers = dict(scope["headers"])
-            if self._key is not None and path not in _OPEN_PATHS:
+            # NOTE: the console's page shell (/ui, its scripts) holds no data: open, so a browser can
+            # load it and then send the key; its JSON API (/ui/api/*) is guarded like the API.
+            if self._key is not None and path not in _OPEN_PATHS and not is_open_path(path):
                 ok, given = self._authorized(headers)
                 if not ok:
                     why = "no API key was given" if not given else "the API key is not valid"
@@ -108,7 +112,9 @@ class GuardMiddleware:
 
 
 def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
-    app = FastAPI(title="tripod", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    console = Console(ServerConsoleSource(state), api_key=state.config.api_key, bench_dir=state.config.bench_dir)
+    app = FastAPI(title="tripod", lifespan=console.wrap_lifespan(lifespan), docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.tripod = state
     app.add_middleware(GuardMiddleware, state=state)
 
@@ -118,7 +124,7 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        msg = {404: "no such route; see /v1/models, /v1/chat/completions, /v1/completions, /v1/messages",
+        msg = {404: "no such route; see /v1/models, /v1/chat/completions, /v1/completions, /v1/messages, /ui",
                405: "this method is not allowed on this route"}.get(e.status_code, str(e.detail))
         return error_response(APIError(e.status_code, msg), request.url.path)
 
@@ -129,6 +135,7 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     add_admin_routes(app, state)
     add_openai_routes(app, state)
     add_anthropic_routes(app, state)
+    app.router.routes.extend(console.routes())  # /ui: the console (tripod.console)
     return app
 
 
