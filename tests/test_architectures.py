@@ -131,29 +131,61 @@ def test_mla_absorbed_equals_expanded(tiny: Any) -> None:
     torch.testing.assert_close(absorbed, expanded, rtol=1e-4, atol=1e-5)
 
 
-def test_fp8_block_checkpoint(tmp_path: Path, hf_tokenizer: Any) -> None:
-    """DeepSeek's block-wise FP8 folder loads (dequantized to the run dtype by default, said so)
-    and decodes the same greedy tokens as transformers holding the dequantized weights."""
+@pytest.fixture(scope="module")
+def fp8_v3(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> tuple[Path, HFReference]:
+    """DeepSeek-V3 saved as block-wise FP8 (16x16 blocks), and transformers holding the
+    dequantized weights (an unquantized copy, dequantized tile by tile in the test,
+    independently of tripod's loader)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    tmp = tmp_path_factory.mktemp("fp8")
     model = build_hf("deepseek-v3", seed=3)
-    folder, deq = save_fp8(model, tmp_path / "v3-fp8", hf_tokenizer, block=16)
-    # The reference: transformers on the dequantized tensors (an unquantized copy of the folder,
-    # dequantized tile by tile in the test, independently of tripod's loader).
-    plain = tmp_path / "v3-dequantized"
+    folder, deq = save_fp8(model, tmp / "v3-fp8", hf_tokenizer, block=16)
+    plain = tmp / "v3-dequantized"
     plain.mkdir()
     cfg = json.loads((folder / "config.json").read_text())
     del cfg["quantization_config"]
     (plain / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in deq.items()}, str(plain / "model.safetensors"), metadata={"format": "pt"})
-    ref_model = AutoModelForCausalLM.from_pretrained(str(plain), dtype=torch.float32).eval()
     assert any(t.dtype == torch.float8_e4m3fn for t in _tensors(folder).values()), "nothing was stored as FP8"
-    ref = HFReference(ref_model)
+    ref_model = AutoModelForCausalLM.from_pretrained(str(plain), dtype=torch.float32).eval()
+    return folder, HFReference(ref_model)
+
+
+def test_fp8_block_checkpoint(fp8_v3: tuple[Path, HFReference]) -> None:
+    """DeepSeek's block-wise FP8 folder loads (dequantized to the run dtype by default, said so)
+    and decodes the same greedy tokens as transformers holding the dequantized weights."""
+    folder, ref = fp8_v3
     eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=4096, chunk_size=16)
     assert eng.loaded.quantization == "fp8 (block 16x16, e4m3)"
     assert eng.loaded.weights == "dequantized"
+    assert eng.loaded.model.fp8_weights == 0
     _check_engine(eng, ref, "deepseek-v3 fp8 dequantized")
+
+
+def test_fp8_weights_kept_in_fp8(fp8_v3: tuple[Path, HFReference]) -> None:
+    """``weights="fp8"`` (w8a16): the projections stay float8 in memory, dequantized per block
+    band inside each matmul, and decode the dequantized reference's greedy tokens."""
+    from tripod.layers.linear import Fp8BlockLinear
+
+    folder, ref = fp8_v3
+    eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=4096, chunk_size=16, weights="fp8")
+    net = eng.loaded.model
+    assert eng.loaded.weights == "fp8" and net.fp8_weights > 0
+    moe_layer = net.layers[1]
+    assert moe_layer.mlp.experts.gate_up.dtype == torch.float8_e4m3fn
+    assert moe_layer.mlp.experts.down.dtype == torch.float8_e4m3fn
+    assert moe_layer.attn.o.dtype == torch.float8_e4m3fn
+    assert isinstance(moe_layer.attn.ops[eng.runner.form]["o"], Fp8BlockLinear)
+    assert net.layers[0].mlp.gate_up.dtype == torch.float8_e4m3fn  # the dense first layer too
+    _check_engine(eng, ref, "deepseek-v3 fp8 kept in FP8")
+
+
+def test_fp8_mode_needs_an_fp8_checkpoint(tiny: Any) -> None:
+    folder, _ = tiny("llama")
+    with pytest.raises(ValueError, match="--weights fp8 keeps a block-wise FP8"):
+        Engine(model=str(folder), dtype="float32", kv_cache_tokens=256, weights="fp8")
 
 
 def test_fp8_refused_in_kernels_weights_mode_on_gguf_only(tmp_path: Path, hf_tokenizer: Any) -> None:

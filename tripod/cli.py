@@ -37,9 +37,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="compute path: auto = optimized for 16-bit dtypes (tripod's CPU kernels, built "
                         "in the background on first use), the float32 reference path for float32; "
                         "eager = the reference path; optimized = tripod's kernels in any dtype")
-    g.add_argument("--weights", default="dequantized", choices=["dequantized", "stored"],
+    g.add_argument("--weights", default="dequantized", choices=["dequantized", "stored", "fp8"],
                    help="stored: execute a GGUF's Q4_1/Q8_0 weights as stored (a quarter/half of "
-                        "bf16's bytes per token, exactly the dequantized weights, float32 compute)")
+                        "bf16's bytes per token, exactly the dequantized weights, float32 compute); "
+                        "fp8: keep a block-wise FP8 checkpoint's weights in FP8 (w8a16)")
     g.add_argument("--no-jump-forward", action="store_true",
                    help="structured outputs: decode grammar-forced text token by token (outputs are identical either way)")
     g.add_argument("--speculative", default=None, type=_speculative, metavar="METHOD",

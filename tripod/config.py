@@ -10,7 +10,7 @@ import torch
 log = logging.getLogger(__name__)
 
 KERNEL_MODES = ("auto", "eager", "optimized")
-WEIGHT_MODES = ("dequantized", "stored")
+WEIGHT_MODES = ("dequantized", "stored", "fp8")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
@@ -42,7 +42,9 @@ class EngineConfig:
     kernels: str = "auto"
     # "dequantized": every weight dequantized to the run dtype. "stored": a GGUF's Q4_1/Q8_0
     # weights executed as stored by tripod's kernels (a quarter/half of bf16's bytes per token,
-    # exactly the dequantized weights, float32 compute). Explicit, logged, shown in /v1/models.
+    # exactly the dequantized weights, float32 compute). "fp8": a block-wise FP8 checkpoint's
+    # weights kept in FP8, dequantized band by band inside each matmul (w8a16, the run dtype's
+    # activations). Explicit, logged, shown in /v1/models.
     weights: str = "dequantized"
     # Structured outputs: verify grammar-forced text in one forward pass (lossless; see engine).
     jump_forward: bool = True

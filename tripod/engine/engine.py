@@ -123,7 +123,9 @@ class Engine:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
         t0 = time.monotonic()
-        if loaded is not None and config.weights == "stored" and loaded.weights != "stored":
+        if loaded is not None and config.weights != "dequantized" and loaded.weights != config.weights:
+            if config.weights == "fp8":
+                raise ValueError("--weights fp8 needs the model loaded with its FP8 weights (load_model(..., weights='fp8'))")
             raise ValueError("--weights stored needs the model loaded with its stored weights (load_model(..., weights='stored'))")
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, weights=config.weights)
         self.model_config = mc = self.loaded.config
@@ -200,7 +202,7 @@ class Engine:
             self.loaded.name,
             mc.architecture,
             self.loaded.quantization,
-            "executed as stored" if config.weights == "stored" else "dequantized",
+            {"stored": "executed as stored", "fp8": "kept in FP8 (w8a16)"}.get(config.weights, "dequantized"),
             str(self.dtype).removeprefix("torch."),
             self.device,
             num_slots,

@@ -17,7 +17,6 @@ tokens against transformers on the absorbed and the expanded path).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +24,11 @@ import torch
 from torch import nn
 
 from tripod.layers.attention import ForwardBatch, sdpa, window_mask
-from tripod.layers.linear import Form, Linear, make_linear
+from tripod.layers.linear import Form, Fp8Scales, Linear, dequantize_fp8, make_linear
+from tripod.layers.mlp import keep
 from tripod.layers.norm import rms_norm
 from tripod.layers.rotary import apply_rotary
+from tripod.layers.weights import WeightSource
 from tripod.memory.kv_pool import LatentPool
 
 
@@ -78,6 +79,7 @@ class MLAttention(nn.Module):
         if bias:
             raise ValueError("MLA checkpoints with attention biases are not supported")
         self.ops: dict[Form, dict[str, Linear]] = {}
+        self.fp8: dict[str, Fp8Scales] = {}
 
     def prepare(self, form: Form, kernel_ops: Any, stored: Any = None) -> None:
         if form in self.ops:
@@ -85,31 +87,35 @@ class MLAttention(nn.Module):
         names = {"q": self.q, "kv_a": self.kv_a, "kv_b": self.kv_b, "o": self.o}
         if self.q_a is not None:
             names["q_a"] = self.q_a
-        self.ops[form] = {k: make_linear(w, None, form, ops=kernel_ops) for k, w in names.items()}
+        self.ops[form] = {k: make_linear(w, None, form, ops=kernel_ops, fp8=self.fp8.get(k)) for k, w in names.items()}
         c = self.cfg
         # The absorbed form's per-head factors of kv_b_proj: [H, nope, r] and [H, v, r].
-        kvb = self.kv_b.view(self.h, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        kv_b = self.kv_b if "kv_b" not in self.fp8 else dequantize_fp8(self.kv_b, self.fp8["kv_b"], self.kv_a_norm.dtype)
+        kvb = kv_b.view(self.h, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         self.w_uk = kvb[:, : c.qk_nope_head_dim]
         self.w_uv = kvb[:, c.qk_nope_head_dim :]
 
     def release(self, form: Form) -> None:
         self.ops.pop(form, None)
 
-    def load(self, get: Callable[[str], torch.Tensor], prefix: str) -> None:
+    def load(self, src: WeightSource, prefix: str) -> None:
+        """The projections as the checkpoint has them; Q's and the shared key's rope rows
+        reordered (so those two run in the run dtype even when the others stay FP8: a row
+        permutation would cross FP8 blocks)."""
         c = self.cfg
         perm_q = _deinterleave(c.qk_nope_head_dim, c.qk_rope_head_dim, c.rope_interleave)
         if self.q_a is None:
-            self.q.data = _permute_heads(get(prefix + "q_proj.weight"), self.h, perm_q)
+            self.q.data = _permute_heads(src.get(prefix + "q_proj.weight"), self.h, perm_q)
         else:
             assert self.q_a_norm is not None
-            self.q_a.data = get(prefix + "q_a_proj.weight").contiguous()
-            self.q_a_norm.data = get(prefix + "q_a_layernorm.weight")
-            self.q.data = _permute_heads(get(prefix + "q_b_proj.weight"), self.h, perm_q)
+            keep(self, "q_a", src.part(prefix + "q_a_proj.weight"))
+            self.q_a_norm.data = src.get(prefix + "q_a_layernorm.weight")
+            self.q.data = _permute_heads(src.get(prefix + "q_b_proj.weight"), self.h, perm_q)
         perm_kv = _deinterleave(c.kv_lora_rank, c.qk_rope_head_dim, c.rope_interleave)
-        self.kv_a.data = get(prefix + "kv_a_proj_with_mqa.weight")[perm_kv].contiguous()
-        self.kv_a_norm.data = get(prefix + "kv_a_layernorm.weight")
-        self.kv_b.data = get(prefix + "kv_b_proj.weight").contiguous()
-        self.o.data = get(prefix + "o_proj.weight").contiguous()
+        self.kv_a.data = src.get(prefix + "kv_a_proj_with_mqa.weight")[perm_kv].contiguous()
+        self.kv_a_norm.data = src.get(prefix + "kv_a_layernorm.weight")
+        keep(self, "kv_b", src.part(prefix + "kv_b_proj.weight"))
+        keep(self, "o", src.part(prefix + "o_proj.weight"))
 
     def forward(
         self,

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tripod.layers.linear import Form, Linear, StoredWeight, make_linear
+from tripod.layers.linear import Form, Fp8Scales, Linear, StoredWeight, make_linear
+from tripod.layers.weights import WeightSource
 
 
 def activate(gu: torch.Tensor, inter: int, act: str, kernel_ops: Any = None) -> torch.Tensor:
@@ -31,22 +31,33 @@ class GatedMLP(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(hidden, inter, dtype=dtype), requires_grad=False)
         self.ops: dict[Form, tuple[Linear, Linear]] = {}
+        self.fp8: dict[str, Fp8Scales] = {}  # scales of the weights kept in FP8
 
     def prepare(self, form: Form, kernel_ops: Any, stored: dict[str, StoredWeight]) -> None:
         if form not in self.ops:
             self.ops[form] = (
-                make_linear(self.gate_up, None, form, ops=kernel_ops, stored=stored.get("gate_up")),
-                make_linear(self.down, None, form, ops=kernel_ops, stored=stored.get("down")),
+                make_linear(self.gate_up, None, form, ops=kernel_ops, stored=stored.get("gate_up"), fp8=self.fp8.get("gate_up")),
+                make_linear(self.down, None, form, ops=kernel_ops, stored=stored.get("down"), fp8=self.fp8.get("down")),
             )
 
     def release(self, form: Form) -> None:
         self.ops.pop(form, None)
 
-    def load(self, get: Callable[[str], torch.Tensor], prefix: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+    def load(self, src: WeightSource, prefix: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
         g, u, d = names
-        self.gate_up.data = torch.cat([get(f"{prefix}{g}.weight"), get(f"{prefix}{u}.weight")]).contiguous()
-        self.down.data = get(f"{prefix}{d}.weight").contiguous()
+        keep(self, "gate_up", src.cat([f"{prefix}{g}.weight", f"{prefix}{u}.weight"]))
+        keep(self, "down", src.part(f"{prefix}{d}.weight"))
 
     def forward(self, h: torch.Tensor, form: Form, kernel_ops: Any, residual: torch.Tensor | None = None) -> torch.Tensor:
         gate_up, down = self.ops[form]
         return down(activate(gate_up(h), self.inter, self.act, kernel_ops), residual=residual)
+
+
+def keep(module: Any, name: str, part: tuple[torch.Tensor, Fp8Scales | None]) -> None:
+    """Set ``module.<name>`` to a loaded weight, noting its FP8 scales when it stays FP8."""
+    w, scales = part
+    getattr(module, name).data = w.contiguous()
+    if scales is not None:
+        module.fp8[name] = scales
+    else:
+        module.fp8.pop(name, None)

@@ -14,15 +14,15 @@ expert assignment and returns their weighted sum; nothing else in the layer touc
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from tripod.layers.linear import Form, StoredWeight
-from tripod.layers.mlp import GatedMLP, activate
+from tripod.layers.linear import Form, Fp8Scales, StoredWeight, dequantize_fp8
+from tripod.layers.mlp import GatedMLP, activate, keep
+from tripod.layers.weights import WeightSource
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,21 +82,27 @@ class ExpertSet(nn.Module):
         self.num_experts, self.inter, self.act = num_experts, inter, act
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False)
+        self.fp8: dict[str, Fp8Scales] = {}  # stacked scales [E, rows, cols] of weights kept in FP8
 
-    def load(self, get: Callable[[str], torch.Tensor], has: Callable[[str], bool], prefix: str,
-             names: tuple[str, str, str]) -> None:
+    def load(self, src: WeightSource, prefix: str, names: tuple[str, str, str]) -> None:
         """Per-expert tensors (``{prefix}{e}.gate_proj.weight`` …) or the stacked form some
         checkpoints hold (``{prefix}gate_up_proj`` ``[E, 2I, H]``, ``{prefix}down_proj``)."""
-        if has(prefix + "gate_up_proj"):
-            self.gate_up.data = get(prefix + "gate_up_proj").contiguous()
-            self.down.data = get(prefix + "down_proj").contiguous()
+        if src.has(prefix + "gate_up_proj"):
+            keep(self, "gate_up", src.part(prefix + "gate_up_proj"))
+            keep(self, "down", src.part(prefix + "down_proj"))
             return
         g, u, d = names
-        self.gate_up.data = torch.stack([
-            torch.cat([get(f"{prefix}{e}.{g}.weight"), get(f"{prefix}{e}.{u}.weight")])
-            for e in range(self.num_experts)
-        ]).contiguous()
-        self.down.data = torch.stack([get(f"{prefix}{e}.{d}.weight") for e in range(self.num_experts)]).contiguous()
+        E = range(self.num_experts)
+        keep(self, "gate_up", src.stack([src.cat([f"{prefix}{e}.{g}.weight", f"{prefix}{e}.{u}.weight"]) for e in E]))
+        keep(self, "down", src.stack([src.part(f"{prefix}{e}.{d}.weight") for e in E]))
+
+    def weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert ``e``'s ``gate_up`` or ``down`` in ``dtype`` (an FP8 one dequantized now)."""
+        w = getattr(self, name)[e]
+        sc = self.fp8.get(name)
+        if sc is None:
+            return w
+        return dequantize_fp8(w, Fp8Scales(sc.scale_inv[e], sc.block), dtype)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, H]``, ``weights``/``idx`` ``[T, k]`` → the weighted sum ``[T, H]``."""
@@ -113,8 +119,8 @@ class ExpertSet(nn.Module):
                 continue
             rows = tokens[start : start + n]
             xs = x.index_select(0, rows)
-            h = activate(xs @ self.gate_up[e].t(), self.inter, self.act)
-            out.index_add_(0, rows, (h @ self.down[e].t()) * w[start : start + n])
+            h = activate(xs @ self.weight("gate_up", e, x.dtype).t(), self.inter, self.act)
+            out.index_add_(0, rows, (h @ self.weight("down", e, x.dtype).t()) * w[start : start + n])
             start += n
         return out
 

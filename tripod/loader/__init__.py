@@ -33,8 +33,9 @@ class LoadedModel:
     tokenizer: Any
     quantization: str  # how the weights are stored on disk
     dtype: torch.dtype
-    # "dequantized" (every weight dequantized to ``dtype``) or "stored" (the GGUF's Q4_1/Q8_0
-    # blocks kept too, for kernels that execute them as stored; see layers/linear.py).
+    # "dequantized" (every weight dequantized to ``dtype``), "stored" (the GGUF's Q4_1/Q8_0
+    # blocks kept too, for kernels that execute them as stored; see layers/linear.py) or "fp8"
+    # (a block-wise FP8 checkpoint's weights kept in FP8: layers/linear.py Fp8BlockLinear).
     weights: str = "dequantized"
 
 
@@ -65,7 +66,18 @@ def load_model(
     quant = src.quantization
     cls = model_class(cfg.architecture)
     net = cls(cfg, dtype, device)
-    net.load_weights(src.weights())
+    if weights == "fp8":
+        block = src.fp8_block if isinstance(src, HFFolder) else None
+        if block is None:
+            raise ValueError(
+                f"--weights fp8 keeps a block-wise FP8 checkpoint's weights in FP8; {path.name} is {quant}: "
+                "use the default dequantized weights"
+            )
+        net.load_weights(src.weights(keep_fp8=True), fp8_block=block)
+        log.info("%s: %d weights kept in FP8 (w8a16: dequantized per block band inside each matmul)",
+                 name, net.fp8_weights)
+    else:
+        net.load_weights(src.weights())
     if weights == "stored":
         if not isinstance(src, GGUFFile):
             raise ValueError("--weights stored executes a GGUF file's quantized weights; this model is an HF folder")

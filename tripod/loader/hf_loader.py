@@ -65,16 +65,17 @@ class HFFolder:
             return f"fp8 (block {block[0]}x{block[1]}, e4m3)"
         return str(self.raw_config.get("torch_dtype") or self.raw_config.get("dtype") or "none")
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
         """Every tensor; block-wise FP8 weights dequantized (float32) with their
-        ``weight_scale_inv`` (the scales themselves are not returned)."""
+        ``weight_scale_inv`` (the scales themselves are not returned) — or, with ``keep_fp8``,
+        as stored, scales included."""
         from safetensors.torch import load_file
 
         out: dict[str, torch.Tensor] = {}
         for f in self.files:
             out.update(load_file(str(f)))
         block = self.fp8_block
-        if block is None:
+        if block is None or keep_fp8:
             return out
         scales = [n for n in out if n.endswith(".weight_scale_inv")]
         for s in scales:

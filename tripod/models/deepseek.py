@@ -5,10 +5,9 @@ checkpoint carries it (``models/mtp.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from tripod.layers.mla import MLAttention
-from tripod.models.llama import DecoderLayer, Getter, LlamaForCausalLM
+from tripod.layers.weights import WeightSource
+from tripod.models.llama import DecoderLayer, LlamaForCausalLM
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):
@@ -27,6 +26,6 @@ class DeepseekForCausalLM(LlamaForCausalLM):
                            cfg.attention_bias, self.dtype)
         return DecoderLayer(cfg, i, attn, self.dtype)
 
-    def load_attention(self, layer: DecoderLayer, get: Getter, has: Callable[[str], bool], p: str) -> None:
+    def load_attention(self, layer: DecoderLayer, src: WeightSource, p: str) -> None:
         assert isinstance(layer.attn, MLAttention)
-        layer.attn.load(get, p + "self_attn.")
+        layer.attn.load(src, p + "self_attn.")

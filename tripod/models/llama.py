@@ -17,7 +17,7 @@ Logits are computed only for the tokens the sampler needs.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,17 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from tripod.layers.attention import AttnSpec, ForwardBatch, attend
-from tripod.layers.linear import Form, Linear, StoredWeight, make_linear
-from tripod.layers.mlp import GatedMLP
+from tripod.layers.linear import Form, Fp8Scales, Linear, StoredWeight, make_linear
+from tripod.layers.mlp import GatedMLP, keep
 from tripod.layers.moe import MoE
 from tripod.layers.norm import norm, rms_norm
 from tripod.layers.rotary import RotaryEmbedding
+from tripod.layers.weights import WeightSource
 from tripod.memory.kv_pool import KVPool
 from tripod.models.config import ModelConfig
 
 __all__ = ["LlamaForCausalLM", "rms_norm"]
-
-Getter = Callable[[str], torch.Tensor]
 
 
 def _param(*shape: int, dtype: torch.dtype, fill: float | None = None) -> nn.Parameter:
@@ -62,22 +61,24 @@ class GQAttention(nn.Module):
         self.q_norm = _param(d, dtype=dtype, fill=1.0) if cfg.qk_norm else None
         self.k_norm = _param(d, dtype=dtype, fill=1.0) if cfg.qk_norm else None
         self.ops: dict[Form, tuple[Linear, Linear]] = {}
+        self.fp8: dict[str, Fp8Scales] = {}
 
     def prepare(self, form: Form, kernel_ops: Any, stored: dict[str, StoredWeight]) -> None:
         if form not in self.ops:
             self.ops[form] = (
-                make_linear(self.qkv, self.qkv_bias, form, ops=kernel_ops, stored=stored.get("qkv")),
-                make_linear(self.o, self.o_bias, form, ops=kernel_ops, stored=stored.get("o")),
+                make_linear(self.qkv, self.qkv_bias, form, ops=kernel_ops, stored=stored.get("qkv"), fp8=self.fp8.get("qkv")),
+                make_linear(self.o, self.o_bias, form, ops=kernel_ops, stored=stored.get("o"), fp8=self.fp8.get("o")),
             )
 
     def release(self, form: Form) -> None:
         self.ops.pop(form, None)
 
-    def load(self, get: Getter, has: Callable[[str], bool], a: str, offset: bool) -> None:
-        self.qkv.data = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]).contiguous()
+    def load(self, src: WeightSource, a: str, offset: bool) -> None:
+        get = src.get
+        keep(self, "qkv", src.cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]))
         if self.qkv_bias is not None:
             self.qkv_bias.data = torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
-        self.o.data = get(a + "o_proj.weight").contiguous()
+        keep(self, "o", src.part(a + "o_proj.weight"))
         if self.o_bias is not None:
             self.o_bias.data = get(a + "o_proj.bias")
         if self.q_norm is not None and self.k_norm is not None:
@@ -283,29 +284,17 @@ class LlamaForCausalLM(nn.Module):
         tied = self.lm_head is None or self.lm_head.data_ptr() == self.embed.data_ptr()
         self.stored_head = fuse(["model.embed_tokens.weight" if tied else "lm_head.weight"])
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Mapping[str, torch.Tensor], fp8_block: tuple[int, int] | None = None) -> None:
         """Load HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` …), fusing Q/K/V
-        and gate/up. Every parameter must be covered; a missing one is an error, not zeros."""
-
-        def get(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"checkpoint is missing tensor {name!r}")
-            return weights[name].to(device=self.device, dtype=self.dtype)
-
-        def has(name: str) -> bool:
-            return name in weights
-
-        def get_f32(name: str) -> torch.Tensor:  # router weights stay float32
-            get(name)  # the missing-tensor error
-            return weights[name].to(device=self.device, dtype=torch.float32).contiguous()
-
-        self._get_f32 = get_f32
-
+        and gate/up. Every parameter must be covered; a missing one is an error, not zeros.
+        ``fp8_block``: the checkpoint's FP8 weights stay FP8 (w8a16; ``--weights fp8``)."""
+        src = WeightSource(weights, self.dtype, self.device, fp8_block)
+        get = src.get
         offset = self.cfg.norm_offset
         self.embed.data = get("model.embed_tokens.weight").contiguous()
         self.norm.data = _norm_weight(get("model.norm.weight"), offset)
         if self.lm_head is not None:
-            if "lm_head.weight" in weights:
+            if src.has("lm_head.weight"):
                 self.lm_head.data = get("lm_head.weight").contiguous()
             else:  # some checkpoints tie without saying so
                 self.lm_head.data = self.embed.data
@@ -318,31 +307,36 @@ class LlamaForCausalLM(nn.Module):
                 layer.mlp_out_norm.data = _norm_weight(get(p + "post_feedforward_layernorm.weight"), offset)
             else:
                 layer.post_norm.data = _norm_weight(get(p + "post_attention_layernorm.weight"), offset)
-            self.load_attention(layer, get, has, p)
-            self.load_mlp(layer, get, has, p)
+            self.load_attention(layer, src, p)
+            self.load_mlp(layer, src, p)
 
-    def load_attention(self, layer: DecoderLayer, get: Getter, has: Callable[[str], bool], p: str) -> None:
+    def load_attention(self, layer: DecoderLayer, src: WeightSource, p: str) -> None:
         assert isinstance(layer.attn, GQAttention)
-        layer.attn.load(get, has, p + "self_attn.", self.cfg.norm_offset)
+        layer.attn.load(src, p + "self_attn.", self.cfg.norm_offset)
 
-    def load_mlp(self, layer: DecoderLayer, get: Getter, has: Callable[[str], bool], p: str) -> None:
+    def load_mlp(self, layer: DecoderLayer, src: WeightSource, p: str) -> None:
         mlp = layer.mlp
         if isinstance(mlp, GatedMLP):
-            mlp.load(get, p + "mlp.")
+            mlp.load(src, p + "mlp.")
             return
-        if has(p + "block_sparse_moe.gate.weight"):  # Mixtral's names
+        if src.has(p + "block_sparse_moe.gate.weight"):  # Mixtral's names
             m, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
         else:
             m, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
-        mlp.router.data = self._get_f32(m + "gate.weight")
+        mlp.router.data = src.get_f32(m + "gate.weight")
         if mlp.bias is not None:
-            mlp.bias.data = self._get_f32(m + "gate.e_score_correction_bias")
-        mlp.experts.load(get, has, m + "experts.", names)
+            mlp.bias.data = src.get_f32(m + "gate.e_score_correction_bias")
+        mlp.experts.load(src, m + "experts.", names)
         if mlp.shared is not None:
-            shared = m + ("shared_expert." if has(m + "shared_expert.gate_proj.weight") else "shared_experts.")
-            mlp.shared.load(get, shared)
+            shared = m + ("shared_expert." if src.has(m + "shared_expert.gate_proj.weight") else "shared_experts.")
+            mlp.shared.load(src, shared)
         if mlp.shared_gate is not None:
-            mlp.shared_gate.data = get(m + "shared_expert_gate.weight")
+            mlp.shared_gate.data = src.get(m + "shared_expert_gate.weight")
+
+    @property
+    def fp8_weights(self) -> int:
+        """How many weights are kept in FP8 (``--weights fp8``)."""
+        return sum(len(getattr(m, "fp8", {})) for m in self.modules())
 
 
 def _norm_weight(w: torch.Tensor, offset: bool) -> torch.Tensor:

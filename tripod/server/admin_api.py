@@ -25,7 +25,8 @@ def model_card(state: ServerState) -> dict[str, Any]:
     meta = {
         "dtype": info.dtype if info else None,
         "quantization": state.quantization,
-        # "dequantized" (to dtype) or "stored" (GGUF Q4_1/Q8_0 executed as stored; --weights).
+        # "dequantized" (to dtype), "stored" (GGUF Q4_1/Q8_0 executed as stored) or "fp8" (a
+        # block-wise FP8 checkpoint kept in FP8, w8a16); --weights.
         "weights": state.engine_config.weights,
         # Speculative decoding (lossless; --speculative): the method (null: off) and its settings.
         "speculative": speculative_card(state),

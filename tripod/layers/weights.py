@@ -1,0 +1,72 @@
+"""Where a layer's ``load`` reads its tensors from: HF-named checkpoint tensors, converted to the
+run dtype — except block-wise FP8 weights when the model keeps them in FP8 (``--weights fp8``),
+which come with their scales and are fused (Q/K/V, gate/up, stacked experts) scales and all."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from tripod.layers.linear import FP8_DTYPES, Fp8Scales, dequantize_fp8
+
+Part = tuple[torch.Tensor, Fp8Scales | None]
+
+
+class WeightSource:
+    """A checkpoint's tensors by HF name; every parameter must be covered (a missing tensor is
+    an error, never zeros)."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 fp8_block: tuple[int, int] | None = None) -> None:
+        self.weights, self.dtype, self.device = weights, dtype, device
+        self.fp8_block = fp8_block  # set: FP8 weights stay FP8 (with their weight_scale_inv)
+
+    def has(self, name: str) -> bool:
+        return name in self.weights
+
+    def _raw(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        return self.weights[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        """A tensor in the run dtype (an FP8 one dequantized)."""
+        t, sc = self.part(name)
+        if sc is not None:
+            return dequantize_fp8(t, sc, self.dtype)
+        return t
+
+    def get_f32(self, name: str) -> torch.Tensor:
+        return self._raw(name).to(device=self.device, dtype=torch.float32).contiguous()
+
+    def part(self, name: str) -> Part:
+        """A weight as kept: FP8 with its scales, or converted to the run dtype."""
+        t = self._raw(name)
+        if t.dtype in FP8_DTYPES:
+            if self.fp8_block is None:
+                raise ValueError(f"{name} is FP8 but the checkpoint was not loaded as block-wise FP8")
+            scale = self._raw(name.removesuffix(".weight") + ".weight_scale_inv"
+                              if name.endswith(".weight") else name + "_scale_inv")
+            return t.to(self.device), Fp8Scales(scale.to(device=self.device, dtype=torch.float32), self.fp8_block)
+        return t.to(device=self.device, dtype=self.dtype), None
+
+    def cat(self, names: list[str]) -> Part:
+        """Parts fused along their rows (kept FP8 when every part is FP8 and starts on a block)."""
+        parts = [self.part(n) for n in names]
+        return fuse(parts, self.dtype, lambda p: torch.cat(p), dim0=True)
+
+    def stack(self, parts: list[Part]) -> Part:
+        return fuse(parts, self.dtype, lambda p: torch.stack(p), dim0=False)
+
+
+def fuse(parts: list[Part], dtype: torch.dtype, op: object, dim0: bool) -> Part:
+    scales = [sc for _, sc in parts]
+    if all(sc is not None for sc in scales):
+        bn = scales[0].block[0]  # type: ignore[union-attr]
+        if not dim0 or all(t.shape[0] % bn == 0 for t, _ in parts[:-1]):
+            w = op([t for t, _ in parts])  # type: ignore[operator]
+            s = op([sc.scale_inv for sc in scales])  # type: ignore[union-attr,operator]
+            return w.contiguous(), Fp8Scales(s.contiguous(), scales[0].block)  # type: ignore[union-attr]
+    plain = [t if sc is None else dequantize_fp8(t, sc, dtype) for t, sc in parts]
+    return op(plain).contiguous(), None  # type: ignore[operator]
