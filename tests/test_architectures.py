@@ -203,3 +203,76 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     for f in folder.glob("*.safetensors"):
         out.update(load_file(str(f)))
     return out
+
+
+def test_mtp_module_forward(tmp_path: Path, hf_tokenizer: Any) -> None:
+    """DeepSeek-V3's MTP module is loaded from the checkpoint (``model.layers.{L}.*``) and its
+    forward — a prefill over a sequence, then a decode step (absorbed MLA) — equals the module
+    assembled from transformers' own DeepSeek-V3 decoder layer with the same weights."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tripod.layers.attention import ForwardBatch, PrefillSegment
+    from tripod.models.deepseek import MTPModule
+
+    target = build_hf("deepseek-v3", seed=5)
+    folder = save(target, tmp_path / "v3-mtp", hf_tokenizer)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(cfg))
+    # The MTP block: a fourth decoder layer (transformers' own), plus its projections and norms.
+    d4 = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
+    d4["num_hidden_layers"] = 4
+    torch.manual_seed(6)
+    hf4 = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d4), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for name, p in hf4.model.layers[3].named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5) if p.ndim >= 2 else 1 + 0.1 * torch.randn(p.shape, generator=g))
+    h = cfg["hidden_size"]
+    extra = {
+        "enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "eh_proj.weight": torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5,
+        "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "shared_head.head.weight": torch.randn(VOCAB, h, generator=g) * 3 / h**0.5,
+    }
+    tensors = {f"model.layers.3.{k}": v.contiguous() for k, v in extra.items()}
+    tensors.update({k: v.contiguous() for k, v in hf4.state_dict().items() if k.startswith("model.layers.3.")})
+    save_file(tensors, str(folder / "mtp.safetensors"), metadata={"format": "pt"})
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"]))
+
+    n = 10
+    ids = torch.randint(3, VOCAB, (n + 1,), generator=g)
+    hidden = torch.randn(n + 1, h, generator=g)
+
+    @torch.inference_mode()
+    def reference(upto: int) -> torch.Tensor:
+        e = target.model.embed_tokens(ids[:upto])
+        x = torch.nn.functional.linear(
+            torch.cat((rms(e, extra["enorm.weight"]), rms(hidden[:upto], extra["hnorm.weight"])), -1), extra["eh_proj.weight"]
+        )[None]
+        pos = torch.arange(upto)[None]
+        y = hf4.model.layers[3](x, attention_mask=None, position_ids=pos, position_embeddings=hf4.model.rotary_emb(x, pos))
+        y = y[0] if isinstance(y, tuple) else y
+        return torch.nn.functional.linear(rms(y[0], extra["shared_head.norm.weight"]), extra["shared_head.head.weight"])
+
+    eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=256)
+    net = eng.loaded.model
+    assert net.mtp is not None, "the MTP module was not loaded"
+    pool = MTPModule.pool_spec(eng.model_config).make(64, torch.float32, torch.device("cpu"))
+    prefill = ForwardBatch(
+        input_ids=ids[:n], positions=torch.arange(n), out_slots=torch.arange(n), num_decode=0,
+        decode_kv_idx=None, decode_mask=None, prefills=[PrefillSegment(0, n, 0, None, None)], logits_idx=None,
+    )
+    logits, own = net.mtp(net, prefill, hidden[:n], pool)
+    assert own.shape == (n, h)
+    torch.testing.assert_close(logits, reference(n), rtol=1e-4, atol=1e-4)
+    decode = ForwardBatch(
+        input_ids=ids[n:], positions=torch.tensor([n]), out_slots=torch.tensor([n]), num_decode=1,
+        decode_kv_idx=torch.arange(n + 1)[None], decode_mask=torch.ones(1, 1, 1, n + 1, dtype=torch.bool),
+    )
+    step, _ = net.mtp(net, decode, hidden[n:], pool)
+    torch.testing.assert_close(step[0], reference(n + 1)[-1], rtol=1e-4, atol=1e-4)
