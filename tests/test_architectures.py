@@ -227,7 +227,7 @@ def test_mtp_module_forward(tmp_path: Path, hf_tokenizer: Any) -> None:
     hf4 = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d4), dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(8)
     with torch.no_grad():
-        for name, p in hf4.model.layers[3].named_parameters():
+        for p in hf4.model.layers[3].parameters():
             p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5) if p.ndim >= 2 else 1 + 0.1 * torch.randn(p.shape, generator=g))
     h = cfg["hidden_size"]
     extra = {
