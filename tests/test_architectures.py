@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import HFReference, check_greedy_tokens
-from tiny_models import ARCHS, VOCAB, build_hf, save, save_fp8
+from tiny_models import ARCHS, VOCAB, add_mtp, build_hf, save, save_fp8
 
 from tripod import Engine, SamplingParams
 
@@ -209,37 +209,15 @@ def test_mtp_module_forward(tmp_path: Path, hf_tokenizer: Any) -> None:
     """DeepSeek-V3's MTP module is loaded from the checkpoint (``model.layers.{L}.*``) and its
     forward — a prefill over a sequence, then a decode step (absorbed MLA) — equals the module
     assembled from transformers' own DeepSeek-V3 decoder layer with the same weights."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from tripod.layers.attention import ForwardBatch, PrefillSegment
     from tripod.models.deepseek import MTPModule
 
     target = build_hf("deepseek-v3", seed=5)
     folder = save(target, tmp_path / "v3-mtp", hf_tokenizer)
+    bigger, extra = add_mtp(target, folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["num_nextn_predict_layers"] = 1
-    (folder / "config.json").write_text(json.dumps(cfg))
-    # The MTP block: a fourth decoder layer (transformers' own), plus its projections and norms.
-    d4 = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
-    d4["num_hidden_layers"] = 4
-    torch.manual_seed(6)
-    hf4 = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d4), dtype=torch.float32).eval()
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     g = torch.Generator().manual_seed(8)
-    with torch.no_grad():
-        for p in hf4.model.layers[3].parameters():
-            p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5) if p.ndim >= 2 else 1 + 0.1 * torch.randn(p.shape, generator=g))
-    h = cfg["hidden_size"]
-    extra = {
-        "enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-        "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-        "eh_proj.weight": torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5,
-        "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-        "shared_head.head.weight": torch.randn(VOCAB, h, generator=g) * 3 / h**0.5,
-    }
-    tensors = {f"model.layers.3.{k}": v.contiguous() for k, v in extra.items()}
-    tensors.update({k: v.contiguous() for k, v in hf4.state_dict().items() if k.startswith("model.layers.3.")})
-    save_file(tensors, str(folder / "mtp.safetensors"), metadata={"format": "pt"})
 
     def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"]))
@@ -255,7 +233,8 @@ def test_mtp_module_forward(tmp_path: Path, hf_tokenizer: Any) -> None:
             torch.cat((rms(e, extra["enorm.weight"]), rms(hidden[:upto], extra["hnorm.weight"])), -1), extra["eh_proj.weight"]
         )[None]
         pos = torch.arange(upto)[None]
-        y = hf4.model.layers[3](x, attention_mask=None, position_ids=pos, position_embeddings=hf4.model.rotary_emb(x, pos))
+        block = bigger.model.layers[layers]
+        y = block(x, attention_mask=None, position_ids=pos, position_embeddings=bigger.model.rotary_emb(x, pos))
         y = y[0] if isinstance(y, tuple) else y
         return torch.nn.functional.linear(rms(y[0], extra["shared_head.norm.weight"]), extra["shared_head.head.weight"])
 

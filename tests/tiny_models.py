@@ -140,3 +140,39 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, b: int) -> torch.Ten
         for j in range(scale.shape[1]):
             out[i * b : (i + 1) * b, j * b : (j + 1) * b] = q[i * b : (i + 1) * b, j * b : (j + 1) * b].float() * scale[i, j]
     return out
+
+
+def add_mtp(target: Any, folder: Path, seed: int = 6) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Give a saved tiny DeepSeek-V3 folder an MTP module (``num_nextn_predict_layers: 1`` and
+    ``model.layers.{L}.*``): its decoder block is transformers' own fourth layer (returned, with
+    the module's other tensors, for a reference)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(cfg))
+    layers = cfg["num_hidden_layers"]
+    d = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
+    d["num_hidden_layers"] = layers + 1
+    torch.manual_seed(seed)
+    bigger = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed + 2)
+    block = bigger.model.layers[layers]
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5) if p.ndim >= 2
+                    else 1 + 0.1 * torch.randn(p.shape, generator=g))
+    h = cfg["hidden_size"]
+    extra = {
+        "enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "eh_proj.weight": torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5,
+        "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "shared_head.head.weight": torch.randn(VOCAB, h, generator=g) * 3 / h**0.5,
+    }
+    prefix = f"model.layers.{layers}."
+    tensors = {prefix + k: v.contiguous() for k, v in extra.items()}
+    tensors.update({k: v.contiguous() for k, v in bigger.state_dict().items() if k.startswith(prefix)})
+    save_file(tensors, str(folder / "mtp.safetensors"), metadata={"format": "pt"})
+    return bigger, extra

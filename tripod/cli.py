@@ -46,7 +46,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative", default=None, type=_speculative, metavar="METHOD",
                    help="speculative decoding (lossless: outputs are those of plain decoding): ngram (prompt "
                         "lookup) | draft:PATH (a smaller model with the same tokenizer; draft:embedded) | self:K "
-                        "(this model's first K layers as its draft); a request opts out with \"speculative\": false")
+                        "(this model's first K layers as its draft), mtp (the checkpoint's multi-token-prediction "
+                        "module: DeepSeek-V3); a request opts out with \"speculative\": false")
     g.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
                    help="speculative: most draft tokens per request per step (1-64)")
     g.add_argument("--spec-max-batch", type=int, default=8, metavar="B",

@@ -125,7 +125,7 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeSpec:
-    """A parsed ``--speculative`` value: ``kind`` is ngram | draft | self; ``path`` the draft
+    """A parsed ``--speculative`` value: ``kind`` is ngram | draft | self | mtp; ``path`` the draft
     checkpoint (None: the embedded model); ``layers`` the self-speculative draft's depth."""
 
     kind: str
@@ -134,17 +134,18 @@ class SpeculativeSpec:
 
 
 def parse_speculative(value: str) -> SpeculativeSpec:
-    """``ngram`` | ``draft:PATH`` (``draft:embedded``: the embedded model) | ``self:K``."""
+    """``ngram`` | ``draft:PATH`` (``draft:embedded``: the embedded model) | ``self:K`` | ``mtp``."""
     kind, _, arg = value.partition(":")
-    if kind == "ngram" and not arg:
-        return SpeculativeSpec("ngram")
+    if kind in ("ngram", "mtp") and not arg:
+        return SpeculativeSpec(kind)
     if kind == "draft" and arg:
         return SpeculativeSpec("draft", None if arg == "embedded" else arg)
     if kind == "self" and arg.isdigit() and int(arg) >= 1:
         return SpeculativeSpec("self", layers=int(arg))
     raise ValueError(
         f"speculative must be 'ngram', 'draft:PATH' (a checkpoint with the same tokenizer, or "
-        f"'draft:embedded') or 'self:K' (the model's first K layers as its own draft); got {value!r}"
+        f"'draft:embedded'), 'self:K' (the model's first K layers as its own draft) or 'mtp' (the "
+        f"checkpoint's multi-token-prediction module, DeepSeek-V3); got {value!r}"
     )
 
 

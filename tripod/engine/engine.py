@@ -33,7 +33,7 @@ from tripod.engine.request import (
 from tripod.engine.sampler import Sampler, make_generator
 from tripod.engine.scheduler import SchedulePolicy, Scheduler
 from tripod.engine.speculative.counts import SpecCounts
-from tripod.engine.speculative.factory import load_draft, make_proposer
+from tripod.engine.speculative.factory import extra_bytes_per_token, load_draft, make_proposer
 from tripod.engine.speculative.speculator import Speculator
 from tripod.engine.structured import GrammarBackend, GrammarError
 from tripod.loader import LoadedModel, load_model
@@ -76,7 +76,7 @@ class EngineStats:
     bookkeeping_seconds: float = 0.0
     prefill_tokens: int = 0  # tokens computed in prefill chunks (not decodes, not verifies)
     propose_seconds: float = 0.0  # speculative proposals (draft-model passes included)
-    # Speculative decoding per proposer ("ngram", "draft", "self", "jump_forward").
+    # Speculative decoding per proposer ("ngram", "draft", "self", "mtp", "jump_forward").
     spec: dict[str, SpecCounts] = field(default_factory=dict)
 
     @property
@@ -132,6 +132,7 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         per_token = mc.pool_spec().bytes_per_token(self.dtype)
         self.draft = load_draft(config, self.loaded, self.dtype, self.device)
+        per_token += extra_bytes_per_token(config, self.loaded, self.dtype)
         if self.draft is not None:
             dc = self.draft.config
             # NOTE: the draft's K/V live at the target's slot ids: one token slot costs both.
@@ -421,6 +422,7 @@ class Engine:
         batch, sampling = self.runner.build_batch(items)
         t1 = time.perf_counter()
         logits = self.runner.run(batch)
+        self.spec.after_forward(batch, self.runner.model.last_hidden)
         t2 = time.perf_counter()
         st.prepare_seconds += t1 - t0
         chunk_tokens = sum(it.length for it in items if it.length > 1 and not it.verify)

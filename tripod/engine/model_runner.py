@@ -140,10 +140,12 @@ class ModelRunner:
         tok_rows: list[int] = []
         logits_at: list[int] = []
         sampling: list[ScheduledItem] = []
+        item_rows: list[tuple[ScheduledItem, int]] = []
         for it, row in zip(items, rows, strict=True):
             r = it.req
             s, n = it.start, it.length
             np_ = len(r.prompt_ids)
+            item_rows.append((it, len(ids)))
             if n == 1:
                 ids.append(r.prompt_ids[s] if s < np_ else r.output_ids[s - np_])
                 pos.append(s)
@@ -179,6 +181,7 @@ class ModelRunner:
             kernel=meta,
             kernel_ops=kernels.ops(),
             form=self.form,
+            item_rows=item_rows,
         )
         return batch, sampling
 
@@ -192,6 +195,7 @@ class ModelRunner:
         out_slots: list[int] = []
         logits_at: list[int] = []
         sampling: list[ScheduledItem] = []
+        item_rows: list[tuple[ScheduledItem, int]] = []
 
         kv_idx = mask = None
         mirror_buf = None
@@ -210,6 +214,7 @@ class ModelRunner:
             for it in singles:
                 r = it.req
                 n = it.start + 1
+                item_rows.append((it, len(ids)))
                 ids.append(r.all_ids[it.start])
                 pos.append(it.start)
                 out_slots.append(r.slots[it.start])
@@ -230,6 +235,7 @@ class ModelRunner:
         for it in verify_items:
             r = it.req
             first = len(ids)
+            item_rows.append((it, first))
             for p in range(it.start, it.start + it.length):
                 ids.append(r.all_ids[p])
                 pos.append(p)
@@ -245,6 +251,7 @@ class ModelRunner:
             s, n = it.start, it.length
             toks = r.all_ids[s : s + n]
             first = len(ids)
+            item_rows.append((it, first))
             ids.extend(toks)
             pos.extend(range(s, s + n))
             out_slots.extend(r.slots[s : s + n])
@@ -271,6 +278,7 @@ class ModelRunner:
             logits_idx=torch.tensor(logits_at, dtype=torch.long, device=self.device),
             verifies=verifies,
             form=self.form,
+            item_rows=item_rows,
         )
         return batch, sampling
 

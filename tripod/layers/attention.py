@@ -80,6 +80,9 @@ class ForwardBatch:
     kernel: KernelMeta | None = None
     kernel_ops: Any = None  # torch.ops.tripod_cpu, when ``kernel`` is set
     form: str = "dense"  # which executable form of the projections runs (layers.linear.Form)
+    # (item, first flat row) of every scheduled item, whose tokens are contiguous rows: what a
+    # reader of per-token outputs (the MTP proposer reads hidden states) needs to find its rows.
+    item_rows: list[tuple[Any, int]] = field(default_factory=list)
 
 
 def attend(

@@ -191,6 +191,10 @@ class LlamaForCausalLM(nn.Module):
         self.head_ops: dict[Form, Linear] = {}
         self.stored_head: StoredWeight | None = None
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype) if cfg.embed_scale else None
+        # Set by a proposer that reads the last layer's output (MTP): every forward then keeps it
+        # in ``last_hidden`` ([T, H], before the final norm, all rows of the flat batch).
+        self.capture_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     @property
     def rope_dim(self) -> int:
@@ -246,6 +250,8 @@ class LlamaForCausalLM(nn.Module):
         ctx = _Step(self, batch, pool, x.dtype)
         for layer in self.layers:
             x = layer(x, ctx)
+        if self.capture_hidden:
+            self.last_hidden = x
         if batch.logits_idx is not None:
             x = x.index_select(0, batch.logits_idx)
         x = norm(x, self.norm, self.cfg.rms_norm_eps, batch.kernel_ops)

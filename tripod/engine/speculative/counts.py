@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PROPOSERS = ("ngram", "draft", "self", "jump_forward")
+PROPOSERS = ("ngram", "draft", "self", "mtp", "jump_forward")
 
 
 @dataclass(slots=True)

@@ -10,10 +10,12 @@ from tripod.config import EngineConfig, parse_speculative
 from tripod.engine.model_runner import ModelRunner
 from tripod.engine.sampler import Sampler
 from tripod.engine.speculative.draft_model import DraftModelProposer
+from tripod.engine.speculative.mtp import MTPProposer
 from tripod.engine.speculative.ngram import NgramProposer
 from tripod.engine.speculative.proposer import Proposer
 from tripod.loader import LoadedModel, load_model
 from tripod.memory.kv_pool import Pool
+from tripod.models.deepseek import MTPModule
 
 
 def load_draft(config: EngineConfig, target: LoadedModel, dtype: torch.dtype, device: torch.device) -> LoadedModel | None:
@@ -28,6 +30,8 @@ def load_draft(config: EngineConfig, target: LoadedModel, dtype: torch.dtype, de
             f"self:{spec.layers} asks for {spec.layers} layers but the model has {layers}; "
             f"use self:K with K in [1, {layers - 1}]"
         )
+    if spec.kind == "mtp":
+        mtp_module(target)  # raises when the checkpoint has none
     if spec.kind != "draft":
         return None
     draft = load_model(spec.path, dtype, device)
@@ -62,6 +66,10 @@ def make_proposer(
     spec = parse_speculative(config.speculative)
     if spec.kind == "ngram":
         return NgramProposer()
+    if spec.kind == "mtp":
+        model = mtp_module(target)
+        own = MTPModule.pool_spec(target.config).make(pool.num_slots, dtype, device)
+        return MTPProposer(model, own, sampler, catch_up=config.chunk_size)  # type: ignore[arg-type]
     if spec.kind == "self":
         view = target.model.truncated(spec.layers)
         runner = ModelRunner(view, pool, device, use_mirror=False, path=path, max_len=max_len,
@@ -72,3 +80,21 @@ def make_proposer(
     own = dc.pool_spec().make(pool.num_slots, dtype, device)
     runner = ModelRunner(draft.model, own, device, use_mirror=False, path=path, max_len=max_len)
     return DraftModelProposer("draft", runner, sampler, shares_kv=False, catch_up=config.chunk_size)
+
+
+def mtp_module(target: LoadedModel) -> torch.nn.Module:
+    """The target model (with its MTP module loaded), or why ``mtp`` cannot run on it."""
+    model = target.model
+    if getattr(model, "mtp", None) is None:
+        raise ValueError(
+            f"--speculative mtp needs a multi-token-prediction module in the checkpoint "
+            f"(DeepSeek-V3's num_nextn_predict_layers and its model.layers.N.* tensors); {target.name} has none"
+        )
+    return model
+
+
+def extra_bytes_per_token(config: EngineConfig, target: LoadedModel, dtype: torch.dtype) -> int:
+    """KV bytes per token slot a proposer adds to the target's (the MTP layer's latent)."""
+    if config.speculative is not None and parse_speculative(config.speculative).kind == "mtp":
+        return MTPModule.pool_spec(target.config).bytes_per_token(dtype)
+    return 0

@@ -5,10 +5,9 @@ proposer can only change speed, never the output. A deterministic proposal (n-gr
 a greedy or seeded draft) carries tokens only; a draft model that *sampled* its tokens also
 carries its distribution at each of them, for the rejection-sampling rule.
 
-A multi-token-prediction module (DeepSeek-V3's ``num_nextn_predict_layers``) is one more
-``Proposer`` with ``writes_kv = True``: it reads the target's last hidden states (which the
-runner would hand it in ``propose``'s step items) instead of running a separate model; it lands
-with the DeepSeek model class.
+A multi-token-prediction module (DeepSeek-V3's ``num_nextn_predict_layers``, ``mtp.py``) is one
+more ``Proposer`` with ``writes_kv = True`` and ``reads_hidden = True``: after every forward the
+engine hands it the target's last hidden states (``observe_hidden``), which it drafts from.
 """
 
 from __future__ import annotations
@@ -44,6 +43,12 @@ class Proposer(abc.ABC):
     # A model-running proposer's mean draft-pass time per request in its last proposal, for the
     # adaptive policy's cost model (the speculator reads it once and clears it).
     last_pass_seconds: float | None = None
+    reads_hidden: bool = False  # wants observe_hidden after every forward
+
+    def observe_hidden(self, item_rows: list[tuple[ScheduledItem, int]], hidden: Any) -> None:
+        """The target's last hidden states ``[T, H]`` of a step (``item_rows``: each scheduled
+        item and its first row). Only called when ``reads_hidden``."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def propose(self, reqs: list[Req], lengths: list[int], items: list[ScheduledItem]) -> list[Proposal | None]:

@@ -167,6 +167,11 @@ class Speculator:
         c.drafts += 1
         c.draft_tokens += len(req.draft)
 
+    def after_forward(self, batch: Any, hidden: torch.Tensor | None) -> None:
+        """Hand the step's last hidden states to a proposer that reads them (MTP)."""
+        if hidden is not None and self.proposer is not None and self.proposer.reads_hidden:
+            self.proposer.observe_hidden(batch.item_rows, hidden)
+
     def observe_step(self, rows: int, seconds: float, decode_only: bool) -> None:
         """The target's forward time of a step of ``rows`` tokens: decode steps (verification
         rows included) fit the step-time line; a draft model's pass is measured by it."""
