@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tripod.memory import kv_pool
-from tripod.memory.kv_pool import KVPool, SlotAllocator, slots_from_budget
+from tripod.memory.kv_pool import KVPool, LatentPool, PoolSpec, SlotAllocator, slots_from_budget
 
 
 def test_alloc_hands_out_distinct_slots_until_empty() -> None:
@@ -185,5 +185,18 @@ def test_kv_pool_write_then_gather_round_trips() -> None:
 
 
 def test_bytes_per_token_counts_k_and_v_in_every_layer() -> None:
-    assert KVPool.bytes_per_token(30, 3, 64, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
-    assert KVPool.bytes_per_token(2, 1, 8, torch.float32) == 2 * 2 * 1 * 8 * 4
+    assert PoolSpec(30, "mha", num_kv_heads=3, head_dim=64).bytes_per_token(torch.bfloat16) == 2 * 30 * 3 * 64 * 2
+    assert PoolSpec(2, "mha", num_kv_heads=1, head_dim=8).bytes_per_token(torch.float32) == 2 * 2 * 1 * 8 * 4
+    # MLA: one latent per token and layer, no K/V split.
+    assert PoolSpec(30, "latent", latent_dim=576).bytes_per_token(torch.bfloat16) == 30 * 576 * 2
+
+
+def test_pool_spec_makes_the_pool_it_counts() -> None:
+    mha = PoolSpec(2, "mha", num_kv_heads=1, head_dim=8).make(16, torch.float32, _CPU)
+    assert isinstance(mha, KVPool) and mha.kv.shape == (2, 16, 2, 1, 8)
+    lat = PoolSpec(3, "latent", latent_dim=24).make(16, torch.float32, _CPU)
+    assert isinstance(lat, LatentPool) and lat.kv.shape == (3, 16, 24)
+    slots = torch.tensor([3, 7])
+    lat.write(1, slots, torch.arange(48, dtype=torch.float32).view(2, 24))
+    assert torch.equal(lat.gather(1, slots), torch.arange(48, dtype=torch.float32).view(2, 24))
+    assert lat.allocator.num_free == 16
