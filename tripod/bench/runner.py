@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -123,22 +124,15 @@ async def open_loop(
                     on_done(res)
 
         t0 = time.perf_counter()
-        tasks: list[asyncio.Task[None]] = []
-        interrupted = False
-        try:
+
+        async def arrivals() -> AsyncIterator[Coroutine[Any, Any, None]]:
             for unit in units:
                 if time.perf_counter() >= deadline:
-                    break
-                tasks.append(asyncio.create_task(run(unit)))
+                    return
+                yield run(unit)
                 await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
-            remaining = max(0.0, deadline - time.perf_counter())
-            _, pending = await asyncio.wait(tasks, timeout=remaining) if tasks else (set(), set())
-            for t in pending:
-                t.cancel()
-        except asyncio.CancelledError:
-            interrupted = True
-            for t in tasks:
-                t.cancel()
+
+        interrupted = await _drive(arrivals(), deadline)
         return Level(results, time.perf_counter() - t0, interrupted, t0)
 
 
@@ -168,24 +162,35 @@ async def trace_replay(
 
         t0 = time.perf_counter()
         deadline = t0 + max_duration
-        tasks: list[asyncio.Task[None]] = []
-        interrupted = False
-        try:
+
+        async def arrivals() -> AsyncIterator[Coroutine[Any, Any, None]]:
             for req in order:
                 at = t0 + (req.offset or 0.0)
                 if at >= deadline:
-                    break
+                    return
                 wait = at - time.perf_counter()
                 if wait > 0:
                     await asyncio.sleep(wait)
-                tasks.append(asyncio.create_task(one(req)))
-            remaining = max(0.0, deadline - time.perf_counter())
-            _, pending = await asyncio.wait(tasks, timeout=remaining) if tasks else (set(), set())
-            for t in pending:
-                t.cancel()
-        except asyncio.CancelledError:
-            interrupted = True
-            for t in tasks:
-                t.cancel()
+                yield one(req)
+
+        interrupted = await _drive(arrivals(), deadline)
         first = t0 + (order[0].offset or 0.0) if order else t0
         return Level(results, max(0.0, time.perf_counter() - first), interrupted, t0)
+
+
+async def _drive(arrivals: AsyncIterator[Coroutine[Any, Any, None]], deadline: float) -> bool:
+    """Start each request the (self-pacing) ``arrivals`` yields, then wait for them until
+    ``deadline`` (the unfinished are cancelled). Returns whether the run was interrupted."""
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        async for coro in arrivals:
+            tasks.append(asyncio.create_task(coro))
+        remaining = max(0.0, deadline - time.perf_counter())
+        _, pending = await asyncio.wait(tasks, timeout=remaining) if tasks else (set(), set())
+        for t in pending:
+            t.cancel()
+        return False
+    except asyncio.CancelledError:
+        for t in tasks:
+            t.cancel()
+        return True
