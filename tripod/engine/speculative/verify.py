@@ -50,7 +50,7 @@ def accept(
     """Decide the tokens of one verification (``logits``: ``len(draft) + 1`` rows), appending
     them to ``req.output_ids`` (and its matcher) as plain decoding would."""
     out = Verdict()
-    rejection = draft_probs is not None and not req.params.greedy and req.generator is None
+    rejection = draft_probs is not None and not req.params.greedy and req.noise_key is None
     for j in range(len(draft) + 1):
         row = logits[j : j + 1]
         if req.matcher is not None:
