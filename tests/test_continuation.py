@@ -88,10 +88,11 @@ def test_json_constraint_continues_through_the_resumed_tokens(engine: Any) -> No
     engine.assert_consistent()
 
 
-@pytest.mark.parametrize("method", ["ngram", "self:24"])
-def test_continuation_under_speculative_decoding(make_engine: Any, engine: Any, method: str) -> None:
-    """A draft guesses with the noise of the positions it drafts; a continued request speculates
-    from its resumed output like any other: the tokens are still plain decoding's."""
+def test_continuation_under_speculative_decoding(make_engine: Any, engine: Any) -> None:
+    """A continued request speculates from its resumed output like any other (its n-gram index
+    covers the resumed tokens): the tokens are still plain decoding's. (Draft models guessing
+    with the noise of the positions they draft: tests/test_speculative.py, seeded.)"""
+    method = "ngram"
     spec = make_engine(speculative=method, spec_adaptive=False)
     text = "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps again."
     prompt = list(engine.apply_chat_template([{"role": "user", "content": text}]))
