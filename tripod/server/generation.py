@@ -316,12 +316,12 @@ def json_body(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
 
 
-async def progress_stream(gen: Generation, it: AsyncIterator[Delta], first: Delta | None,
+async def progress_stream(gen: Generation, it: AsyncIterator[Delta], first: Delta | None, rid: str, created: int,
                           body: Callable[[Collected], dict[str, Any]]) -> AsyncIterator[bytes]:
     """A whole answer for the router's failover (``tripod_failover``): an event stream of
-    ``progress`` events (each delta's choice index, token ids, raw logprobs and finish reason), so
-    the router knows what a replica that fails part-way had produced, then one ``result`` event
-    holding the answer's exact bytes (or an ``error`` event)."""
+    ``progress`` events (the answer's id and created, each delta's choice index, token ids, raw
+    logprobs and finish reason), so the router knows what a replica that fails part-way had
+    produced, then one ``result`` event holding the answer's exact bytes (or an ``error`` event)."""
     col = Collector(gen)
     try:
         deltas = [first] if first is not None else []
@@ -329,7 +329,7 @@ async def progress_stream(gen: Generation, it: AsyncIterator[Delta], first: Delt
             for d in deltas:
                 col.add(d)
                 yield b"event: progress\ndata: " + json_body({
-                    "index": d.index, "token_ids": d.token_ids, "logprobs": d.logprobs,
+                    "id": rid, "created": created, "index": d.index, "token_ids": d.token_ids, "logprobs": d.logprobs,
                     "finish_reason": d.finish_reason}) + b"\n\n"
             nxt = await anext(it, None)
             if nxt is None:

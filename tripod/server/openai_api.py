@@ -179,7 +179,7 @@ async def _chat(state: ServerState, request: Request) -> Response:
         return _chat_body(state, req, c, rid, created, parser, started.gen.usage.body())
 
     if req.tripod_failover:
-        return ClosingStream(progress_stream(started.gen, started.it, started.first, answer),
+        return ClosingStream(progress_stream(started.gen, started.it, started.first, rid, created, answer),
                              on_close=started.handle.close, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
     try:
@@ -340,7 +340,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
         return _completion_body(state, req, c, rid, created, echo, n, score_only, _usage(started, score_only))
 
     if req.tripod_failover:
-        return ClosingStream(progress_stream(started.gen, started.it, started.first, answer),
+        return ClosingStream(progress_stream(started.gen, started.it, started.first, rid, created, answer),
                              on_close=started.handle.close, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
     try:
