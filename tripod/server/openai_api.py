@@ -117,11 +117,11 @@ def _resume(state: ServerState, req: ChatCompletionRequest | CompletionRequest, 
         if ch.finish_reason is not None and ch.finish_reason not in _RESUMED_FINISH:
             raise APIError(400, f"'{where}.finish_reason' must be one of {', '.join(_RESUMED_FINISH)} or null "
                            f"(got {ch.finish_reason!r})", param=f"{where}.finish_reason")
-        if ch.logprobs is not None and len(ch.logprobs) != len(ch.token_ids):
-            raise APIError(400, f"'{where}.logprobs' must have one entry per token id", param=f"{where}.logprobs")
-        priors[ch.index] = Prior(list(ch.token_ids), ch.chars, [[t, lp, [list(x) for x in top]]
-                                                                for t, lp, top in ch.logprobs or []],
-                                 ch.finish_reason)
+        lps = [_raw_logprob(x) for x in ch.logprobs or []]
+        if ch.logprobs is not None and (len(lps) != len(ch.token_ids) or None in lps):
+            raise APIError(400, f"'{where}.logprobs' must hold one [token id, logprob, [[token id, logprob], ...]] "
+                           "per token id", param=f"{where}.logprobs")
+        priors[ch.index] = Prior(list(ch.token_ids), ch.chars, lps, ch.finish_reason)
     for pi, p in enumerate(parts):
         p.resume = []
         for i in range(n):
@@ -129,6 +129,17 @@ def _resume(state: ServerState, req: ChatCompletionRequest | CompletionRequest, 
             if prior is None or prior.finish_reason is None:
                 p.resume.append(Resume(i, tuple(prior.token_ids) if prior else ()))
     return priors
+
+
+def _raw_logprob(x: list[Any]) -> list[Any] | None:
+    """``[id, logprob, [[id, logprob], ...]]`` checked, or None."""
+    def pair(p: Any) -> bool:
+        return (isinstance(p, list) and len(p) == 2 and type(p[0]) is int
+                and isinstance(p[1], (int, float)) and not isinstance(p[1], bool))
+
+    if len(x) != 3 or not pair(x[:2]) or not isinstance(x[2], list) or not all(pair(p) for p in x[2]):
+        return None
+    return [x[0], float(x[1]), [[t, float(v)] for t, v in x[2]]]
 
 
 def _mark(choice: dict[str, Any], req: ChatCompletionRequest | CompletionRequest, token_ids: list[int],

@@ -156,8 +156,8 @@ class ResumedChoice(_Strict):
     # stream starts right after them). Whole answers: None (the answer is rebuilt in full).
     chars: int | None = None
     # Whole answers: the raw logprobs of token_ids ([id, logprob, [[id, logprob], ...]] each),
-    # when the request asks for logprobs.
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # when the request asks for logprobs. (Their shape is checked where they are used.)
+    logprobs: list[list[Any]] | None = None
     finish_reason: str | None = None  # set: the choice had finished (nothing more to generate)
 
 
