@@ -176,9 +176,12 @@ async def _chat(state: ServerState, request: Request) -> Response:
     )
     stops = stop_strings(req.stop)
     cont = req.tripod_continuation
-    rid = cont.id if cont is not None else new_id("chatcmpl")
+    # NOTE: the engine's request id is always new (the request a continuation continues may still be
+    # winding down here); the answer's id is the continued one's.
+    engine_rid = new_id("chatcmpl")
+    rid = cont.id if cont is not None else engine_rid
     created = cont.created if cont is not None else int(time.time())
-    parts = [EnginePart(rid, ids, params)]
+    parts = [EnginePart(engine_rid, ids, params)]
     priors = _resume(state, req, parts, params.n)
     started = await start_generation(state, request, parts, stops, arrival, priors=priors)
     if req.stream:
@@ -325,7 +328,8 @@ async def _completions(state: ServerState, request: Request) -> Response:
     score_only = req.echo and req.max_tokens == 0
     prompts = _prompt_ids(state, req.prompt)
     cont = req.tripod_continuation
-    rid = cont.id if cont is not None else new_id("cmpl")
+    engine_rid = new_id("cmpl")  # (new even for a continuation: see _chat)
+    rid = cont.id if cont is not None else engine_rid
     created = cont.created if cont is not None else int(time.time())
     grammar = grammar_spec(req)
     stops = stop_strings(req.stop)
@@ -337,7 +341,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
             # echo + logprobs: the echoed prompt's tokens get logprobs too (the first has none).
             prompt_logprobs=req.logprobs if req.echo else None, **_sampling_fields(req),
         )
-        parts.append(EnginePart(rid if len(prompts) == 1 else f"{rid}-p{i}", ids, params))
+        parts.append(EnginePart(engine_rid if len(prompts) == 1 else f"{engine_rid}-p{i}", ids, params))
     n = parts[0].params.n
     priors = _resume(state, req, parts, n)
     started = await start_generation(state, request, parts, stops, arrival, priors=priors)
