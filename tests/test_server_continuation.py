@@ -81,6 +81,9 @@ def check_every_cut(server: Any, path: str, body: dict[str, Any], cuts: int = 8,
     usage = ref[-1]["usage"]
     points = resume_points(ref)
     assert len(points) >= 3, points
+    # Every token is reported, in order (special tokens and held-back text included): what the
+    # router resumes from is exactly a prefix of the answer.
+    assert len(points[-1][0]) == usage["completion_tokens"]
     step = max(1, len(points) // cuts)
     cut_at = [(tokens, chars, text_of(ref[:upto])) for tokens, chars, upto in points[1:-1:step]]
     inside: list[int] = []

@@ -66,6 +66,10 @@ class _Seq:
     # stateful parser has not been fed yet.
     skip: int = 0
     replay: str = ""
+    # Tokens of outputs that made no delta (nothing to show yet: a special token, half a
+    # character, a held-back stop string): they go with the next delta, so that the token ids
+    # deltas carry are always every token, in order (what a continuation resumes from).
+    unsent: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -201,8 +205,10 @@ class Generation:
         if finish is not None:
             seq.finish_reason = finish
             self.metrics.request_success.labels(m, finish).inc()
+        ids, seq.unsent = seq.unsent + ids, []
         if not text and not lps and finish is None and out.prompt_logprobs is None:
             seq.replay = replayed  # fed to a parser with the next delta
+            seq.unsent = ids
             return None
         return Delta(seq.index, text, ids, lps, finish,
                      seq.text.matched if finish == "stop" else None, out.prompt_logprobs, replayed, seq.chars)

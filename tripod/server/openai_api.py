@@ -258,6 +258,7 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, s: Starte
     fp = state.fingerprint()
     streams: dict[int, ToolCallStream] = {}
     called: set[int] = set()
+    unsent: dict[int, list[int]] = {}  # token ids of deltas that made no chunk (the parser held their text)
 
     def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
         body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -285,8 +286,11 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, s: Starte
             if not deltas and (lps is not None or finish is not None):
                 deltas = [{}]
         last = len(deltas) - 1
+        ids = unsent.pop(d.index, []) + d.token_ids
+        if not deltas:
+            unsent[d.index] = ids  # NOTE: reported with the next chunk: token ids stay complete, in order
         return [chunk([_mark({"index": d.index, "delta": delta, "logprobs": lps if j == 0 else None,
-                              "finish_reason": finish if j == last else None}, req, d.token_ids, d.chars)
+                              "finish_reason": finish if j == last else None}, req, ids, d.chars)
                        if j == last else
                        {"index": d.index, "delta": delta, "logprobs": lps if j == 0 else None,
                         "finish_reason": None}])
