@@ -70,11 +70,12 @@ def continuation(chunks: list[dict[str, Any]], choices: list[dict[str, Any]]) ->
     return {"tripod_continuation": {"id": chunks[0]["id"], "created": chunks[0]["created"], "choices": choices}}
 
 
-def check_every_cut(server: Any, path: str, body: dict[str, Any], cuts: int = 8,
-                    every_token: bool = False) -> list[dict[str, Any]]:
+def check_every_cut(server: Any, path: str, body: dict[str, Any], cuts: int = 3,
+                    inside: bool = False) -> list[dict[str, Any]]:
     """Stream ``body`` undisturbed, then continue it from (up to ``cuts``, spread) resume points
-    (``every_token``: also from after every token, the client having all its visible text): each
-    continuation's text completes the text before the cut into the undisturbed one."""
+    (``inside``: also from up to ``cuts`` single tokens after which the text ends in half a
+    character or the start of a stop string): each continuation's text completes the text before
+    the cut into the undisturbed one."""
     body = {**body, "tripod_failover": True, "stream_options": {"include_usage": True}}
     ref = stream(server, path, body)
     full = text_of(ref)
@@ -85,9 +86,9 @@ def check_every_cut(server: Any, path: str, body: dict[str, Any], cuts: int = 8,
     # router resumes from is exactly a prefix of the answer.
     assert len(points[-1][0]) == usage["completion_tokens"]
     step = max(1, len(points) // cuts)
-    cut_at = [(tokens, chars, text_of(ref[:upto])) for tokens, chars, upto in points[1:-1:step]]
-    inside: list[int] = []
-    if every_token:
+    cut_at = [(tokens, chars, text_of(ref[:upto])) for tokens, chars, upto in points[1:-1:step]][:cuts]
+    found: list[tuple[list[int], int, str]] = []
+    if inside:
         # After single tokens too, where it matters most: the text of the first k tokens ends in
         # half a character, or the stop string has begun.
         all_tokens = points[-1][0]
@@ -96,8 +97,9 @@ def check_every_cut(server: Any, path: str, body: dict[str, Any], cuts: int = 8,
             held = [s[:j] for s in body.get("stop") or [] for j in range(1, len(s)) if raw.endswith(s[:j])]
             if raw.endswith("\ufffd") or held:
                 chars = min(len(raw.rstrip("\ufffd")) - max(map(len, held), default=0), len(full))
-                cut_at.append((all_tokens[:k], chars, full[:chars]))
-                inside.append(k)
+                found.append((all_tokens[:k], chars, full[:chars]))
+        assert found, "no cut inside a character or a stop string"
+        cut_at += found[:: max(1, len(found) // cuts)][:cuts]
     for tokens, chars, before in cut_at:
         assert chars == len(before)
         got = stream(server, path, {**body, **continuation(ref, [{"index": 0, "token_ids": tokens, "chars": chars}])})
@@ -109,14 +111,13 @@ def check_every_cut(server: Any, path: str, body: dict[str, Any], cuts: int = 8,
         u = got[-1]["usage"]  # the prompt counted once, every generated token counted
         assert (u["prompt_tokens"], u["completion_tokens"]) == (usage["prompt_tokens"], usage["completion_tokens"])
         assert u["prompt_tokens_details"]["cached_tokens"] <= u["prompt_tokens"]
-    assert inside or not every_token, "no cut inside a character or a stop string"
     return ref
 
 
 def test_multibyte_characters_split_across_the_cut(server: Any) -> None:
     body = {"messages": CHAT, "max_tokens": 60, "temperature": 0, "logprobs": True,
             "choice": [FORCED], "speculative": False}
-    ref = check_every_cut(server, "/v1/chat/completions", body, cuts=4, every_token=True)
+    ref = check_every_cut(server, "/v1/chat/completions", body, inside=True)
     assert text_of(ref) == FORCED
 
 
@@ -124,7 +125,7 @@ def test_stop_string_spanning_the_cut(server: Any) -> None:
     forced = "alpha beta gamma STOP delta epsilon"
     body = {"messages": CHAT, "max_tokens": 60, "temperature": 0, "logprobs": True, "choice": [forced],
             "stop": ["a STO"], "speculative": False}
-    ref = check_every_cut(server, "/v1/chat/completions", body, cuts=4, every_token=True)
+    ref = check_every_cut(server, "/v1/chat/completions", body, inside=True)
     assert text_of(ref) == "alpha beta gamm"
 
 
@@ -173,7 +174,8 @@ def test_tool_calls_continue_mid_arguments(server: Any) -> None:
 
     want = calls(ref)
     assert want[0] == "get_weather" and json.loads(want[1]) and want[2] == ["tool_calls"]
-    for tokens, chars, upto in resume_points(ref)[1:-1]:
+    points = resume_points(ref)
+    for tokens, chars, upto in points[1:-1:max(1, len(points) // 3)]:
         got = stream(server, "/v1/chat/completions", {**body, **continuation(ref, [
             {"index": 0, "token_ids": tokens, "chars": chars}])})
         a, b = calls(ref[:upto]), calls(got)
