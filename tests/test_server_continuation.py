@@ -17,9 +17,18 @@ from typing import Any
 
 import httpx
 import pytest
+from server_helpers import ServerProcess
 
 FORCED = "naïve café 🦊 résumé — done"  # multi-byte characters, split across byte-level tokens
 CHAT = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A server of its own on one thread (on a busy 2-core machine two threads thrash)."""
+    srv = ServerProcess(tmp_path_factory.mktemp("continuation"), "--threads", "1")
+    yield srv
+    srv.stop()
 
 
 def post(server: Any, path: str, body: dict[str, Any]) -> httpx.Response:
