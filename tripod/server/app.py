@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tripod.server.admin_api import add_admin_routes
 from tripod.server.anthropic_api import add_anthropic_routes
 from tripod.server.openai_api import add_openai_routes
+from tripod.server.openapi import openapi_document
 from tripod.server.protocol import APIError
 from tripod.server.serving import ClientGone, ServerState, too_large
 
@@ -30,10 +31,10 @@ __all__ = ["ServerState", "build_app", "lifespan_for"]
 
 log = logging.getLogger("tripod.server")
 
-_OPEN_PATHS = ("/health", "/metrics")
+_OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 _ROUTES = {
     "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
-    "/health", "/metrics", "/tokenize", "/detokenize", "/debug/engine",
+    "/health", "/metrics", "/tokenize", "/detokenize", "/debug/engine", "/openapi.json",
 }
 
 
@@ -108,7 +109,7 @@ class GuardMiddleware:
 
 
 def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
-    app = FastAPI(title="tripod", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tripod", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.tripod = state
     app.add_middleware(GuardMiddleware, state=state)
 
@@ -129,6 +130,14 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     add_admin_routes(app, state)
     add_openai_routes(app, state)
     add_anthropic_routes(app, state)
+    document: dict[str, Any] = {}
+
+    def openapi() -> dict[str, Any]:
+        if not document:
+            document.update(openapi_document(app))
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 
