@@ -547,6 +547,7 @@ class Router:
                         and resp.headers.get("content-type", "").startswith("text/event-stream"):
                     content = await self._progress(answer, resp)  # a whole answer under failover
                     back["content-type"] = "application/json"
+                    back.pop("cache-control", None)  # (the progress stream's, not the answer's)
                 else:
                     content = await resp.aread()
                 if resp.status_code == 200:
