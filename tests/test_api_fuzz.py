@@ -34,6 +34,7 @@ from tripod.server.openapi import api_document
 
 schema = schemathesis.openapi.from_dict(api_document())
 SEEN: collections.Counter[tuple[str, str, int]] = collections.Counter()
+LONG_EXAMPLES = 1000  # per operation, in the slow run
 STARTED = time.monotonic()
 
 
@@ -73,7 +74,7 @@ def test_fuzz_smoke(case: Any, fuzz_server: ServerProcess) -> None:
 
 @pytest.mark.slow
 @schema.parametrize()
-@settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=LONG_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 def test_fuzz_long(case: Any, fuzz_server: ServerProcess) -> None:
     check(case, fuzz_server)
 
@@ -102,7 +103,8 @@ def write_report(path: Path) -> None:
         "# HTTP API fuzzing (schemathesis, from the OpenAPI document)", "",
         f"- date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}",
         f"- schemathesis {schemathesis.SCHEMATHESIS_VERSION}; `TRIPOD_FUZZ_REPORT={path} python -m pytest -m "
-        "'slow or not slow' tests/test_api_fuzz.py` (smoke + long: 150 examples per operation, plus coverage cases)",
+        f"'slow or not slow' tests/test_api_fuzz.py` (smoke + long: {LONG_EXAMPLES} examples per operation, plus "
+        "schemathesis' coverage cases)",
         "- server: `tripod serve --dtype float32 --kernels optimized --threads 1 --max-n 4` (embedded SmolLM2-135M)",
         "- checks: no 5xx; every non-200 answer matches the documented error schema of its API; after the run "
         "`/health` is 200, the engine is idle with its KV accounted for, and a completion is served",

@@ -16,7 +16,12 @@ from pydantic import BaseModel
 
 from tripod import __version__
 from tripod.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from tripod.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tripod.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 OPENAI_ERROR: dict[str, Any] = {
     "type": "object", "required": ["error"], "additionalProperties": False,
@@ -91,7 +96,7 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
             schemas[model.__name__] = schema
             op["requestBody"] = {"required": True, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-            if streams:  # "stream": true answers with server-sent events
-                op["responses"]["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+            if streams:  # "stream": true answers with server-sent events (JSON chunks, then [DONE])
+                op["responses"]["200"]["content"]["text/event-stream"] = {"schema": {}}
             op["responses"].update(_errors(shape))
     return doc

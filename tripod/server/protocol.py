@@ -62,12 +62,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def one_of(*values: str) -> Any:
+    """A string field documented (OpenAPI) as one of ``values``; the route checks it itself, with a
+    message that says what to send."""
+    return Field(json_schema_extra={"enum": list(values)})
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
 class ContentPart(_Strict):
-    type: str
+    type: str = one_of("text")
     text: str | None = None
 
 
@@ -83,7 +92,7 @@ class MessageToolCall(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: str
+    role: str = one_of(*ROLES)
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # role "assistant"
@@ -98,7 +107,7 @@ class FunctionDef(_Strict):
 
 
 class ToolDef(_Strict):
-    type: str
+    type: str = one_of("function")
     function: FunctionDef
 
 
@@ -107,7 +116,7 @@ class NamedFunction(_Strict):
 
 
 class NamedToolChoice(_Strict):
-    type: str
+    type: str = one_of("function")
     function: NamedFunction
 
 
@@ -258,9 +267,6 @@ def _jsonable(x: Any) -> bool:
         return True
     except (TypeError, ValueError):
         return False
-
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[Message]:
