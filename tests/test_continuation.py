@@ -119,3 +119,16 @@ def test_invalid_continuations_are_refused(engine: Any, prompt: list[int]) -> No
         with pytest.raises(ValueError, match=why):
             engine.add_request(prompt, params, resume=resume)
     assert not engine.has_work
+
+
+def test_a_constraint_no_token_can_write_is_rejected_not_fatal(engine: Any, prompt: list[int]) -> None:
+    """(Found by the API fuzzing: a grammar whose next character no token writes left every logit
+    masked, and the engine asserted and died.) The request is rejected with a message."""
+    odd = json.dumps(["\u00b2\U0009ca3e\u00e4iV\u0082)\"~"])
+    copies = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0,
+                                                       grammar=GrammarSpec("choice", odd)))
+    run(engine, copies)
+    r = copies[0]
+    assert r.finish_reason is not None and r.finish_reason.value == "rejected", (r.finish_reason, r.output_ids)
+    assert r.error is not None and "cannot be written" in r.error
+    assert engine.generate(prompt, SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids  # still serving

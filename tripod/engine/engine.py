@@ -502,9 +502,15 @@ class Engine:
                 self.stats.cached_prompt_tokens += req.cached_tokens
             tok = result.token_ids[j]
             lp = result.logprobs[j]
-            if req.matcher is not None:
-                ok = req.matcher.accept_token(tok)
-                assert ok, f"{req.rid}: the grammar refused sampled token {tok} (mask not applied?)"
+            if req.matcher is not None and not req.matcher.accept_token(tok):
+                # NOTE: only possible when the grammar allowed no token at all (what it requires
+                # next cannot be written with this vocabulary): the caller's constraint, a 400.
+                assert not torch.isfinite(logits[j]).any(), f"{req.rid}: the grammar refused sampled token {tok}"
+                req.error = unsatisfiable(req)
+                self.scheduler.finish(req, FinishReason.REJECTED)
+                req.finish_time = time.monotonic()
+                outs.append(StepOutput(req, [], [], True))
+                continue
             req.output_ids.append(tok)
             if lp is not None:
                 req.output_logprobs.append(lp)
@@ -690,3 +696,8 @@ def _advance(req: Req) -> str | None:
     if req.output_ids and req.matcher.is_terminated():
         return "the continuation's output already completes the request's output constraint: it had finished"
     return None
+
+
+def unsatisfiable(req: Req) -> str:
+    return (f"the output constraint allows no token at output position {len(req.output_ids)}: what it requires "
+            "next cannot be written with this model's vocabulary; change the constraint")
