@@ -121,10 +121,13 @@ def test_invalid_continuations_are_refused(engine: Any, prompt: list[int]) -> No
     assert not engine.has_work
 
 
-def test_a_constraint_no_token_can_write_is_rejected_not_fatal(engine: Any, prompt: list[int]) -> None:
-    """(Found by the API fuzzing: a grammar whose next character no token writes left every logit
-    masked, and the engine asserted and died.) The request is rejected with a message."""
-    odd = json.dumps(["\u00b2\U0009ca3e\u00e4iV\u0082)\"~"])
+@pytest.mark.parametrize("text", ["\U0009ca3e!", "\u00b2\U0009ca3e\u00e4iV\u0082)\"~"], ids=["first", "later"])
+def test_a_constraint_no_token_can_write_is_rejected_not_fatal(engine: Any, prompt: list[int], text: str) -> None:
+    """(Found by the API fuzzing: a grammar whose next character no token writes — here a plane-9
+    character, whose first UTF-8 byte this vocabulary has no token for — left every logit masked,
+    and the engine asserted and died.) The request is rejected with a message, at the first token
+    (a plain sample) or later (a jump-forward verification)."""
+    odd = json.dumps([text])
     copies = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0,
                                                        grammar=GrammarSpec("choice", odd)))
     run(engine, copies)
