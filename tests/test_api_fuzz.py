@@ -102,7 +102,8 @@ def write_report(path: Path) -> None:
     lines = [
         "# HTTP API fuzzing (schemathesis, from the OpenAPI document)", "",
         f"- date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}",
-        f"- schemathesis {schemathesis.SCHEMATHESIS_VERSION}; `TRIPOD_FUZZ_REPORT={path} python -m pytest -m "
+        f"- schemathesis {schemathesis.SCHEMATHESIS_VERSION}; `TRIPOD_FUZZ_REPORT="
+        f"{os.path.relpath(path, Path(__file__).resolve().parents[1])} python -m pytest -m "
         f"'slow or not slow' tests/test_api_fuzz.py` (smoke + long: {LONG_EXAMPLES} examples per operation, plus "
         "schemathesis' coverage cases)",
         "- server: `tripod serve --dtype float32 --kernels optimized --threads 1 --max-n 4` (embedded SmolLM2-135M)",
