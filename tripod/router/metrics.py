@@ -32,7 +32,7 @@ class RouterMetrics:
             "exhausted (no continuation left: the client got an error)", ["outcome"], registry=r)
         self.continuation_seconds = Histogram(
             "tripod:router_continuation_seconds",
-            "from a replica's failure mid-answer to the first byte of the continued answer",
+            "streams: from a replica's failure mid-answer to the first byte of the continued answer",
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64), registry=r)
         self.est_prompt = Counter("tripod:router_estimated_prompt_tokens", "prompt tokens routed (estimated)",
                                   ["replica"], registry=r)

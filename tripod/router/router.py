@@ -473,13 +473,11 @@ class Router:
                 tried.add(rep)
                 flight = self._begin(d, rr, retry=bool(retries or continuing), caches=path in _GENERATING)
                 use = answer if answer is not None and rep.continues else None
-                t0 = self.clock()
                 outcome = await self._attempt(flight, path, raw if use is None else use.request_body(), send_headers,
                                               stream, rr, use, tried)
                 if isinstance(outcome, Response):
                     if continuing:
                         self.metrics.continuations.labels("ok").inc()
-                        self.metrics.continuation_seconds.observe(self.clock() - t0)
                     handed_off = stream and outcome.status_code == 200
                     return outcome
                 last = outcome
