@@ -238,16 +238,12 @@ def test_kill_a_replica_during_a_burst(tmp_path: Path) -> None:
             # Requests arriving right after the kill are answered too (by the survivor).
             late = [pool.submit(_stream, fleet.url, 100 + i, 8) for i in range(4)]
             results = [f.result() for f in burst + late]
-        cut = [r for r in results if not r["done"]]
         for r in results:
             assert r["status"] == 200, r
-            if r["done"]:
-                assert r["error"] is None and r["chunks"] > 0
-        # Only streams already flowing from the killed replica end in an error, and a clear one.
-        assert cut, "the kill cut no stream"
-        for r in cut:
-            assert r["replica"] == "replica-0" and r["chunks"] >= 1, r
-            assert r["error"]["code"] == "replica_failed" and "incomplete" in r["error"]["message"], r
+            # Streams flowing from the killed replica are continued on the survivor: every one ends.
+            assert r["done"] and r["error"] is None and r["chunks"] > 0, r
+        page = httpx.get(fleet.url + "/metrics", timeout=10).text
+        assert 'tripod:router_continuations_total{outcome="ok"}' in page, "the kill cut no stream"
         # The supervisor restarts it and it serves again.
         f = fleet.wait_for("replica-0 restarted", lambda f: any(
             r["name"] == "replica-0" and r["state"] == "healthy" and r["pid"] != victim["pid"] for r in f["replicas"]), 180)

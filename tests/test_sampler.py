@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tripod.engine.request import Req, SamplingParams
-from tripod.engine.sampler import Sampler, make_generator
+from tripod.engine.sampler import Sampler, noise_key, position_key, seeded_noise, seeded_uniform
 
 CPU = torch.device("cpu")
 LOGITS = torch.tensor([1.0, 3.0, 0.5, 2.5, -1.0])  # argmax 1, runner-up 3
@@ -17,8 +17,16 @@ VOCAB = LOGITS.numel()
 
 def _req(prompt: list[int] | None = None, seed: int | None = None, **params: object) -> Req:
     p = SamplingParams(seed=seed, **params)  # type: ignore[arg-type]
-    gen = make_generator(seed, CPU) if seed is not None else None
-    return Req(prompt_ids=prompt or [0], params=p, generator=gen)
+    return Req(prompt_ids=prompt or [0], params=p, noise_key=noise_key(seed) if seed is not None else None)
+
+
+def _decode(sampler: Sampler, logits: torch.Tensor, reqs: list[Req], row: int) -> int:
+    """One decoding step as the engine takes it: sample, then append each row's token to its
+    request's output (a seeded request's noise is that of its next output position)."""
+    toks = sampler.sample(logits, reqs).token_ids
+    for r, t in zip(reqs, toks, strict=True):
+        r.output_ids.append(t)
+    return toks[row]
 
 
 def _draws(req: Req, n: int, logits: torch.Tensor = LOGITS, seed: int = 0) -> list[int]:
@@ -109,7 +117,7 @@ def test_seeded_request_draws_the_same_alone_or_in_a_batch() -> None:
 
     alone = _req(seed=1234, temperature=1.0)
     s1 = Sampler(CPU, seed=0)
-    solo = [s1.sample(logits, [alone]).token_ids[0] for _ in range(steps)]
+    solo = [_decode(s1, logits, [alone], 0) for _ in range(steps)]
 
     mine = _req(seed=1234, temperature=1.0)
     others = [
@@ -123,7 +131,7 @@ def test_seeded_request_draws_the_same_alone_or_in_a_batch() -> None:
     batched: list[int] = []
     for _ in range(steps):
         rows = [others[0], others[1], mine, others[2], others[3]]
-        batched.append(s2.sample(batch_logits, rows).token_ids[2])
+        batched.append(_decode(s2, batch_logits, rows, 2))
     assert batched == solo
     assert len(set(solo)) > 3, "the draws really are random, not a fixed token"
 
@@ -132,17 +140,54 @@ def test_different_seeds_draw_differently() -> None:
     logits = torch.zeros(1, 1000)
     r1, r2 = _req(seed=1), _req(seed=2)
     s = Sampler(CPU)
-    a = [s.sample(logits, [r1]).token_ids[0] for _ in range(5)]
-    b = [s.sample(logits, [r2]).token_ids[0] for _ in range(5)]
+    a = [_decode(s, logits, [r1], 0) for _ in range(5)]
+    b = [_decode(s, logits, [r2], 0) for _ in range(5)]
     assert a != b
 
 
-def test_make_generator_is_reproducible() -> None:
-    x = torch.empty(8).exponential_(generator=make_generator(5, CPU))
-    y = torch.empty(8).exponential_(generator=make_generator(5, CPU))
-    assert torch.equal(x, y)
-    # Seeds beyond 64 bits (the engine adds offsets for n > 1 copies) are folded, not rejected.
-    make_generator(5 + 0x9E3779B97F4A7C15 * 3, CPU)
+def test_seeded_noise_is_a_function_of_seed_copy_and_position_only() -> None:
+    """Counter-based: the draw at output position k is the same whatever came before it, so a
+    continuation that starts at k (prior output given as tokens) draws what the original would."""
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(5))
+    full = _req(seed=77, temperature=1.0)
+    s = Sampler(CPU, seed=3)
+    ref = [_decode(s, logits, [full], 0) for _ in range(30)]
+    for k in (1, 13, 29):
+        cont = _req(seed=77, temperature=1.0)
+        cont.output_ids = list(ref[:k])  # what a continuation at k carries
+        other = Sampler(CPU, seed=99)
+        other.sample(torch.randn(3, 64), [_req(temperature=1.0)] * 3)  # unrelated draws in between
+        assert [_decode(other, logits, [cont], 0) for _ in range(30 - k)] == ref[k:]
+    # The row is the key's alone: reproducible, different per copy and per position.
+    a = seeded_noise([position_key(noise_key(5), 3)], 1000, CPU)
+    assert torch.equal(a, seeded_noise([position_key(noise_key(5), 3)], 1000, CPU))
+    assert not torch.equal(a, seeded_noise([position_key(noise_key(5, copy=1), 3)], 1000, CPU))
+    assert not torch.equal(a, seeded_noise([position_key(noise_key(5), 4)], 1000, CPU))
+    # Seeds beyond 64 bits and negative seeds are folded, not rejected.
+    seeded_noise([position_key(noise_key(-3 + 2**70), 0)], 8, CPU)
+
+
+def test_seeded_uniforms_are_uniform_and_independent() -> None:
+    keys = [position_key(noise_key(seed), k) for seed in range(4) for k in range(50)]
+    u = seeded_uniform(keys, 4096, CPU)
+    assert float(u.min()) > 0.0 and float(u.max()) < 1.0
+    # 200 rows x 4096: deciles equally filled (chi-square, 9 dof, p = 0.001: 27.88) ...
+    counts = torch.bincount((u * 10).long().flatten(), minlength=10).tolist()
+    assert _chi_square(counts, [0.1] * 10) < 27.88, counts
+    # ... and no correlation between neighbouring positions or neighbouring vocabulary entries.
+    assert abs(float(torch.corrcoef(torch.stack([u[:-1].flatten(), u[1:].flatten()]))[0, 1])) < 0.01
+    assert abs(float(torch.corrcoef(torch.stack([u[:, :-1].flatten(), u[:, 1:].flatten()]))[0, 1])) < 0.01
+
+
+def test_seeded_sampling_across_positions_matches_softmax() -> None:
+    """A seeded sequence's draws over its positions follow the distribution (the noise is random
+    enough as a sampler, not only reproducible)."""
+    temp = 1.3
+    req = _req(seed=2024, temperature=temp)
+    s = Sampler(CPU)
+    draws = [_decode(s, LOGITS.unsqueeze(0), [req], 0) for _ in range(6000)]
+    probs = torch.softmax(LOGITS / temp, dim=-1).tolist()
+    assert _chi_square(_counts(draws), probs) < _CHI2_4DOF_999
 
 
 # ---------------------------------------------------------------- penalties

@@ -104,7 +104,11 @@ def _router_args(p: argparse.ArgumentParser, policy_flag: str) -> None:
                    "balance-rel x (least in-flight) + balance-abs requests in flight is not chosen for its cache")
     g.add_argument("--balance-rel", type=float, default=1.5, help="see --balance-abs")
     g.add_argument("--max-retries", type=int, default=2,
-                   help="other replicas tried when one fails before the answer starts")
+                   help="other replicas tried when one fails before the answer starts; and continuations of an "
+                   "answer (OpenAI chat/completions) on another replica when its replica fails mid-answer")
+    g.add_argument("--stall-timeout", type=float, default=30.0,
+                   help="seconds an answer may go silent mid-way before its replica counts as failed (and the "
+                   "answer is continued elsewhere)")
     g.add_argument("--max-pending", type=int, default=1024, help="requests the router holds before answering 429")
     g.add_argument("--queue-timeout", type=float, default=30.0,
                    help="longest wait for a routable replica before 503")
@@ -415,6 +419,7 @@ def _router_config(args: argparse.Namespace) -> Any:
     return RouterConfig(
         host=args.host, port=args.port, policy=args.router_policy, load_weight=args.load_weight,
         balance_abs=args.balance_abs, balance_rel=args.balance_rel, max_retries=args.max_retries,
+        stall_timeout=args.stall_timeout,
         max_pending=args.max_pending, queue_timeout=args.queue_timeout, health_interval=args.health_interval,
         api_key=args.api_key or None, bench_dir=args.bench_dir,
     )

@@ -227,7 +227,10 @@ class RouterConfig:
     metrics_interval: float = 2.0  # seconds between /metrics scrapes (load refresh)
     failure_threshold: int = 3  # consecutive errors that open a replica's circuit
     open_cooldown: float = 2.0  # an open circuit closes on the first good probe after this long
-    max_retries: int = 2  # a request that fails before its first token: other replicas to try
+    # A request that fails before its first token: other replicas to try; one that fails after it
+    # (OpenAI chat/completions on tripod replicas): continuations on other replicas, at most this many.
+    max_retries: int = 2
+    stall_timeout: float = 30.0  # an answer silent this long mid-way: its replica is failing (continue elsewhere)
     max_pending: int = 1024  # requests in the router (waiting + in flight); past it: 429
     queue_timeout: float = 30.0  # longest wait for a routable replica; then 503
     connect_timeout: float = 5.0
@@ -248,7 +251,7 @@ class RouterConfig:
             if getattr(self, name) < 0 or (name != "load_weight" and getattr(self, name) == 0):
                 raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
         for name in ("health_interval", "health_timeout", "metrics_interval", "queue_timeout",
-                     "connect_timeout", "request_timeout"):
+                     "connect_timeout", "request_timeout", "stall_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
         if self.failure_threshold < 1 or self.max_pending < 1 or self.max_retries < 0 or self.balance_abs < 0:

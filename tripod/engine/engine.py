@@ -26,11 +26,12 @@ from tripod.engine.request import (
     FinishReason,
     Req,
     RequestOutput,
+    Resume,
     SamplingParams,
     StreamDelta,
     TokenLogprob,
 )
-from tripod.engine.sampler import Sampler, make_generator
+from tripod.engine.sampler import Sampler, noise_key
 from tripod.engine.scheduler import SchedulePolicy, Scheduler
 from tripod.engine.speculative.counts import SpecCounts
 from tripod.engine.speculative.factory import extra_bytes_per_token, load_draft, make_proposer
@@ -255,14 +256,19 @@ class Engine:
         return self._grammars
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+        resume: Sequence[Resume] | None = None,
     ) -> list[Req]:
         """Queue a prompt; returns its ``params.n`` copies (ids ``{id}`` or ``{id}-{i}``).
 
+        ``resume``: continue only the copies named, each from the tokens it had generated (see
+        ``Resume``); the copies keep their ids and indices.
+
         A constrained request (``params.grammar``) waits while its grammar compiles in the
-        background; an invalid grammar finishes it as ``rejected`` with ``Req.error`` set.
+        background; an invalid grammar (or a resumed output it refuses) finishes it as
+        ``rejected`` with ``Req.error`` set.
         """
-        copies = self._prepare(prompt, params, request_id)
+        copies = self._prepare(prompt, params, request_id, resume)
         spec = copies[0].params.grammar
         if spec is None:
             self._enqueue(copies)
@@ -298,6 +304,10 @@ class Engine:
                 else:
                     for r in copies:
                         r.matcher = self.grammars.matcher(compiled)
+                        refused = _advance(r)
+                        if refused is not None:
+                            r.finish_reason = FinishReason.REJECTED
+                            r.error = refused
                         del self._reqs[r.rid]
                     self._enqueue([r for r in copies if not r.finished])
                     for r in copies:
@@ -327,7 +337,8 @@ class Engine:
         self._compiling = still
 
     def _prepare(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+        resume: Sequence[Resume] | None = None,
     ) -> list[Req]:
         """Validate a prompt and build its copies without queueing anything."""
         params = params or SamplingParams()
@@ -346,22 +357,44 @@ class Engine:
                 f"(context {limit} including at least one generated token); shorten the prompt"
             )
         base = request_id or f"req-{next(self._rid_counter)}"
+        prior = {r.index: list(r.output_ids) for r in resume} if resume is not None else {}
+        if resume is not None:
+            self._check_resume(resume, params, ids, limit)
         copies: list[Req] = []
-        for i in range(params.n):
+        for i in sorted(prior) if resume is not None else range(params.n):
             rid = base if params.n == 1 else f"{base}-{i}"
             if rid in self._reqs:
                 raise ValueError(f"request id {rid!r} is already in use")
-            gen = None
-            if params.seed is not None:
-                gen = make_generator(params.seed + 0x9E3779B97F4A7C15 * i if i else params.seed, self.device)
             req = Req(
-                list(ids), params, rid=rid, generator=gen, eos_ids=self.eos_ids, max_len=limit,
-                index=i, group=base,
+                list(ids), params, rid=rid, eos_ids=self.eos_ids, max_len=limit,
+                noise_key=noise_key(params.seed, i) if params.seed is not None else None,
+                index=i, group=base, output_ids=prior.get(i, []),
             )
-            if i > 0 and self.cache.enabled:
+            if copies and self.cache.enabled:
                 req.wait_for = copies[0]
             copies.append(req)
         return copies
+
+    def _check_resume(self, resume: Sequence[Resume], params: SamplingParams, ids: list[int], limit: int) -> None:
+        """A continuation names distinct copies of the request, each with fewer tokens than it may
+        generate and none that would have ended it."""
+        if not resume:
+            raise ValueError("a continuation must resume at least one copy")
+        seen: set[int] = set()
+        vocab = self.model_config.vocab_size
+        for r in resume:
+            if not 0 <= r.index < params.n or r.index in seen:
+                raise ValueError(f"continuation copy indices must be distinct and in [0, {params.n}) (got {r.index})")
+            seen.add(r.index)
+            out = list(r.output_ids)
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in out):
+                raise ValueError(f"continuation token ids must be integers in [0, {vocab})")
+            if len(out) >= params.max_tokens or len(ids) + len(out) >= limit:
+                raise ValueError(f"copy {r.index} of the continuation has {len(out)} tokens already: nothing is "
+                                 f"left to generate within max_tokens ({params.max_tokens}) and the context ({limit})")
+            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+            if any(t in ends for t in out):
+                raise ValueError(f"copy {r.index} of the continuation contains a stop token: it had finished")
 
     def _enqueue(self, copies: list[Req]) -> None:
         if copies and copies[0].params.prompt_logprobs is not None and copies[0].prompt_logprobs is None:
@@ -471,15 +504,21 @@ class Engine:
                 self.scheduler.cache_prefix(req)  # a prefill chunk: share it right away
                 continue
             assert result is not None
-            if not req.output_ids and req.retractions == 0:
+            if req.first_token_time is None:  # (a continuation's prompt includes its resumed output)
                 self.scheduler.cache_prefix(req)  # the whole prompt is computed: share it
                 req.first_token_time = time.monotonic()
                 self.stats.cached_prompt_tokens += req.cached_tokens
             tok = result.token_ids[j]
             lp = result.logprobs[j]
-            if req.matcher is not None:
-                ok = req.matcher.accept_token(tok)
-                assert ok, f"{req.rid}: the grammar refused sampled token {tok} (mask not applied?)"
+            if req.matcher is not None and not req.matcher.accept_token(tok):
+                # NOTE: only possible when the grammar allowed no token at all (what it requires
+                # next cannot be written with this vocabulary): the caller's constraint, a 400.
+                assert not torch.isfinite(logits[j]).any(), f"{req.rid}: the grammar refused sampled token {tok}"
+                req.error = unsatisfiable(req)
+                self.scheduler.finish(req, FinishReason.REJECTED)
+                req.finish_time = time.monotonic()
+                outs.append(StepOutput(req, [], [], True))
+                continue
             req.output_ids.append(tok)
             if lp is not None:
                 req.output_logprobs.append(lp)
@@ -574,6 +613,7 @@ class Engine:
                 compiled = self.grammars.compile_now(spec)
                 for r in g:
                     r.matcher = self.grammars.matcher(compiled)
+                    assert not r.output_ids
         for g in groups:
             self._enqueue(g)
         mine = {r.rid for g in groups for r in g}
@@ -652,3 +692,20 @@ class Engine:
 
     def reset_prefix_cache(self) -> None:
         self.cache.reset()
+
+
+def _advance(req: Req) -> str | None:
+    """Feed a continued copy's resumed output to its fresh grammar matcher (the invariant: a
+    matcher has accepted exactly ``output_ids``); why not, if the grammar refuses it."""
+    for k, t in enumerate(req.output_ids):
+        if not req.matcher.accept_token(t):
+            return (f"the continuation's token {t} at output position {k} does not follow the request's "
+                    "output constraint")
+    if req.output_ids and req.matcher.is_terminated():
+        return "the continuation's output already completes the request's output constraint: it had finished"
+    return None
+
+
+def unsatisfiable(req: Req) -> str:
+    return (f"the output constraint allows no token at output position {len(req.output_ids)}: what it requires "
+            "next cannot be written with this model's vocabulary; change the constraint")

@@ -172,6 +172,18 @@ def _finite(x: object) -> bool:
 _rid_counter = itertools.count()
 
 
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """One copy of a request continued from the tokens it had generated (elsewhere: the router's
+    failover re-issues a request to another replica as a continuation). The engine treats
+    ``output_ids`` exactly as if it had generated them itself: penalties count them, the grammar
+    matcher is advanced through them, ``max_tokens`` and the seeded noise's position include
+    them; only their KV is computed again, like a prompt's."""
+
+    index: int  # which of the request's n copies (its seeded noise stream)
+    output_ids: tuple[int, ...]
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
@@ -211,8 +223,9 @@ class Req:
     retractions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
-    # Per-request sampling state (generator for seeded sampling, token counts for penalties).
-    generator: Any = None
+    # Seeded sampling: the key of this sequence's counter-based noise (sampler.noise_key of the
+    # seed and the copy index); None draws from the engine's shared generator.
+    noise_key: int | None = None
     eos_ids: frozenset[int] = frozenset()
     max_len: int = 0  # hard cap on len(all_ids), from the model's context
     index: int = 0  # which of the n copies

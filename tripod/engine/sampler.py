@@ -3,8 +3,15 @@
 Logit bias first (OpenAI's ``logit_bias``: added to the raw logits), then penalties; whatever
 the caller masked (grammars) stays masked. Greedy rows take the argmax. Sampled rows go through
 temperature, top-k, top-p and min-p in one vectorised pass, then draw with the exponential race
-(argmax p / E, E ~ Exp(1)), whose noise comes from the request's own generator when it has a
-seed; so a seeded request draws the same tokens whatever else shares its batch.
+(argmax p / E, E ~ Exp(1)).
+
+Seeded requests draw *counter-based* noise: the noise of output position k (k = tokens the
+sequence has generated before this one, prior output of a continuation included) is a pure
+function of (seed, copy index, k, vocabulary index), a hash evaluated for the whole row at once
+(``seeded_noise``). It never depends on how many draws came before, so a seeded request draws the
+same tokens whatever else shares its batch, after a retraction, under speculative decoding (a
+draft evaluates the noise of the positions it guesses), and when another replica continues it
+from position k (the router's failover). Unseeded requests share the engine's generator.
 """
 
 from __future__ import annotations
@@ -122,14 +129,19 @@ class Sampler:
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples index i with probability
         # p_i / sum(p), so no renormalisation is needed after filtering.
         noise = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
+        unseeded = [i for i, r in enumerate(reqs) if r.noise_key is None]
+        seeded = [i for i, r in enumerate(reqs) if r.noise_key is not None]
         if unseeded:
             noise[unseeded] = torch.empty(
                 len(unseeded), probs.shape[1], device=probs.device
             ).exponential_(generator=self.generator)
-        for i, r in enumerate(reqs):
-            if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
+        if seeded:
+            keys = [position_key(reqs[i].noise_key, len(reqs[i].output_ids)) for i in seeded]
+            rows = seeded_noise(keys, probs.shape[1], probs.device)
+            if len(seeded) == len(reqs):
+                noise = rows
+            else:
+                noise[seeded] = rows
         return (probs / noise).argmax(dim=-1)
 
     def uniform(self) -> float:
@@ -164,7 +176,63 @@ def _apply_penalties(row: torch.Tensor, req: Req) -> None:
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-    return g
+# ---------------------------------------------------------------------- counter-based noise
+_M64 = 0xFFFF_FFFF_FFFF_FFFF
+_M32 = 0xFFFF_FFFF
+_VOCAB_INDEX: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers with full avalanche."""
+    x = (x + 0x9E37_79B9_7F4A_7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58_476D_1CE4_E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D0_49BB_1331_11EB) & _M64
+    return x ^ (x >> 31)
+
+
+def noise_key(seed: int, copy: int = 0) -> int:
+    """The key of one seeded sequence's noise: its request's seed and which of the ``n`` copies
+    it is (copies of one request draw independently). Any integer seed is accepted (folded to
+    64 bits)."""
+    return _mix64(_mix64(seed & _M64) ^ (copy & _M64))
+
+
+def position_key(key: int, position: int) -> int:
+    """The key of the draw at output ``position`` (0 = the first generated token)."""
+    return _mix64(key ^ _mix64(0x5851_F42D_4C95_7F2D ^ position))
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """``h * c mod 2**32`` for int64 lanes holding 32-bit values, in two 16-bit halves of ``c``
+    so that no product leaves int64's positive range (no reliance on overflow wrapping)."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser (a bijection) on int64 lanes holding 32-bit values."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EB_CA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2_AE35)
+    return h ^ (h >> 16)
+
+
+def seeded_uniform(keys: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[len(keys), vocab]`` float64 uniforms in (0, 1), one row per position key: for a given
+    key, vocabulary index v ↦ a keyed bijection of 32-bit integers (multiply, add key, fmix32,
+    xor key, fmix32), so the row depends on nothing but the key."""
+    at = (vocab, str(device))
+    v = _VOCAB_INDEX.get(at)
+    if v is None:
+        v = _VOCAB_INDEX[at] = torch.arange(vocab, dtype=torch.int64, device=device).unsqueeze(0)
+    lo = torch.tensor([x & _M32 for x in keys], dtype=torch.int64, device=device).unsqueeze(1)
+    hi = torch.tensor([x >> 32 for x in keys], dtype=torch.int64, device=device).unsqueeze(1)
+    h = _fmix32((_mul32(v, 0x9E37_79B1) + lo) & _M32)
+    h = _fmix32(h ^ hi)
+    return (h.to(torch.float64) + 0.5) * (1.0 / 2**32)
+
+
+def seeded_noise(keys: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[len(keys), vocab]`` float32 Exp(1) noise for the exponential race, one row per
+    position key (``position_key``)."""
+    return (-torch.log(seeded_uniform(keys, vocab, device))).to(torch.float32)

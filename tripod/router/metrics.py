@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tripod.router.replica import Replica
 
@@ -25,6 +25,15 @@ class RouterMetrics:
         self.stream_failures = Counter("tripod:router_stream_failures",
                                        "streams cut by a replica failure after the first token", ["replica"],
                                        registry=r)
+        self.continuations = Counter(
+            "tripod:router_continuations",
+            "answers continued on another replica after the one serving them failed mid-answer, by outcome: "
+            "ok (the continuation took over), failed (that attempt could not start; another may follow), "
+            "exhausted (no continuation left: the client got an error)", ["outcome"], registry=r)
+        self.continuation_seconds = Histogram(
+            "tripod:router_continuation_seconds",
+            "streams: from a replica's failure mid-answer to the first byte of the continued answer",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64), registry=r)
         self.est_prompt = Counter("tripod:router_estimated_prompt_tokens", "prompt tokens routed (estimated)",
                                   ["replica"], registry=r)
         self.est_cached = Counter("tripod:router_estimated_cached_tokens",

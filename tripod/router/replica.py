@@ -70,6 +70,9 @@ class Replica:
     started_at: float = 0.0
     healthy_since: float | None = None
     restarts: int = 0
+    # A tripod replica that reports resume points and continues answers (its /health says so):
+    # the router's mid-answer failover uses it (router/failover.py).
+    continues: bool = False
 
     @property
     def routable(self) -> bool:
@@ -93,7 +96,7 @@ class Replica:
             "pid": self.process.pid if self.process is not None else None,
             "inflight": self.inflight, "inflight_tokens": round(self.inflight_tokens, 1),
             "running": self.running, "waiting": self.waiting, "routed": self.routed,
-            "failures": self.failures, "restarts": self.restarts,
+            "failures": self.failures, "restarts": self.restarts, "continues": self.continues,
             "estimated_hit_rate": round(self.est_cached_tokens / self.est_prompt_tokens, 4)
             if self.est_prompt_tokens else None,
             "tree_chars": self.tree.size,

@@ -3,8 +3,11 @@
 A request is parsed only far enough to render its prompt (the whole conversation, the same text
 whether it came as OpenAI chat or as Anthropic messages) for the policy;
 its bytes go to the replica unchanged and the answer comes back unchanged (a stream chunk by chunk,
-never buffered). Failures before the first byte of an answer are retried on another replica; a
-stream cut after its first chunk ends with an error event, never a silent second answer.
+never buffered). Failures before the first byte of an answer are retried on another replica.
+An OpenAI chat/completions answer from tripod replicas that fails after it has begun is continued
+on another replica (``router/failover.py``): the client's stream simply goes on, a whole answer is
+completed where the first replica stopped. Elsewhere (other APIs, other servers, continuations
+spent) a stream cut after its first chunk ends with an error event, never a silent second answer.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from starlette.responses import Response
 
 from tripod.asgi import ClosingStream
 from tripod.config import RouterConfig
+from tripod.router.failover import AnswerProgress, Failed, SSESplitter, supports_failover
 from tripod.router.metrics import RouterMetrics
 from tripod.router.policy import Decision, RouteRequest, RoutingPolicy, make_policy
 from tripod.router.prefix_tree import PrefixTree
@@ -190,6 +194,20 @@ class _Flight:
     done: bool = False
 
 
+@dataclass(slots=True)
+class _Run:
+    """A stream under failover: the attempt serving it now (a continuation replaces it), what it
+    needs to continue elsewhere, and what its ``on_close`` must undo."""
+
+    flight: _Flight
+    resp: httpx.Response
+    answer: AnswerProgress
+    path: str
+    headers: dict[str, str]
+    rr: RouteRequest
+    tried: set[Replica]
+
+
 class Router:
     """Owns the replica set, the policy and the health loop, and proxies requests.
 
@@ -315,6 +333,10 @@ class Router:
             self.record_failure(rep, f"health probe: {type(e).__name__}")
             return
         if r.status_code == 200:
+            try:
+                rep.continues = r.json().get("continuation") is True
+            except (ValueError, AttributeError):
+                rep.continues = False
             self.record_success(rep)
         else:
             # NOTE: a replica that answers 503 (draining, engine dead) asks to get nothing more.
@@ -433,21 +455,51 @@ class Router:
         # id could be reused once the old one is freed.
         tried: set[Replica] = set()
         last: tuple[int, str, str] | None = None  # status, why, replica
+        # Failover (OpenAI chat/completions): what the answer has produced so far, so that another
+        # replica can continue it. Without continuations allowed it would only cost.
+        answer = AnswerProgress(body, stream) if cfg.max_retries > 0 and supports_failover(path, body) else None
+        retries = 0
+        continuing = False  # this attempt continues an answer a failed replica had begun (whole answers)
         try:
-            for attempt in range(cfg.max_retries + 1):
+            while True:
                 # After a 429 only replicas routable right now are worth trying: waiting would not help.
-                d = await self.pick(rr, tried, wait=last is None or last[0] not in _FULL)
+                try:
+                    d = await self.pick(rr, tried, wait=last is None or last[0] not in _FULL)
+                except RouterError:
+                    if continuing:
+                        self.metrics.continuations.labels("failed").inc()
+                    raise
                 rep = d.replica
                 tried.add(rep)
-                flight = self._begin(d, rr, retry=attempt > 0, caches=path in _GENERATING)
-                outcome = await self._attempt(flight, path, raw, send_headers, stream, rr)
+                flight = self._begin(d, rr, retry=bool(retries or continuing), caches=path in _GENERATING)
+                use = answer if answer is not None and rep.continues else None
+                outcome = await self._attempt(flight, path, raw if use is None else use.request_body(), send_headers,
+                                              stream, rr, use, tried)
                 if isinstance(outcome, Response):
+                    if continuing:
+                        self.metrics.continuations.labels("ok").inc()
                     handed_off = stream and outcome.status_code == 200
                     return outcome
                 last = outcome
+                if continuing:
+                    self.metrics.continuations.labels("failed").inc()
+                if use is not None and use.started:
+                    # A whole answer that had begun (its progress is recorded): continue it elsewhere.
+                    if use.continuations >= cfg.max_retries:
+                        self.metrics.continuations.labels("exhausted").inc()
+                        log.info("answer failed on %s part-way (%s); no continuation left", rep.name, outcome[1])
+                        break
+                    use.continuations += 1
+                    continuing = True
+                    log.info("answer failed on %s part-way (%s); continuing it on another replica", rep.name,
+                             outcome[1])
+                    continue
                 self.metrics.retries.labels(rep.name, str(outcome[0]) if outcome[0] else "transport").inc()
+                retries += 1
                 log.info("request failed on %s before its answer began (%s)%s", rep.name, outcome[1],
-                         "; retrying on another replica" if attempt < cfg.max_retries else "")
+                         "; retrying on another replica" if retries <= cfg.max_retries else "")
+                if retries > cfg.max_retries:
+                    break
         except RouterError as e:
             if last is None:
                 raise
@@ -464,8 +516,10 @@ class Router:
                           f"{why}; retry shortly", "replica_failed", cfg.retry_after)
 
     async def _attempt(self, f: _Flight, path: str, raw: bytes, headers: dict[str, str], stream: bool,
-                       rr: RouteRequest) -> Response | tuple[int, str, str]:
-        """One try on one replica: a Response to give the client, or (status, why, replica) to retry."""
+                       rr: RouteRequest, answer: AnswerProgress | None = None,
+                       tried: set[Replica] | None = None) -> Response | tuple[int, str, str]:
+        """One try on one replica: a Response to give the client, or (status, why, replica) to retry.
+        ``answer``: under failover (the body asks the replica for resume points)."""
         assert self._client is not None
         rep = f.replica
         resp: httpx.Response | None = None
@@ -487,7 +541,13 @@ class Router:
             back = {k: v for k, v in resp.headers.items() if k.lower() in _PASS_BACK}
             back["x-tripod-replica"] = rep.name
             if not stream or resp.status_code != 200:
-                content = await resp.aread()
+                if answer is not None and resp.status_code == 200 \
+                        and resp.headers.get("content-type", "").startswith("text/event-stream"):
+                    content = await self._progress(answer, resp)  # a whole answer under failover
+                    back["content-type"] = "application/json"
+                    back.pop("cache-control", None)  # (the progress stream's, not the answer's)
+                else:
+                    content = await resp.aread()
                 if resp.status_code == 200:
                     self.record_success(rep)
                     self._learn(rr, content)
@@ -499,9 +559,13 @@ class Router:
             self.record_success(rep)
             upstream = resp
             handed_off = True  # the stream owns the flight and the upstream response now
+            if answer is not None:
+                run = _Run(f, resp, answer, path, headers, rr, tried if tried is not None else {rep})
+                return ClosingStream(self._relay_failover(run, it, first), headers=back,
+                                     on_close=lambda: self._close_run(run))
             return ClosingStream(self._relay(f, it, first, is_anthropic(path)), headers=back,
                                   on_close=lambda: self._close_stream(f, upstream))
-        except (httpx.HTTPError, StopAsyncIteration) as e:
+        except (httpx.HTTPError, StopAsyncIteration, Failed, TimeoutError) as e:
             rep.failures += 1
             self.record_failure(rep, f"{type(e).__name__}: {e}", fatal=isinstance(e, httpx.ConnectError))
             return 0, f"{type(e).__name__} talking to {rep.name}: {e}", rep.name
@@ -525,15 +589,136 @@ class Router:
             self.metrics.stream_failures.labels(rep.name).inc()
             self.record_failure(rep, f"stream cut: {type(e).__name__}")
             log.warning("stream from %s cut after %d chunks: %s", rep.name, sent, e)
-            why = (f"the replica serving this stream ({rep.name}) failed after the answer had started "
-                   f"({type(e).__name__}); the answer is incomplete. It was not retried elsewhere, so no "
-                   "part of it is duplicated: send the request again.")
-            if anthropic:  # Anthropic's stream error event
-                err = {"type": "error", "error": {"type": "api_error", "message": why}}
-                yield b"event: error\ndata: " + json.dumps(err).encode() + b"\n\n"
+            yield self._stream_error(rep, type(e).__name__, None, anthropic)
+
+    # ------------------------------------------------------------ failover
+    async def _next(self, it: AsyncIterator[bytes]) -> bytes:
+        """The next bytes of an answer under way; a replica silent past the stall timeout, or a
+        stream that ends before ``[DONE]``, has failed."""
+        try:
+            return await asyncio.wait_for(anext(it), self.config.stall_timeout)
+        except StopAsyncIteration:
+            raise Failed("the answer ended before it was complete") from None
+        except TimeoutError:
+            raise Failed(f"the answer stalled (nothing for {self.config.stall_timeout:g} s)") from None
+
+    async def _progress(self, answer: AnswerProgress, resp: httpx.Response) -> bytes:
+        """Read a whole answer's progress stream to its result (the answer's bytes)."""
+        split = SSESplitter()
+        it = resp.aiter_raw()
+        while True:
+            for raw in split.feed(await self._next(it)):
+                out = answer.progress(raw)
+                if out is not None:
+                    return out
+
+    async def _relay_failover(self, run: _Run, it: AsyncIterator[bytes], first: bytes) -> AsyncIterator[bytes]:
+        """Relay a stream event by event (each delta's chunks together, resume points removed);
+        when its replica fails, continue it on another one, the client none the wiser."""
+        answer = run.answer
+        chunk = first
+        while True:
+            split = SSESplitter()
+            try:
+                while True:
+                    for raw in split.feed(chunk):
+                        step = answer.relay(raw)
+                        if step.send:
+                            yield step.send
+                        if step.done:
+                            return
+                    chunk = await self._next(it)
+            except (httpx.HTTPError, Failed) as e:
+                why = f"{type(e).__name__}: {e}" if isinstance(e, httpx.HTTPError) else str(e)
+            rep = run.flight.replica
+            answer.abandon_held()
+            rep.failures += 1
+            self.metrics.stream_failures.labels(rep.name).inc()
+            self.record_failure(rep, f"stream failed: {why}")
+            log.warning("stream from %s failed mid-answer (%s)", rep.name, why)
+            self._end(run.flight)
+            await run.resp.aclose()  # the replica (if alive) aborts the request and frees its KV
+            t0 = self.clock()
+            nxt = await self._continue(run)
+            if nxt is None:
+                yield self._stream_error(rep, why, answer, anthropic=False)
                 return
-            body = {"error": {"message": why, "type": "server_error", "param": None, "code": "replica_failed"}}
-            yield b"data: " + json.dumps(body).encode() + b"\n\n"
+            self.metrics.continuation_seconds.observe(self.clock() - t0)
+            it, chunk = nxt
+
+    async def _continue(self, run: _Run) -> tuple[AsyncIterator[bytes], bytes] | None:
+        """Send the continuation of ``run``'s answer to another replica (within the budget); its
+        stream and first bytes, or None when no continuation could take over."""
+        assert self._client is not None
+        cfg, answer = self.config, run.answer
+        while answer.continuations < cfg.max_retries:
+            answer.continuations += 1
+            try:
+                d = await self.pick(run.rr, run.tried, wait=True)
+            except RouterError as e:
+                self.metrics.continuations.labels("failed").inc()
+                log.warning("no replica to continue the answer on: %s", e)
+                return None
+            rep = d.replica
+            run.tried.add(rep)
+            if not rep.continues:
+                self.metrics.continuations.labels("failed").inc()
+                continue
+            f = run.flight = self._begin(d, run.rr, retry=True)
+            resp: httpx.Response | None = None
+            took_over = False
+            try:
+                req = self._client.build_request("POST", rep.url + run.path, content=answer.request_body(),
+                                                 headers=run.headers)
+                resp = await self._client.send(req, stream=True)
+                if resp.status_code == 200:
+                    it = resp.aiter_raw()
+                    first = b""
+                    while not first:
+                        first = await anext(it)
+                    run.resp, took_over = resp, True
+                    self.record_success(rep)
+                    self.metrics.continuations.labels("ok").inc()
+                    log.info("answer continued on %s (continuation %d)", rep.name, answer.continuations)
+                    return it, first
+                text = (await resp.aread()).decode(errors="replace")[:300]
+                self.metrics.continuations.labels("failed").inc()
+                log.warning("continuation refused by %s: %d %s", rep.name, resp.status_code, text)
+                if resp.status_code not in _RETRYABLE:
+                    return None  # the request itself is refused: another replica would refuse it too
+                if resp.status_code not in _FULL:
+                    self.record_failure(rep, f"answered {resp.status_code}", fatal=resp.status_code == 503)
+            except (httpx.HTTPError, StopAsyncIteration) as e:
+                self.metrics.continuations.labels("failed").inc()
+                rep.failures += 1
+                self.record_failure(rep, f"{type(e).__name__}: {e}", fatal=isinstance(e, httpx.ConnectError))
+            finally:
+                if not took_over:
+                    self._end(f)
+                    if resp is not None:
+                        await resp.aclose()
+        self.metrics.continuations.labels("exhausted").inc()
+        return None
+
+    def _stream_error(self, rep: Replica, why: str, answer: AnswerProgress | None, anthropic: bool) -> bytes:
+        """The error event that ends a stream cut after it had started (not continued)."""
+        if answer is None:
+            tail = "It was not retried elsewhere, so no part of it is duplicated: send the request again."
+        elif answer.continuations >= self.config.max_retries:
+            tail = (f"It could not be continued elsewhere ({answer.continuations} continuation(s) tried, "
+                    "--max-retries): send the request again.")
+        else:
+            tail = "No replica could continue it: send the request again."
+        msg = (f"the replica serving this stream ({rep.name}) failed after the answer had started ({why}); "
+               f"the answer is incomplete. {tail}")
+        if anthropic:  # Anthropic's stream error event
+            err = {"type": "error", "error": {"type": "api_error", "message": msg}}
+            return b"event: error\ndata: " + json.dumps(err).encode() + b"\n\n"
+        body = {"error": {"message": msg, "type": "server_error", "param": None, "code": "replica_failed"}}
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    def _close_run(self, run: _Run) -> None:
+        self._close_stream(run.flight, run.resp)
 
     def _close_stream(self, f: _Flight, resp: httpx.Response) -> None:
         self._end(f)

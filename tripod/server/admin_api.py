@@ -63,6 +63,9 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({
             "status": "ok", "model": state.model_name, "engine_pid": c.pid,
             "running": c.stats.get("running", 0), "waiting": c.stats.get("waiting", 0),
+            # The router continues this server's answers on another replica when it fails
+            # (tripod_failover / tripod_continuation on the OpenAI routes).
+            "continuation": True,
         })
 
     @app.get("/metrics")

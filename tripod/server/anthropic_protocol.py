@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tripod.engine.request import GrammarSpec
 from tripod.server.conversation import Message, PastCall
-from tripod.server.protocol import APIError
+from tripod.server.protocol import APIError, one_of
 from tripod.server.tools import ToolChoice, ToolSpec, check_choice, check_tools
 
 TEMPERATURE_MAX = 1.0  # Anthropic's range is [0, 1] (tripod's sampler allows up to 2)
@@ -26,7 +26,7 @@ class _Strict(BaseModel):
 
 
 class Block(_Strict):
-    type: str
+    type: str = one_of("text", "tool_use", "tool_result")
     text: str | None = None
     id: str | None = None  # tool_use
     name: str | None = None
@@ -37,7 +37,7 @@ class Block(_Strict):
 
 
 class AnthropicMessage(_Strict):
-    role: str
+    role: str = one_of("user", "assistant")
     content: str | list[Block]
 
 
@@ -49,7 +49,7 @@ class AnthropicTool(_Strict):
 
 
 class AnthropicToolChoice(_Strict):
-    type: str
+    type: str = one_of("auto", "any", "tool", "none")
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 

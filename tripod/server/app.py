@@ -25,6 +25,7 @@ from tripod.server.admin_api import add_admin_routes
 from tripod.server.anthropic_api import add_anthropic_routes
 from tripod.server.console_source import ServerConsoleSource
 from tripod.server.openai_api import add_openai_routes
+from tripod.server.openapi import openapi_document
 from tripod.server.protocol import APIError
 from tripod.server.serving import ClientGone, ServerState, too_large
 
@@ -32,10 +33,10 @@ __all__ = ["ServerState", "build_app", "lifespan_for"]
 
 log = logging.getLogger("tripod.server")
 
-_OPEN_PATHS = ("/health", "/metrics")
+_OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 _ROUTES = {
     "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
-    "/health", "/metrics", "/tokenize", "/detokenize", "/debug/engine",
+    "/health", "/metrics", "/tokenize", "/detokenize", "/debug/engine", "/openapi.json",
 }
 
 
@@ -114,7 +115,7 @@ class GuardMiddleware:
 def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     console = Console(ServerConsoleSource(state), api_key=state.config.api_key, bench_dir=state.config.bench_dir)
     app = FastAPI(title="tripod", lifespan=console.wrap_lifespan(lifespan), docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url="/openapi.json")
     app.state.tripod = state
     app.add_middleware(GuardMiddleware, state=state)
 
@@ -136,6 +137,14 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     add_openai_routes(app, state)
     add_anthropic_routes(app, state)
     app.router.routes.extend(console.routes())  # /ui: the console (tripod.console)
+    document: dict[str, Any] = {}
+
+    def openapi() -> dict[str, Any]:
+        if not document:
+            document.update(openapi_document(app))
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 

@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from tripod.config import EngineConfig, ServerConfig
-from tripod.engine.request import SamplingParams
+from tripod.engine.request import Resume, SamplingParams
 from tripod.server import ipc
 
 log = logging.getLogger("tripod.server")
@@ -49,6 +49,14 @@ class EnginePart:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams  # built and validated once, here in the HTTP process
+    # A continuation (the router's failover): only these copies run, each from the tokens it
+    # had generated elsewhere. None: all ``params.n`` copies, from the start.
+    resume: list[Resume] | None = None
+
+    @property
+    def copies(self) -> list[int]:
+        """The copy indices this part runs."""
+        return [r.index for r in self.resume] if self.resume is not None else list(range(self.params.n))
 
 
 class RequestHandle:
@@ -63,7 +71,7 @@ class RequestHandle:
         self.parts = parts
         self.n = n
         self.queue: asyncio.Queue[ipc.SeqOutput | BaseException] = asyncio.Queue()
-        self.open_seqs: set[tuple[str, int]] = {(p.rid, i) for p in parts for i in range(n)}
+        self.open_seqs: set[tuple[str, int]] = {(p.rid, i) for p in parts for i in p.copies}
         self.closed = False
 
     def __aiter__(self) -> AsyncIterator[ipc.SeqOutput]:
@@ -351,7 +359,7 @@ class EngineClient:
         """Send ``parts`` to the engine; raises ``EngineDead`` or ``Overloaded`` instead."""
         if not self.alive:
             raise EngineDead(self.dead_reason or "the engine is not running")
-        seqs = len(parts) * n
+        seqs = sum(len(p.copies) for p in parts)
         if self.inflight > 0 and self.inflight + seqs > self.capacity():
             raise Overloaded(f"{self.inflight} sequences in flight; the queue holds {self.capacity()}")
         h = RequestHandle(self, parts, n)
@@ -360,7 +368,8 @@ class EngineClient:
             self._handles[p.rid] = h
         self.inflight += seqs
         for p in parts:
-            self._send(ipc.AddRequest(p.rid, p.prompt_ids, p.params))
+            if p.copies:  # (a continuation's part whose every choice had finished runs nothing)
+                self._send(ipc.AddRequest(p.rid, p.prompt_ids, p.params, list(p.resume or [])))
         return h
 
     async def engine_stats(self, timeout: float = 10.0) -> dict[str, Any]:

@@ -143,7 +143,7 @@ class EngineLoop:
 
     def _add(self, msg: ipc.AddRequest) -> None:
         try:
-            self.engine.add_request(msg.prompt_ids, msg.params, request_id=msg.rid)
+            self.engine.add_request(msg.prompt_ids, msg.params, request_id=msg.rid, resume=msg.resume or None)
         except ValueError as e:
             # The server validates first (with the same SamplingParams); this is the backstop so
             # a request is never lost.

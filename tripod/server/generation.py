@@ -4,6 +4,11 @@
 may be shown, with stop strings applied), keeps usage and latency numbers, and ends sequences
 early in the engine when a stop string matches. The same deltas feed the streaming (SSE) and the
 non-streaming answers, so both give the same text.
+
+A continuation (the router's failover: ``Prior`` per choice) primes each choice's text with the
+tokens it had generated elsewhere, so stop strings and multi-byte characters spanning the cut
+come out as they would have; a continued stream then starts exactly after the characters the
+client has (``Prior.chars``), a continued whole answer includes everything.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +36,20 @@ class Delta:
     finish_reason: str | None = None
     stop_sequence: str | None = None  # the stop string that ended the sequence, if one did
     prompt_logprobs: list[list[Any]] | None = None  # params.prompt_logprobs, with the first delta
+    # A continued stream: text before ``text`` that the client has already (for stateful parsers
+    # of the text, e.g. tool calls, to be fed without emitting anything).
+    replayed: str = ""
+    chars: int = 0  # characters of the choice's text delivered through this delta (its resume point)
+
+
+@dataclass(slots=True)
+class Prior:
+    """What one choice of a continued request had produced before, on another replica."""
+
+    token_ids: list[int]
+    chars: int | None = None  # a stream: characters of its text the client has; None: a whole answer
+    logprobs: list[list[Any]] = field(default_factory=list)
+    finish_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -40,6 +59,17 @@ class _Seq:
     tokens: int = 0
     last_time: float = 0.0
     finish_reason: str | None = None
+    chars: int = 0  # characters of its text delivered so far
+    # A continued stream: text to send before the next text (the client lacks it) ...
+    prefix: str = ""
+    # ... or characters of the coming text the client has already, and text it has that a
+    # stateful parser has not been fed yet.
+    skip: int = 0
+    replay: str = ""
+    # Tokens of outputs that made no delta (nothing to show yet: a special token, half a
+    # character, a held-back stop string): they go with the next delta, so that the token ids
+    # deltas carry are always every token, in order (what a continuation resumes from).
+    unsent: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -67,6 +97,7 @@ class Generation:
         stops: list[str],
         metrics: ServerMetrics,
         arrival: float,
+        priors: dict[int, Prior] | None = None,
     ) -> None:
         self.handle = handle
         self.metrics = metrics
@@ -75,11 +106,33 @@ class Generation:
         self.seqs = {
             (p.rid, i): _Seq(pi * n + i, SeqText(text, stops))
             for pi, p in enumerate(handle.parts)
-            for i in range(n)
+            for i in p.copies
         }
         self.usage = Usage(prompt_tokens=sum(len(p.prompt_ids) for p in handle.parts))
         self._cached_seen: set[str] = set()
         self.first_token_time: float | None = None
+        # A continuation: per choice index, what it had produced, and (whole answers) its text so far.
+        self.priors = priors or {}
+        self.prior_text: dict[int, str] = {}
+        by_index = {s.index: s for s in self.seqs.values()}
+        for idx, prior in self.priors.items():
+            self.usage.completion_tokens += len(prior.token_ids)
+            seq = by_index.get(idx)
+            if seq is None:  # a choice that had finished: its text, for a whole answer
+                assert prior.finish_reason is not None, idx
+                self.prior_text[idx] = SeqText(text, stops).push(prior.token_ids, final=True)
+                continue
+            # NOTE: the text side is primed with the choice's tokens, so text held back at the cut
+            # (the start of a stop string, part of a multi-byte character) is decided exactly as
+            # it would have been; what the client has is then skipped, what it lacks sent.
+            primed = seq.text.push(prior.token_ids)
+            if prior.chars is None:
+                self.prior_text[idx] = primed
+                continue
+            seq.chars = prior.chars
+            seq.replay = primed[: prior.chars]
+            seq.prefix = primed[prior.chars :]
+            seq.skip = max(0, prior.chars - len(primed))
 
     async def deltas(self) -> AsyncIterator[Delta]:
         try:
@@ -101,8 +154,12 @@ class Generation:
                            type="server_error", code="engine_error")
         if out.rid not in self._cached_seen and out.token_ids:
             self._cached_seen.add(out.rid)
-            self.usage.cached_tokens += out.cached_tokens
-            self.metrics.on_prompt(len(self._part(out.rid).prompt_ids), out.cached_tokens)
+            prompt = len(self._part(out.rid).prompt_ids)
+            # NOTE: a continuation's cache hit may cover its resumed output too; that output is not
+            # a prompt token of the answer, so only the prompt's share counts as cached.
+            cached = min(out.cached_tokens, prompt)
+            self.usage.cached_tokens += cached
+            self.metrics.on_prompt(prompt, cached)
         m = self.metrics.model_name
         final = out.finish_reason is not None
         ids, lps = out.token_ids, out.logprobs
@@ -118,6 +175,15 @@ class Generation:
                     break
         else:
             text = seq.text.push(ids, final=final)
+        replayed = seq.replay
+        if seq.prefix:
+            text, seq.prefix = seq.prefix + text, ""
+        if seq.skip:
+            cut = min(seq.skip, len(text))
+            replayed += text[:cut]
+            text, seq.skip = text[cut:], seq.skip - cut
+        seq.replay = ""
+        seq.chars += len(text)
         if ids:
             if seq.tokens == 0:
                 if self.first_token_time is None:
@@ -139,10 +205,13 @@ class Generation:
         if finish is not None:
             seq.finish_reason = finish
             self.metrics.request_success.labels(m, finish).inc()
+        ids, seq.unsent = seq.unsent + ids, []
         if not text and not lps and finish is None and out.prompt_logprobs is None:
+            seq.replay = replayed  # fed to a parser with the next delta
+            seq.unsent = ids
             return None
         return Delta(seq.index, text, ids, lps, finish,
-                     seq.text.matched if finish == "stop" else None, out.prompt_logprobs)
+                     seq.text.matched if finish == "stop" else None, out.prompt_logprobs, replayed, seq.chars)
 
     def _part(self, rid: str) -> Any:
         return next(p for p in self.handle.parts if p.rid == rid)
@@ -206,27 +275,75 @@ class Collected:
     finish: dict[int, str | None] = field(default_factory=dict)
     stop_sequence: dict[int, str | None] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[list[Any]]] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
-async def collect(gen: Generation, it: AsyncIterator[Delta], first: Delta | None) -> Collected:
-    """Gather the rest of ``it`` (``first`` was already taken from it) per choice."""
-    c = Collected()
-    for seq in gen.seqs.values():
-        c.texts[seq.index] = []
-        c.logprobs[seq.index] = []
-        c.finish[seq.index] = None
+class Collector:
+    """Builds a whole answer's ``Collected`` from deltas, per choice (a continuation's choices
+    starting with what they had produced)."""
 
-    def add(d: Delta) -> None:
+    def __init__(self, gen: Generation) -> None:
+        self.c = c = Collected()
+        for seq in gen.seqs.values():
+            c.texts[seq.index] = []
+            c.logprobs[seq.index] = []
+            c.finish[seq.index] = None
+            c.token_ids[seq.index] = []
+        for idx, prior in gen.priors.items():
+            c.texts[idx] = [gen.prior_text.get(idx, "")]
+            c.logprobs[idx] = list(prior.logprobs)
+            c.finish[idx] = prior.finish_reason
+            c.token_ids[idx] = list(prior.token_ids)
+
+    def add(self, d: Delta) -> None:
+        c = self.c
         c.texts[d.index].append(d.text)
         c.logprobs[d.index].extend(d.logprobs)
+        c.token_ids[d.index].extend(d.token_ids)
         if d.finish_reason is not None:
             c.finish[d.index] = d.finish_reason
             c.stop_sequence[d.index] = d.stop_sequence
         if d.prompt_logprobs is not None:
             c.prompt_logprobs[d.index] = d.prompt_logprobs
 
+
+async def collect(gen: Generation, it: AsyncIterator[Delta], first: Delta | None) -> Collected:
+    """Gather the rest of ``it`` (``first`` was already taken from it) per choice."""
+    col = Collector(gen)
     if first is not None:
-        add(first)
+        col.add(first)
     async for d in it:
-        add(d)
-    return c
+        col.add(d)
+    return col.c
+
+
+def json_body(obj: dict[str, Any]) -> bytes:
+    """A JSON answer's bytes, exactly as ``JSONResponse`` renders them."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+
+
+async def progress_stream(gen: Generation, it: AsyncIterator[Delta], first: Delta | None, rid: str, created: int,
+                          body: Callable[[Collected], dict[str, Any]]) -> AsyncIterator[bytes]:
+    """A whole answer for the router's failover (``tripod_failover``): an event stream of
+    ``progress`` events (the answer's id and created, each delta's choice index, token ids, raw
+    logprobs and finish reason), so the router knows what a replica that fails part-way had
+    produced, then one ``result`` event holding the answer's exact bytes (or an ``error`` event)."""
+    col = Collector(gen)
+    try:
+        deltas = [first] if first is not None else []
+        while True:
+            for d in deltas:
+                col.add(d)
+                yield b"event: progress\ndata: " + json_body({
+                    "id": rid, "created": created, "index": d.index, "token_ids": d.token_ids, "logprobs": d.logprobs,
+                    "finish_reason": d.finish_reason}) + b"\n\n"
+            nxt = await anext(it, None)
+            if nxt is None:
+                break
+            deltas = [nxt]
+        gen.done()
+        answer = json_body(body(col.c))
+    except APIError as e:
+        yield b"event: error\ndata: " + json_body(e.body()) + b"\n\n"
+        return
+    yield b"event: result\ndata: " + answer + b"\n\n"

@@ -7,7 +7,8 @@ it is ``[tag, fields...]`` in msgpack. The engine side speaks token ids only.
 
 ``AddRequest`` carries a ``SamplingParams``, built and validated once in the HTTP process
 (``server/sampling.py``); on the wire it is its field values in declaration order (the grammar as
-``[kind, value]``), and the engine side rebuilds the same dataclass.
+``[kind, value]``), and the engine side rebuilds the same dataclass. A continuation (the router's
+failover) also carries the copies it resumes, each ``[index, output ids]`` (``Resume``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from tripod.engine.request import GrammarSpec, SamplingParams
+from tripod.engine.request import GrammarSpec, Resume, SamplingParams
 
 _PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 
@@ -28,6 +29,8 @@ class AddRequest:
     rid: str  # the group id; copies are "{rid}-{i}" inside the engine when n > 1
     prompt_ids: list[int]
     params: SamplingParams
+    # A continuation: only these copies run, each from the tokens it had generated. Empty: all n.
+    resume: list[Resume] = field(default_factory=list)
 
 
 class InvalidAddRequest(ValueError):
@@ -121,6 +124,10 @@ def _flat(obj: Any) -> Any:
         return [_flat(getattr(obj, name)) for name in _PARAM_FIELDS]
     if isinstance(obj, GrammarSpec):
         return [obj.kind, obj.value]
+    if isinstance(obj, Resume):
+        return [obj.index, list(obj.output_ids)]
+    if isinstance(obj, list) and obj and isinstance(obj[0], Resume):
+        return [_flat(r) for r in obj]
     return obj
 
 
@@ -146,9 +153,9 @@ def decode(data: bytes) -> Any:
     if cls is Outputs:
         return Outputs([SeqOutput(*it) for it in values[0]])
     if cls is AddRequest:
-        rid, prompt_ids, params = values
+        rid, prompt_ids, params, resume = values
         try:
-            return AddRequest(rid, prompt_ids, _params(params))
+            return AddRequest(rid, prompt_ids, _params(params), [Resume(int(i), tuple(ids)) for i, ids in resume])
         except (ValueError, TypeError) as e:
             n = params[_PARAM_FIELDS.index("n")]
             raise InvalidAddRequest(rid, n if isinstance(n, int) and 0 < n <= 128 else 1, str(e)) from None

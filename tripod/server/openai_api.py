@@ -1,5 +1,13 @@
 """The OpenAI surface: ``POST /v1/chat/completions`` (with tool calling) and
-``POST /v1/completions`` (with echo and prompt logprobs), whole answers or SSE streams."""
+``POST /v1/completions`` (with echo and prompt logprobs), whole answers or SSE streams.
+
+tripod's extensions for the router's failover (``tripod.router``): ``return_token_ids`` (each
+choice carries its token ids), ``tripod_failover`` (stream chunks carry each choice's resume point
+under ``"tripod"``: the token ids of the delta and the characters of text delivered so far, on the
+last chunk a delta makes; a whole answer comes as ``progress_stream``) and ``tripod_continuation``
+(answer as the continuation of another replica's answer: same id and created, each choice resumed
+from its tokens, a stream starting right after what the client has).
+"""
 
 from __future__ import annotations
 
@@ -11,16 +19,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tripod.asgi import ClosingStream
-from tripod.engine.request import GrammarSpec
+from tripod.engine.request import GrammarSpec, Resume
 from tripod.server.engine_client import EnginePart
 from tripod.server.generation import (
     SSE_DONE,
+    Collected,
     CompletionLogprobs,
     Delta,
+    Prior,
     chat_logprobs,
     collect,
     merge_logprobs,
     new_id,
+    progress_stream,
     sse,
 )
 from tripod.server.protocol import (
@@ -81,6 +92,67 @@ def _check_stream_options(req: ChatCompletionRequest | CompletionRequest) -> Non
         raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
 
 
+_RESUMED_FINISH = ("stop", "length", "tool_calls")
+
+
+def _resume(state: ServerState, req: ChatCompletionRequest | CompletionRequest, parts: list[EnginePart],
+            n: int) -> dict[int, Prior] | None:
+    """``tripod_continuation`` → each choice's ``Prior``, and the parts' copies to run (every choice
+    that had not finished, from its tokens); None when the request is no continuation."""
+    cont = req.tripod_continuation
+    if cont is None:
+        return None
+    where = "tripod_continuation.choices"
+    priors: dict[int, Prior] = {}
+    for ch in cont.choices:
+        if not 0 <= ch.index < len(parts) * n or ch.index in priors:
+            raise APIError(400, f"'{where}': choice indices must be distinct and in [0, {len(parts) * n}) "
+                           f"(got {ch.index})", param=where)
+        check_ids(state, ch.token_ids, f"{where}.token_ids")
+        if req.stream and ch.chars is None:
+            raise APIError(400, f"'{where}': a continued stream needs each choice's 'chars' (the characters "
+                           "of its text the client has)", param=f"{where}.chars")
+        if ch.chars is not None and ch.chars < 0:
+            raise APIError(400, f"'{where}.chars' must be >= 0 (got {ch.chars})", param=f"{where}.chars")
+        if ch.finish_reason is not None and ch.finish_reason not in _RESUMED_FINISH:
+            raise APIError(400, f"'{where}.finish_reason' must be one of {', '.join(_RESUMED_FINISH)} or null "
+                           f"(got {ch.finish_reason!r})", param=f"{where}.finish_reason")
+        lps = [_raw_logprob(x) for x in ch.logprobs or []]
+        if ch.logprobs is not None and (len(lps) != len(ch.token_ids) or None in lps):
+            raise APIError(400, f"'{where}.logprobs' must hold one [token id, logprob, [[token id, logprob], ...]] "
+                           "per token id", param=f"{where}.logprobs")
+        priors[ch.index] = Prior(list(ch.token_ids), ch.chars, lps, ch.finish_reason)
+    for pi, p in enumerate(parts):
+        p.resume = []
+        for i in range(n):
+            prior = priors.get(pi * n + i)
+            if prior is None or prior.finish_reason is None:
+                p.resume.append(Resume(i, tuple(prior.token_ids) if prior else ()))
+    return priors
+
+
+def _raw_logprob(x: list[Any]) -> list[Any] | None:
+    """``[id, logprob, [[id, logprob], ...]]`` checked, or None."""
+    def pair(p: Any) -> bool:
+        return (isinstance(p, list) and len(p) == 2 and type(p[0]) is int
+                and isinstance(p[1], (int, float)) and not isinstance(p[1], bool))
+
+    if len(x) != 3 or not pair(x[:2]) or not isinstance(x[2], list) or not all(pair(p) for p in x[2]):
+        return None
+    return [x[0], float(x[1]), [[t, float(v)] for t, v in x[2]]]
+
+
+def _mark(choice: dict[str, Any], req: ChatCompletionRequest | CompletionRequest, token_ids: list[int],
+          chars: int) -> dict[str, Any]:
+    """The extensions a chunk's choice carries: its token ids (``return_token_ids``) and, for the
+    router (``tripod_failover``), the resume point after it."""
+    if req.return_token_ids:
+        choice["token_ids"] = token_ids
+    if req.tripod_failover:
+        choice["tripod"] = {"token_ids": token_ids, "chars": chars}
+    return choice
+
+
 # ---------------------------------------------------------------------- chat
 async def _chat(state: ServerState, request: Request) -> Response:
     arrival = time.monotonic()
@@ -103,17 +175,37 @@ async def _chat(state: ServerState, request: Request) -> Response:
         logprobs=(req.top_logprobs or 0) if req.logprobs else None, **_sampling_fields(req),
     )
     stops = stop_strings(req.stop)
-    rid = new_id("chatcmpl")
-    started = await start_generation(state, request, [EnginePart(rid, ids, params)], stops, arrival)
+    cont = req.tripod_continuation
+    # NOTE: the engine's request id is always new (the request a continuation continues may still be
+    # winding down here); the answer's id is the continued one's.
+    engine_rid = new_id("chatcmpl")
+    rid = cont.id if cont is not None else engine_rid
+    created = cont.created if cont is not None else int(time.time())
+    parts = [EnginePart(engine_rid, ids, params)]
+    priors = _resume(state, req, parts, params.n)
+    started = await start_generation(state, request, parts, stops, arrival, priors=priors)
     if req.stream:
-        body = _chat_stream(state, req, started, rid, parser)
+        body = _chat_stream(state, req, started, rid, created, parser)
         return ClosingStream(body, on_close=started.handle.close, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+    def answer(c: Collected) -> dict[str, Any]:
+        return _chat_body(state, req, c, rid, created, parser, started.gen.usage.body())
+
+    if req.tripod_failover:
+        return ClosingStream(progress_stream(started.gen, started.it, started.first, rid, created, answer),
+                             on_close=started.handle.close, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
     try:
         c = await until_disconnect(request, collect(started.gen, started.it, started.first))
     finally:
         started.handle.close()
     started.gen.done()
+    return JSONResponse(answer(c))
+
+
+def _chat_body(state: ServerState, req: ChatCompletionRequest, c: Collected, rid: str, created: int,
+               parser: ToolCallParser | None, usage: dict[str, Any]) -> dict[str, Any]:
     choices = []
     for idx in sorted(c.texts):
         text = "".join(c.texts[idx])
@@ -128,15 +220,18 @@ async def _chat(state: ServerState, request: Request) -> Response:
                 finish = "tool_calls" if finish == "stop" else finish
             else:
                 message["content"] = ans.text
-        choices.append({
+        choice = {
             "index": idx, "message": message,
             "logprobs": {"content": chat_logprobs(state.text, c.logprobs[idx])} if req.logprobs else None,
             "finish_reason": finish,
-        })
-    return JSONResponse({
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
-        "choices": choices, "usage": started.gen.usage.body(), "system_fingerprint": state.fingerprint(),
-    })
+        }
+        if req.return_token_ids:
+            choice["token_ids"] = c.token_ids[idx]
+        choices.append(choice)
+    return {
+        "id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+        "choices": choices, "usage": usage, "system_fingerprint": state.fingerprint(),
+    }
 
 
 def _one_constraint(tool_grammar: GrammarSpec | None, other: GrammarSpec | None) -> GrammarSpec | None:
@@ -157,13 +252,13 @@ def _tool_delta(e: ToolEvent) -> dict[str, Any] | None:
     return None  # CallEnd: OpenAI's stream has no event for it
 
 
-async def _chat_stream(state: ServerState, req: ChatCompletionRequest, s: Started, rid: str,
+async def _chat_stream(state: ServerState, req: ChatCompletionRequest, s: Started, rid: str, created: int,
                        parser: ToolCallParser | None) -> AsyncIterator[bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    created = int(time.time())
     fp = state.fingerprint()
     streams: dict[int, ToolCallStream] = {}
     called: set[int] = set()
+    unsent: dict[int, list[int]] = {}  # token ids of deltas that made no chunk (the parser held their text)
 
     def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
         body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -179,6 +274,9 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, s: Starte
             deltas = [{"content": d.text}] if d.text or finish is None else [{}]
         else:
             ps = streams.setdefault(d.index, parser.stream(lambda: new_id("call", "_")))
+            if d.replayed:  # a continued stream: what the client has, fed to the parser silently
+                if any(isinstance(e, CallStart) for e in ps.feed(d.replayed)):
+                    called.add(d.index)
             events = ps.feed(d.text) + (ps.finish() if finish is not None else [])
             if any(isinstance(e, CallStart) for e in events):
                 called.add(d.index)
@@ -187,14 +285,22 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, s: Starte
                 finish = "tool_calls"
             if not deltas and (lps is not None or finish is not None):
                 deltas = [{}]
-        return [chunk([{"index": d.index, "delta": delta, "logprobs": lps if j == 0 else None,
-                        "finish_reason": finish if j == len(deltas) - 1 else None}])
+        last = len(deltas) - 1
+        ids = unsent.pop(d.index, []) + d.token_ids
+        if not deltas:
+            unsent[d.index] = ids  # NOTE: reported with the next chunk: token ids stay complete, in order
+        return [chunk([_mark({"index": d.index, "delta": delta, "logprobs": lps if j == 0 else None,
+                              "finish_reason": finish if j == last else None}, req, ids, d.chars)
+                       if j == last else
+                       {"index": d.index, "delta": delta, "logprobs": lps if j == 0 else None,
+                        "finish_reason": None}])
                 for j, delta in enumerate(deltas)]
 
     try:
         indices = sorted(q.index for q in s.gen.seqs.values())
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in indices])
+        if req.tripod_continuation is None:  # a continued stream's client has its role chunk
+            yield chunk([_mark({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}, req, [], 0) for i in indices])
         if s.first is not None:
             for b in chunks(s.first):
                 yield b
@@ -225,7 +331,10 @@ async def _completions(state: ServerState, request: Request) -> Response:
     # generated). The engine generates one token, which the answer leaves out.
     score_only = req.echo and req.max_tokens == 0
     prompts = _prompt_ids(state, req.prompt)
-    rid = new_id("cmpl")
+    cont = req.tripod_continuation
+    engine_rid = new_id("cmpl")  # (new even for a continuation: see _chat)
+    rid = cont.id if cont is not None else engine_rid
+    created = cont.created if cont is not None else int(time.time())
     grammar = grammar_spec(req)
     stops = stop_strings(req.stop)
     parts = []
@@ -236,19 +345,33 @@ async def _completions(state: ServerState, request: Request) -> Response:
             # echo + logprobs: the echoed prompt's tokens get logprobs too (the first has none).
             prompt_logprobs=req.logprobs if req.echo else None, **_sampling_fields(req),
         )
-        parts.append(EnginePart(rid if len(prompts) == 1 else f"{rid}-p{i}", ids, params))
-    started = await start_generation(state, request, parts, stops, arrival)
+        parts.append(EnginePart(engine_rid if len(prompts) == 1 else f"{engine_rid}-p{i}", ids, params))
     n = parts[0].params.n
+    priors = _resume(state, req, parts, n)
+    started = await start_generation(state, request, parts, stops, arrival, priors=priors)
     echo = [state.text.decode(p.prompt_ids) for p in parts] if req.echo else None
     if req.stream:
-        body = _completion_stream(state, req, started, rid, echo, n, score_only)
+        body = _completion_stream(state, req, started, rid, created, echo, n, score_only)
         return ClosingStream(body, on_close=started.handle.close, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+    def answer(c: Collected) -> dict[str, Any]:
+        return _completion_body(state, req, c, rid, created, echo, n, score_only, _usage(started, score_only))
+
+    if req.tripod_failover:
+        return ClosingStream(progress_stream(started.gen, started.it, started.first, rid, created, answer),
+                             on_close=started.handle.close, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
     try:
         c = await until_disconnect(request, collect(started.gen, started.it, started.first))
     finally:
         started.handle.close()
     started.gen.done()
+    return JSONResponse(answer(c))
+
+
+def _completion_body(state: ServerState, req: CompletionRequest, c: Collected, rid: str, created: int,
+                     echo: list[str] | None, n: int, score_only: bool, usage: dict[str, Any]) -> dict[str, Any]:
     choices = []
     for idx in sorted(c.texts):
         prefix = echo[idx // n] if echo else ""
@@ -261,12 +384,15 @@ async def _completions(state: ServerState, request: Request) -> Response:
                 lps = merge_logprobs(b.body(c.prompt_logprobs.get(idx, [])), b.body(generated))
             else:
                 lps = b.body(generated)
-        choices.append({"index": idx, "text": prefix + ("" if score_only else "".join(c.texts[idx])),
-                        "logprobs": lps, "finish_reason": "length" if score_only else c.finish[idx]})
-    return JSONResponse({
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
-        "choices": choices, "usage": _usage(started, score_only), "system_fingerprint": state.fingerprint(),
-    })
+        choice = {"index": idx, "text": prefix + ("" if score_only else "".join(c.texts[idx])),
+                  "logprobs": lps, "finish_reason": "length" if score_only else c.finish[idx]}
+        if req.return_token_ids:
+            choice["token_ids"] = c.token_ids[idx]
+        choices.append(choice)
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+        "choices": choices, "usage": usage, "system_fingerprint": state.fingerprint(),
+    }
 
 
 def _usage(s: Started, score_only: bool) -> dict[str, Any]:
@@ -277,13 +403,17 @@ def _usage(s: Started, score_only: bool) -> dict[str, Any]:
     return u
 
 
-async def _completion_stream(state: ServerState, req: CompletionRequest, s: Started, rid: str,
+async def _completion_stream(state: ServerState, req: CompletionRequest, s: Started, rid: str, created: int,
                              echo: list[str] | None, n: int, score_only: bool) -> AsyncIterator[bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    created = int(time.time())
     fp = state.fingerprint()
     builders: dict[int, CompletionLogprobs] = {}
     echoed: set[int] = set()
+    for idx, prior in s.gen.priors.items():
+        # A continued stream: the client has the echo, and text_offset goes on after the tokens it has.
+        echoed.add(idx)
+        before = len(echo[idx // n]) if echo else 0
+        builders[idx] = CompletionLogprobs(state.text, before + sum(len(state.text.piece(t)) for t in prior.token_ids))
 
     def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
         body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
@@ -308,7 +438,8 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, s: Star
                 out.append(chunk([{"index": d.index, "text": "", "logprobs": None, "finish_reason": "length"}]))
             return out
         lps = b.body(d.logprobs) if req.logprobs is not None else None
-        out.append(chunk([{"index": d.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}]))
+        out.append(chunk([_mark({"index": d.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason},
+                                req, d.token_ids, d.chars)]))
         return out
 
     try:

@@ -62,12 +62,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def one_of(*values: str) -> Any:
+    """A string field documented (OpenAPI) as one of ``values``; the route checks it itself, with a
+    message that says what to send."""
+    return Field(json_schema_extra={"enum": list(values)})
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
 class ContentPart(_Strict):
-    type: str
+    type: str = one_of("text")
     text: str | None = None
 
 
@@ -83,7 +92,7 @@ class MessageToolCall(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: str
+    role: str = one_of(*ROLES)
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # role "assistant"
@@ -98,7 +107,7 @@ class FunctionDef(_Strict):
 
 
 class ToolDef(_Strict):
-    type: str
+    type: str = one_of("function")
     function: FunctionDef
 
 
@@ -107,7 +116,7 @@ class NamedFunction(_Strict):
 
 
 class NamedToolChoice(_Strict):
-    type: str
+    type: str = one_of("function")
     function: NamedFunction
 
 
@@ -147,6 +156,30 @@ class StructuredOutputs(_Strict):
     json_object: bool | None = None
 
 
+class ResumedChoice(_Strict):
+    """One choice of a continued answer: what it had produced before (on another replica)."""
+
+    index: int
+    token_ids: list[int]
+    # Streams: how many characters of the choice's text the client has been sent (the new
+    # stream starts right after them). Whole answers: None (the answer is rebuilt in full).
+    chars: int | None = None
+    # Whole answers: the raw logprobs of token_ids ([id, logprob, [[id, logprob], ...]] each),
+    # when the request asks for logprobs. (Their shape is checked where they are used.)
+    logprobs: list[list[Any]] | None = None
+    finish_reason: str | None = None  # set: the choice had finished (nothing more to generate)
+
+
+class Continuation(_Strict):
+    """tripod's extension ``tripod_continuation`` (the router's failover): answer this request as
+    the continuation of one that another replica started, whose ``id`` and ``created`` the answer
+    keeps. Each listed choice resumes from its tokens; unlisted choices start afresh."""
+
+    id: str
+    created: int
+    choices: list[ResumedChoice]
+
+
 class _Constrained(_Sampling):
     response_format: dict[str, Any] | None = None
     regex: str | None = None
@@ -158,6 +191,13 @@ class _Constrained(_Sampling):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # tripod's extensions. return_token_ids: every choice carries the ids of its tokens
+    # ("token_ids": in each stream chunk the new ones, in a whole answer all of them).
+    return_token_ids: bool = False
+    # The router's failover (tripod.router): stream chunks carry each choice's resume point, and a
+    # whole answer comes as an event stream of progress ending in the answer itself.
+    tripod_failover: bool = False
+    tripod_continuation: Continuation | None = None
 
 
 class ChatCompletionRequest(_Constrained):
@@ -227,9 +267,6 @@ def _jsonable(x: Any) -> bool:
         return True
     except (TypeError, ValueError):
         return False
-
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[Message]:

@@ -24,7 +24,7 @@ from tripod.server.engine_client import (
     Overloaded,
     RequestHandle,
 )
-from tripod.server.generation import Delta, Generation
+from tripod.server.generation import Delta, Generation, Prior
 from tripod.server.metrics import ServerMetrics
 from tripod.server.protocol import APIError
 from tripod.server.sampling import Limits
@@ -148,6 +148,7 @@ async def start_generation(
     stops: list[str],
     arrival: float,
     overload_status: int | None = None,
+    priors: dict[int, Prior] | None = None,
 ) -> Started:
     """Admit ``parts`` and wait for the first delta. The first delta comes before the response
     starts: a request the engine refuses still gets its 4xx status, and a client gone during
@@ -165,7 +166,7 @@ async def start_generation(
                        headers={"Retry-After": str(cfg.retry_after)}) from None
     except EngineDead as e:
         raise APIError(503, f"the engine is not running: {e}", type="server_error", code="engine_dead") from None
-    gen = Generation(handle, state.text, stops, state.metrics, arrival)
+    gen = Generation(handle, state.text, stops, state.metrics, arrival, priors)
     try:
         it = gen.deltas()
         first = await until_disconnect(request, anext(it, None))

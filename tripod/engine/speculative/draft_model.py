@@ -108,14 +108,13 @@ class DraftModelProposer(Proposer):
 
         toks: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        gens = draft_generators(reqs)
         active = [i for i, h in enumerate(heads) if h is not None]
         logit_of = {i: rows[id(heads[i])] for i in active}  # type: ignore[arg-type]
         added = [0] * len(reqs)
         try:
             while active:
                 for i in active:
-                    t, q = pick_draft(self.sampler, reqs[i], logit_of[i], gens[i])
+                    t, q = pick_draft(self.sampler, reqs[i], logit_of[i])
                     toks[i].append(t)
                     if q is not None:
                         probs[i].append(q)
@@ -145,29 +144,17 @@ class DraftModelProposer(Proposer):
         return out
 
 
-def draft_generators(reqs: list[Req]) -> list[torch.Generator | None]:
-    """A copy of each seeded sampled request's generator (None for the others)."""
-    # NOTE: a seeded request's draft draws with the noise its own generator will give the
-    # target at each position (a copy of the generator's state), so the draft guesses the
-    # very token the target's sample will be whenever their distributions agree.
-    gens: list[torch.Generator | None] = []
-    for r in reqs:
-        g = None
-        if r.generator is not None and not r.params.greedy:
-            g = torch.Generator(device=r.generator.device)
-            g.set_state(r.generator.get_state())
-        gens.append(g)
-    return gens
-
-
-def pick_draft(s: Sampler, req: Req, logits: torch.Tensor, gen: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+def pick_draft(s: Sampler, req: Req, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
     """A draft's token at one position (and its distribution when drawn without a seed)."""
     adjusted = s.adjust(logits.unsqueeze(0), [req])
     if req.params.greedy:
         return int(adjusted.argmax()), None
+    if req.noise_key is not None:
+        # NOTE: a seeded request's draft draws with the very noise the target will draw with
+        # at this position (counter-based: a function of the seed and the position, and the
+        # draft's guesses are in output_ids), so it guesses the target's sample whenever
+        # their distributions agree.
+        return int(s.race(s.probs(adjusted, [req]), [req])[0]), None
     p = s.probs(adjusted, [req])[0]
-    if gen is not None:
-        noise = torch.empty_like(p).exponential_(generator=gen)
-        return int((p / noise).argmax()), None
     p = p / p.sum()
     return s.draw(p), p

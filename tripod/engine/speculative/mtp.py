@@ -29,7 +29,7 @@ import torch
 
 from tripod.engine.sampler import Sampler
 from tripod.engine.scheduler import ScheduledItem
-from tripod.engine.speculative.draft_model import draft_generators, pick_draft
+from tripod.engine.speculative.draft_model import pick_draft
 from tripod.engine.speculative.proposer import Proposal, Proposer
 from tripod.layers.attention import ForwardBatch, PrefillSegment
 
@@ -181,7 +181,6 @@ class MTPProposer(Proposer):
         active = [i for i, r in enumerate(reqs) if id(r) in first]
         toks: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        gens = draft_generators(reqs)
         logit_of = {i: first[id(reqs[i])][0] for i in active}
         hid_of = {i: first[id(reqs[i])][1] for i in active}
         added = [0] * len(reqs)
@@ -189,7 +188,7 @@ class MTPProposer(Proposer):
         try:
             while active:
                 for i in active:
-                    t, q = pick_draft(self.sampler, reqs[i], logit_of[i], gens[i])
+                    t, q = pick_draft(self.sampler, reqs[i], logit_of[i])
                     toks[i].append(t)
                     if q is not None:
                         probs[i].append(q)

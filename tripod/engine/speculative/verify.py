@@ -50,7 +50,7 @@ def accept(
     """Decide the tokens of one verification (``logits``: ``len(draft) + 1`` rows), appending
     them to ``req.output_ids`` (and its matcher) as plain decoding would."""
     out = Verdict()
-    rejection = draft_probs is not None and not req.params.greedy and req.generator is None
+    rejection = draft_probs is not None and not req.params.greedy and req.noise_key is None
     for j in range(len(draft) + 1):
         row = logits[j : j + 1]
         if req.matcher is not None:
@@ -61,9 +61,13 @@ def accept(
         else:
             res = sampler.sample(row, [req])
             tok, lp = res.token_ids[0], res.logprobs[0]
-        if req.matcher is not None:
-            ok = req.matcher.accept_token(tok)
-            assert ok, f"{req.rid}: the grammar refused sampled token {tok}"
+        if req.matcher is not None and not req.matcher.accept_token(tok):
+            # NOTE: the grammar allowed no token at all (see Engine.step): the caller's constraint.
+            assert not torch.isfinite(row).any(), f"{req.rid}: the grammar refused sampled token {tok}"
+            req.error = (f"the output constraint allows no token at output position {len(req.output_ids)}: what "
+                         "it requires next cannot be written with this model's vocabulary; change the constraint")
+            out.reason = FinishReason.REJECTED
+            break
         if not req.output_ids and req.first_token_time is None:
             req.first_token_time = time.monotonic()
         req.output_ids.append(tok)

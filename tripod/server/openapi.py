@@ -1,0 +1,102 @@
+"""The HTTP API's OpenAPI document, served at ``/openapi.json``.
+
+Request bodies are described by the very pydantic models the routes parse them with (so the
+document cannot drift from what is accepted), and every error by the shape it is answered in:
+OpenAI's ``{"error": {message, type, param, code}}``, Anthropic's ``{"type": "error", "error":
+{type, message}}`` on ``/v1/messages``. ``tests/test_api_fuzz.py`` fuzzes the server from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from tripod import __version__
+from tripod.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from tripod.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+OPENAI_ERROR: dict[str, Any] = {
+    "type": "object", "required": ["error"], "additionalProperties": False,
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"], "additionalProperties": False,
+        "properties": {"message": {"type": "string", "minLength": 1}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+ANTHROPIC_ERROR: dict[str, Any] = {
+    "type": "object", "required": ["type", "error"], "additionalProperties": False,
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "required": ["type", "message"], "additionalProperties": False,
+        "properties": {"type": {"type": "string"}, "message": {"type": "string", "minLength": 1}}}},
+}
+_OBJECT: dict[str, Any] = {"type": "object"}
+
+# path → (request model, answers may stream, the error shape)
+_BODIES: dict[str, tuple[type[BaseModel], bool, str]] = {
+    "/v1/chat/completions": (ChatCompletionRequest, True, "OpenAIError"),
+    "/v1/completions": (CompletionRequest, True, "OpenAIError"),
+    "/v1/messages": (MessagesRequest, True, "AnthropicError"),
+    "/v1/messages/count_tokens": (CountTokensRequest, False, "AnthropicError"),
+    "/tokenize": (TokenizeRequest, False, "OpenAIError"),
+    "/detokenize": (DetokenizeRequest, False, "OpenAIError"),
+}
+
+
+def _errors(shape: str) -> dict[str, Any]:
+    ref = {"$ref": f"#/components/schemas/{shape}"}
+    return {code: {"description": "an error, in the API's own shape", "content": {"application/json": {"schema": ref}}}
+            for code in ("4XX", "5XX")}
+
+
+def api_document() -> dict[str, Any]:
+    """The document without a running server (the routes only close over the state they serve)."""
+    from tripod.server.admin_api import add_admin_routes
+    from tripod.server.anthropic_api import add_anthropic_routes
+    from tripod.server.openai_api import add_openai_routes
+
+    app = FastAPI()
+    unused: Any = None
+    add_admin_routes(app, unused)
+    add_openai_routes(app, unused)
+    add_anthropic_routes(app, unused)
+    return openapi_document(app)
+
+
+def openapi_document(app: FastAPI) -> dict[str, Any]:
+    doc = get_openapi(title="tripod", version=__version__, routes=app.routes,
+                      description="tripod's OpenAI-compatible and Anthropic-compatible API")
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.pop("HTTPValidationError", None)  # FastAPI's own 422 shape: tripod answers 400 in its own
+    schemas.pop("ValidationError", None)
+    schemas["OpenAIError"] = OPENAI_ERROR
+    schemas["AnthropicError"] = ANTHROPIC_ERROR
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            op.pop("requestBody", None)
+            shape = "AnthropicError" if path.startswith("/v1/messages") else "OpenAIError"
+            ok: dict[str, Any] = {"application/json": {"schema": _OBJECT}}
+            if path == "/metrics":
+                ok = {"text/plain": {"schema": {"type": "string"}}}
+            op["responses"] = {"200": {"description": "the answer", "content": ok}, **_errors(shape)}
+            if path == "/health":  # 503 while draining or with the engine dead: a status object
+                op["responses"]["503"] = {"description": "not serving", "content": {"application/json": {
+                    "schema": {"type": "object", "required": ["status"]}}}}
+            if method != "post" or path not in _BODIES:
+                continue
+            model, streams, shape = _BODIES[path]
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            op["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            if streams:  # "stream": true answers with server-sent events (JSON chunks, then [DONE])
+                op["responses"]["200"]["content"]["text/event-stream"] = {"schema": {}}
+            op["responses"].update(_errors(shape))
+    return doc
