@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tripod.engine.request import GrammarSpec, SamplingParams
+from tripod.engine.request import GrammarSpec, Resume, SamplingParams
 from tripod.server import ipc
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
@@ -119,14 +119,17 @@ def test_add_request_crosses_the_boundary_typed() -> None:
                        prompt_logprobs=1)
     msg = ipc.decode(ipc.encode(ipc.AddRequest("r1", [1, 2, 3], p)))
     assert isinstance(msg, ipc.AddRequest) and isinstance(msg.params, SamplingParams)
-    assert msg.params == p and msg.prompt_ids == [1, 2, 3]
+    assert msg.params == p and msg.prompt_ids == [1, 2, 3] and msg.resume == []
+    # A continuation carries the copies it resumes, typed.
+    cont = ipc.decode(ipc.encode(ipc.AddRequest("r1", [1], p, [Resume(1, (7, 8))])))
+    assert cont.resume == [Resume(1, (7, 8))]
     bad = ipc.encode(ipc.AddRequest("r2", [1], SamplingParams(n=3)))
     # Tamper with the wire copy: a value out of bounds is refused on the engine side, with what
     # a rejection needs (the id and the number of copies).
     import msgpack
 
-    tag, rid, ids, values = msgpack.unpackb(bad, raw=False, strict_map_key=False)
+    tag, rid, ids, values, resume = msgpack.unpackb(bad, raw=False, strict_map_key=False)
     values[1] = math.inf  # temperature
     with pytest.raises(ipc.InvalidAddRequest) as e:
-        ipc.decode(msgpack.packb([tag, rid, ids, values], use_bin_type=True))
+        ipc.decode(msgpack.packb([tag, rid, ids, values, resume], use_bin_type=True))
     assert e.value.rid == "r2" and e.value.n == 3 and "temperature" in str(e.value)
