@@ -16,6 +16,7 @@ acceptance, never correctness: the target checks every draft token.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -106,43 +107,62 @@ class DraftModelProposer(Proposer):
         rows = self._forward(first)
         first_pass = self.draft_seconds - seconds0  # catch-up and shadowed chunks: not a draft's cost
 
-        toks: list[list[int]] = [[] for _ in reqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         active = [i for i, h in enumerate(heads) if h is not None]
-        logit_of = {i: rows[id(heads[i])] for i in active}  # type: ignore[arg-type]
-        added = [0] * len(reqs)
-        try:
-            while active:
-                for i in active:
-                    t, q = pick_draft(self.sampler, reqs[i], logit_of[i])
-                    toks[i].append(t)
-                    if q is not None:
-                        probs[i].append(q)
-                active = [i for i in active if len(toks[i]) < lengths[i]]
-                if not active:
-                    break
-                step_items = []
-                for i in active:
-                    reqs[i].output_ids.append(toks[i][-1])  # the forward reads tokens from all_ids
-                    added[i] += 1
-                    step_items.append(ScheduledItem(reqs[i], reqs[i].seq_len - 1, 1))
-                rows = self._forward(step_items)
-                logit_of = {i: rows[id(it)] for i, it in zip(active, step_items, strict=True)}
-        finally:
-            for i, r in enumerate(reqs):
-                if added[i]:
-                    del r.output_ids[len(r.output_ids) - added[i] :]
+
+        def step(active: list[int]) -> dict[int, torch.Tensor]:
+            items = [ScheduledItem(reqs[i], reqs[i].seq_len - 1, 1) for i in active]
+            rows = self._forward(items)
+            return {i: rows[id(it)] for i, it in zip(active, items, strict=True)}
+
+        out, _ = chain_drafts(self.sampler, reqs, lengths, {i: rows[id(heads[i])] for i in active}, step)  # type: ignore[arg-type]
         if reqs and self.draft_passes > passes0 + 1:
             later = (self.draft_seconds - seconds0 - first_pass) / (self.draft_passes - passes0 - 1)
             self.last_pass_seconds = later / len(reqs)  # per request: a pass is shared by the batch
-        out: list[Proposal | None] = []
-        for i in range(len(reqs)):
-            if len(toks[i]) != lengths[i]:
-                out.append(None)
-            else:
-                out.append(Proposal(toks[i], torch.stack(probs[i]) if probs[i] else None))
         return out
 
+
+def chain_drafts(
+    sampler: Sampler,
+    reqs: list[Req],
+    lengths: list[int],
+    first: dict[int, torch.Tensor],
+    step: Callable[[list[int]], dict[int, torch.Tensor]],
+) -> tuple[list[Proposal | None], int]:
+    """Draft ``lengths[i]`` tokens for the requests ``first`` has a logits row for (by index):
+    pick a token from each row; while a request wants more, its draft so far is appended to its
+    ``output_ids`` (the next pass reads it, and a seeded request's noise is drawn at its position)
+    and ``step(active)`` gives the next rows. Returns the proposals (None where a request got
+    none) and how many ``step`` passes ran; ``output_ids`` are restored."""
+    toks: list[list[int]] = [[] for _ in reqs]
+    probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+    active = sorted(first)
+    logit_of = dict(first)
+    added = [0] * len(reqs)
+    passes = 0
+    try:
+        while active:
+            for i in active:
+                t, q = pick_draft(sampler, reqs[i], logit_of[i])
+                toks[i].append(t)
+                if q is not None:
+                    probs[i].append(q)
+            active = [i for i in active if len(toks[i]) < lengths[i]]
+            if not active:
+                break
+            for i in active:
+                reqs[i].output_ids.append(toks[i][-1])
+                added[i] += 1
+            logit_of = step(active)
+            passes += 1
+    finally:
+        for i, r in enumerate(reqs):
+            if added[i]:
+                del r.output_ids[len(r.output_ids) - added[i] :]
+    out: list[Proposal | None] = [
+        Proposal(toks[i], torch.stack(probs[i]) if probs[i] else None) if len(toks[i]) == lengths[i] else None
+        for i in range(len(reqs))
+    ]
+    return out, passes
 
 def pick_draft(s: Sampler, req: Req, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
     """A draft's token at one position (and its distribution when drawn without a seed)."""

@@ -29,7 +29,7 @@ import torch
 
 from tripod.engine.sampler import Sampler
 from tripod.engine.scheduler import ScheduledItem
-from tripod.engine.speculative.draft_model import pick_draft
+from tripod.engine.speculative.draft_model import chain_drafts
 from tripod.engine.speculative.proposer import Proposal, Proposer
 from tripod.layers.attention import ForwardBatch, PrefillSegment
 
@@ -178,41 +178,16 @@ class MTPProposer(Proposer):
         ready = {id(r) for r, _s, e in segs if id(r) in proposing and e == r.seq_len - 1}
         first = self._run_chunks(segs, ready)
         t1 = time.perf_counter()
-        active = [i for i, r in enumerate(reqs) if id(r) in first]
-        toks: list[list[int]] = [[] for _ in reqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        logit_of = {i: first[id(reqs[i])][0] for i in active}
-        hid_of = {i: first[id(reqs[i])][1] for i in active}
-        added = [0] * len(reqs)
-        passes = 0
-        try:
-            while active:
-                for i in active:
-                    t, q = pick_draft(self.sampler, reqs[i], logit_of[i])
-                    toks[i].append(t)
-                    if q is not None:
-                        probs[i].append(q)
-                active = [i for i in active if len(toks[i]) < lengths[i]]
-                if not active:
-                    break
-                for i in active:
-                    reqs[i].output_ids.append(toks[i][-1])
-                    added[i] += 1
-                logits, own = self._chain([reqs[i] for i in active], [toks[i][-1] for i in active],
-                                          [hid_of[i] for i in active])
-                passes += 1
-                logit_of = {i: logits[j] for j, i in enumerate(active)}
-                hid_of = {i: own[j] for j, i in enumerate(active)}
-        finally:
-            for i, r in enumerate(reqs):
-                if added[i]:
-                    del r.output_ids[len(r.output_ids) - added[i] :]
+        hid_of = {i: first[id(r)][1] for i, r in enumerate(reqs) if id(r) in first}
+
+        def step(active: list[int]) -> dict[int, torch.Tensor]:
+            logits, own = self._chain([reqs[i] for i in active], [reqs[i].output_ids[-1] for i in active],
+                                      [hid_of[i] for i in active])
+            hid_of.update({i: own[j] for j, i in enumerate(active)})
+            return {i: logits[j] for j, i in enumerate(active)}
+
+        rows = {i: first[id(r)][0] for i, r in enumerate(reqs) if id(r) in first}
+        out, passes = chain_drafts(self.sampler, reqs, lengths, rows, step)
         if reqs and passes:
             self.last_pass_seconds = (time.perf_counter() - t1) / passes / len(reqs)
-        out: list[Proposal | None] = []
-        for i in range(len(reqs)):
-            if len(toks[i]) != lengths[i]:
-                out.append(None)
-            else:
-                out.append(Proposal(toks[i], torch.stack(probs[i]) if probs[i] else None))
         return out
