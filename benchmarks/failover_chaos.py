@@ -294,6 +294,12 @@ def markdown(r: Report) -> str:
         f"p50 ≤ {r.router_continuation_s.get('p50<=', 0):g} s, p90 ≤ {r.router_continuation_s.get('p90<=', 0):g} s, "
         f"p99 ≤ {r.router_continuation_s.get('p99<=', 0):g} s.",
         "",
+        "Every answer is compared with its undisturbed greedy reference from the same fleet (fp32 on "
+        "tripod's kernels: token-identical is the expectation, not a tolerance). The added latency of a hit "
+        "request is the time to notice the failure (a cut connection at once; an engine death via its "
+        "server's error event), the continuation's prefill of prompt + tokens so far on another replica, and "
+        "the competition for the machine's cores from the replica being restarted (it loads the model).",
+        "",
         *(["Errors (first 10):", "", *[f"- {e}" for e in r.error_samples], ""] if r.error_samples else []),
     ]) + "\n"
 
