@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
+from speculative import machine  # benchmarks/speculative.py (this script's folder is on sys.path)
 
 from tripod.serve_process import free_port, wait_healthy
 
@@ -80,15 +81,6 @@ class Report:
     added_latency_s: dict[str, float] = field(default_factory=dict)
     router_continuation_s: dict[str, float] = field(default_factory=dict)
     error_samples: list[str] = field(default_factory=list)
-
-
-def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        model = "unknown CPU"
-    return f"{model}, {os.cpu_count()} cores"
 
 
 def pct(xs: list[float], q: float) -> float:
