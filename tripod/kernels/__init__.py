@@ -1,138 +1,179 @@
-"""tripod's own CPU kernels (C++, AVX-512), compiled on the machine that runs them.
+"""tripod's own CPU kernels (C++), one library per ISA level, compiled on the machine that runs them.
 
-The source (``csrc/cpu_kernels.cpp``) is compiled once per machine kind with the system's C++
-compiler against the installed torch, checked in a separate process, and cached on disk
-(``$TRIPOD_CACHE_DIR/kernels/<hash>/``). ``make install`` builds it ahead of time; otherwise the
-first engine that wants it builds it in the background (about 10 s on 2 cores) and keeps
-serving on torch's own ops until it is ready. Without a compiler or AVX-512, tripod runs on
-torch's ops only: nothing here is required.
+The sources (``csrc/``) are written once over a 16-lane vector type (``csrc/simd.h``) and
+compiled per level (``build.LEVELS``: ``avx512_bf16``, ``avx512``, ``avx2``), each checked in a
+separate process and cached on disk (``$TRIPOD_CACHE_DIR/kernels/<level>-<hash>/``). Every level
+computes the same bits; the best one the CPU supports runs (``best_level``), and a test or a
+user may force another (``--kernels avx2``). ``make install`` builds every level the CPU
+supports; otherwise the first engine that wants one builds it in the background (about 20 s on
+2 cores) and keeps serving on torch's ops until it is ready. Without a compiler or AVX2, tripod
+runs on torch's ops only and says why.
 
-    python -m tripod.kernels build     # build (or find) the kernels; prints where and why not
-    python -m tripod.kernels status
+    python -m tripod.kernels build     # build every level this CPU supports; non-zero if one fails
+    python -m tripod.kernels status    # what this CPU supports, what is built, what runs
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any
 
-from tripod.kernels.build import KernelBuild, cpu_flags
+from tripod.kernels.build import LEVELS, KernelBuild, cpu_flags, level_reason, namespace, supported_levels
 
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_loaded = False
-_failed: str | None = None
-_thread: threading.Thread | None = None
 
 
-def ops() -> Any | None:
-    """``torch.ops.tripod_cpu`` once the kernels are loaded in this process, else None."""
-    if not _loaded:
+@dataclass(slots=True)
+class _Level:
+    """One level's state in this process: loaded, failed (why), or building in a thread."""
+
+    loaded: bool = False
+    failed: str | None = None
+    thread: threading.Thread | None = None
+
+
+_levels: dict[str, _Level] = {lv: _Level() for lv in LEVELS}
+
+
+def best_level() -> str | None:
+    """The best level this CPU supports (None: none, e.g. not x86-64 or no AVX2)."""
+    levels = supported_levels()
+    return levels[0] if levels else None
+
+
+def _resolve(level: str | None) -> str | None:
+    if level is None:
+        return best_level()
+    if level not in _levels:
+        raise ValueError(f"unknown kernel level {level!r} (one of {', '.join(LEVELS)})")
+    return level
+
+
+def ops(level: str | None = None) -> Any | None:
+    """``torch.ops.tripod_<level>`` once that level is loaded in this process, else None."""
+    lv = _resolve(level)
+    if lv is None or not _levels[lv].loaded:
         return None
     import torch
 
-    return torch.ops.tripod_cpu
+    return getattr(torch.ops, namespace(lv))
 
 
-def ready() -> bool:
-    return _loaded
+def ready(level: str | None = None) -> bool:
+    lv = _resolve(level)
+    return lv is not None and _levels[lv].loaded
 
 
-def building() -> bool:
-    """Whether a background build is running in this process (started by ``load(wait=False)``)."""
-    return _thread is not None and _thread.is_alive()
+def building(level: str | None = None) -> bool:
+    """Whether a background build of ``level`` (None: any level) runs in this process."""
+    states = _levels.values() if level is None else [_levels[level]]
+    return any(s.thread is not None and s.thread.is_alive() for s in states)
 
 
-def unavailable_reason() -> str | None:
-    """Why the kernels cannot be used on this machine (None: they can, or may still build)."""
-    return _failed or _machine_reason()
+def unavailable_reason(level: str | None = None) -> str | None:
+    """Why ``level`` (None: the best this CPU supports) cannot be used here (None: it can, or may
+    still build)."""
+    lv = _resolve(level)
+    if lv is None:
+        return _no_level_reason()
+    return _levels[lv].failed or KernelBuild(lv).unsupported_reason()
 
 
-@functools.cache
-def _machine_reason() -> str | None:
-    return KernelBuild().unsupported_reason()
+def _no_level_reason() -> str:
+    why = level_reason("avx2")
+    return f"{why or 'no level is supported'} (tripod's CPU kernels need at least AVX2, FMA and F16C)"
 
 
-def load(*, wait: bool = True) -> bool:
-    """Load the kernels, building them first if needed (in a background thread that runs the
-    build in its own process). ``wait=False`` returns at once: True only if they were already
-    built and are now loaded; otherwise they load when the build ends (``ready()``)."""
-    global _thread
+def load(level: str | None = None, *, wait: bool = True) -> bool:
+    """Load ``level`` (None: the best this CPU supports), building it first if needed (in a
+    background thread that runs the build in its own process). ``wait=False`` returns at once:
+    True only if it was already built and is now loaded; otherwise it loads when the build ends
+    (``ready()``)."""
+    lv = _resolve(level)
+    if lv is None:
+        return False
+    state = _levels[lv]
     with _lock:
-        if _loaded or _failed is not None:
-            return _loaded
-        build = KernelBuild()
+        if state.loaded or state.failed is not None:
+            return state.loaded
+        build = KernelBuild(lv)
         why = build.unsupported_reason()
         if why is not None:
-            _fail(why)
+            _fail(lv, why)
             return False
         if build.is_built():
-            _load_library(build)
-            return _loaded
-        if _thread is None:
-            _thread = threading.Thread(target=_build_and_load, args=(build,), name="tripod-kernels", daemon=True)
-            _thread.start()
-        thread = _thread
+            _load_library(lv, build)
+            return state.loaded
+        if state.thread is None:
+            state.thread = threading.Thread(target=_build_and_load, args=(lv, build), name=f"tripod-kernels-{lv}", daemon=True)
+            state.thread.start()
+        thread = state.thread
     if wait:
         thread.join()
-    return _loaded
+    return state.loaded
 
 
-def wait(timeout: float | None = None) -> bool:
+def wait(timeout: float | None = None, level: str | None = None) -> bool:
     """Wait for a background build started by ``load(wait=False)``; True once loaded."""
-    t = _thread
+    lv = _resolve(level)
+    if lv is None:
+        return False
+    t = _levels[lv].thread
     if t is not None:
         t.join(timeout)
-    return _loaded
+    return _levels[lv].loaded
 
 
-def _build_and_load(build: KernelBuild) -> None:
+def _build_and_load(level: str, build: KernelBuild) -> None:
     # NOTE: the build runs in its own process group, not in this thread: if this process goes
     # away (a replica stopped or restarted mid-build) the build still finishes and lands in the
     # cache, so the next start (or another replica, waiting on the build's lock) uses it.
     import subprocess
     import sys
 
-    log.info("building tripod's CPU kernels in the background (once per machine; ~20 s)")
+    log.info("building tripod's %s CPU kernels in the background (once per machine; ~20 s)", level)
     try:
         res = subprocess.run(
-            [sys.executable, "-m", "tripod.kernels", "build", "--strict"],
+            [sys.executable, "-m", "tripod.kernels", "build", "--level", level],
             capture_output=True, text=True, start_new_session=True, timeout=1800,
             preexec_fn=lambda: os.nice(10),  # serving (on torch's ops meanwhile) comes first
         )
     except Exception as e:  # any failure means: keep running on torch's ops, and say why
-        _fail(f"building the CPU kernels failed: {e}")
+        _fail(level, f"building the {level} kernels failed: {e}")
         return
     if res.returncode != 0 or not build.is_built():
-        _fail(f"building the CPU kernels failed: {(res.stderr or res.stdout).strip()[-2000:]}")
+        _fail(level, f"building the {level} kernels failed: {(res.stderr or res.stdout).strip()[-2000:]}")
         return
     with _lock:
-        _load_library(build)
+        _load_library(level, build)
 
 
-def _load_library(build: KernelBuild) -> None:
-    global _loaded
+def _load_library(level: str, build: KernelBuild) -> None:
     import torch
 
-    if _loaded:  # a background build and a waiting caller may both get here
+    state = _levels[level]
+    if state.loaded:  # a background build and a waiting caller may both get here
         return
     try:
         torch.ops.load_library(str(build.library))
     except Exception as e:
-        _fail(f"loading {build.library} failed: {e}")
+        _fail(level, f"loading {build.library} failed: {e}")
         return
-    _loaded = True
-    log.info("tripod CPU kernels loaded from %s", build.library)
+    state.loaded = True
+    log.info("tripod %s CPU kernels loaded from %s", level, build.library)
 
 
-def _fail(why: str) -> None:
-    global _failed
-    _failed = why
-    log.warning("tripod CPU kernels unavailable, using torch's ops: %s", why)
+def _fail(level: str, why: str) -> None:
+    _levels[level].failed = why
+    log.warning("tripod %s CPU kernels unavailable, using torch's ops: %s", level, why)
 
 
-__all__ = ["building", "cpu_flags", "load", "ops", "ready", "unavailable_reason", "wait"]
+__all__ = [
+    "LEVELS", "best_level", "building", "cpu_flags", "load", "ops", "ready", "supported_levels",
+    "unavailable_reason", "wait",
+]

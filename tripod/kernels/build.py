@@ -1,7 +1,12 @@
-"""Compiling ``csrc/cpu_kernels.cpp`` into a torch op library, checked and cached on disk.
+"""Compiling the kernel sources into one torch op library per ISA level, checked and cached on disk.
 
-One build per (source, compiler flags, torch version, CPU features): the hash names the cache
-folder, so a machine of another kind (or a new torch) never loads a library built elsewhere.
+Levels, best first (``LEVELS``): ``avx512_bf16`` (AVX-512 with ``vdpbf16ps``), ``avx512``, and
+``avx2`` (AVX2 + FMA + F16C: every x86-64 CPU of the last decade). Each is compiled with its own
+explicit flags (never ``-march=native``: some VMs list AMX in cpuid without granting it, and a
+build must run on any CPU of its level), registers its ops under its own namespace
+(``torch.ops.tripod_avx2`` ...), and computes the same bits as the others (``csrc/simd.h``).
+
+One build per (level, sources, flags, torch version, compiler): the hash names the cache folder.
 Concurrent builders (a fleet's replicas starting together) take a file lock; the first builds,
 the others find its result. A build is only used after a separate process has loaded it and
 checked every op against torch on small inputs (an illegal instruction there cannot take the
@@ -22,13 +27,25 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "linear.cpp")
-NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
-# NOTE: -march=native, but never AMX: some VMs list AMX in cpuid without granting it to the
-# process (ggml's native build dies with SIGILL there). No code here uses AMX anyway.
-BASE_FLAGS = [
-    "-O3", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16",
-    "-ffp-contract=off", "-fPIC", "-shared", "-std=c++20", "-fopenmp", "-w",
-]
+HEADERS = (CSRC / "simd.h",)
+
+LEVELS = ("avx512_bf16", "avx512", "avx2")  # best first
+_AVX2 = ("avx2", "fma", "f16c")
+_AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq")
+# The /proc/cpuinfo flags each level needs, and the compiler flags that enable exactly those.
+NEEDED_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx2": _AVX2,
+    "avx512": _AVX512,
+    "avx512_bf16": (*_AVX512, "avx512_bf16"),
+}
+_ISA_FLAGS: dict[str, list[str]] = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+    "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"],
+}
+# NOTE: -ffp-contract=off: no multiply-add is fused unless the source writes it as one (the
+# levels must compute the same bits, and the float32 kernels match torch's rounding order).
+BASE_FLAGS = ["-O3", "-mtune=generic", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++20", "-fopenmp", "-w"]
 
 
 def cpu_flags() -> set[str]:
@@ -41,48 +58,72 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def _cache_root() -> Path:
-    from tripod.loader.gguf_loader import default_cache_dir
+def namespace(level: str) -> str:
+    """The torch op namespace of a level's library (``torch.ops.<namespace>``)."""
+    return f"tripod_{level}"
 
-    return default_cache_dir() / "kernels"
+
+def level_reason(level: str, flags: set[str] | None = None) -> str | None:
+    """Why this CPU cannot run ``level`` (None: it can)."""
+    if level not in NEEDED_FLAGS:
+        raise ValueError(f"unknown kernel level {level!r} (one of {', '.join(LEVELS)})")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"tripod's CPU kernels are for x86-64 (this machine is {platform.machine()})"
+    flags = cpu_flags() if flags is None else flags
+    missing = [f for f in NEEDED_FLAGS[level] if f not in flags]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return None
+
+
+def supported_levels(flags: set[str] | None = None) -> list[str]:
+    """The levels this CPU can run, best first (empty: none, e.g. not x86-64 or no AVX2)."""
+    return [lv for lv in LEVELS if level_reason(lv, flags) is None]
+
+
+def _cache_root() -> Path:
+    env = os.environ.get("TRIPOD_CACHE_DIR")
+    root = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tripod"
+    return root / "kernels"
 
 
 class KernelBuild:
-    """Where this machine's build lives, whether it can exist, and how to make it."""
+    """Where one level's build lives, whether it can exist on this machine, and how to make it."""
 
-    def __init__(self) -> None:
+    def __init__(self, level: str) -> None:
         import torch
 
+        if level not in NEEDED_FLAGS:
+            raise ValueError(f"unknown kernel level {level!r} (one of {', '.join(LEVELS)})")
+        self.level = level
+        self.namespace = namespace(level)
         self.torch_dir = Path(torch.__file__).resolve().parent
         self.compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-        flags = cpu_flags()
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-        self.flags = [*BASE_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+        self.flags = [*BASE_FLAGS, *_ISA_FLAGS[level], f"-DTRIPOD_OPS_NS={self.namespace}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
         key = "\n".join([
-            *(f.read_text() if f.is_file() else "" for f in SOURCES),
+            *(f.read_text() if f.is_file() else "" for f in (*SOURCES, *HEADERS)),
             " ".join(self.flags),
             torch.__version__,
             str(self.compiler),
-            " ".join(sorted(flags)),
             platform.machine(),
         ])
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        self.folder = _cache_root() / digest
-        self.library = self.folder / "tripod_cpu.so"
+        self.folder = _cache_root() / f"{level}-{digest}"
+        self.library = self.folder / f"{self.namespace}.so"
         self.stamp = self.folder / "checked"
-        self._cpu = flags
 
     def unsupported_reason(self) -> str | None:
-        if not sys.platform.startswith("linux") or platform.machine() != "x86_64":
-            return f"the CPU kernels are built for Linux on x86-64 (this is {sys.platform}/{platform.machine()})"
-        missing = [f for f in NEEDED_FLAGS if f not in self._cpu]
-        if missing:
-            return f"this CPU lacks {', '.join(missing)} (the kernels need AVX-512)"
+        if not sys.platform.startswith("linux"):
+            return f"tripod's CPU kernels are built for Linux (this is {sys.platform})"
+        why = level_reason(self.level)
+        if why is not None:
+            return f"{why} (the {self.level} kernels need {', '.join(NEEDED_FLAGS[self.level])})"
         if not self.compiler:
-            return "no C++ compiler found (set CXX or install g++)"
+            return "no C++ compiler found (install g++, or set CXX)"
         if not (self.torch_dir / "include" / "ATen" / "ATen.h").is_file():
             return f"torch's C++ headers are missing from {self.torch_dir / 'include'}"
-        missing_src = [str(f) for f in SOURCES if not f.is_file()]
+        missing_src = [str(f) for f in (*SOURCES, *HEADERS) if not f.is_file()]
         if missing_src:
             return f"the kernel sources are missing: {', '.join(missing_src)}"
         return None
@@ -98,7 +139,7 @@ class KernelBuild:
             *(str(f) for f in SOURCES), "-o", str(output), f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}",
         ]
 
-    def build(self, timeout: float = 600.0) -> float:
+    def build(self, timeout: float = 900.0) -> float:
         """Compile and check (unless already built); returns the seconds it took. Raises
         RuntimeError saying what failed."""
         why = self.unsupported_reason()
@@ -110,20 +151,20 @@ class KernelBuild:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same thing
             if self.is_built():
                 return time.monotonic() - t0
-            for stale in self.folder.glob("tripod_cpu.*.so"):  # a builder killed mid-way
+            for stale in self.folder.glob(f"{self.namespace}.*.so"):  # a builder killed mid-way
                 stale.unlink(missing_ok=True)
-            tmp = self.folder / f"tripod_cpu.{os.getpid()}.so"
+            tmp = self.folder / f"{self.namespace}.{os.getpid()}.so"
             try:
                 res = subprocess.run(self.command(tmp), capture_output=True, text=True, timeout=timeout)
                 if res.returncode != 0:
-                    raise RuntimeError(f"compiler failed ({res.returncode}):\n{res.stderr[-4000:]}")
+                    raise RuntimeError(f"the {self.level} kernels did not compile ({res.returncode}):\n{res.stderr[-4000:]}")
                 check = subprocess.run(
-                    [sys.executable, "-m", "tripod.kernels.selftest", str(tmp)],
+                    [sys.executable, "-m", "tripod.kernels.selftest", str(tmp), self.namespace],
                     capture_output=True, text=True, timeout=timeout,
                 )
                 if check.returncode != 0:
                     raise RuntimeError(
-                        f"the self-check of the built kernels failed (exit {check.returncode}):\n"
+                        f"the self-check of the {self.level} kernels failed (exit {check.returncode}):\n"
                         f"{(check.stdout + check.stderr)[-4000:]}"
                     )
                 os.replace(tmp, self.library)

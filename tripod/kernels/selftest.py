@@ -1,7 +1,7 @@
 """Load a freshly built kernel library in this (throw-away) process and check every op against
 its torch reference on small random inputs. Exit 0 and print a summary when all agree.
 
-    python -m tripod.kernels.selftest path/to/tripod_cpu.so
+    python -m tripod.kernels.selftest path/to/tripod_avx2.so tripod_avx2
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from tripod.kernels import reference
 
 
-def check(lib: str) -> list[str]:
+def check(lib: str, namespace: str) -> list[str]:
     torch.ops.load_library(lib)
-    ops = torch.ops.tripod_cpu
+    ops = getattr(torch.ops, namespace)
     gen = torch.Generator().manual_seed(0)
     lines = []
     for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
@@ -57,9 +57,19 @@ def check(lib: str) -> list[str]:
         err = (ops.rms_norm(x, w, 1e-5).float() - reference.rms_norm(x, w, 1e-5).float()).abs().max().item()
         assert err < (1e-5 if dtype == torch.float32 else 3e-2), f"rms_norm {dtype}: max error {err}"
         lines.append(f"rms_norm {dtype}: max error {err:.2e}")
+        # A linear layer over packed weights (outputs not a multiple of 16: the masked tail).
+        n, k = 70, 96
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        fmt = "bf16" if dtype == torch.bfloat16 else "f32"
+        x = torch.randn(5, k, generator=gen).to(dtype)
+        got = ops.linear_packed(x, ops.pack_linear(w if fmt == "bf16" else w.float(), fmt, n, k), fmt, n, k, None)
+        want = x.float() @ w.float().T
+        err = (got.float() - want).abs().max().item()
+        assert err < (1e-4 if dtype == torch.float32 else 0.15), f"linear_packed {fmt}: max error {err}"
+        lines.append(f"linear_packed {fmt}: max error {err:.2e}")
     return lines
 
 
 if __name__ == "__main__":
-    for line in check(sys.argv[1]):
+    for line in check(sys.argv[1], sys.argv[2]):
         print(line)

@@ -1,4 +1,5 @@
-// tripod's CPU kernels (AVX-512), registered as torch ops in the `tripod` namespace.
+// tripod's CPU kernels, registered as torch ops in the namespace TRIPOD_OPS_NS (one library per
+// ISA level: tripod_avx2, tripod_avx512, tripod_avx512_bf16; see simd.h and kernels/build.py).
 //
 // - paged_attention: every query row attends the first `lens[t]` keys of its request, read
 //   directly from the KV pool through a slot table (no gather, no dense copy). One kernel for
@@ -14,7 +15,9 @@
 //
 // Numerics: everything is computed in float32; bfloat16 inputs are widened exactly and results
 // rounded once (round to nearest even). This file is compiled with -ffp-contract=off, so plain
-// arithmetic is never fused behind our back; where an FMA is wanted it is written as one.
+// arithmetic is never fused behind our back; where an FMA is wanted it is written as one. Every
+// ISA level computes the same bits (simd.h): bfloat16 dot products follow vdpbf16ps' order on
+// the levels without it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,16 +33,21 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
+#ifndef TRIPOD_OPS_NS
+#error "compile with -DTRIPOD_OPS_NS=<torch op namespace> (kernels/build.py does)"
+#endif
+
 namespace tripod_cpu {
 namespace {
 
 using bf16 = at::BFloat16;
+using namespace tripod_simd;
 
-#if defined(__AVX512BF16__)
-constexpr bool kBf16Dot = true;  // vdpbf16ps: bf16 products summed in float32, no widening pass
-#else
-constexpr bool kBf16Dot = false;
-#endif
+// vdpbf16ps: bf16 products summed in float32 with no widening pass. Elsewhere the same sums are
+// formed by widening and two FMAs per pair (simd.h: dot_pair).
+constexpr bool kBf16Dot = kNativeBf16;
 
 constexpr int kTile = 16;         // keys per tile (one zmm of scores)
 constexpr int kQueryBlock = 16;   // queries of one request processed together
@@ -64,39 +72,13 @@ void run_dynamic(int64_t n, bool inline_only, const F& fn) {
 }
 
 // ---------------------------------------------------------------------------- vector helpers
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(bf16* p, __m512 v) {
-  // Round to nearest even, like c10::BFloat16's conversion (activations carry no NaN).
-  __m512i x = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), lsb);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-}
+inline V16 load16(const float* p) { return load(p); }
+inline V16 load16(const bf16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
+inline void store16(float* p, V16 v) { store(p, v); }
+inline void store16(bf16* p, V16 v) { store_bf16(reinterpret_cast<uint16_t*>(p), v); }
 
+#if defined(__AVX512BF16__)
 inline const bf16* qb_as_bf16(const uint16_t* p) { return reinterpret_cast<const bf16*>(p); }
-
-// e^x, Cephes' single-precision polynomial (about 1 ulp); x <= -87 gives ~0.
-inline __m512 exp16(__m512 x) {
-  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447504f);
-  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(y, fx);
-}
 
 // After P·V over interleaved key pairs, vector 2c holds dims {0-3, 8-11, 16-19, 24-27} of the
 // 32-dim chunk c and vector 2c+1 dims {4-7, 12-15, 20-23, 28-31}: put them back in order.
@@ -109,28 +91,7 @@ inline void unpermute_pairs(float* o) {
     _mm512_storeu_ps(o + 32 * c + 16, _mm512_shuffle_f32x4(b, b, 0xD8));
   }
 }
-
-// Lane j of the result = the sum of the 16 lanes of v[j].
-inline __m512 transpose_sum16(__m512 v[16]) {
-  __m512 w[8], x[4];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
-  __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88), _mm512_shuffle_f32x4(z01, z23, 0xDD));
-}
-
-// The 16 lanes of q·k partial products for one key (D = 16 * nv), in float32.
-template <typename T>
-inline __m512 dot_partial(const float* qf, const T* k, int nv) {
-  __m512 acc = _mm512_mul_ps(load16(qf), load16(k));
-  for (int i = 1; i < nv; ++i) acc = _mm512_fmadd_ps(load16(qf + 16 * i), load16(k + 16 * i), acc);
-  return acc;
-}
+#endif
 
 // ---------------------------------------------------------------------------- attention
 struct Block {
@@ -176,30 +137,43 @@ struct AttnArgs {
 template <typename T, int NV>
 void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int piece_index) {
   constexpr int D = NV * 16;
-  constexpr bool bf16_dot = std::is_same_v<T, bf16> && kBf16Dot;
-  constexpr bool widen_k = std::is_same_v<T, bf16> && !kBf16Dot;
-  // bf16 with bf16 dot products: P·V pairs two keys per vdpbf16ps (P rounded to bf16, as flash
-  // attention does); V needs no widening, only interleaving two keys' rows.
-  constexpr bool pv_dot = bf16_dot;
-  constexpr bool widen_v = std::is_same_v<T, bf16> && !pv_dot;
+  constexpr bool is_bf16 = std::is_same_v<T, bf16>;
+  constexpr bool bf16_dot = is_bf16 && kBf16Dot;  // native vdpbf16ps for q·k and P·V
+  // bfloat16 without vdpbf16ps: the same sums from widened tiles. K is split into the even and
+  // odd elements of each pair of dims (vdpbf16ps' pairs), V widened; P rounded to bf16.
+  constexpr bool emulate = is_bf16 && !kBf16Dot;
   const int group = a.H / a.KVH, G = pc.g1 - pc.g0;
   const int per_query = G * group;  // query vectors of one query in this piece
   const int nqv = blk.nq * per_query;
   // NOTE: blocks and pieces are cut so that nqv * D <= kQueryFloats (see paged_attention_impl).
   thread_local std::vector<float> scratch;
-  const size_t need = (size_t)kQueryFloats * 2 + (size_t)nqv * 16 + (size_t)(widen_k ? G : 0) * kTile * D +
-                      (size_t)(widen_v || pv_dot ? G : 0) * kTile * D + 16;
+  const size_t tile = (size_t)G * kTile * D;
+  const size_t need = (size_t)kQueryFloats * 2 + (size_t)nqv * 16 + (emulate ? 2 * tile : bf16_dot ? tile : 0) + 16;
   if (scratch.size() < need) scratch.resize(need);
-  float* qf = scratch.data();                 // [nqv, D] scaled query vectors (float32 path)
+  float* qf = scratch.data();                 // [nqv, D] query vectors (float32 / emulated paths)
   float* acc = qf + kQueryFloats;              // [nqv, D] output accumulators
   float* lv = acc + kQueryFloats;              // [nqv, 16] sums of e^(s - m), as vectors
-  float* kf = lv + (size_t)nqv * 16;           // [G, 16, D] widened K tile (no bf16 dot)
-  float* vf = kf + (size_t)(widen_k ? G : 0) * kTile * D;  // [G, 16, D] widened V tile
-  // pv_dot: [G, 8 key pairs, NV vectors] of interleaved bf16 (the same bytes as vf would take).
-  uint16_t* vp = reinterpret_cast<uint16_t*>(vf);
+  float* kf = lv + (size_t)nqv * 16;           // emulate: [G, 16, D] K tile as pair halves
+  float* vf = kf + (emulate ? tile : 0);       // emulate: [G, 16, D] widened V tile
+  // bf16_dot: [G, 8 key pairs, NV vectors] of interleaved bf16 (in the space vf would take).
+  uint16_t* vp = reinterpret_cast<uint16_t*>(kf);
   float m[kQueryFloats / 16];                  // running max of each query vector
   alignas(64) uint16_t qb[bf16_dot ? kQueryFloats : 1];  // query vectors as bf16 bits (dot path)
-  const __m512 vscale = _mm512_set1_ps(a.scale);
+  const V16 vscale = set1(a.scale);
+  // A bf16 vector of D dims as vdpbf16ps sees it: NV/2 chunks of 32 dims, each [even 16 | odd 16]
+  // (element 2i and 2i + 1 of the chunk in lane i), then the last 16 dims widened when NV is odd.
+  auto split_pairs = [](const T* src, float* dst) {
+    if constexpr (is_bf16) {
+      const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+      for (int c = 0; c < NV / 2; ++c) {
+        V16 e, o;
+        load_bf16_pairs(s + 32 * c, e, o);
+        store(dst + 32 * c, e);
+        store(dst + 32 * c + 16, o);
+      }
+      if constexpr (NV % 2 == 1) store(dst + 32 * (NV / 2), load_bf16(s + 32 * (NV / 2)));
+    }
+  };
   // Query vector qv = (i * G + gl) * group + h: query i, KV head g0 + gl, its head h.
   auto head_of = [&](int qv) { return (pc.g0 + (qv / group) % G) * group + qv % group; };
   for (int qv = 0; qv < nqv; ++qv) {
@@ -207,11 +181,13 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
     const T* src = a.q + (int64_t)(blk.t0 + i) * a.q_stride_t + (int64_t)head_of(qv) * a.q_stride_h;
     if constexpr (bf16_dot) {
       std::memcpy(qb + qv * D, src, D * sizeof(T));
+    } else if constexpr (emulate) {
+      split_pairs(src, qf + qv * D);  // unscaled, as vdpbf16ps takes it: the scale comes after
     } else {
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(qf + qv * D + 16 * v, _mm512_mul_ps(load16(src + 16 * v), vscale));
+      for (int v = 0; v < NV; ++v) store(qf + qv * D + 16 * v, mul(load16(src + 16 * v), vscale));
     }
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + qv * D + 16 * v, _mm512_setzero_ps());
-    _mm512_storeu_ps(lv + qv * 16, _mm512_setzero_ps());
+    for (int v = 0; v < NV; ++v) store(acc + qv * D + 16 * v, zero());
+    store(lv + qv * 16, zero());
     m[qv] = -std::numeric_limits<float>::infinity();
   }
 
@@ -219,7 +195,7 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
   const int64_t span = (int64_t)G * D * sizeof(T);  // bytes of K (or V) of this piece's heads
   auto k_of = [&](int k, int gl) { return a.kv + (int64_t)slots[k] * a.kv_stride_slot + (int64_t)(pc.g0 + gl) * D; };
   const T* krow[8][kTile];  // [G][16] (G <= 8)
-  const float* vrow[8][kTile];
+  const T* vrow[8][kTile];
   alignas(64) float p[kTile];
   for (int k0 = pc.k0; k0 < pc.k1; k0 += kTile) {
     const int n = std::min(kTile, pc.k1 - k0);
@@ -243,11 +219,15 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
     for (int gl = 0; gl < G; ++gl)
       for (int j = 0; j < kTile; ++j) {
         const T* kr = base[j] + (int64_t)gl * D;
-        krow[gl][j] = kr;
-        if constexpr (widen_k)
-          for (int v = 0; v < NV; ++v) _mm512_storeu_ps(kf + (gl * kTile + j) * D + 16 * v, load16(kr + 16 * v));
         const T* vr = kr + (int64_t)a.KVH * D;
-        if constexpr (pv_dot) {
+        krow[gl][j] = kr;
+        vrow[gl][j] = vr;
+        if constexpr (emulate) {
+          split_pairs(kr, kf + (gl * kTile + j) * D);
+          for (int v = 0; v < NV; ++v) store(vf + (gl * kTile + j) * D + 16 * v, load16(vr + 16 * v));
+        }
+#if defined(__AVX512BF16__)
+        if constexpr (bf16_dot) {
           if (j % 2 == 1) {  // interleave keys j-1 and j: each 32-dim chunk -> two vectors
             const T* v0 = base[j - 1] + (int64_t)gl * D + (int64_t)a.KVH * D;
             uint16_t* dst = vp + ((size_t)(gl * (kTile / 2) + j / 2) * NV) * 32;
@@ -257,21 +237,15 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
               _mm512_storeu_si512(dst + 64 * c + 32, _mm512_unpackhi_epi16(x0, x1));
             }
           }
-        } else if constexpr (widen_v) {
-          float* dst = vf + (gl * kTile + j) * D;
-          if (j < n)
-            for (int v = 0; v < NV; ++v) _mm512_storeu_ps(dst + 16 * v, load16(vr + 16 * v));
-          vrow[gl][j] = dst;
-        } else {
-          vrow[gl][j] = reinterpret_cast<const float*>(vr);
         }
+#endif
       }
     for (int qv = 0; qv < nqv; ++qv) {
       prefetch_some((qv + 1) * kTile / nqv + 1);
       const int valid = std::min(n, blk.len0 + qv / per_query - k0);  // causal limit of this query
       if (valid <= 0) continue;  // the whole tile is in this query's future
       const int gl = (qv / group) % G;
-      __m512 parts[kTile];
+      V16 parts[kTile];
       if constexpr (bf16_dot) {
 #if defined(__AVX512BF16__)
         __m512bh q2[NV / 2 + 1];
@@ -281,73 +255,97 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
           __m512 t = _mm512_setzero_ps();
           for (int v = 0; v < NV / 2; ++v) t = _mm512_dpbf16_ps(t, q2[v], (__m512bh)_mm512_loadu_si512(krow[gl][j] + 32 * v));
           if constexpr (NV % 2 == 1)  // D = 16 (mod 32): the last 16 dims widened
-            t = _mm512_fmadd_ps(load16(qb_as_bf16(qb + qv * D + 32 * (NV / 2))), load16(krow[gl][j] + 32 * (NV / 2)), t);
-          parts[j] = t;
+            t = _mm512_fmadd_ps(load16(qb_as_bf16(qb + qv * D + 32 * (NV / 2))).v, load16(krow[gl][j] + 32 * (NV / 2)).v, t);
+          parts[j] = {t};
         }
 #endif
-      } else {
-        __m512 q[NV];
-        for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(qf + qv * D + 16 * v);
+      } else if constexpr (emulate) {
+        const float* qv_f = qf + qv * D;
 #pragma GCC unroll 16
         for (int j = 0; j < kTile; ++j) {
-          const float* kj = widen_k ? kf + (gl * kTile + j) * D : reinterpret_cast<const float*>(krow[gl][j]);
-          __m512 t = _mm512_mul_ps(q[0], _mm512_loadu_ps(kj));
-          for (int v = 1; v < NV; ++v) t = _mm512_fmadd_ps(q[v], _mm512_loadu_ps(kj + 16 * v), t);
+          const float* kj = kf + (gl * kTile + j) * D;
+          V16 t = zero();
+          for (int c = 0; c < NV / 2; ++c)
+            t = dot_pair(t, load(qv_f + 32 * c), load(qv_f + 32 * c + 16), load(kj + 32 * c), load(kj + 32 * c + 16));
+          if constexpr (NV % 2 == 1) t = fmadd(load(qv_f + 32 * (NV / 2)), load(kj + 32 * (NV / 2)), t);
+          parts[j] = t;
+        }
+      } else {
+        V16 q[NV];
+        for (int v = 0; v < NV; ++v) q[v] = load(qf + qv * D + 16 * v);
+#pragma GCC unroll 16
+        for (int j = 0; j < kTile; ++j) {
+          const float* kj = reinterpret_cast<const float*>(krow[gl][j]);
+          V16 t = mul(q[0], load(kj));
+          for (int v = 1; v < NV; ++v) t = fmadd(q[v], load(kj + 16 * v), t);
           parts[j] = t;
         }
       }
-      __m512 s = transpose_sum16(parts);
-      if constexpr (bf16_dot) s = _mm512_mul_ps(s, vscale);
-      const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
-      const float tmax = _mm512_mask_reduce_max_ps(mask, s);
+      V16 s = transpose_sum16(parts);
+      if constexpr (is_bf16) s = mul(s, vscale);
+      const float tmax = reduce_max_first(s, valid);
       float* o = acc + qv * D;
-      __m512 r[NV];
-      for (int v = 0; v < NV; ++v) r[v] = _mm512_loadu_ps(o + 16 * v);
-      __m512 l = _mm512_loadu_ps(lv + qv * 16);
+      V16 r[NV];
+      for (int v = 0; v < NV; ++v) r[v] = load(o + 16 * v);
+      V16 l = load(lv + qv * 16);
       if (tmax > m[qv]) {  // a new maximum: rescale what was summed so far (0 at the start)
-        const __m512 alpha = _mm512_set1_ps(std::exp(m[qv] - tmax));
-        for (int v = 0; v < NV; ++v) r[v] = _mm512_mul_ps(r[v], alpha);
-        l = _mm512_mul_ps(l, alpha);
+        const V16 alpha = set1(std::exp(m[qv] - tmax));
+        for (int v = 0; v < NV; ++v) r[v] = mul(r[v], alpha);
+        l = mul(l, alpha);
         m[qv] = tmax;
       }
-      const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m[qv]))));
-      _mm512_storeu_ps(lv + qv * 16, _mm512_add_ps(l, e));
-      if constexpr (pv_dot) {
+      const V16 e = keep_first(tripod_simd::exp(sub(s, set1(m[qv]))), valid);
+      store(lv + qv * 16, add(l, e));
+      if constexpr (bf16_dot) {
 #if defined(__AVX512BF16__)
         alignas(32) uint32_t pp[8];  // P as bf16, two keys per word
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(e));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(e.v));
         const uint16_t* vpg = vp + (size_t)gl * (kTile / 2) * NV * 32;
         for (int jp = 0; jp < (valid + 1) / 2; ++jp) {
           const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)pp[jp]);
           for (int v = 0; v < NV; ++v)
-            r[v] = _mm512_dpbf16_ps(r[v], pj, (__m512bh)_mm512_loadu_si512(vpg + ((size_t)jp * NV + v) * 32));
+            r[v].v = _mm512_dpbf16_ps(r[v].v, pj, (__m512bh)_mm512_loadu_si512(vpg + ((size_t)jp * NV + v) * 32));
         }
 #endif
+      } else if constexpr (emulate) {
+        // vdpbf16ps over key pairs (2jp, 2jp + 1): the odd key's term first. When `valid` is odd
+        // the last pair's odd key has P = 0, as in the native path.
+        store(p, round_to_bf16(e));
+        const float* vg = vf + (size_t)gl * kTile * D;
+        for (int jp = 0; jp < (valid + 1) / 2; ++jp) {
+          const V16 p1 = set1(p[2 * jp + 1]), p0 = set1(p[2 * jp]);
+          const float* v1 = vg + (2 * jp + 1) * D;
+          const float* v0 = vg + (2 * jp) * D;
+          for (int v = 0; v < NV; ++v) r[v] = fmadd(p0, load(v0 + 16 * v), fmadd(p1, load(v1 + 16 * v), r[v]));
+        }
       } else {
-        _mm512_store_ps(p, e);
+        store(p, e);
         for (int j = 0; j < valid; ++j) {
-          const __m512 pj = _mm512_set1_ps(p[j]);
-          for (int v = 0; v < NV; ++v) r[v] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vrow[gl][j] + 16 * v), r[v]);
+          const V16 pj = set1(p[j]);
+          const float* vj = reinterpret_cast<const float*>(vrow[gl][j]);
+          for (int v = 0; v < NV; ++v) r[v] = fmadd(pj, load(vj + 16 * v), r[v]);
         }
       }
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + 16 * v, r[v]);
+      for (int v = 0; v < NV; ++v) store(o + 16 * v, r[v]);
     }
   }
 
   for (int qv = 0; qv < nqv; ++qv) {
     const int i = qv / per_query, head = head_of(qv);
     float* o = acc + qv * D;
-    if constexpr (pv_dot) unpermute_pairs<NV>(o);
+#if defined(__AVX512BF16__)
+    if constexpr (bf16_dot) unpermute_pairs<NV>(o);
+#endif
     const bool any = blk.len0 + i > pc.k0;  // this query saw at least one key of the piece
-    const float l = any ? _mm512_reduce_add_ps(_mm512_loadu_ps(lv + qv * 16)) : 0.f;
+    const float l = any ? reduce_add(load(lv + qv * 16)) : 0.f;
     if (pc.split < 0) {
-      const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+      const V16 inv = set1(l > 0.f ? 1.f / l : 0.f);
       T* dst = a.out + ((int64_t)(blk.t0 + i) * a.H + head) * D;
-      for (int v = 0; v < NV; ++v) store16(dst + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * v), inv));
+      for (int v = 0; v < NV; ++v) store16(dst + 16 * v, mul(load(o + 16 * v), inv));
     } else {
       const int64_t slot = ((int64_t)piece_index * kQueryBlock + i) * a.H + head;
       float* pa = a.part_acc + slot * D;
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(pa + 16 * v, _mm512_loadu_ps(o + 16 * v));
+      for (int v = 0; v < NV; ++v) store(pa + 16 * v, load(o + 16 * v));
       a.part_ml[slot * 2] = any ? m[qv] : -std::numeric_limits<float>::infinity();
       a.part_ml[slot * 2 + 1] = l;
     }
@@ -379,8 +377,8 @@ void merge_block(const AttnArgs<T>& a, const Block& blk, const Merge& mg) {
         const int64_t slot = ((int64_t)(mg.first + s) * kQueryBlock + i) * a.H + head;
         m = std::max(m, a.part_ml[slot * 2]);
       }
-      __m512 o[kMaxHeadDim / 16];
-      for (int v = 0; v < nv; ++v) o[v] = _mm512_setzero_ps();
+      V16 o[kMaxHeadDim / 16];
+      for (int v = 0; v < nv; ++v) o[v] = zero();
       float l = 0.f;
       for (int s = 0; s < mg.count; ++s) {
         const int64_t slot = ((int64_t)(mg.first + s) * kQueryBlock + i) * a.H + head;
@@ -388,12 +386,12 @@ void merge_block(const AttnArgs<T>& a, const Block& blk, const Merge& mg) {
         if (ls == 0.f) continue;  // a piece wholly in this query's future
         const float w = std::exp(ms - m);
         l += ls * w;
-        const __m512 vw = _mm512_set1_ps(w);
-        for (int v = 0; v < nv; ++v) o[v] = _mm512_fmadd_ps(_mm512_loadu_ps(a.part_acc + slot * D + 16 * v), vw, o[v]);
+        const V16 vw = set1(w);
+        for (int v = 0; v < nv; ++v) o[v] = fmadd(load(a.part_acc + slot * D + 16 * v), vw, o[v]);
       }
-      const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+      const V16 inv = set1(l > 0.f ? 1.f / l : 0.f);
       T* dst = a.out + ((int64_t)(blk.t0 + i) * a.H + head) * D;
-      for (int v = 0; v < nv; ++v) store16(dst + 16 * v, _mm512_mul_ps(o[v], inv));
+      for (int v = 0; v < nv; ++v) store16(dst + 16 * v, mul(o[v], inv));
     }
 }
 
@@ -414,6 +412,20 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::T
       ++b.nq;
     blocks.push_back(b);
     t += b.nq;
+  }
+  // NOTE: every slot id a query will read is checked against the pool before any is read (a
+  // stale or corrupt slot table must raise, never read out of bounds).
+  const int64_t nslots = kv.size(0);
+  const int32_t* tab = table.data_ptr<int32_t>();
+  std::vector<int32_t> checked(table.size(0), 0);  // slots of each row checked so far
+  for (const Block& b : blocks) {
+    const int32_t keys = b.len0 + b.nq - 1;
+    for (int32_t k = checked[b.row]; k < keys; ++k) {
+      const int32_t slot = tab[(int64_t)b.row * table.stride(0) + k];
+      TORCH_CHECK(slot >= 0 && slot < nslots, "paged_attention: slot id ", slot, " at table[", b.row, ", ", k,
+                  "] is outside the pool of ", nslots, " slots");
+    }
+    checked[b.row] = std::max(checked[b.row], keys);
   }
   // Pieces: a lone query takes all KV heads (as many as fit the scratch), a block of queries one
   // KV head; the keys cut into fixed kSplit-key pieces.
@@ -466,6 +478,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::
   TORCH_CHECK(kv.size(3) == D && (D == 32 || D == 64 || D == 96 || D == 128 || D == 256),
               "paged_attention: head_dim must be 32, 64, 96, 128 or 256");
   TORCH_CHECK(H % KVH == 0 && H / KVH <= 8, "query heads per KV head must divide evenly and be at most 8");
+  const int32_t* row_of = rows.data_ptr<int32_t>();
+  const int32_t* len_of = lens.data_ptr<int32_t>();
+  for (int64_t t = 0; t < q.size(0); ++t) {
+    TORCH_CHECK(row_of[t] >= 0 && row_of[t] < table.size(0), "paged_attention: query ", t, " names table row ",
+                row_of[t], " (the table has ", table.size(0), ")");
+    TORCH_CHECK(len_of[t] >= 1 && len_of[t] <= table.size(1), "paged_attention: query ", t, " attends ", len_of[t],
+                " keys (1 to the table's width ", table.size(1), ")");
+  }
   at::Tensor out = at::empty({q.size(0), H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.size(0) == 0) return out;
   if (q.scalar_type() == at::kFloat) {
@@ -505,9 +525,9 @@ void rope_store_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::
         int i = 0;
         if (half % 16 == 0) {
           for (; i < half; i += 16) {
-            const __m512 x1 = load16(v + i), x2 = load16(v + i + half);
-            const __m512 a = _mm512_sub_ps(_mm512_mul_ps(x1, load16(c + i)), _mm512_mul_ps(x2, load16(s + i)));
-            const __m512 b = _mm512_add_ps(_mm512_mul_ps(x2, load16(c + i + half)), _mm512_mul_ps(x1, load16(s + i + half)));
+            const V16 x1 = load16(v + i), x2 = load16(v + i + half);
+            const V16 a = sub(mul(x1, load16(c + i)), mul(x2, load16(s + i)));
+            const V16 b = add(mul(x2, load16(c + i + half)), mul(x1, load16(s + i + half)));
             store16(v + i, a);
             store16(v + i + half, b);
           }
@@ -536,7 +556,19 @@ void rope_store_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
   TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && positions.is_contiguous() &&
               slots.is_contiguous(), "positions and slots must be contiguous int64");
   const int H = num_heads, KVH = num_kv_heads, D = kv.size(3);
+  TORCH_CHECK(kv.size(1) == 2 && kv.size(2) == KVH, "rope_store_kv: kv must be [slots, 2, num_kv_heads, D]");
   TORCH_CHECK(qkv.size(1) == (int64_t)(H + 2 * KVH) * D && D % 2 == 0 && D <= kMaxHeadDim, "qkv width mismatch");
+  TORCH_CHECK(positions.numel() == qkv.size(0) && slots.numel() == qkv.size(0),
+              "rope_store_kv: one position and one slot per row of qkv");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) >= D, "rope_store_kv: cos/sin must be [positions, >= D]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < qkv.size(0); ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rope_store_kv: position ", pos[t], " is outside the RoPE table (",
+                cos.size(0), " positions)");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < kv.size(0), "rope_store_kv: slot ", slot[t], " is outside the pool of ",
+                kv.size(0), " slots");
+  }
   if (qkv.scalar_type() == at::kFloat) {
     rope_store_kv_impl<float>(qkv, positions, cos, sin, kv, slots, H, KVH);
   } else {
@@ -559,10 +591,10 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
       T* o = dst + t * inter;
       int64_t i = 0;
       for (; i + 16 <= inter; i += 16) {
-        __m512 x = load16(g + i);
+        const V16 x = load16(g + i);
         // silu(x) = x / (1 + e^-x)
-        __m512 sg = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-        store16(o + i, _mm512_mul_ps(sg, load16(u + i)));
+        const V16 sg = div(x, add(set1(1.f), tripod_simd::exp(sub(zero(), x))));
+        store16(o + i, mul(sg, load16(u + i)));
       }
       for (; i < inter; ++i) {
         const float x = static_cast<float>(g[i]);
@@ -597,17 +629,17 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, double eps, at::Ten
     for (int64_t t = begin; t < end; ++t) {
       const T* r = src + t * xs;
       T* o = dst + t * h;
-      __m512 acc = _mm512_setzero_ps();
+      V16 acc = zero();
       int64_t i = 0;
       for (; i + 16 <= h; i += 16) {
-        const __m512 v = load16(r + i);
-        acc = _mm512_fmadd_ps(v, v, acc);
+        const V16 v = load16(r + i);
+        acc = fmadd(v, v, acc);
       }
-      float ss = _mm512_reduce_add_ps(acc);
+      float ss = reduce_add(acc);
       for (; i < h; ++i) ss += static_cast<float>(r[i]) * static_cast<float>(r[i]);
       const float inv = 1.f / std::sqrt(ss / (float)h + (float)eps);
-      const __m512 vi = _mm512_set1_ps(inv);
-      for (i = 0; i + 16 <= h; i += 16) store16(o + i, _mm512_mul_ps(_mm512_mul_ps(load16(r + i), vi), load16(wt + i)));
+      const V16 vi = set1(inv);
+      for (i = 0; i + 16 <= h; i += 16) store16(o + i, mul(mul(load16(r + i), vi), load16(wt + i)));
       for (; i < h; ++i) o[i] = static_cast<T>(static_cast<float>(r[i]) * inv * static_cast<float>(wt[i]));
     }
   });
@@ -630,14 +662,18 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 }  // namespace
 }  // namespace tripod_cpu
 
-TORCH_LIBRARY(tripod_cpu, m) {
+// TORCH_LIBRARY stringifies its argument: expand TRIPOD_OPS_NS first.
+#define TRIPOD_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define TRIPOD_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+TRIPOD_LIBRARY(TRIPOD_OPS_NS, m) {
   m.def("paged_attention(Tensor q, Tensor kv, Tensor table, Tensor rows, Tensor lens, float scale) -> Tensor");
   m.def("rope_store_kv(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) kv, Tensor slots, int num_heads, int num_kv_heads) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tripod_cpu, CPU, m) {
+TRIPOD_LIBRARY_IMPL(TRIPOD_OPS_NS, CPU, m) {
   m.impl("paged_attention", &tripod_cpu::paged_attention);
   m.impl("rope_store_kv", &tripod_cpu::rope_store_kv);
   m.impl("silu_mul", &tripod_cpu::silu_mul);

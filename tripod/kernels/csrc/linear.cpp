@@ -19,7 +19,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -27,10 +26,13 @@
 #include <string>
 #include <vector>
 
+#include "simd.h"
+
 namespace tripod_linear {
 namespace {
 
 using bf16 = at::BFloat16;
+using namespace tripod_simd;
 
 constexpr int kQ41Block = 16 * 2 + 16 * 2 + 256;  // d[16], m[16] (fp16), codes 16 x 32 nibbles
 constexpr int kQ80Block = 16 * 2 + 512;           // d[16] (fp16), codes 16 x 32 int8
@@ -45,21 +47,20 @@ Fmt parse_fmt(const std::string& s) {
   TORCH_CHECK(false, "unknown packed weight format '", s, "' (bf16, f32, q4_1, q8_0)");
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+// The packed tensor pack_linear makes for (format, n, k): what linear_packed checks it is given.
+std::vector<int64_t> packed_shape(Fmt fmt, int64_t n, int64_t k) {
+  const int64_t nb = (n + 15) / 16;
+  switch (fmt) {
+    case Fmt::kBf16: return {nb, (k + 1) / 2, 16, 2};
+    case Fmt::kF32: return {nb, k, 16};
+    case Fmt::kQ41: return {nb, k / 32, kQ41Block};
+    case Fmt::kQ80: return {nb, k / 32, kQ80Block};
+  }
+  return {};
 }
-inline void store16(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
-inline void store16(bf16* p, __m512 v, __mmask16 k) {
-  __m512i x = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), lsb);
-  _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-}
-inline __m512 half16(const uint8_t* p) {  // 16 fp16 -> float32
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+
+inline V16 load16(const float* p) { return load(p); }
+inline V16 load16(const bf16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
 
 // ---------------------------------------------------------------------------- packing
 // w: [N, K] float32 / bfloat16 (dense formats) or the GGUF blocks as uint8 [N, K / 32 * block].
@@ -124,43 +125,42 @@ at::Tensor pack_linear(const at::Tensor& w, const std::string& format, int64_t n
 // Sums for rows [0, MR) and output blocks [nb0, nb0 + NBT): acc[m][j] = 16 outputs.
 
 template <int MR, int NBT>
-void tile_bf16(const bf16* x, int64_t ldx, const bf16* w, int64_t kp, int64_t nb0, __m512 acc[MR][NBT]) {
-#if defined(__AVX512BF16__)
+void tile_bf16(const bf16* x, int64_t ldx, const bf16* w, int64_t kp, int64_t nb0, V16 acc[MR][NBT]) {
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);  // pairs of bf16
+#if defined(__AVX512BF16__)
   for (int64_t p = 0; p < kp; ++p) {
     __m512bh wv[NBT];
     for (int j = 0; j < NBT; ++j)
       wv[j] = (__m512bh)_mm512_loadu_si512(w + ((nb0 + j) * kp + p) * 32);
     for (int m = 0; m < MR; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[m * (ldx / 2) + p]);
-      for (int j = 0; j < NBT; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+      for (int j = 0; j < NBT; ++j) acc[m][j].v = _mm512_dpbf16_ps(acc[m][j].v, xv, wv[j]);
     }
   }
 #else
+  // vdpbf16ps' sums without it: per pair of inputs the odd one's product first (dot_pair).
+  (void)xp;
   for (int64_t p = 0; p < kp; ++p) {
-    __m512 w0[NBT], w1[NBT];
-    for (int j = 0; j < NBT; ++j) {
-      const __m512i raw = _mm512_loadu_si512(w + ((nb0 + j) * kp + p) * 32);
-      w0[j] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));                       // even input
-      w1[j] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(0xffff0000)));  // odd
-    }
+    V16 w0[NBT], w1[NBT];
+    for (int j = 0; j < NBT; ++j)
+      load_bf16_pairs(reinterpret_cast<const uint16_t*>(w + ((nb0 + j) * kp + p) * 32), w0[j], w1[j]);
     for (int m = 0; m < MR; ++m) {
-      const __m512 x0 = _mm512_set1_ps(static_cast<float>(x[m * ldx + 2 * p]));
-      const __m512 x1 = _mm512_set1_ps(static_cast<float>(x[m * ldx + 2 * p + 1]));
-      for (int j = 0; j < NBT; ++j) acc[m][j] = _mm512_fmadd_ps(x1, w1[j], _mm512_fmadd_ps(x0, w0[j], acc[m][j]));
+      const V16 x0 = set1(static_cast<float>(x[m * ldx + 2 * p]));
+      const V16 x1 = set1(static_cast<float>(x[m * ldx + 2 * p + 1]));
+      for (int j = 0; j < NBT; ++j) acc[m][j] = dot_pair(acc[m][j], x0, x1, w0[j], w1[j]);
     }
   }
 #endif
 }
 
 template <int MR, int NBT>
-void tile_f32(const float* x, int64_t ldx, const float* w, int64_t k, int64_t nb0, __m512 acc[MR][NBT]) {
+void tile_f32(const float* x, int64_t ldx, const float* w, int64_t k, int64_t nb0, V16 acc[MR][NBT]) {
   for (int64_t i = 0; i < k; ++i) {
-    __m512 wv[NBT];
-    for (int j = 0; j < NBT; ++j) wv[j] = _mm512_loadu_ps(w + ((nb0 + j) * k + i) * 16);
+    V16 wv[NBT];
+    for (int j = 0; j < NBT; ++j) wv[j] = load(w + ((nb0 + j) * k + i) * 16);
     for (int m = 0; m < MR; ++m) {
-      const __m512 xv = _mm512_set1_ps(x[m * ldx + i]);
-      for (int j = 0; j < NBT; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+      const V16 xv = set1(x[m * ldx + i]);
+      for (int j = 0; j < NBT; ++j) acc[m][j] = fmadd(xv, wv[j], acc[m][j]);
     }
   }
 }
@@ -168,11 +168,10 @@ void tile_f32(const float* x, int64_t ldx, const float* w, int64_t k, int64_t nb
 // x is float32 here; xsum[m * kb + b] = the sum of row m's inputs in block b (for the minimums).
 template <int MR, int NBT>
 void tile_q4_1(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t kb, int64_t nb0,
-               __m512 acc[MR][NBT]) {
-  const __m512i lo = _mm512_set1_epi32(15);
+               V16 acc[MR][NBT]) {
   for (int64_t b = 0; b < kb; ++b) {
     const uint8_t* blk[NBT];
-    __m512 s[MR][NBT];  // sum over the block of x * q (q exact small integers)
+    V16 s[MR][NBT];  // sum over the block of x * q (q exact small integers)
     for (int j = 0; j < NBT; ++j) {
       blk[j] = w + ((nb0 + j) * kb + b) * kQ41Block;
       // Four blocks ahead in each stream: the codes are dense, the loads must not wait.
@@ -180,58 +179,55 @@ void tile_q4_1(const float* x, int64_t ldx, const float* xsum, const uint8_t* w,
         for (int off = 0; off < kQ41Block; off += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[j] + 4 * kQ41Block + off), _MM_HINT_T0);
     }
     for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < NBT; ++j) s[m][j] = _mm512_setzero_ps();
+      for (int j = 0; j < NBT; ++j) s[m][j] = zero();
     for (int p = 0; p < 16; ++p) {
-      __m512 q0[NBT], q1[NBT];
-      for (int j = 0; j < NBT; ++j) {
-        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[j] + 64 + 16 * p)));
-        q0[j] = _mm512_cvtepi32_ps(_mm512_and_si512(codes, lo));
-        q1[j] = _mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4));
-      }
+      V16 q0[NBT], q1[NBT];
+      for (int j = 0; j < NBT; ++j) load_nibbles(blk[j] + 64 + 16 * p, q0[j], q1[j]);
       for (int m = 0; m < MR; ++m) {
         const float* xr = x + m * ldx + b * 32 + 2 * p;
-        const __m512 x0 = _mm512_set1_ps(xr[0]), x1 = _mm512_set1_ps(xr[1]);
-        for (int j = 0; j < NBT; ++j) s[m][j] = _mm512_fmadd_ps(x1, q1[j], _mm512_fmadd_ps(x0, q0[j], s[m][j]));
+        const V16 x0 = set1(xr[0]), x1 = set1(xr[1]);
+        for (int j = 0; j < NBT; ++j) s[m][j] = fmadd(x1, q1[j], fmadd(x0, q0[j], s[m][j]));
       }
     }
     for (int j = 0; j < NBT; ++j) {
-      const __m512 d = half16(blk[j]), mn = half16(blk[j] + 32);
+      const V16 d = load_fp16(blk[j]), mn = load_fp16(blk[j] + 32);
       for (int m = 0; m < MR; ++m)
-        acc[m][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[m * kb + b]), _mm512_fmadd_ps(d, s[m][j], acc[m][j]));
+        acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
     }
   }
 }
 
 template <int MR, int NBT>
-void tile_q8_0(const float* x, int64_t ldx, const uint8_t* w, int64_t kb, int64_t nb0, __m512 acc[MR][NBT]) {
+void tile_q8_0(const float* x, int64_t ldx, const uint8_t* w, int64_t kb, int64_t nb0, V16 acc[MR][NBT]) {
   for (int64_t b = 0; b < kb; ++b) {
     const uint8_t* blk[NBT];
-    __m512 s[MR][NBT];
+    V16 s[MR][NBT];
     for (int j = 0; j < NBT; ++j) {
       blk[j] = w + ((nb0 + j) * kb + b) * kQ80Block;
       if (b + 4 < kb)
         for (int off = 0; off < kQ80Block; off += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[j] + 4 * kQ80Block + off), _MM_HINT_T0);
     }
     for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < NBT; ++j) s[m][j] = _mm512_setzero_ps();
+      for (int j = 0; j < NBT; ++j) s[m][j] = zero();
     for (int i = 0; i < 32; ++i) {
-      __m512 q[NBT];
-      for (int j = 0; j < NBT; ++j)
-        q[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[j] + 32 + 16 * i))));
+      V16 q[NBT];
+      for (int j = 0; j < NBT; ++j) q[j] = load_i8(reinterpret_cast<const int8_t*>(blk[j] + 32 + 16 * i));
       for (int m = 0; m < MR; ++m) {
-        const __m512 xv = _mm512_set1_ps(x[m * ldx + b * 32 + i]);
-        for (int j = 0; j < NBT; ++j) s[m][j] = _mm512_fmadd_ps(xv, q[j], s[m][j]);
+        const V16 xv = set1(x[m * ldx + b * 32 + i]);
+        for (int j = 0; j < NBT; ++j) s[m][j] = fmadd(xv, q[j], s[m][j]);
       }
     }
     for (int j = 0; j < NBT; ++j) {
-      const __m512 d = half16(blk[j]);
-      for (int m = 0; m < MR; ++m) acc[m][j] = _mm512_fmadd_ps(d, s[m][j], acc[m][j]);
+      const V16 d = load_fp16(blk[j]);
+      for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(d, s[m][j], acc[m][j]);
     }
   }
 }
 
-constexpr int kRows = 4;  // rows per register tile
-constexpr int kCols = 4;  // 16-output blocks per register tile
+// The register tile: rows x 16-output blocks of sums. AVX-512 has 32 vector registers and a V16
+// takes one; AVX2 has 16 and a V16 takes two. (The tile shape never changes what is summed.)
+constexpr int kRows = 4;                                // rows per register tile
+constexpr int kCols = kVectorRegisters >= 32 ? 4 : 2;  // 16-output blocks per register tile
 
 struct Problem {
   Fmt fmt;
@@ -249,9 +245,9 @@ struct Problem {
 
 template <int MR, int NBT>
 void run_tile(const Problem& p, int64_t m0, int64_t nb0) {
-  __m512 acc[MR][NBT];
+  V16 acc[MR][NBT];
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NBT; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NBT; ++j) acc[m][j] = zero();
   switch (p.fmt) {
     case Fmt::kBf16:
       tile_bf16<MR, NBT>(static_cast<const bf16*>(p.x) + m0 * p.ldx, p.ldx, static_cast<const bf16*>(p.w), (p.k + 1) / 2, nb0, acc);
@@ -269,15 +265,28 @@ void run_tile(const Problem& p, int64_t m0, int64_t nb0) {
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NBT; ++j) {
       const int64_t col = (nb0 + j) * 16;
-      const __mmask16 km = col + 16 <= p.n ? (__mmask16)0xFFFF : (__mmask16)((1u << (p.n - col)) - 1u);
-      __m512 v = acc[m][j];
+      const int live = (int)std::min<int64_t>(16, p.n - col);  // the last block may be partial
+      V16 v = acc[m][j];
       const int64_t row = m0 + m;
       if (p.bf16_io) {
-        if (p.residual) v = _mm512_add_ps(v, _mm512_maskz_mov_ps(km, load16(static_cast<const bf16*>(p.residual) + row * p.ldr + col)));
-        store16(static_cast<bf16*>(p.y) + row * p.n + col, v, km);
+        uint16_t* y = reinterpret_cast<uint16_t*>(static_cast<bf16*>(p.y) + row * p.n + col);
+        if (p.residual) {
+          const bf16* r = static_cast<const bf16*>(p.residual) + row * p.ldr + col;
+          if (live == 16) {
+            v = add(v, load16(r));
+          } else {
+            alignas(64) uint16_t tmp[16] = {};
+            std::memcpy(tmp, r, sizeof(uint16_t) * live);
+            v = add(v, load_bf16(tmp));
+          }
+        }
+        if (live == 16) store_bf16(y, v);
+        else store_bf16_first(y, v, live);
       } else {
-        if (p.residual) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(km, static_cast<const float*>(p.residual) + row * p.ldr + col));
-        store16(static_cast<float*>(p.y) + row * p.n + col, v, km);
+        float* y = static_cast<float*>(p.y) + row * p.n + col;
+        if (p.residual) v = add(v, load_first(static_cast<const float*>(p.residual) + row * p.ldr + col, live));
+        if (live == 16) store(y, v);
+        else store_first(y, v, live);
       }
     }
 }
@@ -317,6 +326,14 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& w, const std::st
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1, "linear_packed: x must be [M, K] with unit stride");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_packed: x must be float32 or bfloat16");
   TORCH_CHECK(w.is_contiguous(), "linear_packed: w must be packed by pack_linear");
+  TORCH_CHECK(n >= 1 && k >= 1, "linear_packed: n and k must be positive");
+  TORCH_CHECK(fmt == Fmt::kBf16 || fmt == Fmt::kF32 || k % 32 == 0, "linear_packed: quantized weights need K % 32 == 0");
+  TORCH_CHECK(fmt != Fmt::kBf16 || k % 2 == 0, "linear_packed: bf16 weights need an even K");
+  const std::vector<int64_t> want = packed_shape(fmt, n, k);
+  TORCH_CHECK(w.sizes() == at::IntArrayRef(want), "linear_packed: w has shape ", w.sizes(), " but ", format, " packing of ",
+              n, " x ", k, " makes ", at::IntArrayRef(want));
+  TORCH_CHECK(w.scalar_type() == (fmt == Fmt::kBf16 ? at::kBFloat16 : fmt == Fmt::kF32 ? at::kFloat : at::kByte),
+              "linear_packed: w's dtype does not match the ", format, " packing");
   if (fmt == Fmt::kBf16)
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.stride(0) % 2 == 0, "linear_packed: bf16 weights need bf16 activations (even row stride)");
   const int64_t m = x.size(0);
@@ -359,12 +376,16 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& w, const std::st
 }  // namespace
 }  // namespace tripod_linear
 
-TORCH_LIBRARY_FRAGMENT(tripod_cpu, m) {
+// TORCH_LIBRARY_FRAGMENT stringifies its argument: expand TRIPOD_OPS_NS first.
+#define TRIPOD_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define TRIPOD_FRAGMENT_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+TRIPOD_FRAGMENT(TRIPOD_OPS_NS, m) {
   m.def("pack_linear(Tensor w, str format, int n, int k) -> Tensor");
   m.def("linear_packed(Tensor x, Tensor w, str format, int n, int k, Tensor? residual=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tripod_cpu, CPU, m) {
+TRIPOD_FRAGMENT_IMPL(TRIPOD_OPS_NS, CPU, m) {
   m.impl("pack_linear", &tripod_linear::pack_linear);
   m.impl("linear_packed", &tripod_linear::linear_packed);
 }
