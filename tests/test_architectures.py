@@ -113,13 +113,14 @@ def test_mla_latent_pool_bytes(tiny: Any) -> None:
 def test_mla_absorbed_equals_expanded(tiny: Any) -> None:
     """The decode form (W_UK folded into the query, W_UV after attention, latents never
     expanded) and the prefill form (latents expanded to per-head K/V) give the same output."""
+    from tripod.layers.backends import REFERENCE
     from tripod.layers.mla import MLAttention
 
     folder, _ = tiny("deepseek-v3")
     eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=256)
     attn = eng.loaded.model.layers[1].attn
     assert isinstance(attn, MLAttention)
-    attn.prepare("dense", None)
+    attn.prepare(REFERENCE)
     g = torch.Generator().manual_seed(3)
     c, h, n = attn.cfg, attn.h, 9
     q_nope = torch.randn(n, h, c.qk_nope_head_dim, generator=g)
@@ -177,7 +178,7 @@ def test_fp8_weights_kept_in_fp8(fp8_v3: tuple[Path, HFReference]) -> None:
     assert moe_layer.mlp.experts.gate_up.dtype == torch.float8_e4m3fn
     assert moe_layer.mlp.experts.down.dtype == torch.float8_e4m3fn
     assert moe_layer.attn.o.dtype == torch.float8_e4m3fn
-    assert isinstance(moe_layer.attn.ops[eng.runner.form]["o"], Fp8BlockLinear)
+    assert isinstance(moe_layer.attn.ops[eng.runner.backend.form]["o"], Fp8BlockLinear)
     assert net.layers[0].mlp.gate_up.dtype == torch.float8_e4m3fn  # the dense first layer too
     _check_engine(eng, ref, "deepseek-v3 fp8 kept in FP8")
 

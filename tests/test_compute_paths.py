@@ -86,8 +86,8 @@ def kernels_not_ready(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, boo
     """Pretend the kernels are not loaded (building, or unavailable): flip ``state["ready"]``."""
     state = {"ready": False}
     real_ops = kernels.ops
-    monkeypatch.setattr(kernels, "ready", lambda: state["ready"])
-    monkeypatch.setattr(kernels, "ops", lambda: real_ops() if state["ready"] else None)
+    monkeypatch.setattr(kernels, "ready", lambda level=None: state["ready"])
+    monkeypatch.setattr(kernels, "ops", lambda level=None: real_ops(level) if state["ready"] else None)
     yield state
 
 

@@ -61,6 +61,7 @@ def test_mtp_first_draft_follows_the_target_hidden_states(folder: Path, monkeypa
     """The proposer feeds the module the right hidden state, token and position: each first
     draft equals the module's prediction from a whole-sequence pass of the target."""
     from tripod.layers.attention import ForwardBatch, PrefillSegment
+    from tripod.layers.backends import REFERENCE
     from tripod.models.deepseek import MTPModule
 
     seen: list[tuple[list[int], int]] = []
@@ -85,7 +86,7 @@ def test_mtp_first_draft_follows_the_target_hidden_states(folder: Path, monkeypa
     ref = _engine(folder)
     model = ref.loaded.model
     model.capture_hidden = True
-    model.prepare("dense")
+    model.prepare(REFERENCE)
     batch = ForwardBatch(
         input_ids=torch.tensor(full), positions=torch.arange(n), out_slots=torch.arange(n), num_decode=0,
         decode_kv_idx=None, decode_mask=None, prefills=[PrefillSegment(0, n, 0, None, None)],

@@ -33,10 +33,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default="lpm", choices=["lpm", "fcfs"], help="waiting-queue order")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    g.add_argument("--kernels", default="auto", choices=["auto", "eager", "optimized"],
-                   help="compute path: auto = optimized for 16-bit dtypes (tripod's CPU kernels, built "
-                        "in the background on first use), the float32 reference path for float32; "
-                        "eager = the reference path; optimized = tripod's kernels in any dtype")
+    # NOTE: config.KERNEL_MODES (config imports torch; the CLI parses before it does).
+    g.add_argument("--kernels", default="auto", choices=["auto", "eager", "optimized", "avx512_bf16", "avx512", "avx2"],
+                   help="compute path: auto = optimized for 16-bit dtypes (tripod's CPU kernels of the best "
+                        "ISA level this CPU supports, built in the background on first use), the float32 "
+                        "reference path for float32; eager = the reference path; optimized = tripod's "
+                        "kernels in any dtype; avx2 / avx512 / avx512_bf16 = optimized on that level "
+                        "(every level computes the same bits)")
     g.add_argument("--weights", default="dequantized", choices=["dequantized", "stored", "fp8"],
                    help="stored: execute a GGUF's Q4_1/Q8_0 weights as stored (a quarter/half of "
                         "bf16's bytes per token, exactly the dequantized weights, float32 compute); "

@@ -9,7 +9,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-KERNEL_MODES = ("auto", "eager", "optimized")
+# The ISA levels of tripod's CPU kernels (tripod.kernels.build.LEVELS), best first: a level as
+# --kernels forces it (tests, comparisons); "optimized" takes the best this CPU supports.
+KERNEL_LEVELS = ("avx512_bf16", "avx512", "avx2")
+KERNEL_MODES = ("auto", "eager", "optimized", *KERNEL_LEVELS)
 WEIGHT_MODES = ("dequantized", "stored", "fp8")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
@@ -37,8 +40,10 @@ class EngineConfig:
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
     # The compute path. "auto": float32 runs the reference path (op for op with Hugging Face),
     # 16-bit dtypes the optimized one. "eager": the reference path always. "optimized": packed
-    # matmuls and tripod's CPU kernels (built in the background under "auto", and serving on
-    # torch's ops until they are ready; waited for under "optimized"), in float32 too.
+    # matmuls and tripod's CPU kernels of the best ISA level this CPU supports (built in the
+    # background under "auto", and serving on torch's ops until they are ready; waited for
+    # under "optimized"), in float32 too. A level ("avx2", "avx512", "avx512_bf16"): "optimized"
+    # on that level's kernels (every level computes the same bits; for tests and comparisons).
     kernels: str = "auto"
     # "dequantized": every weight dequantized to the run dtype. "stored": a GGUF's Q4_1/Q8_0
     # weights executed as stored by tripod's kernels (a quarter/half of bf16's bytes per token,
@@ -104,7 +109,12 @@ class EngineConfig:
             return "optimized"
         if self.kernels == "auto":
             return "eager" if dtype == torch.float32 else "optimized"
-        return self.kernels
+        return "eager" if self.kernels == "eager" else "optimized"
+
+    @property
+    def kernel_level(self) -> str | None:
+        """The ISA level ``--kernels`` forces (None: the best this CPU supports)."""
+        return self.kernels if self.kernels in KERNEL_LEVELS else None
 
     def torch_device(self) -> torch.device:
         dev = torch.device(self.device)
@@ -117,7 +127,7 @@ class EngineConfig:
         if name == "auto" and self.weights == "stored":
             name = "float32"
         if name == "auto":
-            name = "bfloat16" if native_bf16(device) else "float32"
+            name = "bfloat16" if fast_bf16(device) else "float32"
         if name == "float16" and device.type != "cuda":
             raise ValueError("float16 is only supported on CUDA; use bfloat16 or float32 on the CPU")
         return _DTYPES[name]
@@ -147,6 +157,19 @@ def parse_speculative(value: str) -> SpeculativeSpec:
         f"'draft:embedded'), 'self:K' (the model's first K layers as its own draft) or 'mtp' (the "
         f"checkpoint's multi-token-prediction module, DeepSeek-V3); got {value!r}"
     )
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bfloat16 is the fastest exact-enough default here: CUDA with bf16, a CPU with
+    native bf16 (AVX512-BF16 or AMX), or any CPU that runs tripod's kernels (AVX2 and up: bf16
+    weights, float32 FMA, half of float32's bytes per token; benchmarks/results/avx2.md)."""
+    if native_bf16(device):
+        return True
+    if device.type != "cpu":
+        return False
+    from tripod import kernels
+
+    return kernels.unavailable_reason() is None
 
 
 def native_bf16(device: torch.device) -> bool:

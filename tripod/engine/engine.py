@@ -161,11 +161,17 @@ class Engine:
         )
         self.context_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         path = config.compute_path(self.dtype)
+        level = config.kernel_level
+        if level is not None:
+            why = kernels.unavailable_reason(level)
+            if why is not None:
+                raise ValueError(f"--kernels {level} cannot run here: {why}; use --kernels optimized (the best level "
+                                 f"this CPU supports: {kernels.best_level() or 'none'}) or eager")
         if path == "optimized" and self.device.type == "cpu":
-            # "optimized" (or stored weights) asked for explicitly: wait for the kernels' build
-            # (tests, benchmarks); under "auto" serve on torch's ops while it builds in the
-            # background, and switch when it is loaded.
-            kernels.load(wait=config.kernels == "optimized" or config.weights == "stored")
+            # "optimized", a level or stored weights asked for explicitly: wait for the kernels'
+            # build (tests, benchmarks); under "auto" serve on torch's ops while it builds in
+            # the background, and switch when it is loaded.
+            kernels.load(level, wait=config.kernels != "auto" or config.weights == "stored")
         # NOTE: while the kernels build in the background the compiler holds a core; a
         # parallel region whose thread shares that core waits for it at every barrier (10x
         # slower steps on 2 cores), so serve on one thread fewer until the build ends.
@@ -175,7 +181,7 @@ class Engine:
             torch.set_num_threads(self._threads_after_build - 1)
         self.runner = ModelRunner(
             self.loaded.model, self.pool, self.device, use_mirror=config.decode_mirror,
-            path=path, max_len=self.max_request_len, stored=config.weights == "stored",
+            path=path, max_len=self.max_request_len, stored=config.weights == "stored", level=level,
         )
         if config.weights == "stored" and self.runner.kernel_reason is not None:
             raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {self.runner.kernel_reason}")

@@ -1,23 +1,29 @@
 """Turns a scheduled step into tensors, runs the model, and hands back logits.
 
-Owns the device, the dtype, the model and the KV pool, and picks the compute path of each step:
-the optimized path (packed matmuls; tripod's CPU kernels once they are loaded, reading the pool
-through the slot table) or the reference path (``F.linear``, SDPA over the decode mirror).
-Knows nothing of queues or sampling.
+Owns the device, the dtype, the model and the KV pool, and picks the compute backend of each step
+(``layers/backends``): the reference backend (``F.linear``, SDPA; float32 op for op with HF), or
+on the optimized path tripod's CPU kernels of one ISA level once they are loaded (reading the pool
+through the slot table), and torch's packed oneDNN matmuls before (or without) them. The backend
+lays the step out (its own attention metadata); this class knows nothing of ISAs, queues or
+sampling.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from tripod import kernels
 from tripod.engine.decode_mirror import DecodeMirror
 from tripod.engine.scheduler import ScheduledItem
-from tripod.layers.attention import ForwardBatch, KernelMeta, PrefillSegment
-from tripod.layers.linear import Form, onednn_supported
+from tripod.layers.attention import ForwardBatch
+from tripod.layers.backends import CpuBackend, ReferenceBackend, TorchBackend
+from tripod.layers.backends.base import Backend
+from tripod.layers.backends.reference import ScoringBackend, prefill_segment
+from tripod.layers.linear import onednn_supported
 from tripod.memory.kv_pool import KVPool, Pool
 from tripod.memory.slot_table import SlotTable
 from tripod.models.llama import LlamaForCausalLM
@@ -26,7 +32,8 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """One forward pass per step over a flat batch: single-token items first, then chunks."""
+    """One forward pass per step over a flat batch laid out by the step's backend. ``level``: the
+    kernels' ISA level (None: the best this CPU supports)."""
 
     def __init__(
         self,
@@ -37,12 +44,14 @@ class ModelRunner:
         path: str = "eager",
         max_len: int = 0,
         stored: bool = False,
+        level: str | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.path = path
         self.stored = stored
+        self.level = level or kernels.best_level()
         pool_bytes = pool.kv.numel() * pool.kv.element_size()
         # Budget: half the pool's size, at least 64 MiB (small pools still get dense decode).
         budget = max(pool_bytes // 2, 64 << 20)
@@ -50,8 +59,11 @@ class ModelRunner:
         self.mirror = DecodeMirror(pool, max_bytes=budget) if use_mirror and isinstance(pool, KVPool) else None
         self.kernel_reason = self._kernel_obstacle()
         self.table = SlotTable(max_len or pool.num_slots, device) if self.kernel_reason is None else None
-        self._form: Form | None = None
-        self.form  # noqa: B018 - prepare the weights of the first step's form now, not in a step
+        self._reference = ReferenceBackend()
+        self._torch = TorchBackend()
+        self._cpu: CpuBackend | None = None
+        self._backend: Backend | None = None
+        self.backend  # noqa: B018 - prepare the weights of the first step's backend now, not in a step
 
     def _kernel_obstacle(self) -> str | None:
         """Why this runner can never use the CPU kernels (None: it can, once they are loaded)."""
@@ -70,217 +82,76 @@ class ModelRunner:
             return f"head_dim {cfg.head_dim} / {cfg.num_heads} heads over {cfg.num_kv_heads} is not a shape they cover"
         if self.pool.kv.dtype not in (torch.float32, torch.bfloat16):
             return f"{self.pool.kv.dtype} is not a dtype they cover"
-        return kernels.unavailable_reason()
+        return kernels.unavailable_reason(self.level)
 
     @property
     def uses_kernels(self) -> bool:
         """Whether the next step runs on the CPU kernels."""
-        return self.table is not None and kernels.ready()
+        return self.table is not None and kernels.ready(self.level)
+
+    def _choose(self) -> Backend:
+        if self.path != "optimized":
+            return self._reference
+        if self.uses_kernels:
+            if self._cpu is None:
+                assert self.level is not None
+                self._cpu = CpuBackend(kernels.ops(self.level), self.level, stored=self.stored)
+            return self._cpu
+        if self.device.type == "cpu" and onednn_supported(self.model.dtype, self.device):
+            return self._torch
+        return self._reference
 
     @property
-    def form(self) -> Form:
-        """The projections' form for the next step (layers.linear.Form), prepared on first use:
-        ``kernel``/``stored`` once the kernels are loaded, ``onednn`` before (or without them)."""
-        if self.path != "optimized":
-            form: Form = "dense"
-        elif self.uses_kernels:
-            form = "stored" if self.stored else "kernel"
-        elif self.device.type == "cpu" and onednn_supported(self.model.dtype, self.device):
-            form = "onednn"
-        else:
-            form = "dense"
+    def backend(self) -> Backend:
+        """The backend of the next step, its weights prepared on first use: the kernels once they
+        are loaded, torch's packed matmuls before (or without) them."""
+        be = self._choose()
         # NOTE: idempotent and cheap once built; called every step because another engine
         # sharing this model may have released a form this one still runs (it is rebuilt).
-        self.model.prepare(form, kernels.ops())
-        if form != self._form:
-            if self._form is not None:
-                log.info("compute path from now on: %s", self.describe_form(form))
-                if self._form == "onednn":
-                    self.model.release("onednn")  # its packed weights are no longer needed here
-            self._form = form
-        return form
+        self.model.prepare(be)
+        if self._backend is not be:
+            if self._backend is not None:
+                log.info("compute path from now on: %s", be.describe())
+                if self._backend is self._torch:
+                    self.model.release(self._torch.form)  # its packed weights are no longer needed here
+            self._backend = be
+        return be
 
-    @staticmethod
-    def describe_form(form: Form) -> str:
-        return {
-            "kernel": "tripod CPU kernels (linears, attention, norms)",
-            "stored": "tripod CPU kernels, GGUF weights executed as stored",
-            "onednn": "packed oneDNN matmuls, SDPA",
-            "dense": "F.linear, SDPA",
-        }[form]
+    @property
+    def form(self) -> str:
+        """The kind of the next step's projections: ``kernel``, ``stored``, ``onednn`` or ``dense``."""
+        return self.backend.form.split(":", 1)[0]
+
+    def _why_not_kernels(self) -> str | None:
+        why = self.kernel_reason or kernels.unavailable_reason(self.level)  # the build may have failed since
+        if why is None and not kernels.ready(self.level):
+            return f"tripod's {self.level} CPU kernels are building in the background"
+        return why
+
+    def card(self) -> dict[str, Any]:
+        """What runs, for ``/v1/models`` and the engine stats: ``{"backend": "cpu", "isa": "avx2"}``,
+        or a torch backend with the reason the kernels do not run."""
+        be = self.backend
+        out = be.card()
+        if be.name != "cpu":
+            out["reason"] = self._why_not_kernels()
+        return out
 
     def describe(self) -> str:
         if self.path != "optimized":
             return "reference (F.linear, SDPA)"
-        now = self.describe_form(self.form)
-        why = self.kernel_reason or kernels.unavailable_reason()  # the build may have failed since
-        if why is not None:
-            return f"optimized: {now} (tripod CPU kernels unused: {why})"
-        if not kernels.ready():
+        now = self.backend.describe()
+        why = self._why_not_kernels()
+        if self.uses_kernels or why is None:
+            return f"optimized: {now}"
+        if self.kernel_reason is None and kernels.unavailable_reason(self.level) is None:
             return f"optimized: {now} until tripod's CPU kernels finish building in the background"
-        return f"optimized: {now}"
+        return f"optimized: {now} (tripod CPU kernels unused: {why})"
 
     def build_batch(self, items: list[ScheduledItem]) -> tuple[ForwardBatch, list[ScheduledItem]]:
-        """Lay out ``items``. Returns the batch and the items in the order of the logits rows
-        (those that sample)."""
-        if self.uses_kernels:
-            return self._build_kernel_batch(items)
-        return self._build_torch_batch(items)
-
-    def _build_kernel_batch(self, items: list[ScheduledItem]) -> tuple[ForwardBatch, list[ScheduledItem]]:
-        """Every token of the step in item order; each attends its own request's first
-        ``position + 1`` keys through the slot table (decodes, drafts and chunks alike)."""
-        if self.mirror is not None and self.mirror.buf is not None:
-            self.mirror.drop()  # the kernels read the pool directly
-        assert self.table is not None
-        rows = self.table.sync([(it.req, it.start + it.length) for it in items])
-        ids: list[int] = []
-        pos: list[int] = []
-        out_slots: list[int] = []
-        tok_rows: list[int] = []
-        logits_at: list[int] = []
-        sampling: list[ScheduledItem] = []
-        item_rows: list[tuple[ScheduledItem, int]] = []
-        for it, row in zip(items, rows, strict=True):
-            r = it.req
-            s, n = it.start, it.length
-            np_ = len(r.prompt_ids)
-            item_rows.append((it, len(ids)))
-            if n == 1:
-                ids.append(r.prompt_ids[s] if s < np_ else r.output_ids[s - np_])
-                pos.append(s)
-                out_slots.append(r.slots[s])
-                tok_rows.append(row)
-            else:
-                ids.extend(r.all_ids[s : s + n])
-                pos.extend(range(s, s + n))
-                out_slots.extend(r.slots[s : s + n])
-                tok_rows.extend([row] * n)
-            if it.verify:  # every position predicts the next token
-                logits_at.extend(range(len(ids) - n, len(ids)))
-                sampling.append(it)
-            elif it.samples:
-                logits_at.append(len(ids) - 1)
-                sampling.append(it)
-        dev = self.device
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        meta = KernelMeta(
-            table=self.table.table,
-            rows=torch.tensor(tok_rows, dtype=torch.int32, device=dev),
-            lens=(positions + 1).to(torch.int32),
-        )
-        all_rows = len(logits_at) == len(ids)  # every token samples (a pure decode step)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=positions,
-            out_slots=torch.tensor(out_slots, dtype=torch.long, device=dev),
-            num_decode=0,
-            decode_kv_idx=None,
-            decode_mask=None,
-            logits_idx=None if all_rows else torch.tensor(logits_at, dtype=torch.long, device=dev),
-            kernel=meta,
-            kernel_ops=kernels.ops(),
-            form=self.form,
-            item_rows=item_rows,
-        )
-        return batch, sampling
-
-    def _build_torch_batch(self, items: list[ScheduledItem]) -> tuple[ForwardBatch, list[ScheduledItem]]:
-        """Decodes first (padded together), then verifications, then prefill chunks."""
-        singles = [it for it in items if it.length == 1 and not it.verify]
-        verify_items = [it for it in items if it.verify]
-        chunks = [it for it in items if it.length > 1 and not it.verify]
-        ids: list[int] = []
-        pos: list[int] = []
-        out_slots: list[int] = []
-        logits_at: list[int] = []
-        sampling: list[ScheduledItem] = []
-        item_rows: list[tuple[ScheduledItem, int]] = []
-
-        kv_idx = mask = None
-        mirror_buf = None
-        if self.mirror is not None:
-            if singles:
-                order = self.mirror.sync([it.req for it in singles], [it.start for it in singles])
-                if order is not None:
-                    singles = [singles[i] for i in order]
-                    mirror_buf = self.mirror.buf
-            else:
-                self.mirror.sync([], [])  # nobody decodes: give every row back
-        if singles:
-            width = max(it.start + 1 for it in singles)
-            rows = []
-            lens = []
-            for it in singles:
-                r = it.req
-                n = it.start + 1
-                item_rows.append((it, len(ids)))
-                ids.append(r.all_ids[it.start])
-                pos.append(it.start)
-                out_slots.append(r.slots[it.start])
-                if mirror_buf is None:
-                    rows.append(r.slots[:n] + [0] * (width - n))
-                lens.append(n)
-                if it.samples:
-                    logits_at.append(len(ids) - 1)
-                    sampling.append(it)
-            if mirror_buf is None:
-                kv_idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-            lens_t = torch.tensor(lens, device=self.device).unsqueeze(1)
-            mask = (torch.arange(width, device=self.device).unsqueeze(0) < lens_t)[:, None, None, :]
-
-        # Jump-forward: [last token, drafts...], every position with logits (each predicts the
-        # next token), attending position by position like plain decoding.
-        verifies = []
-        for it in verify_items:
-            r = it.req
-            first = len(ids)
-            item_rows.append((it, first))
-            for p in range(it.start, it.start + it.length):
-                ids.append(r.all_ids[p])
-                pos.append(p)
-                out_slots.append(r.slots[p])
-                logits_at.append(len(ids) - 1)
-            sampling.append(it)
-            kv = torch.tensor(r.slots[: it.start + it.length], dtype=torch.long, device=self.device)
-            verifies.append((first, it.start, it.length, kv))
-
-        segs: list[PrefillSegment] = []
-        for it in chunks:
-            r = it.req
-            s, n = it.start, it.length
-            toks = r.all_ids[s : s + n]
-            first = len(ids)
-            item_rows.append((it, first))
-            ids.extend(toks)
-            pos.extend(range(s, s + n))
-            out_slots.extend(r.slots[s : s + n])
-            if s == 0:
-                segs.append(PrefillSegment(first, n, 0, None, None))
-            else:
-                kv = torch.tensor(r.slots[: s + n], dtype=torch.long, device=self.device)
-                q_pos = torch.arange(s, s + n, device=self.device).unsqueeze(1)
-                k_pos = torch.arange(s + n, device=self.device).unsqueeze(0)
-                segs.append(PrefillSegment(first, n, s, kv, k_pos <= q_pos))
-            if it.samples:
-                logits_at.append(len(ids) - 1)
-                sampling.append(it)
-
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(pos, dtype=torch.long, device=self.device),
-            out_slots=torch.tensor(out_slots, dtype=torch.long, device=self.device),
-            num_decode=len(singles),
-            decode_kv_idx=kv_idx,
-            decode_mask=mask,
-            decode_mirror=mirror_buf,
-            prefills=segs,
-            logits_idx=torch.tensor(logits_at, dtype=torch.long, device=self.device),
-            verifies=verifies,
-            form=self.form,
-            item_rows=item_rows,
-        )
-        return batch, sampling
+        """Lay out ``items`` for the step's backend. Returns the batch and the items in the order
+        of the logits rows (those that sample)."""
+        return self.backend.build_batch(items, self)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's forward pass over a built batch: float32 logits for its sampling rows."""
@@ -302,15 +173,13 @@ class ModelRunner:
         # the step path untouched.
         assert len(slots) >= len(ids)
         dev = self.device
+        # The projections as the steps run them; attention, norms and activations on torch's
+        # path (the pass is laid out like the reference's prefill chunks).
+        backend = self.backend
+        if backend.name == "cpu":
+            backend = ScoringBackend(backend)
         for s in range(0, len(ids), chunk):
             n = min(chunk, len(ids) - s)
-            if s == 0:
-                seg = PrefillSegment(0, n, 0, None, None)
-            else:
-                kv = torch.tensor(slots[: s + n], dtype=torch.long, device=dev)
-                q_pos = torch.arange(s, s + n, device=dev).unsqueeze(1)
-                k_pos = torch.arange(s + n, device=dev).unsqueeze(0)
-                seg = PrefillSegment(0, n, s, kv, k_pos <= q_pos)
             batch = ForwardBatch(
                 input_ids=torch.tensor(ids[s : s + n], dtype=torch.long, device=dev),
                 positions=torch.arange(s, s + n, dtype=torch.long, device=dev),
@@ -318,8 +187,8 @@ class ModelRunner:
                 num_decode=0,
                 decode_kv_idx=None,
                 decode_mask=None,
-                prefills=[seg],
+                prefills=[prefill_segment(0, s, n, slots, dev)],
                 logits_idx=torch.arange(n, dtype=torch.long, device=dev),
-                form=self.form,  # the projections as the steps run them (attention: torch path)
+                backend=backend,
             )
             yield s, self.model(batch, self.pool)

@@ -1,17 +1,16 @@
 """Paged (page size 1) attention over the KV pool, for a flat batch of mixed work.
 
-Two backends behind one call (``attend``), picked per step by the model runner (a layer's
-``AttnSpec`` carries its heads, scale, optional sliding window and logit soft-cap; per-head q/k
-RMSNorm runs before RoPE on either backend):
+``attend`` is the attention block after the QKV projection: per-head q/k RMSNorm (when the
+layer has it), then the step's compute backend (``layers/backends``) rotates Q/K, writes this
+step's K/V into the pool and attends. A layer's ``AttnSpec`` carries its heads, scale, optional
+sliding window and logit soft-cap.
 
-- kernels (CPU with tripod's C++ kernels; ``ForwardBatch.kernel`` set): RoPE and the KV write in
-  one pass, then every query row attends its own keys straight from the pool through the slot
-  table (``tripod.kernels``: decode rows, verification rows and prefill chunks alike).
-- torch (CUDA, the float32 reference path, or before/without the kernels): a step's tokens are
-  laid out flat: first one token per decoding request, then each prefill chunk's tokens. Decodes
-  attend in one padded, batched SDPA call (over the dense decode mirror, or gathered); each
-  prefill chunk attends to its cached prefix plus itself with a causal mask. Sliding-window
-  layers and soft-capped logits run here only (the runner keeps such models off the kernels).
+The torch path (``paged_attention`` below; the reference and torch backends, and CUDA): a step's
+tokens are laid out flat: first one token per decoding request, then each prefill chunk's
+tokens. Decodes attend in one padded, batched SDPA call (over the dense decode mirror, or
+gathered); each prefill chunk attends to its cached prefix plus itself with a causal mask.
+Sliding-window layers and soft-capped logits run here only. tripod's CPU kernels (the cpu
+backend) read the pool through the slot table instead (``KernelMeta``).
 """
 
 from __future__ import annotations
@@ -22,9 +21,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tripod.layers.norm import head_norm
-from tripod.layers.rotary import RotaryEmbedding, apply_rotary
+from tripod.layers.rotary import RotaryEmbedding
 from tripod.memory.kv_pool import KVPool
+
+
+def _reference_backend() -> Any:
+    from tripod.layers.backends.reference import REFERENCE
+
+    return REFERENCE
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +82,9 @@ class ForwardBatch:
     verifies: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
     # Set when this step runs on tripod's CPU kernels (then the torch-path fields are unused).
     kernel: KernelMeta | None = None
-    kernel_ops: Any = None  # torch.ops.tripod_cpu, when ``kernel`` is set
-    form: str = "dense"  # which executable form of the projections runs (layers.linear.Form)
+    # What this step computes with (layers.backends.Backend): the projections' prepared form,
+    # norms, activations and attention.
+    backend: Any = field(default_factory=_reference_backend)
     # (item, first flat row) of every scheduled item, whose tokens are contiguous rows: what a
     # reader of per-token outputs (the MTP proposer reads hidden states) needs to find its rows.
     item_rows: list[tuple[Any, int]] = field(default_factory=list)
@@ -95,33 +100,20 @@ def attend(
     spec: AttnSpec,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """The attention block after the QKV projection: (normalize Q/K per head,) rotate Q/K, write
-    this step's K/V into the pool, attend. ``qkv`` ``[T, (H + 2 KVH) * D]`` → ``[T, H * D]``."""
+    """The attention block after the QKV projection: (normalize Q/K per head,) then the batch's
+    backend rotates Q/K, writes this step's K/V into the pool and attends.
+    ``qkv`` ``[T, (H + 2 KVH) * D]`` → ``[T, H * D]``."""
     t = qkv.shape[0]
     d = pool.head_dim
     nh, nkv = spec.num_heads, spec.num_kv_heads
+    backend = batch.backend
     if qk_norm is not None:
         qw, kw, eps = qk_norm
         heads = qkv.view(t, -1, d)
-        ops = batch.kernel_ops if batch.kernel is not None else None
-        q_n = head_norm(heads[:, :nh], qw, eps, ops)
-        k_n = head_norm(heads[:, nh : nh + nkv], kw, eps, ops)
+        q_n = backend.head_norm(heads[:, :nh], qw, eps)
+        k_n = backend.head_norm(heads[:, nh : nh + nkv], kw, eps)
         qkv = torch.cat((q_n.reshape(t, -1), k_n.reshape(t, -1), qkv[:, (nh + nkv) * d :]), dim=1)
-    if batch.kernel is not None:
-        ops = batch.kernel_ops
-        m = batch.kernel
-        kv = pool.kv[layer]
-        # NOTE: rotates Q and K inside qkv, in place, and copies K|V into the pool slots.
-        ops.rope_store_kv(qkv, batch.positions, rotary.cos, rotary.sin, kv, batch.out_slots, nh, nkv)
-        q = qkv.view(t, -1, d)[:, :nh]
-        return ops.paged_attention(q, kv, m.table, m.rows, m.lens, spec.scale).view(t, nh * d)
-    assert cos_sin is not None
-    heads = qkv.reshape(t, -1, d)
-    # Q and K heads are adjacent in the fused output: rotate them in one pass.
-    qk = apply_rotary(heads[:, : nh + nkv], *cos_sin)
-    q, k = qk[:, :nh], qk[:, nh:]
-    v = heads[:, nh + nkv :]
-    return paged_attention(q, k, v, layer, pool, batch, spec).view(t, nh * d)
+    return backend.attend(qkv, layer, pool, batch, rotary, cos_sin, spec)
 
 
 def sdpa(

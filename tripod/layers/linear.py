@@ -21,6 +21,7 @@ activations' dtype inside the call (w8a16), never the whole matrix at once.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -159,13 +160,23 @@ Linear = DenseLinear | OneDNNLinear | KernelLinear | Fp8BlockLinear
 
 
 def onednn_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether oneDNN's packed linear can run here (the CPU, float32 or bfloat16)."""
-    return (
+    """Whether oneDNN's packed linear can run here (the CPU, float32 or bfloat16; bfloat16 only
+    where oneDNN has a bf16 path on this CPU: AVX512-BW/VL/DQ or AVX-NE-CONVERT, else its reorder
+    raises)."""
+    if not (
         device.type == "cpu"
         and torch.backends.mkldnn.is_available()
         and dtype in (torch.float32, torch.bfloat16)
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    ):
+        return False
+    return dtype != torch.bfloat16 or _onednn_bf16()
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 def kernel_supported(weight: torch.Tensor) -> bool:

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from tripod.layers.attention import ForwardBatch, sdpa, window_mask
-from tripod.layers.linear import Form, Fp8Scales, Linear, dequantize_fp8, make_linear
+from tripod.layers.backends.base import Backend
+from tripod.layers.linear import Fp8Scales, Linear, dequantize_fp8
 from tripod.layers.mlp import keep
 from tripod.layers.norm import rms_norm
 from tripod.layers.rotary import apply_rotary
@@ -78,16 +79,17 @@ class MLAttention(nn.Module):
         self.o = _param(hidden, num_heads * cfg.v_head_dim, dtype=dtype)
         if bias:
             raise ValueError("MLA checkpoints with attention biases are not supported")
-        self.ops: dict[Form, dict[str, Linear]] = {}
+        self.ops: dict[str, dict[str, Linear]] = {}
         self.fp8: dict[str, Fp8Scales] = {}
 
-    def prepare(self, form: Form, kernel_ops: Any, stored: Any = None) -> None:
+    def prepare(self, backend: Backend, stored: Any = None) -> None:
+        form = backend.form
         if form in self.ops:
             return
         names = {"q": self.q, "kv_a": self.kv_a, "kv_b": self.kv_b, "o": self.o}
         if self.q_a is not None:
             names["q_a"] = self.q_a
-        self.ops[form] = {k: make_linear(w, None, form, ops=kernel_ops, fp8=self.fp8.get(k)) for k, w in names.items()}
+        self.ops[form] = {k: backend.linear(w, None, fp8=self.fp8.get(k)) for k, w in names.items()}
         c = self.cfg
         # The absorbed form's per-head factors of kv_b_proj: [H, nope, r] and [H, v, r].
         kv_b = self.kv_b if "kv_b" not in self.fp8 else dequantize_fp8(self.kv_b, self.fp8["kv_b"], self.kv_a_norm.dtype)
@@ -95,7 +97,7 @@ class MLAttention(nn.Module):
         self.w_uk = kvb[:, : c.qk_nope_head_dim]
         self.w_uv = kvb[:, c.qk_nope_head_dim :]
 
-    def release(self, form: Form) -> None:
+    def release(self, form: str) -> None:
         self.ops.pop(form, None)
 
     def load(self, src: WeightSource, prefix: str) -> None:
@@ -126,7 +128,7 @@ class MLAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         residual: torch.Tensor,
     ) -> torch.Tensor:
-        c, ops = self.cfg, self.ops[batch.form]
+        c, ops = self.cfg, self.ops[batch.backend.form]
         t = x.shape[0]
         if self.q_a is not None:
             assert self.q_a_norm is not None

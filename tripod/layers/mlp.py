@@ -8,14 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tripod.layers.linear import Form, Fp8Scales, Linear, StoredWeight, make_linear
+from tripod.layers.backends.base import Backend
+from tripod.layers.linear import Fp8Scales, Linear, StoredWeight
 from tripod.layers.weights import WeightSource
 
 
-def activate(gu: torch.Tensor, inter: int, act: str, kernel_ops: Any = None) -> torch.Tensor:
-    """``act(gate) * up`` of a fused ``[T, 2 * inter]`` gate/up output."""
-    if act == "silu" and kernel_ops is not None:
-        return kernel_ops.silu_mul(gu)
+def activate(gu: torch.Tensor, inter: int, act: str) -> torch.Tensor:
+    """``act(gate) * up`` of a fused ``[T, 2 * inter]`` gate/up output, on torch's ops."""
     g, u = gu.split([inter, inter], dim=-1)
     if act == "silu":
         return F.silu(g) * u
@@ -30,17 +29,17 @@ class GatedMLP(nn.Module):
         self.inter, self.act = inter, act
         self.gate_up = nn.Parameter(torch.empty(2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(hidden, inter, dtype=dtype), requires_grad=False)
-        self.ops: dict[Form, tuple[Linear, Linear]] = {}
+        self.ops: dict[str, tuple[Linear, Linear]] = {}
         self.fp8: dict[str, Fp8Scales] = {}  # scales of the weights kept in FP8
 
-    def prepare(self, form: Form, kernel_ops: Any, stored: dict[str, StoredWeight]) -> None:
-        if form not in self.ops:
-            self.ops[form] = (
-                make_linear(self.gate_up, None, form, ops=kernel_ops, stored=stored.get("gate_up"), fp8=self.fp8.get("gate_up")),
-                make_linear(self.down, None, form, ops=kernel_ops, stored=stored.get("down"), fp8=self.fp8.get("down")),
+    def prepare(self, backend: Backend, stored: dict[str, StoredWeight]) -> None:
+        if backend.form not in self.ops:
+            self.ops[backend.form] = (
+                backend.linear(self.gate_up, None, stored=stored.get("gate_up"), fp8=self.fp8.get("gate_up")),
+                backend.linear(self.down, None, stored=stored.get("down"), fp8=self.fp8.get("down")),
             )
 
-    def release(self, form: Form) -> None:
+    def release(self, form: str) -> None:
         self.ops.pop(form, None)
 
     def load(self, src: WeightSource, prefix: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
@@ -48,9 +47,9 @@ class GatedMLP(nn.Module):
         keep(self, "gate_up", src.cat([f"{prefix}{g}.weight", f"{prefix}{u}.weight"]))
         keep(self, "down", src.part(f"{prefix}{d}.weight"))
 
-    def forward(self, h: torch.Tensor, form: Form, kernel_ops: Any, residual: torch.Tensor | None = None) -> torch.Tensor:
-        gate_up, down = self.ops[form]
-        return down(activate(gate_up(h), self.inter, self.act, kernel_ops), residual=residual)
+    def forward(self, h: torch.Tensor, backend: Backend, residual: torch.Tensor | None = None) -> torch.Tensor:
+        gate_up, down = self.ops[backend.form]
+        return down(backend.activate(gate_up(h), self.inter, self.act), residual=residual)
 
 
 def keep(module: Any, name: str, part: tuple[torch.Tensor, Fp8Scales | None]) -> None:

@@ -15,12 +15,12 @@ expert assignment and returns their weighted sum; nothing else in the layer touc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from tripod.layers.linear import Form, Fp8Scales, StoredWeight, dequantize_fp8
+from tripod.layers.backends.base import Backend
+from tripod.layers.linear import Fp8Scales, StoredWeight, dequantize_fp8
 from tripod.layers.mlp import GatedMLP, activate, keep
 from tripod.layers.weights import WeightSource
 
@@ -144,20 +144,20 @@ class MoE(nn.Module):
             nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False) if spec.shared_gate else None
         )
 
-    def prepare(self, form: Form, kernel_ops: Any, stored: dict[str, StoredWeight]) -> None:
+    def prepare(self, backend: Backend, stored: dict[str, StoredWeight]) -> None:
         if self.shared is not None:
-            self.shared.prepare(form, kernel_ops, {})
+            self.shared.prepare(backend, {})
 
-    def release(self, form: Form) -> None:
+    def release(self, form: str) -> None:
         if self.shared is not None:
             self.shared.release(form)
 
-    def forward(self, h: torch.Tensor, form: Form, kernel_ops: Any, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, backend: Backend, residual: torch.Tensor | None = None) -> torch.Tensor:
         logits = torch.nn.functional.linear(h.float(), self.router)
         weights, idx = route(logits, self.spec, self.bias)
         out = self.experts(h, weights, idx)
         if self.shared is not None:
-            s = self.shared(h, form, kernel_ops)
+            s = self.shared(h, backend)
             if self.shared_gate is not None:
                 s = torch.sigmoid(torch.nn.functional.linear(h, self.shared_gate)) * s
             out = out + s

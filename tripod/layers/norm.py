@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
@@ -17,16 +15,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h
-
-
-def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel_ops: Any) -> torch.Tensor:
-    """RMSNorm on tripod's kernel when the step runs on the kernels, else ``rms_norm``."""
-    if kernel_ops is not None:
-        return kernel_ops.rms_norm(x, weight, eps)
-    return rms_norm(x, weight, eps)
-
-
-def head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel_ops: Any) -> torch.Tensor:
-    """RMSNorm of every head: ``x`` ``[T, heads, head_dim]`` (any strides) → same shape."""
-    t, h, d = x.shape
-    return norm(x.reshape(t * h, d), weight, eps, kernel_ops).view(t, h, d)

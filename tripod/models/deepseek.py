@@ -101,7 +101,7 @@ class MTPModule(torch.nn.Module):
         """``batch.input_ids`` are the tokens t[i+1], ``hidden`` ``[T, H]`` the hidden states
         h[i] → (float32 logits for ``batch.logits_idx`` (all rows when None), the module's own
         hidden states ``[T, H]`` for a chained step)."""
-        self.layer.prepare(batch.form, batch.kernel_ops)
+        self.layer.prepare(batch.backend)
         e = rms_norm(F.embedding(batch.input_ids, target.embed), self.enorm, self.eps)
         x = F.linear(torch.cat((e, rms_norm(hidden, self.hnorm, self.eps)), dim=-1), self.eh_proj)
         x = self.layer(x, _Step(target, batch, pool, x.dtype))

@@ -25,10 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tripod.layers.attention import AttnSpec, ForwardBatch, attend
-from tripod.layers.linear import Form, Fp8Scales, Linear, StoredWeight, make_linear
+from tripod.layers.backends.base import Backend
+from tripod.layers.linear import Fp8Scales, Linear, StoredWeight
 from tripod.layers.mlp import GatedMLP, keep
 from tripod.layers.moe import MoE
-from tripod.layers.norm import norm, rms_norm
+from tripod.layers.norm import rms_norm
 from tripod.layers.rotary import RotaryEmbedding
 from tripod.layers.weights import WeightSource
 from tripod.memory.kv_pool import KVPool
@@ -60,17 +61,17 @@ class GQAttention(nn.Module):
         self.o_bias = _param(h, dtype=dtype, fill=0.0) if cfg.attention_bias else None
         self.q_norm = _param(d, dtype=dtype, fill=1.0) if cfg.qk_norm else None
         self.k_norm = _param(d, dtype=dtype, fill=1.0) if cfg.qk_norm else None
-        self.ops: dict[Form, tuple[Linear, Linear]] = {}
+        self.ops: dict[str, tuple[Linear, Linear]] = {}
         self.fp8: dict[str, Fp8Scales] = {}
 
-    def prepare(self, form: Form, kernel_ops: Any, stored: dict[str, StoredWeight]) -> None:
-        if form not in self.ops:
-            self.ops[form] = (
-                make_linear(self.qkv, self.qkv_bias, form, ops=kernel_ops, stored=stored.get("qkv"), fp8=self.fp8.get("qkv")),
-                make_linear(self.o, self.o_bias, form, ops=kernel_ops, stored=stored.get("o"), fp8=self.fp8.get("o")),
+    def prepare(self, backend: Backend, stored: dict[str, StoredWeight]) -> None:
+        if backend.form not in self.ops:
+            self.ops[backend.form] = (
+                backend.linear(self.qkv, self.qkv_bias, stored=stored.get("qkv"), fp8=self.fp8.get("qkv")),
+                backend.linear(self.o, self.o_bias, stored=stored.get("o"), fp8=self.fp8.get("o")),
             )
 
-    def release(self, form: Form) -> None:
+    def release(self, form: str) -> None:
         self.ops.pop(form, None)
 
     def load(self, src: WeightSource, a: str, offset: bool) -> None:
@@ -87,7 +88,7 @@ class GQAttention(nn.Module):
 
     def forward(self, h: torch.Tensor, layer: int, pool: KVPool, batch: ForwardBatch, rotary: RotaryEmbedding,
                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None, residual: torch.Tensor | None) -> torch.Tensor:
-        qkv_op, o_op = self.ops[batch.form]
+        qkv_op, o_op = self.ops[batch.backend.form]
         qk = (self.q_norm, self.k_norm, self.eps) if self.q_norm is not None and self.k_norm is not None else None
         a = attend(qkv_op(h), layer, pool, batch, rotary, cos_sin, self.spec, qk)
         return o_op(a, residual=residual)
@@ -119,27 +120,27 @@ class DecoderLayer(nn.Module):
         # The GGUF blocks of the fused projections, when loaded with the stored weights.
         self.stored: dict[str, StoredWeight] = {}
 
-    def prepare(self, form: Form, kernel_ops: Any) -> None:
-        self.attn.prepare(form, kernel_ops, self.stored)
-        self.mlp.prepare(form, kernel_ops, self.stored)
+    def prepare(self, backend: Backend) -> None:
+        self.attn.prepare(backend, self.stored)
+        self.mlp.prepare(backend, self.stored)
 
-    def release(self, form: Form) -> None:
+    def release(self, form: str) -> None:
         self.attn.release(form)
         self.mlp.release(form)
 
     def forward(self, x: torch.Tensor, ctx: _Step) -> torch.Tensor:
-        b, k = ctx.batch, ctx.batch.kernel_ops
-        h = norm(x, self.input_norm, self.eps, k)
+        be = ctx.batch.backend
+        h = be.norm(x, self.input_norm, self.eps)
         rotary, cos_sin = ctx.rope(self.layer)
         if self.attn_out_norm is None:
             x = self._attend(h, ctx, rotary, cos_sin, residual=x)
-            h = norm(x, self.post_norm, self.eps, k)
-            return self.mlp(h, b.form, k, residual=x)
+            h = be.norm(x, self.post_norm, self.eps)
+            return self.mlp(h, be, residual=x)
         a = self._attend(h, ctx, rotary, cos_sin, residual=None)
-        x = x + norm(a, self.attn_out_norm, self.eps, k)
-        h = norm(x, self.post_norm, self.eps, k)
+        x = x + be.norm(a, self.attn_out_norm, self.eps)
+        h = be.norm(x, self.post_norm, self.eps)
         assert self.mlp_out_norm is not None
-        return x + norm(self.mlp(h, b.form, k), self.mlp_out_norm, self.eps, k)
+        return x + be.norm(self.mlp(h, be), self.mlp_out_norm, self.eps)
 
     def _attend(self, h: torch.Tensor, ctx: _Step, rotary: RotaryEmbedding,
                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None, residual: torch.Tensor | None) -> torch.Tensor:
@@ -163,7 +164,8 @@ class _Step:
         rotary = self.model.rotary_for(layer)
         key = id(rotary)
         if key not in self.tables:
-            self.tables[key] = None if self.batch.kernel is not None else rotary.tables(self.batch.positions, self.model.dtype)
+            wanted = self.batch.backend.wants_rope_rows
+            self.tables[key] = rotary.tables(self.batch.positions, self.model.dtype) if wanted else None
         return rotary, self.tables[key]
 
 
@@ -188,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
             RotaryEmbedding(self.rope_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings, device)
             if cfg.rope_local_theta is not None else None
         )
-        self.head_ops: dict[Form, Linear] = {}
+        self.head_ops: dict[str, Linear] = {}
         self.stored_head: StoredWeight | None = None
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype) if cfg.embed_scale else None
         # Set by a proposer that reads the last layer's output (MTP): every forward then keeps it
@@ -209,15 +211,15 @@ class LlamaForCausalLM(nn.Module):
             return self.local_rotary
         return self.rotary
 
-    def prepare(self, form: Form, kernel_ops: Any = None) -> None:
-        """Build every projection's executable form (``layers.linear.Form``). Several forms may
-        coexist: engines sharing one loaded model may run different paths, and a runner moves
-        from ``onednn`` to ``kernel`` when the kernels finish building."""
+    def prepare(self, backend: Backend) -> None:
+        """Build every projection in ``backend``'s layout (kept under ``backend.form``). Several
+        may coexist: engines sharing one loaded model may run different backends, and a runner
+        moves from torch's ops to the kernels when they finish building."""
         for layer in self.layers:
-            layer.prepare(form, kernel_ops)
-        if form not in self.head_ops:
+            layer.prepare(backend)
+        if backend.form not in self.head_ops:
             head = self.embed if self.lm_head is None else self.lm_head
-            self.head_ops[form] = make_linear(head, None, form, ops=kernel_ops, stored=self.stored_head)
+            self.head_ops[backend.form] = backend.linear(head, None, stored=self.stored_head)
 
     def truncated(self, num_layers: int) -> LlamaForCausalLM:
         """A view of this model with only its first ``num_layers`` layers, sharing every weight
@@ -232,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         view.layers = nn.ModuleList(list(self.layers)[:num_layers])
         return view
 
-    def release(self, form: Form) -> None:
+    def release(self, form: str) -> None:
         """Forget a form's packed weights (the runner moved on from it: memory back)."""
         for layer in self.layers:
             layer.release(form)
@@ -254,8 +256,8 @@ class LlamaForCausalLM(nn.Module):
             self.last_hidden = x
         if batch.logits_idx is not None:
             x = x.index_select(0, batch.logits_idx)
-        x = norm(x, self.norm, self.cfg.rms_norm_eps, batch.kernel_ops)
-        logits = self.head_ops[batch.form](x).float()
+        x = batch.backend.norm(x, self.norm, self.cfg.rms_norm_eps)
+        logits = self.head_ops[batch.backend.form](x).float()
         if self.cfg.final_softcap is not None:
             cap = self.cfg.final_softcap
             logits = torch.tanh(logits / cap) * cap

@@ -73,12 +73,13 @@ def make_proposer(
     if spec.kind == "self":
         view = target.model.truncated(spec.layers)
         runner = ModelRunner(view, pool, device, use_mirror=False, path=path, max_len=max_len,
-                             stored=config.weights == "stored")
+                             stored=config.weights == "stored", level=config.kernel_level)
         return DraftModelProposer("self", runner, sampler, shares_kv=True, catch_up=config.chunk_size)
     assert draft is not None
     dc = draft.config
     own = dc.pool_spec().make(pool.num_slots, dtype, device)
-    runner = ModelRunner(draft.model, own, device, use_mirror=False, path=path, max_len=max_len)
+    runner = ModelRunner(draft.model, own, device, use_mirror=False, path=path, max_len=max_len,
+                         level=config.kernel_level)
     return DraftModelProposer("draft", runner, sampler, shares_kv=False, catch_up=config.chunk_size)
 
 

@@ -1,0 +1,29 @@
+"""The compute backends behind one interface (``Backend``): what a forward pass computes with.
+
+A layer asks its backend for each op family and knows nothing of ISAs or kernels:
+
+- ``linear(weight, bias, ...)``: a projection prepared once in the backend's own weight layout;
+- ``norm`` (RMSNorm), ``activate`` (act(gate) * up);
+- ``attend``: RoPE, the KV write and paged attention over the pool;
+- ``build_batch``: a step's work laid out with the attention metadata the backend reads.
+
+Backends:
+
+- ``ReferenceBackend``: torch, float32-exact (op for op with Hugging Face): ``F.linear``, SDPA.
+  Also the CUDA path today (cuBLAS, SDPA); a CUDA backend (paged attention kernels, CUDA graphs)
+  slots in beside it without touching the layers.
+- ``TorchBackend``: torch's ops with projections packed once for oneDNN: what serves while
+  tripod's kernels build, or where none can run (``reason`` says why).
+- ``CpuBackend``: tripod's C++ kernels of one ISA level (``tripod.kernels``), reading the pool
+  through the slot table. Every level computes the same bits.
+
+Switching a runner to the kernels mid-serve is one assignment: ``runner.backend = CpuBackend(...)``.
+"""
+
+from __future__ import annotations
+
+from tripod.layers.backends.base import Backend, StepItem
+from tripod.layers.backends.cpu import CpuBackend
+from tripod.layers.backends.reference import REFERENCE, ReferenceBackend, TorchBackend
+
+__all__ = ["REFERENCE", "Backend", "CpuBackend", "ReferenceBackend", "StepItem", "TorchBackend"]

@@ -1,0 +1,115 @@
+"""tripod's C++ CPU kernels of one ISA level (``tripod.kernels``): packed linears, RMSNorm,
+SiLU·mul, fused RoPE + KV write and paged attention straight from the pool through the slot table
+(decode rows, verification rows and prefill chunks alike, every token in item order)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tripod.layers.attention import AttnSpec, ForwardBatch, KernelMeta
+from tripod.layers.backends.base import Backend
+from tripod.layers.linear import Fp8Scales, Linear, StoredWeight, make_linear
+from tripod.layers.mlp import activate
+from tripod.layers.rotary import RotaryEmbedding
+
+
+class CpuBackend(Backend):
+    """The kernels of ``isa`` (``ops``: ``torch.ops.tripod_<isa>``). ``stored``: GGUF weights
+    executed as stored where the kernels take their type (``--weights stored``)."""
+
+    name = "cpu"
+    wants_rope_rows = False
+
+    def __init__(self, ops: Any, isa: str, stored: bool = False) -> None:
+        self.ops, self.isa, self.stored = ops, isa, stored
+        # NOTE: the form names the level too: a layer's packed weights hold that library's op.
+        self.form = f"{'stored' if stored else 'kernel'}:{isa}"
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, *, stored: StoredWeight | None = None,
+               fp8: Fp8Scales | None = None) -> Linear:
+        return make_linear(weight, bias, "stored" if self.stored else "kernel", ops=self.ops, stored=stored, fp8=fp8)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.ops.rms_norm(x, weight, eps)
+
+    def activate(self, gu: torch.Tensor, inter: int, act: str) -> torch.Tensor:
+        if act == "silu":
+            return self.ops.silu_mul(gu)
+        return activate(gu, inter, act)  # GELU has no kernel: torch's op
+
+    def attend(self, qkv: torch.Tensor, layer: int, pool: Any, batch: ForwardBatch, rotary: RotaryEmbedding,
+               cos_sin: tuple[torch.Tensor, torch.Tensor] | None, spec: AttnSpec) -> torch.Tensor:
+        m = batch.kernel
+        assert m is not None
+        t, d = qkv.shape[0], pool.head_dim
+        nh, nkv = spec.num_heads, spec.num_kv_heads
+        kv = pool.kv[layer]
+        # NOTE: rotates Q and K inside qkv, in place, and copies K|V into the pool slots.
+        self.ops.rope_store_kv(qkv, batch.positions, rotary.cos, rotary.sin, kv, batch.out_slots, nh, nkv)
+        q = qkv.view(t, -1, d)[:, :nh]
+        return self.ops.paged_attention(q, kv, m.table, m.rows, m.lens, spec.scale).view(t, nh * d)
+
+    def build_batch(self, items: list[Any], ctx: Any) -> tuple[ForwardBatch, list[Any]]:
+        """Every token of the step in item order; each attends its own request's first
+        ``position + 1`` keys through the slot table (decodes, drafts and chunks alike)."""
+        if ctx.mirror is not None and ctx.mirror.buf is not None:
+            ctx.mirror.drop()  # the kernels read the pool directly
+        table = ctx.table
+        assert table is not None
+        rows = table.sync([(it.req, it.start + it.length) for it in items])
+        ids: list[int] = []
+        pos: list[int] = []
+        out_slots: list[int] = []
+        tok_rows: list[int] = []
+        logits_at: list[int] = []
+        sampling: list[Any] = []
+        item_rows: list[tuple[Any, int]] = []
+        for it, row in zip(items, rows, strict=True):
+            r = it.req
+            s, n = it.start, it.length
+            np_ = len(r.prompt_ids)
+            item_rows.append((it, len(ids)))
+            if n == 1:
+                ids.append(r.prompt_ids[s] if s < np_ else r.output_ids[s - np_])
+                pos.append(s)
+                out_slots.append(r.slots[s])
+                tok_rows.append(row)
+            else:
+                ids.extend(r.all_ids[s : s + n])
+                pos.extend(range(s, s + n))
+                out_slots.extend(r.slots[s : s + n])
+                tok_rows.extend([row] * n)
+            if it.verify:  # every position predicts the next token
+                logits_at.extend(range(len(ids) - n, len(ids)))
+                sampling.append(it)
+            elif it.samples:
+                logits_at.append(len(ids) - 1)
+                sampling.append(it)
+        dev = ctx.device
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        meta = KernelMeta(
+            table=table.table,
+            rows=torch.tensor(tok_rows, dtype=torch.int32, device=dev),
+            lens=(positions + 1).to(torch.int32),
+        )
+        all_rows = len(logits_at) == len(ids)  # every token samples (a pure decode step)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=positions,
+            out_slots=torch.tensor(out_slots, dtype=torch.long, device=dev),
+            num_decode=0,
+            decode_kv_idx=None,
+            decode_mask=None,
+            logits_idx=None if all_rows else torch.tensor(logits_at, dtype=torch.long, device=dev),
+            kernel=meta,
+            backend=self,
+            item_rows=item_rows,
+        )
+        return batch, sampling
+
+    def describe(self) -> str:
+        if self.stored:
+            return f"tripod CPU kernels, GGUF weights executed as stored ({self.isa})"
+        return f"tripod CPU kernels (linears, attention, norms; {self.isa})"
