@@ -146,6 +146,14 @@ def test_bench_end_to_end_against_a_real_server(server: Any, tmp_path: Path) -> 
     assert _metric(after, "tripod:generation_tokens_total") - _metric(before, "tripod:generation_tokens_total") == out_tokens
     assert _metric(after, "tripod:prompt_tokens_total") - _metric(before, "tripod:prompt_tokens_total") == in_tokens
     assert data["config"]["options"]["dataset"] == "random" and data["config"]["machine"]["cores"]
+    # The record follows the machine (tripod/bench/machine.py) and the server's compute path.
+    machine = data["config"]["machine"]
+    assert machine["isa_level"] in ("avx512_bf16", "avx512", "avx2", "baseline") and machine["vendor"]
+    assert len(machine["isa"]) == 12 and all(isinstance(v, bool) for v in machine["isa"].values())
+    (served,) = data["config"]["targets"][0]["served"]
+    assert served["owned_by"] == "tripod" and served["dtype"] and "served_error" not in data["config"]["targets"][0]
+    assert f"ISA {machine['isa_level']}" in (out / "report.html").read_text()
+    assert f"machine: {machine['cpu']}" in r.stderr and "tripod-test: " in r.stderr
     for f in ("results.csv", "pareto.png", "latency.png", "report.html"):
         assert (out / f).stat().st_size > 0, f
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"

