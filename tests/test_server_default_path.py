@@ -1,5 +1,6 @@
-"""``tripod serve`` as a user starts it (default dtype: bfloat16 where the CPU computes it natively,
-on tripod's kernels), and with ``--weights stored``, through the official ``openai`` client.
+"""``tripod serve`` as a user starts it (default dtype: bfloat16 wherever tripod's kernels run, on the
+best ISA level the CPU supports), and with ``--weights stored``, through the official ``openai``
+client.
 
 On the kernels a request's output does not depend on its batch, so eight greedy chats sent at
 once must each equal the same chat sent alone, token for token — through the real server's
@@ -21,7 +22,7 @@ from openai import OpenAI
 from server_helpers import ServerProcess
 
 from tripod import kernels
-from tripod.config import native_bf16
+from tripod.config import fast_bf16
 
 pytestmark = pytest.mark.skipif(
     kernels.unavailable_reason() is not None, reason=f"tripod's CPU kernels unavailable: {kernels.unavailable_reason()}"
@@ -47,14 +48,29 @@ def _chat(client: OpenAI, text: str, max_tokens: int = 40, **kw: Any) -> Any:
     )
 
 
+def _best_level_from_cpuinfo() -> str:
+    """The best kernel level this CPU supports, read from /proc/cpuinfo here (not tripod's code)."""
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    if avx512 and "avx512_bf16" in flags:
+        return "avx512_bf16"
+    return "avx512" if avx512 else "avx2"
+
+
 def test_default_server_runs_the_kernels_and_says_so(default_server: ServerProcess) -> None:
     card = httpx.get(f"{default_server.url}/v1/models", timeout=30).json()["data"][0]
     assert card["weights"] == "dequantized"
-    want = "bfloat16" if native_bf16(__import__("torch").device("cpu")) else "float32"
-    assert card["dtype"] == want
-    if want == "bfloat16":
-        stats = default_server.engine_stats()
-        assert "tripod CPU kernels (linears" in stats["compute"], stats["compute"]
+    want = "bfloat16" if fast_bf16(__import__("torch").device("cpu")) else "float32"
+    assert card["dtype"] == want == "bfloat16"  # the kernels run here (module skip otherwise)
+    # The best level this CPU supports, reported where a user looks (make install built it).
+    assert card["compute"] == {"backend": "cpu", "isa": _best_level_from_cpuinfo()}, card["compute"]
+    stats = default_server.engine_stats()
+    assert "tripod CPU kernels (linears" in stats["compute"], stats["compute"]
+    assert stats["compute_card"] == card["compute"]
 
 
 def test_concurrent_chats_equal_each_chat_alone(default_server: ServerProcess) -> None:
@@ -90,6 +106,7 @@ def test_stored_weights_server(tmp_path: Path) -> None:
         card = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]
         assert card["weights"] == "stored" and card["dtype"] == "float32" and card["quantization"] == "Q4_1"
         assert "executed as stored" in srv.engine_stats()["compute"]
+        assert card["compute"] == {"backend": "cpu", "isa": _best_level_from_cpuinfo()}
         r = _client(srv).completions.create(model="default", prompt="The capital of France is", max_tokens=8, temperature=0)
         assert "Paris" in r.choices[0].text
     finally:

@@ -24,6 +24,9 @@ def model_card(state: ServerState) -> dict[str, Any]:
     info = state.client.info
     meta = {
         "dtype": info.dtype if info else None,
+        # What computes: {"backend": "cpu", "isa": "avx2"} (tripod's kernels of that ISA level), or
+        # "reference"/"torch" with the reason the kernels do not run; the latest heartbeat's.
+        "compute": state.client.stats.get("compute_card") or (info.compute if info else None),
         "quantization": state.quantization,
         # "dequantized" (to dtype), "stored" (GGUF Q4_1/Q8_0 executed as stored) or "fp8" (a
         # block-wise FP8 checkpoint kept in FP8, w8a16); --weights.

@@ -153,9 +153,9 @@ async def lifespan_for(state: ServerState) -> AsyncIterator[None]:
     """Start the engine process before the port opens; stop it after the last answer."""
     info = await state.client.start()
     log.info(
-        "engine ready: %s (%s, stored as %s, weights %s, dtype %s), context %d, pid %d",
+        "engine ready: %s (%s, stored as %s, weights %s, dtype %s), context %d, pid %d, compute %s",
         state.model_name, info.architecture, state.quantization, state.engine_config.weights, info.dtype,
-        info.max_request_len, info.pid,
+        info.max_request_len, info.pid, info.compute,
     )
     ec = state.engine_config
     if ec.speculative:

@@ -63,6 +63,7 @@ def engine_main(
             vocab_size=engine.model_config.vocab_size,
             max_running=engine.config.max_running,
             kv_slots=engine.pool.num_slots,
+            compute=engine.runner.card(),
         )))
         EngineLoop(engine, pull, push, heartbeat_interval, parent_pid).run()
     except Exception as e:  # a crash must reach the server as a message, not only a dead pid
@@ -196,7 +197,9 @@ class EngineLoop:
             # Speculative decoding, cumulative per proposer: [drafts, draft tokens, accepted tokens]
             # (ServerMetrics turns them into tripod:spec_decode_num_*_total).
             "spec_decode": {name: [c.drafts, c.draft_tokens, c.accepted_tokens] for name, c in e.stats.spec.items()},
-            "compute": e.runner.describe(),  # the compute path of the next step
+            "compute": e.runner.describe(),  # the compute path of the next step, in words
+            # ... and as /v1/models reports it: {"backend": "cpu", "isa": "avx2"} or why not.
+            "compute_card": e.runner.card(),
             # Seconds spent in each part of the loop since start (benchmarks/serve_profile.py).
             "time": {
                 "schedule": e.stats.schedule_seconds,

@@ -70,6 +70,9 @@ class Ready:
     vocab_size: int
     max_running: int
     kv_slots: int
+    # The compute backend at start-up ({"backend": "cpu", "isa": "avx2"}, or a torch backend and
+    # why the kernels do not run); heartbeats carry its later value (the kernels may load later).
+    compute: dict[str, Any]
 
 
 @dataclass(slots=True)

@@ -1,0 +1,182 @@
+"""The kernels' ISA levels on every x86-64 host: the AVX2 build is compiled and run wherever the CPU
+has AVX2 (an AVX-512 host too), every level the CPU supports computes the same bits as the others
+(ops and the embedded model's greedy tokens and logprobs), the level tripod picks is the best this
+CPU supports, entry points refuse out-of-bounds arguments, and a build failure of a supported
+level fails loudly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tripod import Engine, SamplingParams, kernels
+from tripod.kernels.build import LEVELS, supported_levels
+
+SUPPORTED = supported_levels()
+pytestmark = pytest.mark.skipif(not SUPPORTED, reason=f"no kernel level runs here: {kernels.unavailable_reason()}")
+
+
+def _cpuinfo_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.fixture(scope="module")
+def levels() -> dict[str, Any]:
+    out = {}
+    for lv in SUPPORTED:
+        assert kernels.load(lv, wait=True), f"the {lv} kernels must build on a CPU that supports them: {kernels.unavailable_reason(lv)}"
+        out[lv] = kernels.ops(lv)
+    return out
+
+
+def test_the_chosen_level_is_the_best_this_cpu_supports() -> None:
+    flags = _cpuinfo_flags()
+    assert {"avx2", "fma", "f16c"} <= flags  # the module skips otherwise
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    want = "avx512_bf16" if avx512 and "avx512_bf16" in flags else "avx512" if avx512 else "avx2"
+    assert kernels.best_level() == want
+    assert "avx2" in SUPPORTED and SUPPORTED[0] == want
+
+
+def _same(outs: dict[str, Any], what: str) -> None:
+    base_level = next(iter(outs))
+    for lv, out in outs.items():
+        a = out if isinstance(out, tuple) else (out,)
+        b = outs[base_level] if isinstance(outs[base_level], tuple) else (outs[base_level],)
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y), f"{what}: {lv} differs from {base_level} (max {(x.float() - y.float()).abs().max()})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kvh,d", [(9, 3, 64), (8, 8, 128), (4, 1, 32), (16, 2, 96)])
+def test_attention_is_bit_identical_across_levels(levels: dict[str, Any], dtype: torch.dtype, heads: int, kvh: int, d: int) -> None:
+    g = torch.Generator().manual_seed(heads * d)
+    slots = 1600
+    kv = torch.randn(slots, 2, kvh, d, generator=g).to(dtype)
+    table = torch.randperm(slots, generator=g)[:1500].view(3, 500).to(torch.int32)
+    # Decode rows (one split in two pieces), an odd-length tile tail, and a prefill block.
+    rows = torch.tensor([0, 1, 2] + [1] * 17, dtype=torch.int32)
+    lens = torch.tensor([500, 37, 3, *range(400, 417)], dtype=torch.int32)
+    q = torch.randn(len(rows), heads, d, generator=g).to(dtype)
+    _same({lv: ops.paged_attention(q, kv, table, rows, lens, d**-0.5) for lv, ops in levels.items()}, f"attention {dtype}")
+
+
+def _q_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    qt = gguf.GGMLQuantizationType[kind]
+    _, size = gguf.GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, size=(n, k // 32, size), dtype=np.uint8)
+    # Sane fp16 scales (d, and m for Q4_1): small positive halves, no NaN/inf.
+    scales = rng.uniform(0.001, 0.05, size=(n, k // 32, 2 if kind == "Q4_1" else 1)).astype(np.float16)
+    raw[..., : scales.shape[-1] * 2] = scales.view(np.uint8).reshape(n, k // 32, -1)
+    return torch.from_numpy(raw.reshape(n, -1).copy())
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "f32", "q4_1", "q8_0"])
+@pytest.mark.parametrize("n,k", [(576, 576), (70, 96), (17, 64)])  # 70 and 17: not multiples of 16
+def test_linear_is_bit_identical_across_levels(levels: dict[str, Any], fmt: str, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n + k)
+    if fmt in ("q4_1", "q8_0"):
+        w = _q_blocks(fmt.upper(), n, k, seed=n)
+    else:
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16 if fmt == "bf16" else torch.float32)
+    act = torch.bfloat16 if fmt == "bf16" else torch.float32
+    for m in (1, 3, 6):
+        x = torch.randn(m, k, generator=g).to(act)
+        r = torch.randn(m, n, generator=g).to(act)
+        outs = {lv: ops.linear_packed(x, ops.pack_linear(w, fmt, n, k), fmt, n, k, r) for lv, ops in levels.items()}
+        _same(outs, f"linear {fmt} {n}x{k} rows={m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("h", [576, 70, 9])  # scalar tails: hidden sizes not a multiple of 16
+def test_norm_activation_rope_are_bit_identical_across_levels(levels: dict[str, Any], dtype: torch.dtype, h: int) -> None:
+    g = torch.Generator().manual_seed(h)
+    x = torch.randn(5, h, generator=g).to(dtype)
+    w = torch.randn(h, generator=g).to(dtype)
+    _same({lv: ops.rms_norm(x, w, 1e-5) for lv, ops in levels.items()}, f"rms_norm {h}")
+    gu = torch.randn(5, 2 * h, generator=g).to(dtype)
+    _same({lv: ops.silu_mul(gu) for lv, ops in levels.items()}, f"silu_mul {h}")
+    heads, kvh, d = 3, 1, 64 if h != 9 else 18  # 18: a head dim whose half is not a multiple of 16
+    qkv = torch.randn(4, (heads + 2 * kvh) * d, generator=g).to(dtype)
+    cos, sin = torch.randn(32, d, generator=g), torch.randn(32, d, generator=g)
+    pos, sl = torch.tensor([0, 5, 31, 2]), torch.tensor([1, 0, 3, 2])
+    outs = {}
+    for lv, ops in levels.items():
+        a, pool = qkv.clone(), torch.zeros(4, 2, kvh, d, dtype=dtype)
+        ops.rope_store_kv(a, pos, cos, sin, pool, sl, heads, kvh)
+        outs[lv] = (a, pool)
+    _same(outs, f"rope_store_kv d={d}")
+
+
+def test_entry_points_refuse_out_of_bounds_arguments(levels: dict[str, Any]) -> None:
+    ops = levels["avx2"]
+    kv = torch.randn(10, 2, 1, 32)
+    q = torch.randn(1, 2, 32)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    one = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.paged_attention(q, kv, torch.tensor([[0, 1, 99, 3]], dtype=torch.int32), one, torch.tensor([4], dtype=torch.int32), 0.1)
+    with pytest.raises(RuntimeError, match="attends 5 keys"):
+        ops.paged_attention(q, kv, table, one, torch.tensor([5], dtype=torch.int32), 0.1)
+    with pytest.raises(RuntimeError, match="names table row 2"):
+        ops.paged_attention(q, kv, table, torch.tensor([2], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), 0.1)
+    qkv = torch.randn(1, 4 * 32)
+    cos = torch.randn(16, 32)
+    with pytest.raises(RuntimeError, match="outside the RoPE table"):
+        ops.rope_store_kv(qkv, torch.tensor([16]), cos, cos, kv, torch.tensor([0]), 2, 1)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.rope_store_kv(qkv, torch.tensor([3]), cos, cos, kv, torch.tensor([10]), 2, 1)
+    w = ops.pack_linear(torch.randn(32, 64), "f32", 32, 64)
+    with pytest.raises(RuntimeError, match="packing of"):
+        ops.linear_packed(torch.randn(2, 64), w, "f32", 48, 64, None)  # n larger than the packed weight
+    with pytest.raises(RuntimeError, match="dtype does not match"):
+        ops.linear_packed(torch.randn(2, 64), w.view(torch.int32), "f32", 32, 64, None)
+
+
+@pytest.mark.skipif(len(SUPPORTED) < 2, reason="only the avx2 level runs here: nothing to compare it with")
+def test_the_embedded_model_gives_the_same_tokens_and_logprobs_on_every_level(levels: dict[str, Any]) -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+    results: dict[str, list[Any]] = {}
+    for lv in ("avx2", SUPPORTED[0]):
+        eng = Engine(dtype="bfloat16", kernels=lv, kv_cache_tokens=2048)
+        assert eng.runner.backend.isa == lv and eng.runner.card() == {"backend": "cpu", "isa": lv}
+        outs = eng.generate(prompts, params)
+        results[lv] = [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+        eng.assert_consistent()
+    assert results["avx2"] == results[SUPPORTED[0]]
+
+
+def test_a_level_this_cpu_lacks_is_refused_with_the_reason() -> None:
+    missing = [lv for lv in LEVELS if lv not in SUPPORTED]
+    if not missing:
+        pytest.skip("this CPU supports every level")
+    with pytest.raises(ValueError, match=f"--kernels {missing[0]} cannot run here"):
+        Engine(kernels=missing[0], kv_cache_tokens=256)
+
+
+def test_a_supported_level_that_does_not_compile_fails_the_build(tmp_path: Path) -> None:
+    """``make install`` runs ``python -m tripod.kernels build``: a level the CPU supports that
+    does not compile must fail it (non-zero, saying which), not leave tripod on torch's ops."""
+    env = {**os.environ, "TRIPOD_CACHE_DIR": str(tmp_path), "CXX": "/bin/false"}
+    res = subprocess.run([sys.executable, "-m", "tripod.kernels", "build", "--level", "avx2"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode != 0
+    assert "avx2" in res.stderr and "did not compile" in res.stderr
+    status = subprocess.run([sys.executable, "-m", "tripod.kernels", "status"], capture_output=True, text=True,
+                            env={**os.environ}, timeout=120)
+    assert status.returncode == 0 and f"tripod runs the {SUPPORTED[0]} kernels" in status.stdout
