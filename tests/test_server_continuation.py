@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, assert_same_answer
 
 FORCED = "naïve café 🦊 résumé — done"  # multi-byte characters, split across byte-level tokens
 CHAT = [{"role": "user", "content": "Say something."}]
@@ -215,7 +215,7 @@ def test_whole_answer_progress_and_continued_result(server: Any) -> None:
     assert events[-1].startswith("event: result\ndata: ")
     result = json.loads(events[-1].split("data: ", 1)[1])
     for a, b in zip(plain["choices"], result["choices"], strict=True):  # the same answer as without failover
-        assert (a["message"], a["logprobs"], a["token_ids"]) == (b["message"], b["logprobs"], b["token_ids"])
+        assert_same_answer((a["message"], a["logprobs"], a["token_ids"]), (b["message"], b["logprobs"], b["token_ids"]))
     progress = [json.loads(e.split("data: ", 1)[1]) for e in events[:-1]]
     assert all(e.startswith("event: progress") for e in events[:-1])
     # Cut after a third of the progress: continue with what it had produced.

@@ -21,7 +21,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from tripod.kernels.build import LEVELS, KernelBuild, cpu_flags, level_reason, namespace, supported_levels
+from tripod.kernels.build import (
+    LEVELS,
+    KernelBuild,
+    cpu_flags,
+    level_reason,
+    namespace,
+    supported_levels,
+)
 
 log = logging.getLogger(__name__)
 

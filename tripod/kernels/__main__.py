@@ -13,7 +13,14 @@ import argparse
 import concurrent.futures
 import sys
 
-from tripod.kernels.build import LEVELS, NEEDED_FLAGS, KernelBuild, cpu_flags, level_reason, supported_levels
+from tripod.kernels.build import (
+    LEVELS,
+    NEEDED_FLAGS,
+    KernelBuild,
+    cpu_flags,
+    level_reason,
+    supported_levels,
+)
 
 
 def _status() -> int:
