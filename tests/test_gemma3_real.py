@@ -62,3 +62,20 @@ def test_gemma3_270m_greedy_parity(engine: Engine, reference: HFReference) -> No
     for i, out in enumerate(engine.generate(prompts, params)):
         check_greedy_tokens(out.token_ids, refs[i], f"gemma3-270m prompt {i} batched (prefix cached)")
     engine.assert_consistent()
+
+
+def test_gemma3_270m_weights_executed_as_stored(gguf: Any, reference: HFReference) -> None:
+    """``--weights stored`` on the Gemma GGUF: its Q4_K / Q6_K / Q5_0 / Q8_0 weights executed by
+    tripod's kernels (exactly gguf's dequantized values, float32 compute), attention on torch's
+    ops (sliding window): the reference's greedy tokens, and /v1/models-style card saying so."""
+    eng = Engine(model="gemma3-270m", weights="stored", kv_cache_tokens=4096, chunk_size=256)
+    card = eng.runner.card()
+    assert card["backend"] == "cpu" and card["attention"] == "torch" and "sliding-window" in card["reason"]
+    assert eng.dtype_name == "float32" and "executed as stored" in eng.runner.describe()
+    layer = eng.loaded.model.layers[0]
+    assert {s.kind for s in layer.stored.values()} >= {"Q8_0", "Q4_K", "Q6_K"}  # Q5_0 arrives as Q8_0
+    prompts = [eng.encode(t) for t in ("The capital of France is", "def add(a, b):\n")]
+    params = SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
+    for i, out in enumerate(eng.generate(prompts, params)):
+        check_greedy_tokens(out.token_ids, reference.greedy(prompts[i], N_TOKENS), f"gemma3-270m stored prompt {i}")
+    eng.assert_consistent()

@@ -75,6 +75,12 @@ def test_attention_is_bit_identical_across_levels(levels: dict[str, Any], dtype:
 def _q_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
     import gguf
 
+    if kind in ("Q4_K", "Q6_K"):  # tripod's per-32 form: [two float32 scales, codes]
+        rng = np.random.default_rng(seed)
+        per = 24 if kind == "Q4_K" else 40
+        raw = rng.integers(0, 256, size=(n, k // 32, per), dtype=np.uint8)
+        raw[..., :8] = rng.uniform(0.001, 0.05, size=(n, k // 32, 2)).astype(np.float32).view(np.uint8).reshape(n, k // 32, 8)
+        return torch.from_numpy(raw.reshape(n, -1).copy())
     rng = np.random.default_rng(seed)
     qt = gguf.GGMLQuantizationType[kind]
     _, size = gguf.GGML_QUANT_SIZES[qt]
@@ -85,11 +91,11 @@ def _q_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(raw.reshape(n, -1).copy())
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "f32", "q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["bf16", "f32", "q4_1", "q8_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("n,k", [(576, 576), (70, 96), (17, 64)])  # 70 and 17: not multiples of 16
 def test_linear_is_bit_identical_across_levels(levels: dict[str, Any], fmt: str, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(n + k)
-    if fmt in ("q4_1", "q8_0"):
+    if fmt not in ("bf16", "f32"):
         w = _q_blocks(fmt.upper(), n, k, seed=n)
     else:
         w = torch.randn(n, k, generator=g).to(torch.bfloat16 if fmt == "bf16" else torch.float32)

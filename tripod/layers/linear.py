@@ -10,7 +10,7 @@ wants, prepared once when the model is loaded (``Form``).
 - ``kernel``: tripod's own CPU kernel over weights packed for it (``tripod/kernels/csrc/linear.cpp``):
   bfloat16 (``vdpbf16ps``) or float32. Every output is summed in the same order whatever the number
   of rows, so a row's result never depends on the rest of the batch (see docs/architecture.md).
-- ``stored``: like ``kernel``, but GGUF Q4_1 / Q8_0 weights executed as stored (``--weights
+- ``stored``: like ``kernel``, but GGUF Q4_1 / Q8_0 / Q5_0 / Q4_K / Q6_K weights executed as stored (``--weights
   stored``): a quarter (Q4_1) or half (Q8_0) of bfloat16's bytes, with exactly the dequantized
   weights; float32 activations.
 
@@ -33,15 +33,16 @@ Form = Literal["dense", "onednn", "kernel", "stored"]
 
 @dataclass(frozen=True, slots=True)
 class StoredWeight:
-    """A weight as the GGUF file stores it: ``blocks`` uint8 ``[N, K / 32 * block bytes]``."""
+    """A weight as the GGUF file stores it (or rewritten with exactly its values,
+    ``loader/stored.py``): ``blocks`` uint8 ``[N, K / 32 * block bytes]``."""
 
-    kind: str  # "Q4_1" | "Q8_0"
+    kind: str  # "Q4_1" | "Q8_0" | "Q4_K" | "Q6_K" (loader/stored.py: Q5_0 arrives as Q8_0)
     blocks: torch.Tensor
     shape: tuple[int, int]  # (N, K)
 
 
-# The GGUF types tripod's kernels execute as stored, and their packed format name.
-STORED_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
+# The stored kinds tripod's kernels execute, and their packed format name.
+STORED_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
 
 
 class DenseLinear:

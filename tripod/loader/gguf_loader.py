@@ -158,18 +158,22 @@ class GGUFFile:
         return out
 
     def stored_weights(self) -> dict[str, Any]:
-        """The 2-D weights whose GGUF type tripod's kernels execute as stored (Q4_1, Q8_0), as
-        their raw blocks under HF names, rows in HF order (Q/K un-permuted like ``weights``)."""
-        from tripod.layers.linear import STORED_KINDS, StoredWeight
+        """The 2-D weights whose GGUF type tripod's kernels execute as stored (Q4_1, Q8_0, Q5_0,
+        Q4_K, Q6_K; ``loader/stored.py``), as blocks under HF names, rows in HF order (Q/K
+        un-permuted like ``weights``)."""
+        from tripod.layers.linear import StoredWeight
+        from tripod.loader.stored import convert
 
         cfg = self.config()
         out: dict[str, Any] = {}
         for t in self.reader.tensors:
             name = _hf_name(t.name, self.arch)
-            kind = t.tensor_type.name
-            if name is None or kind not in STORED_KINDS or len(t.shape) != 2:
+            if name is None or len(t.shape) != 2:
                 continue
-            blocks = np.ascontiguousarray(t.data, dtype=np.uint8)
+            found = convert(t.tensor_type.name, np.ascontiguousarray(t.data, dtype=np.uint8))
+            if found is None:
+                continue
+            kind, blocks = found
             if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 n = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
                 blocks = np.ascontiguousarray(_unpermute_rotary(blocks, n))

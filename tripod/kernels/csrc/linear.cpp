@@ -7,6 +7,12 @@
 // - "q4_1":  GGUF Q4_1 executed as stored: per 16 outputs x 32 inputs, the 16 scales d and 16
 //            minimums m (fp16, as stored) and the 4-bit codes q, two inputs per byte.
 // - "q8_0":  GGUF Q8_0 as stored: per 16 outputs x 32 inputs, 16 scales d (fp16) and int8 codes.
+//            (GGUF Q5_0 is given in this form too: d and q - 16 as int8, exactly its values.)
+// - "q4_k":  GGUF Q4_K's sub-blocks of 32: per 16 outputs x 32 inputs, the float32 scale a = d*sc
+//            and minimum b = dmin*m of each output (w = a*q - b, the products gguf's
+//            dequantization forms) and the 4-bit codes, two inputs per byte as in "q4_1".
+// - "q6_k":  GGUF Q6_K: per 16 outputs x 32 inputs, two float32 scales a = d*sc (one per 16
+//            inputs) and the codes q - 32 as int8 (w = a*(q - 32)).
 // The quantized formats use exactly the dequantized weights w = d*q + m (Q8_0: d*q): per block
 // of 32 inputs the kernel sums x*q exactly as floats and adds d*sum + m*sum(x), which is the
 // same product with another float32 rounding order (tested against the dequantized reference).
@@ -36,15 +42,19 @@ using namespace tripod_simd;
 
 constexpr int kQ41Block = 16 * 2 + 16 * 2 + 256;  // d[16], m[16] (fp16), codes 16 x 32 nibbles
 constexpr int kQ80Block = 16 * 2 + 512;           // d[16] (fp16), codes 16 x 32 int8
+constexpr int kQ4KBlock = 16 * 4 * 2 + 256;       // a[16], b[16] (float32), codes 16 x 32 nibbles
+constexpr int kQ6KBlock = 16 * 4 * 2 + 512;       // a0[16], a1[16] (float32), codes 16 x 32 int8
 
-enum class Fmt { kBf16, kF32, kQ41, kQ80 };
+enum class Fmt { kBf16, kF32, kQ41, kQ80, kQ4K, kQ6K };
 
 Fmt parse_fmt(const std::string& s) {
   if (s == "bf16") return Fmt::kBf16;
   if (s == "f32") return Fmt::kF32;
   if (s == "q4_1") return Fmt::kQ41;
   if (s == "q8_0") return Fmt::kQ80;
-  TORCH_CHECK(false, "unknown packed weight format '", s, "' (bf16, f32, q4_1, q8_0)");
+  if (s == "q4_k") return Fmt::kQ4K;
+  if (s == "q6_k") return Fmt::kQ6K;
+  TORCH_CHECK(false, "unknown packed weight format '", s, "' (bf16, f32, q4_1, q8_0, q4_k, q6_k)");
 }
 
 // The packed tensor pack_linear makes for (format, n, k): what linear_packed checks it is given.
@@ -55,6 +65,8 @@ std::vector<int64_t> packed_shape(Fmt fmt, int64_t n, int64_t k) {
     case Fmt::kF32: return {nb, k, 16};
     case Fmt::kQ41: return {nb, k / 32, kQ41Block};
     case Fmt::kQ80: return {nb, k / 32, kQ80Block};
+    case Fmt::kQ4K: return {nb, k / 32, kQ4KBlock};
+    case Fmt::kQ6K: return {nb, k / 32, kQ6KBlock};
   }
   return {};
 }
@@ -92,9 +104,12 @@ at::Tensor pack_linear(const at::Tensor& w, const std::string& format, int64_t n
   TORCH_CHECK(k % 32 == 0, "pack_linear: quantized weights need K % 32 == 0");
   TORCH_CHECK(w.scalar_type() == at::kByte, "pack_linear: quantized weights are given as uint8 GGUF blocks");
   const int64_t kb = k / 32;
-  const int64_t in_block = fmt == Fmt::kQ41 ? 20 : 34;
+  // Bytes per 32 inputs of one row as given: Q4_1 and Q8_0 as GGUF stores them; q4_k as
+  // [a f32, b f32, 16 bytes of nibbles like Q4_1's]; q6_k as [a0 f32, a1 f32, 32 int8 codes].
+  const int64_t in_block = fmt == Fmt::kQ41 ? 20 : fmt == Fmt::kQ80 ? 34 : fmt == Fmt::kQ4K ? 24 : 40;
   TORCH_CHECK(w.dim() == 2 && w.size(1) == kb * in_block, "pack_linear: expected ", kb * in_block, " bytes per row");
-  const int64_t out_block = fmt == Fmt::kQ41 ? kQ41Block : kQ80Block;
+  const int64_t out_block = packed_shape(fmt, n, k)[2];
+  const bool wide = fmt == Fmt::kQ4K || fmt == Fmt::kQ6K;  // float32 scales: 4 bytes each
   at::Tensor out = at::zeros({nb, kb, out_block}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -103,15 +118,23 @@ at::Tensor pack_linear(const at::Tensor& w, const std::string& format, int64_t n
     for (int64_t b = 0; b < kb; ++b) {
       const uint8_t* blk = src + (o * kb + b) * in_block;
       uint8_t* ob = dst + ((o / 16) * kb + b) * out_block;
-      std::memcpy(ob + 2 * c, blk, 2);  // d
-      if (fmt == Fmt::kQ41) {
-        std::memcpy(ob + 32 + 2 * c, blk + 2, 2);  // m
-        const uint8_t* qs = blk + 4;  // input j: low nibble of qs[j] (j < 16), high of qs[j - 16]
+      if (wide) {
+        std::memcpy(ob + 4 * c, blk, 4);            // a (q4_k) / a0 (q6_k)
+        std::memcpy(ob + 64 + 4 * c, blk + 4, 4);   // b (q4_k) / a1 (q6_k)
+      } else {
+        std::memcpy(ob + 2 * c, blk, 2);  // d
+      }
+      if (fmt == Fmt::kQ6K) {
+        for (int i = 0; i < 32; ++i) ob[128 + i * 16 + c] = blk[8 + i];
+      } else if (fmt == Fmt::kQ41 || fmt == Fmt::kQ4K) {
+        if (fmt == Fmt::kQ41) std::memcpy(ob + 32 + 2 * c, blk + 2, 2);  // m
+        const int codes = fmt == Fmt::kQ41 ? 64 : 128;
+        const uint8_t* qs = blk + (fmt == Fmt::kQ41 ? 4 : 8);  // input j: low nibble of qs[j] (j < 16), high of qs[j - 16]
         for (int p = 0; p < 16; ++p) {
           const int i0 = 2 * p, i1 = 2 * p + 1;
           const uint8_t q0 = i0 < 16 ? (qs[i0] & 15) : (qs[i0 - 16] >> 4);
           const uint8_t q1 = i1 < 16 ? (qs[i1] & 15) : (qs[i1 - 16] >> 4);
-          ob[64 + p * 16 + c] = (uint8_t)(q0 | (q1 << 4));
+          ob[codes + p * 16 + c] = (uint8_t)(q0 | (q1 << 4));
         }
       } else {
         for (int i = 0; i < 32; ++i) ob[32 + i * 16 + c] = blk[2 + i];
@@ -224,6 +247,67 @@ void tile_q8_0(const float* x, int64_t ldx, const uint8_t* w, int64_t kb, int64_
   }
 }
 
+// q4_k: like q4_1 with float32 scales and minimums, subtracted: w = a*q - b.
+template <int MR, int NBT>
+void tile_q4_k(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t kb, int64_t nb0,
+               V16 acc[MR][NBT]) {
+  for (int64_t b = 0; b < kb; ++b) {
+    const uint8_t* blk[NBT];
+    V16 s[MR][NBT];
+    for (int j = 0; j < NBT; ++j) {
+      blk[j] = w + ((nb0 + j) * kb + b) * kQ4KBlock;
+      if (b + 4 < kb)
+        for (int off = 0; off < kQ4KBlock; off += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[j] + 4 * kQ4KBlock + off), _MM_HINT_T0);
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NBT; ++j) s[m][j] = zero();
+    for (int p = 0; p < 16; ++p) {
+      V16 q0[NBT], q1[NBT];
+      for (int j = 0; j < NBT; ++j) load_nibbles(blk[j] + 128 + 16 * p, q0[j], q1[j]);
+      for (int m = 0; m < MR; ++m) {
+        const float* xr = x + m * ldx + b * 32 + 2 * p;
+        const V16 x0 = set1(xr[0]), x1 = set1(xr[1]);
+        for (int j = 0; j < NBT; ++j) s[m][j] = fmadd(x1, q1[j], fmadd(x0, q0[j], s[m][j]));
+      }
+    }
+    for (int j = 0; j < NBT; ++j) {
+      const V16 a = load(reinterpret_cast<const float*>(blk[j])), mn = load(reinterpret_cast<const float*>(blk[j] + 64));
+      for (int m = 0; m < MR; ++m)
+        acc[m][j] = fnmadd(mn, set1(xsum[m * kb + b]), fmadd(a, s[m][j], acc[m][j]));
+    }
+  }
+}
+
+// q6_k: int8 codes, one float32 scale per 16 inputs.
+template <int MR, int NBT>
+void tile_q6_k(const float* x, int64_t ldx, const uint8_t* w, int64_t kb, int64_t nb0, V16 acc[MR][NBT]) {
+  for (int64_t b = 0; b < kb; ++b) {
+    const uint8_t* blk[NBT];
+    for (int j = 0; j < NBT; ++j) {
+      blk[j] = w + ((nb0 + j) * kb + b) * kQ6KBlock;
+      if (b + 4 < kb)
+        for (int off = 0; off < kQ6KBlock; off += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[j] + 4 * kQ6KBlock + off), _MM_HINT_T0);
+    }
+    for (int half = 0; half < 2; ++half) {
+      V16 s[MR][NBT];
+      for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < NBT; ++j) s[m][j] = zero();
+      for (int i = 16 * half; i < 16 * half + 16; ++i) {
+        V16 q[NBT];
+        for (int j = 0; j < NBT; ++j) q[j] = load_i8(reinterpret_cast<const int8_t*>(blk[j] + 128 + 16 * i));
+        for (int m = 0; m < MR; ++m) {
+          const V16 xv = set1(x[m * ldx + b * 32 + i]);
+          for (int j = 0; j < NBT; ++j) s[m][j] = fmadd(xv, q[j], s[m][j]);
+        }
+      }
+      for (int j = 0; j < NBT; ++j) {
+        const V16 a = load(reinterpret_cast<const float*>(blk[j] + 64 * half));
+        for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(a, s[m][j], acc[m][j]);
+      }
+    }
+  }
+}
+
 // The register tile: rows x 16-output blocks of sums. AVX-512 has 32 vector registers and a V16
 // takes one; AVX2 has 16 and a V16 takes two. (The tile shape never changes what is summed.)
 constexpr int kRows = 4;                                // rows per register tile
@@ -260,6 +344,12 @@ void run_tile(const Problem& p, int64_t m0, int64_t nb0) {
       break;
     case Fmt::kQ80:
       tile_q8_0<MR, NBT>(p.xf + m0 * p.k, p.k, static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
+      break;
+    case Fmt::kQ4K:
+      tile_q4_k<MR, NBT>(p.xf + m0 * p.k, p.k, p.xsum + m0 * (p.k / 32), static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
+      break;
+    case Fmt::kQ6K:
+      tile_q6_k<MR, NBT>(p.xf + m0 * p.k, p.k, static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
       break;
   }
   for (int m = 0; m < MR; ++m)
@@ -305,7 +395,7 @@ void run_rows(const Problem& p, int64_t m0, int64_t mr, int64_t nb0) {
 // beside the accumulators: with more than two rows they go two blocks at a time (registers).
 // The tile shape never changes what is summed, or in which order.
 void run_block_tile(const Problem& p, int64_t m0, int64_t mr, int64_t nb0, int64_t cols) {
-  const bool quant = p.fmt == Fmt::kQ41 || p.fmt == Fmt::kQ80;
+  const bool quant = p.fmt != Fmt::kBf16 && p.fmt != Fmt::kF32;
   if (quant && mr > 2 && cols > 2) {
     run_rows<2>(p, m0, mr, nb0);
     if (cols == 3) run_rows<1>(p, m0, mr, nb0 + 2);
@@ -352,9 +442,18 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& w, const std::st
   if (fmt != Fmt::kBf16) {  // float32 activations, contiguous (and block sums for Q4_1)
     xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
     p.xf = xf.data_ptr<float>();
-    if (fmt == Fmt::kQ41) {
-      xsum = xf.view({m, k / 32, 32}).sum(-1).contiguous();
-      p.xsum = xsum.data_ptr<float>();
+    if (fmt == Fmt::kQ41 || fmt == Fmt::kQ4K) {
+      // NOTE: summed here in a fixed order, not by torch's sum (whose order follows the CPU
+      // capability ATen dispatches to): the same bits on every machine.
+      xsum = at::empty({m, k / 32}, xf.options());
+      const float* xs = p.xf;
+      float* out = xsum.data_ptr<float>();
+      for (int64_t i = 0; i < m * (k / 32); ++i) {
+        float acc = 0.f;
+        for (int j = 0; j < 32; ++j) acc += xs[i * 32 + j];
+        out[i] = acc;
+      }
+      p.xsum = out;
     }
   }
   const int64_t nb = p.nb;

@@ -16,6 +16,8 @@ Backends:
   tripod's kernels build, or where none can run (``reason`` says why).
 - ``CpuBackend``: tripod's C++ kernels of one ISA level (``tripod.kernels``), reading the pool
   through the slot table. Every level computes the same bits.
+- ``CpuLinearBackend``: the kernels for projections, norms and SiLU·mul with torch's attention,
+  for models whose attention the kernels do not cover (sliding windows, soft-caps, MLA).
 
 Switching a runner to the kernels mid-serve is one assignment: ``runner.backend = CpuBackend(...)``.
 """
@@ -23,7 +25,7 @@ Switching a runner to the kernels mid-serve is one assignment: ``runner.backend 
 from __future__ import annotations
 
 from tripod.layers.backends.base import Backend, StepItem
-from tripod.layers.backends.cpu import CpuBackend
+from tripod.layers.backends.cpu import CpuBackend, CpuLinearBackend
 from tripod.layers.backends.reference import REFERENCE, ReferenceBackend, TorchBackend
 
-__all__ = ["REFERENCE", "Backend", "CpuBackend", "ReferenceBackend", "StepItem", "TorchBackend"]
+__all__ = ["REFERENCE", "Backend", "CpuBackend", "CpuLinearBackend", "ReferenceBackend", "StepItem", "TorchBackend"]

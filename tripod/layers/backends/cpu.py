@@ -10,6 +10,7 @@ import torch
 
 from tripod.layers.attention import AttnSpec, ForwardBatch, KernelMeta
 from tripod.layers.backends.base import Backend
+from tripod.layers.backends.reference import ReferenceBackend
 from tripod.layers.linear import Fp8Scales, Linear, StoredWeight, make_linear
 from tripod.layers.mlp import activate
 from tripod.layers.rotary import RotaryEmbedding
@@ -113,3 +114,34 @@ class CpuBackend(Backend):
         if self.stored:
             return f"tripod CPU kernels, GGUF weights executed as stored ({self.isa})"
         return f"tripod CPU kernels (linears, attention, norms; {self.isa})"
+
+
+class CpuLinearBackend(ReferenceBackend):
+    """tripod's kernels of ``isa`` for the projections, norms and SiLU·mul, with torch's attention
+    and step layout: for models whose attention the kernels' paged attention does not cover
+    (sliding windows, soft-capped logits, MLA, other head shapes; ``reason`` says which). Gemma 3's
+    GGUF with ``--weights stored`` runs here. Not batch-invariant (torch's attention)."""
+
+    name = "cpu"
+
+    def __init__(self, ops: Any, isa: str, stored: bool, reason: str) -> None:
+        super().__init__(reason)
+        self.ops, self.isa, self.stored = ops, isa, stored
+        self.form = f"{'stored' if stored else 'kernel'}:{isa}"
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, *, stored: StoredWeight | None = None,
+               fp8: Fp8Scales | None = None) -> Linear:
+        return make_linear(weight, bias, "stored" if self.stored else "kernel", ops=self.ops, stored=stored, fp8=fp8)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.ops.rms_norm(x, weight, eps)
+
+    def activate(self, gu: torch.Tensor, inter: int, act: str) -> torch.Tensor:
+        return self.ops.silu_mul(gu) if act == "silu" else activate(gu, inter, act)
+
+    def card(self) -> dict[str, Any]:
+        return {"backend": "cpu", "isa": self.isa, "attention": "torch", "reason": self.reason}
+
+    def describe(self) -> str:
+        what = "GGUF weights executed as stored" if self.stored else "linears, norms"
+        return f"tripod CPU kernels ({what}; {self.isa}), attention on torch's ops ({self.reason})"
