@@ -252,3 +252,32 @@ def test_k_quants_and_q5_0_executed_as_stored(ops: Any, gemma_gguf: Any, name: s
     assert rel < 2e-6, f"{name} ({kind} as {fmt}): relative error {rel:.2e}"
     for rows in (slice(0, 1), slice(3, 7)):
         assert torch.equal(ops.linear_packed(x[rows], packed, fmt, n, k), got[rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("h", [70, 9, 33])
+def test_scalar_tails_match_reference(ops: Any, dtype: torch.dtype, h: int) -> None:
+    """Sizes that are not a multiple of the 16 lanes: the scalar tails of RMSNorm and SiLU·mul,
+    RoPE on a head dim whose half is not a multiple of 16, a float32 linear with an odd K and a
+    partial last block of outputs."""
+    g = torch.Generator().manual_seed(h)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    x = torch.randn(4, h, generator=g).to(dtype)
+    w = torch.randn(h, generator=g).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5).float(), reference.rms_norm(x, w, 1e-5).float(), atol=tol, rtol=tol)
+    gu = torch.randn(4, 2 * h, generator=g).to(dtype)
+    torch.testing.assert_close(ops.silu_mul(gu).float(), reference.silu_mul(gu).float(), atol=tol, rtol=tol)
+    d = 18
+    qkv = torch.randn(3, 4 * d, generator=g).to(dtype)
+    cos, sin = torch.randn(8, d, generator=g), torch.randn(8, d, generator=g)
+    pos, slots = torch.tensor([0, 7, 3]), torch.tensor([2, 0, 1])
+    a, b = qkv.clone(), qkv.clone()
+    pool_a, pool_b = torch.zeros(3, 2, 1, d, dtype=dtype), torch.zeros(3, 2, 1, d, dtype=dtype)
+    ops.rope_store_kv(a, pos, cos, sin, pool_a, slots, 2, 1)
+    reference.rope_store_kv(b, pos, cos, sin, pool_b, slots, 2, 1)
+    torch.testing.assert_close(a.float(), b.float(), atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(pool_a.float(), pool_b.float(), atol=tol * 10, rtol=tol)
+    wl = torch.randn(h, h, generator=g)
+    xl = torch.randn(5, h, generator=g)
+    got = ops.linear_packed(xl, ops.pack_linear(wl, "f32", h, h), "f32", h, h, None)
+    torch.testing.assert_close(got, xl @ wl.T, atol=1e-4, rtol=1e-4)
