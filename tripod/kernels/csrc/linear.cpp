@@ -188,24 +188,30 @@ void tile_f32(const float* x, int64_t ldx, const float* w, int64_t k, int64_t nb
   }
 }
 
-// x is float32 here; xsum[m * kb + b] = the sum of row m's inputs in block b (for the minimums).
-template <int MR, int NBT>
-void tile_q4_1(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t kb, int64_t nb0,
-               V16 acc[MR][NBT]) {
+// 4-bit codes with a scale and a minimum per output and 32 inputs. x is float32 here;
+// xsum[m * kb + b] = the sum of row m's inputs in block b (for the minimums).
+// - Q4_1 (kF32 = false): fp16 d and m, w = d*q + m;
+// - Q4_K (kF32 = true): float32 a and b, w = a*q - b.
+template <int MR, int NBT, bool kF32>
+void tile_q4(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t kb, int64_t nb0,
+             V16 acc[MR][NBT]) {
+  constexpr int kBlock = kF32 ? kQ4KBlock : kQ41Block;
+  constexpr int kMin = kF32 ? 64 : 32;     // where the minimums start
+  constexpr int kCodes = kF32 ? 128 : 64;  // where the codes start
   for (int64_t b = 0; b < kb; ++b) {
     const uint8_t* blk[NBT];
     V16 s[MR][NBT];  // sum over the block of x * q (q exact small integers)
     for (int j = 0; j < NBT; ++j) {
-      blk[j] = w + ((nb0 + j) * kb + b) * kQ41Block;
+      blk[j] = w + ((nb0 + j) * kb + b) * kBlock;
       // Four blocks ahead in each stream: the codes are dense, the loads must not wait.
       if (b + 4 < kb)
-        for (int off = 0; off < kQ41Block; off += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[j] + 4 * kQ41Block + off), _MM_HINT_T0);
+        for (int off = 0; off < kBlock; off += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[j] + 4 * kBlock + off), _MM_HINT_T0);
     }
     for (int m = 0; m < MR; ++m)
       for (int j = 0; j < NBT; ++j) s[m][j] = zero();
     for (int p = 0; p < 16; ++p) {
       V16 q0[NBT], q1[NBT];
-      for (int j = 0; j < NBT; ++j) load_nibbles(blk[j] + 64 + 16 * p, q0[j], q1[j]);
+      for (int j = 0; j < NBT; ++j) load_nibbles(blk[j] + kCodes + 16 * p, q0[j], q1[j]);
       for (int m = 0; m < MR; ++m) {
         const float* xr = x + m * ldx + b * 32 + 2 * p;
         const V16 x0 = set1(xr[0]), x1 = set1(xr[1]);
@@ -213,9 +219,13 @@ void tile_q4_1(const float* x, int64_t ldx, const float* xsum, const uint8_t* w,
       }
     }
     for (int j = 0; j < NBT; ++j) {
-      const V16 d = load_fp16(blk[j]), mn = load_fp16(blk[j] + 32);
-      for (int m = 0; m < MR; ++m)
-        acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
+      if constexpr (kF32) {
+        const V16 a = load(reinterpret_cast<const float*>(blk[j])), mn = load(reinterpret_cast<const float*>(blk[j] + kMin));
+        for (int m = 0; m < MR; ++m) acc[m][j] = fnmadd(mn, set1(xsum[m * kb + b]), fmadd(a, s[m][j], acc[m][j]));
+      } else {
+        const V16 d = load_fp16(blk[j]), mn = load_fp16(blk[j] + kMin);
+        for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
+      }
     }
   }
 }
@@ -243,37 +253,6 @@ void tile_q8_0(const float* x, int64_t ldx, const uint8_t* w, int64_t kb, int64_
     for (int j = 0; j < NBT; ++j) {
       const V16 d = load_fp16(blk[j]);
       for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(d, s[m][j], acc[m][j]);
-    }
-  }
-}
-
-// q4_k: like q4_1 with float32 scales and minimums, subtracted: w = a*q - b.
-template <int MR, int NBT>
-void tile_q4_k(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t kb, int64_t nb0,
-               V16 acc[MR][NBT]) {
-  for (int64_t b = 0; b < kb; ++b) {
-    const uint8_t* blk[NBT];
-    V16 s[MR][NBT];
-    for (int j = 0; j < NBT; ++j) {
-      blk[j] = w + ((nb0 + j) * kb + b) * kQ4KBlock;
-      if (b + 4 < kb)
-        for (int off = 0; off < kQ4KBlock; off += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[j] + 4 * kQ4KBlock + off), _MM_HINT_T0);
-    }
-    for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < NBT; ++j) s[m][j] = zero();
-    for (int p = 0; p < 16; ++p) {
-      V16 q0[NBT], q1[NBT];
-      for (int j = 0; j < NBT; ++j) load_nibbles(blk[j] + 128 + 16 * p, q0[j], q1[j]);
-      for (int m = 0; m < MR; ++m) {
-        const float* xr = x + m * ldx + b * 32 + 2 * p;
-        const V16 x0 = set1(xr[0]), x1 = set1(xr[1]);
-        for (int j = 0; j < NBT; ++j) s[m][j] = fmadd(x1, q1[j], fmadd(x0, q0[j], s[m][j]));
-      }
-    }
-    for (int j = 0; j < NBT; ++j) {
-      const V16 a = load(reinterpret_cast<const float*>(blk[j])), mn = load(reinterpret_cast<const float*>(blk[j] + 64));
-      for (int m = 0; m < MR; ++m)
-        acc[m][j] = fnmadd(mn, set1(xsum[m * kb + b]), fmadd(a, s[m][j], acc[m][j]));
     }
   }
 }
@@ -340,13 +319,13 @@ void run_tile(const Problem& p, int64_t m0, int64_t nb0) {
       tile_f32<MR, NBT>(p.xf + m0 * p.k, p.k, static_cast<const float*>(p.w), p.k, nb0, acc);
       break;
     case Fmt::kQ41:
-      tile_q4_1<MR, NBT>(p.xf + m0 * p.k, p.k, p.xsum + m0 * (p.k / 32), static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
+      tile_q4<MR, NBT, false>(p.xf + m0 * p.k, p.k, p.xsum + m0 * (p.k / 32), static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
       break;
     case Fmt::kQ80:
       tile_q8_0<MR, NBT>(p.xf + m0 * p.k, p.k, static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
       break;
     case Fmt::kQ4K:
-      tile_q4_k<MR, NBT>(p.xf + m0 * p.k, p.k, p.xsum + m0 * (p.k / 32), static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
+      tile_q4<MR, NBT, true>(p.xf + m0 * p.k, p.k, p.xsum + m0 * (p.k / 32), static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
       break;
     case Fmt::kQ6K:
       tile_q6_k<MR, NBT>(p.xf + m0 * p.k, p.k, static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);

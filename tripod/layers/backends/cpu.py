@@ -16,17 +16,12 @@ from tripod.layers.mlp import activate
 from tripod.layers.rotary import RotaryEmbedding
 
 
-class CpuBackend(Backend):
-    """The kernels of ``isa`` (``ops``: ``torch.ops.tripod_<isa>``). ``stored``: GGUF weights
-    executed as stored where the kernels take their type (``--weights stored``)."""
+class KernelOps:
+    """The op families both CPU backends take from the kernels: projections over weights packed
+    for them (or GGUF blocks executed as stored), RMSNorm and SiLU·mul (GELU: torch's op)."""
 
-    name = "cpu"
-    wants_rope_rows = False
-
-    def __init__(self, ops: Any, isa: str, stored: bool = False) -> None:
-        self.ops, self.isa, self.stored = ops, isa, stored
-        # NOTE: the form names the level too: a layer's packed weights hold that library's op.
-        self.form = f"{'stored' if stored else 'kernel'}:{isa}"
+    ops: Any
+    stored: bool
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, *, stored: StoredWeight | None = None,
                fp8: Fp8Scales | None = None) -> Linear:
@@ -39,6 +34,19 @@ class CpuBackend(Backend):
         if act == "silu":
             return self.ops.silu_mul(gu)
         return activate(gu, inter, act)  # GELU has no kernel: torch's op
+
+
+class CpuBackend(KernelOps, Backend):
+    """The kernels of ``isa`` (``ops``: ``torch.ops.tripod_<isa>``). ``stored``: GGUF weights
+    executed as stored where the kernels take their type (``--weights stored``)."""
+
+    name = "cpu"
+    wants_rope_rows = False
+
+    def __init__(self, ops: Any, isa: str, stored: bool = False) -> None:
+        self.ops, self.isa, self.stored = ops, isa, stored
+        # NOTE: the form names the level too: a layer's packed weights hold that library's op.
+        self.form = f"{'stored' if stored else 'kernel'}:{isa}"
 
     def attend(self, qkv: torch.Tensor, layer: int, pool: Any, batch: ForwardBatch, rotary: RotaryEmbedding,
                cos_sin: tuple[torch.Tensor, torch.Tensor] | None, spec: AttnSpec) -> torch.Tensor:
@@ -116,7 +124,7 @@ class CpuBackend(Backend):
         return f"tripod CPU kernels (linears, attention, norms; {self.isa})"
 
 
-class CpuLinearBackend(ReferenceBackend):
+class CpuLinearBackend(KernelOps, ReferenceBackend):
     """tripod's kernels of ``isa`` for the projections, norms and SiLU·mul, with torch's attention
     and step layout: for models whose attention the kernels' paged attention does not cover
     (sliding windows, soft-capped logits, MLA, other head shapes; ``reason`` says which). Gemma 3's
@@ -128,16 +136,6 @@ class CpuLinearBackend(ReferenceBackend):
         super().__init__(reason)
         self.ops, self.isa, self.stored = ops, isa, stored
         self.form = f"{'stored' if stored else 'kernel'}:{isa}"
-
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, *, stored: StoredWeight | None = None,
-               fp8: Fp8Scales | None = None) -> Linear:
-        return make_linear(weight, bias, "stored" if self.stored else "kernel", ops=self.ops, stored=stored, fp8=fp8)
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.ops.rms_norm(x, weight, eps)
-
-    def activate(self, gu: torch.Tensor, inter: int, act: str) -> torch.Tensor:
-        return self.ops.silu_mul(gu) if act == "silu" else activate(gu, inter, act)
 
     def card(self) -> dict[str, Any]:
         return {"backend": "cpu", "isa": self.isa, "attention": "torch", "reason": self.reason}
