@@ -89,7 +89,11 @@ def test_cache_aware_routing_finds_more_cache_than_round_robin(replicas: list[Se
     # Cache-aware sends every later turn to the replica holding the turn before: most of its prompt
     # is cached. Round robin (2 replicas, 5 chats, all at once) lands about half the turns elsewhere.
     assert ca["cached"] >= 0.75 * ca["later_prompt"], ca
-    assert ca["cached"] > 1.3 * rr["cached"], (ca, rr)
+    # NOTE: compared on the tokens each policy had to compute: both hit the chat template's shared
+    # opening on every replica, which pads the cached counts alike and made a ratio of cached
+    # tokens fail now and then (3655 vs 2857 cached, yet 2000 vs 2914 computed).
+    ca_computed, rr_computed = ca["prompt"] - ca["cached"], rr["prompt"] - rr["cached"]
+    assert rr_computed > 1.3 * ca_computed, (ca, rr)
 
 
 def test_tools_and_anthropic_messages_through_the_router(replicas: list[ServerProcess], tmp_path: Path) -> None:
