@@ -33,8 +33,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default="lpm", choices=["lpm", "fcfs"], help="waiting-queue order")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    # NOTE: config.KERNEL_MODES (config imports torch; the CLI parses before it does).
-    g.add_argument("--kernels", default="auto", choices=["auto", "eager", "optimized", "avx512_bf16", "avx512", "avx2"],
+    # NOTE: kernels.build (no torch at import), not config (which imports torch): the CLI parses first.
+    from tripod.kernels.build import LEVELS
+
+    g.add_argument("--kernels", default="auto", choices=["auto", "eager", "optimized", *LEVELS],
                    help="compute path: auto = optimized for 16-bit dtypes (tripod's CPU kernels of the best "
                         "ISA level this CPU supports, built in the background on first use), the float32 "
                         "reference path for float32; eager = the reference path; optimized = tripod's "

@@ -7,11 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
+from tripod.kernels.build import LEVELS
+
 log = logging.getLogger(__name__)
 
-# The ISA levels of tripod's CPU kernels (tripod.kernels.build.LEVELS), best first: a level as
-# --kernels forces it (tests, comparisons); "optimized" takes the best this CPU supports.
-KERNEL_LEVELS = ("avx512_bf16", "avx512", "avx2")
+# The ISA levels of tripod's CPU kernels, best first: a level as --kernels forces it (tests,
+# comparisons); "optimized" takes the best this CPU supports.
+KERNEL_LEVELS = LEVELS
 KERNEL_MODES = ("auto", "eager", "optimized", *KERNEL_LEVELS)
 WEIGHT_MODES = ("dequantized", "stored", "fp8")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -162,7 +164,7 @@ def parse_speculative(value: str) -> SpeculativeSpec:
 def fast_bf16(device: torch.device) -> bool:
     """Whether bfloat16 is the fastest exact-enough default here: CUDA with bf16, a CPU with
     native bf16 (AVX512-BF16 or AMX), or any CPU that runs tripod's kernels (AVX2 and up: bf16
-    weights, float32 FMA, half of float32's bytes per token; benchmarks/results/avx2.md)."""
+    weights, float32 FMA, half of float32's bytes per token; benchmarks/results/isa_levels.md)."""
     if native_bf16(device):
         return True
     if device.type != "cpu":

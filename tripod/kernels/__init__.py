@@ -15,6 +15,7 @@ runs on torch's ops only and says why.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -82,13 +83,20 @@ def building(level: str | None = None) -> bool:
     return any(s.thread is not None and s.thread.is_alive() for s in states)
 
 
+@functools.cache
+def _build_of(level: str) -> KernelBuild:
+    # NOTE: once per process: a KernelBuild hashes the sources, and unavailable_reason() is asked
+    # on every heartbeat (the engine stats' compute card).
+    return KernelBuild(level)
+
+
 def unavailable_reason(level: str | None = None) -> str | None:
     """Why ``level`` (None: the best this CPU supports) cannot be used here (None: it can, or may
     still build)."""
     lv = _resolve(level)
     if lv is None:
         return _no_level_reason()
-    return _levels[lv].failed or KernelBuild(lv).unsupported_reason()
+    return _levels[lv].failed or _build_of(lv).unsupported_reason()
 
 
 def _no_level_reason() -> str:
@@ -108,7 +116,7 @@ def load(level: str | None = None, *, wait: bool = True) -> bool:
     with _lock:
         if state.loaded or state.failed is not None:
             return state.loaded
-        build = KernelBuild(lv)
+        build = _build_of(lv)
         why = build.unsupported_reason()
         if why is not None:
             _fail(lv, why)

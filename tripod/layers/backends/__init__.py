@@ -19,7 +19,8 @@ Backends:
 - ``CpuLinearBackend``: the kernels for projections, norms and SiLU·mul with torch's attention,
   for models whose attention the kernels do not cover (sliding windows, soft-caps, MLA).
 
-Switching a runner to the kernels mid-serve is one assignment: ``runner.backend = CpuBackend(...)``.
+Switching a runner to the kernels mid-serve is one object swapped: once they load, the runner's
+``backend`` hands out its ``CpuBackend`` instead of the ``TorchBackend``; no layer changes.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -28,7 +29,7 @@ class StepItem(Protocol):
     """One scheduled piece of work (``engine.scheduler.ScheduledItem``): tokens
     ``[start, start + length)`` of ``req``; ``verify``: every position predicts the next token."""
 
-    req: Any
+    req: StepReq
     start: int
     length: int
     verify: bool
@@ -37,7 +38,7 @@ class StepItem(Protocol):
     def samples(self) -> bool: ...
 
 
-class Backend:
+class Backend(ABC):
     """One way of computing a forward pass. ``form`` keys the projections a layer prepared for
     this backend (``Layer.ops[form]``); ``name``/``isa`` are what ``/v1/models`` reports."""
 
@@ -49,10 +50,12 @@ class Backend:
     wants_rope_rows: bool = True
     reason: str | None = None  # why this backend and not tripod's kernels (None: nothing to say)
 
+    @abstractmethod
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, *, stored: StoredWeight | None = None,
                fp8: Fp8Scales | None = None) -> Linear:
         raise NotImplementedError
 
+    @abstractmethod
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise NotImplementedError
 
@@ -61,16 +64,19 @@ class Backend:
         t, h, d = x.shape
         return self.norm(x.reshape(t * h, d), weight, eps).view(t, h, d)
 
+    @abstractmethod
     def activate(self, gu: torch.Tensor, inter: int, act: str) -> torch.Tensor:
         raise NotImplementedError
 
+    @abstractmethod
     def attend(self, qkv: torch.Tensor, layer: int, pool: Any, batch: ForwardBatch, rotary: RotaryEmbedding,
                cos_sin: tuple[torch.Tensor, torch.Tensor] | None, spec: AttnSpec) -> torch.Tensor:
         """After the QKV projection (and q/k norms): rotate Q/K, write this step's K/V into the
         pool, attend. ``qkv`` ``[T, (H + 2 KVH) * D]`` → ``[T, H * D]``."""
         raise NotImplementedError
 
-    def build_batch(self, items: list[Any], ctx: Any) -> tuple[ForwardBatch, list[Any]]:
+    @abstractmethod
+    def build_batch(self, items: list[StepItem], ctx: Any) -> tuple[ForwardBatch, list[StepItem]]:
         """Lay out a step's ``items`` (``StepItem``) for this backend; ``ctx`` is the model
         runner (device, slot table, decode mirror). Returns the batch and the sampling items in
         the order of the logits rows."""
@@ -83,5 +89,6 @@ class Backend:
             out["reason"] = self.reason
         return out
 
+    @abstractmethod
     def describe(self) -> str:
         raise NotImplementedError

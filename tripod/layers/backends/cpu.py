@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from tripod.layers.attention import AttnSpec, ForwardBatch, KernelMeta
-from tripod.layers.backends.base import Backend
+from tripod.layers.backends.base import Backend, StepItem
 from tripod.layers.backends.reference import ReferenceBackend
 from tripod.layers.linear import Fp8Scales, Linear, StoredWeight, make_linear
 from tripod.layers.mlp import activate
@@ -60,7 +60,7 @@ class CpuBackend(KernelOps, Backend):
         q = qkv.view(t, -1, d)[:, :nh]
         return self.ops.paged_attention(q, kv, m.table, m.rows, m.lens, spec.scale).view(t, nh * d)
 
-    def build_batch(self, items: list[Any], ctx: Any) -> tuple[ForwardBatch, list[Any]]:
+    def build_batch(self, items: list[StepItem], ctx: Any) -> tuple[ForwardBatch, list[StepItem]]:
         """Every token of the step in item order; each attends its own request's first
         ``position + 1`` keys through the slot table (decodes, drafts and chunks alike)."""
         if ctx.mirror is not None and ctx.mirror.buf is not None:
@@ -73,8 +73,8 @@ class CpuBackend(KernelOps, Backend):
         out_slots: list[int] = []
         tok_rows: list[int] = []
         logits_at: list[int] = []
-        sampling: list[Any] = []
-        item_rows: list[tuple[Any, int]] = []
+        sampling: list[StepItem] = []
+        item_rows: list[tuple[StepItem, int]] = []
         for it, row in zip(items, rows, strict=True):
             r = it.req
             s, n = it.start, it.length

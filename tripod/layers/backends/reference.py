@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from tripod.layers.attention import AttnSpec, ForwardBatch, PrefillSegment, paged_attention
-from tripod.layers.backends.base import Backend
+from tripod.layers.backends.base import Backend, StepItem
 from tripod.layers.linear import Fp8Scales, Linear, StoredWeight, make_linear
 from tripod.layers.mlp import activate
 from tripod.layers.norm import rms_norm
@@ -47,7 +47,7 @@ class ReferenceBackend(Backend):
         v = heads[:, nh + nkv :]
         return paged_attention(q, k, v, layer, pool, batch, spec).view(t, nh * pool.head_dim)
 
-    def build_batch(self, items: list[Any], ctx: Any) -> tuple[ForwardBatch, list[Any]]:
+    def build_batch(self, items: list[StepItem], ctx: Any) -> tuple[ForwardBatch, list[StepItem]]:
         dev = ctx.device
         singles = [it for it in items if it.length == 1 and not it.verify]
         verify_items = [it for it in items if it.verify]
@@ -56,8 +56,8 @@ class ReferenceBackend(Backend):
         pos: list[int] = []
         out_slots: list[int] = []
         logits_at: list[int] = []
-        sampling: list[Any] = []
-        item_rows: list[tuple[Any, int]] = []
+        sampling: list[StepItem] = []
+        item_rows: list[tuple[StepItem, int]] = []
 
         kv_idx = mask = None
         mirror_buf = None
