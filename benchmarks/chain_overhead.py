@@ -148,7 +148,7 @@ def _wait(url: str, proc: subprocess.Popen[bytes], path: str) -> None:
 
 def bench_served(calls: int) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, float]]]:
     """(bare HTTP forwarding by depth, the served chain by depth)."""
-    from tripod.serve_process import free_port
+    from tripod.fleet.process import free_port
 
     ports = [free_port() for _ in DEPTHS]
     bare = []

@@ -41,7 +41,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 from speculative import machine  # benchmarks/speculative.py (this script's folder is on sys.path)
 
-from tripod.serve_process import free_port, wait_healthy
+from tripod.fleet.process import free_port, wait_healthy
 
 REPLICA_ARGS = ["--dtype", "float32", "--kernels", "optimized", "--kv-cache-tokens", "8192", "--threads", "1"]
 TOPICS = ["lighthouses", "glaciers", "the printing press", "bees", "tides", "volcanoes", "the violin", "comets",

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from tripod.serve_process import free_port, spawn_serve, wait_healthy
+from tripod.fleet.process import free_port, spawn_serve, wait_healthy
 
 
 def _wait(url: str, procs: list[subprocess.Popen[bytes]]) -> None:

@@ -34,7 +34,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import machine_info
 
-from tripod.serve_process import free_port, spawn_serve, wait_healthy
+from tripod.fleet.process import free_port, spawn_serve, wait_healthy
 
 TICK = os.sysconf("SC_CLK_TCK")
 PHASES = ["schedule", "prepare", "decode_forward", "prefill_forward", "sample", "bookkeeping", "ipc", "idle"]

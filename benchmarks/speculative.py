@@ -31,7 +31,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tripod.serve_process import free_port, spawn_serve, wait_healthy  # noqa: E402
+from tripod.fleet.process import free_port, spawn_serve, wait_healthy  # noqa: E402
 
 Row = dict[str, Any]
 

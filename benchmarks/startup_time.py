@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from tripod.serve_process import free_port, spawn_serve, wait_healthy
+from tripod.fleet.process import free_port, spawn_serve, wait_healthy
 
 
 def main(cache: str, serve_args: list[str]) -> int:

@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 
-from tripod import serve_process
-from tripod.serve_process import free_port
+from tripod.fleet import process as serve_process
+from tripod.fleet.process import free_port
 
 START_TIMEOUT = 180.0
 

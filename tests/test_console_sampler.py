@@ -235,9 +235,9 @@ class _Launcher:
 
 def test_the_fleet_view_shows_the_autoscaler_scale_events_and_down_slots() -> None:
     from tripod.config import FleetConfig, RouterConfig
+    from tripod.fleet.supervisor import Supervisor
     from tripod.router.console_source import RouterConsoleSource
     from tripod.router.router import Router
-    from tripod.router.supervisor import Supervisor
 
     async def go() -> tuple[FleetView, FleetView]:
         router = Router(RouterConfig())

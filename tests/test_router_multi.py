@@ -1,4 +1,4 @@
-"""The multi-model router (``tripod.router.multi``) over real HTTP: two stub OpenAI servers, one per
+"""The multi-model router (``tripod.fleet.multi``) over real HTTP: two stub OpenAI servers, one per
 model, behind ``build_multi_router_app``, all uvicorn servers on 127.0.0.1 in one event loop."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tripod.config import RouterConfig
-from tripod.router.multi import MultiRouter, build_multi_router_app
+from tripod.fleet.multi import MultiRouter, build_multi_router_app
+from tripod.fleet.process import free_port
 from tripod.router.router import Router
-from tripod.serve_process import free_port
 
 
 def stub(model: str, seen: list[dict[str, Any]]) -> Starlette:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tripod.router.ray_backend import RayLauncher, RayReplica
+from tripod.fleet.ray_backend import RayLauncher, RayReplica
 
 pytest.importorskip("ray")
 

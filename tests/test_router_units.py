@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tripod.config import FleetConfig, RouterConfig
-from tripod.router.autoscaler import Autoscaler
+from tripod.fleet.autoscaler import Autoscaler
+from tripod.fleet.supervisor import Supervisor
 from tripod.router.policy import (
     CacheAwarePolicy,
     Decision,
@@ -24,7 +25,6 @@ from tripod.router.policy import (
 from tripod.router.prefix_tree import PrefixTree
 from tripod.router.replica import CircuitBreaker, Replica
 from tripod.router.router import Router, parse_load, render_prompt
-from tripod.router.supervisor import Supervisor
 
 
 # ---------------------------------------------------------------- prefix tree

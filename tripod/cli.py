@@ -457,7 +457,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tripod.config import FleetConfig
-    from tripod.router.launch import serve_fleet
+    from tripod.fleet.launch import serve_fleet
 
     # The replicas' engine options are checked once, here: a bad value (--num-draft-tokens 0) is
     # one clear exit 2 rather than every replica failing to start.
@@ -479,7 +479,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
 
 def cmd_route(args: argparse.Namespace) -> int:
-    from tripod.router.launch import route
+    from tripod.fleet.launch import route
 
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     return route(_router_config(args), args.replica, level, args.drain_timeout)

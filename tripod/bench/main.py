@@ -347,7 +347,7 @@ def _print_table(runs: list[dict[str, Any]]) -> None:
 
 
 def _launch(extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    from tripod.serve_process import free_port, spawn_serve, wait_healthy
+    from tripod.fleet.process import free_port, spawn_serve, wait_healthy
 
     port = free_port()
     proc = spawn_serve("127.0.0.1", port, extra.split())

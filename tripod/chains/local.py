@@ -124,7 +124,7 @@ class LocalRuntime(Runtime):
         return ep
 
     def _launch(self, name: str, declared: Model | None) -> Endpoint:
-        from tripod.serve_process import free_port, spawn_serve, wait_healthy
+        from tripod.fleet.process import free_port, spawn_serve, wait_healthy
 
         port = free_port()
         args = [*self.model_args, *(declared.args if declared else ()), "--served-model-name", name]

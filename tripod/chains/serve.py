@@ -7,7 +7,7 @@ One process, the chain server, listens on ``--host``/``--port`` and owns everyth
   chainlet, with the replica count its callers ask for;
 - each model's fleet: ``tripod serve`` replicas behind their own ``Router``/``Supervisor``
   (autoscaled when the model's declaration gives ``min_replicas``/``max_replicas``), or a URL that
-  serves it already, all behind one multi-model router (``tripod.router.multi``) mounted on the
+  serves it already, all behind one multi-model router (``tripod.fleet.multi``) mounted on the
   same port: ``/v1/chat/completions`` etc. route by the request's ``model``, ``/v1/models`` lists
   them, ``/fleet`` describes every model's fleet;
 - the chain's own routes: ``POST /run`` (the entrypoint, called with its ``retries``/``timeout_s``;
@@ -50,11 +50,11 @@ from tripod.chains.metrics import ChainMetrics
 from tripod.chains.remote import RemoteHandle, ReplicaSource
 from tripod.chains.serving import run_endpoint
 from tripod.config import FleetConfig, RouterConfig
+from tripod.fleet.multi import MultiRouter, multi_router_routes
+from tripod.fleet.replicas import LocalLauncher, ReplicaLauncher
+from tripod.fleet.supervisor import Supervisor
 from tripod.router.merge import merge_pages
-from tripod.router.multi import MultiRouter, multi_router_routes
-from tripod.router.replicas import LocalLauncher, ReplicaLauncher
 from tripod.router.router import Router
-from tripod.router.supervisor import Supervisor
 
 log = logging.getLogger("tripod.chains")
 
@@ -169,9 +169,9 @@ class ChainServer:
 
     # ------------------------------------------------------------ building
     def _init_ray(self) -> None:
-        from tripod.router.ray_backend import _import_ray
+        from tripod.fleet.ray_backend import import_ray
 
-        ray = _import_ray()
+        ray = import_ray()
         if ray.is_initialized():
             return
         kwargs: dict[str, Any] = dict(address=self.cfg.ray_address, namespace="tripod", ignore_reinit_error=True,
@@ -193,7 +193,7 @@ class ChainServer:
                   num_gpus: float) -> ReplicaLauncher:
         log_dir = self.log_dir / what if self.log_dir is not None else None
         if self.cfg.backend == "ray":
-            from tripod.router.ray_backend import RayLauncher
+            from tripod.fleet.ray_backend import RayLauncher
 
             # A local Ray instance behind a loopback chain server: replicas listen on loopback too.
             # On a cluster they listen on their node's address, which the other nodes can reach.

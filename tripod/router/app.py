@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 from starlette.applications import Starlette
@@ -23,12 +23,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tripod.console.app import Console
-from tripod.router.console_source import RouterConsoleSource
+from tripod.router.console_source import RouterConsoleSource, SupervisorView
 from tripod.router.replica import Replica
 from tripod.router.router import Router, RouterError, is_anthropic
-
-if TYPE_CHECKING:
-    from tripod.router.supervisor import Supervisor
 
 log = logging.getLogger("tripod.router")
 
@@ -71,7 +68,7 @@ async def _disconnected(request: Request) -> None:
 
 def build_router_app(router: Router, lifespan: Any = None,
                      fleet_info: Callable[[], dict[str, Any]] | None = None,
-                     supervisor: Supervisor | None = None) -> Starlette:
+                     supervisor: SupervisorView | None = None) -> Starlette:
     """The router's app; ``supervisor`` (a fleet this process launched) adds the slots that are
     down and the autoscaler to the console's fleet view."""
     metrics = router.metrics

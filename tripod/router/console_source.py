@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
 import httpx
 
@@ -15,8 +15,17 @@ from tripod.console.readings import Reading, read_text
 from tripod.router.replica import Replica
 from tripod.router.router import Router
 
-if TYPE_CHECKING:
-    from tripod.router.supervisor import Supervisor
+
+class SupervisorView(Protocol):
+    """What the console reads of a fleet's supervisor (``tripod.fleet.supervisor.Supervisor``); the
+    router names it by this protocol so that it never imports the fleet above it."""
+
+    config: Any
+    active: Any
+    autoscaler: Any
+    scale_events: list[dict[str, Any]]
+
+    def down(self) -> list[tuple[str, int, float | None]]: ...
 
 
 class RouterConsoleSource:
@@ -24,7 +33,7 @@ class RouterConsoleSource:
 
     kind: Literal["server", "fleet"] = "fleet"
 
-    def __init__(self, router: Router, supervisor: Supervisor | None = None) -> None:
+    def __init__(self, router: Router, supervisor: SupervisorView | None = None) -> None:
         self.router = router
         self.supervisor = supervisor
         self._last: dict[str, Reading] = {}  # by replica name: the latest reading, for the node view

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from tripod.router.prefix_tree import PrefixTree
 
-if TYPE_CHECKING:
-    from tripod.router.replicas import ReplicaProcess
+
+class ReplicaProcess(Protocol):
+    """The process behind a replica, when this process launched it (``tripod.fleet`` implements it;
+    the router only reads its pid, and ``actor_name``/``node_id`` where the launcher has them)."""
+
+    @property
+    def pid(self) -> int | None: ...
 
 
 class CircuitBreaker:

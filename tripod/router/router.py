@@ -30,8 +30,7 @@ from tripod.router.failover import AnswerProgress, Failed, SSESplitter, supports
 from tripod.router.metrics import RouterMetrics
 from tripod.router.policy import Decision, RouteRequest, RoutingPolicy, make_policy
 from tripod.router.prefix_tree import PrefixTree
-from tripod.router.replica import CircuitBreaker, Replica
-from tripod.router.replicas import ReplicaProcess
+from tripod.router.replica import CircuitBreaker, Replica, ReplicaProcess
 
 log = logging.getLogger("tripod.router")
 

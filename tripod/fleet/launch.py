@@ -20,10 +20,10 @@ import uvicorn
 
 from tripod.asgi import DrainingServer
 from tripod.config import FleetConfig, RouterConfig
+from tripod.fleet.replicas import LocalLauncher, ReplicaLauncher
+from tripod.fleet.supervisor import Supervisor
 from tripod.router.app import build_router_app
-from tripod.router.replicas import LocalLauncher, ReplicaLauncher
 from tripod.router.router import Router
-from tripod.router.supervisor import Supervisor
 
 log = logging.getLogger("tripod.router")
 
@@ -74,7 +74,7 @@ def route(config: RouterConfig, urls: list[str], log_level: int = logging.INFO, 
 
 def make_launcher(fleet: FleetConfig, serve_args: list[str], log_dir: Path | None) -> ReplicaLauncher:
     if fleet.backend == "ray":
-        from tripod.router.ray_backend import RayLauncher
+        from tripod.fleet.ray_backend import RayLauncher
 
         return RayLauncher(serve_args, address=fleet.ray_address, num_cpus=fleet.ray_num_cpus,
                            num_gpus=fleet.ray_num_gpus)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tripod.config import FleetConfig
-from tripod.router.autoscaler import Autoscaler
-from tripod.router.replicas import ReplicaLauncher, ReplicaProcess
+from tripod.fleet.autoscaler import Autoscaler
+from tripod.fleet.replicas import ReplicaLauncher, ReplicaProcess
 from tripod.router.router import Router
 
 log = logging.getLogger("tripod.fleet")

@@ -3,7 +3,7 @@
 A ``ReplicaLauncher`` starts one replica and returns a ``ReplicaProcess`` handle; the supervisor
 then only asks the handle whether it has exited, and tells it to drain (SIGTERM) or die. Health is
 never taken from the handle: it is probed over HTTP like any other replica. ``LocalLauncher`` runs
-replicas as child processes of this one; ``tripod.router.ray_backend.RayLauncher`` runs them as
+replicas as child processes of this one; ``tripod.fleet.ray_backend.RayLauncher`` runs them as
 Ray actors anywhere in a Ray cluster.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Protocol
 
-from tripod.serve_process import SERVE, free_port, spawn_serve
+from tripod.fleet.process import SERVE, free_port, spawn_serve
 
 
 class ReplicaProcess(Protocol):

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from tripod.serve_process import SERVE, free_port, spawn_serve
+from tripod.fleet.process import SERVE, free_port, spawn_serve
 
 # The exit code reported for a replica whose actor is gone (killed, crashed, or its node lost):
 # the process is then gone too or about to be (PDEATHSIG), and nothing can tell us how it ended.
@@ -35,7 +35,7 @@ LOG_TAIL_BYTES = 64 * 1024
 _INSTALL_HINT = 'the Ray backend needs Ray: pip install "tripod[ray]"'
 
 
-def _import_ray() -> ModuleType:
+def import_ray() -> ModuleType:
     try:
         import ray
     except ImportError as e:
@@ -153,7 +153,7 @@ class RayReplica:
     def _poll(self, timeout: float) -> int | None:
         if self._code is not None:
             return self._code
-        ray = _import_ray()
+        ray = import_ray()
         try:
             code = ray.get(self._actor.poll.remote(), timeout=timeout)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
@@ -180,14 +180,14 @@ class RayReplica:
     def terminate(self) -> None:
         if self._code is not None:
             return
-        ray = _import_ray()
+        ray = import_ray()
         try:
             ray.get(self._actor.send_signal.remote(int(signal.SIGTERM)), timeout=POLL_TIMEOUT)
         except ray.exceptions.RayError:
             pass  # a dead or unreachable actor: exit_code() will tell
 
     def kill(self) -> None:
-        ray = _import_ray()
+        ray = import_ray()
         if self._code is None:
             # NOTE: killing the actor alone would give the process PDEATHSIG, which is SIGTERM
             # (a drain that may take the drain timeout); kill() means SIGKILL, so the actor sends
@@ -214,7 +214,7 @@ class RayReplica:
         """The end of the replica's log, read on its node (kept once the replica has exited)."""
         if self._final_log is not None:
             return self._final_log
-        ray = _import_ray()
+        ray = import_ray()
         try:
             return str(ray.get(self._actor.log_tail.remote(max_bytes), timeout=POLL_TIMEOUT))
         except ray.exceptions.RayError as e:
@@ -260,7 +260,7 @@ class RayLauncher:
         log_to_driver: bool = False,
         command: tuple[str, ...] = SERVE,
     ) -> None:
-        ray = _import_ray()
+        ray = import_ray()
         if num_cpus < 0 or num_gpus < 0:
             raise ValueError(f"num_cpus and num_gpus must be >= 0 (got {num_cpus}, {num_gpus})")
         if launch_timeout <= 0:
@@ -295,7 +295,7 @@ class RayLauncher:
         self._owns_ray = address is None
 
     def launch(self, index: int) -> RayReplica:
-        ray = _import_ray()
+        ray = import_ray()
         name = f"tripod-replica-{index}-{uuid.uuid4().hex[:8]}"  # the actor's, and its log's
         if self._actor_class is None:
             self._actor_class = ray.remote(ReplicaActor)
@@ -337,7 +337,7 @@ class RayLauncher:
         return [r.describe() for r in live]
 
     def close(self) -> None:
-        ray = _import_ray()
+        ray = import_ray()
         with self._lock:
             leftovers, self.replicas = list(self.replicas.values()), {}
         for r in leftovers:

@@ -25,10 +25,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tripod.fleet.supervisor import Supervisor
 from tripod.router.app import _PROXIED, _disconnected, _read_body, json_object
 from tripod.router.merge import merge_pages
 from tripod.router.router import Router, RouterError
-from tripod.router.supervisor import Supervisor
 
 log = logging.getLogger("tripod.router")
 
