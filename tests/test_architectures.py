@@ -96,6 +96,39 @@ def test_config_features_read(tiny: Any) -> None:
     assert v2.moe is not None and v2.moe.topk_method == "group_max" and v2.mla is not None and v2.mla.q_lora_rank is None
 
 
+def _copy_with_config(src: Path, dst: Path, edit: Any) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_model_type_dispatch_without_architectures(tiny: Any, tmp_path: Path) -> None:
+    """A config.json without ``architectures`` is read by its ``model_type``, as transformers does
+    (a DeepSeek-V3 folder was loaded as Llama and failed on a missing q_proj): same tokens as the
+    transformers reference."""
+    folder, ref = tiny("deepseek-v3")
+    bare = _copy_with_config(folder, tmp_path / "v3-bare", lambda c: c.pop("architectures", None))
+    eng = Engine(model=str(bare), dtype="float32", kv_cache_tokens=2048, kernels="eager")
+    assert eng.model_config.architecture == "DeepseekV3ForCausalLM"
+    (out,) = eng.generate([PROMPTS[0]], PARAMS)
+    check_greedy_tokens(out.token_ids, ref.greedy(PROMPTS[0], N_TOKENS), "deepseek-v3 without architectures")
+
+
+def test_model_type_and_architectures_disagree(tiny: Any, tmp_path: Path) -> None:
+    """``architectures`` naming one family and ``model_type`` another is refused, naming both."""
+    folder, _ = tiny("deepseek-v3")
+    bad = _copy_with_config(folder, tmp_path / "v3-llama", lambda c: c.update(architectures=["LlamaForCausalLM"]))
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM.*deepseek_v3"):
+        Engine(model=str(bad), dtype="float32", kv_cache_tokens=2048, kernels="eager")
+    odd = _copy_with_config(folder, tmp_path / "odd", lambda c: (c.pop("architectures", None), c.update(model_type="nope")))
+    with pytest.raises(ValueError, match=r"model_type 'nope' is not one tripod supports"):
+        Engine(model=str(odd), dtype="float32", kv_cache_tokens=2048, kernels="eager")
+
+
 def test_mla_latent_pool_bytes(tiny: Any) -> None:
     """MLA's pool holds the latent per token, not per-head K/V: fewer bytes than MHA would."""
     folder, _ = tiny("deepseek-v3")

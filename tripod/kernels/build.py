@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from tripod import paths
+
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "linear.cpp")
 HEADERS = (CSRC / "simd.h",)
@@ -82,9 +84,7 @@ def supported_levels(flags: set[str] | None = None) -> list[str]:
 
 
 def _cache_root() -> Path:
-    env = os.environ.get("TRIPOD_CACHE_DIR")
-    root = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tripod"
-    return root / "kernels"
+    return paths.cache_dir() / "kernels"
 
 
 class KernelBuild:

@@ -165,59 +165,76 @@ def paged_attention(
     """
     pool.write(layer, batch.out_slots, k, v)
     out = torch.empty_like(q)
-    scale, cap, window = spec.scale, spec.softcap, spec.window
-    nd = batch.num_decode
-    dev = q.device
-    if nd:
-        assert batch.decode_mask is not None
-        width = batch.decode_mask.shape[-1]
-        if batch.decode_mirror is not None:
-            rows = batch.decode_mirror[layer]
-            rows[torch.arange(nd, device=dev), batch.positions[:nd]] = torch.stack((k[:nd], v[:nd]), dim=1)
-            dense = rows[:nd, :width]  # [B, L, 2, KVH, D]
-            kc, vc = dense.select(2, 0), dense.select(2, 1)
-        else:
-            assert batch.decode_kv_idx is not None
-            kc, vc = pool.gather(layer, batch.decode_kv_idx)  # [B, L, KVH, D] each
-        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
-        mask = batch.decode_mask
-        if window is not None:
-            keys = torch.arange(width, device=dev).unsqueeze(0)
-            mask = mask & (keys > batch.positions[:nd].unsqueeze(1) - window)[:, None, None, :]
-        o = sdpa(q[:nd].unsqueeze(2), kc, vc, mask, scale, cap)
-        out[:nd] = o.squeeze(2)
+    if batch.num_decode:
+        _decode_attention(q, k, v, layer, pool, batch, spec, out)
     for s0, p0, n, kv in batch.verifies:
-        kc, vc = pool.gather(layer, kv)  # [p0 + n, KVH, D] each
-        kc, vc = kc.unsqueeze(0).transpose(1, 2), vc.unsqueeze(0).transpose(1, 2)
-        for j in range(n):
-            w = p0 + j + 1
-            mask = _all_true(w, dev)
-            if window is not None:
-                mask = mask & (torch.arange(w, device=dev) > w - 1 - window)
-            o = sdpa(q[s0 + j : s0 + j + 1].unsqueeze(2), kc[:, :, :w], vc[:, :, :w], mask, scale, cap)
-            out[s0 + j] = o[0, :, 0]
+        _verify_attention(q, layer, pool, spec, s0, p0, n, kv, out)
     for seg in batch.prefills:
-        s, n = seg.start, seg.length
-        qs = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if seg.prefix_len == 0:
-            ks = k[s : s + n].transpose(0, 1).unsqueeze(0)
-            vs = v[s : s + n].transpose(0, 1).unsqueeze(0)
-            if window is None or n <= window:
-                o = sdpa(qs, ks, vs, None, scale, cap, causal=True)
-            else:
-                p = torch.arange(n, device=dev)
-                o = sdpa(qs, ks, vs, window_mask(p, p, window), scale, cap)
-        else:
-            assert seg.kv_slots is not None
-            ks, vs = pool.gather(layer, seg.kv_slots)
-            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
-            mask = seg.mask
-            if window is not None:
-                mask = window_mask(torch.arange(seg.prefix_len, seg.prefix_len + n, device=dev),
-                                   torch.arange(seg.prefix_len + n, device=dev), window)
-            o = sdpa(qs, ks, vs, mask, scale, cap)
-        out[s : s + n] = o.squeeze(0).transpose(0, 1)
+        _prefill_attention(q, k, v, layer, pool, spec, seg, out)
     return out
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool,
+                      batch: ForwardBatch, spec: AttnSpec, out: torch.Tensor) -> None:
+    """The decode rows, batched over the padded slot table (or the dense decode mirror)."""
+    nd, dev = batch.num_decode, q.device
+    assert batch.decode_mask is not None
+    width = batch.decode_mask.shape[-1]
+    if batch.decode_mirror is not None:
+        rows = batch.decode_mirror[layer]
+        rows[torch.arange(nd, device=dev), batch.positions[:nd]] = torch.stack((k[:nd], v[:nd]), dim=1)
+        dense = rows[:nd, :width]  # [B, L, 2, KVH, D]
+        kc, vc = dense.select(2, 0), dense.select(2, 1)
+    else:
+        assert batch.decode_kv_idx is not None
+        kc, vc = pool.gather(layer, batch.decode_kv_idx)  # [B, L, KVH, D] each
+    kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+    mask = batch.decode_mask
+    if spec.window is not None:
+        keys = torch.arange(width, device=dev).unsqueeze(0)
+        mask = mask & (keys > batch.positions[:nd].unsqueeze(1) - spec.window)[:, None, None, :]
+    o = sdpa(q[:nd].unsqueeze(2), kc, vc, mask, spec.scale, spec.softcap)
+    out[:nd] = o.squeeze(2)
+
+
+def _verify_attention(q: torch.Tensor, layer: int, pool: KVPool, spec: AttnSpec, s0: int, p0: int, n: int,
+                      kv: torch.Tensor, out: torch.Tensor) -> None:
+    """A verify item's rows, position by position like plain decoding."""
+    dev = q.device
+    kc, vc = pool.gather(layer, kv)  # [p0 + n, KVH, D] each
+    kc, vc = kc.unsqueeze(0).transpose(1, 2), vc.unsqueeze(0).transpose(1, 2)
+    for j in range(n):
+        w = p0 + j + 1
+        mask = _all_true(w, dev)
+        if spec.window is not None:
+            mask = mask & (torch.arange(w, device=dev) > w - 1 - spec.window)
+        o = sdpa(q[s0 + j : s0 + j + 1].unsqueeze(2), kc[:, :, :w], vc[:, :, :w], mask, spec.scale, spec.softcap)
+        out[s0 + j] = o[0, :, 0]
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool,
+                       spec: AttnSpec, seg: PrefillSegment, out: torch.Tensor) -> None:
+    """A prefill chunk: causal over itself, or over its cached prefix (gathered from the pool) too."""
+    s, n, dev, window = seg.start, seg.length, q.device, spec.window
+    qs = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    if seg.prefix_len == 0:
+        ks = k[s : s + n].transpose(0, 1).unsqueeze(0)
+        vs = v[s : s + n].transpose(0, 1).unsqueeze(0)
+        if window is None or n <= window:
+            o = sdpa(qs, ks, vs, None, spec.scale, spec.softcap, causal=True)
+        else:
+            p = torch.arange(n, device=dev)
+            o = sdpa(qs, ks, vs, window_mask(p, p, window), spec.scale, spec.softcap)
+    else:
+        assert seg.kv_slots is not None
+        ks, vs = pool.gather(layer, seg.kv_slots)
+        ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+        mask = seg.mask
+        if window is not None:
+            mask = window_mask(torch.arange(seg.prefix_len, seg.prefix_len + n, device=dev),
+                               torch.arange(seg.prefix_len + n, device=dev), window)
+        o = sdpa(qs, ks, vs, mask, spec.scale, spec.softcap)
+    out[s : s + n] = o.squeeze(0).transpose(0, 1)
 
 
 def _all_true(width: int, device: torch.device) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tripod import paths
 from tripod.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,7 @@ class GGUFFile:
 
         st = self.path.stat()
         key = hashlib.sha256(f"{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        cache = (cache_dir or default_cache_dir()) / "tokenizers" / key
+        cache = (cache_dir or paths.cache_dir()) / "tokenizers" / key
         if (cache / "tokenizer.json").is_file():
             try:
                 return AutoTokenizer.from_pretrained(str(cache), local_files_only=True)
@@ -210,13 +211,6 @@ class GGUFFile:
         except OSError as e:
             log.warning("could not cache the tokenizer in %s: %s", cache, e)
         return tok
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get("TRIPOD_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tripod"
 
 
 def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:

@@ -17,6 +17,44 @@ from tripod.memory.kv_pool import PoolSpec
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
+# HF ``model_type`` -> the architectures (``architectures[0]``) a config of that type may name, the
+# first being the one transformers picks for a causal LM when ``architectures`` is absent.
+MODEL_TYPES: dict[str, tuple[str, ...]] = {
+    "llama": ("LlamaForCausalLM",),
+    "mistral": ("MistralForCausalLM",),
+    "mixtral": ("MixtralForCausalLM",),
+    "qwen2": ("Qwen2ForCausalLM",),
+    "qwen2_moe": ("Qwen2MoeForCausalLM",),
+    "qwen3": ("Qwen3ForCausalLM",),
+    "qwen3_moe": ("Qwen3MoeForCausalLM",),
+    "gemma3_text": ("Gemma3ForCausalLM",),
+    "gemma3": ("Gemma3ForCausalLM",),
+    "deepseek_v2": ("DeepseekV2ForCausalLM",),
+    "deepseek_v3": ("DeepseekV3ForCausalLM",),
+}
+
+
+def architecture_of(d: dict[str, Any]) -> str:
+    """The architecture an HF ``config.json`` describes, as transformers decides it: ``architectures``
+    when given, else from ``model_type``. A config whose two say different things is refused (it
+    would load one family's weights as another's), naming both."""
+    archs = d.get("architectures")
+    mtype = d.get("model_type")
+    known = MODEL_TYPES.get(str(mtype)) if mtype else None
+    if archs:
+        arch = str(archs[0])
+        owner = next((t for t, names in MODEL_TYPES.items() if arch in names), None)
+        if known is not None and owner is not None and arch not in known:
+            raise ValueError(f"config.json says architectures {arch!r} but model_type {mtype!r} "
+                             f"(whose architecture is {known[0]!r}); make the two agree")
+        return arch
+    if known is not None:
+        return known[0]
+    if mtype:
+        raise ValueError(f"config.json has no architectures and its model_type {mtype!r} is not one tripod "
+                         f"supports; supported model types: {', '.join(sorted(MODEL_TYPES))}")
+    return "LlamaForCausalLM"  # neither said: the decoder every family builds on
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -93,22 +131,11 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from an HF ``config.json`` (old ``rope_scaling`` or new ``rope_parameters``)."""
-        archs = d.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
+        arch = architecture_of(d)
         mtype = str(d.get("model_type") or "")
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or None
-        theta = d.get("rope_theta")
-        local_theta = d.get("rope_local_base_freq")
-        if isinstance(rope, dict) and "full_attention" in rope:  # per layer type (Gemma 3)
-            local = rope.get("sliding_attention") or {}
-            local_theta = local.get("rope_theta", local_theta)
-            rope = rope["full_attention"]
-        if theta is None and isinstance(rope, dict):
-            theta = rope.get("rope_theta")
-        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in (None, "default"):
-            rope = None
+        rope, theta, local_theta = _rope(d)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         gemma = mtype.startswith("gemma") or arch.startswith("Gemma")
@@ -154,6 +181,23 @@ class ModelConfig:
             mla=mla,
             num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
         )
+
+
+def _rope(d: dict[str, Any]) -> tuple[dict[str, Any] | None, Any, Any]:
+    """(scaling beyond the default, base theta, the sliding layers' theta) from old ``rope_scaling``
+    or new ``rope_parameters`` (per layer type in Gemma 3)."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or None
+    theta = d.get("rope_theta")
+    local_theta = d.get("rope_local_base_freq")
+    if isinstance(rope, dict) and "full_attention" in rope:  # per layer type (Gemma 3)
+        local = rope.get("sliding_attention") or {}
+        local_theta = local.get("rope_theta", local_theta)
+        rope = rope["full_attention"]
+    if theta is None and isinstance(rope, dict):
+        theta = rope.get("rope_theta")
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in (None, "default"):
+        rope = None
+    return rope, theta, local_theta
 
 
 def _opt_float(v: Any) -> float | None:

@@ -16,7 +16,7 @@ from tripod.layers.norm import rms_norm
 from tripod.layers.weights import WeightSource
 from tripod.memory.kv_pool import LatentPool, PoolSpec
 from tripod.models.config import ModelConfig
-from tripod.models.llama import DecoderLayer, LlamaForCausalLM, _Step
+from tripod.models.llama import DecoderLayer, LlamaForCausalLM, StepContext
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):
@@ -104,7 +104,7 @@ class MTPModule(torch.nn.Module):
         self.layer.prepare(batch.backend)
         e = rms_norm(F.embedding(batch.input_ids, target.embed), self.enorm, self.eps)
         x = F.linear(torch.cat((e, rms_norm(hidden, self.hnorm, self.eps)), dim=-1), self.eh_proj)
-        x = self.layer(x, _Step(target, batch, pool, x.dtype))
+        x = self.layer(x, StepContext(target, batch, pool, x.dtype))
         rows = x if batch.logits_idx is None else x.index_select(0, batch.logits_idx)
         return F.linear(rms_norm(rows, self.head_norm, self.eps), self.head).float(), x
 

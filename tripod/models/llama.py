@@ -128,7 +128,7 @@ class DecoderLayer(nn.Module):
         self.attn.release(form)
         self.mlp.release(form)
 
-    def forward(self, x: torch.Tensor, ctx: _Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         be = ctx.batch.backend
         h = be.norm(x, self.input_norm, self.eps)
         rotary, cos_sin = ctx.rope(self.layer)
@@ -142,7 +142,7 @@ class DecoderLayer(nn.Module):
         assert self.mlp_out_norm is not None
         return x + be.norm(self.mlp(h, be), self.mlp_out_norm, self.eps)
 
-    def _attend(self, h: torch.Tensor, ctx: _Step, rotary: RotaryEmbedding,
+    def _attend(self, h: torch.Tensor, ctx: StepContext, rotary: RotaryEmbedding,
                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None, residual: torch.Tensor | None) -> torch.Tensor:
         if isinstance(self.attn, GQAttention):
             return self.attn(h, self.layer, ctx.pool, ctx.batch, rotary, cos_sin, residual)
@@ -150,7 +150,7 @@ class DecoderLayer(nn.Module):
         return self.attn(h, self.layer, ctx.pool, ctx.batch, cos_sin, residual)
 
 
-class _Step:
+class StepContext:
     """What every layer of one forward pass shares: the batch, the pool and the RoPE tables
     (computed once per rotary per pass)."""
 
@@ -249,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding(batch.input_ids, self.embed)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        ctx = _Step(self, batch, pool, x.dtype)
+        ctx = StepContext(self, batch, pool, x.dtype)
         for layer in self.layers:
             x = layer(x, ctx)
         if self.capture_hidden:

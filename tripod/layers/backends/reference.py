@@ -48,95 +48,36 @@ class ReferenceBackend(Backend):
         return paged_attention(q, k, v, layer, pool, batch, spec).view(t, nh * pool.head_dim)
 
     def build_batch(self, items: list[StepItem], ctx: Any) -> tuple[ForwardBatch, list[StepItem]]:
-        dev = ctx.device
+        rows = _Rows(ctx.device)
         singles = [it for it in items if it.length == 1 and not it.verify]
-        verify_items = [it for it in items if it.verify]
-        chunks = [it for it in items if it.length > 1 and not it.verify]
-        ids: list[int] = []
-        pos: list[int] = []
-        out_slots: list[int] = []
-        logits_at: list[int] = []
-        sampling: list[StepItem] = []
-        item_rows: list[tuple[StepItem, int]] = []
-
-        kv_idx = mask = None
         mirror_buf = None
-        mirror = ctx.mirror
-        if mirror is not None:
+        if ctx.mirror is not None:
             if singles:
-                order = mirror.sync([it.req for it in singles], [it.start for it in singles])
+                order = ctx.mirror.sync([it.req for it in singles], [it.start for it in singles])
                 if order is not None:
                     singles = [singles[i] for i in order]
-                    mirror_buf = mirror.buf
+                    mirror_buf = ctx.mirror.buf
             else:
-                mirror.sync([], [])  # nobody decodes: give every row back
-        if singles:
-            width = max(it.start + 1 for it in singles)
-            rows = []
-            lens = []
-            for it in singles:
-                r = it.req
-                n = it.start + 1
-                item_rows.append((it, len(ids)))
-                ids.append(r.all_ids[it.start])
-                pos.append(it.start)
-                out_slots.append(r.slots[it.start])
-                if mirror_buf is None:
-                    rows.append(r.slots[:n] + [0] * (width - n))
-                lens.append(n)
-                if it.samples:
-                    logits_at.append(len(ids) - 1)
-                    sampling.append(it)
-            if mirror_buf is None:
-                kv_idx = torch.tensor(rows, dtype=torch.long, device=dev)
-            lens_t = torch.tensor(lens, device=dev).unsqueeze(1)
-            mask = (torch.arange(width, device=dev).unsqueeze(0) < lens_t)[:, None, None, :]
-
-        # Jump-forward: [last token, drafts...], every position with logits (each predicts the
-        # next token), attending position by position like plain decoding.
-        verifies = []
-        for it in verify_items:
-            r = it.req
-            first = len(ids)
-            item_rows.append((it, first))
-            for p in range(it.start, it.start + it.length):
-                ids.append(r.all_ids[p])
-                pos.append(p)
-                out_slots.append(r.slots[p])
-                logits_at.append(len(ids) - 1)
-            sampling.append(it)
-            kv = torch.tensor(r.slots[: it.start + it.length], dtype=torch.long, device=dev)
-            verifies.append((first, it.start, it.length, kv))
-
-        segs: list[PrefillSegment] = []
-        for it in chunks:
-            r = it.req
-            s, n = it.start, it.length
-            first = len(ids)
-            item_rows.append((it, first))
-            ids.extend(r.all_ids[s : s + n])
-            pos.extend(range(s, s + n))
-            out_slots.extend(r.slots[s : s + n])
-            segs.append(prefill_segment(first, s, n, r.slots, dev))
-            if it.samples:
-                logits_at.append(len(ids) - 1)
-                sampling.append(it)
-
+                ctx.mirror.sync([], [])  # nobody decodes: give every row back
+        kv_idx, mask = rows.add_decodes(singles, dense=mirror_buf is None)
+        rows.add_verifies([it for it in items if it.verify])
+        rows.add_chunks([it for it in items if it.length > 1 and not it.verify])
+        dev = ctx.device
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            out_slots=torch.tensor(out_slots, dtype=torch.long, device=dev),
+            input_ids=torch.tensor(rows.ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(rows.pos, dtype=torch.long, device=dev),
+            out_slots=torch.tensor(rows.out_slots, dtype=torch.long, device=dev),
             num_decode=len(singles),
             decode_kv_idx=kv_idx,
             decode_mask=mask,
             decode_mirror=mirror_buf,
-            prefills=segs,
-            logits_idx=torch.tensor(logits_at, dtype=torch.long, device=dev),
-            verifies=verifies,
+            prefills=rows.segs,
+            logits_idx=torch.tensor(rows.logits_at, dtype=torch.long, device=dev),
+            verifies=rows.verifies,
             backend=self,
-            item_rows=item_rows,
+            item_rows=rows.item_rows,
         )
-        return batch, sampling
+        return batch, rows.sampling
 
     def describe(self) -> str:
         return "reference (F.linear, SDPA)"
@@ -179,3 +120,71 @@ class ScoringBackend(ReferenceBackend):
 
 
 REFERENCE = ReferenceBackend()
+
+
+class _Rows:
+    """A step's token rows as the reference backend lays them out: decodes first, then the verify
+    items, then the prefill chunks; which rows get logits, and the items that sample."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.dev = dev
+        self.ids: list[int] = []
+        self.pos: list[int] = []
+        self.out_slots: list[int] = []
+        self.logits_at: list[int] = []
+        self.sampling: list[StepItem] = []
+        self.item_rows: list[tuple[StepItem, int]] = []
+        self.verifies: list[tuple[int, int, int, torch.Tensor]] = []
+        self.segs: list[PrefillSegment] = []
+
+    def _row(self, it: StepItem, p: int) -> None:
+        self.ids.append(it.req.all_ids[p])
+        self.pos.append(p)
+        self.out_slots.append(it.req.slots[p])
+
+    def add_decodes(self, singles: list[StepItem], dense: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One row per decode; ``dense``: also the padded slot table (else the decode mirror has it)."""
+        if not singles:
+            return None, None
+        width = max(it.start + 1 for it in singles)
+        table, lens = [], []
+        for it in singles:
+            n = it.start + 1
+            self.item_rows.append((it, len(self.ids)))
+            self._row(it, it.start)
+            if dense:
+                table.append(it.req.slots[:n] + [0] * (width - n))
+            lens.append(n)
+            if it.samples:
+                self.logits_at.append(len(self.ids) - 1)
+                self.sampling.append(it)
+        kv_idx = torch.tensor(table, dtype=torch.long, device=self.dev) if dense else None
+        lens_t = torch.tensor(lens, device=self.dev).unsqueeze(1)
+        mask = (torch.arange(width, device=self.dev).unsqueeze(0) < lens_t)[:, None, None, :]
+        return kv_idx, mask
+
+    def add_verifies(self, items: list[StepItem]) -> None:
+        """Jump-forward: [last token, drafts...], every position with logits (each predicts the
+        next token), attending position by position like plain decoding."""
+        for it in items:
+            first = len(self.ids)
+            self.item_rows.append((it, first))
+            for p in range(it.start, it.start + it.length):
+                self._row(it, p)
+                self.logits_at.append(len(self.ids) - 1)
+            self.sampling.append(it)
+            kv = torch.tensor(it.req.slots[: it.start + it.length], dtype=torch.long, device=self.dev)
+            self.verifies.append((first, it.start, it.length, kv))
+
+    def add_chunks(self, items: list[StepItem]) -> None:
+        for it in items:
+            r, s, n = it.req, it.start, it.length
+            first = len(self.ids)
+            self.item_rows.append((it, first))
+            self.ids.extend(r.all_ids[s : s + n])
+            self.pos.extend(range(s, s + n))
+            self.out_slots.extend(r.slots[s : s + n])
+            self.segs.append(prefill_segment(first, s, n, r.slots, self.dev))
+            if it.samples:
+                self.logits_at.append(len(self.ids) - 1)
+                self.sampling.append(it)

@@ -1,0 +1,154 @@
+"""Building an engine from its config: the weights, a draft model, the KV pool sized for both, the
+CPU kernels (and the threads while they build), the model runner, the sampler and the speculator.
+``Engine.__init__`` calls ``build`` and keeps what it returns."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from tripod import kernels
+from tripod.config import EngineConfig
+from tripod.engine.model_runner import ModelRunner
+from tripod.engine.sampler import Sampler
+from tripod.engine.speculative.factory import extra_bytes_per_token, load_draft, make_proposer
+from tripod.engine.speculative.proposer import Proposer
+from tripod.loader import LoadedModel, load_model
+from tripod.memory.kv_pool import Pool, slots_from_budget
+
+log = logging.getLogger("tripod.engine.engine")
+
+
+def resolve_config(config: EngineConfig | None, model: str | None, dtype: str, device: str,
+                   overrides: dict[str, Any]) -> EngineConfig:
+    """The engine's config: the given one with the explicit arguments winning, or one built from them."""
+    if config is None:
+        return EngineConfig(model=model, dtype=dtype, device=device, **overrides)
+    if model is not None:
+        overrides["model"] = model
+    if dtype != "auto":
+        overrides["dtype"] = dtype
+    if device != "cpu":
+        overrides["device"] = device
+    return replace(config, **overrides) if overrides else config
+
+
+class BuildThreads:
+    """While the kernels build in the background the compiler holds a core; a parallel region whose
+    thread shares that core waits for it at every barrier (10x slower steps on 2 cores), so the
+    engine serves on one thread fewer until the build ends."""
+
+    def __init__(self) -> None:
+        self.after: int | None = None
+        if kernels.building() and torch.get_num_threads() > 1:
+            self.after = torch.get_num_threads()
+            torch.set_num_threads(self.after - 1)
+
+    def restore_when_built(self) -> None:
+        if self.after is not None and not kernels.building():
+            torch.set_num_threads(self.after)  # the build is over
+            self.after = None
+
+
+@dataclass(slots=True)
+class EngineParts:
+    """What ``build`` makes; the engine keeps each as an attribute of the same name."""
+
+    device: torch.device
+    dtype: torch.dtype
+    loaded: LoadedModel
+    draft: LoadedModel | None
+    pool: Pool
+    num_slots: int
+    bytes_per_slot: int  # the target's and the draft's K/V for one token, and any extra
+    kv_bytes_per_token: int
+    context_len: int
+    threads: BuildThreads
+    runner: ModelRunner
+    sampler: Sampler
+    proposer: Proposer | None
+    eos_ids: frozenset[int]
+
+
+def load_weights(config: EngineConfig, loaded: LoadedModel | None, dtype: torch.dtype,
+                 device: torch.device) -> LoadedModel:
+    if loaded is not None and config.weights != "dequantized" and loaded.weights != config.weights:
+        if config.weights == "fp8":
+            raise ValueError("--weights fp8 needs the model loaded with its FP8 weights (load_model(..., weights='fp8'))")
+        raise ValueError("--weights stored needs the model loaded with its stored weights (load_model(..., weights='stored'))")
+    return loaded or load_model(config.model, dtype, device, weights=config.weights)
+
+
+def start_kernels(config: EngineConfig, path: str, device: torch.device) -> None:
+    """Refuse a forced kernel level this CPU lacks; load (or start building) the kernels."""
+    level = config.kernel_level
+    if level is not None:
+        why = kernels.unavailable_reason(level)
+        if why is not None:
+            raise ValueError(f"--kernels {level} cannot run here: {why}; use --kernels optimized (the best level "
+                             f"this CPU supports: {kernels.best_level() or 'none'}) or eager")
+    if path == "optimized" and device.type == "cpu":
+        # "optimized", a level or stored weights asked for explicitly: wait for the kernels'
+        # build (tests, benchmarks); under "auto" serve on torch's ops while it builds in
+        # the background, and switch when it is loaded.
+        kernels.load(level, wait=config.kernels != "auto" or config.weights == "stored")
+
+
+def eos_ids_of(loaded: LoadedModel) -> frozenset[int]:
+    eos = set(loaded.config.eos_token_ids)
+    if getattr(loaded.tokenizer, "eos_token_id", None) is not None:
+        eos.add(int(loaded.tokenizer.eos_token_id))
+    return frozenset(eos)
+
+
+def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
+    """Every part of an engine, in dependency order (the pool is sized once the draft is known)."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = config.torch_device()
+    dtype = config.torch_dtype(device)
+    loaded = load_weights(config, loaded, dtype, device)
+    mc = loaded.config
+    draft = load_draft(config, loaded, dtype, device)
+    per_token = mc.pool_spec().bytes_per_token(dtype) + extra_bytes_per_token(config, loaded, dtype)
+    if draft is not None:
+        # NOTE: the draft's K/V live at the target's slot ids: one token slot costs both.
+        per_token += draft.config.pool_spec().bytes_per_token(dtype)
+    num_slots = slots_from_budget(kv_cache_tokens=config.kv_cache_tokens, kv_mem_fraction=config.kv_mem_fraction,
+                                  bytes_per_token=per_token, device=device, max_tokens_cap=config.max_kv_cache_tokens)
+    pool = mc.pool_spec().make(num_slots, dtype, device)
+    kv_bytes = mc.pool_spec().bytes_per_token(dtype)
+    if mc.mla is not None:
+        log.info("MLA latent KV: %d bytes per token (the same model with MHA: %d)", kv_bytes,
+                 mc.mha_equivalent_spec().bytes_per_token(dtype))
+    context_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    max_len = min(context_len, num_slots)
+    path = config.compute_path(dtype)
+    start_kernels(config, path, device)
+    threads = BuildThreads()
+    runner = ModelRunner(loaded.model, pool, device, use_mirror=config.decode_mirror, path=path, max_len=max_len,
+                         stored=config.weights == "stored", level=config.kernel_level)
+    if config.weights == "stored" and runner.kernel_reason is not None:
+        raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {runner.kernel_reason}")
+    sampler = Sampler(device, config.seed)
+    proposer = make_proposer(config, loaded, draft, pool, sampler, path=path, max_len=max_len, device=device,
+                              dtype=dtype)
+    return EngineParts(device=device, dtype=dtype, loaded=loaded, draft=draft, pool=pool, num_slots=num_slots,
+                       bytes_per_slot=per_token, kv_bytes_per_token=kv_bytes, context_len=context_len,
+                       threads=threads, runner=runner, sampler=sampler, proposer=proposer,
+                       eos_ids=eos_ids_of(loaded))
+
+
+def log_started(config: EngineConfig, parts: EngineParts, seconds: float) -> None:
+    p = parts
+    log.info(
+        "tripod engine: model=%s (%s, stored as %s, weights %s) dtype=%s device=%s kv_slots=%d (%.0f MiB) "
+        "context=%d compute=%s speculative=%s loaded in %.1fs",
+        p.loaded.name, p.loaded.config.architecture, p.loaded.quantization,
+        {"stored": "executed as stored", "fp8": "kept in FP8 (w8a16)"}.get(config.weights, "dequantized"),
+        str(p.dtype).removeprefix("torch."), p.device, p.num_slots, p.num_slots * p.bytes_per_slot / 2**20,
+        p.context_len, p.runner.describe(), config.speculative or "off", seconds,
+    )
