@@ -127,3 +127,28 @@ def test_server_sent_events_frame_and_parse() -> None:
     events = asyncio.run(parse())
     assert events == [("message", '"tick 0"'), ("end", '{"items":1}')]
     assert decode_value(events[0][1]) == "tick 0"
+
+
+def test_the_chain_description_round_trips() -> None:
+    from tripod.protocol.chains import (
+        ChainInfo,
+        ChainletInfo,
+        ChainletReplicas,
+        DependencyInfo,
+        EntrypointInfo,
+        LLMInfo,
+        ModelInfo,
+    )
+
+    info = ChainInfo(
+        entrypoint="Writer", file="/x/chain.py", backend="local", streaming=False,
+        entrypoint_options=EntrypointInfo(1, None),
+        chainlets={"Writer": ChainletInfo(
+            streaming=False, input_schema={"type": "object"}, output_schema=None,
+            replicas=ChainletReplicas(1, 1, [{"name": "r0", "url": "http://127.0.0.1:1"}], {"r0": 0}),
+            dependencies={"critic": DependencyInfo("Critic", 2, 20, 2)},
+            llms={"llm": LLMInfo("judge", {"temperature": 0})})},
+        models={"judge": ModelInfo("url", 1, [])})
+    assert decode(encode(info), ChainInfo) == info
+    assert json.loads(encode(info))["chainlets"]["Writer"]["dependencies"]["critic"] == \
+        {"chainlet": "Critic", "retries": 2, "timeout_s": 20, "replicas": 2}

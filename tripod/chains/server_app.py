@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import uvicorn
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from tripod.asgi import DrainingServer
@@ -27,7 +27,18 @@ from tripod.chains.core import entrypoint_options
 from tripod.chains.errors import ChainletError
 from tripod.chains.serving import run_endpoint
 from tripod.fleet.multi import multi_router_routes
-from tripod.protocol.chains import ChainHealth, ReplicaList, encode
+from tripod.protocol.chains import (
+    ChainHealth,
+    ChainInfo,
+    ChainletInfo,
+    ChainletReplicas,
+    DependencyInfo,
+    EntrypointInfo,
+    LLMInfo,
+    ModelInfo,
+    ReplicaList,
+    encode,
+)
 from tripod.router.merge import merge_pages
 
 if TYPE_CHECKING:
@@ -38,28 +49,26 @@ log = logging.getLogger("tripod.chains")
 CLIENT = "client"  # the caller name of calls made by the chain server (to the entrypoint)
 
 
-def describe(server: ChainServer) -> dict[str, Any]:
+def describe(server: ChainServer) -> ChainInfo:
     """``GET /chain``: the graph, each chainlet's contract, replicas, dependencies and LLMs, the models."""
     chainlets = {}
     for name, f in server.fleets.items():
         node = f.node
-        chainlets[name] = {
-            **node.cls.__tripod_signature__.describe(),
-            "replicas": {"desired": node.replicas, "routable": len(f.router.routable()),
-                         "list": [r.describe() for r in f.router.replicas.values()],
-                         "restarts": f.supervisor.info()["restarts"]},
-            "dependencies": {param: {"chainlet": d.cls.__name__, "retries": d.retries, "timeout_s": d.timeout_s,
-                                     "replicas": d.replicas} for param, d in node.deps.items()},
-            "llms": {attr: {"model": s.model, "defaults": s.defaults} for attr, s in node.llms.items()},
-        }
+        replicas = ChainletReplicas(node.replicas, len(f.router.routable()),
+                                    [r.describe() for r in f.router.replicas.values()],
+                                    f.supervisor.info()["restarts"])
+        chainlets[name] = ChainletInfo(
+            **node.cls.__tripod_signature__.describe(), replicas=replicas,
+            dependencies={param: DependencyInfo(d.cls.__name__, d.retries, d.timeout_s, d.replicas)
+                          for param, d in node.deps.items()},
+            llms={attr: LLMInfo(s.model, s.defaults) for attr, s in node.llms.items()})
     opts = entrypoint_options(server.graph.entrypoint)
-    return {"entrypoint": server.graph.entrypoint.__name__, "file": str(Path(server.cfg.file).resolve()),
-            "backend": server.cfg.backend, "streaming": server.sig.streaming,
-            "entrypoint_options": {"retries": opts.retries, "timeout_s": opts.timeout_s},
-            "chainlets": chainlets,
-            "models": {n: {"source": m.source, "routable_replicas": len(m.router.routable()),
-                           "replicas": [r.describe() for r in m.router.replicas.values()]}
-                       for n, m in server.models.fleets.items()}}
+    return ChainInfo(entrypoint=server.graph.entrypoint.__name__, file=str(Path(server.cfg.file).resolve()),
+                     backend=server.cfg.backend, streaming=server.sig.streaming,
+                     entrypoint_options=EntrypointInfo(opts.retries, opts.timeout_s), chainlets=chainlets,
+                     models={n: ModelInfo(m.source, len(m.router.routable()),
+                                          [r.describe() for r in m.router.replicas.values()])
+                             for n, m in server.models.fleets.items()})
 
 
 async def metrics_page(server: ChainServer) -> bytes:
@@ -122,7 +131,7 @@ def chain_routes(server: ChainServer) -> list[Route]:
         return Response(await metrics_page(server), media_type="text/plain; version=0.0.4")
 
     async def chain(_: Request) -> Response:
-        return JSONResponse(describe(server))
+        return _json(describe(server))
 
     async def replicas(_: Request) -> Response:
         return _json(ReplicaList({n: [r.url for r in f.router.routable()] for n, f in server.fleets.items()}))

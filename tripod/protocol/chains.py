@@ -12,7 +12,8 @@ which pydantic checks against its ``run`` signature (``tripod.chains.signature``
 - A failure: an ``ErrorBody`` (an OpenAI-style error with ``chainlet``, ``path``, ``retryable``,
   ``detail`` and ``status``, so a caller one hop up rebuilds the error exactly) with its status.
 - ``GET /chain/replicas`` of the chain server: a ``ReplicaList`` (how chainlets find each other).
-- ``GET /health``: ``WorkerHealth`` from a replica, ``ChainHealth`` from the chain server.
+- ``GET /health``: ``WorkerHealth`` from a replica, ``ChainHealth`` from the chain server;
+  ``GET /chain``: ``ChainInfo``, the graph with each chainlet's contract and replicas.
 
 Torch-free and pydantic-free: it imports msgspec only.
 """
@@ -98,6 +99,75 @@ class ChainHealth(msgspec.Struct):
     entrypoint: str
     chainlets: dict[str, int]
     models: dict[str, int]
+
+
+# --------------------------------------------------------------------------- GET /chain
+ReplicaDescriptions = list[dict[str, Any]]  # each replica as its router describes it (the router's shape)
+
+
+class DependencyInfo(msgspec.Struct):
+    """One ``chains.depends`` edge: the callee and how it is called."""
+
+    chainlet: str
+    retries: int
+    timeout_s: float | None
+    replicas: int
+
+
+class LLMInfo(msgspec.Struct):
+    """One ``chains.llm`` attribute: the model and the request defaults."""
+
+    model: str
+    defaults: dict[str, Any]
+
+
+class ChainletReplicas(msgspec.Struct):
+    """A chainlet's replicas: how many are asked for and routable, each one as its router
+    describes it, and the restarts of each slot."""
+
+    desired: int
+    routable: int
+    list: ReplicaDescriptions  # NOTE: the field is named list, so the annotation cannot say list[...]
+    restarts: dict[str, int]
+
+
+class ChainletInfo(msgspec.Struct, kw_only=True):
+    """One chainlet of ``GET /chain``: its contract (JSON schemas of its parameters and answer),
+    its replicas, what it calls and which models it uses."""
+
+    streaming: bool
+    input_schema: dict[str, Any]
+    output_schema: dict[str, Any] | None
+    replicas: ChainletReplicas
+    dependencies: dict[str, DependencyInfo]
+    llms: dict[str, LLMInfo]
+
+
+class EntrypointInfo(msgspec.Struct):
+    """How the chain server calls the entrypoint."""
+
+    retries: int
+    timeout_s: float | None
+
+
+class ModelInfo(msgspec.Struct):
+    """One model of ``GET /chain``: where it is served from and its replicas."""
+
+    source: str
+    routable_replicas: int
+    replicas: ReplicaDescriptions
+
+
+class ChainInfo(msgspec.Struct, kw_only=True):
+    """``GET /chain``: the graph of a served chain."""
+
+    entrypoint: str
+    file: str
+    backend: str
+    streaming: bool
+    entrypoint_options: EntrypointInfo
+    chainlets: dict[str, ChainletInfo]
+    models: dict[str, ModelInfo]
 
 
 # --------------------------------------------------------------------------- the codec
