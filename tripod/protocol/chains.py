@@ -15,11 +15,13 @@ which pydantic checks against its ``run`` signature (``tripod.chains.signature``
 - ``GET /health``: ``WorkerHealth`` from a replica, ``ChainHealth`` from the chain server;
   ``GET /chain``: ``ChainInfo``, the graph with each chainlet's contract and replicas.
 
-Torch-free and pydantic-free: it imports msgspec only.
+Torch-free and pydantic-free: it imports msgspec only. The arguments and answers may hold NaN or
+±Infinity as Python's ``json`` writes them (not JSON strictly, but what the peers always sent).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
@@ -190,8 +192,13 @@ def decode(raw: bytes | str, into: type[T]) -> T:
 
 
 def decode_value(raw: bytes | str) -> Any:
-    """An answer or one streamed item: JSON-shaped data, typed later by the callee's annotation."""
-    return msgspec.json.decode(raw)
+    """An answer or one streamed item (or a call's arguments): JSON-shaped data, typed later by the
+    callee's annotations. NaN and ±Infinity are read as Python's ``json`` writes them (a float the
+    user's code returned); anything else that is not JSON raises ``ValueError``."""
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return json.loads(raw)  # NOTE: the slow path, only for the non-finite constants
 
 
 def _json_constants(value: Any) -> Any:
@@ -218,8 +225,9 @@ def call_from_json(payload: Any) -> ChainCall:
 
 
 def decode_call(raw: bytes) -> ChainCall:
-    """The callee's side, from the raw body (empty: a call without arguments)."""
-    return ChainCall(decode(raw, dict[str, Any]) if raw.strip() else {})
+    """The callee's side, from the raw body (empty: a call without arguments): ``ValueError`` when
+    it is not JSON, ``msgspec.ValidationError`` when it is not an object of arguments by name."""
+    return call_from_json(decode_value(raw)) if raw.strip() else ChainCall({})
 
 
 # --------------------------------------------------------------------------- server-sent events
