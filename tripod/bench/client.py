@@ -24,7 +24,8 @@ class Target:
     ignore_eos: bool = True  # send ``ignore_eos`` (tripod, vLLM and llama.cpp honour it)
 
 
-async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest, timeout: float) -> RequestResult:
+def request_body(target: Target, req: BenchRequest) -> tuple[str, dict[str, Any]]:
+    """The path and the streamed, greedy body of ``req`` for ``target``."""
     body: dict[str, Any] = {"max_tokens": req.max_tokens, "stream": True, "temperature": 0.0,
                             "stream_options": {"include_usage": True}, **req.extra}
     if target.model:
@@ -36,6 +37,32 @@ async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest, tim
         path, body["messages"] = "/v1/chat/completions", req.messages
     else:
         path, body["prompt"] = "/v1/completions", req.prompt
+    return path, body
+
+
+def _record_chunk(res: RequestResult, obj: dict[str, Any], now: float, last: float | None,
+                  chunks: int) -> tuple[float | None, int]:
+    """Time the text pieces of one streamed chunk and take its usage; (last piece's time, pieces so far)."""
+    for ch in obj.get("choices") or []:
+        piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+        if piece:
+            chunks += 1
+            if res.ttft is None:
+                res.ttft = now - res.start
+            elif last is not None:
+                res.itl.append(now - last)
+            last = now
+    usage = obj.get("usage")
+    if usage:
+        res.output_tokens = int(usage.get("completion_tokens") or 0)
+        res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        res.cached_tokens = int(details.get("cached_tokens") or 0)
+    return last, chunks
+
+
+async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest, timeout: float) -> RequestResult:
+    path, body = request_body(target, req)
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     res = RequestResult(start=time.perf_counter(), session=req.session)
     last = None
@@ -57,22 +84,7 @@ async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest, tim
                 if "error" in obj:
                     res.error = "stream_error"
                     return res
-                now = time.perf_counter()
-                for ch in obj.get("choices") or []:
-                    piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
-                    if piece:
-                        chunks += 1
-                        if res.ttft is None:
-                            res.ttft = now - res.start
-                        elif last is not None:
-                            res.itl.append(now - last)
-                        last = now
-                usage = obj.get("usage")
-                if usage:
-                    res.output_tokens = int(usage.get("completion_tokens") or 0)
-                    res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    res.cached_tokens = int(details.get("cached_tokens") or 0)
+                last, chunks = _record_chunk(res, obj, time.perf_counter(), last, chunks)
     except httpx.TimeoutException:
         res.error = "timeout"
         return res

@@ -61,6 +61,20 @@ def _length(rng: random.Random, mean: int, ratio: float) -> int:
     return rng.randint(lo, hi)
 
 
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """The options of ``make_requests`` that shape the traffic."""
+
+    isl: int
+    osl: int
+    range_ratio: float
+    seed: int
+    prefix_len: int
+    num_groups: int
+    turns: int
+    think_time: float
+
+
 def make_requests(
     name: str,
     count: int,
@@ -80,49 +94,72 @@ def make_requests(
         raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     rng = random.Random(seed)
     mk = TextMaker(tokenizer, rng)
-    out: list[BenchRequest] = []
-    if name == "random":
-        for i in range(count):
-            # A distinct lead word per request: no two prompts share a cached prefix.
-            out.append(BenchRequest(_length(rng, osl, range_ratio),
-                                    prompt=mk.text(_length(rng, isl, range_ratio), lead=f"Request {seed}-{i}:")))
-    elif name == "shared-prefix":
-        prefixes = [mk.text(prefix_len, lead=f"System {seed}-{g}:") for g in range(num_groups)]
-        for i in range(count):
-            q = mk.text(_length(rng, isl, range_ratio), lead=f"Question {i}:")
-            out.append(BenchRequest(_length(rng, osl, range_ratio), prompt=prefixes[i % num_groups] + "\n" + q))
-    elif name == "copy":
-        from tripod.bench.copy_tasks import copy_prompts
+    shape = _Shape(isl, osl, range_ratio, seed, prefix_len, num_groups, turns, think_time)
+    if name == "copy":
+        return _copy(count, tokenizer, rng, shape)
+    make = {"random": _random, "shared-prefix": _shared_prefix, "structured": _structured}.get(name, _agentic)
+    return make(count, mk, rng, shape)
 
-        for i, text in enumerate(copy_prompts(count, tokenizer, isl, rng)):
-            # A distinct lead per request: no two prompts share a cached prefix beyond the chat header.
-            out.append(BenchRequest(osl, messages=[{"role": "user", "content": f"Task {seed}-{i}. {text}"}],
-                                    extra={"ignore_eos": False}))
-    elif name == "structured":
-        for i in range(count):
-            schema = _SCHEMAS[i % len(_SCHEMAS)]
-            out.append(BenchRequest(
-                osl, messages=[{"role": "user", "content": f"Request {i}: " + mk.text(max(8, isl - 16))
-                                + " Answer as JSON."}],
-                extra={"response_format": {"type": "json_schema", "json_schema": {"name": f"s{i % len(_SCHEMAS)}",
-                                                                                  "schema": schema}}},
-            ))
-    else:  # agentic: sessions whose context grows turn by turn; some branch from a parent
-        sessions = max(1, -(-count // turns))
-        histories: list[list[dict[str, str]]] = []
-        for s in range(sessions):
-            parent = histories[rng.randrange(len(histories))] if histories and rng.random() < 0.25 else None
-            history = [dict(m) for m in parent[: 1 + 2 * rng.randint(0, turns - 1)]] if parent else [
-                {"role": "system", "content": mk.text(prefix_len // 2, lead=f"Agent {seed}-{s}:")}]
-            for t in range(turns):
-                if len(out) >= count:
-                    break
-                kind = "Tool output" if t % 2 else "User"
-                history = [*history, {"role": "user", "content": f"{kind} {t}: " + mk.text(_length(rng, isl, range_ratio))}]
-                out.append(BenchRequest(_length(rng, osl, range_ratio), messages=history, session=f"s{seed}-{s}",
-                                        turn=t, think_time=rng.expovariate(1 / think_time) if think_time > 0 and t else 0.0))
-                history = [*history, {"role": "assistant", "content": mk.text(_length(rng, osl, range_ratio))}]
-            histories.append(history)
+
+def _random(count: int, mk: TextMaker, rng: random.Random, o: _Shape) -> list[BenchRequest]:
+    # A distinct lead word per request: no two prompts share a cached prefix.
+    return [BenchRequest(_length(rng, o.osl, o.range_ratio),
+                         prompt=mk.text(_length(rng, o.isl, o.range_ratio), lead=f"Request {o.seed}-{i}:"))
+            for i in range(count)]
+
+
+def _shared_prefix(count: int, mk: TextMaker, rng: random.Random, o: _Shape) -> list[BenchRequest]:
+    prefixes = [mk.text(o.prefix_len, lead=f"System {o.seed}-{g}:") for g in range(o.num_groups)]
+    out = []
+    for i in range(count):
+        q = mk.text(_length(rng, o.isl, o.range_ratio), lead=f"Question {i}:")
+        out.append(BenchRequest(_length(rng, o.osl, o.range_ratio), prompt=prefixes[i % o.num_groups] + "\n" + q))
+    return out
+
+
+def _copy(count: int, tokenizer: Any, rng: random.Random, o: _Shape) -> list[BenchRequest]:
+    from tripod.bench.copy_tasks import copy_prompts
+
+    # A distinct lead per request: no two prompts share a cached prefix beyond the chat header.
+    return [BenchRequest(o.osl, messages=[{"role": "user", "content": f"Task {o.seed}-{i}. {text}"}],
+                         extra={"ignore_eos": False})
+            for i, text in enumerate(copy_prompts(count, tokenizer, o.isl, rng))]
+
+
+def _structured(count: int, mk: TextMaker, rng: random.Random, o: _Shape) -> list[BenchRequest]:
+    out = []
+    for i in range(count):
+        schema = _SCHEMAS[i % len(_SCHEMAS)]
+        out.append(BenchRequest(
+            o.osl, messages=[{"role": "user", "content": f"Request {i}: " + mk.text(max(8, o.isl - 16))
+                              + " Answer as JSON."}],
+            extra={"response_format": {"type": "json_schema", "json_schema": {"name": f"s{i % len(_SCHEMAS)}",
+                                                                              "schema": schema}}},
+        ))
+    return out
+
+
+def _agentic(count: int, mk: TextMaker, rng: random.Random, o: _Shape) -> list[BenchRequest]:
+    """Sessions whose context grows turn by turn; some branch from a parent."""
+    out: list[BenchRequest] = []
+    turns = o.turns
+    sessions = max(1, -(-count // turns))
+    histories: list[list[dict[str, str]]] = []
+    for s in range(sessions):
+        parent = histories[rng.randrange(len(histories))] if histories and rng.random() < 0.25 else None
+        history = [dict(m) for m in parent[: 1 + 2 * rng.randint(0, turns - 1)]] if parent else [
+            {"role": "system", "content": mk.text(o.prefix_len // 2, lead=f"Agent {o.seed}-{s}:")}]
+        for t in range(turns):
+            if len(out) >= count:
+                break
+            kind = "Tool output" if t % 2 else "User"
+            history = [*history, {"role": "user", "content": f"{kind} {t}: "
+                                  + mk.text(_length(rng, o.isl, o.range_ratio))}]
+            max_tokens = _length(rng, o.osl, o.range_ratio)
+            think = rng.expovariate(1 / o.think_time) if o.think_time > 0 and t else 0.0
+            out.append(BenchRequest(max_tokens, messages=history, session=f"s{o.seed}-{s}", turn=t, think_time=think))
+            history = [*history, {"role": "assistant", "content": mk.text(_length(rng, o.osl, o.range_ratio))}]
+        histories.append(history)
     return out
 
 

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ import httpx
 
 from tripod.bench import machine
 from tripod.bench.client import Target, served_models
-from tripod.bench.datasets import DATASETS, TRACE, make_requests
+from tripod.bench.datasets import DATASETS, TRACE, BenchRequest, make_requests
 from tripod.bench.metrics import RequestResult, summarize
 from tripod.bench.report import served_text, write_all
 
@@ -120,7 +121,19 @@ def compare(dirs: list[str], out: str) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass(slots=True)
+class _Plan:
+    """What a run measures, checked before anything starts."""
+
+    targets: list[Target]
+    levels: list[int]  # closed loop: the concurrency levels ([] for open loop and trace)
+    trace: list[BenchRequest] | None  # --dataset trace: the recording
+    tok: Any  # the tokenizer that sets generated lengths (None for a trace)
+    slo_ttft: float | None
+    slo_tpot: float | None
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
     targets = [parse_target(s, args.api_key) for s in args.base_url]
     if not targets and not args.launch:
         raise ValueError("give at least one --base-url, or --launch")
@@ -146,62 +159,85 @@ def run(args: argparse.Namespace) -> int:
         from tripod.loader import load_tokenizer
 
         tok = load_tokenizer(args.tokenizer).tokenizer
-    launched = None
-    if args.launch:
-        launched, url = _launch(args.launch_args)
-        targets.insert(0, Target(url, "tripod", None, None))
-    out = Path(args.out)
-    config = {
+    return _Plan(targets, levels, trace, tok, slo_ttft, slo_tpot)
+
+
+def _run_config(args: argparse.Namespace, targets: list[Target]) -> dict[str, Any]:
+    """The ``config`` of results.json: the tool, the targets, the machine and every option."""
+    return {
         "tool": "tripod bench", "version": _version(), "targets": [
             {"base_url": t.base_url, "label": t.label, "model": t.model} for t in targets],
         "model": args.tokenizer or "embedded SmolLM2-135M-Instruct", "machine": machine.describe(),
         "options": {k: v for k, v in vars(args).items() if k not in ("api_key", "func")},
         "machines": args.machines, "cost_per_hour": args.cost_per_hour, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    runs: list[dict[str, Any]] = []
-    interrupted = False
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
     # NOTE: Ctrl-C must never raise KeyboardInterrupt at an arbitrary point (it once landed in the
     # middle of importing matplotlib, which then could not draw): the first one asks the level in
     # flight to stop and the run to end after writing; a second one is the usual hard stop.
-    def on_sigint(signum: int, frame: Any) -> None:
-        _STOP.requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if _STOP.loop is not None and _STOP.task is not None:
-            _STOP.loop.call_soon_threadsafe(_STOP.task.cancel)
+    _STOP.requested = True
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if _STOP.loop is not None and _STOP.task is not None:
+        _STOP.loop.call_soon_threadsafe(_STOP.task.cancel)
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+
+def _level_requests(args: argparse.Namespace, plan: _Plan,
+                    conc: int | None) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """(warm-up, measured) requests of one level."""
+    if plan.trace is not None:  # the recording is the workload, cold start included: no warm-up
+        return [], plan.trace
+    count = conc * args.prompts_per_concurrency if conc else args.num_prompts
+    reqs = make_requests(args.dataset, count + args.warmup, plan.tok, isl=args.isl, osl=args.osl,
+                         range_ratio=args.range_ratio, seed=args.seed + (conc or 0), prefix_len=args.prefix_len,
+                         num_groups=args.num_groups, turns=args.turns, think_time=args.think_time)
+    return reqs[: args.warmup], reqs[args.warmup :]
+
+
+def _sweep(args: argparse.Namespace, plan: _Plan, config: dict[str, Any], out: Path,
+           runs: list[dict[str, Any]]) -> None:
+    """Measure every level of every target into ``runs`` (written after each level); raises
+    KeyboardInterrupt when a level was interrupted."""
+    trace = plan.trace
+    for target in plan.targets:
+        sweep: list[tuple[int | None, float | None]] = (
+            [(None, None)] if trace is not None else [(c, None) for c in plan.levels] or [(None, args.request_rate)])
+        for conc, rate in sweep:
+            warm, measured = _level_requests(args, plan, conc)
+            level, interrupted, spec_decode = _measure(args, target, warm, measured, conc, rate,
+                                                       replay=trace is not None)
+            summary = summarize(level.results, level.duration, slo_ttft=plan.slo_ttft, slo_tpot=plan.slo_tpot,
+                                machines=args.machines, cost_per_hour=args.cost_per_hour)
+            mode = "trace" if trace is not None else "closed" if conc else "open"
+            runs.append({"target": target.label, "mode": mode, "dataset": args.dataset,
+                         "concurrency": conc, "request_rate": rate, **summary})
+            if spec_decode is not None:  # only servers that count speculative decoding
+                runs[-1]["spec_decode"] = spec_decode
+            write_all(out, config, runs)  # after every level: an interrupted run keeps what it measured
+            _print_row(runs[-1])
+            if interrupted or _STOP.requested:
+                raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = _plan(args)
+    launched = None
+    if args.launch:
+        launched, url = _launch(args.launch_args)
+        plan.targets.insert(0, Target(url, "tripod", None, None))
+    out = Path(args.out)
+    config = _run_config(args, plan.targets)
+    runs: list[dict[str, Any]] = []
+    interrupted = False
+    previous = signal.signal(signal.SIGINT, _on_sigint)
     try:
         # Inside the try: a Ctrl-C while a target is asked still takes a launched server down.
-        record_served(config["targets"], targets)
+        record_served(config["targets"], plan.targets)
         print(f"machine: {machine.summary(config['machine'])}", file=sys.stderr)
         for entry in config["targets"]:
             print(f"{entry['label']}: {served_text(entry)}", file=sys.stderr)
-        for target in targets:
-            plan: list[tuple[int | None, float | None]] = (
-                [(None, None)] if trace is not None else [(c, None) for c in levels] or [(None, args.request_rate)])
-            for conc, rate in plan:
-                if trace is not None:  # the recording is the workload, cold start included: no warm-up
-                    warm, measured = [], trace
-                else:
-                    count = conc * args.prompts_per_concurrency if conc else args.num_prompts
-                    reqs = make_requests(args.dataset, count + args.warmup, tok, isl=args.isl, osl=args.osl,
-                                         range_ratio=args.range_ratio, seed=args.seed + (conc or 0),
-                                         prefix_len=args.prefix_len, num_groups=args.num_groups, turns=args.turns,
-                                         think_time=args.think_time)
-                    warm, measured = reqs[: args.warmup], reqs[args.warmup :]
-                level, interrupted, spec_decode = _measure(args, target, warm, measured, conc, rate,
-                                                           replay=trace is not None)
-                summary = summarize(level.results, level.duration, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
-                                    machines=args.machines, cost_per_hour=args.cost_per_hour)
-                mode = "trace" if trace is not None else "closed" if conc else "open"
-                runs.append({"target": target.label, "mode": mode, "dataset": args.dataset,
-                             "concurrency": conc, "request_rate": rate, **summary})
-                if spec_decode is not None:  # only servers that count speculative decoding
-                    runs[-1]["spec_decode"] = spec_decode
-                write_all(out, config, runs)  # after every level: an interrupted run keeps what it measured
-                _print_row(runs[-1])
-                if interrupted or _STOP.requested:
-                    raise KeyboardInterrupt
+        _sweep(args, plan, config, out, runs)
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: keeping what was measured", file=sys.stderr)

@@ -97,6 +97,38 @@ def cost_per_million(cost_per_hour: float | None, machines: int, output_throughp
     return cost_per_hour * max(machines, 1) / (output_throughput * 3600.0) * 1e6
 
 
+def meets_slo(r: RequestResult, slo_ttft: float | None, slo_tpot: float | None) -> bool:
+    """Whether ``r`` met both SLOs (in seconds; None: no limit) — what goodput counts."""
+    if slo_ttft is not None and (r.ttft is None or r.ttft > slo_ttft):
+        return False
+    t = r.tpot
+    return not (slo_tpot is not None and t is not None and t > slo_tpot)
+
+
+def session_p90_ms_per_token(ok: list[RequestResult]) -> float | None:
+    """p90 over sessions of (the session's end-to-end time / its output tokens), in ms; None without sessions."""
+    sessions: dict[str, list[RequestResult]] = {}
+    for r in ok:
+        if r.session is not None:
+            sessions.setdefault(r.session, []).append(r)
+    per_session = [
+        sum(x.e2e or 0.0 for x in turns) / toks
+        for turns in sessions.values()
+        if (toks := sum(x.output_tokens for x in turns)) > 0
+    ]
+    return percentile([v * 1000 for v in per_session], 90) if per_session else None
+
+
+def _noise(ok: list[RequestResult]) -> dict[str, Any]:
+    return {
+        "output_throughput": relative_noise(
+            [(r.output_tokens - 1) / (r.e2e - r.ttft) for r in ok
+             if r.output_tokens >= 2 and r.e2e is not None and r.ttft is not None and r.e2e > r.ttft]),
+        "ttft": relative_noise([r.ttft for r in ok if r.ttft is not None]),
+        "n": len(ok),
+    }
+
+
 def summarize(
     results: list[RequestResult],
     duration: float,
@@ -113,22 +145,6 @@ def summarize(
     in_tokens = sum(r.prompt_tokens for r in ok)
     dur = max(duration, 1e-9)
     tpot_p50 = percentile(tpots, 50)
-
-    def meets(r: RequestResult) -> bool:
-        if slo_ttft is not None and (r.ttft is None or r.ttft > slo_ttft):
-            return False
-        t = r.tpot
-        return not (slo_tpot is not None and t is not None and t > slo_tpot)
-
-    sessions: dict[str, list[RequestResult]] = {}
-    for r in ok:
-        if r.session is not None:
-            sessions.setdefault(r.session, []).append(r)
-    per_session = [
-        sum(x.e2e or 0.0 for x in turns) / toks
-        for turns in sessions.values()
-        if (toks := sum(x.output_tokens for x in turns)) > 0
-    ]
     return {
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -146,15 +162,9 @@ def summarize(
         "output_throughput_per_machine": out_tokens / dur / max(machines, 1),
         "total_throughput": (in_tokens + out_tokens) / dur,
         "interactivity": 1.0 / tpot_p50 if tpots and tpot_p50 > 0 else math.nan,
-        "goodput": sum(1 for r in ok if meets(r)) / dur,
+        "goodput": sum(1 for r in ok if meets_slo(r, slo_ttft, slo_tpot)) / dur,
         "cached_token_share": sum(r.cached_tokens for r in ok) / in_tokens if in_tokens else 0.0,
-        "session_p90_ms_per_token": percentile([v * 1000 for v in per_session], 90) if per_session else None,
+        "session_p90_ms_per_token": session_p90_ms_per_token(ok),
         "cost_per_million_output_tokens": cost_per_million(cost_per_hour, machines, out_tokens / dur),
-        "noise": {
-            "output_throughput": relative_noise(
-                [(r.output_tokens - 1) / (r.e2e - r.ttft) for r in ok
-                 if r.output_tokens >= 2 and r.e2e is not None and r.ttft is not None and r.e2e > r.ttft]),
-            "ttft": relative_noise([r.ttft for r in ok if r.ttft is not None]),
-            "n": len(ok),
-        },
+        "noise": _noise(ok),
     }

@@ -1,5 +1,5 @@
 """The programming model: ``Chainlet``, ``depends``, ``entrypoint``, ``llm``, ``Model``, and the
-typed boundary of each chainlet (``Signature``).
+graph of a chain. The typed boundary of each chainlet (``Signature``) is ``tripod.chains.signature``.
 
 A chainlet is a class with one ``run`` method (``async def``, an async generator for a streaming
 chainlet, or a plain ``def``, run in a thread). Its parameters and return annotation are the
@@ -16,24 +16,17 @@ instance built in a context gets an ``LLMClient`` for that model in their place.
 
 from __future__ import annotations
 
-import collections.abc
 import functools
 import inspect
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, get_args, get_origin
+from typing import Any, TypeVar
 
-import pydantic
-from pydantic import BaseModel, ConfigDict, TypeAdapter
-from pydantic_core import PydanticSerializationError
-
-from tripod.chains.errors import ChainError, ChainletError
+from tripod.chains.errors import ChainError
+from tripod.chains.signature import Signature
 
 T = TypeVar("T")
 C = TypeVar("C", bound=type)
-
-_STREAM_ORIGINS = (collections.abc.AsyncIterator, collections.abc.AsyncIterable, collections.abc.AsyncGenerator)
 
 
 # --------------------------------------------------------------------------- declarations
@@ -151,144 +144,6 @@ def entrypoint(cls: Any = None, *, retries: int = 0, timeout_s: float | None = N
         return c
 
     return mark(cls) if cls is not None else mark
-
-
-# --------------------------------------------------------------------------- the typed boundary
-def _field_name(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(p) for p in loc)
-
-
-def validation_error(chainlet: str, what: str, e: pydantic.ValidationError, status: int,
-                     code: str) -> ChainletError:
-    errs = e.errors(include_url=False, include_context=False, include_input=False)
-    parts = [f"{_field_name(err['loc']) or '(value)'}: {err['msg']}" for err in errs]
-    param = _field_name(errs[0]["loc"]) if errs and errs[0]["loc"] else None
-    return ChainletError(chainlet, f"{what}: " + "; ".join(parts), code=code, status=status, retryable=False,
-                         param=param, errors=[{"loc": list(err["loc"]), "msg": err["msg"], "type": err["type"]}
-                                              for err in errs])
-
-
-class Signature:
-    """The contract of one chainlet's ``run``: its parameters (a pydantic model that forbids extra
-    fields), its return or item type, and whether it streams. Type hints are resolved on first use,
-    so a model defined further down the module is fine."""
-
-    def __init__(self, cls: type[Chainlet]) -> None:
-        self.cls = cls
-        self.name = cls.__name__
-        fn = cls.__dict__.get("run") or getattr(cls, "run", None)
-        if fn is None or not callable(fn):
-            raise ChainError(f"{cls.__name__} needs a `run` method")
-        self.fn: Callable[..., Any] = fn
-        if inspect.isgeneratorfunction(fn):
-            raise ChainError(f"{cls.__name__}.run is a plain generator; make it `async def` to stream")
-        self.streaming = inspect.isasyncgenfunction(fn)
-        self.is_async = inspect.iscoroutinefunction(fn)
-        params = list(inspect.signature(fn).parameters.values())[1:]  # without self
-        for p in params:
-            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                raise ChainError(f"{cls.__name__}.run: *args/**kwargs cannot be typed at a chain boundary; "
-                                 f"name every parameter ({p.name})")
-        self.params = params
-        self.names = [p.name for p in params]
-
-    @functools.cached_property
-    def _hints(self) -> dict[str, Any]:
-        try:
-            return typing.get_type_hints(self.fn, include_extras=True)
-        except Exception as e:  # a NameError in an annotation, mostly
-            raise ChainError(f"{self.name}.run: cannot resolve its type annotations ({e})") from e
-
-    @functools.cached_property
-    def input_model(self) -> type[BaseModel]:
-        fields: dict[str, Any] = {}
-        for p in self.params:
-            ann = self._hints.get(p.name, Any)
-            fields[p.name] = (ann, ... if p.default is inspect.Parameter.empty else p.default)
-        return pydantic.create_model(  # type: ignore[call-overload, no-any-return]
-            f"{self.name}Input", __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=True), **fields)
-
-    @functools.cached_property
-    def output_type(self) -> Any:
-        ret = self._hints.get("return", Any)
-        if self.streaming:
-            if get_origin(ret) in _STREAM_ORIGINS:
-                args = get_args(ret)
-                return args[0] if args else Any
-            return Any if ret is Any or "return" not in self._hints else ret
-        if get_origin(ret) in _STREAM_ORIGINS:
-            raise ChainError(f"{self.name}.run is annotated to return {ret} but is not an async generator; "
-                             "write it with `yield` to stream")
-        return type(None) if ret is None else ret
-
-    @functools.cached_property
-    def output_adapter(self) -> TypeAdapter[Any]:
-        return TypeAdapter(self.output_type)
-
-    def encode_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """A caller's arguments as the JSON-shaped payload sent to the callee."""
-        if len(args) > len(self.names):
-            raise TypeError(f"{self.name}.run takes {len(self.names)} arguments ({len(args)} given)")
-        payload = dict(zip(self.names, args, strict=False))
-        for k, v in kwargs.items():
-            if k in payload:
-                raise TypeError(f"{self.name}.run got multiple values for argument {k!r}")
-            payload[k] = v
-        return to_jsonable(payload)
-
-    def parse_args(self, payload: Any) -> dict[str, Any]:
-        """The callee's side: the payload validated into typed arguments (400 on failure)."""
-        if not isinstance(payload, dict):
-            raise ChainletError(self.name, "the arguments must be a JSON object of the run parameters by name",
-                                code="invalid_arguments", status=400)
-        try:
-            m = self.input_model.model_validate(payload)
-        except pydantic.ValidationError as e:
-            raise validation_error(self.name, "invalid arguments", e, 400, "invalid_arguments") from None
-        return {n: getattr(m, n) for n in self.names}
-
-    def dump_output(self, value: Any) -> Any:
-        """The callee's side: its return value (or one streamed item) checked against its
-        annotation and turned into JSON-shaped data."""
-        try:
-            checked = self.output_adapter.validate_python(value)
-            return self.output_adapter.dump_python(checked, mode="json")
-        except pydantic.ValidationError as e:
-            what = "streamed an item" if self.streaming else "returned a value"
-            raise validation_error(self.name, f"{what} that does not match its annotation "
-                                   f"{_type_name(self.output_type)}", e, 500, "invalid_output") from None
-        except PydanticSerializationError as e:
-            raise ChainletError(self.name, f"returned a value that cannot be sent as JSON: {e}",
-                                code="invalid_output") from None
-
-    def parse_output(self, data: Any) -> Any:
-        """The caller's side: JSON-shaped data back into the typed value."""
-        try:
-            return self.output_adapter.validate_python(data)
-        except pydantic.ValidationError as e:
-            raise validation_error(self.name, "answered a value that does not match its annotation", e, 500,
-                                   "invalid_output") from None
-
-    def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"streaming": self.streaming, "input_schema": self.input_model.model_json_schema()}
-        try:
-            out["output_schema"] = self.output_adapter.json_schema()
-        except pydantic.PydanticUserError:
-            out["output_schema"] = None
-        return out
-
-
-def _type_name(t: Any) -> str:
-    return getattr(t, "__name__", None) or str(t)
-
-
-def to_jsonable(value: Any) -> Any:
-    from pydantic_core import to_jsonable_python
-
-    try:
-        return to_jsonable_python(value)
-    except PydanticSerializationError as e:
-        raise TypeError(f"an argument cannot be sent as JSON: {e}") from None
 
 
 # --------------------------------------------------------------------------- Chainlet

@@ -2,13 +2,17 @@
 
 A call to a chainlet fails with a ``ChainletError`` that names the chainlet (and the path of calls
 that led to it) and the cause. Over HTTP it travels as an OpenAI-style error body with the extra
-fields ``chainlet``, ``path`` and ``retryable``, so a caller one hop up can rebuild it exactly.
+fields ``chainlet``, ``path`` and ``retryable``, so a caller one hop up can rebuild it exactly
+(the body is ``tripod.protocol.chains.ErrorBody``).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import msgspec
+
+from tripod.protocol.chains import ErrorBody, ErrorInfo, FieldError, decode, encode
 
 # Status of an answer → whether a caller may try again (on another replica).
 _RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -31,7 +35,7 @@ class ChainletError(Exception):
 
     def __init__(self, chainlet: str, message: str, *, code: str = "chainlet_error", status: int = 500,
                  retryable: bool = False, path: list[str] | None = None, param: str | None = None,
-                 errors: list[dict[str, Any]] | None = None) -> None:
+                 errors: list[FieldError] | None = None) -> None:
         self.chainlet = chainlet
         self.path = list(path) if path else [chainlet]
         self.code = code
@@ -46,35 +50,36 @@ class ChainletError(Exception):
     def message(self) -> str:
         return str(self)
 
-    def body(self) -> dict[str, Any]:
+    def envelope(self) -> ErrorBody:
+        """The error as its callers receive it."""
         kind = "invalid_request_error" if 400 <= self.status < 500 and self.status != 429 else "server_error"
-        err: dict[str, Any] = {"message": self.message, "type": kind, "param": self.param, "code": self.code,
-                               "chainlet": self.chainlet, "path": self.path, "retryable": self.retryable,
-                               "detail": self.detail, "status": self.status}
-        if self.errors is not None:
-            err["errors"] = self.errors
-        return {"error": err}
+        return ErrorBody(ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code,
+                                   chainlet=self.chainlet, path=self.path, retryable=self.retryable,
+                                   detail=self.detail, status=self.status,
+                                   errors=self.errors if self.errors is not None else msgspec.UNSET))
+
+    def body(self) -> dict[str, Any]:
+        """The envelope as plain JSON-shaped data."""
+        return msgspec.to_builtins(self.envelope())  # type: ignore[no-any-return]
 
     def to_json(self) -> bytes:
-        return json.dumps(self.body(), default=str).encode()
+        return encode(self.envelope())
 
     @classmethod
     def from_body(cls, chainlet: str, status: int, raw: bytes | str) -> ChainletError:
         """Rebuild the error a chainlet answered with (or describe an answer that is not one)."""
         try:
-            err = json.loads(raw)["error"]
-            if not isinstance(err, dict):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
+            err = decode(raw, ErrorBody).error
+        except msgspec.DecodeError:
             text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
             return cls(chainlet, f"answered {status}: {text[:300]}", code="chainlet_error", status=status,
                        retryable=status in _RETRYABLE_STATUS)
-        path = err.get("path") or [chainlet]
-        status = int(err.get("status") or status)
-        return cls(str(err.get("chainlet") or chainlet), str(err.get("detail") or err.get("message") or status),
-                   code=str(err.get("code") or "chainlet_error"), status=status,
-                   retryable=bool(err.get("retryable", status in _RETRYABLE_STATUS)), path=[str(p) for p in path],
-                   param=err.get("param"), errors=err.get("errors"))
+        status = err.status or status
+        retryable = err.retryable if isinstance(err.retryable, bool) else status in _RETRYABLE_STATUS
+        errors = err.errors if isinstance(err.errors, list) else None
+        return cls(err.chainlet or chainlet, err.detail or err.message or str(status),
+                   code=err.code or "chainlet_error", status=status, retryable=retryable,
+                   path=err.path or [chainlet], param=err.param, errors=errors)
 
     def after(self, attempts: int) -> ChainletError:
         """The same error, saying how many attempts were made."""

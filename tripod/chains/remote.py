@@ -8,19 +8,19 @@ the answer back into a typed value. A lost connection, a refused one, a 5xx or a
 (``Handle`` retries it); a 4xx is not. Cancelling a call closes its connection: the replica sees
 its caller leave and cancels the work, and so on down the chain.
 
-Wire format: ``POST /run`` with the arguments by name as a JSON object; the answer is the return
-value as JSON, or for a streaming chainlet ``text/event-stream`` with one ``data:`` line of JSON
-per item, ``event: error`` (an error body) if it fails after it started, and ``event: end``.
-Errors are JSON bodies (``ChainletError.body``) with the status of the failure.
+Wire format (``tripod.protocol.chains``): ``POST /run`` with a ``ChainCall`` (the arguments by
+name as a JSON object); the answer is the return value as JSON, or for a streaming chainlet
+``text/event-stream`` with one ``data:`` line of JSON per item, ``event: error`` (an ``ErrorBody``)
+if it fails after it started, and ``event: end``. Errors are ``ErrorBody`` JSON with the status of
+the failure.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -30,6 +30,14 @@ from tripod.chains.errors import ChainletError
 from tripod.chains.llm_client import ClientPool
 from tripod.chains.metrics import ChainMetrics
 from tripod.chains.runtime import Handle
+from tripod.protocol.chains import (
+    EVENT_END,
+    EVENT_ERROR,
+    ChainCall,
+    decode_value,
+    encode_call,
+    sse_events,
+)
 
 log = logging.getLogger("tripod.chains")
 
@@ -68,7 +76,7 @@ class PollingSource(ReplicaSource):
     """Asks ``fetch()`` (the chain server's ``/chain/replicas``) every ``refresh_s``, and at once
     when a chainlet has no routable replica or one failed."""
 
-    def __init__(self, fetch: Callable[[], Any], refresh_s: float = 0.5) -> None:
+    def __init__(self, fetch: Callable[[], Awaitable[dict[str, list[str]]]], refresh_s: float = 0.5) -> None:
         self._fetch = fetch
         self.refresh_s = refresh_s
         self._urls: dict[str, list[str]] = {}
@@ -131,24 +139,6 @@ class PollingSource(ReplicaSource):
             self._wake.set()
 
 
-def _sse_events(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str, str]]:
-    async def gen() -> AsyncIterator[tuple[str, str]]:
-        event, data = "message", list[str]()
-        async for line in lines:
-            if not line:
-                if data:
-                    yield event, "\n".join(data)
-                event, data = "message", list[str]()
-            elif line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].lstrip(" "))
-        if data:
-            yield event, "\n".join(data)
-
-    return gen()
-
-
 class RemoteHandle(Handle):
     """A dependency served by other processes (see the module doc)."""
 
@@ -186,26 +176,26 @@ class RemoteHandle(Handle):
         return ChainletError(self.name, f"its replica at {url} {what} ({type(e).__name__})", code="unavailable",
                              status=503, retryable=True)
 
-    async def _once(self, payload: dict[str, Any]) -> Any:
+    async def _once(self, call: ChainCall) -> Any:
         url = await self._pick()
         self._inflight[url] = self._inflight.get(url, 0) + 1
         try:
-            r = await self.clients.get().post(url + "/run", content=json.dumps(payload).encode(),
+            r = await self.clients.get().post(url + "/run", content=encode_call(call),
                                               headers={"content-type": "application/json"})
         except httpx.HTTPError as e:
             raise self._lost(url, e) from None
         finally:
             self._inflight[url] -= 1
         if r.status_code == 200:
-            return r.json()
+            return decode_value(r.content)
         raise ChainletError.from_body(self.name, r.status_code, r.content)
 
-    async def _open(self, payload: dict[str, Any]) -> AsyncIterator[Any]:  # type: ignore[override]
+    async def _open(self, call: ChainCall) -> AsyncIterator[Any]:  # type: ignore[override]
         url = await self._pick()
         client = self.clients.get()
         self._inflight[url] = self._inflight.get(url, 0) + 1
         try:
-            req = client.build_request("POST", url + "/run", content=json.dumps(payload).encode(),
+            req = client.build_request("POST", url + "/run", content=encode_call(call),
                                        headers={"content-type": "application/json", "accept": "text/event-stream"})
             try:
                 resp = await client.send(req, stream=True)
@@ -214,12 +204,12 @@ class RemoteHandle(Handle):
             try:
                 if resp.status_code != 200:
                     raise ChainletError.from_body(self.name, resp.status_code, await resp.aread())
-                async for event, data in _sse_events(resp.aiter_lines()):
-                    if event == "end":
+                async for event, data in sse_events(resp.aiter_lines()):
+                    if event == EVENT_END:
                         return
-                    if event == "error":
+                    if event == EVENT_ERROR:
                         raise ChainletError.from_body(self.name, 500, data)
-                    yield json.loads(data)
+                    yield decode_value(data)
                 raise ChainletError(self.name, f"its stream from {url} ended without its end event",
                                     code="unavailable", status=502, retryable=True)
             except httpx.HTTPError as e:

@@ -14,6 +14,7 @@ from typing import Any
 from tripod.chains.core import Chainlet, Dependency, LLMSpec, Signature, signature
 from tripod.chains.errors import ChainletError, LLMError
 from tripod.chains.metrics import ChainMetrics
+from tripod.protocol.chains import ChainCall
 
 _current: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("tripod_chain_runtime", default=None)
 
@@ -57,10 +58,11 @@ def _as_chainlet_error(name: str, e: Exception) -> ChainletError:
     return ChainletError(name, f"{type(e).__name__}: {e}", code="chainlet_error", retryable=True)
 
 
-def parse_args(sig: Signature, payload: Any, metrics: ChainMetrics) -> dict[str, Any]:
-    """The callee's side of a call: its arguments validated (a 400 ``ChainletError`` naming the field)."""
+def parse_args(sig: Signature, call: ChainCall | Any, metrics: ChainMetrics) -> dict[str, Any]:
+    """The callee's side of a call: its arguments validated (a 400 ``ChainletError`` naming the
+    field). ``call``: a ``ChainCall`` (in this process), or the parsed JSON body of one (served)."""
     try:
-        return sig.parse_args(payload)
+        return sig.parse_call(call) if isinstance(call, ChainCall) else sig.parse_args(call)
     except ChainletError:
         metrics.calls.labels(sig.name, "invalid").inc()
         raise
@@ -143,15 +145,15 @@ class Handle:
         return f"<{type(self).__name__} {self.caller} → {self.name}>"
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        payload = self.sig.encode_call(args, kwargs)
-        return self._stream(payload) if self.sig.streaming else self._call(payload)
+        call = self.sig.encode_call(args, kwargs)
+        return self._stream(call) if self.sig.streaming else self._call(call)
 
     # transports implement these two
-    async def _once(self, payload: dict[str, Any]) -> Any:
+    async def _once(self, call: ChainCall) -> Any:
         """One attempt; the answer as JSON-shaped data, or ``ChainletError``."""
         raise NotImplementedError
 
-    def _open(self, payload: dict[str, Any]) -> AsyncIterator[Any]:
+    def _open(self, call: ChainCall) -> AsyncIterator[Any]:
         """One attempt at a stream: its items as JSON-shaped data."""
         raise NotImplementedError
 
@@ -167,17 +169,17 @@ class Handle:
         self.metrics.failures.labels(self.caller, self.name, err.code).inc()
         return err.after(attempts)
 
-    async def _call(self, payload: dict[str, Any]) -> Any:
+    async def _call(self, call: ChainCall) -> Any:
         t0 = time.perf_counter()
         attempt = 0
         try:
             while True:
                 try:
                     if self.dep.timeout_s is None:
-                        data = await self._once(payload)
+                        data = await self._once(call)
                     else:
                         async with asyncio.timeout(self.dep.timeout_s):
-                            data = await self._once(payload)
+                            data = await self._once(call)
                     self.metrics.dep_calls.labels(self.caller, self.name, "ok").inc()
                     return self.sig.parse_output(data)
                 except TimeoutError:
@@ -192,14 +194,14 @@ class Handle:
         finally:
             self.metrics.dep_latency.labels(self.caller, self.name).observe(time.perf_counter() - t0)
 
-    async def _stream(self, payload: dict[str, Any]) -> AsyncIterator[Any]:
+    async def _stream(self, call: ChainCall) -> AsyncIterator[Any]:
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         attempt = 0
         try:
             while True:
                 deadline = None if self.dep.timeout_s is None else loop.time() + self.dep.timeout_s
-                it = self._open(payload)
+                it = self._open(call)
                 started = False
                 try:
                     try:
@@ -242,11 +244,11 @@ class LocalHandle(Handle):
         super().__init__(dep, caller, metrics)
         self.instance = instance
 
-    async def _once(self, payload: dict[str, Any]) -> Any:
-        args = parse_args(self.sig, payload, self.metrics)
+    async def _once(self, call: ChainCall) -> Any:
+        args = parse_args(self.sig, call, self.metrics)
         return await execute(self.instance, self.sig, args, self.metrics)
 
-    async def _open(self, payload: dict[str, Any]) -> AsyncIterator[Any]:  # type: ignore[override]
-        args = parse_args(self.sig, payload, self.metrics)
+    async def _open(self, call: ChainCall) -> AsyncIterator[Any]:  # type: ignore[override]
+        args = parse_args(self.sig, call, self.metrics)
         async for item in execute_stream(self.instance, self.sig, args, self.metrics):
             yield item

@@ -19,6 +19,9 @@ One process, the chain server, listens on ``--host``/``--port`` and owns everyth
 Chainlets call each other directly, replica to replica (no hop through this process); they reach
 the models through this process's router. SIGTERM drains: ``/run`` answers 503, calls in flight
 finish, then every replica drains and exits. Exit 2 when start-up fails.
+
+This module builds the server (the graph, the chainlets' and the models' fleets) and runs it;
+``tripod.chains.server_app`` holds its routes and its drain.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -37,29 +39,22 @@ from typing import Any
 import httpx
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
-from tripod.asgi import DrainingServer
 from tripod.chains.core import Dependency, Graph, Model, Node, entrypoint_options
-from tripod.chains.errors import ChainletError
 from tripod.chains.llm_client import ClientPool
 from tripod.chains.loader import declared_models, load_chain
 from tripod.chains.metrics import ChainMetrics
 from tripod.chains.remote import RemoteHandle, ReplicaSource
-from tripod.chains.serving import run_endpoint
+from tripod.chains.server_app import CLIENT, ChainDrain, RunCounter, chain_routes
 from tripod.config import FleetConfig, RouterConfig
-from tripod.fleet.multi import MultiRouter, multi_router_routes
+from tripod.fleet.multi import MultiRouter
 from tripod.fleet.replicas import LocalLauncher, ReplicaLauncher
 from tripod.fleet.supervisor import Supervisor
-from tripod.router.merge import merge_pages
 from tripod.router.router import Router
 
 log = logging.getLogger("tripod.chains")
 
 WORKER = ("chains", "worker")
-CLIENT = "client"  # the caller name of calls made by the chain server (to the entrypoint)
 
 
 @dataclass
@@ -154,7 +149,7 @@ class ChainServer:
         self.fleets: dict[str, ChainletFleet] = {}
         self.models = MultiRouter()
         self.clients = ClientPool(None)
-        self._scrape = httpx.AsyncClient(timeout=2.0)
+        self.scraper = httpx.AsyncClient(timeout=2.0)  # the replicas' /metrics
         self._own_ray = False
         if cfg.backend == "ray":
             self._init_ray()
@@ -278,7 +273,7 @@ class ChainServer:
             await f.router.stop()
         await self.models.stop()
         await self.clients.aclose()
-        await self._scrape.aclose()
+        await self.scraper.aclose()
         if self._own_ray:
             import ray
 
@@ -286,140 +281,6 @@ class ChainServer:
 
     def ready(self) -> bool:
         return all(f.router.routable() for f in self.fleets.values()) and self.models.ready()
-
-    # ------------------------------------------------------------ answers
-    def describe(self) -> dict[str, Any]:
-        chainlets = {}
-        for name, f in self.fleets.items():
-            node = f.node
-            chainlets[name] = {
-                **node.cls.__tripod_signature__.describe(),
-                "replicas": {"desired": node.replicas, "routable": len(f.router.routable()),
-                             "list": [r.describe() for r in f.router.replicas.values()],
-                             "restarts": f.supervisor.info()["restarts"]},
-                "dependencies": {param: {"chainlet": d.cls.__name__, "retries": d.retries, "timeout_s": d.timeout_s,
-                                         "replicas": d.replicas} for param, d in node.deps.items()},
-                "llms": {attr: {"model": s.model, "defaults": s.defaults} for attr, s in node.llms.items()},
-            }
-        opts = entrypoint_options(self.graph.entrypoint)
-        return {"entrypoint": self.graph.entrypoint.__name__, "file": str(Path(self.cfg.file).resolve()),
-                "backend": self.cfg.backend, "streaming": self.sig.streaming,
-                "entrypoint_options": {"retries": opts.retries, "timeout_s": opts.timeout_s},
-                "chainlets": chainlets,
-                "models": {n: {"source": m.source, "routable_replicas": len(m.router.routable()),
-                               "replicas": [r.describe() for r in m.router.replicas.values()]}
-                           for n, m in self.models.fleets.items()}}
-
-    async def metrics_page(self) -> bytes:
-        targets = [(f"{name}/{rep.name}", rep.url) for name, f in self.fleets.items()
-                   for rep in f.router.replicas.values() if rep.routable]
-
-        async def scrape(url: str) -> str:
-            try:
-                r = await self._scrape.get(url + "/metrics")
-                return r.text if r.status_code == 200 else ""
-            except httpx.HTTPError:
-                return ""
-
-        texts = await asyncio.gather(*(scrape(u) for _, u in targets))
-        pages = [({"replica": "server"}, self.metrics.render().decode())]
-        pages += [({"replica": label}, text) for (label, _), text in zip(targets, texts, strict=True) if text]
-        page = merge_pages(pages)
-        if self.models.fleets:
-            page += self.models.metrics_page()
-        return page
-
-    def routes(self) -> list[Route]:
-        sig = self.sig
-
-        def parse(payload: Any) -> dict[str, Any]:
-            if self.draining:
-                raise ChainletError(sig.name, "the chain is shutting down; retry shortly", code="draining",
-                                    status=503, retryable=True)
-            try:
-                return sig.parse_args(payload)
-            except ChainletError as e:
-                self.metrics.failures.labels(CLIENT, sig.name, e.code).inc()
-                raise
-
-        async def call(args: dict[str, Any]) -> Any:
-            return sig.dump_output(await self.entry.run(**args))
-
-        async def stream(args: dict[str, Any]) -> AsyncIterator[Any]:
-            async for item in self.entry.run(**args):
-                yield sig.dump_output(item)
-
-        run = run_endpoint(sig, self.metrics, call, stream, parse)
-
-        async def health(_: Request) -> Response:
-            ok = self.ready() and not self.draining
-            status = "draining" if self.draining else ("ok" if ok else "starting")
-            return JSONResponse({"status": status, "entrypoint": sig.name,
-                                 "chainlets": {n: len(f.router.routable()) for n, f in self.fleets.items()},
-                                 "models": {n: len(m.router.routable()) for n, m in self.models.fleets.items()}},
-                                status_code=200 if ok else 503)
-
-        async def metrics(_: Request) -> Response:
-            return Response(await self.metrics_page(), media_type="text/plain; version=0.0.4")
-
-        async def chain(_: Request) -> Response:
-            return JSONResponse(self.describe())
-
-        async def replicas(_: Request) -> Response:
-            return JSONResponse({"replicas": {n: [r.url for r in f.router.routable()] for n, f in self.fleets.items()}})
-
-        return [Route("/run", run, methods=["POST"]), Route("/health", health, methods=["GET"]),
-                Route("/metrics", metrics, methods=["GET"]), Route("/chain", chain, methods=["GET"]),
-                Route("/chain/replicas", replicas, methods=["GET"]), *multi_router_routes(self.models)]
-
-
-class _Counting:
-    """Counts the ``/run`` calls in flight (a streamed one until its last byte)."""
-
-    def __init__(self, app: Any, server: ChainServer) -> None:
-        self.app = app
-        self.server = server
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("path") != "/run":
-            await self.app(scope, receive, send)
-            return
-        self.server.running += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.server.running -= 1
-
-
-class _ChainDrain(DrainingServer):
-    """Drains before the port closes: the chainlets of calls in flight still reach the models
-    through this port. The first SIGTERM/SIGINT refuses new ``/run`` calls (503) and waits (up to
-    the drain timeout) for those in flight; then uvicorn stops as usual. A second one stops now."""
-
-    def __init__(self, config: uvicorn.Config, server: ChainServer) -> None:
-        super().__init__(config, self._on_signal)
-        self.server = server
-        self._draining_task: asyncio.Task[None] | None = None
-
-    def _on_signal(self, sig: signal.Signals) -> None:
-        pass
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._draining_task is not None or not self.started:
-            super().handle_exit(sig, frame)
-            return
-        log.info("%s: draining %d call(s) in flight, then stopping every replica", signal.Signals(sig).name,
-                 self.server.running)
-        self.server.draining = True
-        loop = asyncio.get_event_loop()
-        self._draining_task = loop.create_task(self._drain(sig, frame))
-        loop.call_soon_threadsafe(lambda: None)  # NOTE: wakes the loop (we are in a signal handler)
-
-    async def _drain(self, sig: int, frame: Any) -> None:
-        deadline = asyncio.get_running_loop().time() + self.server.cfg.drain_timeout
-        while self.server.running and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)  # NOTE: a bounded wait for calls the app does not signal the end of
-        super().handle_exit(sig, frame)
 
 
 def serve_chain(cfg: ChainServeConfig) -> int:
@@ -451,12 +312,12 @@ def serve_chain(cfg: ChainServeConfig) -> int:
         finally:
             await server.stop()
 
-    app = _Counting(Starlette(routes=server.routes(), lifespan=lifespan), server)
+    app = RunCounter(Starlette(routes=chain_routes(server), lifespan=lifespan), server)
     logging.getLogger("httpx").setLevel(max(level, logging.WARNING))
     uv = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=logging.getLevelName(level).lower(),
                         access_log=False, timeout_graceful_shutdown=max(1, int(cfg.drain_timeout)), lifespan="on",
                         timeout_keep_alive=60)
-    srv = _ChainDrain(uv, server)
+    srv = ChainDrain(uv, server)
     try:
         srv.run()
     except SystemExit:

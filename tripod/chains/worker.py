@@ -21,7 +21,7 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from tripod.asgi import DrainingServer
@@ -33,6 +33,7 @@ from tripod.chains.metrics import ChainMetrics
 from tripod.chains.remote import PollingSource, RemoteHandle, ReplicaSource
 from tripod.chains.runtime import Runtime, execute, execute_stream, parse_args
 from tripod.chains.serving import run_endpoint
+from tripod.protocol.chains import ReplicaList, WorkerHealth, decode, encode
 
 log = logging.getLogger("tripod.chains")
 
@@ -62,7 +63,7 @@ def server_source(server_url: str, clients: ClientPool, refresh_s: float = 0.5) 
     async def fetch() -> dict[str, list[str]]:
         r = await clients.get().get(server_url.rstrip("/") + "/chain/replicas", timeout=5.0)
         r.raise_for_status()
-        return dict(r.json()["replicas"])
+        return decode(r.content, ReplicaList).replicas
 
     return PollingSource(fetch, refresh_s)
 
@@ -88,8 +89,8 @@ def build_worker_app(instance: Chainlet, sig: Signature, metrics: ChainMetrics,
 
     async def health(_: Request) -> Response:
         ok = not flag[0]
-        return JSONResponse({"status": "ok" if ok else "draining", "chainlet": sig.name, "pid": os.getpid(),
-                             "streaming": sig.streaming}, status_code=200 if ok else 503)
+        body = WorkerHealth("ok" if ok else "draining", sig.name, os.getpid(), sig.streaming)
+        return Response(encode(body), status_code=200 if ok else 503, media_type="application/json")
 
     async def metrics_page(_: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")

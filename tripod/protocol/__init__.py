@@ -1,0 +1,1 @@
+"""Typed messages for every process and network edge (torch-free)."""
