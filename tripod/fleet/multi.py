@@ -27,8 +27,9 @@ from starlette.routing import Route
 
 from tripod.fleet.supervisor import Supervisor
 from tripod.router.app import PROXIED_PATHS, forward_unless_gone, read_request
+from tripod.router.errors import RouterError
 from tripod.router.merge import merge_pages
-from tripod.router.router import Router, RouterError
+from tripod.router.router import Router
 
 log = logging.getLogger("tripod.router")
 

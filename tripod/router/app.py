@@ -24,8 +24,10 @@ from starlette.routing import Route
 from tripod.asgi import BodyTooLarge, ClientGone, read_body, until_disconnect
 from tripod.console.app import Console
 from tripod.router.console_source import RouterConsoleSource, SupervisorView
+from tripod.router.errors import RouterError
+from tripod.router.prompt import is_anthropic
 from tripod.router.replica import Replica
-from tripod.router.router import Router, RouterError, is_anthropic
+from tripod.router.router import Router
 
 log = logging.getLogger("tripod.router")
 
