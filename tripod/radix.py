@@ -145,15 +145,7 @@ class RadixTree(Generic[Key]):
         return removed
 
     def leaves(self) -> list[RadixNode[Key]]:
-        out: list[RadixNode[Key]] = []
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            elif node is not self.root:
-                out.append(node)
-        return out
+        return [node for node in self.nodes() if not node.children and node is not self.root]
 
     def nodes(self) -> list[RadixNode[Key]]:
         """Every node, the root first (for checks and whole-tree reads)."""
