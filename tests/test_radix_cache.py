@@ -3,6 +3,8 @@ drives it the way the scheduler does and checks KV ownership after every operati
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 
 from hypothesis import settings
@@ -39,6 +41,14 @@ def _edges(node: TreeNode) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------- match / insert / split
+
+
+def test_the_shared_core_is_torch_free() -> None:
+    """The router's prefix tree stands on the same core (``tripod.radix``) and may not pull torch."""
+    code = "import sys, tripod.radix, tripod.router.prefix_tree; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
 
 
 def test_empty_cache_matches_nothing() -> None:

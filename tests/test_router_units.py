@@ -287,7 +287,7 @@ def test_supervisor_scale_down_drains_before_stopping() -> None:
         for r in router.replicas.values():
             r.breaker.success(0.0)
         busy = router.replicas["replica-2"]
-        flight = router._begin(Decision(busy, "load", 0), _req("one request in flight"), retry=False)
+        flight = router.begin(Decision(busy, "load", 0), _req("one request in flight"), retry=False)
         assert busy.inflight == 1
         for name in ("replica-0", "replica-1"):
             router.replicas[name].inflight = 3
@@ -297,7 +297,7 @@ def test_supervisor_scale_down_drains_before_stopping() -> None:
         await asyncio.sleep(0.3)
         proc = next(p for p in launcher.launched if p.name == "replica-2")
         assert proc.signals == [] and "replica-2" in router.replicas  # waits for its request
-        router._end(flight)  # its request finishes: the drain goes on
+        router.end(flight)  # its request finishes: the drain goes on
         assert await router.wait_until(lambda: "replica-2" not in router.replicas, 5.0)
         assert proc.signals == ["TERM"] and sorted(router.replicas) == ["replica-0", "replica-1"]
         await sup.stop()

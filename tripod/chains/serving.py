@@ -19,7 +19,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tripod.asgi import ClosingStream
+from tripod.asgi import BodyTooLarge, ClientGone, ClosingStream, read_body, until_disconnect
 from tripod.chains.core import Signature
 from tripod.chains.errors import ChainletError
 from tripod.chains.metrics import ChainMetrics
@@ -40,14 +40,11 @@ def _sse(data: Any, event: str | None = None) -> bytes:
 
 
 async def _read_json(request: Request, name: str) -> Any:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ChainletError(name, f"the request body is larger than {MAX_BODY_BYTES} bytes",
-                                code="request_too_large", status=413)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    try:
+        raw = await read_body(request, MAX_BODY_BYTES)
+    except BodyTooLarge:
+        raise ChainletError(name, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                            code="request_too_large", status=413) from None
     if not raw.strip():
         return {}
     try:
@@ -57,15 +54,72 @@ async def _read_json(request: Request, name: str) -> Any:
                             "object", code="invalid_json", status=400) from None
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body is already read: only a disconnect can come)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def _unexpected(name: str, e: Exception) -> ChainletError:
     log.exception("%s: unexpected error", name)
     return ChainletError(name, f"{type(e).__name__}: {e}", code="internal_error", status=500, retryable=True)
+
+
+async def _unary(request: Request, name: str, work: Awaitable[Any]) -> Response:
+    """A unary call's answer: its JSON, its error, or 499 when the client left first (the call,
+    and everything it waits on, is then cancelled)."""
+    try:
+        data = await until_disconnect(request, work)
+    except ClientGone:
+        return Response(status_code=499)
+    except ChainletError as e:
+        return error_response(e)
+    except Exception as e:
+        return error_response(_unexpected(name, e))
+    return Response(json.dumps(data, separators=(",", ":"), default=str), media_type="application/json")
+
+
+async def _produce(name: str, stream: Callable[[dict[str, Any]], AsyncIterator[Any]], args: dict[str, Any],
+                   queue: asyncio.Queue[tuple[str, Any]]) -> None:
+    """Run a streaming call from start to end in one task (so the chainlet's own context managers
+    never cross tasks): its items, then its end or its error."""
+    try:
+        async for item in stream(args):
+            await queue.put(("item", item))
+        await queue.put(("end", None))
+    except ChainletError as e:
+        await queue.put(("error", e))
+    except Exception as e:
+        await queue.put(("error", _unexpected(name, e)))
+
+
+async def _events(kind: str, value: Any, queue: asyncio.Queue[tuple[str, Any]]) -> AsyncIterator[bytes]:
+    """The stream's SSE events from its first queued entry on: items, then ``end`` or ``error``."""
+    sent = 0
+    while True:
+        if kind == "item":
+            sent += 1
+            yield _sse(value)
+        elif kind == "end":
+            yield _sse({"items": sent}, "end")
+            return
+        else:
+            yield _sse(value.body(), "error")
+            return
+        kind, value = await queue.get()
+
+
+async def _streamed(request: Request, producer: asyncio.Task[None],
+                    queue: asyncio.Queue[tuple[str, Any]]) -> Response:
+    """A streaming call's answer once its first entry is queued: an error status when it failed
+    before its first item, 499 when the client left first, else the event stream."""
+    try:
+        kind, value = await until_disconnect(request, queue.get())
+    except ClientGone:
+        producer.cancel()
+        return Response(status_code=499)
+    if kind == "error":
+        return error_response(value)
+
+    def stop() -> None:
+        producer.cancel()  # the client left (or the stream ended: then a no-op)
+
+    return ClosingStream(_events(kind, value, queue), on_close=stop, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache"})
 
 
 def run_endpoint(sig: Signature, metrics: ChainMetrics,
@@ -75,77 +129,7 @@ def run_endpoint(sig: Signature, metrics: ChainMetrics,
     """The ``/run`` handler: ``parse`` validates the body into arguments; ``call`` answers a unary
     call with JSON-shaped data, ``stream`` iterates a streaming one."""
     name = sig.name
-    tasks: set[asyncio.Task[Any]] = set()  # NOTE: the loop keeps only weak references to tasks
-
-    def keep(t: asyncio.Task[Any]) -> asyncio.Task[Any]:
-        tasks.add(t)
-        t.add_done_callback(tasks.discard)
-        return t
-
-    async def race(request: Request, work: asyncio.Future[Any]) -> bool:
-        """Wait for ``work``; False when the client left first (``work`` is then cancelled)."""
-        gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if work.done():
-            gone.cancel()
-            return True
-        work.cancel()
-        await asyncio.gather(work, return_exceptions=True)
-        return False
-
-    async def unary(request: Request, args: dict[str, Any]) -> Response:
-        task = keep(asyncio.ensure_future(call(args)))
-        if not await race(request, task):
-            return Response(status_code=499)
-        try:
-            data = task.result()
-        except ChainletError as e:
-            return error_response(e)
-        except Exception as e:
-            return error_response(_unexpected(name, e))
-        return Response(json.dumps(data, separators=(",", ":"), default=str), media_type="application/json")
-
-    async def streamed(request: Request, args: dict[str, Any]) -> Response:
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(_QUEUE)
-
-        async def produce() -> None:
-            try:
-                async for item in stream(args):
-                    await queue.put(("item", item))
-                await queue.put(("end", None))
-            except ChainletError as e:
-                await queue.put(("error", e))
-            except Exception as e:
-                await queue.put(("error", _unexpected(name, e)))
-
-        producer = keep(asyncio.ensure_future(produce()))
-        first = asyncio.ensure_future(queue.get())
-        if not await race(request, first):
-            producer.cancel()
-            return Response(status_code=499)
-        kind, value = first.result()
-        if kind == "error":
-            return error_response(value)
-
-        async def body() -> AsyncIterator[bytes]:
-            k, v, sent = kind, value, 0
-            while True:
-                if k == "item":
-                    sent += 1
-                    yield _sse(v)
-                elif k == "end":
-                    yield _sse({"items": sent}, "end")
-                    return
-                else:
-                    yield _sse(v.body(), "error")
-                    return
-                k, v = await queue.get()
-
-        def stop() -> None:
-            producer.cancel()  # the client left (or the stream ended: then a no-op)
-
-        return ClosingStream(body(), on_close=stop, media_type="text/event-stream",
-                             headers={"cache-control": "no-cache"})
+    producers: set[asyncio.Task[None]] = set()  # NOTE: the loop keeps only weak references to tasks
 
     async def handler(request: Request) -> Response:
         try:
@@ -153,6 +137,12 @@ def run_endpoint(sig: Signature, metrics: ChainMetrics,
             args = parse(payload)
         except ChainletError as e:
             return error_response(e)
-        return await (streamed(request, args) if sig.streaming else unary(request, args))
+        if not sig.streaming:
+            return await _unary(request, name, call(args))
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(_QUEUE)
+        producer = asyncio.ensure_future(_produce(name, stream, args, queue))
+        producers.add(producer)
+        producer.add_done_callback(producers.discard)
+        return await _streamed(request, producer, queue)
 
     return handler

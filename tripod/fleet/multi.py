@@ -26,9 +26,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tripod.fleet.supervisor import Supervisor
-from tripod.router.app import _PROXIED, _disconnected, _read_body, json_object
+from tripod.router.app import PROXIED_PATHS, forward_unless_gone, read_request
+from tripod.router.errors import RouterError
 from tripod.router.merge import merge_pages
-from tripod.router.router import Router, RouterError
+from tripod.router.router import Router
 
 log = logging.getLogger("tripod.router")
 
@@ -159,20 +160,9 @@ def multi_router_routes(multi: MultiRouter) -> list[Route]:
 
     async def proxied(request: Request) -> tuple[Response, ModelFleet | None]:
         limit = min((f.router.config.max_body_bytes for f in multi.fleets.values()), default=4 * 2**20)
-        raw = await _read_body(request, limit)
-        body = json_object(raw)
+        raw, body = await read_request(request, limit)
         fleet = multi.fleet_for(body.get("model"))
-        forward = asyncio.ensure_future(fleet.router.forward(request.url.path, raw, body, dict(request.headers)))
-        gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({forward, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if forward.done():
-            gone.cancel()
-            return forward.result(), fleet
-        # NOTE: as in the one-model router: cancelling closes the upstream connection, and the
-        # replica aborts the request.
-        forward.cancel()
-        await asyncio.gather(forward, return_exceptions=True)
-        return Response(status_code=499), fleet
+        return await forward_unless_gone(fleet.router, request, raw, body), fleet
 
     async def models(request: Request) -> Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
@@ -195,7 +185,7 @@ def multi_router_routes(multi: MultiRouter) -> list[Route]:
     async def fleet(_: Request) -> Response:
         return JSONResponse({"models": {n: f.info() for n, f in multi.fleets.items()}})
 
-    routes = [Route(p, counted(p, proxied), methods=["POST"]) for p in _PROXIED]
+    routes = [Route(p, counted(p, proxied), methods=["POST"]) for p in PROXIED_PATHS]
     routes += [
         Route("/v1/models", models_handler, methods=["GET"]),
         Route("/v1/models/{model_id:path}", models_handler, methods=["GET"]),

@@ -9,7 +9,6 @@ router's own Prometheus page. The router's own errors on ``/v1/messages`` take A
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -22,15 +21,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tripod.asgi import BodyTooLarge, ClientGone, read_body, until_disconnect
 from tripod.console.app import Console
 from tripod.router.console_source import RouterConsoleSource, SupervisorView
+from tripod.router.errors import RouterError
+from tripod.router.prompt import is_anthropic
 from tripod.router.replica import Replica
-from tripod.router.router import Router, RouterError, is_anthropic
+from tripod.router.router import Router
 
 log = logging.getLogger("tripod.router")
 
-_PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
-            "/detokenize")
+PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+                 "/tokenize", "/detokenize")
+
+Handler = Callable[[Request], Awaitable[Response]]
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
@@ -45,25 +49,88 @@ def json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    too_big = RouterError(413, f"the request body is larger than {limit} bytes; send a smaller one",
-                          "request_too_large")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
+async def read_request(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:
+    """A proxied request's body: its bytes (sent on unchanged) and the JSON object they hold (read
+    for routing); a 413 past ``limit`` bytes, a 400 when it is not a JSON object."""
+    try:
+        raw = await read_body(request, limit)
+    except BodyTooLarge:
+        raise RouterError(413, f"the request body is larger than {limit} bytes; send a smaller one",
+                          "request_too_large") from None
+    return raw, json_object(raw)
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body is already read: only a disconnect can come)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+async def forward_unless_gone(router: Router, request: Request, raw: bytes, body: dict[str, Any]) -> Response:
+    """``router.forward`` for this request, or 499 when the client leaves first."""
+    try:
+        return await until_disconnect(request, router.forward(request.url.path, raw, body, dict(request.headers)))
+    except ClientGone:
+        # NOTE: the client left while the router waited on a replica (a non-streamed answer, or a
+        # stream before its first token): cancelling closes the upstream connection, and the
+        # replica aborts the request and frees its KV.
+        return Response(status_code=499)
+
+
+def _counted(router: Router, route: str, fn: Handler) -> Handler:
+    """``fn`` with the router's own errors answered (in Anthropic's shape on its routes) and every
+    answer counted by route and status."""
+    async def handler(request: Request) -> Response:
+        try:
+            resp = await fn(request)
+        except RouterError as e:
+            resp = e.response(anthropic=is_anthropic(request.url.path))
+        router.metrics.http_requests.labels(route, str(resp.status_code)).inc()
+        return resp
+    return handler
+
+
+async def _models(router: Router, request: Request) -> Response:
+    """Any routable replica's answer (they serve one model)."""
+    assert router.probe_client is not None
+    tried: set[Replica] = set()
+    last = "no replica answered"
+    for _ in range(router.config.max_retries + 1):
+        rep = (await router.pick(router.route_request("", {}), tried)).replica
+        tried.add(rep)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-api-key")}
+        try:
+            r = await router.probe_client.get(rep.url + request.url.path, headers=headers)
+        except httpx.HTTPError as e:
+            last = f"{rep.name}: {type(e).__name__}"
+            continue
+        if r.status_code < 500:
+            return Response(r.content, status_code=r.status_code, media_type="application/json",
+                            headers={"x-tripod-replica": rep.name})
+        last = f"{rep.name} answered {r.status_code}"
+    raise RouterError(503, f"could not list models: {last}; retry shortly", "no_replica",
+                      router.config.retry_after)
+
+
+def _health(router: Router) -> Response:
+    n = len(router.routable())
+    ok = n > 0 and not router.draining
+    status = "draining" if router.draining else ("ok" if ok else "no routable replica")
+    return JSONResponse({"status": status, "routable_replicas": n, "replicas": len(router.replicas)},
+                        status_code=200 if ok else 503)
+
+
+def _fleet(router: Router, fleet_info: Callable[[], dict[str, Any]] | None) -> Response:
+    body: dict[str, Any] = {
+        "policy": router.policy.name, "pending": router.pending, "queue_depth": router.queue_depth,
+        "chars_per_token": round(router.chars_per_token, 3),
+        "replicas": [r.describe() for r in router.replicas.values()],
+    }
+    if fleet_info is not None:
+        body.update(fleet_info())
+    return JSONResponse(body)
+
+
+async def _not_found(request: Request, e: Exception) -> Response:
+    code = e.status_code if isinstance(e, HTTPException) else 500
+    msg = {404: "no such route; see /v1/models, /v1/chat/completions, /v1/completions, /v1/messages, /fleet, /ui",
+           405: "this method is not allowed on this route"}.get(code, "internal error")
+    return RouterError(code, msg, "not_found" if code == 404 else "bad_method").response(
+        anthropic=is_anthropic(request.url.path))
 
 
 def build_router_app(router: Router, lifespan: Any = None,
@@ -71,93 +138,34 @@ def build_router_app(router: Router, lifespan: Any = None,
                      supervisor: SupervisorView | None = None) -> Starlette:
     """The router's app; ``supervisor`` (a fleet this process launched) adds the slots that are
     down and the autoscaler to the console's fleet view."""
-    metrics = router.metrics
     console = Console(RouterConsoleSource(router, supervisor), api_key=router.config.api_key,
                       bench_dir=router.config.bench_dir)
 
-    def counted(route: str, fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-        async def handler(request: Request) -> Response:
-            try:
-                resp = await fn(request)
-            except RouterError as e:
-                resp = e.response(anthropic=is_anthropic(request.url.path))
-            metrics.http_requests.labels(route, str(resp.status_code)).inc()
-            return resp
-        return handler
-
     async def proxied(request: Request) -> Response:
-        raw = await _read_body(request, router.config.max_body_bytes)
-        body = json_object(raw)
-        forward = asyncio.ensure_future(router.forward(request.url.path, raw, body, dict(request.headers)))
-        gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({forward, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if forward.done():
-            gone.cancel()
-            return forward.result()
-        # NOTE: the client left while the router waited on a replica (a non-streamed answer, or a
-        # stream before its first token): cancelling closes the upstream connection, and the
-        # replica aborts the request and frees its KV.
-        forward.cancel()
-        await asyncio.gather(forward, return_exceptions=True)
-        return Response(status_code=499)
+        raw, body = await read_request(request, router.config.max_body_bytes)
+        return await forward_unless_gone(router, request, raw, body)
 
     async def models(request: Request) -> Response:
-        """Any routable replica's answer (they serve one model)."""
-        assert router.probe_client is not None
-        tried: set[Replica] = set()
-        last = "no replica answered"
-        for _ in range(router.config.max_retries + 1):
-            rep = (await router.pick(router.route_request("", {}), tried)).replica
-            tried.add(rep)
-            headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-api-key")}
-            try:
-                r = await router.probe_client.get(rep.url + request.url.path, headers=headers)
-            except httpx.HTTPError as e:
-                last = f"{rep.name}: {type(e).__name__}"
-                continue
-            if r.status_code < 500:
-                return Response(r.content, status_code=r.status_code, media_type="application/json",
-                                headers={"x-tripod-replica": rep.name})
-            last = f"{rep.name} answered {r.status_code}"
-        raise RouterError(503, f"could not list models: {last}; retry shortly", "no_replica",
-                          router.config.retry_after)
+        return await _models(router, request)
 
     async def health(_: Request) -> Response:
-        n = len(router.routable())
-        ok = n > 0 and not router.draining
-        status = "draining" if router.draining else ("ok" if ok else "no routable replica")
-        return JSONResponse({"status": status, "routable_replicas": n, "replicas": len(router.replicas)},
-                            status_code=200 if ok else 503)
+        return _health(router)
 
     async def metrics_page(_: Request) -> Response:
-        page = metrics.render(router.replicas.values(), router.queue_depth, router.pending)
+        page = router.metrics.render(router.replicas.values(), router.queue_depth, router.pending)
         return Response(page, media_type="text/plain; version=0.0.4")
 
     async def fleet(_: Request) -> Response:
-        body: dict[str, Any] = {
-            "policy": router.policy.name, "pending": router.pending, "queue_depth": router.queue_depth,
-            "chars_per_token": round(router.chars_per_token, 3),
-            "replicas": [r.describe() for r in router.replicas.values()],
-        }
-        if fleet_info is not None:
-            body.update(fleet_info())
-        return JSONResponse(body)
+        return _fleet(router, fleet_info)
 
-    routes = [Route(p, counted(p, proxied), methods=["POST"]) for p in _PROXIED]
+    routes = [Route(p, _counted(router, p, proxied), methods=["POST"]) for p in PROXIED_PATHS]
     routes += [
-        Route("/v1/models", counted("/v1/models", models), methods=["GET"]),
-        Route("/v1/models/{model_id:path}", counted("/v1/models", models), methods=["GET"]),
-        Route("/health", counted("/health", health), methods=["GET"]),
+        Route("/v1/models", _counted(router, "/v1/models", models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", _counted(router, "/v1/models", models), methods=["GET"]),
+        Route("/health", _counted(router, "/health", health), methods=["GET"]),
         Route("/metrics", metrics_page, methods=["GET"]),
         Route("/fleet", fleet, methods=["GET"]),
         *console.routes(),  # /ui: the console (tripod.console)
     ]
-
-    async def not_found(request: Request, e: Exception) -> Response:
-        code = e.status_code if isinstance(e, HTTPException) else 500
-        msg = {404: "no such route; see /v1/models, /v1/chat/completions, /v1/completions, /v1/messages, /fleet, /ui",
-               405: "this method is not allowed on this route"}.get(code, "internal error")
-        return RouterError(code, msg, "not_found" if code == 404 else "bad_method").response(
-            anthropic=is_anthropic(request.url.path))
-
-    return Starlette(routes=routes, lifespan=console.wrap_lifespan(lifespan), exception_handlers={HTTPException: not_found})
+    return Starlette(routes=routes, lifespan=console.wrap_lifespan(lifespan),
+                     exception_handlers={HTTPException: _not_found})

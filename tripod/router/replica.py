@@ -108,3 +108,13 @@ class Replica:
             # Ray replicas: the actor and the node it was placed on.
             **{k: getattr(self.process, k) for k in ("actor_name", "node_id") if hasattr(self.process, k)},
         }
+
+
+@dataclass(slots=True)
+class Flight:
+    """One attempt in flight to one replica: what the router undoes when it ends (``Router.end``,
+    exactly once however the attempt ends)."""
+
+    replica: Replica
+    tokens: float  # counted into the replica's inflight_tokens
+    done: bool = False

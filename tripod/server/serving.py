@@ -7,14 +7,15 @@ The API modules (``openai_api``, ``anthropic_api``, ``admin_api``) build their a
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from fastapi import Request
 
+from tripod import asgi
+from tripod.asgi import ClientGone as ClientGone  # (the app answers it with 499)
+from tripod.asgi import until_disconnect as until_disconnect
 from tripod.config import EngineConfig, ServerConfig
 from tripod.server.conversation import ChatRenderer
 from tripod.server.engine_client import (
@@ -29,8 +30,6 @@ from tripod.server.metrics import ServerMetrics
 from tripod.server.protocol import APIError
 from tripod.server.sampling import Limits
 from tripod.server.text import TextSide
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -74,46 +73,15 @@ class ServerState:
         return f"tripod-{info.dtype if info else '?'}-{self.quantization}"
 
 
-class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was ready."""
-
-
 def too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit} bytes; send less", code="body_too_large")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def until_disconnect(request: Request, aw: Awaitable[T]) -> T:
-    """Await ``aw`` unless the client goes away first (then raise ``ClientGone``)."""
-    task = asyncio.ensure_future(aw)
-
-    async def disconnected() -> None:
-        # NOTE: the body was read already, so the next ASGI message can only be the disconnect.
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(disconnected())
     try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        watch.cancel()
-        raise
-    if task in done:
-        watch.cancel()
-        return task.result()
-    task.cancel()
-    raise ClientGone()
+        return await asgi.read_body(request, limit)
+    except asgi.BodyTooLarge:
+        raise too_large(limit) from None
 
 
 def check_model(state: ServerState, name: str | None) -> None:

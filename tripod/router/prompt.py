@@ -1,0 +1,127 @@
+"""The text the router routes on: a request's prompt rendered the way a replica's prefix cache
+would hold it, and its output budget.
+
+The router holds no tokenizer and no chat template; it renders every message (role and content,
+tool definitions, tool calls and results, in order) into one canonical text, the same for an
+OpenAI chat and the Anthropic messages equivalent, so that a conversation's later turns match
+the prefix its earlier turns left in a replica's tree (``router/prefix_tree.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+DEFAULT_OUTPUT_TOKENS = 256  # output budget counted into load when a request names none
+
+
+def is_anthropic(path: str) -> bool:
+    """Whether ``path`` is one of Anthropic's routes (its errors then take Anthropic's shape)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def _args(value: Any) -> str:
+    """A call's arguments in one canonical layout (OpenAI sends JSON text, Anthropic an object)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return value
+    return json.dumps(value, sort_keys=True)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content
+                       if isinstance(p, dict) and p.get("type", "text") == "text")
+    return content if isinstance(content, str) else ""
+
+
+def _turn(role: str, content: str, calls: list[tuple[str, str]] | None = None) -> str:
+    return f"<|{role}|>{content}" + "".join(f"<|call|>{n}{a}" for n, a in calls or []) + "\n"
+
+
+def _tools_text(tools: Any) -> str:
+    if not isinstance(tools, list) or not tools:
+        return ""
+    canon = []
+    for t in tools:
+        if not isinstance(t, dict):
+            continue
+        fn = t["function"] if isinstance(t.get("function"), dict) else t  # OpenAI nests it, Anthropic not
+        canon.append([fn.get("name"), fn.get("description"), fn.get("parameters", fn.get("input_schema"))])
+    return "<|tools|>" + json.dumps(canon, sort_keys=True) + "\n"
+
+
+def _chat_text(body: dict[str, Any]) -> str:
+    out = []
+    msgs = [m for m in body.get("messages") or [] if isinstance(m, dict)]
+    # A chat template puts the system message first, and the tools with it (or in it).
+    if msgs and msgs[0].get("role") in ("system", "developer"):
+        out.append(_turn("system", _text(msgs.pop(0).get("content"))))
+    out.append(_tools_text(body.get("tools")))
+    for m in msgs:
+        calls = [(str(c["function"].get("name")), _args(c["function"].get("arguments")))
+                 for c in m.get("tool_calls") or [] if isinstance(c, dict) and isinstance(c.get("function"), dict)]
+        out.append(_turn(str(m.get("role", "")), _text(m.get("content")), calls))
+    return "".join(out)
+
+
+def _messages_text(body: dict[str, Any]) -> str:
+    """An Anthropic conversation as the same text as its OpenAI equivalent: system first, text
+    blocks as content, tool_use blocks as calls, each tool_result block as a tool message."""
+    out = []
+    system = _text(body.get("system"))
+    if system:
+        out.append(_turn("system", system))
+    out.append(_tools_text(body.get("tools")))
+    for m in body.get("messages") or []:
+        if not isinstance(m, dict):
+            continue
+        role, content = str(m.get("role", "")), m.get("content")
+        if not isinstance(content, list):
+            out.append(_turn(role, _text(content)))
+            continue
+        text: list[str] = []
+        calls: list[tuple[str, str]] = []
+        for b in content:
+            if not isinstance(b, dict):
+                continue
+            if b.get("type") == "tool_result":
+                if text:
+                    out.append(_turn(role, "".join(text)))
+                    text = []
+                out.append(_turn("tool", _text(b.get("content"))))
+            elif b.get("type") == "tool_use":
+                calls.append((str(b.get("name")), _args(b.get("input") or {})))
+            else:
+                text.append(_text([b]))
+        if text or calls:
+            out.append(_turn(role, "".join(text), calls))
+    return "".join(out)
+
+
+def render_prompt(path: str, body: dict[str, Any]) -> str:
+    """The text a replica's prefix cache would hold for this request: every message of a chat (role
+    and content, tool calls and results, in order; the same text for OpenAI chat and Anthropic
+    messages), or a completion's prompt (the first one of a batch)."""
+    if path.endswith("chat/completions"):
+        return _chat_text(body)
+    if is_anthropic(path):
+        return _messages_text(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        prompt = prompt[0] if not isinstance(prompt[0], int) else prompt
+        if isinstance(prompt, list):
+            return " ".join(str(t) for t in prompt)
+    return prompt if isinstance(prompt, str) else ""
+
+
+def output_budget(body: dict[str, Any]) -> float:
+    """The output tokens a request may ask for (all its choices), as counted into a replica's load."""
+    limit = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_OUTPUT_TOKENS
+    n = body.get("n") or 1
+    try:
+        return float(min(int(limit), 4096) * min(int(n), 16))
+    except (TypeError, ValueError):
+        return float(DEFAULT_OUTPUT_TOKENS)
