@@ -16,10 +16,10 @@ import argparse
 import logging
 import os
 import sys
-import time
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from tripod.chat import LocalChat, RemoteChat, chat_loop, stream_answer
 from tripod.config import (
     CHAT,
     GENERATE,
@@ -31,7 +31,7 @@ from tripod.config import (
     SamplingOptions,
     ServerConfig,
 )
-from tripod.config_cli import CommandParser, from_namespace, to_argv
+from tripod.config_cli import CommandParser, Subcommands, from_namespace, to_argv
 
 if TYPE_CHECKING:
     from tripod.engine.engine import Engine
@@ -42,7 +42,7 @@ def _log_level(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
 
 
-def _add_generate(sub: Any) -> None:
+def _add_generate(sub: Subcommands) -> None:
     gen = sub.add_parser("generate", help="generate text offline (no server); no prompt = interactive chat")
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt; omit for an interactive chat")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
@@ -52,7 +52,7 @@ def _add_generate(sub: Any) -> None:
     CommandParser(gen, GENERATE).add(EngineConfig, "engine").add(SamplingOptions, "sampling")
 
 
-def _add_serve(sub: Any) -> None:
+def _add_serve(sub: Subcommands) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI API (default: the embedded SmolLM2 on 127.0.0.1:8000)")
     _log_level(srv)
     cp = CommandParser(srv, SERVE, groups=("engine", "server", "fleet", "router", "console"))
@@ -67,14 +67,14 @@ def _add_serve(sub: Any) -> None:
     cp.add(RouterConfig, "router")
 
 
-def _add_route(sub: Any) -> None:
+def _add_route(sub: Subcommands) -> None:
     rte = sub.add_parser("route", help="route the OpenAI API over running servers (--replica URL ...)")
     rte.add_argument("--replica", action="append", default=[], metavar="URL", help="a server; repeat for each")
     _log_level(rte)
     CommandParser(rte, ROUTE).add(ServerConfig, None).add(RouterConfig, "router")
 
 
-def _add_chat(sub: Any) -> None:
+def _add_chat(sub: Subcommands) -> None:
     chat = sub.add_parser("chat", help="chat in the terminal, with a server (--url) or an in-process engine")
     chat.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (default: in-process)")
     chat.add_argument("--api-key", default=os.environ.get("TRIPOD_API_KEY"), help="for --url (default: $TRIPOD_API_KEY)")
@@ -83,7 +83,7 @@ def _add_chat(sub: Any) -> None:
     CommandParser(chat, CHAT).add(EngineConfig, "engine").add(SamplingOptions, "sampling")
 
 
-def _add_bench(sub: Any) -> None:
+def _add_bench(sub: Subcommands) -> None:
     from tripod.bench.main import add_arguments
 
     bench = sub.add_parser("bench", help="benchmark servers: throughput vs interactivity (see --help)",
@@ -119,158 +119,27 @@ def _params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**asdict(from_namespace(SamplingOptions, args)))
 
 
-def _stream_answer(engine: Any, prompt: Any, params: Any, show_stats: bool) -> str:
-    t0 = time.monotonic()
-    first = None
-    text: list[str] = []
-    ntok = 0
-    cached = 0
-    reason = None
-    for d in engine.stream(prompt, params):
-        if first is None:
-            first = time.monotonic()
-        ntok += len(d.token_ids)
-        cached = d.cached_tokens
-        text.append(d.text)
-        sys.stdout.write(d.text)
-        sys.stdout.flush()
-        reason = d.finish_reason or reason
-    sys.stdout.write("\n")
-    if show_stats:
-        dt = time.monotonic() - t0
-        ttft = (first or t0) - t0
-        rate = (ntok - 1) / (dt - ttft) if ntok > 1 and dt > ttft else 0.0
-        print(
-            f"[{ntok} tokens, finish={reason}, cached prompt tokens={cached}, "
-            f"TTFT {ttft * 1000:.0f} ms, {rate:.1f} tok/s]",
-            file=sys.stderr,
-        )
-    return "".join(text)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     engine = _make_engine(args)
     params = _params(args)
     if args.prompt is not None:
         if args.raw:
-            prompt: Any = args.prompt
+            prompt: str | list[int] = args.prompt
         else:
             msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
                 {"role": "user", "content": args.prompt}
             ]
             prompt = engine.apply_chat_template(msgs)
-        _stream_answer(engine, prompt, params, args.stats)
+        stream_answer(engine, prompt, params, args.stats)
         return 0
-    return _chat_loop(_LocalChat(engine, params), args.system)
-
-
-class _TooLong(Exception):
-    """The conversation no longer fits the context."""
-
-
-class _LocalChat:
-    """Chat turns on an in-process engine."""
-
-    def __init__(self, engine: Any, params: Any) -> None:
-        self.engine = engine
-        self.params = params
-        self.label = f"{engine.model_name} ({engine.dtype_name}, in-process)"
-
-    def answer(self, history: list[dict[str, str]]) -> str:
-        prompt = self.engine.apply_chat_template(history)
-        if len(prompt) + 1 >= self.engine.max_request_len:
-            raise _TooLong()
-        return _stream_answer(self.engine, prompt, self.params, True)
-
-
-class _RemoteChat:
-    """Chat turns against a running server's /v1/chat/completions, streamed."""
-
-    def __init__(self, url: str, api_key: str | None, args: argparse.Namespace) -> None:
-        import httpx
-
-        self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(10.0, read=None))
-        try:
-            models = self.http.get("/v1/models")
-        except httpx.HTTPError as e:
-            raise ValueError(f"cannot reach {self.url}: {e}") from None
-        if models.status_code != 200:
-            raise ValueError(f"{self.url}/v1/models answered {models.status_code}: {models.text[:200]}")
-        card = models.json()["data"][0]
-        self.model = card["id"]
-        self.label = f"{self.model} ({card.get('dtype')}) at {self.url}"
-        self.sampling = asdict(from_namespace(SamplingOptions, args))  # the request's fields, by the same names
-
-    def answer(self, history: list[dict[str, str]]) -> str:
-        import json
-
-        body = {"model": self.model, "messages": history, "stream": True, **self.sampling}
-        text: list[str] = []
-        with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                err = json.loads(r.read() or b"{}").get("error", {})
-                if err.get("code") == "context_length_exceeded":
-                    raise _TooLong()
-                raise ValueError(f"the server answered {r.status_code}: {err.get('message', r.text[:200])}")
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    raise ValueError(f"the server stopped the answer: {obj['error'].get('message')}")
-                for ch in obj.get("choices", []):
-                    piece = ch.get("delta", {}).get("content") or ""
-                    text.append(piece)
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-        sys.stdout.write("\n")
-        return "".join(text)
-
-
-def _chat_loop(backend: Any, system: str | None) -> int:
-    """Interactive chat: the whole history is re-sent each turn; the prefix cache makes that cheap."""
-    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    first = len(history)
-    print(f"tripod chat with {backend.label}; empty line or Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
-        if not line.strip():
-            return 0
-        history.append({"role": "user", "content": line})
-        answer = None
-        while answer is None:
-            try:
-                answer = backend.answer(history)
-            except _TooLong:
-                # Drop the oldest turn (keeping a system message) while the history overflows.
-                if len(history) - first > 1:
-                    del history[first : first + 2]
-                    continue
-                print("tripod: this message alone is longer than the context; shorten it", file=sys.stderr)
-                break
-            except ValueError as e:
-                print(f"tripod: {e}", file=sys.stderr)
-                break
-        if answer is None:
-            history.pop()
-        else:
-            history.append({"role": "assistant", "content": answer})
+    return chat_loop(LocalChat(engine, params), args.system)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one log line per turn is noise here
     if args.url:
-        return _chat_loop(_RemoteChat(args.url, args.api_key, args), args.system)
-    return _chat_loop(_LocalChat(_make_engine(args), _params(args)), args.system)
+        return chat_loop(RemoteChat(args.url, args.api_key, from_namespace(SamplingOptions, args)), args.system)
+    return chat_loop(LocalChat(_make_engine(args), _params(args)), args.system)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -294,9 +163,14 @@ def replica_argv(engine: EngineConfig, server: ServerConfig) -> list[str]:
     return [*to_argv(engine, SERVE), *to_argv(server, SERVE)]
 
 
-def _replica_args(args: argparse.Namespace, threads: int | None) -> list[str]:
+def replica_args(args: argparse.Namespace, threads: int | None) -> list[str]:
+    """A fleet replica's whole ``tripod serve`` command line (but --host/--port): ``tripod serve``'s
+    own options, with ``threads`` torch threads and this process's log level."""
     engine = replace(from_namespace(EngineConfig, args), num_threads=threads)
     return [*replica_argv(engine, from_namespace(ServerConfig, args)), "--log-level", str(args.log_level)]
+
+
+_replica_args = replica_args  # NOTE: the name tests/test_speculative_server.py imports
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
@@ -314,7 +188,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     if threads is None and args.backend == "local" and args.device == "cpu":
         threads = max(1, (os.cpu_count() or 1) // hi)  # replicas share this machine's cores
     log_dir = Path(args.replica_log_dir) if args.replica_log_dir else None
-    return serve_fleet(from_namespace(RouterConfig, args), fleet, _replica_args(args, threads), _level(args), log_dir)
+    return serve_fleet(from_namespace(RouterConfig, args), fleet, replica_args(args, threads), _level(args), log_dir)
 
 
 def cmd_route(args: argparse.Namespace) -> int:

@@ -62,6 +62,12 @@ def opt(default: Any, help: str | None = None, **kw: Any) -> Any:
     return field(default=default, metadata={"cli": Opt(help, **kw)})
 
 
+class Subcommands(Protocol):
+    """What ``ArgumentParser.add_subparsers`` returns: where a command's parser is added."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
+
+
 class ArgumentAdder(Protocol):
     """An argparse parser or argument group: where an option is added."""
 
@@ -113,7 +119,7 @@ def _scalar(hint: Any) -> Any:
     return None if hint is str else hint
 
 
-def _checked(check: Any) -> Any:
+def _checked(check: Callable[[str], object]) -> Callable[[str], str]:
     """argparse's ``type`` for an :attr:`Opt.check`: a ValueError becomes argparse's exit 2 with the reason."""
 
     def parse(value: str) -> str:
@@ -187,14 +193,14 @@ def namespace_values(ns: argparse.Namespace, command: str, *classes: type) -> di
     return {f.dest: _value(f, getattr(ns, f.dest)) for cls in classes for f in cli_fields(cls, command)}
 
 
-def to_argv(config: Any, command: str) -> list[str]:
+def to_argv(config: object, command: str) -> list[str]:
     """``config`` as ``command``'s options (those it forwards): a flag where a bool differs from
     its default, ``--flag value`` for every other value that is set."""
     out: list[str] = []
     for f in cli_fields(type(config), command):
-        value = getattr(config, f.name)
         if not f.opt.forward:
             continue
+        value = getattr(config, f.name)
         if f.is_bool:
             out += [f.flag(command)] if value != f.default else []
         elif value is not None and value != "":

@@ -12,15 +12,14 @@ import logging
 import re
 import shlex
 from pathlib import Path
-from typing import Any
 
 from tripod.config import CHAINS_SERVE, FleetConfig, RouterConfig, ServerConfig
-from tripod.config_cli import CommandParser, namespace_values
+from tripod.config_cli import CommandParser, Subcommands, namespace_values
 
 _NAMED = re.compile(r"^([A-Za-z0-9_.\-]+)=(.*)$", re.S)
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subcommands) -> None:
     chains = sub.add_parser("chains", help="workflows: serve a chain of chainlets and models (tripod chains serve FILE.py)",
                             description="Multi-step, multi-model pipelines written as typed Python (tripod.chains).")
     chains.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
