@@ -8,6 +8,11 @@
   in-process engine.
 - ``tripod generate "prompt"``: one streamed completion offline; with no prompt, the same chat.
 - ``tripod chains serve FILE.py``: a chain of chainlets and models as one service (``tripod.chains``).
+
+Dispatch only: every option that sets a config is declared once, on its field in ``tripod.config``
+(``opt(...)``); ``tripod.config_cli`` adds it to each command that takes it, reads the configs back,
+and writes what a fleet forwards to its replicas. Declared here: what belongs to one command alone
+(a prompt, --url, --replica, the fleet's size).
 """
 
 from __future__ import annotations
