@@ -50,7 +50,8 @@ def add_parser(sub: Subcommands) -> None:
     wrk.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
 
 
-def _models(items: list[str]) -> dict[str, str]:
+def parse_models(items: list[str]) -> dict[str, str]:
+    """``--model NAME=PATH|URL ...`` → {name: path or URL}."""
     out = {}
     for item in items:
         m = _NAMED.match(item)
@@ -60,7 +61,8 @@ def _models(items: list[str]) -> dict[str, str]:
     return out
 
 
-def _model_args(items: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+def parse_model_args(items: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """``--model-args [NAME=]ARGS ...`` → (options for every model's replicas, {name: options for its own})."""
     common: list[str] = []
     by: dict[str, list[str]] = {}
     for item in items:
@@ -72,6 +74,10 @@ def _model_args(items: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     return common, by
 
 
+# NOTE: the names tests/test_chains_local.py imports.
+_models, _model_args = parse_models, parse_model_args
+
+
 def main(args: argparse.Namespace) -> int:
     if args.chains_command == "worker":
         from tripod.chains import worker
@@ -81,12 +87,12 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("tripod chains needs a command: serve (see tripod chains serve --help)")
     from tripod.chains.serve import ChainServeConfig, serve_chain
 
-    common, by = _model_args(args.model_args)
+    common, by = parse_model_args(args.model_args)
     # ChainServeConfig's fields are named as the shared options' dests (host, port, backend, ray_*,
     # router_policy, start_timeout, drain_timeout).
     shared = namespace_values(args, CHAINS_SERVE, ServerConfig, FleetConfig, RouterConfig)
     cfg = ChainServeConfig(
-        file=args.file, entrypoint=args.entrypoint, models=_models(args.model), model_args=common, model_args_by=by,
+        file=args.file, entrypoint=args.entrypoint, models=parse_models(args.model), model_args=common, model_args_by=by,
         log_dir=Path(args.log_dir) if args.log_dir else None, log_level=str(args.log_level).upper(), **shared,
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
