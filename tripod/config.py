@@ -1,13 +1,25 @@
-"""Typed, frozen configuration. Validated on construction; errors say what to change."""
+"""Typed, frozen configuration. Validated on construction; errors say what to change.
+
+Each field a user may set on the command line is declared with ``opt(...)``: its help, flag,
+choices and the commands that take it (``tripod.config_cli.Opt``). The command line is built from
+these declarations, reads the configs back from them and writes a config as the argv a fleet's
+replica receives, so that no option is declared twice.
+
+NOTE: torch-free at import (torch is imported where a method needs it): the command line imports
+this module to build its parsers, and ``tripod route``/``tripod bench`` never load torch.
+"""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from tripod.config_cli import opt
 from tripod.kernels.build import LEVELS
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -16,55 +28,115 @@ log = logging.getLogger(__name__)
 KERNEL_LEVELS = LEVELS
 KERNEL_MODES = ("auto", "eager", "optimized", *KERNEL_LEVELS)
 WEIGHT_MODES = ("dequantized", "stored", "fp8")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+
+
+# The commands an option can belong to (Opt.commands).
+GENERATE, CHAT, SERVE, ROUTE, CHAINS_SERVE = "generate", "chat", "serve", "route", "chains serve"
+ENGINE_COMMANDS = (GENERATE, CHAT, SERVE)
+BENCH_DIR_HELP = ("where tripod bench wrote its runs (a --out folder, or a folder of them): the console's "
+                  "Benchmarks view and history")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeSpec:
+    """A parsed ``--speculative`` value: ``kind`` is ngram | draft | self | mtp; ``path`` the draft
+    checkpoint (None: the embedded model); ``layers`` the self-speculative draft's depth."""
+
+    kind: str
+    path: str | None = None
+    layers: int = 0
+
+
+def parse_speculative(value: str) -> SpeculativeSpec:
+    """``ngram`` | ``draft:PATH`` (``draft:embedded``: the embedded model) | ``self:K`` | ``mtp``."""
+    kind, _, arg = value.partition(":")
+    if kind in ("ngram", "mtp") and not arg:
+        return SpeculativeSpec(kind)
+    if kind == "draft" and arg:
+        return SpeculativeSpec("draft", None if arg == "embedded" else arg)
+    if kind == "self" and arg.isdigit() and int(arg) >= 1:
+        return SpeculativeSpec("self", layers=int(arg))
+    raise ValueError(
+        f"speculative must be 'ngram', 'draft:PATH' (a checkpoint with the same tokenizer, or "
+        f"'draft:embedded'), 'self:K' (the model's first K layers as its own draft) or 'mtp' (the "
+        f"checkpoint's multi-token-prediction module, DeepSeek-V3); got {value!r}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything that shapes one engine: the model, numerics, memory and scheduling."""
 
-    model: str | None = None  # None: the embedded SmolLM2; else a .gguf file or an HF folder
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (CUDA only)
-    device: str = "cpu"  # cpu | cuda | cuda:N
-    kv_cache_tokens: int | None = None  # KV budget in tokens; None: kv_mem_fraction of free memory
+    model: str | None = opt(  # None: the embedded SmolLM2; else a .gguf file or an HF folder
+        None, "a .gguf file or a local HF folder (default: embedded SmolLM2-135M-Instruct)", commands=ENGINE_COMMANDS)
+    dtype: str = opt(  # auto | float32 | bfloat16 | float16 (CUDA only)
+        "auto", "auto | float32 | bfloat16 | float16 (CUDA only); auto = bfloat16 where native",
+        commands=ENGINE_COMMANDS)
+    device: str = opt("cpu", "cpu | cuda | cuda:N", commands=ENGINE_COMMANDS)
+    kv_cache_tokens: int | None = opt(  # None: kv_mem_fraction of free memory
+        None, "KV budget in tokens (default: a fraction of free memory)", commands=ENGINE_COMMANDS)
     kv_mem_fraction: float = 0.1
     max_kv_cache_tokens: int = 131072  # cap on the fraction-derived budget
-    max_model_len: int | None = None  # context limit; None: the model's own
-    max_running: int = 128  # requests decoding at once
-    max_batch_tokens: int = 512  # tokens per forward pass (decodes + prefill chunks)
-    chunk_size: int = 256  # longest prefill chunk per request per step
-    policy: str = "lpm"  # lpm | fcfs
+    max_model_len: int | None = opt(None, "context limit (default: the model's)", commands=ENGINE_COMMANDS)
+    max_running: int = opt(128, "requests decoding at once", commands=ENGINE_COMMANDS)
+    max_batch_tokens: int = opt(  # decodes + prefill chunks
+        512, "tokens per forward pass", commands=ENGINE_COMMANDS)
+    chunk_size: int = opt(256, "longest prefill chunk per step", commands=ENGINE_COMMANDS)
+    policy: str = opt("lpm", "waiting-queue order", commands=ENGINE_COMMANDS, choices=("lpm", "fcfs"))
     aging: float = 8.0  # lpm: tokens of credit per step waited
-    enable_prefix_cache: bool = True
+    enable_prefix_cache: bool = opt(
+        True, "disable the radix prefix cache", commands=ENGINE_COMMANDS, flag="--no-prefix-cache")
     decode_mirror: bool = True  # dense copy of decoding requests' KV (see engine/decode_mirror.py)
     seed: int = 0  # for sampled requests without a seed
-    num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
+    # CPU: torch intra-op threads (None: torch's default; a local fleet gives each replica its share).
+    num_threads: int | None = opt(None, "CPU threads for torch", commands=ENGINE_COMMANDS, flag="--threads")
     # The compute path. "auto": float32 runs the reference path (op for op with Hugging Face),
     # 16-bit dtypes the optimized one. "eager": the reference path always. "optimized": packed
     # matmuls and tripod's CPU kernels of the best ISA level this CPU supports (built in the
     # background under "auto", and serving on torch's ops until they are ready; waited for
     # under "optimized"), in float32 too. A level ("avx2", "avx512", "avx512_bf16"): "optimized"
     # on that level's kernels (every level computes the same bits; for tests and comparisons).
-    kernels: str = "auto"
+    kernels: str = opt(
+        "auto", "compute path: auto = optimized for 16-bit dtypes (tripod's CPU kernels of the best ISA level "
+        "this CPU supports, built in the background on first use), the float32 reference path for float32; "
+        "eager = the reference path; optimized = tripod's kernels in any dtype; avx2 / avx512 / avx512_bf16 = "
+        "optimized on that level (every level computes the same bits)",
+        commands=ENGINE_COMMANDS, choices=KERNEL_MODES)
     # "dequantized": every weight dequantized to the run dtype. "stored": a GGUF's Q4_1/Q8_0/Q5_0/Q4_K/Q6_K
     # weights executed as stored by tripod's kernels (a quarter/half of bf16's bytes per token,
     # exactly the dequantized weights, float32 compute). "fp8": a block-wise FP8 checkpoint's
     # weights kept in FP8, dequantized band by band inside each matmul (w8a16, the run dtype's
     # activations). Explicit, logged, shown in /v1/models.
-    weights: str = "dequantized"
+    weights: str = opt(
+        "dequantized", "stored: execute a GGUF's Q4_1/Q8_0/Q5_0/Q4_K/Q6_K weights as stored (a quarter/half of "
+        "bf16's bytes per token, exactly the dequantized weights, float32 compute); fp8: keep a block-wise FP8 "
+        "checkpoint's weights in FP8 (w8a16)",
+        commands=ENGINE_COMMANDS, choices=WEIGHT_MODES)
     # Structured outputs: verify grammar-forced text in one forward pass (lossless; see engine).
-    jump_forward: bool = True
+    jump_forward: bool = opt(
+        True, "structured outputs: decode grammar-forced text token by token (outputs are identical either way)",
+        commands=ENGINE_COMMANDS, flag="--no-jump-forward")
     max_jump_forward: int = 32  # draft tokens per verification
     # Speculative decoding (engine/speculative): None (off), "ngram" (prompt lookup), "draft:PATH"
     # (a smaller model with the same tokenizer; "draft:embedded" = the embedded model) or "self:K"
     # (this model's first K layers and its head: a self-speculative draft sharing weights and KV).
     # Lossless: outputs are those of plain decoding. Per request: SamplingParams.speculative.
-    speculative: str | None = None
-    num_draft_tokens: int = 4  # most draft tokens per request per step
+    # NOTE: checked at parse time too, so a fleet refuses a bad method before it launches a replica.
+    speculative: str | None = opt(
+        None, "speculative decoding (lossless: outputs are those of plain decoding): ngram (prompt lookup) | "
+        "draft:PATH (a smaller model with the same tokenizer; draft:embedded) | self:K (this model's first K "
+        "layers as its draft), mtp (the checkpoint's multi-token-prediction module: DeepSeek-V3); a request "
+        "opts out with \"speculative\": false",
+        commands=ENGINE_COMMANDS, metavar="METHOD", check=parse_speculative)
+    num_draft_tokens: int = opt(  # most draft tokens per request per step
+        4, "speculative: most draft tokens per request per step (1-64)", commands=ENGINE_COMMANDS, metavar="K")
     # Speculate only while at most this many requests decode in a step (the measured break-even
     # batch on 2 CPU cores; docs/architecture.md): a big batch has no compute to spare.
-    spec_max_batch: int = 8
+    spec_max_batch: int = opt(
+        8, "speculative: speculate only while at most B requests decode in a step (0: never)",
+        commands=ENGINE_COMMANDS, metavar="B")
     # Draft lengths from a measured cost model (speculate only where it pays); False: always the
     # full num_draft_tokens (for measuring a proposer's acceptance).
     spec_adaptive: bool = True
@@ -110,6 +182,8 @@ class EngineConfig:
         if self.weights == "stored":
             return "optimized"
         if self.kernels == "auto":
+            import torch
+
             return "eager" if dtype == torch.float32 else "optimized"
         return "eager" if self.kernels == "eager" else "optimized"
 
@@ -119,6 +193,8 @@ class EngineConfig:
         return self.kernels if self.kernels in KERNEL_LEVELS else None
 
     def torch_device(self) -> torch.device:
+        import torch
+
         dev = torch.device(self.device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was asked for but no CUDA device is available")
@@ -132,33 +208,10 @@ class EngineConfig:
             name = "bfloat16" if fast_bf16(device) else "float32"
         if name == "float16" and device.type != "cuda":
             raise ValueError("float16 is only supported on CUDA; use bfloat16 or float32 on the CPU")
-        return _DTYPES[name]
+        import torch
 
-
-@dataclass(frozen=True, slots=True)
-class SpeculativeSpec:
-    """A parsed ``--speculative`` value: ``kind`` is ngram | draft | self | mtp; ``path`` the draft
-    checkpoint (None: the embedded model); ``layers`` the self-speculative draft's depth."""
-
-    kind: str
-    path: str | None = None
-    layers: int = 0
-
-
-def parse_speculative(value: str) -> SpeculativeSpec:
-    """``ngram`` | ``draft:PATH`` (``draft:embedded``: the embedded model) | ``self:K`` | ``mtp``."""
-    kind, _, arg = value.partition(":")
-    if kind in ("ngram", "mtp") and not arg:
-        return SpeculativeSpec(kind)
-    if kind == "draft" and arg:
-        return SpeculativeSpec("draft", None if arg == "embedded" else arg)
-    if kind == "self" and arg.isdigit() and int(arg) >= 1:
-        return SpeculativeSpec("self", layers=int(arg))
-    raise ValueError(
-        f"speculative must be 'ngram', 'draft:PATH' (a checkpoint with the same tokenizer, or "
-        f"'draft:embedded'), 'self:K' (the model's first K layers as its own draft) or 'mtp' (the "
-        f"checkpoint's multi-token-prediction module, DeepSeek-V3); got {value!r}"
-    )
+        dtype: torch.dtype = getattr(torch, name)
+        return dtype
 
 
 def fast_bf16(device: torch.device) -> bool:
@@ -177,6 +230,8 @@ def fast_bf16(device: torch.device) -> bool:
 def native_bf16(device: torch.device) -> bool:
     """Whether the hardware computes bfloat16 natively (CUDA; CPUs with AVX512-BF16 or AMX)."""
     if device.type == "cuda":
+        import torch
+
         return bool(torch.cuda.is_bf16_supported())
     try:
         with open("/proc/cpuinfo") as f:
@@ -193,22 +248,30 @@ def native_bf16(device: torch.device) -> bool:
 class ServerConfig:
     """The HTTP side of ``tripod serve``: where it listens, who may call it, how it sheds load."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # when set, /v1/* (and /tokenize, /detokenize) need a Bearer key
-    served_model_name: str | None = None  # None: the model's own name
-    max_waiting: int = 256  # sequences queued beyond max_running; past it: overload_status
-    overload_status: int = 429  # 429 or 503
+    host: str = opt("127.0.0.1", "address to listen on (default: loopback only)", commands=(SERVE, CHAINS_SERVE),
+                    forward=False)
+    port: int = opt(8000, commands=(SERVE, CHAINS_SERVE), forward=False)
+    api_key: str | None = opt(  # when set, /v1/* (and /tokenize, /detokenize) need a Bearer key
+        None, "require 'Authorization: Bearer KEY' on /v1/* (default: $TRIPOD_API_KEY)", commands=(SERVE,),
+        env="TRIPOD_API_KEY")
+    served_model_name: str | None = opt(  # None: the model's own name
+        None, "the model id clients use (default: the model's name)", commands=(SERVE,))
+    max_waiting: int = opt(  # sequences queued beyond max_running; past it: overload_status
+        256, "sequences that may wait beyond --max-running before new requests are refused", commands=(SERVE,))
+    overload_status: int = opt(
+        429, "status for refused requests when the queue is full", commands=(SERVE,), choices=(429, 503))
     retry_after: int = 1  # seconds, sent with overload and drain refusals
-    drain_timeout: float = 30.0  # SIGTERM: seconds in-flight requests get to finish
+    drain_timeout: float = opt(  # SIGTERM: seconds in-flight requests get to finish
+        30.0, "seconds in-flight requests get to finish after SIGTERM", commands=(SERVE, ROUTE, CHAINS_SERVE))
     max_body_bytes: int = 4 * 2**20
-    max_n: int = 16
+    max_n: int = opt(16, "largest 'n' a request may ask for", commands=(SERVE,))
     heartbeat_interval: float = 0.5  # engine → server
     heartbeat_timeout: float = 30.0  # no heartbeat this long: the engine is hung
     engine_start_timeout: float = 600.0
     # After the engine dies: seconds to keep answering 503 (so health checkers see it) before exit.
     dead_grace: float = 2.0
-    bench_dir: str | None = None  # the console's benchmark history: where tripod bench wrote its runs
+    bench_dir: str | None = opt(  # the console's benchmark history: where tripod bench wrote its runs
+        None, BENCH_DIR_HELP, commands=(SERVE,), metavar="DIR", group="console", forward=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -235,37 +298,53 @@ ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
 class RouterConfig:
     """``tripod route``: how the router picks a replica, watches replicas and sheds load."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    policy: str = "cache_aware"  # cache_aware | least_load | round_robin
+    # In `tripod serve` (a fleet) the router listens where the server would: --host/--port are
+    # ServerConfig's options there, as are --api-key and --bench-dir (see config_cli.from_namespace).
+    host: str = opt("127.0.0.1", "address to listen on (default: loopback only)", commands=(ROUTE,))
+    port: int = opt(8000, commands=(ROUTE,))
+    policy: str = opt(  # cache_aware | least_load | round_robin
+        "cache_aware", "how a replica is picked", commands=(SERVE, ROUTE, CHAINS_SERVE), flag="--router-policy",
+        flags=((ROUTE, "--policy"),), dest="router_policy", choices=ROUTING_POLICIES)
     # cache_aware: cost = (prompt tokens the replica would not find cached) + load_weight × (its load
     # in tokens). balance_abs/balance_rel: a replica whose in-flight requests exceed
     # balance_rel × (the least loaded one's) + balance_abs is not chosen for its cache.
-    load_weight: float = 1.0
-    balance_abs: int = 4
-    balance_rel: float = 1.5
+    load_weight: float = opt(
+        1.0, "cache_aware: cost of one token of a replica's load vs one uncached prompt token", commands=(SERVE, ROUTE))
+    balance_abs: int = opt(
+        4, "cache_aware guard: a replica with more than balance-rel x (least in-flight) + balance-abs requests in "
+        "flight is not chosen for its cache", commands=(SERVE, ROUTE))
+    balance_rel: float = opt(1.5, "see --balance-abs", commands=(SERVE, ROUTE))
     min_match_tokens: float = 16.0  # a cached prefix shorter than this does not steer a request
     tree_max_chars: int = 2_000_000  # per replica
     chars_per_token: float = 4.0  # first estimate; refined from the usage replicas report
-    health_interval: float = 1.0  # seconds between /health probes of each replica
+    health_interval: float = opt(  # seconds between /health probes of each replica
+        1.0, "seconds between health probes", commands=(SERVE, ROUTE))
     health_timeout: float = 2.0
     metrics_interval: float = 2.0  # seconds between /metrics scrapes (load refresh)
     failure_threshold: int = 3  # consecutive errors that open a replica's circuit
     open_cooldown: float = 2.0  # an open circuit closes on the first good probe after this long
     # A request that fails before its first token: other replicas to try; one that fails after it
     # (OpenAI chat/completions on tripod replicas): continuations on other replicas, at most this many.
-    max_retries: int = 2
-    stall_timeout: float = 30.0  # an answer silent this long mid-way: its replica is failing (continue elsewhere)
-    max_pending: int = 1024  # requests in the router (waiting + in flight); past it: 429
-    queue_timeout: float = 30.0  # longest wait for a routable replica; then 503
+    max_retries: int = opt(
+        2, "other replicas tried when one fails before the answer starts; and continuations of an answer "
+        "(OpenAI chat/completions) on another replica when its replica fails mid-answer", commands=(SERVE, ROUTE))
+    stall_timeout: float = opt(  # an answer silent this long mid-way: its replica is failing (continue elsewhere)
+        30.0, "seconds an answer may go silent mid-way before its replica counts as failed (and the answer is "
+        "continued elsewhere)", commands=(SERVE, ROUTE))
+    max_pending: int = opt(  # requests in the router (waiting + in flight); past it: 429
+        1024, "requests the router holds before answering 429", commands=(SERVE, ROUTE))
+    queue_timeout: float = opt(  # longest wait for a routable replica; then 503
+        30.0, "longest wait for a routable replica before 503", commands=(SERVE, ROUTE))
     connect_timeout: float = 5.0
     request_timeout: float = 600.0  # longest silence from a replica during one request
     retry_after: int = 1
     max_body_bytes: int = 4 * 2**20
     # The console (/ui): its JSON API needs this key when set (the replicas check their own on the
     # API); and where tripod bench wrote its runs, for the benchmark history.
-    api_key: str | None = None
-    bench_dir: str | None = None
+    api_key: str | None = opt(
+        None, "require this key on the console's JSON API (/ui/api/*); the replicas check their own on the API "
+        "(default: $TRIPOD_API_KEY)", commands=(ROUTE,), env="TRIPOD_API_KEY")
+    bench_dir: str | None = opt(None, BENCH_DIR_HELP, commands=(ROUTE,), metavar="DIR", group="console")
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -289,19 +368,23 @@ class FleetConfig:
 
     min_replicas: int = 1
     max_replicas: int = 1
-    backend: str = "local"  # local | ray
-    ray_address: str | None = None  # None: a local Ray instance; "auto": the running cluster
-    ray_num_cpus: float = 1.0  # resources each replica actor asks Ray for
-    ray_num_gpus: float = 0.0
-    start_timeout: float = 300.0  # a replica not healthy by then is restarted
+    backend: str = opt("local", "where replicas run: local processes or Ray actors", commands=(SERVE, CHAINS_SERVE), choices=("local", "ray"))
+    ray_address: str | None = opt(  # None: a local Ray instance; "auto": the running cluster
+        None, "ray: 'auto' joins the running cluster (default: a local one)", commands=(SERVE, CHAINS_SERVE))
+    ray_num_cpus: float = opt(  # resources each replica actor asks Ray for
+        1.0, "ray: CPUs each model replica reserves", commands=(SERVE, CHAINS_SERVE))
+    ray_num_gpus: float = opt(0.0, "ray: GPUs each model replica reserves", commands=(SERVE, CHAINS_SERVE))
+    start_timeout: float = opt(  # a replica not healthy by then is restarted
+        300.0, "seconds every replica gets to become healthy", commands=(CHAINS_SERVE,))
     restart_backoff: float = 1.0  # first restart delay; doubles per crash, up to restart_backoff_max
     restart_backoff_max: float = 30.0
     # Autoscaler: desired replicas = ceil(mean over `lookback` s of (in-flight + queued requests)
     # / target); acted on once the wish has held for upscale_delay / downscale_delay seconds.
-    target_inflight: float = 8.0
-    lookback: float = 30.0
-    upscale_delay: float = 10.0
-    downscale_delay: float = 60.0
+    target_inflight: float = opt(
+        8.0, "autoscaler: requests in flight (+ queued) per replica it aims for", commands=(SERVE,))
+    lookback: float = opt(30.0, "seconds of load the autoscaler averages", commands=(SERVE,))
+    upscale_delay: float = opt(10.0, "seconds a wish to grow must hold", commands=(SERVE,))
+    downscale_delay: float = opt(60.0, "seconds a wish to shrink must hold", commands=(SERVE,))
     autoscale_interval: float = 1.0
     drain_timeout: float = 60.0  # scale-down: longest wait for a replica's in-flight requests
 
@@ -324,3 +407,19 @@ class FleetConfig:
     @property
     def autoscaling(self) -> bool:
         return self.max_replicas > self.min_replicas
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """The sampling options of ``tripod generate``/``tripod chat``: an interactive session's
+    defaults (greedy, up to 256 tokens), validated where they land (``SamplingParams`` in process,
+    the server's request checks with ``--url``)."""
+
+    max_tokens: int = opt(256, commands=(GENERATE, CHAT))
+    temperature: float = opt(0.0, "0 = greedy (default)", commands=(GENERATE, CHAT))
+    top_p: float = opt(1.0, commands=(GENERATE, CHAT))
+    top_k: int = opt(-1, commands=(GENERATE, CHAT))
+    min_p: float = opt(0.0, commands=(GENERATE, CHAT))
+    repetition_penalty: float = opt(1.0, commands=(GENERATE, CHAT))
+    seed: int | None = opt(None, commands=(GENERATE, CHAT))
+    ignore_eos: bool = opt(False, commands=(GENERATE, CHAT))

@@ -12,12 +12,14 @@ import logging
 import re
 import shlex
 from pathlib import Path
-from typing import Any
+
+from tripod.config import CHAINS_SERVE, FleetConfig, RouterConfig, ServerConfig
+from tripod.config_cli import CommandParser, Subcommands, namespace_values
 
 _NAMED = re.compile(r"^([A-Za-z0-9_.\-]+)=(.*)$", re.S)
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subcommands) -> None:
     chains = sub.add_parser("chains", help="workflows: serve a chain of chainlets and models (tripod chains serve FILE.py)",
                             description="Multi-step, multi-model pipelines written as typed Python (tripod.chains).")
     chains.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
@@ -26,25 +28,16 @@ def add_parser(sub: Any) -> None:
     srv.add_argument("file", help="the chain's Python file")
     srv.add_argument("--entrypoint", default=None, help="the chainlet to serve at /run (default: the one marked "
                      "@chains.entrypoint)")
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--model", action="append", default=[], metavar="NAME=PATH|URL",
                      help="serve model NAME from a .gguf file or HF folder (empty: the embedded model) with a fleet, "
                      "or route it to a running OpenAI-compatible server at URL; overrides the file's chains.Model")
     srv.add_argument("--model-args", action="append", default=[], metavar="[NAME=]ARGS",
                      help="more `tripod serve` options for every model's replicas, or for NAME's only "
                      "(e.g. --model-args='--dtype float32 --threads 1'; repeatable)")
-    srv.add_argument("--backend", default="local", choices=["local", "ray"],
-                     help="chainlet and model replicas as local processes or as Ray actors")
-    srv.add_argument("--ray-address", default=None, help="ray: 'auto' joins the running cluster (default: a local one)")
-    srv.add_argument("--ray-num-cpus", type=float, default=1.0, help="ray: CPUs each model replica reserves")
-    srv.add_argument("--ray-num-gpus", type=float, default=0.0, help="ray: GPUs each model replica reserves")
-    srv.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
-                     help="how each model's router picks a replica")
-    srv.add_argument("--start-timeout", type=float, default=300.0, help="seconds every replica gets to become healthy")
-    srv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds calls in flight get after SIGTERM")
     srv.add_argument("--log-dir", default=None, help="write each replica's log under this folder")
     srv.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
+    # The options shared with tripod serve/route, declared once on their configs.
+    CommandParser(srv, CHAINS_SERVE).add(ServerConfig, None).add(FleetConfig, None).add(RouterConfig, None)
 
     wrk = csub.add_parser("worker", help="(internal) one chainlet replica, as launched by `tripod chains serve`")
     wrk.add_argument("--file", required=True, help="the chain's Python file")
@@ -57,7 +50,8 @@ def add_parser(sub: Any) -> None:
     wrk.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
 
 
-def _models(items: list[str]) -> dict[str, str]:
+def parse_models(items: list[str]) -> dict[str, str]:
+    """``--model NAME=PATH|URL ...`` → {name: path or URL}."""
     out = {}
     for item in items:
         m = _NAMED.match(item)
@@ -67,7 +61,8 @@ def _models(items: list[str]) -> dict[str, str]:
     return out
 
 
-def _model_args(items: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+def parse_model_args(items: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """``--model-args [NAME=]ARGS ...`` → (options for every model's replicas, {name: options for its own})."""
     common: list[str] = []
     by: dict[str, list[str]] = {}
     for item in items:
@@ -79,6 +74,10 @@ def _model_args(items: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     return common, by
 
 
+# NOTE: the names tests/test_chains_local.py imports.
+_models, _model_args = parse_models, parse_model_args
+
+
 def main(args: argparse.Namespace) -> int:
     if args.chains_command == "worker":
         from tripod.chains import worker
@@ -88,13 +87,13 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("tripod chains needs a command: serve (see tripod chains serve --help)")
     from tripod.chains.serve import ChainServeConfig, serve_chain
 
-    common, by = _model_args(args.model_args)
+    common, by = parse_model_args(args.model_args)
+    # ChainServeConfig's fields are named as the shared options' dests (host, port, backend, ray_*,
+    # router_policy, start_timeout, drain_timeout).
+    shared = namespace_values(args, CHAINS_SERVE, ServerConfig, FleetConfig, RouterConfig)
     cfg = ChainServeConfig(
-        file=args.file, entrypoint=args.entrypoint, host=args.host, port=args.port, backend=args.backend,
-        ray_address=args.ray_address, ray_num_cpus=args.ray_num_cpus, ray_num_gpus=args.ray_num_gpus,
-        models=_models(args.model), model_args=common, model_args_by=by, router_policy=args.router_policy,
-        start_timeout=args.start_timeout, drain_timeout=args.drain_timeout,
-        log_dir=Path(args.log_dir) if args.log_dir else None, log_level=str(args.log_level).upper(),
+        file=args.file, entrypoint=args.entrypoint, models=parse_models(args.model), model_args=common, model_args_by=by,
+        log_dir=Path(args.log_dir) if args.log_dir else None, log_level=str(args.log_level).upper(), **shared,
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     return serve_chain(cfg)

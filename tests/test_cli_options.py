@@ -1,0 +1,161 @@
+"""The command line generated from the configs (tripod.config_cli): every command keeps its options,
+shared options agree across commands, and what a fleet forwards to its replicas round-trips. No model."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from tripod.cli import build_parser, replica_args, replica_argv
+from tripod.config import (
+    CHAINS_SERVE,
+    ROUTE,
+    SERVE,
+    EngineConfig,
+    FleetConfig,
+    RouterConfig,
+    SamplingOptions,
+    ServerConfig,
+)
+from tripod.config_cli import cli_fields, from_namespace, namespace_values, to_argv
+
+# Every engine and server option a replica can be given, each away from its default.
+ENGINE_SERVER = [
+    "--model", "/m/x.gguf", "--dtype", "float32", "--device", "cuda:1", "--kv-cache-tokens", "4096",
+    "--max-model-len", "1024", "--chunk-size", "64", "--max-batch-tokens", "256", "--max-running", "16",
+    "--policy", "fcfs", "--no-prefix-cache", "--threads", "3", "--kernels", "eager", "--weights", "fp8",
+    "--no-jump-forward", "--speculative", "draft:embedded", "--num-draft-tokens", "5", "--spec-max-batch", "0",
+    "--api-key", "k", "--served-model-name", "m", "--max-waiting", "7", "--overload-status", "503",
+    "--drain-timeout", "2.5", "--max-n", "3",
+]
+
+# The options of each command (as before the CLI was generated from the configs).
+FLAGS = {
+    ("serve",): "--api-key --backend --balance-abs --balance-rel --bench-dir --chunk-size --device --downscale-delay "
+    "--drain-timeout --dtype --health-interval --host --kernels --kv-cache-tokens --load-weight --log-level --lookback "
+    "--max-batch-tokens --max-model-len --max-n --max-pending --max-replicas --max-retries --max-running --max-waiting "
+    "--min-replicas --model --no-jump-forward --no-prefix-cache --num-draft-tokens --overload-status --policy --port "
+    "--queue-timeout --ray-address --ray-num-cpus --ray-num-gpus --replica-log-dir --replicas --router-policy "
+    "--served-model-name --spec-max-batch --speculative --stall-timeout --target-inflight --threads --upscale-delay "
+    "--weights",
+    ("route",): "--api-key --balance-abs --balance-rel --bench-dir --drain-timeout --health-interval --host "
+    "--load-weight --log-level --max-pending --max-retries --policy --port --queue-timeout --replica --stall-timeout",
+    ("generate",): "--chunk-size --device --dtype --ignore-eos --kernels --kv-cache-tokens --log-level "
+    "--max-batch-tokens --max-model-len --max-running --max-tokens --min-p --model --no-jump-forward "
+    "--no-prefix-cache --num-draft-tokens --policy --raw --repetition-penalty --seed --spec-max-batch --speculative "
+    "--stats --system --temperature --threads --top-k --top-p --weights",
+    ("chat",): "--api-key --chunk-size --device --dtype --ignore-eos --kernels --kv-cache-tokens --log-level "
+    "--max-batch-tokens --max-model-len --max-running --max-tokens --min-p --model --no-jump-forward "
+    "--no-prefix-cache --num-draft-tokens --policy --repetition-penalty --seed --spec-max-batch --speculative "
+    "--system --temperature --threads --top-k --top-p --url --weights",
+    ("chains", "serve"): "--backend --drain-timeout --entrypoint --host --log-dir --log-level --model --model-args "
+    "--port --ray-address --ray-num-cpus --ray-num-gpus --router-policy --start-timeout",
+}
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize("command", list(FLAGS))
+def test_every_command_keeps_its_options(command: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse(*command, "--help")
+    usage = capsys.readouterr().out.split("\n\n")[0]
+    assert sorted(set(re.findall(r"\[(--[\w-]+)", usage))) == FLAGS[command].split()
+
+
+def test_replica_options_round_trip() -> None:
+    """argv → configs → a replica's argv → the same configs: nothing a fleet forwards is lost or changed."""
+    args = _parse("serve", "--replicas", "2", "--port", "9", *ENGINE_SERVER)
+    engine, server = from_namespace(EngineConfig, args), from_namespace(ServerConfig, args)
+    # The argv above sets every forwarded option (a new option must be added to it, and is then checked here).
+    for cls, cfg in ((EngineConfig, engine), (ServerConfig, server)):
+        for f in cli_fields(cls, SERVE):
+            if f.opt.forward:
+                assert getattr(cfg, f.name) != f.default, f"{cls.__name__}.{f.name} is not exercised"
+    forwarded = replica_argv(engine, server)
+    again = _parse("serve", "--port", "9", *forwarded)
+    assert from_namespace(EngineConfig, again) == engine
+    assert from_namespace(ServerConfig, again) == server
+    assert replica_argv(from_namespace(EngineConfig, again), from_namespace(ServerConfig, again)) == forwarded
+    assert "--host" not in forwarded and "--port" not in forwarded
+
+
+def test_defaults_forward_as_defaults() -> None:
+    args = _parse("serve", "--replicas", "2")
+    forwarded = replica_args(args, 4)
+    assert forwarded[-2:] == ["--log-level", "INFO"] and "--no-prefix-cache" not in forwarded
+    again = _parse("serve", *forwarded)
+    assert from_namespace(EngineConfig, again) == EngineConfig(num_threads=4)
+    assert from_namespace(ServerConfig, again) == ServerConfig()
+
+
+def test_to_argv_inverts_from_namespace() -> None:
+    cfg = RouterConfig(policy="round_robin", load_weight=0.5, balance_abs=1, max_retries=0, health_interval=0.25,
+                       host="0.0.0.0", port=9, api_key="k", bench_dir="/b")
+    assert from_namespace(RouterConfig, _parse("route", *to_argv(cfg, ROUTE))) == cfg
+    sampling = SamplingOptions(max_tokens=9, temperature=0.7, seed=3, ignore_eos=True)
+    assert from_namespace(SamplingOptions, _parse("generate", *to_argv(sampling, "generate"))) == sampling
+
+
+def test_generate_chat_and_serve_take_the_same_engine_options() -> None:
+    engine_argv = ENGINE_SERVER[: ENGINE_SERVER.index("--api-key")]
+    configs = [from_namespace(EngineConfig, _parse(cmd, *engine_argv)) for cmd in ("generate", "chat", "serve")]
+    assert configs[0] == configs[1] == configs[2] != EngineConfig()
+
+
+def _chains_options(ns: argparse.Namespace) -> dict[str, object]:
+    """chains serve's shared options but --start-timeout (which tripod serve does not take)."""
+    values = namespace_values(ns, CHAINS_SERVE, ServerConfig, FleetConfig, RouterConfig)
+    assert values.pop("start_timeout") == 300.0
+    return values
+
+
+def test_serve_route_and_chains_serve_agree_on_shared_options() -> None:
+    shared = ["--host", "0.0.0.0", "--port", "9", "--drain-timeout", "2.5"]
+    fleet = ["--backend", "ray", "--ray-address", "auto", "--ray-num-cpus", "2", "--ray-num-gpus", "1"]
+    serve = _parse("serve", *shared, *fleet, "--router-policy", "least_load", "--api-key", "k", "--bench-dir", "/b")
+    route = _parse("route", *shared, "--policy", "least_load", "--api-key", "k", "--bench-dir", "/b")
+    chains = _parse("chains", "serve", "c.py", *shared, *fleet, "--router-policy", "least_load")
+    # The fleet's router listens where `tripod serve` would, with the server's key and bench folder.
+    assert from_namespace(RouterConfig, serve) == from_namespace(RouterConfig, route)
+    assert _chains_options(chains) == {k: getattr(serve, k) for k in _chains_options(chains)}
+    assert from_namespace(ServerConfig, serve).drain_timeout == from_namespace(ServerConfig, route).drain_timeout
+    # and with nothing given, the same defaults (the configs' own).
+    assert from_namespace(RouterConfig, _parse("serve")) == from_namespace(RouterConfig, _parse("route")) == \
+        RouterConfig()
+    defaults = _chains_options(_parse("chains", "serve", "c.py"))
+    assert defaults == {k: getattr(_parse("serve"), k) for k in defaults}
+
+
+def test_empty_api_key_means_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRIPOD_API_KEY", "")
+    assert from_namespace(ServerConfig, _parse("serve")).api_key is None
+    assert from_namespace(RouterConfig, _parse("route")).api_key is None
+    monkeypatch.setenv("TRIPOD_API_KEY", "secret")
+    assert from_namespace(ServerConfig, _parse("serve")).api_key == "secret"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (("serve", "--speculative", "self:0"), "argument --speculative: speculative must be"),
+    (("route", "--policy", "random"), "argument --policy: invalid choice: 'random'"),
+    (("serve", "--router-policy", "random"), "argument --router-policy: invalid choice"),
+    (("serve", "--port", "x"), "argument --port: invalid int value: 'x'"),
+    (("generate", "--threads", "x"), "argument --threads: invalid int value"),
+    (("serve", "--overload-status", "500"), "argument --overload-status: invalid choice: 500"),
+])
+def test_parse_errors_name_the_flag(argv: tuple[str, ...], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        _parse(*argv)
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_config_validation_still_applies() -> None:
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        from_namespace(EngineConfig, _parse("serve", "--num-draft-tokens", "0"))
+    with pytest.raises(ValueError, match="min_replicas"):
+        from_namespace(FleetConfig, _parse("serve"), min_replicas=3, max_replicas=2)
