@@ -256,7 +256,7 @@ def test_merged_metrics_pages_keep_every_replica() -> None:
 
 
 def test_serve_command_line() -> None:
-    from tripod.chains.cli import _model_args, _models
+    from tripod.chains.cli import parse_model_args, parse_models
     from tripod.cli import build_parser
 
     args = build_parser().parse_args(["chains", "serve", "chain.py", "--model", "judge=/m/judge.gguf", "--model",
@@ -264,8 +264,8 @@ def test_serve_command_line() -> None:
                                       "--model-args=--dtype float32 --threads 1",
                                       "--model-args", "judge=--kv-cache-tokens 4096", "--entrypoint", "Top"])
     assert args.chains_command == "serve" and args.file == "chain.py" and args.entrypoint == "Top"
-    assert _models(args.model) == {"judge": "/m/judge.gguf", "writer": "", "ext": "http://127.0.0.1:9/v1"}
-    assert _model_args(args.model_args) == (["--dtype", "float32", "--threads", "1"],
+    assert parse_models(args.model) == {"judge": "/m/judge.gguf", "writer": "", "ext": "http://127.0.0.1:9/v1"}
+    assert parse_model_args(args.model_args) == (["--dtype", "float32", "--threads", "1"],
                                             {"judge": ["--kv-cache-tokens", "4096"]})
     with pytest.raises(ValueError, match="NAME=PATH"):
-        _models(["judge"])
+        parse_models(["judge"])

@@ -166,11 +166,11 @@ def test_cli_refuses_bad_values(args: tuple[str, ...], words: str) -> None:
 
 
 def test_fleet_forwards_the_options() -> None:
-    from tripod.cli import _replica_args, build_parser
+    from tripod.cli import build_parser, replica_args
 
     args = build_parser().parse_args(["serve", "--replicas", "2", "--speculative", "self:6",
                                       "--num-draft-tokens", "3", "--spec-max-batch", "2"])
-    forwarded = " ".join(_replica_args(args, 1))
+    forwarded = " ".join(replica_args(args, 1))
     assert "--speculative self:6 --num-draft-tokens 3 --spec-max-batch 2" in forwarded
 
 

@@ -175,9 +175,6 @@ def replica_args(args: argparse.Namespace, threads: int | None) -> list[str]:
     return [*replica_argv(engine, from_namespace(ServerConfig, args)), "--log-level", str(args.log_level)]
 
 
-_replica_args = replica_args  # NOTE: the name tests/test_speculative_server.py imports
-
-
 def cmd_fleet(args: argparse.Namespace) -> int:
     from pathlib import Path
 

@@ -74,9 +74,6 @@ def parse_model_args(items: list[str]) -> tuple[list[str], dict[str, list[str]]]
     return common, by
 
 
-# NOTE: the names tests/test_chains_local.py imports.
-_models, _model_args = parse_models, parse_model_args
-
 
 def main(args: argparse.Namespace) -> int:
     if args.chains_command == "worker":
