@@ -29,7 +29,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-# The console's browser tests (tests/test_console_browser.py) drive the system's chromium through
+# The console's browser tests (tests/console/test_console_browser.py) drive the system's chromium through
 # Playwright, never a downloaded browser build. Installed here with apt-get when it is missing and
 # that is possible (root and apt-get: Debian's package); otherwise this says why and goes on, and
 # those tests skip, saying the same. Only `make test` asks for it: `make serve` needs no browser.

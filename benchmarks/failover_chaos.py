@@ -15,7 +15,7 @@ and the router's failure → continued-first-byte time (``tripod:router_continua
 
     python benchmarks/failover_chaos.py --duration 180 --out benchmarks/results/failover_chaos.md
 
-``run()`` is what ``tests/test_failover_chaos.py`` (slow) calls.
+``run()`` is what ``tests/router/test_failover_chaos.py`` (slow) calls.
 """
 
 from __future__ import annotations

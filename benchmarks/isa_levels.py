@@ -1,7 +1,7 @@
 """Decode speed of the embedded model on each ISA level of tripod's kernels this CPU supports, in
 bfloat16, float32 and with the GGUF's Q4_1 weights executed as stored: what an AVX2-only CPU gets
 (the avx2 level, forced with ``--kernels avx2``) next to the AVX-512 levels on the same machine.
-Every level computes the same bits (tests/test_kernel_levels.py); only the speed differs.
+Every level computes the same bits (tests/kernels/test_kernel_levels.py); only the speed differs.
 
 Closed batch, offline engine: C requests at once, ~230-token prompts, exactly 128 new tokens
 (ignore_eos), greedy. Output tok/s = C * 128 / wall time. Writes ``benchmarks/results/isa_levels.md``.

@@ -5,7 +5,7 @@
 1. Mask overhead: B requests mid-way through a JSON schema; time of one step's masking work
    (fill every row's bitmask, apply it to the [B, vocab] logits, accept the sampled tokens), next
    to the forward pass of an unconstrained decode step at the same batch size.
-2. Jump-forward: the 22-schema suite (tests/structured_suite.py), greedy, one request at a time
+2. Jump-forward: the 22-schema suite (tests/support/structured_suite.py), greedy, one request at a time
    and all at once, with jump-forward on and off: forward passes, wall time, identical outputs.
 """
 

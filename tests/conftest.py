@@ -227,7 +227,7 @@ def hf_ref(hf_model: Any) -> HFReference:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One real ``tripod serve`` (fp32, embedded model) for the end-to-end tests."""
-    from server_helpers import ServerProcess
+    from tests.support.server_helpers import ServerProcess
 
     srv = ServerProcess(tmp_path_factory.mktemp("serve"))
     try:

@@ -3,7 +3,7 @@
 Request bodies are described by the very pydantic models the routes parse them with (so the
 document cannot drift from what is accepted), and every error by the shape it is answered in:
 OpenAI's ``{"error": {message, type, param, code}}``, Anthropic's ``{"type": "error", "error":
-{type, message}}`` on ``/v1/messages``. ``tests/test_api_fuzz.py`` fuzzes the server from it.
+{type, message}}`` on ``/v1/messages``. ``tests/server/test_api_fuzz.py`` fuzzes the server from it.
 """
 
 from __future__ import annotations
