@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tripod.engine.request import GrammarSpec, SamplingParamError, SamplingParams
+from tripod.protocol.sampling import GrammarSpec, SamplingParamError, SamplingParams
 from tripod.server.protocol import APIError
 
 MAX_STOP = 16

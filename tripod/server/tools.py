@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from tripod.engine.request import GrammarSpec
+from tripod.protocol.sampling import GrammarSpec
 from tripod.server.protocol import APIError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
