@@ -16,6 +16,7 @@ from tripod.console.app import Console, is_open_path
 from tripod.console.models import FleetView, NodeView
 from tripod.console.readings import Reading, delta, histogram_quantile, read_families, read_text
 from tripod.console.sampler import Sampler
+from tripod.protocol.stats import EngineStats, SpecDecodeCounts
 from tripod.server.metrics import ServerMetrics
 
 
@@ -28,9 +29,10 @@ def test_a_server_page_is_read_by_tripods_names() -> None:
     m.request_success.labels("m", "length").inc(1)
     for v in (0.02, 0.2, 0.4):
         m.ttft.labels("m").observe(v)
-    m.on_heartbeat({"running": 3, "waiting": 2, "kv_slots": 100, "kv_free": 50, "kv_cached": 10, "kv_pinned": 0,
-                    "jump_forward_proposed": 20, "jump_forward_accepted": 15,
-                    "spec_decode": {"ngram": [4, 16, 8], "jump_forward": [5, 20, 15]}})
+    m.on_heartbeat(EngineStats(running=3, waiting=2, kv_slots=100, kv_free=50, kv_cached=10, kv_pinned=0,
+                               jump_forward_proposed=20, jump_forward_accepted=15,
+                               spec_decode={"ngram": SpecDecodeCounts(4, 16, 8),
+                                            "jump_forward": SpecDecodeCounts(5, 20, 15)}))
     for r in (read_families(m.registry.collect()), read_text(m.render().decode())):
         assert r is not None
         assert (r.prompt_tokens, r.cache_queries, r.cache_hits, r.generation_tokens, r.requests) == (150, 150, 40, 30, 3)

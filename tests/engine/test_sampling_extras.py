@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tripod.engine.request import GrammarSpec, Resume, SamplingParams
-from tripod.server import ipc
+from tripod.protocol import engine_ipc
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 
@@ -117,19 +117,19 @@ def test_add_request_crosses_the_boundary_typed() -> None:
     p = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=2**62, logprobs=2, stop_token_ids=[4],
                        n=2, priority=-1, grammar=GrammarSpec("regex", r"\d+"), logit_bias={5: -100.0, 9: 2.5},
                        prompt_logprobs=1)
-    msg = ipc.decode(ipc.encode(ipc.AddRequest("r1", [1, 2, 3], p)))
-    assert isinstance(msg, ipc.AddRequest) and isinstance(msg.params, SamplingParams)
+    msg = engine_ipc.decode(engine_ipc.encode(engine_ipc.AddRequest("r1", [1, 2, 3], p)))
+    assert isinstance(msg, engine_ipc.AddRequest) and isinstance(msg.params, SamplingParams)
     assert msg.params == p and msg.prompt_ids == [1, 2, 3] and msg.resume == []
     # A continuation carries the copies it resumes, typed.
-    cont = ipc.decode(ipc.encode(ipc.AddRequest("r1", [1], p, [Resume(1, (7, 8))])))
+    cont = engine_ipc.decode(engine_ipc.encode(engine_ipc.AddRequest("r1", [1], p, [Resume(1, (7, 8))])))
     assert cont.resume == [Resume(1, (7, 8))]
-    bad = ipc.encode(ipc.AddRequest("r2", [1], SamplingParams(n=3)))
+    bad = engine_ipc.encode(engine_ipc.AddRequest("r2", [1], SamplingParams(n=3)))
     # Tamper with the wire copy: a value out of bounds is refused on the engine side, with what
     # a rejection needs (the id and the number of copies).
-    import msgpack
+    import msgspec
 
-    tag, rid, ids, values, resume = msgpack.unpackb(bad, raw=False, strict_map_key=False)
-    values[1] = math.inf  # temperature
-    with pytest.raises(ipc.InvalidAddRequest) as e:
-        ipc.decode(msgpack.packb([tag, rid, ids, values, resume], use_bin_type=True))
+    wire = msgspec.msgpack.decode(bad)
+    wire["params"]["temperature"] = math.inf
+    with pytest.raises(engine_ipc.InvalidAddRequest) as e:
+        engine_ipc.decode(msgspec.msgpack.encode(wire))
     assert e.value.rid == "r2" and e.value.n == 3 and "temperature" in str(e.value)

@@ -23,7 +23,8 @@ from tripod.bench.copy_tasks import copy_prompts
 from tripod.bench.datasets import make_requests
 from tripod.bench.spec import parse_metrics, summarize_spec
 from tripod.engine.request import SamplingParams
-from tripod.server import ipc
+from tripod.protocol import engine_ipc
+from tripod.protocol.stats import EngineStats, SpecDecodeCounts
 from tripod.server.metrics import ServerMetrics
 
 # An answer that copies its prompt: what prompt-lookup (ngram) drafting is for.
@@ -176,16 +177,17 @@ def test_fleet_forwards_the_options() -> None:
 
 def test_ipc_carries_the_field() -> None:
     for value in (True, False):
-        msg = ipc.decode(ipc.encode(ipc.AddRequest("r", [1, 2], SamplingParams(speculative=value))))
+        msg = engine_ipc.decode(engine_ipc.encode(engine_ipc.AddRequest("r", [1, 2], SamplingParams(speculative=value))))
         assert msg.params.speculative is value
 
 
 def test_metrics_add_heartbeat_deltas_per_proposer() -> None:
     m = ServerMetrics("m")
-    hb = {"running": 0, "waiting": 0, "kv_slots": 8, "kv_free": 8, "kv_cached": 0, "kv_pinned": 0}
-    m.on_heartbeat({**hb, "spec_decode": {"ngram": [2, 8, 5]}})
-    m.on_heartbeat({**hb, "spec_decode": {"ngram": [3, 12, 6], "jump_forward": [1, 4, 4]}})
-    m.on_heartbeat(hb)  # an engine without speculation sends no entries
+    hb: dict[str, Any] = {"running": 0, "waiting": 0, "kv_slots": 8, "kv_free": 8, "kv_cached": 0, "kv_pinned": 0}
+    m.on_heartbeat(EngineStats(**hb, spec_decode={"ngram": SpecDecodeCounts(2, 8, 5)}))
+    m.on_heartbeat(EngineStats(**hb, spec_decode={"ngram": SpecDecodeCounts(3, 12, 6),
+                                                   "jump_forward": SpecDecodeCounts(1, 4, 4)}))
+    m.on_heartbeat(EngineStats(**hb))  # an engine without speculation sends no entries
     counts = parse_metrics(m.render().decode())
     assert counts == {"ngram": {"drafts": 3, "draft_tokens": 12, "accepted_tokens": 6},
                       "jump_forward": {"drafts": 1, "draft_tokens": 4, "accepted_tokens": 4}}

@@ -24,6 +24,16 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
+from tripod.protocol.engine_ipc import Logprob
+from tripod.protocol.failover import (
+    MalformedExtension,
+    ResumePoint,
+    decode_progress,
+    decode_resume_point,
+)
+
 FAILOVER_PATHS = ("/v1/chat/completions", "/v1/completions")
 # Fields of tripod's protocol the router sets itself: a client's request that names one is
 # passed through as it is, without failover.
@@ -80,7 +90,7 @@ class ChoiceProgress:
 
     token_ids: list[int] = field(default_factory=list)
     chars: int = 0  # characters of its text the client has (streams)
-    logprobs: list[Any] = field(default_factory=list)  # raw [id, logprob, top] per token (whole answers)
+    logprobs: list[Logprob] = field(default_factory=list)  # per token (whole answers)
     finish_reason: str | None = None
 
 
@@ -131,7 +141,7 @@ class AnswerProgress:
                 if self.stream:
                     ch["chars"] = c.chars
                 elif c.token_ids and len(c.logprobs) == len(c.token_ids):
-                    ch["logprobs"] = c.logprobs
+                    ch["logprobs"] = msgspec.to_builtins(c.logprobs)
                 choices.append(ch)
             body["tripod_continuation"] = {"id": self.id, "created": self.created, "choices": choices}
         return dumps(body)
@@ -160,14 +170,14 @@ class AnswerProgress:
         choices = obj.get("choices")
         if not isinstance(choices, list):
             return self._flush(raw)
-        marks: list[tuple[int, dict[str, Any], str | None]] = []
+        marks: list[tuple[int, ResumePoint, str | None]] = []
         complete = True
         for ch in choices:
             mark = ch.pop("tripod", None) if isinstance(ch, dict) else None
             if mark is None:
                 complete = False
             else:
-                marks.append((int(ch.get("index", 0)), mark, ch.get("finish_reason")))
+                marks.append((int(ch.get("index", 0)), _resume_point(mark), ch.get("finish_reason")))
         event = b"data: " + dumps(obj) + b"\n\n" if marks else raw
         if not complete:
             self._held.append(event)  # the rest of its delta comes with the resume point
@@ -176,8 +186,8 @@ class AnswerProgress:
             self.id, self.created = str(obj.get("id")), int(obj.get("created") or 0)
         for idx, mark, finish in marks:
             c = self.choices.setdefault(idx, ChoiceProgress())
-            c.token_ids.extend(int(t) for t in mark.get("token_ids") or [])
-            c.chars = int(mark.get("chars") or 0)
+            c.token_ids.extend(mark.token_ids)
+            c.chars = mark.chars
             if finish is not None:
                 c.finish_reason = str(finish)
         return self._flush(event)
@@ -200,13 +210,24 @@ class AnswerProgress:
         if name == "error":
             why = server_error(obj)
             raise Failed(why or f"the replica answered an error: {data[:300]}")
-        if name != "progress" or not isinstance(obj, dict):
+        if name != "progress":
             return None
+        try:
+            p = decode_progress(data)
+        except MalformedExtension as e:
+            raise Failed(str(e)) from None
         if self.id is None:
-            self.id, self.created = str(obj.get("id")), int(obj.get("created") or 0)
-        c = self.choices.setdefault(int(obj.get("index", 0)), ChoiceProgress())
-        c.token_ids.extend(int(t) for t in obj.get("token_ids") or [])
-        c.logprobs.extend(obj.get("logprobs") or [])
-        if obj.get("finish_reason") is not None:
-            c.finish_reason = str(obj["finish_reason"])
+            self.id, self.created = p.id, p.created
+        c = self.choices.setdefault(p.index, ChoiceProgress())
+        c.token_ids.extend(p.token_ids)
+        c.logprobs.extend(p.logprobs)
+        if p.finish_reason is not None:
+            c.finish_reason = p.finish_reason
         return None
+
+
+def _resume_point(obj: Any) -> ResumePoint:
+    try:
+        return decode_resume_point(obj)
+    except MalformedExtension as e:  # a replica that sends nonsense is treated as failed
+        raise Failed(str(e)) from None

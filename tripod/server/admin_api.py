@@ -26,7 +26,7 @@ def model_card(state: ServerState) -> dict[str, Any]:
         "dtype": info.dtype if info else None,
         # What computes: {"backend": "cpu", "isa": "avx2"} (tripod's kernels of that ISA level), or
         # "reference"/"torch" with the reason the kernels do not run; the latest heartbeat's.
-        "compute": state.client.stats.get("compute_card") or (info.compute if info else None),
+        "compute": compute_card(state),
         "quantization": state.quantization,
         # "dequantized" (to dtype), "stored" (GGUF Q4_1/Q8_0/Q5_0/Q4_K/Q6_K executed as stored) or "fp8" (a
         # block-wise FP8 checkpoint kept in FP8, w8a16); --weights.
@@ -47,6 +47,13 @@ def model_card(state: ServerState) -> dict[str, Any]:
             "type": "model", "display_name": state.model_name, "created_at": created_at, **meta, "metadata": meta}
 
 
+def compute_card(state: ServerState) -> dict[str, Any] | None:
+    """The latest heartbeat's compute card (the kernels may load after start-up), else Ready's."""
+    stats, info = state.client.stats, state.client.info
+    card = (stats.compute_card if stats is not None else None) or (info.compute if info else None)
+    return card.as_json() if card is not None else None
+
+
 def speculative_card(state: ServerState) -> dict[str, Any]:
     cfg = state.engine_config
     return {"method": cfg.speculative, "num_draft_tokens": cfg.num_draft_tokens if cfg.speculative else None,
@@ -58,18 +65,7 @@ def speculative_card(state: ServerState) -> dict[str, Any]:
 def add_admin_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
-        c = state.client
-        if not c.alive:
-            return JSONResponse({"status": "dead", "reason": c.dead_reason}, status_code=503)
-        if state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({
-            "status": "ok", "model": state.model_name, "engine_pid": c.pid,
-            "running": c.stats.get("running", 0), "waiting": c.stats.get("waiting", 0),
-            # The router continues this server's answers on another replica when it fails
-            # (tripod_failover / tripod_continuation on the OpenAI routes).
-            "continuation": True,
-        })
+        return health_answer(state)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -95,7 +91,28 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
             stats = await state.client.engine_stats()
         except EngineDead as e:
             raise APIError(503, str(e), type="server_error", code="engine_dead") from None
-        return JSONResponse({**stats, "inflight": state.client.inflight})
+        return JSONResponse({**stats.as_json(), "inflight": state.client.inflight})
+
+    add_token_routes(app, state)
+
+
+def health_answer(state: ServerState) -> JSONResponse:
+    c = state.client
+    if not c.alive:
+        return JSONResponse({"status": "dead", "reason": c.dead_reason}, status_code=503)
+    if state.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    return JSONResponse({
+        "status": "ok", "model": state.model_name, "engine_pid": c.pid,
+        "running": c.stats.running if c.stats else 0, "waiting": c.stats.waiting if c.stats else 0,
+        # The router continues this server's answers on another replica when it fails
+        # (tripod_failover / tripod_continuation on the OpenAI routes).
+        "continuation": True,
+    })
+
+
+def add_token_routes(app: FastAPI, state: ServerState) -> None:
+    """``/tokenize`` and ``/detokenize`` (vLLM's), with this server's tokenizer and template."""
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tripod.engine.request import GrammarSpec
+from tripod.protocol.sampling import GrammarSpec
 from tripod.server.conversation import Message, PastCall
 from tripod.server.protocol import APIError, one_of
 from tripod.server.tools import ToolChoice, ToolSpec, check_choice, check_tools

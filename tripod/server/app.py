@@ -155,7 +155,7 @@ async def lifespan_for(state: ServerState) -> AsyncIterator[None]:
     log.info(
         "engine ready: %s (%s, stored as %s, weights %s, dtype %s), context %d, pid %d, compute %s",
         state.model_name, info.architecture, state.quantization, state.engine_config.weights, info.dtype,
-        info.max_request_len, info.pid, info.compute,
+        info.max_request_len, info.pid, info.compute.as_json(),
     )
     ec = state.engine_config
     if ec.speculative:

@@ -32,8 +32,8 @@ class ServerConsoleSource:
         node = NodeView(
             name=s.model_name, url=f"http://{s.config.host}:{s.config.port}",
             state="starting" if c.info is None else "dead" if not c.alive else "draining" if s.draining else "healthy",
-            pid=os.getpid(), inflight=c.inflight, running=int(c.stats.get("running", 0)),
-            waiting=int(c.stats.get("waiting", 0)),
+            pid=os.getpid(), inflight=c.inflight, running=c.stats.running if c.stats else 0,
+            waiting=c.stats.waiting if c.stats else 0,
             cached_share=r.cache_hits / r.cache_queries if r.cache_queries > 0 else None, kv_usage=r.kv_usage,
         )
         return FleetView(kind="server", t=time.time(), nodes=[node])

@@ -28,8 +28,9 @@ import zmq
 import zmq.asyncio
 
 from tripod.config import EngineConfig, ServerConfig
-from tripod.engine.request import Resume, SamplingParams
-from tripod.server import ipc
+from tripod.protocol import engine_ipc
+from tripod.protocol.sampling import Resume, SamplingParams
+from tripod.protocol.stats import EngineStats
 
 log = logging.getLogger("tripod.server")
 
@@ -70,14 +71,14 @@ class RequestHandle:
         self.client = client
         self.parts = parts
         self.n = n
-        self.queue: asyncio.Queue[ipc.SeqOutput | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[engine_ipc.SeqOutput | BaseException] = asyncio.Queue()
         self.open_seqs: set[tuple[str, int]] = {(p.rid, i) for p in parts for i in p.copies}
         self.closed = False
 
-    def __aiter__(self) -> AsyncIterator[ipc.SeqOutput]:
+    def __aiter__(self) -> AsyncIterator[engine_ipc.SeqOutput]:
         return self._iter()
 
-    async def _iter(self) -> AsyncIterator[ipc.SeqOutput]:
+    async def _iter(self) -> AsyncIterator[engine_ipc.SeqOutput]:
         while self.open_seqs:
             item = await self.queue.get()
             if isinstance(item, BaseException):
@@ -92,7 +93,7 @@ class RequestHandle:
         """End one sequence early (a stop string matched): abort it in the engine."""
         if (rid, index) in self.open_seqs:
             self._done(rid, index)
-            self.client._send(ipc.AbortRequest(rid if self.n == 1 else f"{rid}-{index}"))
+            self.client._send(engine_ipc.AbortRequest(rid if self.n == 1 else f"{rid}-{index}"))
 
     def _done(self, rid: str, index: int) -> None:
         self.open_seqs.discard((rid, index))
@@ -103,7 +104,7 @@ class RequestHandle:
             return
         self.closed = True
         for rid in {rid for rid, _ in self.open_seqs}:
-            self.client._send(ipc.AbortRequest(rid))
+            self.client._send(engine_ipc.AbortRequest(rid))
         self.client.inflight -= len(self.open_seqs)
         self.open_seqs.clear()
         for p in self.parts:
@@ -169,15 +170,15 @@ class EngineClient:
         self.engine_config = engine_config
         self.server_config = server_config
         self.log_level = log_level
-        self.info: ipc.Ready | None = None
-        self.stats: dict[str, Any] = {}
+        self.info: engine_ipc.Ready | None = None
+        self.stats: EngineStats | None = None  # the latest heartbeat's
         self.last_heartbeat = 0.0
         self.dead_reason: str | None = None
         self.inflight = 0  # sequences the engine holds for us (admission control)
         self.on_death: Callable[[str], None] | None = None
-        self.on_heartbeat: Callable[[dict[str, Any]], None] | None = None
+        self.on_heartbeat: Callable[[EngineStats], None] | None = None
         self._handles: dict[str, RequestHandle] = {}
-        self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
         self._tokens = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._proc: EngineProcess | None = None
@@ -223,7 +224,7 @@ class EngineClient:
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
-    async def start(self) -> ipc.Ready:
+    async def start(self) -> engine_ipc.Ready:
         """Spawn the engine process (unless ``spawn`` did) and wait until its model is loaded."""
         self.spawn()
         assert self._proc is not None
@@ -255,10 +256,10 @@ class EngineClient:
             self._proc.kill()
             why = "exited" if exited in done else "did not start in time"
             raise EngineDead(f"the engine process {why} before it was ready (see the log above)")
-        msg = ipc.decode(recv.result())
-        if isinstance(msg, ipc.Fatal):
+        msg = engine_ipc.decode(recv.result())
+        if isinstance(msg, engine_ipc.Fatal):
             raise EngineDead(f"the engine failed to start: {msg.message}")
-        assert isinstance(msg, ipc.Ready), msg
+        assert isinstance(msg, engine_ipc.Ready), msg
         self.info = msg
         self.last_heartbeat = time.monotonic()
         # NOTE: the exit watch fires the moment the process ends, however it ends (crash,
@@ -279,7 +280,7 @@ class EngineClient:
             loop = asyncio.get_running_loop()
             proc.unwatch(loop)
             if proc.alive:
-                self._send(ipc.Shutdown())
+                self._send(engine_ipc.Shutdown())
                 if not await loop.run_in_executor(None, proc.wait, timeout):
                     proc.kill()
                     proc.wait(5)
@@ -331,22 +332,26 @@ class EngineClient:
     async def _receive(self) -> None:
         assert self._pull is not None
         while True:
-            msg = ipc.decode(await self._pull.recv())
+            try:
+                msg = engine_ipc.decode(await self._pull.recv())
+            except engine_ipc.ProtocolError as e:  # nothing it sends can be trusted any more
+                self._die(f"the engine sent an invalid message: {e}")
+                return
             self.last_heartbeat = time.monotonic()  # any message proves the loop is alive
-            if isinstance(msg, ipc.Outputs):
+            if isinstance(msg, engine_ipc.Outputs):
                 for item in msg.items:
                     h = self._handles.get(item.rid)
                     if h is not None:
                         h.queue.put_nowait(item)
-            elif isinstance(msg, ipc.Heartbeat):
+            elif isinstance(msg, engine_ipc.Heartbeat):
                 self.stats = msg.stats
                 if self.on_heartbeat is not None:
                     self.on_heartbeat(msg.stats)
-            elif isinstance(msg, ipc.StatsReply):
+            elif isinstance(msg, engine_ipc.StatsReply):
                 fut = self._stats_waiters.pop(msg.token, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg.stats)
-            elif isinstance(msg, ipc.Fatal):
+            elif isinstance(msg, engine_ipc.Fatal):
                 self._die(f"the engine loop failed: {msg.message}")
                 return
 
@@ -369,25 +374,25 @@ class EngineClient:
         self.inflight += seqs
         for p in parts:
             if p.copies:  # (a continuation's part whose every choice had finished runs nothing)
-                self._send(ipc.AddRequest(p.rid, p.prompt_ids, p.params, list(p.resume or [])))
+                self._send(engine_ipc.AddRequest(p.rid, p.prompt_ids, p.params, list(p.resume or [])))
         return h
 
-    async def engine_stats(self, timeout: float = 10.0) -> dict[str, Any]:
+    async def engine_stats(self, timeout: float = 10.0) -> EngineStats:
         """Ask the engine loop for its accounting now (includes the KV invariant when idle)."""
         if not self.alive:
             raise EngineDead(self.dead_reason or "the engine is not running")
         token = next(self._tokens)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[EngineStats] = asyncio.get_running_loop().create_future()
         self._stats_waiters[token] = fut
-        self._send(ipc.StatsRequest(token))
+        self._send(engine_ipc.StatsRequest(token))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._stats_waiters.pop(token, None)
 
-    def _send(self, msg: Any) -> None:
+    def _send(self, msg: engine_ipc.Message) -> None:
         if self._push is None or self.dead_reason is not None:
             return
         # NOTE: a PUSH socket with a connected peer queues without blocking (high-water mark
         # 1000 messages); the engine drains everything between steps.
-        self._push.send(ipc.encode(msg), copy=False)
+        self._push.send(engine_ipc.encode(msg), copy=False)

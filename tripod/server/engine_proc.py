@@ -14,11 +14,15 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from tripod.server import ipc
+from tripod.protocol import engine_ipc
+from tripod.protocol.stats import ComputeCard, EngineStats, SpecDecodeCounts, StepTimes
+
+if TYPE_CHECKING:
+    from tripod.engine.request import TokenLogprob
 
 log = logging.getLogger("tripod.engine_proc")
 
@@ -52,7 +56,7 @@ def engine_main(
         from tripod.engine.engine import Engine
 
         engine = Engine(config=EngineConfig(**engine_config))
-        push.send(ipc.encode(ipc.Ready(
+        push.send(engine_ipc.encode(engine_ipc.Ready(
             pid=os.getpid(),
             model_name=engine.model_name,
             dtype=engine.dtype_name,
@@ -63,12 +67,12 @@ def engine_main(
             vocab_size=engine.model_config.vocab_size,
             max_running=engine.config.max_running,
             kv_slots=engine.pool.num_slots,
-            compute=engine.runner.card(),
+            compute=ComputeCard(**engine.runner.card()),
         )))
         EngineLoop(engine, pull, push, heartbeat_interval, parent_pid).run()
     except Exception as e:  # a crash must reach the server as a message, not only a dead pid
         log.error("engine process failed:\n%s", traceback.format_exc())
-        push.send(ipc.encode(ipc.Fatal(f"{type(e).__name__}: {e}")))
+        push.send(engine_ipc.encode(engine_ipc.Fatal(f"{type(e).__name__}: {e}")))
         code = 1
     finally:
         pull.close(0)
@@ -118,7 +122,7 @@ class EngineLoop:
             now = time.monotonic()
             if now - self._last_heartbeat >= self.heartbeat_interval:
                 self._last_heartbeat = now
-                self.push.send(ipc.encode(ipc.Heartbeat(self.stats())))
+                self.push.send(engine_ipc.encode(engine_ipc.Heartbeat(self.stats())))
 
     def _drain(self) -> None:
         while self.running:
@@ -127,22 +131,22 @@ class EngineLoop:
             except zmq.Again:
                 return
             try:
-                msg = ipc.decode(raw)
-            except ipc.InvalidAddRequest as e:
+                msg = engine_ipc.decode(raw)
+            except engine_ipc.InvalidAddRequest as e:
                 self._reject(e.rid, e.n, str(e))
                 continue
-            if isinstance(msg, ipc.AddRequest):
+            if isinstance(msg, engine_ipc.AddRequest):
                 self._add(msg)
-            elif isinstance(msg, ipc.AbortRequest):
+            elif isinstance(msg, engine_ipc.AbortRequest):
                 self.engine.abort(msg.rid)
-            elif isinstance(msg, ipc.StatsRequest):
-                self.push.send(ipc.encode(ipc.StatsReply(msg.token, self.stats(check=True))))
-            elif isinstance(msg, ipc.Shutdown):
+            elif isinstance(msg, engine_ipc.StatsRequest):
+                self.push.send(engine_ipc.encode(engine_ipc.StatsReply(msg.token, self.stats(check=True))))
+            elif isinstance(msg, engine_ipc.Shutdown):
                 self.running = False
             else:
                 raise AssertionError(f"unexpected message {msg!r}")
 
-    def _add(self, msg: ipc.AddRequest) -> None:
+    def _add(self, msg: engine_ipc.AddRequest) -> None:
         try:
             self.engine.add_request(msg.prompt_ids, msg.params, request_id=msg.rid, resume=msg.resume or None)
         except ValueError as e:
@@ -151,79 +155,82 @@ class EngineLoop:
             self._reject(msg.rid, msg.params.n, str(e))
 
     def _reject(self, rid: str, n: int, why: str) -> None:
-        self.push.send(ipc.encode(ipc.Outputs([
-            ipc.SeqOutput(rid, i, [], [], "rejected", 0, why) for i in range(n)
+        self.push.send(engine_ipc.encode(engine_ipc.Outputs([
+            engine_ipc.SeqOutput(rid=rid, index=i, token_ids=[], finish_reason="rejected", error=why)
+            for i in range(n)
         ])))
 
     def _send_outputs(self, outs: list[Any]) -> None:
         items = []
         for o in outs:
             r = o.req
-            items.append(ipc.SeqOutput(
+            items.append(engine_ipc.SeqOutput(
                 rid=r.group,
                 index=r.index,
                 token_ids=o.new_token_ids,
-                logprobs=[[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in o.new_logprobs],
+                logprobs=[_logprob(lp) for lp in o.new_logprobs],
                 finish_reason=r.finish_reason.value if o.finished and r.finish_reason else None,  # "rejected": 400
                 cached_tokens=r.cached_tokens,
                 error=r.error,
                 prompt_logprobs=None if o.prompt_logprobs is None else [
-                    [lp.token_id, lp.logprob, [list(t) for t in lp.top]] if lp is not None else [r.prompt_ids[0], None, []]
+                    _logprob(lp) if lp is not None else engine_ipc.Logprob(r.prompt_ids[0], None, [])
                     for lp in o.prompt_logprobs
                 ],
             ))
         if items:
-            self.push.send(ipc.encode(ipc.Outputs(items)))
+            self.push.send(engine_ipc.encode(engine_ipc.Outputs(items)))
 
-    def stats(self, check: bool = False) -> dict[str, Any]:
+    def stats(self, check: bool = False) -> EngineStats:
+        """The engine's counters as the protocol's snapshot (read here, not in the engine, so the
+        engine keeps no knowledge of the wire)."""
         e = self.engine
         s = e.scheduler
-        out: dict[str, Any] = {
-            "running": len(s.running),
-            "waiting": len(s.waiting),
-            "kv_slots": e.pool.num_slots,
-            "kv_free": e.pool.allocator.num_free,
-            "kv_cached": e.cache.total_size,
-            "kv_pinned": e.cache.protected_size,
-            "prefix_hit_tokens": e.cache.stats.hit_tokens,
-            "prefix_query_tokens": e.cache.stats.query_tokens,
-            "generated_tokens": e.stats.generated_tokens,
-            "prompt_tokens": e.stats.prompt_tokens,
-            "steps": e.stats.steps,
-            "retractions": s.num_retractions,
-            "jump_forward_proposed": e.stats.jump_forward_proposed,
-            "jump_forward_accepted": e.stats.jump_forward_accepted,
-            "prefill_tokens": e.stats.prefill_tokens,
-            # Speculative decoding, cumulative per proposer: [drafts, draft tokens, accepted tokens]
-            # (ServerMetrics turns them into tripod:spec_decode_num_*_total).
-            "spec_decode": {name: [c.drafts, c.draft_tokens, c.accepted_tokens] for name, c in e.stats.spec.items()},
-            "compute": e.runner.describe(),  # the compute path of the next step, in words
-            # ... and as /v1/models reports it: {"backend": "cpu", "isa": "avx2"} or why not.
-            "compute_card": e.runner.card(),
-            # Seconds spent in each part of the loop since start (benchmarks/serve_profile.py).
-            "time": {
-                "schedule": e.stats.schedule_seconds,
-                "prepare": e.stats.prepare_seconds,
-                "decode_forward": e.stats.decode_forward_seconds,
-                "prefill_forward": e.stats.prefill_forward_seconds,
-                "sample": e.stats.sample_seconds,
-                "bookkeeping": e.stats.bookkeeping_seconds,
-                "ipc": self.ipc_seconds,
-                "idle": self.idle_seconds,
-            },
-        }
+        es = e.stats
+        out = EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_slots=e.pool.num_slots,
+            kv_free=e.pool.allocator.num_free,
+            kv_cached=e.cache.total_size,
+            kv_pinned=e.cache.protected_size,
+            prefix_hit_tokens=e.cache.stats.hit_tokens,
+            prefix_query_tokens=e.cache.stats.query_tokens,
+            generated_tokens=es.generated_tokens,
+            prompt_tokens=es.prompt_tokens,
+            steps=es.steps,
+            retractions=s.num_retractions,
+            jump_forward_proposed=es.jump_forward_proposed,
+            jump_forward_accepted=es.jump_forward_accepted,
+            prefill_tokens=es.prefill_tokens,
+            spec_decode={name: SpecDecodeCounts(c.drafts, c.draft_tokens, c.accepted_tokens)
+                         for name, c in es.spec.items()},
+            compute=e.runner.describe(),
+            compute_card=ComputeCard(**e.runner.card()),
+            time=StepTimes(
+                schedule=es.schedule_seconds, prepare=es.prepare_seconds, decode_forward=es.decode_forward_seconds,
+                prefill_forward=es.prefill_forward_seconds, sample=es.sample_seconds,
+                bookkeeping=es.bookkeeping_seconds, ipc=self.ipc_seconds, idle=self.idle_seconds,
+            ),
+        )
         if check:
-            # The KV ownership invariant, provable only when no request holds memory (aborted
-            # requests not yet reported hold none: abort releases at once).
-            out["consistent"] = None
-            if not e.has_work:
-                try:
-                    e.assert_consistent()
-                    out["consistent"] = True
-                except AssertionError as err:
-                    out["consistent"] = False
-                    out["inconsistency"] = str(err)
+            self._check(out)
         return out
+
+    def _check(self, out: EngineStats) -> None:
+        """The KV ownership invariant, provable only when no request holds memory (aborted
+        requests not yet reported hold none: abort releases at once)."""
+        out.consistent = None
+        if not self.engine.has_work:
+            try:
+                self.engine.assert_consistent()
+                out.consistent = True
+            except AssertionError as err:
+                out.consistent = False
+                out.inconsistency = str(err)
+
+
+def _logprob(lp: TokenLogprob) -> engine_ipc.Logprob:
+    return engine_ipc.Logprob(lp.token_id, lp.logprob, lp.top)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tripod.server import ipc
+from tripod.protocol import engine_ipc
+from tripod.protocol.engine_ipc import Logprob
+from tripod.protocol.failover import Progress, encode_progress
 from tripod.server.engine_client import EngineDead, RequestHandle
 from tripod.server.metrics import ServerMetrics
 from tripod.server.protocol import APIError
@@ -32,10 +34,10 @@ class Delta:
     index: int  # the choice index
     text: str
     token_ids: list[int]
-    logprobs: list[list[Any]]  # [id, logprob, [[id, logprob], ...]] per token
+    logprobs: list[Logprob]  # per token (empty unless asked for)
     finish_reason: str | None = None
     stop_sequence: str | None = None  # the stop string that ended the sequence, if one did
-    prompt_logprobs: list[list[Any]] | None = None  # params.prompt_logprobs, with the first delta
+    prompt_logprobs: list[Logprob] | None = None  # params.prompt_logprobs, with the first delta
     # A continued stream: text before ``text`` that the client has already (for stateful parsers
     # of the text, e.g. tool calls, to be fed without emitting anything).
     replayed: str = ""
@@ -48,7 +50,7 @@ class Prior:
 
     token_ids: list[int]
     chars: int | None = None  # a stream: characters of its text the client has; None: a whole answer
-    logprobs: list[list[Any]] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -144,37 +146,17 @@ class Generation:
             raise APIError(503, f"the engine stopped while serving this request: {e}",
                            type="server_error", code="engine_dead") from None
 
-    def _apply(self, out: ipc.SeqOutput) -> Delta | None:
+    def _apply(self, out: engine_ipc.SeqOutput) -> Delta | None:
         seq = self.seqs[(out.rid, out.index)]
-        now = time.monotonic()
         if out.finish_reason == "rejected":
             raise APIError(400, out.error or "the engine refused the request")
         if out.finish_reason == "error":
             raise APIError(500, f"the engine could not serve this request: {out.error}",
                            type="server_error", code="engine_error")
         if out.rid not in self._cached_seen and out.token_ids:
-            self._cached_seen.add(out.rid)
-            prompt = len(self._part(out.rid).prompt_ids)
-            # NOTE: a continuation's cache hit may cover its resumed output too; that output is not
-            # a prompt token of the answer, so only the prompt's share counts as cached.
-            cached = min(out.cached_tokens, prompt)
-            self.usage.cached_tokens += cached
-            self.metrics.on_prompt(prompt, cached)
-        m = self.metrics.model_name
+            self._count_prompt(out)
         final = out.finish_reason is not None
-        ids, lps = out.token_ids, out.logprobs
-        if seq.text.stop and len(ids) > 1:
-            # NOTE: a speculative run (or a jump-forward) delivers several tokens at once; a stop
-            # string completed inside it ends the sequence at that token, exactly as plain
-            # decoding would have, so the tokens after it are neither shown nor counted.
-            text = ""
-            for i, t in enumerate(ids):
-                text += seq.text.push([t], final=final and i == len(ids) - 1)
-                if seq.text.stopped:
-                    ids, lps = ids[: i + 1], (lps[: i + 1] if lps else lps)
-                    break
-        else:
-            text = seq.text.push(ids, final=final)
+        text, ids, lps = self._push_text(seq, out, final)
         replayed = seq.replay
         if seq.prefix:
             text, seq.prefix = seq.prefix + text, ""
@@ -185,16 +167,7 @@ class Generation:
         seq.replay = ""
         seq.chars += len(text)
         if ids:
-            if seq.tokens == 0:
-                if self.first_token_time is None:
-                    self.first_token_time = now
-                    self.metrics.ttft.labels(m).observe(now - self.arrival)
-            else:
-                self.metrics.itl.labels(m).observe(now - seq.last_time)
-            seq.last_time = now
-            seq.tokens += len(ids)
-            self.usage.completion_tokens += len(ids)
-            self.metrics.generation_tokens.labels(m).inc(len(ids))
+            self._count_tokens(seq, len(ids))
         finish = None
         if seq.text.stopped:
             finish = "stop"
@@ -204,7 +177,7 @@ class Generation:
             finish = out.finish_reason
         if finish is not None:
             seq.finish_reason = finish
-            self.metrics.request_success.labels(m, finish).inc()
+            self.metrics.request_success.labels(self.metrics.model_name, finish).inc()
         ids, seq.unsent = seq.unsent + ids, []
         if not text and not lps and finish is None and out.prompt_logprobs is None:
             seq.replay = replayed  # fed to a parser with the next delta
@@ -212,6 +185,46 @@ class Generation:
             return None
         return Delta(seq.index, text, ids, lps, finish,
                      seq.text.matched if finish == "stop" else None, out.prompt_logprobs, replayed, seq.chars)
+
+    @staticmethod
+    def _push_text(seq: _Seq, out: engine_ipc.SeqOutput, final: bool) -> tuple[str, list[int], list[Logprob]]:
+        """The text ``out``'s tokens make, and the tokens (with their logprobs) that count."""
+        ids, lps = out.token_ids, out.logprobs
+        if not (seq.text.stop and len(ids) > 1):
+            return seq.text.push(ids, final=final), ids, lps
+        # NOTE: a speculative run (or a jump-forward) delivers several tokens at once; a stop
+        # string completed inside it ends the sequence at that token, exactly as plain
+        # decoding would have, so the tokens after it are neither shown nor counted.
+        text = ""
+        for i, t in enumerate(ids):
+            text += seq.text.push([t], final=final and i == len(ids) - 1)
+            if seq.text.stopped:
+                return text, ids[: i + 1], (lps[: i + 1] if lps else lps)
+        return text, ids, lps
+
+    def _count_prompt(self, out: engine_ipc.SeqOutput) -> None:
+        self._cached_seen.add(out.rid)
+        prompt = len(self._part(out.rid).prompt_ids)
+        # NOTE: a continuation's cache hit may cover its resumed output too; that output is not
+        # a prompt token of the answer, so only the prompt's share counts as cached.
+        cached = min(out.cached_tokens, prompt)
+        self.usage.cached_tokens += cached
+        self.metrics.on_prompt(prompt, cached)
+
+    def _count_tokens(self, seq: _Seq, n: int) -> None:
+        """Latency (time to first token, between tokens) and token counts for ``n`` new tokens."""
+        now = time.monotonic()
+        m = self.metrics.model_name
+        if seq.tokens == 0:
+            if self.first_token_time is None:
+                self.first_token_time = now
+                self.metrics.ttft.labels(m).observe(now - self.arrival)
+        else:
+            self.metrics.itl.labels(m).observe(now - seq.last_time)
+        seq.last_time = now
+        seq.tokens += n
+        self.usage.completion_tokens += n
+        self.metrics.generation_tokens.labels(m).inc(n)
 
     def _part(self, rid: str) -> Any:
         return next(p for p in self.handle.parts if p.rid == rid)
@@ -225,11 +238,11 @@ def new_id(prefix: str, sep: str = "-") -> str:
     return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
 
 
-def chat_logprobs(text: TextSide, lps: list[list[Any]]) -> list[dict[str, Any]]:
-    def entry(tid: int, lp: float) -> dict[str, Any]:
+def chat_logprobs(text: TextSide, lps: list[Logprob]) -> list[dict[str, Any]]:
+    def entry(tid: int, lp: float | None) -> dict[str, Any]:
         return {"token": text.piece(tid), "logprob": lp, "bytes": text.piece_bytes(tid)}
 
-    return [{**entry(tid, lp), "top_logprobs": [entry(t, v) for t, v in top]} for tid, lp, top in lps]
+    return [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]} for x in lps]
 
 
 class CompletionLogprobs:
@@ -239,18 +252,18 @@ class CompletionLogprobs:
         self.text = text
         self.offset = offset  # characters before the first token (the echoed prompt)
 
-    def body(self, lps: list[list[Any]]) -> dict[str, Any]:
-        """Entries ``[id, logprob, top]``; a None logprob (the prompt's first token, which nothing
-        predicts) gives null ``token_logprobs`` and ``top_logprobs`` entries, as OpenAI does."""
+    def body(self, lps: list[Logprob]) -> dict[str, Any]:
+        """A None logprob (the prompt's first token, which nothing predicts) gives null
+        ``token_logprobs`` and ``top_logprobs`` entries, as OpenAI does."""
         tokens: list[str] = []
         token_lps: list[float | None] = []
         tops: list[dict[str, float] | None] = []
         offsets: list[int] = []
-        for tid, lp, top in lps:
-            s = self.text.piece(tid)
+        for x in lps:
+            s = self.text.piece(x.token_id)
             tokens.append(s)
-            token_lps.append(lp)
-            tops.append({self.text.piece(t): v for t, v in top} if lp is not None else None)
+            token_lps.append(x.logprob)
+            tops.append({self.text.piece(t): v for t, v in x.top} if x.logprob is not None else None)
             offsets.append(self.offset)
             self.offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -271,10 +284,10 @@ SSE_DONE = b"data: [DONE]\n\n"
 @dataclass(slots=True)
 class Collected:
     texts: dict[int, list[str]] = field(default_factory=dict)
-    logprobs: dict[int, list[list[Any]]] = field(default_factory=dict)
+    logprobs: dict[int, list[Logprob]] = field(default_factory=dict)
     finish: dict[int, str | None] = field(default_factory=dict)
     stop_sequence: dict[int, str | None] = field(default_factory=dict)
-    prompt_logprobs: dict[int, list[list[Any]]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[Logprob]] = field(default_factory=dict)
     token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
@@ -334,9 +347,8 @@ async def progress_stream(gen: Generation, it: AsyncIterator[Delta], first: Delt
         while True:
             for d in deltas:
                 col.add(d)
-                yield b"event: progress\ndata: " + json_body({
-                    "id": rid, "created": created, "index": d.index, "token_ids": d.token_ids, "logprobs": d.logprobs,
-                    "finish_reason": d.finish_reason}) + b"\n\n"
+                yield b"event: progress\ndata: " + encode_progress(Progress(
+                    rid, created, d.index, d.token_ids, d.logprobs, d.finish_reason)) + b"\n\n"
             nxt = await anext(it, None)
             if nxt is None:
                 break

@@ -14,9 +14,9 @@ accepted / draft tokens, mean accepted length = 1 + accepted / drafts.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tripod.protocol.stats import EngineStats
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
@@ -34,93 +34,80 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
         self.http_requests = Counter(
             "tripod:http_requests", "HTTP answers by route and status", ["route", "status"], registry=r
         )
-        self.request_success = Counter(
-            "tripod:request_success", "finished sequences by finish reason",
-            [*labels, "finished_reason"], registry=r,
+        self.request_success = self._counter(
+            "request_success", "finished sequences by finish reason", "finished_reason"
         )
-        self.prompt_tokens = Counter("tripod:prompt_tokens", "prompt tokens served", labels, registry=r)
-        self.generation_tokens = Counter(
-            "tripod:generation_tokens", "tokens generated", labels, registry=r
+        self.prompt_tokens = self._counter("prompt_tokens", "prompt tokens served")
+        self.generation_tokens = self._counter("generation_tokens", "tokens generated")
+        self.prefix_cache_hits = self._counter("prefix_cache_hits", "prompt tokens served from the prefix cache")
+        self.prefix_cache_queries = self._counter(
+            "prefix_cache_queries", "prompt tokens looked up in the prefix cache"
         )
-        self.prefix_cache_hits = Counter(
-            "tripod:prefix_cache_hits", "prompt tokens served from the prefix cache", labels, registry=r
+        self.ttft = self._histogram("time_to_first_token_seconds", "time to first token", _LATENCY_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "time between tokens of one sequence", _ITL_BUCKETS)
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds", "request latency, arrival to last token", _LATENCY_BUCKETS
         )
-        self.prefix_cache_queries = Counter(
-            "tripod:prefix_cache_queries", "prompt tokens looked up in the prefix cache", labels, registry=r
-        )
-        self.ttft = Histogram(
-            "tripod:time_to_first_token_seconds", "time to first token", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )
-        self.itl = Histogram(
-            "tripod:inter_token_latency_seconds", "time between tokens of one sequence", labels,
-            buckets=_ITL_BUCKETS, registry=r,
-        )
-        self.e2e = Histogram(
-            "tripod:e2e_request_latency_seconds", "request latency, arrival to last token", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )
-        self.running = Gauge("tripod:num_requests_running", "sequences decoding", labels, registry=r)
-        self.waiting = Gauge("tripod:num_requests_waiting", "sequences queued", labels, registry=r)
-        self.kv_usage = Gauge(
-            "tripod:kv_cache_usage_perc", "KV slots in use by requests (0-1)", labels, registry=r
-        )
-        self.kv_cached = Gauge(
-            "tripod:kv_cache_cached_tokens", "KV slots held by the prefix cache", labels, registry=r
-        )
+        self.running = self._gauge("num_requests_running", "sequences decoding")
+        self.waiting = self._gauge("num_requests_waiting", "sequences queued")
+        self.kv_usage = self._gauge("kv_cache_usage_perc", "KV slots in use by requests (0-1)")
+        self.kv_cached = self._gauge("kv_cache_cached_tokens", "KV slots held by the prefix cache")
         self.engine_alive = Gauge("tripod:engine_alive", "1 while the engine loop is alive", registry=r)
-        self.jf_accepted = Counter(
-            "tripod:jump_forward_accepted_tokens", "grammar-forced tokens accepted by jump-forward", labels, registry=r
+        self.jf_accepted = self._counter(
+            "jump_forward_accepted_tokens", "grammar-forced tokens accepted by jump-forward"
         )
-        self.jf_proposed = Counter(
-            "tripod:jump_forward_proposed_tokens", "grammar-forced tokens proposed for verification", labels,
-            registry=r,
+        self.jf_proposed = self._counter(
+            "jump_forward_proposed_tokens", "grammar-forced tokens proposed for verification"
         )
-        self.passes_saved = Counter(
-            "tripod:forward_passes_saved", "decode forward passes saved (jump-forward)", labels, registry=r
-        )
-        # The heartbeat's "spec_decode" entries, in its order: [drafts, draft tokens, accepted tokens].
-        self.spec_counters = tuple(
-            Counter(f"tripod:spec_decode_num_{what}", doc, [*labels, "proposer"], registry=r)
-            for what, doc in (
-                ("drafts", "verification rounds that carried a speculative draft"),
-                ("draft_tokens", "speculative draft tokens sent for verification"),
-                ("accepted_tokens", "speculative draft tokens accepted (each saves a forward pass)"),
-            )
+        self.passes_saved = self._counter("forward_passes_saved", "decode forward passes saved (jump-forward)")
+        # The heartbeat's speculative-decoding counts, in their order: drafts, draft tokens, accepted tokens.
+        self.spec_counters = (
+            self._counter("spec_decode_num_drafts", "verification rounds that carried a speculative draft",
+                          "proposer"),
+            self._counter("spec_decode_num_draft_tokens", "speculative draft tokens sent for verification",
+                          "proposer"),
+            self._counter("spec_decode_num_accepted_tokens",
+                          "speculative draft tokens accepted (each saves a forward pass)", "proposer"),
         )
         self._engine_counts: dict[str, int] = {}
 
-    def on_heartbeat(self, s: dict[str, Any]) -> None:
-        m = self.model_name
-        self.running.labels(m).set(s["running"])
-        self.waiting.labels(m).set(s["waiting"])
-        slots = max(1, s["kv_slots"])
-        in_use = slots - s["kv_free"] - (s["kv_cached"] - s["kv_pinned"])
-        self.kv_usage.labels(m).set(max(0, in_use) / slots)
-        self.kv_cached.labels(m).set(s["kv_cached"])
-        # The engine's counters are cumulative; add what is new since the last heartbeat.
-        for key, counters in (("jump_forward_accepted", (self.jf_accepted, self.passes_saved)),
-                              ("jump_forward_proposed", (self.jf_proposed,))):
-            new = s.get(key, 0) - self._engine_counts.get(key, 0)
-            if new > 0:
-                for c in counters:
-                    c.labels(m).inc(new)
-            self._engine_counts[key] = s.get(key, 0)
-        self._on_spec_decode(s.get("spec_decode") or {})
+    # Every series but the HTTP answers is labelled with the model's name first (vLLM's layout).
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(f"tripod:{name}", doc, ["model_name", *labels], registry=self.registry)
 
-    def _on_spec_decode(self, spec: dict[str, list[int]]) -> None:
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(f"tripod:{name}", doc, ["model_name"], registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(f"tripod:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry)
+
+    def on_heartbeat(self, s: EngineStats) -> None:
         m = self.model_name
-        for proposer, values in spec.items():
+        self.running.labels(m).set(s.running)
+        self.waiting.labels(m).set(s.waiting)
+        slots = max(1, s.kv_slots)
+        in_use = slots - s.kv_free - (s.kv_cached - s.kv_pinned)
+        self.kv_usage.labels(m).set(max(0, in_use) / slots)
+        self.kv_cached.labels(m).set(s.kv_cached)
+        # The engine's counters are cumulative; add what is new since the last heartbeat.
+        self._add_new("jump_forward_accepted", s.jump_forward_accepted, (self.jf_accepted, self.passes_saved), m)
+        self._add_new("jump_forward_proposed", s.jump_forward_proposed, (self.jf_proposed,), m)
+        for proposer, counts in s.spec_decode.items():
+            values = (counts.drafts, counts.draft_tokens, counts.accepted_tokens)
             for i, (counter, value) in enumerate(zip(self.spec_counters, values, strict=True)):
-                key = f"spec_decode/{proposer}/{i}"
-                new = value - self._engine_counts.get(key, 0)
-                if new > 0:
-                    counter.labels(m, proposer).inc(new)
-                self._engine_counts[key] = value
+                self._add_new(f"spec_decode/{proposer}/{i}", value, (counter,), m, proposer)
+
+    def _add_new(self, key: str, total: int, counters: tuple[Counter, ...], *labels: str) -> None:
+        """Add to ``counters`` what the engine's cumulative ``total`` under ``key`` gained since
+        the last heartbeat (a series appears once it has counted something)."""
+        new = total - self._engine_counts.get(key, 0)
+        if new > 0:
+            for c in counters:
+                c.labels(*labels).inc(new)
+        self._engine_counts[key] = total
 
     def on_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
         m = self.model_name

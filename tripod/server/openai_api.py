@@ -19,14 +19,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tripod.asgi import ClosingStream
-from tripod.engine.request import GrammarSpec, Resume
+from tripod.protocol.sampling import GrammarSpec
+from tripod.server.continuation import mark_choice, resume_priors
 from tripod.server.engine_client import EnginePart
 from tripod.server.generation import (
     SSE_DONE,
     Collected,
     CompletionLogprobs,
     Delta,
-    Prior,
     chat_logprobs,
     collect,
     merge_logprobs,
@@ -92,67 +92,6 @@ def _check_stream_options(req: ChatCompletionRequest | CompletionRequest) -> Non
         raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
 
 
-_RESUMED_FINISH = ("stop", "length", "tool_calls")
-
-
-def _resume(state: ServerState, req: ChatCompletionRequest | CompletionRequest, parts: list[EnginePart],
-            n: int) -> dict[int, Prior] | None:
-    """``tripod_continuation`` → each choice's ``Prior``, and the parts' copies to run (every choice
-    that had not finished, from its tokens); None when the request is no continuation."""
-    cont = req.tripod_continuation
-    if cont is None:
-        return None
-    where = "tripod_continuation.choices"
-    priors: dict[int, Prior] = {}
-    for ch in cont.choices:
-        if not 0 <= ch.index < len(parts) * n or ch.index in priors:
-            raise APIError(400, f"'{where}': choice indices must be distinct and in [0, {len(parts) * n}) "
-                           f"(got {ch.index})", param=where)
-        check_ids(state, ch.token_ids, f"{where}.token_ids")
-        if req.stream and ch.chars is None:
-            raise APIError(400, f"'{where}': a continued stream needs each choice's 'chars' (the characters "
-                           "of its text the client has)", param=f"{where}.chars")
-        if ch.chars is not None and ch.chars < 0:
-            raise APIError(400, f"'{where}.chars' must be >= 0 (got {ch.chars})", param=f"{where}.chars")
-        if ch.finish_reason is not None and ch.finish_reason not in _RESUMED_FINISH:
-            raise APIError(400, f"'{where}.finish_reason' must be one of {', '.join(_RESUMED_FINISH)} or null "
-                           f"(got {ch.finish_reason!r})", param=f"{where}.finish_reason")
-        lps = [_raw_logprob(x) for x in ch.logprobs or []]
-        if ch.logprobs is not None and (len(lps) != len(ch.token_ids) or None in lps):
-            raise APIError(400, f"'{where}.logprobs' must hold one [token id, logprob, [[token id, logprob], ...]] "
-                           "per token id", param=f"{where}.logprobs")
-        priors[ch.index] = Prior(list(ch.token_ids), ch.chars, lps, ch.finish_reason)
-    for pi, p in enumerate(parts):
-        p.resume = []
-        for i in range(n):
-            prior = priors.get(pi * n + i)
-            if prior is None or prior.finish_reason is None:
-                p.resume.append(Resume(i, tuple(prior.token_ids) if prior else ()))
-    return priors
-
-
-def _raw_logprob(x: list[Any]) -> list[Any] | None:
-    """``[id, logprob, [[id, logprob], ...]]`` checked, or None."""
-    def pair(p: Any) -> bool:
-        return (isinstance(p, list) and len(p) == 2 and type(p[0]) is int
-                and isinstance(p[1], (int, float)) and not isinstance(p[1], bool))
-
-    if len(x) != 3 or not pair(x[:2]) or not isinstance(x[2], list) or not all(pair(p) for p in x[2]):
-        return None
-    return [x[0], float(x[1]), [[t, float(v)] for t, v in x[2]]]
-
-
-def _mark(choice: dict[str, Any], req: ChatCompletionRequest | CompletionRequest, token_ids: list[int],
-          chars: int) -> dict[str, Any]:
-    """The extensions a chunk's choice carries: its token ids (``return_token_ids``) and, for the
-    router (``tripod_failover``), the resume point after it."""
-    if req.return_token_ids:
-        choice["token_ids"] = token_ids
-    if req.tripod_failover:
-        choice["tripod"] = {"token_ids": token_ids, "chars": chars}
-    return choice
-
-
 # ---------------------------------------------------------------------- chat
 async def _chat(state: ServerState, request: Request) -> Response:
     arrival = time.monotonic()
@@ -182,7 +121,7 @@ async def _chat(state: ServerState, request: Request) -> Response:
     rid = cont.id if cont is not None else engine_rid
     created = cont.created if cont is not None else int(time.time())
     parts = [EnginePart(engine_rid, ids, params)]
-    priors = _resume(state, req, parts, params.n)
+    priors = resume_priors(state, req, parts, params.n)
     started = await start_generation(state, request, parts, stops, arrival, priors=priors)
     if req.stream:
         body = _chat_stream(state, req, started, rid, created, parser)
@@ -252,55 +191,68 @@ def _tool_delta(e: ToolEvent) -> dict[str, Any] | None:
     return None  # CallEnd: OpenAI's stream has no event for it
 
 
-async def _chat_stream(state: ServerState, req: ChatCompletionRequest, s: Started, rid: str, created: int,
-                       parser: ToolCallParser | None) -> AsyncIterator[bytes]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    fp = state.fingerprint()
-    streams: dict[int, ToolCallStream] = {}
-    called: set[int] = set()
-    unsent: dict[int, list[int]] = {}  # token ids of deltas that made no chunk (the parser held their text)
+class _ChatChunks:
+    """A chat stream's deltas → SSE chunks: the text, or (with tools) the parser's tool-call
+    events per choice, each choice's last chunk of a delta marked with its token ids."""
 
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
-        body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                                "model": state.model_name, "system_fingerprint": fp, "choices": choices}
-        if include_usage:
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, rid: str, created: int,
+                 parser: ToolCallParser | None) -> None:
+        self.state, self.req, self.parser = state, req, parser
+        self.head: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                     "model": state.model_name, "system_fingerprint": state.fingerprint()}
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.streams: dict[int, ToolCallStream] = {}
+        self.called: set[int] = set()
+        self.unsent: dict[int, list[int]] = {}  # token ids of deltas that made no chunk (the parser held their text)
+
+    def chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+        body = {**self.head, "choices": choices}
+        if self.include_usage:
             body["usage"] = usage
         return sse(body)
 
-    def chunks(d: Delta) -> list[bytes]:
-        lps = {"content": chat_logprobs(state.text, d.logprobs)} if req.logprobs else None
-        finish = d.finish_reason
-        if parser is None:
-            deltas = [{"content": d.text}] if d.text or finish is None else [{}]
-        else:
-            ps = streams.setdefault(d.index, parser.stream(lambda: new_id("call", "_")))
-            if d.replayed:  # a continued stream: what the client has, fed to the parser silently
-                if any(isinstance(e, CallStart) for e in ps.feed(d.replayed)):
-                    called.add(d.index)
-            events = ps.feed(d.text) + (ps.finish() if finish is not None else [])
-            if any(isinstance(e, CallStart) for e in events):
-                called.add(d.index)
-            deltas = [x for x in map(_tool_delta, events) if x is not None]
-            if finish == "stop" and d.index in called:
-                finish = "tool_calls"
-            if not deltas and (lps is not None or finish is not None):
-                deltas = [{}]
+    def __call__(self, d: Delta) -> list[bytes]:
+        lps = {"content": chat_logprobs(self.state.text, d.logprobs)} if self.req.logprobs else None
+        deltas, finish = self._deltas(d, lps is not None)
         last = len(deltas) - 1
-        ids = unsent.pop(d.index, []) + d.token_ids
+        ids = self.unsent.pop(d.index, []) + d.token_ids
         if not deltas:
-            unsent[d.index] = ids  # NOTE: reported with the next chunk: token ids stay complete, in order
-        return [chunk([_mark({"index": d.index, "delta": delta, "logprobs": lps if j == 0 else None,
-                              "finish_reason": finish if j == last else None}, req, ids, d.chars)
-                       if j == last else
-                       {"index": d.index, "delta": delta, "logprobs": lps if j == 0 else None,
-                        "finish_reason": None}])
-                for j, delta in enumerate(deltas)]
+            self.unsent[d.index] = ids  # NOTE: reported with the next chunk: token ids stay complete, in order
+        out = []
+        for j, delta in enumerate(deltas):
+            choice = {"index": d.index, "delta": delta, "logprobs": lps if j == 0 else None,
+                      "finish_reason": finish if j == last else None}
+            out.append(self.chunk([mark_choice(choice, self.req, ids, d.chars) if j == last else choice]))
+        return out
 
+    def _deltas(self, d: Delta, has_logprobs: bool) -> tuple[list[dict[str, Any]], str | None]:
+        """The ``delta`` objects ``d`` makes, and its finish reason as the client sees it."""
+        finish = d.finish_reason
+        if self.parser is None:
+            return ([{"content": d.text}] if d.text or finish is None else [{}]), finish
+        ps = self.streams.setdefault(d.index, self.parser.stream(lambda: new_id("call", "_")))
+        if d.replayed:  # a continued stream: what the client has, fed to the parser silently
+            if any(isinstance(e, CallStart) for e in ps.feed(d.replayed)):
+                self.called.add(d.index)
+        events = ps.feed(d.text) + (ps.finish() if finish is not None else [])
+        if any(isinstance(e, CallStart) for e in events):
+            self.called.add(d.index)
+        deltas = [x for x in map(_tool_delta, events) if x is not None]
+        if finish == "stop" and d.index in self.called:
+            finish = "tool_calls"
+        if not deltas and (has_logprobs or finish is not None):
+            deltas = [{}]
+        return deltas, finish
+
+
+async def _chat_stream(state: ServerState, req: ChatCompletionRequest, s: Started, rid: str, created: int,
+                       parser: ToolCallParser | None) -> AsyncIterator[bytes]:
+    chunks = _ChatChunks(state, req, rid, created, parser)
     try:
         indices = sorted(q.index for q in s.gen.seqs.values())
         if req.tripod_continuation is None:  # a continued stream's client has its role chunk
-            yield chunk([_mark({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}, req, [], 0) for i in indices])
+            yield chunks.chunk([mark_choice({"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}, req, [], 0) for i in indices])
         if s.first is not None:
             for b in chunks(s.first):
                 yield b
@@ -308,8 +260,8 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, s: Starte
             for b in chunks(d):
                 yield b
         s.gen.done()
-        if include_usage:
-            yield chunk([], s.gen.usage.body())
+        if chunks.include_usage:
+            yield chunks.chunk([], s.gen.usage.body())
     except APIError as e:
         # The status line is gone already; the error travels as an event, as OpenAI does.
         yield sse(e.body())
@@ -347,7 +299,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
         )
         parts.append(EnginePart(engine_rid if len(prompts) == 1 else f"{engine_rid}-p{i}", ids, params))
     n = parts[0].params.n
-    priors = _resume(state, req, parts, n)
+    priors = resume_priors(state, req, parts, n)
     started = await start_generation(state, request, parts, stops, arrival, priors=priors)
     echo = [state.text.decode(p.prompt_ids) for p in parts] if req.echo else None
     if req.stream:
@@ -438,7 +390,7 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, s: Star
                 out.append(chunk([{"index": d.index, "text": "", "logprobs": None, "finish_reason": "length"}]))
             return out
         lps = b.body(d.logprobs) if req.logprobs is not None else None
-        out.append(chunk([_mark({"index": d.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason},
+        out.append(chunk([mark_choice({"index": d.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason},
                                 req, d.token_ids, d.chars)]))
         return out
 

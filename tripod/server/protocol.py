@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tripod.engine.request import GrammarSpec
+from tripod.protocol.sampling import GrammarSpec
 
 if TYPE_CHECKING:
     from tripod.server.conversation import Message

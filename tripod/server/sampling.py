@@ -2,19 +2,20 @@
 
 Each API (OpenAI chat, OpenAI completions, Anthropic messages) names its parameters its own way;
 it hands ``build_sampling`` the ``SamplingParams`` fields it has, and the names its caller used
-for them. The value bounds are ``SamplingParams``' own (``engine/request.py``): constructing it
-here is the check, and the engine process receives this very object (``ipc.AddRequest``). What
+for them. The value bounds are ``SamplingParams``' own (``tripod/protocol/sampling.py``):
+constructing it here is the check, and the engine process receives this very object
+(``tripod.protocol.engine_ipc.AddRequest``). What
 only the server knows is checked here too: the context left for the output, ``--max-n``, the
 vocabulary, and what JSON integers the wire allows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tripod.engine.request import GrammarSpec, SamplingParamError, SamplingParams
+from tripod.protocol.sampling import GrammarSpec, SamplingParamError, SamplingParams
 from tripod.server.protocol import APIError
 
 MAX_STOP = 16
@@ -46,13 +47,23 @@ def build_sampling(
     caller's parameter. Raises ``APIError`` (400) saying what to change."""
     names = names or {}
 
-    def name(field: str) -> str:
-        return names.get(field, field)
-
     def bad(field: str, why: str, value: Any) -> APIError:
-        return APIError(400, f"'{name(field)}' {why} (got {value!r})", param=name(field))
+        name = names.get(field, field)
+        return APIError(400, f"'{name}' {why} (got {value!r})", param=name)
 
     given = {k: v for k, v in fields.items() if v is not None}
+    _check_server_limits(limits, given, bad)
+    max_tokens = _max_tokens(limits, prompt_len, max_tokens, default_max_tokens,
+                             names.get("max_tokens", "max_tokens"), prompt_param)
+    try:
+        return SamplingParams(max_tokens=max_tokens, grammar=grammar, **given)
+    except SamplingParamError as e:
+        raise bad(e.param, e.why, e.value) from None
+
+
+def _check_server_limits(limits: Limits, given: dict[str, Any], bad: Callable[[str, str, Any], APIError]) -> None:
+    """What only the server knows: ``--max-n``, the vocabulary, and the integers the wire allows.
+    (Values of the wrong type are left to ``SamplingParams``, which names them.)"""
     n = given.get("n", 1)
     if isinstance(n, int) and not 1 <= n <= limits.max_n:
         raise bad("n", f"must be between 1 and {limits.max_n}", n)
@@ -70,6 +81,11 @@ def build_sampling(
         if any(isinstance(t, int) and not 0 <= t < limits.vocab_size for t in ids):
             raise bad(field, f"must name token ids in [0, {limits.vocab_size})", given[field])
 
+
+def _max_tokens(limits: Limits, prompt_len: int, max_tokens: int | None, default: int, mt: str,
+                prompt_param: str) -> int:
+    """The output's token budget checked against the context the prompt leaves (``mt``: the
+    caller's name for it). None given: ``default``, as far as the context allows."""
     room = limits.max_len - prompt_len
     if room < 1:
         raise APIError(
@@ -79,22 +95,18 @@ def build_sampling(
             "shorten the prompt",
             param=prompt_param, code="context_length_exceeded",
         )
-    mt = name("max_tokens")
     if max_tokens is None:
-        max_tokens = min(default_max_tokens, room)
-    elif isinstance(max_tokens, int) and max_tokens < 1:
+        return min(default, room)
+    if isinstance(max_tokens, int) and max_tokens < 1:
         raise APIError(400, f"'{mt}' must be >= 1 (got {max_tokens})", param=mt)
-    elif isinstance(max_tokens, int) and max_tokens > room:
+    if isinstance(max_tokens, int) and max_tokens > room:
         raise APIError(
             400,
             f"'{mt}' is {max_tokens} but the prompt has {prompt_len} tokens and the context "
             f"is {limits.max_len}, leaving room for at most {room}; lower {mt} or shorten the prompt",
             param=mt, code="context_length_exceeded",
         )
-    try:
-        return SamplingParams(max_tokens=max_tokens, grammar=grammar, **given)
-    except SamplingParamError as e:
-        raise bad(e.param, e.why, e.value) from None
+    return max_tokens
 
 
 def stop_strings(stop: str | list[str] | None, param: str = "stop") -> list[str]:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from tripod.engine.request import GrammarSpec
+from tripod.protocol.sampling import GrammarSpec
 from tripod.server.protocol import APIError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -288,47 +288,11 @@ class _HermesStream(ToolCallStream):
         return out
 
     def _step(self, out: list[ToolEvent]) -> bool:
+        """One move of the state machine over ``buf``; False when it needs more text."""
         if self.state == "text":
-            if self.after_call:
-                self.buf = self.buf.lstrip()
-                if not self.buf:
-                    return False
-                self.after_call = False
-            i = self.buf.find(self.start)
-            if i >= 0:
-                before = self.buf[:i].rstrip()
-                if before:
-                    out.append(TextPiece(before))
-                self.pre_ws = self.buf[len(before):i]
-                self.buf = self.buf[i + len(self.start):]
-                self.state = "head"
-                return True
-            keep = len(self.buf) - len(self.buf.rstrip())
-            body = self.buf[: len(self.buf) - keep]
-            hold = _prefix_suffix(body, self.start)
-            cut = len(body[: len(body) - hold].rstrip())
-            if cut > 0:
-                out.append(TextPiece(self.buf[:cut]))
-                self.buf = self.buf[cut:]
-            return False
+            return self._step_text(out)
         if self.state == "head":
-            m = _HEAD.match(self.buf)
-            if m is not None and m.end() < len(self.buf):
-                name = json.loads(f'"{m.group(1)}"')
-                out.append(CallStart(self.calls, self.new_id(), name))
-                self.calls += 1
-                self.buf = self.buf[m.end():]
-                self.state = "args"
-                self.depth, self.in_str, self.escaped, self.begun, self.args_done = 0, False, False, False, False
-                return True
-            j = self.buf.find(self.end)
-            if j >= 0:
-                # Not our layout: parse the block whole.
-                self.after_call = self._loose(self.buf[:j], out)
-                self.buf = self.buf[j + len(self.end):]
-                self.state = "text"
-                return True
-            return False
+            return self._step_head(out)
         if self.state == "args":
             n = self._scan(self.buf)
             if n:
@@ -346,6 +310,49 @@ class _HermesStream(ToolCallStream):
             self.buf = self.buf[j + len(self.end):]
             self.state = "text"
             self.after_call = True
+            return True
+        return False
+
+    def _step_text(self, out: list[ToolEvent]) -> bool:
+        if self.after_call:
+            self.buf = self.buf.lstrip()
+            if not self.buf:
+                return False
+            self.after_call = False
+        i = self.buf.find(self.start)
+        if i >= 0:
+            before = self.buf[:i].rstrip()
+            if before:
+                out.append(TextPiece(before))
+            self.pre_ws = self.buf[len(before):i]
+            self.buf = self.buf[i + len(self.start):]
+            self.state = "head"
+            return True
+        keep = len(self.buf) - len(self.buf.rstrip())
+        body = self.buf[: len(self.buf) - keep]
+        hold = _prefix_suffix(body, self.start)
+        cut = len(body[: len(body) - hold].rstrip())
+        if cut > 0:
+            out.append(TextPiece(self.buf[:cut]))
+            self.buf = self.buf[cut:]
+        return False
+
+    def _step_head(self, out: list[ToolEvent]) -> bool:
+        m = _HEAD.match(self.buf)
+        if m is not None and m.end() < len(self.buf):
+            name = json.loads(f'"{m.group(1)}"')
+            out.append(CallStart(self.calls, self.new_id(), name))
+            self.calls += 1
+            self.buf = self.buf[m.end():]
+            self.state = "args"
+            self.depth, self.in_str, self.escaped, self.begun, self.args_done = 0, False, False, False, False
+            return True
+        j = self.buf.find(self.end)
+        if j >= 0:
+            # Not our layout: parse the block whole.
+            self.after_call = self._loose(self.buf[:j], out)
+            self.buf = self.buf[j + len(self.end):]
+            self.state = "text"
             return True
         return False
 

@@ -1,0 +1,153 @@
+"""The messages between the HTTP process and the engine process (ZMQ), and their one codec.
+
+Two PUSH/PULL pipes: server → engine carries ``AddRequest`` / ``AbortRequest`` /
+``StatsRequest`` / ``Shutdown``; engine → server carries ``Ready``, ``Outputs`` (one message per
+engine step), ``Heartbeat``, ``StatsReply`` and ``Fatal``. The engine side speaks token ids only.
+
+Every message is a tagged ``msgspec.Struct``; on the wire it is a msgpack map with its fields by
+name and ``"type"`` naming the message. ``decode`` reads any of them into its class and validates
+it on the way: types, nested structs, and the ``__post_init__`` checks of ``SamplingParams`` and
+``EngineStats``. ``AddRequest`` carries a ``SamplingParams`` built and validated once in the HTTP
+process (``server/sampling.py``); decoding runs the same validation again as the engine's
+backstop, and a request that fails it comes out as ``InvalidAddRequest`` (what a rejection needs:
+the id and the number of copies), anything else malformed as ``ProtocolError``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tripod.protocol.sampling import MAX_N, Resume, SamplingParams
+from tripod.protocol.stats import ComputeCard, EngineStats
+
+
+class Logprob(msgspec.Struct, array_like=True, frozen=True):
+    """One token's logprob with the best alternatives at its position. On every wire (msgpack
+    here, the failover JSON) it is ``[token id, logprob, [[token id, logprob], ...]]``.
+    ``logprob`` is None only for a prompt's first token, which nothing predicts."""
+
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]]  # best first; empty unless top logprobs were asked for
+
+
+# ---------------------------------------------------------------------- server → engine
+class AddRequest(msgspec.Struct, tag=True):
+    rid: str  # the group id; copies are "{rid}-{i}" inside the engine when n > 1
+    prompt_ids: list[int]
+    params: SamplingParams
+    # A continuation: only these copies run, each from the tokens it had generated. Empty: all n.
+    resume: list[Resume] = msgspec.field(default_factory=list)
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    rid: str  # a group id (every copy) or one copy's id
+
+
+class StatsRequest(msgspec.Struct, tag=True):
+    token: int  # echoed in the reply
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+# ---------------------------------------------------------------------- engine → server
+class Ready(msgspec.Struct, tag=True, kw_only=True):
+    pid: int
+    model_name: str
+    dtype: str
+    quantization: str
+    architecture: str
+    context_len: int
+    max_request_len: int
+    vocab_size: int
+    max_running: int
+    kv_slots: int
+    # The compute backend at start-up; heartbeats carry its later value (the kernels may load later).
+    compute: ComputeCard
+
+
+class SeqOutput(msgspec.Struct, kw_only=True):
+    """New tokens of one sequence (copy ``index`` of request ``rid``) from one engine step."""
+
+    rid: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[Logprob] = msgspec.field(default_factory=list)  # per new token; empty if not asked
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    error: str | None = None
+    # params.prompt_logprobs, with the sequence's first output: one per prompt token.
+    prompt_logprobs: list[Logprob] | None = None
+
+
+class Outputs(msgspec.Struct, tag=True):
+    items: list[SeqOutput]
+
+
+class Heartbeat(msgspec.Struct, tag=True):
+    stats: EngineStats
+
+
+class StatsReply(msgspec.Struct, tag=True):
+    token: int
+    stats: EngineStats
+
+
+class Fatal(msgspec.Struct, tag=True):
+    message: str
+
+
+Message = AddRequest | AbortRequest | StatsRequest | Shutdown | Ready | Outputs | Heartbeat | StatsReply | Fatal
+
+
+class ProtocolError(ValueError):
+    """Bytes on an engine pipe that are no valid message (a bug or a version mismatch)."""
+
+
+class InvalidAddRequest(ValueError):
+    """An ``AddRequest`` whose parameters do not validate on the engine side (a backstop: the
+    server validated them with the same code). Carries what a rejection needs."""
+
+    def __init__(self, rid: str, n: int, message: str) -> None:
+        super().__init__(message)
+        self.rid = rid
+        self.n = n
+
+
+class _ParamsHead(msgspec.Struct):
+    n: object = 1
+
+
+class _AddHead(msgspec.Struct, tag="AddRequest"):
+    """Only what a rejection needs, read leniently from an ``AddRequest`` that failed to decode."""
+
+    rid: str
+    params: _ParamsHead
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_head_decoder = msgspec.msgpack.Decoder(_AddHead)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Bytes from a pipe → the message, validated. Raises ``InvalidAddRequest`` for a request
+    that must be rejected, ``ProtocolError`` for anything else that is not a valid message."""
+    try:
+        return _decoder.decode(data)
+    except msgspec.ValidationError as e:
+        try:
+            head = _head_decoder.decode(data)
+        except msgspec.MsgspecError:
+            raise ProtocolError(f"invalid engine message: {e}") from None
+        n = head.params.n
+        valid_n = n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= MAX_N else 1
+        raise InvalidAddRequest(head.rid, valid_n, str(e)) from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"undecodable engine message: {e}") from None

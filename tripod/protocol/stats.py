@@ -1,0 +1,103 @@
+"""The engine's stats snapshot: what a ``Heartbeat`` and a ``StatsReply`` carry.
+
+Built by the engine process (``server/engine_proc.py``) from the engine's own counters, read by
+attribute in the HTTP process (Prometheus metrics, ``/health``, ``/v1/models``, the console) and
+served as JSON by ``/debug/engine``. ``version`` says which layout a snapshot has: a reader of
+another version refuses it on decode instead of misreading a field.
+
+The JSON of a snapshot (``EngineStats.as_json``) has the keys and nesting the engine's stats
+always had (``spec_decode`` entries as ``[drafts, draft tokens, accepted tokens]``, ``consistent``
+only in a reply to a stats query, ``inconsistency`` only when the check failed): tests, the
+console and scripts read it by those names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+STATS_VERSION = 1
+
+
+class ComputeCard(msgspec.Struct, kw_only=True):
+    """What computes, as ``/v1/models`` reports it: ``{"backend": "cpu", "isa": "avx2"}``, or a
+    torch backend with the reason tripod's kernels do not run (``reason``; present as null when
+    nothing stops them but they are not in use yet). ``attention``: the kernels run the linears
+    while torch runs attention (set only then)."""
+
+    backend: str
+    isa: str | None = None
+    reason: str | UnsetType | None = UNSET
+    attention: str | UnsetType = UNSET
+
+    def as_json(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)  # unset keys are left out, as the engine's card leaves them
+
+
+class SpecDecodeCounts(msgspec.Struct, array_like=True, frozen=True):
+    """One proposer's cumulative speculative-decoding counts (JSON: ``[drafts, draft_tokens,
+    accepted_tokens]``, the order ``ServerMetrics`` turns into ``tripod:spec_decode_num_*_total``)."""
+
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+
+
+class StepTimes(msgspec.Struct, kw_only=True):
+    """Seconds the engine process spent in each part of its loop since start
+    (``benchmarks/serve_profile.py`` reads them)."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0
+    decode_forward: float = 0.0
+    prefill_forward: float = 0.0
+    sample: float = 0.0
+    bookkeeping: float = 0.0
+    ipc: float = 0.0  # decoding incoming messages, encoding and sending outputs
+    idle: float = 0.0  # waiting for messages with nothing to run
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """One snapshot of an engine: queues and KV slots now, cumulative counters since start.
+
+    The queue and KV gauges are required (every snapshot has them); the counters default to 0
+    so a snapshot of an engine that never used a feature (speculation, jump-forward) is plain."""
+
+    version: int = STATS_VERSION
+    running: int
+    waiting: int
+    kv_slots: int
+    kv_free: int
+    kv_cached: int  # slots held by the prefix cache ...
+    kv_pinned: int  # ... of which pinned by running requests
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    steps: int = 0
+    retractions: int = 0
+    jump_forward_proposed: int = 0
+    jump_forward_accepted: int = 0
+    prefill_tokens: int = 0
+    spec_decode: dict[str, SpecDecodeCounts] = msgspec.field(default_factory=dict)  # per proposer
+    compute: str = ""  # the compute path of the next step, in words
+    compute_card: ComputeCard | None = None  # ... and as /v1/models reports it
+    time: StepTimes = msgspec.field(default_factory=StepTimes)
+    # A reply to a stats query only: the KV ownership invariant, checked when the engine is idle
+    # (None: it was busy); ``inconsistency`` says what failed.
+    consistent: bool | UnsetType | None = UNSET
+    inconsistency: str | UnsetType = UNSET
+
+    def __post_init__(self) -> None:
+        if self.version != STATS_VERSION:
+            raise ValueError(f"engine stats version {self.version}; this server reads version {STATS_VERSION} "
+                             "(the engine process and the server must come from the same tripod)")
+
+    def as_json(self) -> dict[str, Any]:
+        """The snapshot as ``/debug/engine`` serves it: the engine's keys, without ``version``
+        (the endpoint's JSON predates it) and without the unset check fields."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        del out["version"]
+        return out
