@@ -176,3 +176,21 @@ def test_protocol_imports_no_torch() -> None:
     code = ("import sys, tripod.protocol, tripod.protocol.engine_ipc, tripod.protocol.stats, "
             "tripod.protocol.failover, tripod.protocol.sampling; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_engine_launch_spec_round_trips_and_is_validated() -> None:
+    """The spawned engine's one argument is a typed ``EngineLaunch`` (the engine config included):
+    it round-trips exactly, and a bad field is refused with its path, not read loosely."""
+    from tripod.config import EngineConfig
+    from tripod.protocol import engine_ipc
+
+    launch = engine_ipc.EngineLaunch(
+        engine_config=EngineConfig(dtype="float32", kv_cache_tokens=4096, speculative="ngram"),
+        to_engine="ipc:///tmp/x/to", from_engine="ipc:///tmp/x/from", heartbeat_interval=0.5,
+        log_level=20, parent_pid=1234)
+    text = engine_ipc.encode_launch(launch)
+    assert engine_ipc.decode_launch(text) == launch
+    with pytest.raises(engine_ipc.ProtocolError, match=r"kv_cache_tokens"):
+        engine_ipc.decode_launch(text.replace('"kv_cache_tokens":4096', '"kv_cache_tokens":"many"'))
+    with pytest.raises(engine_ipc.ProtocolError, match=r"dtype must be one of"):
+        engine_ipc.decode_launch(text.replace('"dtype":"float32"', '"dtype":"int3"'))

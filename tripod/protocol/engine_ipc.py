@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
+from tripod.config import EngineConfig
 from tripod.protocol.sampling import MAX_N, Resume, SamplingParams
 from tripod.protocol.stats import ComputeCard, EngineStats
 
@@ -151,3 +152,27 @@ def decode(data: bytes) -> Message:
         raise InvalidAddRequest(head.rid, valid_n, str(e)) from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"undecodable engine message: {e}") from None
+
+
+class EngineLaunch(msgspec.Struct, kw_only=True):
+    """What the server hands the engine process it spawns (JSON, its one argument): the engine's
+    config, the two pipes, the heartbeat period, the log level and the parent to outlive not."""
+
+    engine_config: EngineConfig
+    to_engine: str
+    from_engine: str
+    heartbeat_interval: float
+    log_level: int
+    parent_pid: int
+
+
+def encode_launch(launch: EngineLaunch) -> str:
+    return msgspec.json.encode(launch).decode()
+
+
+def decode_launch(text: str) -> EngineLaunch:
+    """The spawned engine's argument, validated (field types, then ``EngineConfig``'s own checks)."""
+    try:
+        return msgspec.json.decode(text, type=EngineLaunch)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"bad engine launch spec: {e}") from e

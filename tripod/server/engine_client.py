@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -205,14 +204,14 @@ class EngineClient:
         self._tmpdir = tempfile.mkdtemp(prefix="tripod-ipc-")
         self._proc = EngineProcess([
             sys.executable, "-m", "tripod.server.engine_proc",
-            json.dumps({
-                "engine_config": dataclasses.asdict(self.engine_config),
-                "to_engine": f"ipc://{self._tmpdir}/to-engine",
-                "from_engine": f"ipc://{self._tmpdir}/from-engine",
-                "heartbeat_interval": self.server_config.heartbeat_interval,
-                "log_level": self.log_level,
-                "parent_pid": os.getpid(),
-            }),
+            engine_ipc.encode_launch(engine_ipc.EngineLaunch(
+                engine_config=self.engine_config,
+                to_engine=f"ipc://{self._tmpdir}/to-engine",
+                from_engine=f"ipc://{self._tmpdir}/from-engine",
+                heartbeat_interval=self.server_config.heartbeat_interval,
+                log_level=self.log_level,
+                parent_pid=os.getpid(),
+            )),
         ])
 
     def abandon(self) -> None:

@@ -27,15 +27,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("tripod.engine_proc")
 
 
-def engine_main(
-    engine_config: dict[str, Any],
-    to_engine: str,
-    from_engine: str,
-    heartbeat_interval: float,
-    log_level: int,
-    parent_pid: int,
-) -> None:
+def engine_main(launch: engine_ipc.EngineLaunch) -> None:
     """Entry point of the spawned engine process."""
+    to_engine, from_engine, log_level = launch.to_engine, launch.from_engine, launch.log_level
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s", stream=sys.stderr
     )
@@ -52,10 +46,9 @@ def engine_main(
     push.connect(from_engine)
     code = 0
     try:
-        from tripod.config import EngineConfig
         from tripod.engine.engine import Engine
 
-        engine = Engine(config=EngineConfig(**engine_config))
+        engine = Engine(config=launch.engine_config)
         push.send(engine_ipc.encode(engine_ipc.Ready(
             pid=os.getpid(),
             model_name=engine.model_name,
@@ -69,7 +62,7 @@ def engine_main(
             kv_slots=engine.pool.num_slots,
             compute=ComputeCard(**engine.runner.card()),
         )))
-        EngineLoop(engine, pull, push, heartbeat_interval, parent_pid).run()
+        EngineLoop(engine, pull, push, launch.heartbeat_interval, launch.parent_pid).run()
     except Exception as e:  # a crash must reach the server as a message, not only a dead pid
         log.error("engine process failed:\n%s", traceback.format_exc())
         push.send(engine_ipc.encode(engine_ipc.Fatal(f"{type(e).__name__}: {e}")))
@@ -234,7 +227,5 @@ def _logprob(lp: TokenLogprob) -> engine_ipc.Logprob:
 
 
 if __name__ == "__main__":
-    # Started by EngineClient as ``python -m tripod.server.engine_proc '<json spec>'``.
-    import json
-
-    engine_main(**json.loads(sys.argv[1]))
+    # Started by EngineClient as ``python -m tripod.server.engine_proc '<EngineLaunch as JSON>'``.
+    engine_main(engine_ipc.decode_launch(sys.argv[1]))
