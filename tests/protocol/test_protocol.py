@@ -194,3 +194,21 @@ def test_engine_launch_spec_round_trips_and_is_validated() -> None:
         engine_ipc.decode_launch(text.replace('"kv_cache_tokens":4096', '"kv_cache_tokens":"many"'))
     with pytest.raises(engine_ipc.ProtocolError, match=r"dtype must be one of"):
         engine_ipc.decode_launch(text.replace('"dtype":"float32"', '"dtype":"int3"'))
+
+
+def test_health_answers_and_the_routers_lenient_reading() -> None:
+    """A tripod server's ``/health`` keeps its JSON shape; the router reads only what it uses and
+    takes any other server's answer (vLLM's empty 200, a foreign JSON) as "no continuation"."""
+    import json
+
+    from tripod.protocol import health
+
+    ok = json.loads(health.encode(health.Healthy(model="m", engine_pid=7, running=2, waiting=1)))
+    assert ok == {"status": "ok", "model": "m", "engine_pid": 7, "running": 2, "waiting": 1, "continuation": True}
+    assert json.loads(health.encode(health.Unhealthy(status="draining"))) == {"status": "draining"}
+    assert json.loads(health.encode(health.Unhealthy(status="dead", reason="gone"))) == {"status": "dead",
+                                                                                          "reason": "gone"}
+    got = health.probe(health.encode(health.Healthy(model="m", engine_pid=None, running=0, waiting=0)))
+    assert got.continuation and got.model == "m"
+    for foreign in (b"", b"{}", b"[1]", b'{"continuation": "yes"}', b"not json"):
+        assert health.probe(foreign) == health.HealthProbe(), foreign

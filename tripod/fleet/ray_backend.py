@@ -25,6 +25,7 @@ from types import ModuleType
 from typing import Any
 
 from tripod.fleet.process import SERVE, free_port, spawn_serve
+from tripod.protocol.fleet import ReplicaStarted
 
 # The exit code reported for a replica whose actor is gone (killed, crashed, or its node lost):
 # the process is then gone too or about to be (PDEATHSIG), and nothing can tell us how it ended.
@@ -62,7 +63,7 @@ class ReplicaActor:
         self._log_path: Path | None = None
 
     def start(self, name: str, serve_args: list[str], bind_host: str | None, log_dir: str | None,
-              command: tuple[str, ...] = SERVE) -> dict[str, Any]:
+              command: tuple[str, ...] = SERVE) -> ReplicaStarted:
         """Start ``tripod serve`` on a free port of this node; what the driver needs to know of it."""
         import ray
 
@@ -78,13 +79,9 @@ class ReplicaActor:
         # NOTE: the child holds its own copy of the descriptor; ours can close right away.
         with open(self._log_path, "ab") as log:
             self._proc = spawn_serve(host, port, serve_args, log, command)
-        return {
-            "url": _url(url_host, port),
-            "pid": self._proc.pid,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "node_ip": node_ip,
-            "log_path": str(self._log_path),
-        }
+        return ReplicaStarted(url=_url(url_host, port), pid=self._proc.pid,
+                              node_id=ray.get_runtime_context().get_node_id(), node_ip=node_ip,
+                              log_path=str(self._log_path))
 
     def poll(self) -> int | None:
         """The process's exit code, or None while it runs."""
@@ -129,14 +126,14 @@ class RayReplica:
     actor that is gone counts as an exit with ``DEAD_ACTOR_EXIT_CODE``.
     """
 
-    def __init__(self, name: str, actor_name: str, actor: Any, info: dict[str, Any]) -> None:
+    def __init__(self, name: str, actor_name: str, actor: Any, info: ReplicaStarted) -> None:
         self.name = name  # ``replica-<index>``, as ``LocalProcess`` names it
         self.actor_name = actor_name  # unique in the Ray namespace
-        self.url: str = info["url"]
-        self.pid: int | None = info["pid"]
-        self.node_id: str = info["node_id"]
-        self.node_ip: str = info["node_ip"]
-        self.log_path: str = info["log_path"]  # on the replica's node
+        self.url = info.url
+        self.pid: int | None = info.pid
+        self.node_id = info.node_id
+        self.node_ip = info.node_ip
+        self.log_path = info.log_path  # on the replica's node
         self._actor = actor
         self._code: int | None = None
         self._final_log: str | None = None

@@ -12,6 +12,7 @@ import httpx
 
 from tripod.console.models import AutoscalerView, FleetEvent, FleetView, NodeView
 from tripod.console.readings import Reading, read_text
+from tripod.protocol import health
 from tripod.router.replica import Replica
 from tripod.router.router import Router
 
@@ -96,7 +97,6 @@ class RouterConsoleSource:
     async def _learn_model(self, client: httpx.AsyncClient, rep: Replica) -> None:
         try:
             r = await client.get(rep.url + "/health")
-            model = r.json().get("model") if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except httpx.HTTPError:
             return
-        self._model = model if isinstance(model, str) else None
+        self._model = health.probe(r.content).model if r.status_code == 200 else None

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 
 from tripod.config import RouterConfig
+from tripod.protocol import health
 from tripod.router.replica import Replica
 
 _LOAD_NAMES = {
@@ -87,10 +88,7 @@ class HealthChecker:
             self.failed(rep, f"health probe: {type(e).__name__}", False)
             return
         if r.status_code == 200:
-            try:
-                rep.continues = r.json().get("continuation") is True
-            except (ValueError, AttributeError):
-                rep.continues = False
+            rep.continues = health.probe(r.content).continuation
             self.succeeded(rep)
         else:
             # NOTE: a replica that answers 503 (draining, engine dead) asks to get nothing more.

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from tripod.protocol import health
 from tripod.server.engine_client import EngineDead
 from tripod.server.protocol import (
     APIError,
@@ -96,19 +97,18 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
     add_token_routes(app, state)
 
 
-def health_answer(state: ServerState) -> JSONResponse:
+def health_answer(state: ServerState) -> Response:
     c = state.client
     if not c.alive:
-        return JSONResponse({"status": "dead", "reason": c.dead_reason}, status_code=503)
+        return _health(health.Unhealthy(status="dead", reason=c.dead_reason), 503)
     if state.draining:
-        return JSONResponse({"status": "draining"}, status_code=503)
-    return JSONResponse({
-        "status": "ok", "model": state.model_name, "engine_pid": c.pid,
-        "running": c.stats.running if c.stats else 0, "waiting": c.stats.waiting if c.stats else 0,
-        # The router continues this server's answers on another replica when it fails
-        # (tripod_failover / tripod_continuation on the OpenAI routes).
-        "continuation": True,
-    })
+        return _health(health.Unhealthy(status="draining"), 503)
+    return _health(health.Healthy(model=state.model_name, engine_pid=c.pid, running=c.stats.running if c.stats else 0,
+                                  waiting=c.stats.waiting if c.stats else 0), 200)
+
+
+def _health(answer: health.Healthy | health.Unhealthy, status: int) -> Response:
+    return Response(health.encode(answer), status_code=status, media_type="application/json")
 
 
 def add_token_routes(app: FastAPI, state: ServerState) -> None:
