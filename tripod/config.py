@@ -140,6 +140,18 @@ class EngineConfig:
     # Draft lengths from a measured cost model (speculate only where it pays); False: always the
     # full num_draft_tokens (for measuring a proposer's acceptance).
     spec_adaptive: bool = True
+    # One model over several processes (engine/parallel.py): T ranks, each a shard of every
+    # layer (heads, MLP columns, a vocabulary slice) and its own KV pool.
+    tensor_parallel_size: int = opt(
+        1, "tensor parallel: run the model as T processes (this one and T-1 workers), each holding 1/T of every "
+        "layer (attention heads, MLP columns or experts, the vocabulary) and its own KV pool; collectives over "
+        "torch.distributed (gloo on CPU, NCCL on CUDA)", commands=ENGINE_COMMANDS, metavar="T")
+    enable_expert_parallel: bool = opt(
+        False, "with --tensor-parallel-size: split a MoE's experts over the ranks (each rank whole experts; the "
+        "shared expert replicated) instead of splitting every expert's columns", commands=ENGINE_COMMANDS)
+    parallel_timeout: float = opt(
+        60.0, "tensor parallel: seconds a collective may wait for a rank before the group is declared failed",
+        commands=ENGINE_COMMANDS, metavar="S")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES, *_ALIASES):
@@ -176,6 +188,23 @@ class EngineConfig:
             raise ValueError(f"policy must be 'lpm' or 'fcfs' (got {self.policy!r})")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (got {self.max_model_len})")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
+        if self.parallel_timeout <= 0:
+            raise ValueError(f"parallel_timeout must be > 0 (got {self.parallel_timeout})")
+        if self.tensor_parallel_size == 1:
+            if self.enable_expert_parallel:
+                raise ValueError("--enable-expert-parallel splits experts over the tensor-parallel ranks: "
+                                 "give --tensor-parallel-size 2 or more")
+            return
+        if self.weights != "dequantized":
+            raise ValueError(f"--tensor-parallel-size runs dequantized weights for now (got --weights {self.weights})")
+        if self.speculative is not None and parse_speculative(self.speculative).kind != "ngram":
+            raise ValueError("--tensor-parallel-size supports --speculative ngram only for now (a draft model "
+                             f"would run unsharded on rank 0; got {self.speculative!r})")
 
     def compute_path(self, dtype: torch.dtype) -> str:
         """"eager" (the reference path) or "optimized", for this config's ``kernels`` mode."""

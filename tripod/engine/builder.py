@@ -13,9 +13,11 @@ import torch
 from tripod import kernels
 from tripod.config import EngineConfig
 from tripod.engine.model_runner import ModelRunner
+from tripod.engine.parallel import WorkerGroup, threads_per_rank, weight_bytes
 from tripod.engine.sampler import Sampler
 from tripod.engine.speculative.factory import extra_bytes_per_token, load_draft, make_proposer
 from tripod.engine.speculative.proposer import Proposer
+from tripod.layers.parallel import SINGLE
 from tripod.loader import LoadedModel, load_model
 from tripod.memory.kv_pool import Pool, slots_from_budget
 
@@ -53,6 +55,15 @@ class BuildThreads:
             self.after = None
 
 
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """What one tensor-parallel rank holds: its weights' bytes and its KV bytes per token."""
+
+    rank: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+
+
 @dataclass(slots=True)
 class EngineParts:
     """What ``build`` makes; the engine keeps each as an attribute of the same name."""
@@ -64,13 +75,15 @@ class EngineParts:
     pool: Pool
     num_slots: int
     bytes_per_slot: int  # the target's and the draft's K/V for one token, and any extra
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # this rank's, under tensor parallelism
     context_len: int
     threads: BuildThreads
     runner: ModelRunner
     sampler: Sampler
     proposer: Proposer | None
     eos_ids: frozenset[int]
+    group: WorkerGroup | None = None  # tensor parallel: ranks 1..T-1
+    ranks: tuple[RankInfo, ...] = ()  # tensor parallel: what each rank holds, rank 0 first
 
 
 def load_weights(config: EngineConfig, loaded: LoadedModel | None, dtype: torch.dtype,
@@ -82,8 +95,9 @@ def load_weights(config: EngineConfig, loaded: LoadedModel | None, dtype: torch.
     return loaded or load_model(config.model, dtype, device, weights=config.weights)
 
 
-def start_kernels(config: EngineConfig, path: str, device: torch.device) -> None:
-    """Refuse a forced kernel level this CPU lacks; load (or start building) the kernels."""
+def start_kernels(config: EngineConfig, path: str, device: torch.device, wait: bool | None = None) -> None:
+    """Refuse a forced kernel level this CPU lacks; load (or start building) the kernels
+    (``wait``: whether to wait for the build; by default only when asked for explicitly)."""
     level = config.kernel_level
     if level is not None:
         why = kernels.unavailable_reason(level)
@@ -94,7 +108,7 @@ def start_kernels(config: EngineConfig, path: str, device: torch.device) -> None
         # "optimized", a level or stored weights asked for explicitly: wait for the kernels'
         # build (tests, benchmarks); under "auto" serve on torch's ops while it builds in
         # the background, and switch when it is loaded.
-        kernels.load(level, wait=config.kernels != "auto" or config.weights == "stored")
+        kernels.load(level, wait=config.kernels != "auto" or config.weights == "stored" if wait is None else wait)
 
 
 def eos_ids_of(loaded: LoadedModel) -> frozenset[int]:
@@ -106,31 +120,50 @@ def eos_ids_of(loaded: LoadedModel) -> frozenset[int]:
 
 def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
     """Every part of an engine, in dependency order (the pool is sized once the draft is known)."""
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    group = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
+    try:
+        return _build(config, loaded, group)
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
+
+
+def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup | None) -> EngineParts:
+    threads = threads_per_rank(config, group.size) if group is not None else config.num_threads
+    if threads:
+        torch.set_num_threads(threads)
     device = config.torch_device()
     dtype = config.torch_dtype(device)
     loaded = load_weights(config, loaded, dtype, device)
+    tp = group.tp if group is not None else SINGLE
+    if group is not None:
+        loaded.model.shard(tp, config.enable_expert_parallel)
     mc = loaded.config
     draft = load_draft(config, loaded, dtype, device)
-    per_token = mc.pool_spec().bytes_per_token(dtype) + extra_bytes_per_token(config, loaded, dtype)
+    per_token = mc.pool_spec(tp).bytes_per_token(dtype) + extra_bytes_per_token(config, loaded, dtype)
     if draft is not None:
         # NOTE: the draft's K/V live at the target's slot ids: one token slot costs both.
         per_token += draft.config.pool_spec().bytes_per_token(dtype)
     num_slots = slots_from_budget(kv_cache_tokens=config.kv_cache_tokens, kv_mem_fraction=config.kv_mem_fraction,
                                   bytes_per_token=per_token, device=device, max_tokens_cap=config.max_kv_cache_tokens)
-    pool = mc.pool_spec().make(num_slots, dtype, device)
-    kv_bytes = mc.pool_spec().bytes_per_token(dtype)
+    ranks: tuple[RankInfo, ...] = ()
+    if group is not None:
+        ranks = (RankInfo(0, weight_bytes(loaded.model), mc.pool_spec(tp).bytes_per_token(dtype)),
+                 *(RankInfo(r.rank, r.weight_bytes, r.kv_bytes_per_token) for r in group.wait_ready(num_slots)))
+    pool = mc.pool_spec(tp).make(num_slots, dtype, device)
+    kv_bytes = mc.pool_spec(tp).bytes_per_token(dtype)
     if mc.mla is not None:
         log.info("MLA latent KV: %d bytes per token (the same model with MHA: %d)", kv_bytes,
                  mc.mha_equivalent_spec().bytes_per_token(dtype))
     context_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     max_len = min(context_len, num_slots)
     path = config.compute_path(dtype)
-    start_kernels(config, path, device)
-    threads = BuildThreads()
-    runner = ModelRunner(loaded.model, pool, device, use_mirror=config.decode_mirror, path=path, max_len=max_len,
-                         stored=config.weights == "stored", level=config.kernel_level)
+    # NOTE: every rank must run the same backend at every step, so a group waits for the kernels.
+    start_kernels(config, path, device, wait=True if group is not None else None)
+    build_threads = BuildThreads()
+    runner = ModelRunner(loaded.model, pool, device, use_mirror=config.decode_mirror and group is None, path=path,
+                         max_len=max_len, stored=config.weights == "stored", level=config.kernel_level, group=group)
     if config.weights == "stored" and runner.kernel_reason is not None:
         raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {runner.kernel_reason}")
     sampler = Sampler(device, config.seed)
@@ -138,8 +171,8 @@ def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
                               dtype=dtype)
     return EngineParts(device=device, dtype=dtype, loaded=loaded, draft=draft, pool=pool, num_slots=num_slots,
                        bytes_per_slot=per_token, kv_bytes_per_token=kv_bytes, context_len=context_len,
-                       threads=threads, runner=runner, sampler=sampler, proposer=proposer,
-                       eos_ids=eos_ids_of(loaded))
+                       threads=build_threads, runner=runner, sampler=sampler, proposer=proposer,
+                       eos_ids=eos_ids_of(loaded), group=group, ranks=ranks)
 
 
 def log_started(config: EngineConfig, parts: EngineParts, seconds: float) -> None:

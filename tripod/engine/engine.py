@@ -102,6 +102,7 @@ class Engine(OfflineAPI):
         self.model_config, self.tokenizer = parts.loaded.config, parts.loaded.tokenizer
         self.pool, self.kv_bytes_per_token, self.context_len = parts.pool, parts.kv_bytes_per_token, parts.context_len
         self.runner, self.sampler, self.eos_ids, self._threads = parts.runner, parts.sampler, parts.eos_ids, parts.threads
+        self.group, self.ranks = parts.group, parts.ranks  # tensor parallel: the other ranks, what each holds
         self.cache = RadixCache(self.pool.allocator, enabled=config.enable_prefix_cache)
         self.scheduler = Scheduler(self.pool.allocator, self.cache, max_running=config.max_running,
                                    max_batch_tokens=config.max_batch_tokens, chunk_size=config.chunk_size,
@@ -347,6 +348,18 @@ class Engine(OfflineAPI):
         if not self.scheduler.running and self.runner.mirror is not None:
             self.runner.mirror.drop()  # idle: give the dense decode rows back
         return outs
+
+    # ------------------------------------------------------------------ the group
+    def check_workers(self) -> None:
+        """Raise ``WorkerLost`` if a tensor-parallel rank has exited (the engine cannot go on)."""
+        if self.group is not None:
+            self.group.check()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (an engine of one process holds nothing to stop)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     # ------------------------------------------------------------------ checks
     def assert_consistent(self) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from tripod import kernels
 from tripod.engine.decode_mirror import DecodeMirror
+from tripod.engine.parallel import Step, WorkerGroup
 from tripod.engine.scheduler import ScheduledItem
 from tripod.layers.attention import ForwardBatch
 from tripod.layers.backends import CpuBackend, CpuLinearBackend, ReferenceBackend, TorchBackend
@@ -45,8 +46,10 @@ class ModelRunner:
         max_len: int = 0,
         stored: bool = False,
         level: str | None = None,
+        group: WorkerGroup | None = None,
     ) -> None:
         self.model = model
+        self.group = group  # tensor parallel: the other ranks, sent every forward (engine/parallel.py)
         self.pool = pool
         self.device = device
         self.path = path
@@ -164,7 +167,23 @@ class ModelRunner:
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's forward pass over a built batch: float32 logits for its sampling rows."""
+        if self.group is not None:
+            self.group.send(batch)
         return self.model(batch, self.pool)
+
+    def run_step(self, step: Step) -> None:
+        """A tensor-parallel worker's forward: rank 0's batch on this rank's shard and pool."""
+        backend = self.scoring_backend() if step.scoring else self.backend
+        if backend.form != step.form:
+            raise RuntimeError(f"rank 0 runs {step.form} but this rank {backend.form}: the ranks must compute alike")
+        step.batch.backend = backend
+        self.model(step.batch, self.pool)
+
+    def scoring_backend(self) -> Backend:
+        """Prompt scoring's backend: the projections as the steps run them; attention, norms and
+        activations on torch's path (the pass is laid out like the reference's prefill chunks)."""
+        backend = self.backend
+        return ScoringBackend(backend) if isinstance(backend, CpuBackend) else backend
 
     def forward(self, items: list[ScheduledItem]) -> tuple[torch.Tensor, list[ScheduledItem]]:
         """Run one step. Returns float32 logits (one row per sampling item, ``length`` rows for a
@@ -182,11 +201,7 @@ class ModelRunner:
         # the step path untouched.
         assert len(slots) >= len(ids)
         dev = self.device
-        # The projections as the steps run them; attention, norms and activations on torch's
-        # path (the pass is laid out like the reference's prefill chunks).
-        backend = self.backend
-        if isinstance(backend, CpuBackend):
-            backend = ScoringBackend(backend)
+        backend = self.scoring_backend()
         for s in range(0, len(ids), chunk):
             n = min(chunk, len(ids) - s)
             batch = ForwardBatch(
@@ -200,4 +215,6 @@ class ModelRunner:
                 logits_idx=torch.arange(n, dtype=torch.long, device=dev),
                 backend=backend,
             )
+            if self.group is not None:
+                self.group.send(batch, scoring=True)
             yield s, self.model(batch, self.pool)

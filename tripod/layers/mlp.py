@@ -10,6 +10,7 @@ from torch import nn
 
 from tripod.layers.backends.base import Backend
 from tripod.layers.linear import Fp8Scales, Linear, StoredWeight
+from tripod.layers.parallel import SINGLE, ParallelGroup, columns, parameter, rows
 from tripod.layers.weights import WeightSource
 
 
@@ -31,6 +32,18 @@ class GatedMLP(nn.Module):
         self.down = nn.Parameter(torch.empty(hidden, inter, dtype=dtype), requires_grad=False)
         self.ops: dict[str, tuple[Linear, Linear]] = {}
         self.fp8: dict[str, Fp8Scales] = {}  # scales of the weights kept in FP8
+        self.tp = SINGLE  # whose sum this MLP's output is (SINGLE: complete here)
+
+    def shard(self, tp: ParallelGroup, reduce: bool = True) -> None:
+        """Keep this rank's intermediate columns: gate/up column-parallel, down row-parallel.
+        ``reduce``: sum the output over the ranks here (False: the caller sums, e.g. a MoE's
+        shared expert, whose partial output joins the experts' before one all-reduce)."""
+        i0, i1 = tp.split(self.inter, "MLP's intermediate size")
+        self.gate_up = parameter(rows(self.gate_up.data, (i0, i1), (self.inter + i0, self.inter + i1)))
+        self.down = parameter(columns(self.down.data, i0, i1))
+        self.inter = i1 - i0
+        self.ops.clear()
+        self.tp = tp if reduce else SINGLE
 
     def prepare(self, backend: Backend, stored: dict[str, StoredWeight]) -> None:
         if backend.form not in self.ops:
@@ -49,7 +62,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, h: torch.Tensor, backend: Backend, residual: torch.Tensor | None = None) -> torch.Tensor:
         gate_up, down = self.ops[backend.form]
-        return down(backend.activate(gate_up(h), self.inter, self.act), residual=residual)
+        return self.tp.reduce(down(backend.activate(gate_up(h), self.inter, self.act), residual=self.tp.residual(residual)))
 
 
 def keep(module: Any, name: str, part: tuple[torch.Tensor, Fp8Scales | None]) -> None:

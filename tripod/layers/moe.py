@@ -22,6 +22,7 @@ from torch import nn
 from tripod.layers.backends.base import Backend
 from tripod.layers.linear import Fp8Scales, StoredWeight, dequantize_fp8
 from tripod.layers.mlp import GatedMLP, activate, keep
+from tripod.layers.parallel import SINGLE, ParallelGroup, columns, parameter, rows
 from tripod.layers.weights import WeightSource
 
 
@@ -83,6 +84,21 @@ class ExpertSet(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False)
         self.fp8: dict[str, Fp8Scales] = {}  # stacked scales [E, rows, cols] of weights kept in FP8
+        self.first = 0  # the global index of this rank's first expert (expert parallel)
+
+    def shard_columns(self, tp: ParallelGroup) -> None:
+        """Tensor parallel: every expert, this rank's intermediate columns of each."""
+        i0, i1 = tp.split(self.inter, "experts' intermediate size")
+        self.gate_up = parameter(rows(self.gate_up.data, (i0, i1), (self.inter + i0, self.inter + i1)))
+        self.down = parameter(columns(self.down.data, i0, i1))
+        self.inter = i1 - i0
+
+    def shard_experts(self, tp: ParallelGroup) -> None:
+        """Expert parallel: this rank's experts, whole."""
+        e0, e1 = tp.split(self.num_experts, "number of routed experts")
+        self.gate_up = parameter(self.gate_up.data[e0:e1].contiguous())
+        self.down = parameter(self.down.data[e0:e1].contiguous())
+        self.first, self.num_experts = e0, e1 - e0
 
     def load(self, src: WeightSource, prefix: str, names: tuple[str, str, str]) -> None:
         """Per-expert tensors (``{prefix}{e}.gate_proj.weight`` …) or the stacked form some
@@ -111,16 +127,17 @@ class ExpertSet(nn.Module):
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         tokens = order // k
         w = weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.first + self.num_experts).tolist()
         out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
+        start = sum(counts[: self.first])  # (pairs routed to other ranks' experts come first)
+        for e in range(self.num_experts):
+            n = counts[self.first + e]
             if n == 0:
                 continue
-            rows = tokens[start : start + n]
-            xs = x.index_select(0, rows)
+            picked = tokens[start : start + n]
+            xs = x.index_select(0, picked)
             h = activate(xs @ self.weight("gate_up", e, x.dtype).t(), self.inter, self.act)
-            out.index_add_(0, rows, (h @ self.weight("down", e, x.dtype).t()) * w[start : start + n])
+            out.index_add_(0, picked, (h @ self.weight("down", e, x.dtype).t()) * w[start : start + n])
             start += n
         return out
 
@@ -143,6 +160,20 @@ class MoE(nn.Module):
         self.shared_gate = (
             nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False) if spec.shared_gate else None
         )
+        self.tp = SINGLE
+        self.shared_here = True  # expert parallel: the (replicated) shared expert adds in on rank 0 only
+
+    def shard(self, tp: ParallelGroup, expert_parallel: bool = False) -> None:
+        """Tensor parallel (each expert's columns split) or expert parallel (the experts split,
+        the shared expert replicated); the router is replicated; one all-reduce sums the parts."""
+        if expert_parallel:
+            self.experts.shard_experts(tp)
+            self.shared_here = tp.first
+        else:
+            self.experts.shard_columns(tp)
+            if self.shared is not None:
+                self.shared.shard(tp, reduce=False)
+        self.tp = tp
 
     def prepare(self, backend: Backend, stored: dict[str, StoredWeight]) -> None:
         if self.shared is not None:
@@ -156,9 +187,10 @@ class MoE(nn.Module):
         logits = torch.nn.functional.linear(h.float(), self.router)
         weights, idx = route(logits, self.spec, self.bias)
         out = self.experts(h, weights, idx)
-        if self.shared is not None:
+        if self.shared is not None and self.shared_here:
             s = self.shared(h, backend)
             if self.shared_gate is not None:
                 s = torch.sigmoid(torch.nn.functional.linear(h, self.shared_gate)) * s
             out = out + s
-        return out if residual is None else residual + out
+        residual = self.tp.residual(residual)
+        return self.tp.reduce(out if residual is None else residual + out)

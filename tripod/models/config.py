@@ -13,6 +13,7 @@ from typing import Any
 
 from tripod.layers.mla import MLAConfig
 from tripod.layers.moe import MoEConfig
+from tripod.layers.parallel import SINGLE, ParallelGroup, head_split
 from tripod.memory.kv_pool import PoolSpec
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -112,11 +113,13 @@ class ModelConfig:
             return float(self.query_pre_attn_scalar) ** -0.5
         return self.head_dim**-0.5
 
-    def pool_spec(self) -> PoolSpec:
-        """What one token costs in the KV pool: K and V per KV head, or MLA's latent."""
+    def pool_spec(self, tp: ParallelGroup = SINGLE) -> PoolSpec:
+        """What one token costs in the KV pool: K and V per KV head (this rank's, under tensor
+        parallelism), or MLA's latent."""
         if self.mla is not None:
             return PoolSpec(self.num_layers, "latent", latent_dim=self.mla.latent_dim)
-        return PoolSpec(self.num_layers, "mha", num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        _, _, k0, k1 = head_split(self.num_heads, self.num_kv_heads, tp)
+        return PoolSpec(self.num_layers, "mha", num_kv_heads=k1 - k0, head_dim=self.head_dim)
 
     def mha_equivalent_spec(self) -> PoolSpec:
         """The pool the same model would need with its attention expanded (MLA: every head's K

@@ -30,6 +30,7 @@ from tripod.layers.linear import Fp8Scales, Linear, StoredWeight
 from tripod.layers.mlp import GatedMLP, keep
 from tripod.layers.moe import MoE
 from tripod.layers.norm import rms_norm
+from tripod.layers.parallel import SINGLE, ParallelGroup, columns, head_split, parameter, rows
 from tripod.layers.rotary import RotaryEmbedding
 from tripod.layers.weights import WeightSource
 from tripod.memory.kv_pool import KVPool
@@ -63,6 +64,26 @@ class GQAttention(nn.Module):
         self.k_norm = _param(d, dtype=dtype, fill=1.0) if cfg.qk_norm else None
         self.ops: dict[str, tuple[Linear, Linear]] = {}
         self.fp8: dict[str, Fp8Scales] = {}
+        self.tp = SINGLE
+
+    def shard(self, tp: ParallelGroup) -> None:
+        """Keep this rank's Q heads and the K/V heads they read (column-parallel QKV) and the
+        matching columns of O (row-parallel: its output bias, like the residual, on rank 0)."""
+        s = self.spec
+        d = self.q_size // s.num_heads
+        q0, q1, k0, k1 = head_split(s.num_heads, s.num_kv_heads, tp)
+        spans = [(q0 * d, q1 * d), (self.q_size + k0 * d, self.q_size + k1 * d),
+                 (self.q_size + self.kv_size + k0 * d, self.q_size + self.kv_size + k1 * d)]
+        self.qkv = parameter(rows(self.qkv.data, *spans))
+        if self.qkv_bias is not None:
+            self.qkv_bias = parameter(rows(self.qkv_bias.data, *spans))
+        self.o = parameter(columns(self.o.data, q0 * d, q1 * d))
+        if self.o_bias is not None and not tp.first:
+            self.o_bias = None
+        self.q_size, self.kv_size = (q1 - q0) * d, (k1 - k0) * d
+        self.spec = AttnSpec(q1 - q0, k1 - k0, s.scale, window=s.window, softcap=s.softcap)
+        self.ops.clear()
+        self.tp = tp
 
     def prepare(self, backend: Backend, stored: dict[str, StoredWeight]) -> None:
         if backend.form not in self.ops:
@@ -91,7 +112,7 @@ class GQAttention(nn.Module):
         qkv_op, o_op = self.ops[batch.backend.form]
         qk = (self.q_norm, self.k_norm, self.eps) if self.q_norm is not None and self.k_norm is not None else None
         a = attend(qkv_op(h), layer, pool, batch, rotary, cos_sin, self.spec, qk)
-        return o_op(a, residual=residual)
+        return self.tp.reduce(o_op(a, residual=self.tp.residual(residual)))
 
 
 class DecoderLayer(nn.Module):
@@ -197,6 +218,40 @@ class LlamaForCausalLM(nn.Module):
         # in ``last_hidden`` ([T, H], before the final norm, all rows of the flat batch).
         self.capture_hidden = False
         self.last_hidden: torch.Tensor | None = None
+        self.tp = SINGLE
+        self.vocab_lo = 0  # the first token id of this rank's vocabulary slice
+
+    def shard(self, tp: ParallelGroup, expert_parallel: bool = False) -> None:
+        """Keep this rank's slice of every weight (``layers/parallel.py``): heads, MLP columns
+        (or experts), and a vocabulary slice of the embedding and LM head (padded to equal rows)."""
+        if tp.size == 1:
+            return
+        if self.cfg.mla is not None:
+            raise ValueError("tensor parallel is not built for multi-head latent attention (DeepSeek) yet")
+        if self.has_stored_weights or self.fp8_weights:
+            raise ValueError("tensor parallel runs dequantized weights (not --weights stored or fp8) for now")
+        lo, hi, per = tp.padded_split(self.cfg.vocab_size)
+        tied = self.lm_head is None or self.lm_head.data_ptr() == self.embed.data_ptr()
+        self.embed = parameter(_pad_rows(self.embed.data[lo:hi], per))
+        if self.lm_head is not None:
+            self.lm_head = self.embed if tied else parameter(_pad_rows(self.lm_head.data[lo:hi], per))
+        for layer in self.layers:
+            layer.attn.shard(tp)
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.shard(tp, expert_parallel)
+            else:
+                layer.mlp.shard(tp)
+        self.head_ops.clear()
+        self.tp, self.vocab_lo = tp, lo
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; vocabulary-parallel: each rank looks up its slice (zeros elsewhere), summed."""
+        if self.tp.size == 1:
+            return F.embedding(ids, self.embed)
+        local = ids - self.vocab_lo
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.tp.reduce(x.masked_fill(outside.unsqueeze(1), 0.0))
 
     @property
     def rope_dim(self) -> int:
@@ -246,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: Any) -> torch.Tensor:
-        x = F.embedding(batch.input_ids, self.embed)
+        x = self.embed_tokens(batch.input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         ctx = StepContext(self, batch, pool, x.dtype)
@@ -257,7 +312,7 @@ class LlamaForCausalLM(nn.Module):
         if batch.logits_idx is not None:
             x = x.index_select(0, batch.logits_idx)
         x = batch.backend.norm(x, self.norm, self.cfg.rms_norm_eps)
-        logits = self.head_ops[batch.backend.form](x).float()
+        logits = self.tp.gather_columns(self.head_ops[batch.backend.form](x).float(), self.cfg.vocab_size)
         if self.cfg.final_softcap is not None:
             cap = self.cfg.final_softcap
             logits = torch.tanh(logits / cap) * cap
@@ -345,6 +400,13 @@ class LlamaForCausalLM(nn.Module):
     def fp8_weights(self) -> int:
         """How many weights are kept in FP8 (``--weights fp8``)."""
         return sum(len(getattr(m, "fp8", {})) for m in self.modules())
+
+
+def _pad_rows(w: torch.Tensor, n: int) -> torch.Tensor:
+    """``w`` with zero rows appended up to ``n`` rows (every rank's vocabulary slice is as wide)."""
+    if w.shape[0] == n:
+        return w.contiguous()
+    return torch.cat([w, w.new_zeros(n - w.shape[0], *w.shape[1:])])
 
 
 def _norm_weight(w: torch.Tensor, offset: bool) -> torch.Tensor:

@@ -45,6 +45,7 @@ def engine_main(launch: engine_ipc.EngineLaunch) -> None:
     push.setsockopt(zmq.SNDHWM, 0)
     push.connect(from_engine)
     code = 0
+    engine = None
     try:
         from tripod.engine.engine import Engine
 
@@ -68,6 +69,8 @@ def engine_main(launch: engine_ipc.EngineLaunch) -> None:
         push.send(engine_ipc.encode(engine_ipc.Fatal(f"{type(e).__name__}: {e}")))
         code = 1
     finally:
+        if engine is not None:
+            engine.close()  # tensor parallel: the workers go with the engine
         pull.close(0)
         push.close()
         ctx.term()
@@ -115,6 +118,7 @@ class EngineLoop:
             now = time.monotonic()
             if now - self._last_heartbeat >= self.heartbeat_interval:
                 self._last_heartbeat = now
+                self.engine.check_workers()  # a lost tensor-parallel rank ends the engine, idle or not
                 self.push.send(engine_ipc.encode(engine_ipc.Heartbeat(self.stats())))
 
     def _drain(self) -> None:

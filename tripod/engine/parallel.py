@@ -1,0 +1,211 @@
+"""One model over several processes: a tensor-parallel worker group.
+
+The engine's process is rank 0: it runs the scheduler, the radix cache and the sampler once, holds
+its own shard of the model (``LlamaForCausalLM.shard``) and its own KV pool (its K/V heads), and
+before each forward pass sends the step's built ``ForwardBatch`` (token ids, positions, slot ids,
+attention metadata: no K/V data) to ranks 1..T-1. Each worker is a process of its own holding its
+shard and a pool of the same slots; it runs the same forward, whose all-reduces (torch.distributed:
+gloo on CPU, NCCL on CUDA) keep every rank's hidden states equal; rank 0 gathers the logits.
+
+Faults: a worker that exits is seen before the next step and on the engine's heartbeat
+(``check``); one that dies or hangs inside a forward fails the collective (a closed connection at
+once, a hang after ``--parallel-timeout``). Either way the engine raises, its process exits, the
+server answers 503 and a supervisor relaunches the whole group: a group never limps on without a
+rank. Workers exit when rank 0 goes away (their pipe closes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from tripod.config import EngineConfig
+from tripod.layers.attention import ForwardBatch
+from tripod.layers.parallel import ParallelGroup
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLost(RuntimeError):
+    """A rank of the group exited or failed: the group cannot compute any more."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    config: EngineConfig
+    rank: int
+    size: int
+    init_method: str
+    timeout: float
+    threads: int
+    log_level: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReady:
+    rank: int
+    weight_bytes: int  # the parameters this rank holds after sharding
+    kv_bytes_per_token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One forward pass for the workers: the batch (its backend stripped) and how to run it."""
+
+    batch: ForwardBatch
+    form: str  # the backend form rank 0 runs (the workers must run the same)
+    scoring: bool  # prompt scoring's pass (torch attention over the step's projections)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct parameters a model holds (a tied head counted once)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        seen[p.data_ptr()] = p.numel() * p.element_size()
+    return sum(seen.values())
+
+
+def init_group(rank: int, size: int, init_method: str, timeout: float, device: torch.device) -> ParallelGroup:
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout))
+    return ParallelGroup(rank, size)
+
+
+def threads_per_rank(config: EngineConfig, size: int) -> int:
+    """Each rank's torch threads: ``--threads``, else the machine's cores shared out."""
+    return config.num_threads or max(1, (os.cpu_count() or 1) // size)
+
+
+class WorkerGroup:
+    """Ranks 1..T-1, started as processes; this process joins the group as rank 0."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.size = config.tensor_parallel_size
+        self.timeout = config.parallel_timeout
+        self._dir = tempfile.mkdtemp(prefix="tripod-tp-")
+        init = f"file://{self._dir}/store"
+        ctx = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        threads = threads_per_rank(config, self.size)
+        for rank in range(1, self.size):
+            ours, theirs = ctx.Pipe()
+            spec = WorkerSpec(config, rank, self.size, init, self.timeout, threads, logging.getLogger().level)
+            p = ctx.Process(target=worker_main, args=(spec, theirs), name=f"tripod-tp-rank{rank}", daemon=True)
+            p.start()
+            theirs.close()
+            self.procs.append(p)
+            self.conns.append(ours)
+        self.tp = init_group(0, self.size, init, self.timeout, config.torch_device())
+        self.ready: list[WorkerReady] = []
+
+    def wait_ready(self, num_slots: int) -> list[WorkerReady]:
+        """Each worker's shard is loaded: tell it how many KV slots to hold; what each holds."""
+        for rank, conn in enumerate(self.conns, start=1):
+            msg = self._recv(conn, rank)
+            if isinstance(msg, BaseException):
+                raise WorkerLost(f"tensor-parallel rank {rank} failed to start: {msg}") from msg
+            self.ready.append(msg)
+            conn.send(num_slots)
+        return self.ready
+
+    def _recv(self, conn: Connection, rank: int) -> Any:
+        try:
+            return conn.recv()
+        except (EOFError, OSError) as e:
+            raise WorkerLost(f"tensor-parallel rank {rank} exited while starting "
+                             f"(exit code {self.procs[rank - 1].exitcode})") from e
+
+    def check(self) -> None:
+        """Raise if a worker has exited (the group cannot run a step without it)."""
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                raise WorkerLost(f"tensor-parallel rank {rank} exited (code {p.exitcode}); "
+                                 "the group stops and is restarted whole")
+
+    def send(self, batch: ForwardBatch, scoring: bool = False) -> None:
+        """Before rank 0's forward: the same forward for every worker."""
+        self.check()
+        step = Step(dataclasses.replace(batch, backend=None, item_rows=[], decode_mirror=None), batch.backend.form,
+                    scoring)
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send(step)
+            except (BrokenPipeError, OSError) as e:
+                raise WorkerLost(f"tensor-parallel rank {rank} is gone ({e})") from e
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as e:
+            log.debug("destroying the process group: %s", e)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def worker_main(spec: WorkerSpec, conn: Connection) -> None:
+    """A rank > 0: join the group, load and shard the model, hold a KV pool, run the forwards
+    rank 0 sends until it sends None or goes away."""
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s %(name)s[tp{spec.rank}]: %(message)s")
+    try:
+        runner = _start_worker(spec, conn)
+    except Exception as e:
+        log.exception("tensor-parallel rank %d failed to start", spec.rank)
+        conn.send(RuntimeError(f"{type(e).__name__}: {e}"))
+        return
+    while True:
+        try:
+            step = conn.recv()
+        except (EOFError, OSError):
+            return  # rank 0 is gone
+        if step is None:
+            return
+        runner.run_step(step)
+
+
+def _start_worker(spec: WorkerSpec, conn: Connection) -> Any:
+    from tripod.engine.builder import start_kernels
+    from tripod.engine.model_runner import ModelRunner
+    from tripod.loader import load_model
+
+    torch.set_num_threads(spec.threads)
+    config = spec.config
+    device = config.torch_device()
+    dtype = config.torch_dtype(device)
+    tp = init_group(spec.rank, spec.size, spec.init_method, spec.timeout, device)
+    loaded = load_model(config.model, dtype, device, weights=config.weights)
+    loaded.model.shard(tp, config.enable_expert_parallel)
+    pool_spec = loaded.config.pool_spec(tp)
+    conn.send(WorkerReady(spec.rank, weight_bytes(loaded.model), pool_spec.bytes_per_token(dtype)))
+    num_slots = conn.recv()
+    pool = pool_spec.make(num_slots, dtype, device)
+    path = config.compute_path(dtype)
+    start_kernels(dataclasses.replace(config, kernels=config.kernels if config.kernels != "auto" else "optimized")
+                  if path == "optimized" else config, path, device)
+    context = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
+    return ModelRunner(loaded.model, pool, device, use_mirror=False, path=path, max_len=min(context, num_slots),
+                       stored=config.weights == "stored", level=config.kernel_level)

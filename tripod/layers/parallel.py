@@ -1,0 +1,105 @@
+"""Tensor parallelism inside the layers: which rank holds which slice, and the collectives.
+
+A model sharded over ``size`` ranks (``LlamaForCausalLM.shard``) keeps on each rank a slice of
+every projection: the Q heads ``[q0, q1)`` with the K/V heads they read (GQA: split, or one head
+replicated on several ranks when there are more ranks than K/V heads), the MLP's intermediate
+columns (of each expert too), a ``1 / size`` slice of the vocabulary (embedding and LM head). The
+column-parallel halves (QKV, gate/up) need no communication; each row-parallel output (O, down,
+the experts' sum) is one all-reduce, with the residual (and any output bias) added on rank 0 only
+so that it counts once. The vocabulary-parallel embedding is one all-reduce; the LM head's slices
+are gathered for the sampler.
+
+``SINGLE`` (one rank) is the identity everywhere: an unsharded model runs exactly as before.
+Collectives are torch.distributed's (gloo on CPU, NCCL on CUDA); the group is set up by
+``tripod.engine.parallel``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelGroup:
+    """This process's place in a tensor-parallel group (``group``: a torch.distributed group;
+    None for the default one)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    def residual(self, residual: torch.Tensor | None) -> torch.Tensor | None:
+        """The residual to fuse into a row-parallel output: rank 0's only (it must count once)."""
+        return residual if self.rank == 0 else None
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel output over the ranks (in float32: every rank holds the same result)."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        if x.dtype == torch.float32:
+            dist.all_reduce(x, group=self.group)
+            return x
+        y = x.float()
+        dist.all_reduce(y, group=self.group)
+        return y.to(x.dtype)
+
+    def gather_columns(self, x: torch.Tensor, total: int) -> torch.Tensor:
+        """Concatenate each rank's equal-width column slice of ``x`` and keep the first ``total``."""
+        if self.size == 1:
+            return x[:, :total] if x.shape[1] != total else x
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)[:, :total]
+
+    def split(self, n: int, what: str) -> tuple[int, int]:
+        """This rank's ``[lo, hi)`` of ``n`` things split evenly (``what`` names them in the error)."""
+        if n % self.size:
+            raise ValueError(f"tensor parallel size {self.size} must divide the {what} ({n})")
+        per = n // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+    def padded_split(self, n: int) -> tuple[int, int, int]:
+        """``(lo, hi, per)``: this rank's slice of ``n`` rows when every rank holds ``per`` rows
+        (the last ones padded): the vocabulary, which rarely divides."""
+        per = -(-n // self.size)
+        lo = min(n, self.rank * per)
+        return lo, min(n, lo + per), per
+
+
+SINGLE = ParallelGroup()
+
+
+def head_split(num_heads: int, num_kv_heads: int, tp: ParallelGroup) -> tuple[int, int, int, int]:
+    """``(q0, q1, kv0, kv1)``: the Q heads this rank computes and the K/V heads they read. With more
+    ranks than K/V heads, a K/V head is replicated on the ranks whose Q heads share it."""
+    q0, q1 = tp.split(num_heads, "number of attention heads")
+    if num_kv_heads % tp.size and tp.size % num_kv_heads:
+        raise ValueError(f"tensor parallel size {tp.size} and the {num_kv_heads} K/V heads must divide one another")
+    group = num_heads // num_kv_heads  # Q heads per K/V head
+    return q0, q1, q0 // group, (q1 - 1) // group + 1
+
+
+def rows(w: torch.Tensor, *spans: tuple[int, int]) -> torch.Tensor:
+    """The rows ``spans`` of ``w`` (dim 0, or dim 1 of a stacked ``[E, rows, cols]``), concatenated."""
+    dim = 0 if w.dim() < 3 else 1
+    return torch.cat([w.narrow(dim, lo, hi - lo) for lo, hi in spans], dim=dim).contiguous()
+
+
+def columns(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Columns ``[lo, hi)`` of ``w`` (its last dim)."""
+    return w.narrow(-1, lo, hi - lo).contiguous()
+
+
+def parameter(t: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(t, requires_grad=False)
