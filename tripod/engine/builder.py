@@ -20,6 +20,7 @@ from tripod.engine.speculative.proposer import Proposer
 from tripod.layers.parallel import SINGLE
 from tripod.loader import LoadedModel, load_model
 from tripod.memory.kv_pool import Pool, slots_from_budget
+from tripod.protocol.stats import ParallelCard, RankCard
 
 log = logging.getLogger("tripod.engine.engine")
 
@@ -55,15 +56,6 @@ class BuildThreads:
             self.after = None
 
 
-@dataclass(frozen=True, slots=True)
-class RankInfo:
-    """What one tensor-parallel rank holds: its weights' bytes and its KV bytes per token."""
-
-    rank: int
-    weight_bytes: int
-    kv_bytes_per_token: int
-
-
 @dataclass(slots=True)
 class EngineParts:
     """What ``build`` makes; the engine keeps each as an attribute of the same name."""
@@ -83,7 +75,7 @@ class EngineParts:
     proposer: Proposer | None
     eos_ids: frozenset[int]
     group: WorkerGroup | None = None  # tensor parallel: ranks 1..T-1
-    ranks: tuple[RankInfo, ...] = ()  # tensor parallel: what each rank holds, rank 0 first
+    ranks: tuple[RankCard, ...] = ()  # tensor parallel: what each rank holds, rank 0 first
 
 
 def load_weights(config: EngineConfig, loaded: LoadedModel | None, dtype: torch.dtype,
@@ -147,10 +139,10 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
         per_token += draft.config.pool_spec().bytes_per_token(dtype)
     num_slots = slots_from_budget(kv_cache_tokens=config.kv_cache_tokens, kv_mem_fraction=config.kv_mem_fraction,
                                   bytes_per_token=per_token, device=device, max_tokens_cap=config.max_kv_cache_tokens)
-    ranks: tuple[RankInfo, ...] = ()
+    ranks: tuple[RankCard, ...] = ()
     if group is not None:
-        ranks = (RankInfo(0, weight_bytes(loaded.model), mc.pool_spec(tp).bytes_per_token(dtype)),
-                 *(RankInfo(r.rank, r.weight_bytes, r.kv_bytes_per_token) for r in group.wait_ready(num_slots)))
+        ranks = (RankCard(rank=0, weight_bytes=weight_bytes(loaded.model),
+                          kv_bytes_per_token=mc.pool_spec(tp).bytes_per_token(dtype)), *group.wait_ready(num_slots))
     pool = mc.pool_spec(tp).make(num_slots, dtype, device)
     kv_bytes = mc.pool_spec(tp).bytes_per_token(dtype)
     if mc.mla is not None:
@@ -162,8 +154,11 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     # NOTE: every rank must run the same backend at every step, so a group waits for the kernels.
     start_kernels(config, path, device, wait=True if group is not None else None)
     build_threads = BuildThreads()
+    card = ParallelCard(tensor_parallel_size=group.size, expert_parallel=config.enable_expert_parallel,
+                        ranks=list(ranks)) if group is not None else None
     runner = ModelRunner(loaded.model, pool, device, use_mirror=config.decode_mirror and group is None, path=path,
-                         max_len=max_len, stored=config.weights == "stored", level=config.kernel_level, group=group)
+                         max_len=max_len, stored=config.weights == "stored", level=config.kernel_level, group=group,
+                         parallel=card)
     if config.weights == "stored" and runner.kernel_reason is not None:
         raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {runner.kernel_reason}")
     sampler = Sampler(device, config.seed)

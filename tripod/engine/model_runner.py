@@ -28,6 +28,7 @@ from tripod.layers.linear import onednn_supported
 from tripod.memory.kv_pool import KVPool, Pool
 from tripod.memory.slot_table import SlotTable
 from tripod.models.llama import LlamaForCausalLM
+from tripod.protocol.stats import ParallelCard
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +48,11 @@ class ModelRunner:
         stored: bool = False,
         level: str | None = None,
         group: WorkerGroup | None = None,
+        parallel: ParallelCard | None = None,
     ) -> None:
         self.model = model
         self.group = group  # tensor parallel: the other ranks, sent every forward (engine/parallel.py)
+        self.parallel = parallel  # ... and what each rank holds, for the compute card
         self.pool = pool
         self.device = device
         self.path = path
@@ -147,6 +150,8 @@ class ModelRunner:
         out = be.card()
         if be.name != "cpu":
             out["reason"] = self._why_not_kernels()
+        if self.parallel is not None:
+            out["parallel"] = self.parallel
         return out
 
     def describe(self) -> str:

@@ -32,6 +32,7 @@ import torch
 from tripod.config import EngineConfig
 from tripod.layers.attention import ForwardBatch
 from tripod.layers.parallel import ParallelGroup
+from tripod.protocol.stats import RankCard
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,6 @@ class WorkerSpec:
     timeout: float
     threads: int
     log_level: int
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerReady:
-    rank: int
-    weight_bytes: int  # the parameters this rank holds after sharding
-    kv_bytes_per_token: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +104,9 @@ class WorkerGroup:
             self.procs.append(p)
             self.conns.append(ours)
         self.tp = init_group(0, self.size, init, self.timeout, config.torch_device())
-        self.ready: list[WorkerReady] = []
+        self.ready: list[RankCard] = []
 
-    def wait_ready(self, num_slots: int) -> list[WorkerReady]:
+    def wait_ready(self, num_slots: int) -> list[RankCard]:
         """Each worker's shard is loaded: tell it how many KV slots to hold; what each holds."""
         for rank, conn in enumerate(self.conns, start=1):
             msg = self._recv(conn, rank)
@@ -200,7 +194,8 @@ def _start_worker(spec: WorkerSpec, conn: Connection) -> Any:
     loaded = load_model(config.model, dtype, device, weights=config.weights)
     loaded.model.shard(tp, config.enable_expert_parallel)
     pool_spec = loaded.config.pool_spec(tp)
-    conn.send(WorkerReady(spec.rank, weight_bytes(loaded.model), pool_spec.bytes_per_token(dtype)))
+    conn.send(RankCard(rank=spec.rank, weight_bytes=weight_bytes(loaded.model),
+                       kv_bytes_per_token=pool_spec.bytes_per_token(dtype)))
     num_slots = conn.recv()
     pool = pool_spec.make(num_slots, dtype, device)
     path = config.compute_path(dtype)

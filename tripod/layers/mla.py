@@ -28,6 +28,7 @@ from tripod.layers.backends.base import Backend
 from tripod.layers.linear import Fp8Scales, Linear, dequantize_fp8
 from tripod.layers.mlp import keep
 from tripod.layers.norm import rms_norm
+from tripod.layers.parallel import SINGLE, ParallelGroup, columns, parameter, rows
 from tripod.layers.rotary import apply_rotary
 from tripod.layers.weights import WeightSource
 from tripod.memory.kv_pool import LatentPool
@@ -81,6 +82,20 @@ class MLAttention(nn.Module):
             raise ValueError("MLA checkpoints with attention biases are not supported")
         self.ops: dict[str, dict[str, Linear]] = {}
         self.fp8: dict[str, Fp8Scales] = {}
+        self.tp = SINGLE
+
+    def shard(self, tp: ParallelGroup) -> None:
+        """Tensor parallel by heads: this rank's rows of the Q and ``kv_b`` projections and
+        columns of O; the latent projection (and so the latent pool) is replicated on every rank."""
+        c = self.cfg
+        h0, h1 = tp.split(self.h, "number of attention heads")
+        per_kv = c.qk_nope_head_dim + c.v_head_dim
+        self.q = parameter(rows(self.q.data, (h0 * c.qk_head_dim, h1 * c.qk_head_dim)))
+        self.kv_b = parameter(rows(self.kv_b.data, (h0 * per_kv, h1 * per_kv)))
+        self.o = parameter(columns(self.o.data, h0 * c.v_head_dim, h1 * c.v_head_dim))
+        self.h = h1 - h0
+        self.ops.clear()
+        self.tp = tp
 
     def prepare(self, backend: Backend, stored: Any = None) -> None:
         form = backend.form
@@ -165,7 +180,7 @@ class MLAttention(nn.Module):
                 assert seg.kv_slots is not None
                 lat, mask, causal = pool.gather(layer, seg.kv_slots), seg.mask, False
             out[s : s + n] = self._expanded(q_nope[s : s + n], q_pe[s : s + n], lat, mask, causal, ops)
-        return ops["o"](out.view(t, -1), residual=residual)
+        return self.tp.reduce(ops["o"](out.view(t, -1), residual=self.tp.residual(residual)))
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Rows ``[B, H, *]`` each attending its own latents ``[B, L, latent]`` (``mask``

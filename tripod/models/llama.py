@@ -226,8 +226,6 @@ class LlamaForCausalLM(nn.Module):
         (or experts), and a vocabulary slice of the embedding and LM head (padded to equal rows)."""
         if tp.size == 1:
             return
-        if self.cfg.mla is not None:
-            raise ValueError("tensor parallel is not built for multi-head latent attention (DeepSeek) yet")
         if self.has_stored_weights or self.fp8_weights:
             raise ValueError("tensor parallel runs dequantized weights (not --weights stored or fp8) for now")
         lo, hi, per = tp.padded_split(self.cfg.vocab_size)

@@ -21,6 +21,18 @@ from msgspec import UNSET, UnsetType
 STATS_VERSION = 1
 
 
+class RankCard(msgspec.Struct, kw_only=True):
+    rank: int
+    weight_bytes: int  # the parameters this rank holds
+    kv_bytes_per_token: int  # its KV pool's bytes per token slot
+
+
+class ParallelCard(msgspec.Struct, kw_only=True):
+    tensor_parallel_size: int
+    expert_parallel: bool
+    ranks: list[RankCard]
+
+
 class ComputeCard(msgspec.Struct, kw_only=True):
     """What computes, as ``/v1/models`` reports it: ``{"backend": "cpu", "isa": "avx2"}``, or a
     torch backend with the reason tripod's kernels do not run (``reason``; present as null when
@@ -31,6 +43,9 @@ class ComputeCard(msgspec.Struct, kw_only=True):
     isa: str | None = None
     reason: str | UnsetType | None = UNSET
     attention: str | UnsetType = UNSET
+    # One model over several processes: {"tensor_parallel_size": T, "expert_parallel": bool,
+    # "ranks": [{"rank", "weight_bytes", "kv_bytes_per_token"}, ...]} (set only then).
+    parallel: ParallelCard | UnsetType = UNSET
 
     def as_json(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)  # unset keys are left out, as the engine's card leaves them
