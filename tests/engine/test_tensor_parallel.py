@@ -1,0 +1,103 @@
+"""Tensor parallel (``--tensor-parallel-size``): the model as T processes, each holding 1/T of
+every layer and its own KV pool, gives the single process's outputs.
+
+Tiny random checkpoints (``tests/support/tiny_models.py``), fp32: greedy tokens of TP=2 equal the
+single-process tokens (a divergence only at a near tie of the single-process run, as the other
+parity tests allow) alone, batched with radix-cache hits, with chunked prefill shorter than the
+prompts; seeded sampling equal too; each rank holds about half of the weights (the sharding is
+real). A dense GQA family, a MoE split by columns and by experts (``--enable-expert-parallel``) and
+DeepSeek-V3 (MLA split by heads, latent replicated) run by default; the other families are `slow`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import Greedy, check_greedy_tokens
+from tests.support.tiny_models import VOCAB, build_hf, save
+from tripod import Engine, SamplingParams
+from tripod.engine.parallel import weight_bytes
+
+N_TOKENS = 16
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    a = torch.randint(3, VOCAB, (45,), generator=g).tolist()
+    b = torch.randint(3, VOCAB, (7,), generator=g).tolist()
+    c = a[:33] + torch.randint(3, VOCAB, (6,), generator=g).tolist()  # shares a's first 33 tokens
+    return [a, b, c]
+
+
+PROMPTS = _prompts()
+GREEDY = SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(max_tokens=N_TOKENS, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+SETTINGS: dict[str, Any] = dict(dtype="float32", kernels="eager", kv_cache_tokens=2048, chunk_size=16,
+                                max_batch_tokens=64, max_running=8)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> Any:
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = save(build_hf(kind), tmp_path_factory.mktemp(kind), hf_tokenizer)
+        return made[kind]
+
+    return get
+
+
+def _check(kind: str, path: Path, expert_parallel: bool) -> None:
+    single = Engine(model=str(path), **SETTINGS)
+    refs = [Greedy.from_tripod(single.generate([p], GREEDY)[0]) for p in PROMPTS]
+    seeded = [o.token_ids for o in single.generate(PROMPTS, SEEDED)]
+    full = weight_bytes(single.loaded.model)
+    what = f"{kind} TP=2{' EP' if expert_parallel else ''}"
+    tp = Engine(model=str(path), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **SETTINGS)
+    try:
+        for i, p in enumerate(PROMPTS):  # alone (c's prefix is a's: already a radix hit)
+            check_greedy_tokens(tp.generate([p], GREEDY)[0].token_ids, refs[i], f"{what} prompt {i} alone")
+        cached = tp.stats.cached_prompt_tokens
+        for i, out in enumerate(tp.generate(PROMPTS, GREEDY)):  # batched, every prefix cached
+            check_greedy_tokens(out.token_ids, refs[i], f"{what} prompt {i} batched")
+        assert tp.stats.cached_prompt_tokens > cached, "the batched run never hit the prefix cache"
+        assert [o.token_ids for o in tp.generate(PROMPTS, SEEDED)] == seeded, f"{what}: seeded sampling differs"
+        tp.assert_consistent()
+        ranks = tp.ranks
+        assert [r.rank for r in ranks] == [0, 1]
+        for r in ranks:  # about half each: split, not copied (+ the replicated norms, router, latent, shared expert)
+            assert r.weight_bytes <= 0.6 * full, f"{what}: rank {r.rank} holds {r.weight_bytes} of {full} bytes"
+        assert sum(r.weight_bytes for r in ranks) >= full
+        card = tp.runner.card()["parallel"]
+        assert card.tensor_parallel_size == 2 and card.expert_parallel == expert_parallel
+    finally:
+        tp.close()
+
+
+@pytest.mark.parametrize(("kind", "expert_parallel"), [("llama", False), ("qwen2-moe", True), ("deepseek-v3", False)])
+def test_tp2_equals_one_process(kind: str, expert_parallel: bool, folder: Any) -> None:
+    _check(kind, folder(kind), expert_parallel)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "expert_parallel"), [
+    ("qwen3", False), ("gemma3", False), ("mistral-sliding", False), ("mixtral", False), ("mixtral", True),
+    ("qwen2-moe", False), ("qwen3-moe", False), ("deepseek-v2", False), ("deepseek-v3", True),
+])
+def test_tp2_equals_one_process_every_family(kind: str, expert_parallel: bool, folder: Any) -> None:
+    _check(kind, folder(kind), expert_parallel)
+
+
+def test_what_tensor_parallel_refuses(folder: Any) -> None:
+    """Shapes T does not divide, and what does not run sharded yet, are refused with what to change."""
+    with pytest.raises(ValueError, match="tensor parallel size 3 must divide the number of attention heads"):
+        Engine(model=str(folder("llama")), tensor_parallel_size=3, **SETTINGS)
+    with pytest.raises(ValueError, match="--speculative ngram only"):
+        Engine(model=str(folder("llama")), tensor_parallel_size=2, speculative="self:1", **SETTINGS)
+    with pytest.raises(ValueError, match="--enable-expert-parallel splits experts"):
+        Engine(model=str(folder("llama")), enable_expert_parallel=True, **SETTINGS)
