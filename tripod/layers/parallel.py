@@ -16,10 +16,21 @@ Collectives are torch.distributed's (gloo on CPU, NCCL on CUDA); the group is se
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+class CommTime:
+    """Seconds this rank spent in collectives, and how many (benchmarks/tensor_parallel.py)."""
+
+    __slots__ = ("calls", "seconds")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +41,7 @@ class ParallelGroup:
     rank: int = 0
     size: int = 1
     group: Any = None
+    comm: CommTime = field(default_factory=CommTime, compare=False)
 
     @property
     def first(self) -> bool:
@@ -45,12 +57,11 @@ class ParallelGroup:
             return x
         import torch.distributed as dist
 
-        if x.dtype == torch.float32:
-            dist.all_reduce(x, group=self.group)
-            return x
-        y = x.float()
+        t = time.perf_counter()
+        y = x if x.dtype == torch.float32 else x.float()
         dist.all_reduce(y, group=self.group)
-        return y.to(x.dtype)
+        self._count(t)
+        return y if y is x else y.to(x.dtype)
 
     def gather_columns(self, x: torch.Tensor, total: int) -> torch.Tensor:
         """Concatenate each rank's equal-width column slice of ``x`` and keep the first ``total``."""
@@ -58,9 +69,15 @@ class ParallelGroup:
             return x[:, :total] if x.shape[1] != total else x
         import torch.distributed as dist
 
+        t = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
+        self._count(t)
         return torch.cat(parts, dim=1)[:, :total]
+
+    def _count(self, since: float) -> None:
+        self.comm.seconds += time.perf_counter() - since
+        self.comm.calls += 1
 
     def split(self, n: int, what: str) -> tuple[int, int]:
         """This rank's ``[lo, hi)`` of ``n`` things split evenly (``what`` names them in the error)."""
