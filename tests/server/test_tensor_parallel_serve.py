@@ -20,7 +20,7 @@ from tests.support.tiny_models import build_hf, save
 from tripod import Engine, SamplingParams
 
 
-def _workers(pid: int) -> list[int]:
+def workers_of(pid: int) -> list[int]:
     """The tensor-parallel workers under the engine process ``pid`` (multiprocessing children
     started by spawn; multiprocessing's resource tracker is a child too, and not one)."""
     out = []
@@ -52,7 +52,7 @@ def test_served_tp2_equals_one_process_and_a_killed_worker_fails_cleanly(tmp_pat
         assert got.choices[0].model_extra["token_ids"] == want
 
         engine_pid = httpx.get(srv.url + "/health", timeout=10).json()["engine_pid"]
-        workers = _workers(engine_pid)
+        workers = workers_of(engine_pid)
         assert len(workers) == 1, f"expected one worker process under the engine, found {workers}"
         events: list[Any] = []
         started = threading.Event()
