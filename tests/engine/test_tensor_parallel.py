@@ -93,6 +93,28 @@ def test_tp2_equals_one_process_every_family(kind: str, expert_parallel: bool, f
     _check(kind, folder(kind), expert_parallel)
 
 
+def test_tp2_prompt_logprobs_and_ngram_speculation(folder: Any) -> None:
+    """The passes outside the plain step reach the workers too: prompt scoring's own forward, and
+    the verify rows of n-gram drafts (a repetitive prompt, so drafts are proposed and verified)."""
+    path = folder("llama")
+    rep = (PROMPTS[0][:12] * 4)[:44]
+    scored = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    single = Engine(model=str(path), **SETTINGS)
+    want_scores = single.generate([PROMPTS[0]], scored)[0].prompt_logprobs
+    want_spec = Greedy.from_tripod(single.generate([rep], GREEDY)[0])
+    tp = Engine(model=str(path), tensor_parallel_size=2, speculative="ngram", **SETTINGS)
+    try:
+        got = tp.generate([PROMPTS[0]], scored)[0].prompt_logprobs
+        assert got is not None and want_scores is not None and len(got) == len(want_scores)
+        for g, w in zip(got[1:], want_scores[1:], strict=True):
+            assert g is not None and w is not None and g.token_id == w.token_id
+            assert abs(g.logprob - w.logprob) < 1e-4
+        check_greedy_tokens(tp.generate([rep], GREEDY)[0].token_ids, want_spec, "TP=2 with ngram drafts")
+        assert tp.stats.spec["ngram"].drafts > 0, "no n-gram draft was verified: the test proves nothing"
+    finally:
+        tp.close()
+
+
 def test_what_tensor_parallel_refuses(folder: Any) -> None:
     """Shapes T does not divide, and what does not run sharded yet, are refused with what to change."""
     with pytest.raises(ValueError, match="tensor parallel size 3 must divide the number of attention heads"):
