@@ -17,7 +17,7 @@ from tripod.engine.parallel import WorkerGroup, threads_per_rank, weight_bytes
 from tripod.engine.sampler import Sampler
 from tripod.engine.speculative.factory import extra_bytes_per_token, load_draft, make_proposer
 from tripod.engine.speculative.proposer import Proposer
-from tripod.layers.parallel import SINGLE
+from tripod.layers.parallel import SINGLE, ParallelGroup
 from tripod.loader import LoadedModel, load_model
 from tripod.memory.kv_pool import Pool, slots_from_budget
 from tripod.protocol.stats import ParallelCard, RankCard
@@ -79,12 +79,13 @@ class EngineParts:
 
 
 def load_weights(config: EngineConfig, loaded: LoadedModel | None, dtype: torch.dtype,
-                 device: torch.device) -> LoadedModel:
+                 device: torch.device, tp: ParallelGroup = SINGLE) -> LoadedModel:
     if loaded is not None and config.weights != "dequantized" and loaded.weights != config.weights:
         if config.weights == "fp8":
             raise ValueError("--weights fp8 needs the model loaded with its FP8 weights (load_model(..., weights='fp8'))")
         raise ValueError("--weights stored needs the model loaded with its stored weights (load_model(..., weights='stored'))")
-    return loaded or load_model(config.model, dtype, device, weights=config.weights)
+    return loaded or load_model(config.model, dtype, device, weights=config.weights, tp=tp,
+                                expert_parallel=config.enable_expert_parallel)
 
 
 def start_kernels(config: EngineConfig, path: str, device: torch.device, wait: bool | None = None) -> None:
@@ -127,10 +128,10 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
         torch.set_num_threads(threads)
     device = config.torch_device()
     dtype = config.torch_dtype(device)
-    loaded = load_weights(config, loaded, dtype, device)
     tp = group.tp if group is not None else SINGLE
-    if group is not None:
-        loaded.model.shard(tp, config.enable_expert_parallel)
+    if group is not None and loaded is not None:
+        raise ValueError("a tensor-parallel engine loads its own shard on each rank: give no loaded model")
+    loaded = load_weights(config, loaded, dtype, device, tp)
     mc = loaded.config
     draft = load_draft(config, loaded, dtype, device)
     per_token = mc.pool_spec(tp).bytes_per_token(dtype) + extra_bytes_per_token(config, loaded, dtype)

@@ -191,8 +191,8 @@ def _start_worker(spec: WorkerSpec, conn: Connection) -> Any:
     device = config.torch_device()
     dtype = config.torch_dtype(device)
     tp = init_group(spec.rank, spec.size, spec.init_method, spec.timeout, device)
-    loaded = load_model(config.model, dtype, device, weights=config.weights)
-    loaded.model.shard(tp, config.enable_expert_parallel)
+    loaded = load_model(config.model, dtype, device, weights=config.weights, tp=tp,
+                        expert_parallel=config.enable_expert_parallel)
     pool_spec = loaded.config.pool_spec(tp)
     conn.send(RankCard(rank=spec.rank, weight_bytes=weight_bytes(loaded.model),
                        kv_bytes_per_token=pool_spec.bytes_per_token(dtype)))

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from tripod.layers.parallel import SINGLE, ParallelGroup
 from tripod.loader.embedded import (
     EMBEDDED_NAME,
     PACKAGED_MODELS,
@@ -57,10 +58,13 @@ def load_tokenizer(model: str | None) -> LoadedTokenizer:
 
 
 def load_model(
-    model: str | None, dtype: torch.dtype, device: torch.device, weights: str = "dequantized"
+    model: str | None, dtype: torch.dtype, device: torch.device, weights: str = "dequantized",
+    tp: ParallelGroup = SINGLE, expert_parallel: bool = False,
 ) -> LoadedModel:
     """Load ``model`` (None: the embedded default; a ``.gguf`` file; or an HF folder).
-    ``weights="stored"`` also keeps a GGUF's quantized blocks for the ``stored`` compute form."""
+    ``weights="stored"`` also keeps a GGUF's quantized blocks for the ``stored`` compute form.
+    ``tp``: keep only this tensor-parallel rank's slices (an HF folder's tensors are then read one
+    at a time, so the rank never holds the whole model)."""
     name, path, src = _open(model)
     cfg = src.config()
     quant = src.quantization
@@ -77,7 +81,8 @@ def load_model(
         log.info("%s: %d weights kept in FP8 (w8a16: dequantized per block band inside each matmul)",
                  name, net.fp8_weights)
     else:
-        net.load_weights(src.weights())
+        lazy = src.lazy_weights() if tp.size > 1 and isinstance(src, HFFolder) else None
+        net.load_weights(lazy if lazy is not None else src.weights(), tp=tp, expert_parallel=expert_parallel)
     if weights == "stored":
         if not isinstance(src, GGUFFile):
             raise ValueError("--weights stored executes a GGUF file's quantized weights; this model is an HF folder")

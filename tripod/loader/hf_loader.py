@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,28 @@ import torch
 from tripod.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
+
+
+class LazySafetensors(Mapping[str, torch.Tensor]):
+    """The tensors of several safetensors files by name, read on access (never cached here)."""
+
+    def __init__(self, files: list[Path]) -> None:
+        from safetensors import safe_open
+
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {k: h for h in self._handles for k in h.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
 
 
 class HFFolder:
@@ -64,6 +87,12 @@ class HFFolder:
         if block is not None:
             return f"fp8 (block {block[0]}x{block[1]}, e4m3)"
         return str(self.raw_config.get("torch_dtype") or self.raw_config.get("dtype") or "none")
+
+    def lazy_weights(self) -> Mapping[str, torch.Tensor] | None:
+        """Every tensor, each read from its file only when asked for (a tensor-parallel rank keeps
+        one layer's full tensors at a time, then its slices); None for a block-wise FP8 checkpoint,
+        whose weights are dequantized as a whole."""
+        return None if self.fp8_block is not None else LazySafetensors(self.files)
 
     def weights(self, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
         """Every tensor; block-wise FP8 weights dequantized (float32) with their

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from tripod.layers.attention import ForwardBatch
 from tripod.layers.mla import MLAttention
 from tripod.layers.norm import rms_norm
+from tripod.layers.parallel import SINGLE, ParallelGroup
 from tripod.layers.weights import WeightSource
 from tripod.memory.kv_pool import LatentPool, PoolSpec
 from tripod.models.config import ModelConfig
@@ -39,10 +40,12 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         super().__init__(cfg, dtype, device)
         self.mtp: MTPModule | None = None
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor], fp8_block: tuple[int, int] | None = None) -> None:
-        super().load_weights(weights, fp8_block)
+    def load_weights(self, weights: Mapping[str, torch.Tensor], fp8_block: tuple[int, int] | None = None,
+                     tp: ParallelGroup = SINGLE, expert_parallel: bool = False) -> None:
+        super().load_weights(weights, fp8_block, tp, expert_parallel)
         index = self.cfg.num_layers
-        if self.cfg.num_nextn_predict_layers and f"model.layers.{index}.eh_proj.weight" in weights:
+        # (a sharded model runs no MTP draft: --speculative mtp is refused with tensor parallel)
+        if tp.size == 1 and self.cfg.num_nextn_predict_layers and f"model.layers.{index}.eh_proj.weight" in weights:
             self.mtp = MTPModule(self)
             self.mtp.load(WeightSource(weights, self.dtype, self.device, fp8_block), self)
 

@@ -223,22 +223,29 @@ class LlamaForCausalLM(nn.Module):
 
     def shard(self, tp: ParallelGroup, expert_parallel: bool = False) -> None:
         """Keep this rank's slice of every weight (``layers/parallel.py``): heads, MLP columns
-        (or experts), and a vocabulary slice of the embedding and LM head (padded to equal rows)."""
-        if tp.size == 1:
+        (or experts), and a vocabulary slice of the embedding and LM head (padded to equal rows).
+        ``load_weights(..., tp=...)`` does the same layer by layer as it loads."""
+        if tp.size == 1 or self.tp.size > 1:
             return
+        for layer in self.layers:
+            self.shard_layer(layer, tp, expert_parallel)
+        self.shard_vocab(tp)
+
+    def shard_layer(self, layer: DecoderLayer, tp: ParallelGroup, expert_parallel: bool) -> None:
         if self.has_stored_weights or self.fp8_weights:
             raise ValueError("tensor parallel runs dequantized weights (not --weights stored or fp8) for now")
+        layer.attn.shard(tp)
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.shard(tp, expert_parallel)
+        else:
+            layer.mlp.shard(tp)
+
+    def shard_vocab(self, tp: ParallelGroup) -> None:
         lo, hi, per = tp.padded_split(self.cfg.vocab_size)
         tied = self.lm_head is None or self.lm_head.data_ptr() == self.embed.data_ptr()
         self.embed = parameter(_pad_rows(self.embed.data[lo:hi], per))
         if self.lm_head is not None:
             self.lm_head = self.embed if tied else parameter(_pad_rows(self.lm_head.data[lo:hi], per))
-        for layer in self.layers:
-            layer.attn.shard(tp)
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.shard(tp, expert_parallel)
-            else:
-                layer.mlp.shard(tp)
         self.head_ops.clear()
         self.tp, self.vocab_lo = tp, lo
 
@@ -345,10 +352,13 @@ class LlamaForCausalLM(nn.Module):
         tied = self.lm_head is None or self.lm_head.data_ptr() == self.embed.data_ptr()
         self.stored_head = fuse(["model.embed_tokens.weight" if tied else "lm_head.weight"])
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor], fp8_block: tuple[int, int] | None = None) -> None:
+    def load_weights(self, weights: Mapping[str, torch.Tensor], fp8_block: tuple[int, int] | None = None,
+                     tp: ParallelGroup = SINGLE, expert_parallel: bool = False) -> None:
         """Load HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` …), fusing Q/K/V
         and gate/up. Every parameter must be covered; a missing one is an error, not zeros.
-        ``fp8_block``: the checkpoint's FP8 weights stay FP8 (w8a16; ``--weights fp8``)."""
+        ``fp8_block``: the checkpoint's FP8 weights stay FP8 (w8a16; ``--weights fp8``). ``tp``:
+        keep only this rank's slices, each layer sharded as soon as it is loaded (with lazily read
+        ``weights``, a rank never holds more than one layer's full tensors)."""
         src = WeightSource(weights, self.dtype, self.device, fp8_block)
         get = src.get
         offset = self.cfg.norm_offset
@@ -370,6 +380,10 @@ class LlamaForCausalLM(nn.Module):
                 layer.post_norm.data = _norm_weight(get(p + "post_attention_layernorm.weight"), offset)
             self.load_attention(layer, src, p)
             self.load_mlp(layer, src, p)
+            if tp.size > 1:
+                self.shard_layer(layer, tp, expert_parallel)
+        if tp.size > 1:
+            self.shard_vocab(tp)
 
     def load_attention(self, layer: DecoderLayer, src: WeightSource, p: str) -> None:
         assert isinstance(layer.attn, GQAttention)
