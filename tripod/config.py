@@ -146,6 +146,10 @@ class EngineConfig:
         1, "tensor parallel: run the model as T processes (this one and T-1 workers), each holding 1/T of every "
         "layer (attention heads, MLP columns or experts, the vocabulary) and its own KV pool; collectives over "
         "torch.distributed (gloo on CPU, NCCL on CUDA)", commands=ENGINE_COMMANDS, metavar="T")
+    pipeline_parallel_size: int = opt(
+        1, "pipeline parallel: run the model as P processes, each holding a contiguous 1/P of its layers and their "
+        "KV (this process the first, which samples); hidden states pass stage to stage", commands=ENGINE_COMMANDS,
+        metavar="P")
     enable_expert_parallel: bool = opt(
         False, "with --tensor-parallel-size: split a MoE's experts over the ranks (each rank whole experts; the "
         "shared expert replicated) instead of splitting every expert's columns", commands=ENGINE_COMMANDS)
@@ -191,20 +195,31 @@ class EngineConfig:
         self._check_parallel()
 
     def _check_parallel(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1 "
+                             f"(got {self.tensor_parallel_size}, {self.pipeline_parallel_size})")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("combining --tensor-parallel-size and --pipeline-parallel-size is not built yet: give one")
         if self.parallel_timeout <= 0:
             raise ValueError(f"parallel_timeout must be > 0 (got {self.parallel_timeout})")
-        if self.tensor_parallel_size == 1:
+        if self.world_size == 1:
             if self.enable_expert_parallel:
                 raise ValueError("--enable-expert-parallel splits experts over the tensor-parallel ranks: "
                                  "give --tensor-parallel-size 2 or more")
             return
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("--enable-expert-parallel splits experts over the tensor-parallel ranks: "
+                             "give --tensor-parallel-size 2 or more")
         if self.weights != "dequantized":
-            raise ValueError(f"--tensor-parallel-size runs dequantized weights for now (got --weights {self.weights})")
+            raise ValueError(f"a model over several processes runs dequantized weights for now (got --weights {self.weights})")
         if self.speculative is not None and parse_speculative(self.speculative).kind != "ngram":
-            raise ValueError("--tensor-parallel-size supports --speculative ngram only for now (a draft model "
-                             f"would run unsharded on rank 0; got {self.speculative!r})")
+            raise ValueError("a model over several processes supports --speculative ngram only for now (a draft "
+                             f"model would run unsharded on rank 0; got {self.speculative!r})")
+
+    @property
+    def world_size(self) -> int:
+        """How many processes run the model (tensor x pipeline parallel)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def compute_path(self, dtype: torch.dtype) -> str:
         """"eager" (the reference path) or "optimized", for this config's ``kernels`` mode."""

@@ -17,7 +17,7 @@ from tripod.engine.parallel import WorkerGroup, threads_per_rank, weight_bytes
 from tripod.engine.sampler import Sampler
 from tripod.engine.speculative.factory import extra_bytes_per_token, load_draft, make_proposer
 from tripod.engine.speculative.proposer import Proposer
-from tripod.layers.parallel import SINGLE, ParallelGroup
+from tripod.layers.parallel import SINGLE, SINGLE_STAGE, ParallelGroup, PipeStage
 from tripod.loader import LoadedModel, load_model
 from tripod.memory.kv_pool import Pool, slots_from_budget
 from tripod.protocol.stats import ParallelCard, RankCard
@@ -79,13 +79,13 @@ class EngineParts:
 
 
 def load_weights(config: EngineConfig, loaded: LoadedModel | None, dtype: torch.dtype,
-                 device: torch.device, tp: ParallelGroup = SINGLE) -> LoadedModel:
+                 device: torch.device, tp: ParallelGroup = SINGLE, pp: PipeStage = SINGLE_STAGE) -> LoadedModel:
     if loaded is not None and config.weights != "dequantized" and loaded.weights != config.weights:
         if config.weights == "fp8":
             raise ValueError("--weights fp8 needs the model loaded with its FP8 weights (load_model(..., weights='fp8'))")
         raise ValueError("--weights stored needs the model loaded with its stored weights (load_model(..., weights='stored'))")
     return loaded or load_model(config.model, dtype, device, weights=config.weights, tp=tp,
-                                expert_parallel=config.enable_expert_parallel)
+                                expert_parallel=config.enable_expert_parallel, pp=pp)
 
 
 def start_kernels(config: EngineConfig, path: str, device: torch.device, wait: bool | None = None) -> None:
@@ -113,7 +113,7 @@ def eos_ids_of(loaded: LoadedModel) -> frozenset[int]:
 
 def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
     """Every part of an engine, in dependency order (the pool is sized once the draft is known)."""
-    group = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
+    group = WorkerGroup(config) if config.world_size > 1 else None
     try:
         return _build(config, loaded, group)
     except BaseException:
@@ -128,13 +128,14 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
         torch.set_num_threads(threads)
     device = config.torch_device()
     dtype = config.torch_dtype(device)
-    tp = group.tp if group is not None else SINGLE
+    tp, pp = (group.tp, group.pp) if group is not None else (SINGLE, SINGLE_STAGE)
     if group is not None and loaded is not None:
-        raise ValueError("a tensor-parallel engine loads its own shard on each rank: give no loaded model")
-    loaded = load_weights(config, loaded, dtype, device, tp)
+        raise ValueError("an engine over several processes loads its own shard on each rank: give no loaded model")
+    loaded = load_weights(config, loaded, dtype, device, tp, pp)
     mc = loaded.config
+    stage_layers = len(loaded.model.layers)
     draft = load_draft(config, loaded, dtype, device)
-    per_token = mc.pool_spec(tp).bytes_per_token(dtype) + extra_bytes_per_token(config, loaded, dtype)
+    per_token = mc.pool_spec(tp, stage_layers).bytes_per_token(dtype) + extra_bytes_per_token(config, loaded, dtype)
     if draft is not None:
         # NOTE: the draft's K/V live at the target's slot ids: one token slot costs both.
         per_token += draft.config.pool_spec().bytes_per_token(dtype)
@@ -143,9 +144,10 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     ranks: tuple[RankCard, ...] = ()
     if group is not None:
         ranks = (RankCard(rank=0, weight_bytes=weight_bytes(loaded.model),
-                          kv_bytes_per_token=mc.pool_spec(tp).bytes_per_token(dtype)), *group.wait_ready(num_slots))
-    pool = mc.pool_spec(tp).make(num_slots, dtype, device)
-    kv_bytes = mc.pool_spec(tp).bytes_per_token(dtype)
+                          kv_bytes_per_token=mc.pool_spec(tp, stage_layers).bytes_per_token(dtype)),
+                 *group.wait_ready(num_slots))
+    pool = mc.pool_spec(tp, stage_layers).make(num_slots, dtype, device)
+    kv_bytes = mc.pool_spec(tp, stage_layers).bytes_per_token(dtype)
     if mc.mla is not None:
         log.info("MLA latent KV: %d bytes per token (the same model with MHA: %d)", kv_bytes,
                  mc.mha_equivalent_spec().bytes_per_token(dtype))
@@ -155,7 +157,8 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     # NOTE: every rank must run the same backend at every step, so a group waits for the kernels.
     start_kernels(config, path, device, wait=True if group is not None else None)
     build_threads = BuildThreads()
-    card = ParallelCard(tensor_parallel_size=group.size, expert_parallel=config.enable_expert_parallel,
+    card = ParallelCard(tensor_parallel_size=config.tensor_parallel_size,
+                        pipeline_parallel_size=config.pipeline_parallel_size, expert_parallel=config.enable_expert_parallel,
                         ranks=list(ranks)) if group is not None else None
     runner = ModelRunner(loaded.model, pool, device, use_mirror=config.decode_mirror and group is None, path=path,
                          max_len=max_len, stored=config.weights == "stored", level=config.kernel_level, group=group,

@@ -1,4 +1,4 @@
-"""One model over several processes: a tensor-parallel worker group.
+"""One model over several processes: a tensor-parallel (or pipeline-parallel) worker group.
 
 The engine's process is rank 0: it runs the scheduler, the radix cache and the sampler once, holds
 its own shard of the model (``LlamaForCausalLM.shard``) and its own KV pool (its K/V heads), and
@@ -31,7 +31,7 @@ import torch
 
 from tripod.config import EngineConfig
 from tripod.layers.attention import ForwardBatch
-from tripod.layers.parallel import ParallelGroup
+from tripod.layers.parallel import SINGLE, SINGLE_STAGE, ParallelGroup, PipeStage
 from tripod.protocol.stats import RankCard
 
 log = logging.getLogger(__name__)
@@ -45,9 +45,7 @@ class WorkerLost(RuntimeError):
 class WorkerSpec:
     config: EngineConfig
     rank: int
-    size: int
     init_method: str
-    timeout: float
     threads: int
     log_level: int
 
@@ -69,13 +67,16 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-def init_group(rank: int, size: int, init_method: str, timeout: float, device: torch.device) -> ParallelGroup:
+def init_group(config: EngineConfig, rank: int, init_method: str) -> tuple[ParallelGroup, PipeStage]:
+    """Join the group as ``rank``; this rank's place: its tensor-parallel slice or its pipeline stage."""
     import torch.distributed as dist
 
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout))
-    return ParallelGroup(rank, size)
+    backend = "nccl" if config.torch_device().type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=config.world_size,
+                            timeout=timedelta(seconds=config.parallel_timeout))
+    tp = ParallelGroup(rank, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else SINGLE
+    pp = PipeStage(rank, config.pipeline_parallel_size) if config.pipeline_parallel_size > 1 else SINGLE_STAGE
+    return tp, pp
 
 
 def threads_per_rank(config: EngineConfig, size: int) -> int:
@@ -87,7 +88,7 @@ class WorkerGroup:
     """Ranks 1..T-1, started as processes; this process joins the group as rank 0."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.size = config.tensor_parallel_size
+        self.size = config.world_size
         self.timeout = config.parallel_timeout
         self._dir = tempfile.mkdtemp(prefix="tripod-tp-")
         init = f"file://{self._dir}/store"
@@ -97,13 +98,13 @@ class WorkerGroup:
         threads = threads_per_rank(config, self.size)
         for rank in range(1, self.size):
             ours, theirs = ctx.Pipe()
-            spec = WorkerSpec(config, rank, self.size, init, self.timeout, threads, logging.getLogger().level)
+            spec = WorkerSpec(config, rank, init, threads, logging.getLogger().level)
             p = ctx.Process(target=worker_main, args=(spec, theirs), name=f"tripod-tp-rank{rank}", daemon=True)
             p.start()
             theirs.close()
             self.procs.append(p)
             self.conns.append(ours)
-        self.tp = init_group(0, self.size, init, self.timeout, config.torch_device())
+        self.tp, self.pp = init_group(config, 0, init)
         self.ready: list[RankCard] = []
 
     def wait_ready(self, num_slots: int) -> list[RankCard]:
@@ -190,10 +191,10 @@ def _start_worker(spec: WorkerSpec, conn: Connection) -> Any:
     config = spec.config
     device = config.torch_device()
     dtype = config.torch_dtype(device)
-    tp = init_group(spec.rank, spec.size, spec.init_method, spec.timeout, device)
+    tp, pp = init_group(config, spec.rank, spec.init_method)
     loaded = load_model(config.model, dtype, device, weights=config.weights, tp=tp,
-                        expert_parallel=config.enable_expert_parallel)
-    pool_spec = loaded.config.pool_spec(tp)
+                        expert_parallel=config.enable_expert_parallel, pp=pp)
+    pool_spec = loaded.config.pool_spec(tp, num_layers=len(loaded.model.layers))
     conn.send(RankCard(rank=spec.rank, weight_bytes=weight_bytes(loaded.model),
                        kv_bytes_per_token=pool_spec.bytes_per_token(dtype)))
     num_slots = conn.recv()

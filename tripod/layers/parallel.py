@@ -120,3 +120,45 @@ def columns(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 def parameter(t: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(t, requires_grad=False)
+
+
+@dataclass(frozen=True, slots=True)
+class PipeStage:
+    """This process's stage of a pipeline: layers ``[first_layer, end_layer)`` of the model. Stage
+    0 (the engine's process) embeds the tokens; each stage sends its hidden states to the next;
+    the last one computes the logits and sends them back to stage 0, which samples. Stage s is
+    rank s of the group (pipeline parallel runs without tensor parallel for now)."""
+
+    stage: int = 0
+    stages: int = 1
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def layers(self, num_layers: int) -> tuple[int, int]:
+        """This stage's layers: an even split, the earlier stages taking one more when it does not divide."""
+        if num_layers < self.stages:
+            raise ValueError(f"pipeline parallel size {self.stages} exceeds the model's {num_layers} layers")
+        per, extra = divmod(num_layers, self.stages)
+        lo = self.stage * per + min(self.stage, extra)
+        return lo, lo + per + (1 if self.stage < extra else 0)
+
+    def receive(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        x = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(x, src=src)
+        return x
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        import torch.distributed as dist
+
+        dist.send(x.contiguous(), dst=dst)
+
+
+SINGLE_STAGE = PipeStage()

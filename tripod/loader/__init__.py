@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tripod.layers.parallel import SINGLE, ParallelGroup
+from tripod.layers.parallel import SINGLE, SINGLE_STAGE, ParallelGroup, PipeStage
 from tripod.loader.embedded import (
     EMBEDDED_NAME,
     PACKAGED_MODELS,
@@ -59,17 +59,18 @@ def load_tokenizer(model: str | None) -> LoadedTokenizer:
 
 def load_model(
     model: str | None, dtype: torch.dtype, device: torch.device, weights: str = "dequantized",
-    tp: ParallelGroup = SINGLE, expert_parallel: bool = False,
+    tp: ParallelGroup = SINGLE, expert_parallel: bool = False, pp: PipeStage = SINGLE_STAGE,
 ) -> LoadedModel:
     """Load ``model`` (None: the embedded default; a ``.gguf`` file; or an HF folder).
     ``weights="stored"`` also keeps a GGUF's quantized blocks for the ``stored`` compute form.
     ``tp``: keep only this tensor-parallel rank's slices (an HF folder's tensors are then read one
-    at a time, so the rank never holds the whole model)."""
+    at a time, so the rank never holds the whole model); ``pp``: only this pipeline stage's layers."""
     name, path, src = _open(model)
     cfg = src.config()
     quant = src.quantization
     cls = model_class(cfg.architecture)
     net = cls(cfg, dtype, device)
+    net.keep_stage(pp)
     if weights == "fp8":
         block = src.fp8_block if isinstance(src, HFFolder) else None
         if block is None:
@@ -81,7 +82,7 @@ def load_model(
         log.info("%s: %d weights kept in FP8 (w8a16: dequantized per block band inside each matmul)",
                  name, net.fp8_weights)
     else:
-        lazy = src.lazy_weights() if tp.size > 1 and isinstance(src, HFFolder) else None
+        lazy = src.lazy_weights() if (tp.size > 1 or pp.stages > 1) and isinstance(src, HFFolder) else None
         net.load_weights(lazy if lazy is not None else src.weights(), tp=tp, expert_parallel=expert_parallel)
     if weights == "stored":
         if not isinstance(src, GGUFFile):

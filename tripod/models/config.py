@@ -113,13 +113,14 @@ class ModelConfig:
             return float(self.query_pre_attn_scalar) ** -0.5
         return self.head_dim**-0.5
 
-    def pool_spec(self, tp: ParallelGroup = SINGLE) -> PoolSpec:
+    def pool_spec(self, tp: ParallelGroup = SINGLE, num_layers: int | None = None) -> PoolSpec:
         """What one token costs in the KV pool: K and V per KV head (this rank's, under tensor
-        parallelism), or MLA's latent."""
+        parallelism), or MLA's latent; over ``num_layers`` layers (a pipeline stage's; default all)."""
+        layers = self.num_layers if num_layers is None else num_layers
         if self.mla is not None:
-            return PoolSpec(self.num_layers, "latent", latent_dim=self.mla.latent_dim)
+            return PoolSpec(layers, "latent", latent_dim=self.mla.latent_dim)
         _, _, k0, k1 = head_split(self.num_heads, self.num_kv_heads, tp)
-        return PoolSpec(self.num_layers, "mha", num_kv_heads=k1 - k0, head_dim=self.head_dim)
+        return PoolSpec(layers, "mha", num_kv_heads=k1 - k0, head_dim=self.head_dim)
 
     def mha_equivalent_spec(self) -> PoolSpec:
         """The pool the same model would need with its attention expanded (MLA: every head's K

@@ -30,7 +30,16 @@ from tripod.layers.linear import Fp8Scales, Linear, StoredWeight
 from tripod.layers.mlp import GatedMLP, keep
 from tripod.layers.moe import MoE
 from tripod.layers.norm import rms_norm
-from tripod.layers.parallel import SINGLE, ParallelGroup, columns, head_split, parameter, rows
+from tripod.layers.parallel import (
+    SINGLE,
+    SINGLE_STAGE,
+    ParallelGroup,
+    PipeStage,
+    columns,
+    head_split,
+    parameter,
+    rows,
+)
 from tripod.layers.rotary import RotaryEmbedding
 from tripod.layers.weights import WeightSource
 from tripod.memory.kv_pool import KVPool
@@ -125,6 +134,7 @@ class DecoderLayer(nn.Module):
             raise ValueError("checkpoints with MLP biases (mlp_bias=true) are not supported yet")
         h = cfg.hidden_size
         self.layer = layer
+        self.pool_layer = layer  # its K/V's layer in the pool (a pipeline stage's pool holds its layers only)
         self.eps = cfg.rms_norm_eps
         self.sandwich = cfg.sandwich_norms
         self.input_norm = _param(h, dtype=dtype, fill=1.0)
@@ -166,9 +176,9 @@ class DecoderLayer(nn.Module):
     def _attend(self, h: torch.Tensor, ctx: StepContext, rotary: RotaryEmbedding,
                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None, residual: torch.Tensor | None) -> torch.Tensor:
         if isinstance(self.attn, GQAttention):
-            return self.attn(h, self.layer, ctx.pool, ctx.batch, rotary, cos_sin, residual)
+            return self.attn(h, self.pool_layer, ctx.pool, ctx.batch, rotary, cos_sin, residual)
         assert cos_sin is not None and residual is not None
-        return self.attn(h, self.layer, ctx.pool, ctx.batch, cos_sin, residual)
+        return self.attn(h, self.pool_layer, ctx.pool, ctx.batch, cos_sin, residual)
 
 
 class StepContext:
@@ -220,6 +230,18 @@ class LlamaForCausalLM(nn.Module):
         self.last_hidden: torch.Tensor | None = None
         self.tp = SINGLE
         self.vocab_lo = 0  # the first token id of this rank's vocabulary slice
+        self.pp = SINGLE_STAGE
+
+    def keep_stage(self, pp: PipeStage) -> None:
+        """Pipeline parallel: keep only this stage's layers (before loading, so only they are read);
+        each keeps its global index (names, RoPE, windows) and gets its index in this stage's pool."""
+        if pp.stages == 1:
+            return
+        lo, hi = pp.layers(self.cfg.num_layers)
+        self.layers = nn.ModuleList(list(self.layers)[lo:hi])
+        for i, layer in enumerate(self.layers):
+            layer.pool_layer = i
+        self.pp = pp
 
     def shard(self, tp: ParallelGroup, expert_parallel: bool = False) -> None:
         """Keep this rank's slice of every weight (``layers/parallel.py``): heads, MLP columns
@@ -306,12 +328,26 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: Any) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+        pp = self.pp
+        if pp.first:
+            x = self.embed_tokens(batch.input_ids)
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
+        else:  # a later pipeline stage: the previous stage's hidden states
+            x = pp.receive((batch.input_ids.numel(), self.cfg.hidden_size), self.dtype, self.device, pp.stage - 1)
         ctx = StepContext(self, batch, pool, x.dtype)
         for layer in self.layers:
             x = layer(x, ctx)
+        if not pp.last:
+            pp.send(x, pp.stage + 1)
+            rows = batch.input_ids.numel() if batch.logits_idx is None else batch.logits_idx.numel()
+            return pp.receive((rows, self.cfg.vocab_size), torch.float32, self.device, pp.stages - 1) if pp.first else x
+        logits = self._logits(x, batch)
+        if not pp.first:
+            pp.send(logits, 0)  # stage 0 samples
+        return logits
+
+    def _logits(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.capture_hidden:
             self.last_hidden = x
         if batch.logits_idx is not None:
@@ -340,7 +376,8 @@ class LlamaForCausalLM(nn.Module):
             blocks = torch.cat([p.blocks for p in ps]) if len(ps) > 1 else ps[0].blocks
             return StoredWeight(ps[0].kind, blocks.contiguous(), (sum(p.shape[0] for p in ps), k))
 
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
+            i = layer.layer
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             found = {
                 "qkv": fuse([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
@@ -369,8 +406,8 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.data = get("lm_head.weight").contiguous()
             else:  # some checkpoints tie without saying so
                 self.lm_head.data = self.embed.data
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
+        for layer in self.layers:
+            p = f"model.layers.{layer.layer}."
             layer.input_norm.data = _norm_weight(get(p + "input_layernorm.weight"), offset)
             if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
                 layer.attn_out_norm.data = _norm_weight(get(p + "post_attention_layernorm.weight"), offset)

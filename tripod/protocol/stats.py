@@ -29,6 +29,7 @@ class RankCard(msgspec.Struct, kw_only=True):
 
 class ParallelCard(msgspec.Struct, kw_only=True):
     tensor_parallel_size: int
+    pipeline_parallel_size: int = 1
     expert_parallel: bool
     ranks: list[RankCard]
 

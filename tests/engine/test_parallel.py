@@ -1,5 +1,6 @@
-"""Tensor parallel (``--tensor-parallel-size``): the model as T processes, each holding 1/T of
-every layer and its own KV pool, gives the single process's outputs.
+"""One model over several processes gives the single process's outputs: tensor parallel
+(``--tensor-parallel-size``: each rank 1/T of every layer and its own KV pool) and pipeline parallel
+(``--pipeline-parallel-size``: each stage a contiguous share of the layers and their KV).
 
 Tiny random checkpoints (``tests/support/tiny_models.py``), fp32: greedy tokens of TP=2 equal the
 single-process tokens (a divergence only at a near tie of the single-process run, as the other
@@ -52,13 +53,14 @@ def folder(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> Any:
     return get
 
 
-def _check(kind: str, path: Path, expert_parallel: bool) -> None:
+def _check(kind: str, path: Path, expert_parallel: bool, pipeline: bool = False) -> None:
     single = Engine(model=str(path), **SETTINGS)
     refs = [Greedy.from_tripod(single.generate([p], GREEDY)[0]) for p in PROMPTS]
     seeded = [o.token_ids for o in single.generate(PROMPTS, SEEDED)]
     full = weight_bytes(single.loaded.model)
-    what = f"{kind} TP=2{' EP' if expert_parallel else ''}"
-    tp = Engine(model=str(path), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **SETTINGS)
+    what = f"{kind} {'PP' if pipeline else 'TP'}=2{' EP' if expert_parallel else ''}"
+    layout = dict(pipeline_parallel_size=2) if pipeline else dict(tensor_parallel_size=2)
+    tp = Engine(model=str(path), enable_expert_parallel=expert_parallel, **layout, **SETTINGS)
     try:
         for i, p in enumerate(PROMPTS):  # alone (c's prefix is a's: already a radix hit)
             check_greedy_tokens(tp.generate([p], GREEDY)[0].token_ids, refs[i], f"{what} prompt {i} alone")
@@ -70,11 +72,17 @@ def _check(kind: str, path: Path, expert_parallel: bool) -> None:
         tp.assert_consistent()
         ranks = tp.ranks
         assert [r.rank for r in ranks] == [0, 1]
-        for r in ranks:  # about half each: split, not copied (+ the replicated norms, router, latent, shared expert)
-            assert r.weight_bytes <= 0.6 * full, f"{what}: rank {r.rank} holds {r.weight_bytes} of {full} bytes"
         assert sum(r.weight_bytes for r in ranks) >= full
         card = tp.runner.card()["parallel"]
-        assert card.tensor_parallel_size == 2 and card.expert_parallel == expert_parallel
+        assert card.expert_parallel == expert_parallel
+        if pipeline:  # each stage its layers (and their KV); the embedding and head on every stage
+            assert card.pipeline_parallel_size == 2
+            assert sum(r.kv_bytes_per_token for r in ranks) == single.kv_bytes_per_token
+            assert all(r.weight_bytes < full for r in ranks)
+            return
+        assert card.tensor_parallel_size == 2
+        for r in ranks:  # about half each: split, not copied (+ the replicated norms, router, latent, shared expert)
+            assert r.weight_bytes <= 0.6 * full, f"{what}: rank {r.rank} holds {r.weight_bytes} of {full} bytes"
     finally:
         tp.close()
 
@@ -91,6 +99,17 @@ def test_tp2_equals_one_process(kind: str, expert_parallel: bool, folder: Any) -
 ])
 def test_tp2_equals_one_process_every_family(kind: str, expert_parallel: bool, folder: Any) -> None:
     _check(kind, folder(kind), expert_parallel)
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek-v3"])
+def test_pp2_equals_one_process(kind: str, folder: Any) -> None:
+    _check(kind, folder(kind), False, pipeline=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gemma3", "mixtral", "qwen3-moe", "mistral-sliding"])
+def test_pp2_equals_one_process_every_family(kind: str, folder: Any) -> None:
+    _check(kind, folder(kind), False, pipeline=True)
 
 
 def test_tp2_prompt_logprobs_and_ngram_speculation(folder: Any) -> None:
@@ -123,3 +142,5 @@ def test_what_tensor_parallel_refuses(folder: Any) -> None:
         Engine(model=str(folder("llama")), tensor_parallel_size=2, speculative="self:1", **SETTINGS)
     with pytest.raises(ValueError, match="--enable-expert-parallel splits experts"):
         Engine(model=str(folder("llama")), enable_expert_parallel=True, **SETTINGS)
+    with pytest.raises(ValueError, match="pipeline parallel size 4 exceeds the model's 3 layers"):
+        Engine(model=str(folder("llama")), pipeline_parallel_size=4, **SETTINGS)
