@@ -74,7 +74,7 @@ class MTPModule(torch.nn.Module):
         self.hnorm = _param(h, dtype)
         self.eh_proj = _param(h, 2 * h, dtype)
         self.layer = target.make_layer(self.index)
-        self.layer.layer = 0  # slot of its own one-layer pool (and RoPE: DeepSeek has one table)
+        self.layer.layer = self.layer.pool_layer = 0  # its own one-layer pool (and RoPE: DeepSeek has one table)
         self.head_norm = _param(h, dtype)
         self.head = _param(cfg.vocab_size, h, dtype)
 
