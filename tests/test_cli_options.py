@@ -28,30 +28,35 @@ ENGINE_SERVER = [
     "--policy", "fcfs", "--no-prefix-cache", "--threads", "3", "--kernels", "eager", "--weights", "fp8",
     "--no-jump-forward", "--speculative", "draft:embedded", "--num-draft-tokens", "5", "--spec-max-batch", "0",
     "--api-key", "k", "--served-model-name", "m", "--max-waiting", "7", "--overload-status", "503",
-    "--drain-timeout", "2.5", "--max-n", "3",
+    "--drain-timeout", "2.5", "--max-n", "3", "--parallel-timeout", "30", "--tensor-parallel-size", "2",
+    "--pipeline-parallel-size", "2", "--enable-expert-parallel",
 ]
 
 # The options of each command (as before the CLI was generated from the configs).
 FLAGS = {
     ("serve",): "--api-key --backend --balance-abs --balance-rel --bench-dir --chunk-size --device --downscale-delay "
-    "--drain-timeout --dtype --health-interval --host --kernels --kv-cache-tokens --load-weight --log-level --lookback "
-    "--max-batch-tokens --max-model-len --max-n --max-pending --max-replicas --max-retries --max-running --max-waiting "
-    "--min-replicas --model --no-jump-forward --no-prefix-cache --num-draft-tokens --overload-status --policy --port "
-    "--queue-timeout --ray-address --ray-num-cpus --ray-num-gpus --replica-log-dir --replicas --router-policy "
-    "--served-model-name --spec-max-batch --speculative --stall-timeout --target-inflight --threads --upscale-delay "
-    "--weights",
+    "--drain-timeout --dtype --enable-expert-parallel --health-interval --host --kernels "
+    "--kv-cache-tokens --load-weight --log-level --lookback --max-batch-tokens --max-model-len --max-n "
+    "--max-pending --max-replicas --max-retries --max-running --max-waiting --min-replicas --model "
+    "--no-jump-forward --no-prefix-cache --num-draft-tokens --overload-status --parallel-timeout "
+    "--pipeline-parallel-size --policy --port --queue-timeout --ray-address --ray-num-cpus --ray-num-gpus "
+    "--replica-log-dir --replicas --router-policy --served-model-name --spec-max-batch --speculative "
+    "--stall-timeout --target-inflight --tensor-parallel-size --threads --upscale-delay --weights",
     ("route",): "--api-key --balance-abs --balance-rel --bench-dir --drain-timeout --health-interval --host "
-    "--load-weight --log-level --max-pending --max-retries --policy --port --queue-timeout --replica --stall-timeout",
-    ("generate",): "--chunk-size --device --dtype --ignore-eos --kernels --kv-cache-tokens --log-level "
-    "--max-batch-tokens --max-model-len --max-running --max-tokens --min-p --model --no-jump-forward "
-    "--no-prefix-cache --num-draft-tokens --policy --raw --repetition-penalty --seed --spec-max-batch --speculative "
-    "--stats --system --temperature --threads --top-k --top-p --weights",
-    ("chat",): "--api-key --chunk-size --device --dtype --ignore-eos --kernels --kv-cache-tokens --log-level "
-    "--max-batch-tokens --max-model-len --max-running --max-tokens --min-p --model --no-jump-forward "
-    "--no-prefix-cache --num-draft-tokens --policy --repetition-penalty --seed --spec-max-batch --speculative "
-    "--system --temperature --threads --top-k --top-p --url --weights",
-    ("chains", "serve"): "--backend --drain-timeout --entrypoint --host --log-dir --log-level --model --model-args "
-    "--port --ray-address --ray-num-cpus --ray-num-gpus --router-policy --start-timeout",
+    "--load-weight --log-level --max-pending --max-retries --policy --port --queue-timeout --replica "
+    "--stall-timeout",
+    ("generate",): "--chunk-size --device --dtype --enable-expert-parallel --ignore-eos --kernels --kv-cache-tokens "
+    "--log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p --model "
+    "--no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-timeout --pipeline-parallel-size "
+    "--policy --raw --repetition-penalty --seed --spec-max-batch --speculative --stats --system "
+    "--temperature --tensor-parallel-size --threads --top-k --top-p --weights",
+    ("chat",): "--api-key --chunk-size --device --dtype --enable-expert-parallel --ignore-eos --kernels "
+    "--kv-cache-tokens --log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p "
+    "--model --no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-timeout "
+    "--pipeline-parallel-size --policy --repetition-penalty --seed --spec-max-batch --speculative "
+    "--system --temperature --tensor-parallel-size --threads --top-k --top-p --url --weights",
+    ("chains", "serve"): "--backend --drain-timeout --entrypoint --host --log-dir --log-level --model --model-args --port "
+    "--ray-address --ray-num-cpus --ray-num-gpus --router-policy --start-timeout",
 }
 
 

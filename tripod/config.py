@@ -198,18 +198,19 @@ class EngineConfig:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1 "
                              f"(got {self.tensor_parallel_size}, {self.pipeline_parallel_size})")
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ValueError("combining --tensor-parallel-size and --pipeline-parallel-size is not built yet: give one")
         if self.parallel_timeout <= 0:
             raise ValueError(f"parallel_timeout must be > 0 (got {self.parallel_timeout})")
-        if self.world_size == 1:
-            if self.enable_expert_parallel:
-                raise ValueError("--enable-expert-parallel splits experts over the tensor-parallel ranks: "
-                                 "give --tensor-parallel-size 2 or more")
-            return
+
+    def check_parallel(self) -> None:
+        """What a model over several processes cannot combine with (yet); checked when an engine
+        is built, so that a config naming both still round-trips through the command line."""
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("combining --tensor-parallel-size and --pipeline-parallel-size is not built yet: give one")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("--enable-expert-parallel splits experts over the tensor-parallel ranks: "
                              "give --tensor-parallel-size 2 or more")
+        if self.world_size == 1:
+            return
         if self.weights != "dequantized":
             raise ValueError(f"a model over several processes runs dequantized weights for now (got --weights {self.weights})")
         if self.speculative is not None and parse_speculative(self.speculative).kind != "ngram":

@@ -113,6 +113,7 @@ def eos_ids_of(loaded: LoadedModel) -> frozenset[int]:
 
 def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
     """Every part of an engine, in dependency order (the pool is sized once the draft is known)."""
+    config.check_parallel()
     group = WorkerGroup(config) if config.world_size > 1 else None
     try:
         return _build(config, loaded, group)
