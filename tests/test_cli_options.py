@@ -37,11 +37,12 @@ FLAGS = {
     "--drain-timeout --dtype --health-interval --host --kernels --kv-cache-tokens --load-weight --log-level --lookback "
     "--max-batch-tokens --max-model-len --max-n --max-pending --max-replicas --max-retries --max-running --max-waiting "
     "--min-replicas --model --no-jump-forward --no-prefix-cache --num-draft-tokens --overload-status --policy --port "
-    "--queue-timeout --ray-address --ray-num-cpus --ray-num-gpus --replica-log-dir --replicas --router-policy "
-    "--served-model-name --spec-max-batch --speculative --stall-timeout --target-inflight --threads --upscale-delay "
-    "--weights",
+    "--queue-timeout --ray-address --ray-num-cpus --ray-num-gpus --region --region-overflow-load --replica-log-dir "
+    "--replica-max-inflight --replicas --router-policy --served-model-name --slo-tpot-p95 --slo-ttft-p95 "
+    "--spec-max-batch --speculative --stall-timeout --target-inflight --threads --upscale-delay --weights",
     ("route",): "--api-key --balance-abs --balance-rel --bench-dir --drain-timeout --health-interval --host "
-    "--load-weight --log-level --max-pending --max-retries --policy --port --queue-timeout --replica --stall-timeout",
+    "--load-weight --log-level --max-pending --max-retries --policy --port --queue-timeout --region "
+    "--region-overflow-load --replica --replica-max-inflight --stall-timeout",
     ("generate",): "--chunk-size --device --dtype --ignore-eos --kernels --kv-cache-tokens --log-level "
     "--max-batch-tokens --max-model-len --max-running --max-tokens --min-p --model --no-jump-forward "
     "--no-prefix-cache --num-draft-tokens --policy --raw --repetition-penalty --seed --spec-max-batch --speculative "
