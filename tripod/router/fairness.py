@@ -29,6 +29,7 @@ class FairGate:
         self.admitted = 0
         self.vtime: dict[str, float] = {}
         self.live: dict[str, int] = {}  # per tenant: admitted + waiting
+        self.granted: dict[str, int] = {}  # per active tenant: places given since it became active
         self.waiters: dict[str, deque[tuple[asyncio.Future[None], float]]] = {}
 
     @property
@@ -38,16 +39,18 @@ class FairGate:
     def _join(self, tenant: str) -> None:
         if tenant not in self.vtime:
             self.vtime[tenant] = min(self.vtime.values(), default=0.0)
+            self.granted[tenant] = 0
         self.live[tenant] = self.live.get(tenant, 0) + 1
 
     def _leave(self, tenant: str) -> None:
         self.live[tenant] -= 1
         if self.live[tenant] == 0:
-            del self.live[tenant], self.vtime[tenant]
+            del self.live[tenant], self.vtime[tenant], self.granted[tenant]
             self.waiters.pop(tenant, None)
 
     def _grant(self, tenant: str, cost: float) -> None:
         self.admitted += 1
+        self.granted[tenant] += 1
         self.vtime[tenant] += cost / max(self.weight_of(tenant), 1e-9)
 
     async def acquire(self, tenant: str, cost: float, timeout: float) -> bool:
@@ -88,7 +91,9 @@ class FairGate:
             ready = [t for t, q in self.waiters.items() if q]
             if not ready or (cap > 0 and self.admitted >= cap):
                 return
-            tenant = min(ready, key=lambda t: self.vtime[t])
+            # Ties: the tenant admitted fewer times since it became active (a newcomer joins at the
+            # others' level: it goes first, then takes turns).
+            tenant = min(ready, key=lambda t: (self.vtime[t], self.granted[t]))
             fut, cost = self.waiters[tenant].popleft()
             if fut.cancelled():
                 continue
