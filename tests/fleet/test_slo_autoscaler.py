@@ -157,3 +157,14 @@ def test_supervisor_scales_to_zero_and_records_why() -> None:
         await sup.stop()
 
     asyncio.run(go())
+
+
+def test_ray_node_labels_route_by_region() -> None:
+    from types import SimpleNamespace
+
+    from tripod.fleet.ray_backend import node_labels
+
+    nodes = [{"NodeID": "n1", "Labels": {"ray.io/node-id": "n1", "region": "eu-west"}}, {"NodeID": "n2"}]
+    fake = SimpleNamespace(nodes=lambda: nodes)
+    assert node_labels(fake, "n1") == {"region": "eu-west"}
+    assert node_labels(fake, "n2") == {} and node_labels(fake, "gone") == {}
