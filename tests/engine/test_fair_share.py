@@ -5,6 +5,7 @@ the tokens each tenant gets while both are backlogged."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 
@@ -119,3 +120,19 @@ def test_weight_must_be_positive() -> None:
     with pytest.raises(engine_ipc.InvalidAddRequest) as e:
         engine_ipc.decode(bad)
     assert (e.value.rid, e.value.n) == ("r", 2)
+
+
+def test_engine_carries_tenant_and_weight_to_the_scheduler(engine: Any) -> None:
+    """The real engine: the tenant reaches the Req and the fair share, and (batch composition being
+    transparent) a tenant's greedy answer is the answer it gets without tenants."""
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    plain = engine.add_request("The capital of France is", params, request_id="plain")
+    tagged = engine.add_request("The capital of France is", params, request_id="acme-1", tenant="acme", weight=2.0)
+    other = engine.add_request("Once upon a time", params, request_id="beta-1", tenant="beta")
+    assert (tagged[0].tenant, tagged[0].weight, other[0].weight) == ("acme", 2.0, 1.0)
+    assert set(engine.scheduler.fair.vtime) == {"", "acme", "beta"}
+    while engine.has_work:
+        engine.step()
+    assert tagged[0].output_ids == plain[0].output_ids and len(tagged[0].output_ids) == 6
+    with pytest.raises(ValueError, match="weight"):
+        engine.add_request("x", params, request_id="bad", tenant="acme", weight=0.0)
