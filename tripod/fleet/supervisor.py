@@ -64,6 +64,7 @@ class Supervisor:
         self.config = config
         self.clock = clock
         self.autoscaler: Autoscaler | SloAutoscaler = SloAutoscaler(config) if config.slo else Autoscaler(config)
+        router.latency.horizon = max(router.latency.horizon, config.lookback)  # the look-back stays measurable
         self.cold_starts: list[dict[str, Any]] = []
         self.cold_start_gauge = Gauge("tripod:fleet_cold_start_seconds",
                                       "the last cold start: launch to healthy of a replica started with none routable",
