@@ -4,6 +4,7 @@ supervisor scaling to zero and back with fake replica processes (no real replica
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -168,3 +169,11 @@ def test_ray_node_labels_route_by_region() -> None:
     fake = SimpleNamespace(nodes=lambda: nodes)
     assert node_labels(fake, "n1") == {"region": "eu-west"}
     assert node_labels(fake, "n2") == {} and node_labels(fake, "gone") == {}
+
+
+def test_no_second_replica_while_one_is_starting() -> None:
+    a = SloAutoscaler(FleetConfig(**{**CFG, "upscale_delay": 0, "scale_cooldown": 0}))
+    breach = sig(ttft=900)
+    assert run(a, 2, replace(breach, starting=1), 0, 30) == (2, -1.0)
+    assert "starting" in a.wish(2)[1]
+    assert run(a, 2, breach, 30, 1)[0] == 3

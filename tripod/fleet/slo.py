@@ -7,7 +7,7 @@ its queue, arrivals and completions). The wish, in order:
    the router meanwhile; no delay, no cool-down);
 2. **up** (+1): a measured p95 over its SLO, or a forecast that says the queue will break it —
    the queue's expected wait (queued / completion rate) over the TTFT SLO, or arrivals outpacing
-   completions while requests queue;
+   completions while requests queue — unless a replica is still starting (it is the answer);
 3. **to zero** (``--min-replicas 0``): no request arrived over the look-back and none is in flight;
 4. **down** (−1): every measured p95 under ``slo_headroom`` × its SLO, nothing queued, and the
    load would fit in one replica fewer (``target_inflight`` each);
@@ -37,6 +37,7 @@ class FleetSignals:
     tpot_p95_ms: float | None
     arrivals: int  # requests that arrived over the look-back
     completions: int  # answers that ended over the look-back
+    starting: int = 0  # replicas launched and not yet healthy: capacity on its way
 
 
 class SloAutoscaler:
@@ -89,6 +90,8 @@ class SloAutoscaler:
             return 0, "idle at zero"
         breach = self._breach(s)
         if breach is not None:
+            if s.starting:  # NOTE: the replica on its way is the answer; adding more would overshoot
+                return current, f"{breach}; waiting for {s.starting} starting replica(s)"
             return min(cfg.max_replicas, current + 1), breach
         if cfg.min_replicas == 0 and s.arrivals == 0 and s.load == 0:
             return 0, f"no traffic over the last {cfg.lookback:.0f} s"

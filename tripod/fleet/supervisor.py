@@ -201,7 +201,12 @@ class Supervisor:
         return FleetSignals(load=r.inflight + r.queue_depth, queued=r.queue_depth,
                             ttft_p95_ms=r.latency.p95_ms("ttft", lookback), tpot_p95_ms=r.latency.p95_ms("tpot", lookback),
                             arrivals=r.latency.count("arrivals", lookback),
-                            completions=r.latency.count("completions", lookback))
+                            completions=r.latency.count("completions", lookback),
+                            starting=sum(1 for s in self.active if self._starting(s)))
+
+    def _starting(self, slot: _Slot) -> bool:
+        rep = self.router.replicas.get(slot.name)
+        return slot.launching or (rep is not None and rep.healthy_since is None and rep.breaker.opened_count == 0)
 
     @property
     def active(self) -> list[_Slot]:
