@@ -345,10 +345,7 @@ class RouterConfig:
         None, "require this key on the console's JSON API (/ui/api/*); the replicas check their own on the API "
         "(default: $TRIPOD_API_KEY)", commands=(ROUTE,), env="TRIPOD_API_KEY")
     bench_dir: str | None = opt(None, BENCH_DIR_HELP, commands=(ROUTE,), metavar="DIR", group="console")
-    # Regions and fair share (README "Regions"): this router's region; replicas elsewhere take its
-    # requests only when every routable replica here has region_overflow_load requests in flight,
-    # or none is routable. replica_max_inflight > 0: requests beyond that many per routable replica
-    # wait in the router, admitted by tenant fair share (router/fairness.py); 0: none wait.
+    # Regions (router/policy.py prefer_region) and the router's tenant fair share (router/fairness.py).
     region: str = opt("", "this router's region: replicas labelled with it are preferred (--replica URL,region=NAME)",
                       commands=(SERVE, ROUTE), metavar="NAME")
     region_overflow_load: float = opt(
@@ -401,10 +398,7 @@ class FleetConfig:
     downscale_delay: float = opt(60.0, "seconds a wish to shrink must hold", commands=(SERVE,))
     autoscale_interval: float = 1.0
     drain_timeout: float = 60.0  # scale-down: longest wait for a replica's in-flight requests
-    # SLO autoscaling (fleet/slo.py; README "SLO autoscaling and scale to zero"): grow when the p95
-    # the router measured over `lookback` breaks an SLO, or a forecast from queue depth and arrival
-    # rate says it will; shrink only below slo_headroom × SLO held for downscale_delay; no two
-    # decisions closer than scale_cooldown. min_replicas 0: scale to zero when idle.
+    # SLO autoscaling and scale to zero (min_replicas 0): fleet/slo.py says how these are used.
     slo_ttft_p95: float | None = opt(
         None, "autoscaler: p95 time to first token to keep, in ms (scales on measured latency)", commands=(SERVE,),
         metavar="MS")
@@ -415,14 +409,10 @@ class FleetConfig:
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0 or self.max_replicas < max(self.min_replicas, 1):
-            raise ValueError(
-                f"need 0 <= min_replicas <= max_replicas and max_replicas >= 1 (got {self.min_replicas}, "
-                f"{self.max_replicas})"
-            )
-        for name in ("slo_ttft_p95", "slo_tpot_p95"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be > 0 ms (got {value})")
+            raise ValueError(f"need 0 <= min_replicas <= max_replicas, max_replicas >= 1 (got {self.min_replicas}, "
+                             f"{self.max_replicas})")
+        if any(v is not None and v <= 0 for v in (self.slo_ttft_p95, self.slo_tpot_p95)):
+            raise ValueError(f"slo_ttft_p95 and slo_tpot_p95 must be > 0 ms (got {self.slo_ttft_p95}, {self.slo_tpot_p95})")
         if not 0 < self.slo_headroom < 1 or self.scale_cooldown < 0:
             raise ValueError("slo_headroom must be in (0, 1) and scale_cooldown >= 0")
         if self.backend not in ("local", "ray"):
