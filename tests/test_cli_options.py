@@ -40,11 +40,12 @@ FLAGS = {
     "--max-pending --max-replicas --max-retries --max-running --max-waiting --min-replicas --model "
     "--no-jump-forward --no-prefix-cache --num-draft-tokens --overload-status --parallel-timeout "
     "--pipeline-parallel-size --policy --port --queue-timeout --ray-address --ray-num-cpus --ray-num-gpus "
-    "--replica-log-dir --replicas --router-policy --served-model-name --spec-max-batch --speculative "
-    "--stall-timeout --target-inflight --tensor-parallel-size --threads --upscale-delay --weights",
+    "--region --region-overflow-load --replica-log-dir --replica-max-inflight --replicas --router-policy "
+    "--served-model-name --slo-tpot-p95 --slo-ttft-p95 --spec-max-batch --speculative --stall-timeout "
+    "--target-inflight --tensor-parallel-size --threads --upscale-delay --weights",
     ("route",): "--api-key --balance-abs --balance-rel --bench-dir --drain-timeout --health-interval --host "
-    "--load-weight --log-level --max-pending --max-retries --policy --port --queue-timeout --replica "
-    "--stall-timeout",
+    "--load-weight --log-level --max-pending --max-retries --policy --port --queue-timeout --region "
+    "--region-overflow-load --replica --replica-max-inflight --stall-timeout",
     ("generate",): "--chunk-size --device --dtype --enable-expert-parallel --ignore-eos --kernels --kv-cache-tokens "
     "--log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p --model "
     "--no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-timeout --pipeline-parallel-size "

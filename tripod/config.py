@@ -390,8 +390,19 @@ class RouterConfig:
         None, "require this key on the console's JSON API (/ui/api/*); the replicas check their own on the API "
         "(default: $TRIPOD_API_KEY)", commands=(ROUTE,), env="TRIPOD_API_KEY")
     bench_dir: str | None = opt(None, BENCH_DIR_HELP, commands=(ROUTE,), metavar="DIR", group="console")
+    # Regions (router/policy.py prefer_region) and the router's tenant fair share (router/fairness.py).
+    region: str = opt("", "this router's region: replicas labelled with it are preferred (--replica URL,region=NAME)",
+                      commands=(SERVE, ROUTE), metavar="NAME")
+    region_overflow_load: float = opt(
+        8.0, "requests in flight on each routable replica of this router's region past which requests overflow to "
+        "other regions", commands=(SERVE, ROUTE), metavar="N")
+    replica_max_inflight: int = opt(
+        0, "requests in flight per routable replica before the router queues by tenant fair share (0: no "
+        "router queue)", commands=(SERVE, ROUTE), metavar="N")
 
     def __post_init__(self) -> None:
+        if self.region_overflow_load <= 0 or self.replica_max_inflight < 0:
+            raise ValueError("region_overflow_load must be > 0 and replica_max_inflight >= 0")
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(ROUTING_POLICIES)} (got {self.policy!r})")
         if not 0 <= self.port <= 65535:
@@ -432,12 +443,23 @@ class FleetConfig:
     downscale_delay: float = opt(60.0, "seconds a wish to shrink must hold", commands=(SERVE,))
     autoscale_interval: float = 1.0
     drain_timeout: float = 60.0  # scale-down: longest wait for a replica's in-flight requests
+    # SLO autoscaling and scale to zero (min_replicas 0): fleet/slo.py says how these are used.
+    slo_ttft_p95: float | None = opt(
+        None, "autoscaler: p95 time to first token to keep, in ms (scales on measured latency)", commands=(SERVE,),
+        metavar="MS")
+    slo_tpot_p95: float | None = opt(
+        None, "autoscaler: p95 time per output token to keep, in ms", commands=(SERVE,), metavar="MS")
+    slo_headroom: float = 0.5  # shrink only while every p95 is under this fraction of its SLO
+    scale_cooldown: float = 15.0  # seconds after any scaling before the next decision
 
     def __post_init__(self) -> None:
-        if self.min_replicas < 1 or self.max_replicas < self.min_replicas:
-            raise ValueError(
-                f"need 1 <= min_replicas <= max_replicas (got {self.min_replicas}, {self.max_replicas})"
-            )
+        if self.min_replicas < 0 or self.max_replicas < max(self.min_replicas, 1):
+            raise ValueError(f"need 0 <= min_replicas <= max_replicas, max_replicas >= 1 (got {self.min_replicas}, "
+                             f"{self.max_replicas})")
+        if any(v is not None and v <= 0 for v in (self.slo_ttft_p95, self.slo_tpot_p95)):
+            raise ValueError(f"slo_ttft_p95 and slo_tpot_p95 must be > 0 ms (got {self.slo_ttft_p95}, {self.slo_tpot_p95})")
+        if not 0 < self.slo_headroom < 1 or self.scale_cooldown < 0:
+            raise ValueError("slo_headroom must be in (0, 1) and scale_cooldown >= 0")
         if self.backend not in ("local", "ray"):
             raise ValueError(f"backend must be 'local' or 'ray' (got {self.backend!r})")
         if self.target_inflight <= 0:
@@ -452,6 +474,10 @@ class FleetConfig:
     @property
     def autoscaling(self) -> bool:
         return self.max_replicas > self.min_replicas
+
+    @property
+    def slo(self) -> bool:
+        return self.slo_ttft_p95 is not None or self.slo_tpot_p95 is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,9 +65,11 @@ class Admission:
 
     # ------------------------------------------------------------------ validation
     def prepare(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                resume: Sequence[Resume] | None = None) -> list[Req]:
+                resume: Sequence[Resume] | None = None, *, tenant: str = "", weight: float = 1.0) -> list[Req]:
         """Validate a prompt and build its copies without queueing anything."""
         params = params or SamplingParams()
+        if not weight > 0:
+            raise ValueError(f"a tenant's weight must be > 0 (got {weight})")
         ids = encode_prompt(self.tokenizer, self.vocab_size, prompt)
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
@@ -94,7 +96,7 @@ class Admission:
             req = Req(
                 list(ids), params, rid=rid, eos_ids=self.eos_ids, max_len=limit,
                 noise_key=noise_key(params.seed, i) if params.seed is not None else None,
-                index=i, group=base, output_ids=prior.get(i, []),
+                index=i, group=base, output_ids=prior.get(i, []), tenant=tenant, weight=weight,
             )
             if copies and self.cache.enabled:
                 req.wait_for = copies[0]

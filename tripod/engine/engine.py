@@ -141,8 +141,10 @@ class Engine(OfflineAPI):
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    resume: Sequence[Resume] | None = None) -> list[Req]:
+                    resume: Sequence[Resume] | None = None, *, tenant: str = "", weight: float = 1.0) -> list[Req]:
         """Queue a prompt; returns its ``params.n`` copies (ids ``{id}`` or ``{id}-{i}``).
+
+        ``tenant``/``weight``: the fair share it is scheduled under (``engine/fairness.py``).
 
         ``resume``: continue only the copies named, each from the tokens it had generated (see
         ``Resume``); the copies keep their ids and indices.
@@ -151,7 +153,7 @@ class Engine(OfflineAPI):
         background; an invalid grammar (or a resumed output it refuses) finishes it as
         ``rejected`` with ``Req.error`` set.
         """
-        copies = self.admission.prepare(prompt, params, request_id, resume)
+        copies = self.admission.prepare(prompt, params, request_id, resume, tenant=tenant, weight=weight)
         self.admission.admit(copies)
         return copies
 

@@ -104,6 +104,10 @@ class Req:
     # the request is queued and reported with its first output.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_reported: bool = False
+    # Fair share under contention (engine/fairness.py): the tenant it is charged to and that
+    # tenant's weight. "" everywhere: no tenants, today's scheduling.
+    tenant: str = ""
+    weight: float = 1.0
 
     @property
     def all_ids(self) -> list[int]:

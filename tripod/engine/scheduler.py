@@ -4,6 +4,8 @@ Each step is built in this order, within a token budget:
 1. every running request that is decoding (one token each);
 2. running requests part-way through a chunked prefill (their next chunk);
 3. new requests from the waiting queue, in policy order, while KV memory and the budget last.
+   With several tenants the policy order is interleaved by tenant so that each gets compute in
+   proportion to its weight (``engine/fairness.py``); with one, it is the policy's order as is.
 
 KV memory never raises: a prefill that does not fit waits; a decode that does not fit first
 evicts unpinned prefix-cache entries, then retracts the least important running request (its
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from tripod.engine.fairness import FairShare
 from tripod.engine.radix_cache import RadixCache
 from tripod.engine.request import FinishReason, Req
 from tripod.memory.kv_pool import SlotAllocator
@@ -95,11 +98,13 @@ class Scheduler:
         self.step_count = 0
         self._enqueued_at: dict[str, int] = {}
         self.num_retractions = 0
+        self.fair = FairShare()
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
         self.waiting.append(req)
         self._enqueued_at[req.rid] = self.step_count
+        self.fair.join(req)
 
     def abort(self, req: Req) -> None:
         """Finish ``req`` as aborted and release its KV (no-op if already finished)."""
@@ -119,6 +124,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> list[ScheduledItem]:
+        if len(self.fair.vtime) > 1:
+            self.fair.forget_idle(self.waiting + self.running)
+        items = self._schedule()
+        for it in items:
+            self.fair.charge(it.req.tenant, it.length)
+        return items
+
+    def _schedule(self) -> list[ScheduledItem]:
         self.step_count += 1
         items: list[ScheduledItem] = []
         budget = self.max_batch_tokens
@@ -149,7 +162,8 @@ class Scheduler:
 
         # 3. Admissions.
         if budget > 0 and self.waiting and len(self.running) < self.max_running:
-            for req in self.policy.order(self.waiting, self.cache, self.step_count, self._enqueued_at):
+            ordered = self.policy.order(self.waiting, self.cache, self.step_count, self._enqueued_at)
+            for req in self.fair.order(ordered):
                 if budget <= 0 or len(self.running) >= self.max_running:
                     break
                 if req.wait_for is not None and not _sibling_ready(req.wait_for):
@@ -163,7 +177,7 @@ class Scheduler:
             # Every running request is part-way through a prefill and memory is full: give
             # one up so the others can finish (a lone request always fits: max_len caps it).
             self.retract(min(self.running, key=self._importance))
-            return self.schedule()
+            return self._schedule()
         return items
 
     def _importance(self, req: Req) -> tuple[int, float, int]:

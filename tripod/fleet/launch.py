@@ -23,6 +23,7 @@ from tripod.config import FleetConfig, RouterConfig
 from tripod.fleet.replicas import LocalLauncher, ReplicaLauncher
 from tripod.fleet.supervisor import Supervisor
 from tripod.router.app import build_router_app
+from tripod.router.replica import parse_replica
 from tripod.router.router import Router
 
 log = logging.getLogger("tripod.router")
@@ -53,11 +54,16 @@ def route(config: RouterConfig, urls: list[str], log_level: int = logging.INFO, 
         print("tripod: error: give at least one --replica URL", file=sys.stderr)
         return 2
     router = Router(config)
-    for i, url in enumerate(urls):
+    for i, spec in enumerate(urls):
+        try:
+            url, labels = parse_replica(spec)  # URL[,region=NAME,...]
+        except ValueError as e:
+            print(f"tripod: error: {e}", file=sys.stderr)
+            return 2
         if not url.startswith(("http://", "https://")):
             print(f"tripod: error: --replica must be an http(s) URL (got {url!r})", file=sys.stderr)
             return 2
-        router.add_replica(f"replica-{i}", url)
+        router.add_replica(f"replica-{i}", url, labels=labels)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
@@ -99,7 +105,8 @@ def serve_fleet(config: RouterConfig, fleet: FleetConfig, serve_args: list[str],
         await router.start()
         await supervisor.start()
         try:
-            if not await supervisor.wait_routable(fleet.start_timeout):
+            # --min-replicas 0: nothing to wait for; the first request is held while one starts.
+            if fleet.min_replicas > 0 and not await supervisor.wait_routable(fleet.start_timeout):
                 failed = True
                 why = supervisor.fatal or f"no replica became healthy in {fleet.start_timeout:.0f} s"
                 raise RuntimeError(why + (f" (replica logs in {log_dir})" if log_dir else ""))

@@ -117,6 +117,18 @@ class ReplicaActor:
             return f.read().decode("utf-8", errors="replace")
 
 
+def node_labels(ray: Any, node_id: str) -> dict[str, str]:
+    """The labels of Ray node ``node_id`` (``ray start --labels``; ``region`` steers the router), or
+    none where this Ray does not report them. Read on the driver, once per launch."""
+    try:
+        node = next((n for n in ray.nodes() if n.get("NodeID") == node_id), None)
+    except Exception:  # a cluster that cannot list its nodes: no labels, not a failed launch
+        return {}
+    labels = (node or {}).get("Labels") or {}
+    # Ray's own labels (ray.io/node-id, ...) are not routing labels.
+    return {str(k): str(v) for k, v in labels.items() if not str(k).startswith("ray.io/")}
+
+
 class RayReplica:
     """One replica launched by ``RayLauncher``: the handle of its actor and what the actor reported
     at start (URL, pid and log path of ``tripod serve`` on its node).
@@ -134,6 +146,7 @@ class RayReplica:
         self.node_id = info.node_id
         self.node_ip = info.node_ip
         self.log_path = info.log_path  # on the replica's node
+        self.labels: dict[str, str] = {}  # its node's labels (node_labels)
         self._actor = actor
         self._code: int | None = None
         self._final_log: str | None = None
@@ -316,6 +329,7 @@ class RayLauncher:
             ray.kill(actor, no_restart=True)
             raise RuntimeError(f"{name} failed to start: {e}") from e
         replica = RayReplica(f"replica-{index}", name, actor, info)
+        replica.labels = node_labels(ray, info.node_id)
         with self._lock:
             self.replicas = {k: r for k, r in self.replicas.items() if not r.exited}
             self.replicas[name] = replica

@@ -5,6 +5,12 @@ a backoff that doubles per crash (reset once the replica has been healthy a whil
 joins the router unroutable and becomes routable on its first good health probe. Scale-down drains:
 the replica stops receiving requests, its in-flight requests finish (up to ``drain_timeout``), then
 it gets SIGTERM, which makes the server itself drain before exiting — no request is lost.
+
+The autoscaler is ``fleet/slo.py``'s when an SLO is set, else ``fleet/autoscaler.py``'s (requests
+in flight); each decision is recorded with its reason (``/fleet``'s ``scale_events``). With
+``--min-replicas 0`` an idle fleet drains to zero replicas; a request then waits in the router
+(held, not refused) while the autoscaler starts one, and that cold start is measured: the replica's
+time to healthy, and the held request's TTFT (the router's ``latency.held``).
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import Gauge
+
 from tripod.config import FleetConfig
 from tripod.fleet.autoscaler import Autoscaler
 from tripod.fleet.replicas import ReplicaLauncher, ReplicaProcess
+from tripod.fleet.slo import FleetSignals, SloAutoscaler
 from tripod.router.router import Router
 
 log = logging.getLogger("tripod.fleet")
@@ -37,6 +46,8 @@ class _Slot:
     stopping: bool = False
     launching: bool = False
     startup_failures: int = 0
+    cold: bool = False  # launched while no replica was routable: its start-up is a cold start
+    healthy_seen: bool = False
 
     @property
     def name(self) -> str:
@@ -52,7 +63,12 @@ class Supervisor:
         self.launcher = launcher
         self.config = config
         self.clock = clock
-        self.autoscaler = Autoscaler(config)
+        self.autoscaler: Autoscaler | SloAutoscaler = SloAutoscaler(config) if config.slo else Autoscaler(config)
+        router.latency.horizon = max(router.latency.horizon, config.lookback)  # the look-back stays measurable
+        self.cold_starts: list[dict[str, Any]] = []
+        self.cold_start_gauge = Gauge("tripod:fleet_cold_start_seconds",
+                                      "the last cold start: launch to healthy of a replica started with none routable",
+                                      registry=router.metrics.registry)
         self.slots: dict[int, _Slot] = {}
         self.scale_events: list[dict[str, Any]] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -111,7 +127,10 @@ class Supervisor:
             return
         slot.process = proc
         slot.restart_at = None
-        rep = self.router.add_replica(slot.name, proc.url, proc)
+        slot.cold, slot.healthy_seen = not self.router.routable(), False
+        region = self.router.config.region
+        labels = getattr(proc, "labels", None) or ({"region": region} if region else {})
+        rep = self.router.add_replica(slot.name, proc.url, proc, labels=labels)
         rep.restarts = slot.restarts
         log.info("%s launched at %s (pid %s)", slot.name, proc.url, proc.pid)
 
@@ -141,6 +160,8 @@ class Supervisor:
             code = await asyncio.to_thread(slot.process.exit_code)
             if rep is not None and rep.healthy_since is not None:
                 self.ever_healthy = True
+                if not slot.healthy_seen:
+                    self._healthy(slot, rep.healthy_since - rep.started_at)
             if code is not None:
                 log.error("%s (pid %s) exited with code %s", slot.name, slot.process.pid, code)
                 if code == 2 and not self.ever_healthy and (rep is None or rep.breaker.opened_count == 0):
@@ -164,7 +185,29 @@ class Supervisor:
             self.router.remove_replica(slot.name)
             self._schedule_restart(slot)
 
+    def _healthy(self, slot: _Slot, seconds: float) -> None:
+        slot.healthy_seen = True
+        if slot.cold:
+            log.info("%s: cold start, healthy %.2f s after launch", slot.name, seconds)
+            self.cold_starts.append({"replica": slot.name, "wall": round(time.time(), 3),
+                                     "time_to_healthy_s": round(seconds, 3)})
+            del self.cold_starts[:-20]
+            self.cold_start_gauge.set(seconds)
+
     # ------------------------------------------------------------ scaling
+    def signals(self) -> FleetSignals:
+        """The fleet as the autoscaler sees it now (the router's measurements over the look-back)."""
+        r, lookback = self.router, self.config.lookback
+        return FleetSignals(load=r.inflight + r.queue_depth, queued=r.queue_depth,
+                            ttft_p95_ms=r.latency.p95_ms("ttft", lookback), tpot_p95_ms=r.latency.p95_ms("tpot", lookback),
+                            arrivals=r.latency.count("arrivals", lookback),
+                            completions=r.latency.count("completions", lookback),
+                            starting=sum(1 for s in self.active if self._starting(s)))
+
+    def _starting(self, slot: _Slot) -> bool:
+        rep = self.router.replicas.get(slot.name)
+        return slot.launching or (rep is not None and rep.healthy_since is None and rep.breaker.opened_count == 0)
+
     @property
     def active(self) -> list[_Slot]:
         return [s for s in self.slots.values() if not s.stopping]
@@ -172,24 +215,28 @@ class Supervisor:
     async def _autoscale(self) -> None:
         while True:
             await asyncio.sleep(self.config.autoscale_interval)
-            now = self.clock()
-            self.autoscaler.observe(now, self.router.inflight + self.router.queue_depth)
-            current = len(self.active)
-            target = self.autoscaler.decide(now, current)
-            if target != current:
-                await self.scale_to(target)
+            await self.autoscale_once()
 
-    async def scale_to(self, n: int) -> None:
+    async def autoscale_once(self) -> None:
+        """One autoscaler tick: observe, decide, act."""
+        now = self.clock()
+        self.autoscaler.observe_signals(now, self.signals())
+        current = len(self.active)
+        target = self.autoscaler.decide(now, current)
+        if target != current:
+            await self.scale_to(target, self.autoscaler.reason)
+
+    async def scale_to(self, n: int, reason: str = "") -> None:
         n = max(self.config.min_replicas, min(self.config.max_replicas, n))
         active = self.active
         # "at": this supervisor's clock; "wall": Unix time, for the console's timeline.
         self.scale_events.append({"at": round(self.clock(), 3), "wall": round(time.time(), 3), "from": len(active),
-                                  "to": n})
+                                  "to": n, "reason": reason})
         if n > len(active):
-            log.info("scaling up: %d → %d replicas", len(active), n)
+            log.info("scaling up: %d → %d replicas (%s)", len(active), n, reason)
             await asyncio.gather(*(self._launch(self._new_slot()) for _ in range(n - len(active))))
         elif n < len(active):
-            log.info("scaling down: %d → %d replicas (draining %d)", len(active), n, len(active) - n)
+            log.info("scaling down: %d → %d replicas (draining %d; %s)", len(active), n, len(active) - n, reason)
 
             def cost(s: _Slot) -> tuple[int, int, int]:
                 rep = self.router.replicas.get(s.name)
@@ -234,4 +281,13 @@ class Supervisor:
             "active_replicas": len(self.active), "desired_replicas": self.autoscaler.desired(),
             "scale_events": self.scale_events[-50:],
             "restarts": {s.name: s.restarts for s in self.slots.values()},
+            "autoscaler": self._autoscaler_info(),
+            "cold_starts": self.cold_starts, "held_requests": self.router.latency.held,
         }
+
+    def _autoscaler_info(self) -> dict[str, Any]:
+        cfg, sig = self.config, self.signals()
+        return {"mode": "slo" if cfg.slo else "inflight", "slo_ttft_p95_ms": cfg.slo_ttft_p95,
+                "slo_tpot_p95_ms": cfg.slo_tpot_p95, "lookback_s": cfg.lookback,
+                "downscale_delay_s": cfg.downscale_delay, "measured_ttft_p95_ms": sig.ttft_p95_ms,
+                "measured_tpot_p95_ms": sig.tpot_p95_ms, "last_reason": self.autoscaler.reason}

@@ -15,6 +15,8 @@ the id and the number of copies), anything else malformed as ``ProtocolError``.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from tripod.config import EngineConfig
@@ -39,6 +41,10 @@ class AddRequest(msgspec.Struct, tag=True):
     params: SamplingParams
     # A continuation: only these copies run, each from the tokens it had generated. Empty: all n.
     resume: list[Resume] = msgspec.field(default_factory=list)
+    # Fair share (engine/fairness.py): who asked, and that tenant's share under contention. ""
+    # (no tenants) schedules exactly as before; the weight is checked on decode (> 0).
+    tenant: str = ""
+    weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
 
 
 class AbortRequest(msgspec.Struct, tag=True):

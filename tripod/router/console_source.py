@@ -68,7 +68,8 @@ class RouterConsoleSource:
             autoscaler = AutoscalerView(min_replicas=cfg.min_replicas, max_replicas=cfg.max_replicas,
                                         active=len(sup.active), desired=sup.autoscaler.desired(),
                                         target_inflight=cfg.target_inflight)
-            events = [FleetEvent(t=e["wall"], kind="scale", text=f"scale {e['from']} → {e['to']} replicas")
+            events = [FleetEvent(t=e["wall"], kind="scale", text=f"scale {e['from']} → {e['to']} replicas"
+                                 + (f": {e['reason']}" if e.get("reason") else ""))
                       for e in sup.scale_events if "wall" in e]
         nodes.sort(key=lambda n: (len(n.name), n.name))
         return FleetView(kind="fleet", t=time.time(), policy=router.policy.name, pending=router.pending,

@@ -106,6 +106,22 @@ class CacheAwarePolicy(RoutingPolicy):
         return Decision(chosen, reason, matched[id(chosen)])
 
 
+def prefer_region(replicas: list[Replica], region: str, overflow_load: float) -> tuple[list[Replica], str]:
+    """The candidates a policy sees under regions, and why: ``local`` (this router's region has a
+    replica below ``overflow_load`` requests in flight; unlabelled replicas count as local),
+    ``overflow`` (every local one is at or past it: the other regions' replicas below it, or every
+    replica when none is), ``failover`` (no local one)."""
+    if not region:
+        return replicas, "local"
+    local = [r for r in replicas if r.region in ("", region)]
+    if not local:
+        return replicas, "failover"
+    if len(local) == len(replicas) or any(r.inflight + r.external < overflow_load for r in local):
+        return local, "local"
+    remote = [r for r in replicas if r.region not in ("", region) and r.inflight + r.external < overflow_load]
+    return remote or replicas, "overflow"
+
+
 POLICIES: dict[str, type[RoutingPolicy]] = {
     p.name: p for p in (RoundRobinPolicy, LeastLoadPolicy, CacheAwarePolicy)
 }

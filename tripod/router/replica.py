@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from tripod.router.prefix_tree import PrefixTree
@@ -78,6 +78,13 @@ class Replica:
     # A tripod replica that reports resume points and continues answers (its /health says so):
     # the router's mid-answer failover uses it (router/failover.py).
     continues: bool = False
+    # Labels (``--replica URL,region=eu-west``; a Ray node's labels): ``region`` steers routing.
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def region(self) -> str:
+        """The replica's region; "" when unlabelled (counted as the router's own region)."""
+        return self.labels.get("region", "")
 
     @property
     def routable(self) -> bool:
@@ -104,10 +111,22 @@ class Replica:
             "failures": self.failures, "restarts": self.restarts, "continues": self.continues,
             "estimated_hit_rate": round(self.est_cached_tokens / self.est_prompt_tokens, 4)
             if self.est_prompt_tokens else None,
-            "tree_chars": self.tree.size,
+            "tree_chars": self.tree.size, "labels": dict(self.labels),
             # Ray replicas: the actor and the node it was placed on.
             **{k: getattr(self.process, k) for k in ("actor_name", "node_id") if hasattr(self.process, k)},
         }
+
+
+def parse_replica(spec: str) -> tuple[str, dict[str, str]]:
+    """``URL[,key=value...]`` (``tripod route --replica``) → the URL and its labels."""
+    url, *pairs = spec.split(",")
+    labels: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"--replica labels are key=value after the URL, e.g. {url},region=eu-west (got {pair!r})")
+        labels[key.strip()] = value.strip()
+    return url.strip(), labels
 
 
 @dataclass(slots=True)

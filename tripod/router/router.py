@@ -18,13 +18,17 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+from prometheus_client import Counter
 from starlette.responses import Response
 
+from tripod.asgi import ClosingStream
 from tripod.config import RouterConfig
 from tripod.router.errors import RouterError
+from tripod.router.fairness import TENANT_HEADER, FairGate
 from tripod.router.health import HealthChecker, parse_load
+from tripod.router.latency import LatencyWindow, completion_tokens
 from tripod.router.metrics import RouterMetrics
-from tripod.router.policy import Decision, RouteRequest, RoutingPolicy, make_policy
+from tripod.router.policy import Decision, RouteRequest, RoutingPolicy, make_policy, prefer_region
 from tripod.router.prefix_tree import PrefixTree
 from tripod.router.prompt import DEFAULT_OUTPUT_TOKENS, is_anthropic, output_budget, render_prompt
 from tripod.router.proxy import Proxy
@@ -46,7 +50,8 @@ class Router:
     """
 
     def __init__(self, config: RouterConfig, policy: RoutingPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
+                 weight_of: Callable[[str], float] | None = None) -> None:
         self.config = config
         self.rng = rng or random.Random()
         self.policy = policy or make_policy(config, self.rng)
@@ -64,13 +69,23 @@ class Router:
                                     self.record_failure)
         self.proxy = Proxy(self)
         self._closing: set[asyncio.Task[None]] = set()
+        # Tenants (router/fairness.py): a tenant's weight; the app that authenticates may replace it.
+        self.weight_of: Callable[[str], float] = weight_of or (lambda _tenant: 1.0)
+        self.gate = FairGate(self._capacity, lambda t: self.weight_of(t))
+        self.latency = LatencyWindow(self.metrics.registry, clock)
+        self.cross_region = Counter("tripod:router_cross_region_requests",
+                                    "requests sent to a replica outside this router's --region, by reason "
+                                    "(overflow: the region was busy; failover: it had no routable replica)",
+                                    ["region", "reason"], registry=self.metrics.registry)
 
     # ------------------------------------------------------------ replica set
-    def add_replica(self, name: str, url: str, process: ReplicaProcess | None = None) -> Replica:
+    def add_replica(self, name: str, url: str, process: ReplicaProcess | None = None,
+                    labels: dict[str, str] | None = None) -> Replica:
         """A new replica starts unroutable; its first good health probe makes it routable."""
         assert name not in self.replicas, name
         rep = Replica(name, url.rstrip("/"), CircuitBreaker(self.config.failure_threshold, self.config.open_cooldown),
-                      PrefixTree(self.config.tree_max_chars), process=process, started_at=self.clock())
+                      PrefixTree(self.config.tree_max_chars), process=process, started_at=self.clock(),
+                      labels=dict(labels or {}))
         self.replicas[name] = rep
         log.info("replica %s at %s added", name, rep.url)
         return rep
@@ -93,6 +108,7 @@ class Router:
         # NOTE: waiters hold the old event; setting it wakes them all, and the next wait gets a fresh one.
         self._changed.set()
         self._changed = asyncio.Event()
+        self.gate.pump()  # more routable replicas: more places
 
     async def wait_until(self, cond: Callable[[], bool], timeout: float) -> bool:
         """Wait (up to ``timeout`` s) until ``cond()`` holds; checked at every ``notify``."""
@@ -160,7 +176,7 @@ class Router:
                 routable = self.routable()
                 cands = [r for r in routable if r not in tried]
                 if cands:
-                    return self.policy.choose(cands, rr, self.avg_request_tokens)
+                    return self._choose(cands, rr)
                 now = self.clock()
                 if routable:
                     # Every routable replica failed this request already. Wait only as long as the
@@ -183,6 +199,20 @@ class Router:
                     pass
         finally:
             self.queue_depth -= 1
+
+    def _choose(self, cands: list[Replica], rr: RouteRequest) -> Decision:
+        """The policy's choice among ``cands``, this router's region first (``prefer_region``)."""
+        cfg = self.config
+        cands, why = prefer_region(cands, cfg.region, cfg.region_overflow_load)
+        d = self.policy.choose(cands, rr, self.avg_request_tokens)
+        if cfg.region and d.replica.region not in ("", cfg.region):
+            self.cross_region.labels(d.replica.region, why).inc()
+        return d
+
+    def _capacity(self) -> int:
+        """Places the fair gate gives out (0: unbounded)."""
+        per = self.config.replica_max_inflight
+        return per * max(1, len(self.routable())) if per > 0 else 0
 
     def begin(self, d: Decision, rr: RouteRequest, retry: bool, caches: bool = True) -> Flight:
         """Count an attempt on ``d.replica`` into its load (and its tree, ``caches``: the replica
@@ -230,8 +260,56 @@ class Router:
     # ------------------------------------------------------------ proxying
     async def forward(self, path: str, raw: bytes, body: dict[str, Any], headers: dict[str, str]) -> Response:
         """Send one POST to a replica; the answer, or an error once retries are spent
-        (``router/proxy.py``)."""
-        return await self.proxy.forward(path, raw, body, headers)
+        (``router/proxy.py``). Admitted by tenant fair share when capacity is bounded
+        (``router/fairness.py``), and timed (``router/latency.py``)."""
+        tenant = headers.get(TENANT_HEADER, "")
+        t0 = self.latency.arrived()
+        held = not self.routable()  # a cold start (or every replica down): the request waits for one
+        cost = len(raw) / self.chars_per_token + output_budget(body)
+        self.queue_depth += 1
+        try:
+            admitted = await self.gate.acquire(tenant, cost, self.config.queue_timeout)
+        finally:
+            self.queue_depth -= 1
+        if not admitted:
+            raise RouterError(503, "every replica is at its capacity (--replica-max-inflight) and this request "
+                              "waited its turn past --queue-timeout; retry shortly", "no_capacity",
+                              self.config.retry_after)
+        try:
+            resp = await self.proxy.forward(path, raw, body, headers)
+        except BaseException:
+            self.gate.release(tenant)
+            raise
+        return self._timed(resp, tenant, t0, held)
+
+    def _timed(self, resp: Response, tenant: str, t0: float, held: bool) -> Response:
+        """Record the answer's latency when it ends, and give its place back (once)."""
+        if not isinstance(resp, ClosingStream):
+            if resp.status_code == 200:
+                self.latency.finished(t0, None, completion_tokens(bytes(resp.body)), held)
+            self.gate.release(tenant)
+            return resp
+        first = self.latency.first_byte(t0, held)
+        events = [0]
+        inner = resp.body_iterator
+
+        async def counted() -> Any:
+            async for chunk in inner:
+                events[0] += chunk.count(b"data:") if isinstance(chunk, bytes) else 0
+                yield chunk
+
+        resp.body_iterator = counted()
+        on_close = resp.on_close
+
+        def closed() -> None:
+            try:
+                on_close()
+            finally:
+                self.latency.finished(t0, first, events[0] - 1, held)  # the [DONE] event is no token
+                self.gate.release(tenant)
+
+        resp.on_close = closed
+        return resp
 
     def finish_stream(self, f: Flight, resp: httpx.Response) -> None:
         """A stream handed to the client has ended (finished, cut, or the client left)."""

@@ -359,8 +359,11 @@ class EngineClient:
         assert self.info is not None
         return self.info.max_running + self.server_config.max_waiting
 
-    def open(self, parts: list[EnginePart], n: int) -> RequestHandle:
-        """Send ``parts`` to the engine; raises ``EngineDead`` or ``Overloaded`` instead."""
+    def open(self, parts: list[EnginePart], n: int, *, tenant: str = "", weight: float = 1.0) -> RequestHandle:
+        """Send ``parts`` to the engine; raises ``EngineDead`` or ``Overloaded`` instead.
+
+        ``tenant``/``weight``: whose request this is and that tenant's share of the engine under
+        contention (the scheduler's fair share); "" schedules as a request without tenants."""
         if not self.alive:
             raise EngineDead(self.dead_reason or "the engine is not running")
         seqs = sum(len(p.copies) for p in parts)
@@ -373,7 +376,8 @@ class EngineClient:
         self.inflight += seqs
         for p in parts:
             if p.copies:  # (a continuation's part whose every choice had finished runs nothing)
-                self._send(engine_ipc.AddRequest(p.rid, p.prompt_ids, p.params, list(p.resume or [])))
+                self._send(engine_ipc.AddRequest(p.rid, p.prompt_ids, p.params, list(p.resume or []),
+                                                  tenant=tenant, weight=weight))
         return h
 
     async def engine_stats(self, timeout: float = 10.0) -> EngineStats:

@@ -145,7 +145,8 @@ class EngineLoop:
 
     def _add(self, msg: engine_ipc.AddRequest) -> None:
         try:
-            self.engine.add_request(msg.prompt_ids, msg.params, request_id=msg.rid, resume=msg.resume or None)
+            self.engine.add_request(msg.prompt_ids, msg.params, request_id=msg.rid, resume=msg.resume or None,
+                                   tenant=msg.tenant, weight=msg.weight)
         except ValueError as e:
             # The server validates first (with the same SamplingParams); this is the backstop so
             # a request is never lost.
