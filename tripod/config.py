@@ -244,6 +244,12 @@ def native_bf16(device: torch.device) -> bool:
     return False
 
 
+def check_tls(certfile: str | None, keyfile: str | None) -> None:
+    """HTTPS needs both the certificate and its key."""
+    if (certfile is None) != (keyfile is None):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both for HTTPS, or neither")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """The HTTP side of ``tripod serve``: where it listens, who may call it, how it sheds load."""
@@ -273,6 +279,28 @@ class ServerConfig:
     bench_dir: str | None = opt(  # the console's benchmark history: where tripod bench wrote its runs
         None, BENCH_DIR_HELP, commands=(SERVE,), metavar="DIR", group="console", forward=False)
 
+    # Tenants, audit log and TLS (tripod.tenants; README "Tenants").
+    tenants: str | None = opt(
+        None, "a TOML file of tenants: their keys, weights and limits (reloaded on SIGHUP and when it changes)",
+        commands=(SERVE,), metavar="FILE", group="tenants")
+    tenant_limits: str = opt(
+        "all", "which tenant limits this server enforces: all; tokens (the token limits and max_context only: a "
+        "fleet's replicas, whose router enforces the rest); none (attribution only)",
+        commands=(SERVE,), choices=("all", "tokens", "none"), group="tenants")
+    audit_log: str | None = opt(
+        None, "write one JSON line per authenticated request to FILE (rotated by size)", commands=(SERVE,),
+        metavar="FILE", group="tenants", forward=False)
+    audit_log_content: bool = opt(
+        False, "include the prompt's text in the audit log (never without this flag)", commands=(SERVE,),
+        group="tenants", forward=False)
+    audit_log_max_bytes: int = 64 * 2**20  # rotated past this size, 5 old files kept
+    ssl_certfile: str | None = opt(
+        None, "serve HTTPS with this certificate (PEM; with --ssl-keyfile)", commands=(SERVE,), metavar="FILE",
+        group="tenants", forward=False)
+    ssl_keyfile: str | None = opt(
+        None, "the certificate's private key (PEM)", commands=(SERVE,), metavar="FILE", group="tenants",
+        forward=False)
+
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535] (got {self.port})")
@@ -289,6 +317,7 @@ class ServerConfig:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
         if self.max_n < 1 or self.max_body_bytes < 1024:
             raise ValueError("max_n must be >= 1 and max_body_bytes >= 1024")
+        check_tls(self.ssl_certfile, self.ssl_keyfile)
 
 
 ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
@@ -346,6 +375,25 @@ class RouterConfig:
         "(default: $TRIPOD_API_KEY)", commands=(ROUTE,), env="TRIPOD_API_KEY")
     bench_dir: str | None = opt(None, BENCH_DIR_HELP, commands=(ROUTE,), metavar="DIR", group="console")
 
+    # Tenants, audit log and TLS (tripod.tenants; README "Tenants"). In a fleet these are the
+    # server's options (--tenants, --audit-log, --ssl-*), read here by their names.
+    tenants: str | None = opt(
+        None, "a TOML file of tenants: the router authenticates their keys and enforces requests_per_second, "
+        "max_concurrent and models (give the replicas the file too, with --tenant-limits tokens)",
+        commands=(ROUTE,), metavar="FILE", group="tenants")
+    audit_log: str | None = opt(None, "write one JSON line per authenticated request to FILE (rotated by size)",
+                                commands=(ROUTE,), metavar="FILE", group="tenants")
+    audit_log_content: bool = opt(False, "include the prompt's text in the audit log", commands=(ROUTE,),
+                                  group="tenants")
+    audit_log_max_bytes: int = 64 * 2**20
+    ssl_certfile: str | None = opt(None, "serve HTTPS with this certificate (PEM; with --ssl-keyfile)",
+                                   commands=(ROUTE,), metavar="FILE", group="tenants")
+    ssl_keyfile: str | None = opt(None, "the certificate's private key (PEM)", commands=(ROUTE,), metavar="FILE",
+                                  group="tenants")
+    ssl_ca: str | None = opt(
+        None, "CA bundle (PEM) the router trusts for replicas it reaches over https:// (instead of the default "
+        "store)", commands=(ROUTE,), metavar="FILE", group="tenants")
+
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(ROUTING_POLICIES)} (got {self.policy!r})")
@@ -360,6 +408,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
         if self.failure_threshold < 1 or self.max_pending < 1 or self.max_retries < 0 or self.balance_abs < 0:
             raise ValueError("failure_threshold and max_pending must be >= 1; max_retries and balance_abs >= 0")
+        check_tls(self.ssl_certfile, self.ssl_keyfile)
 
 
 @dataclass(frozen=True, slots=True)
