@@ -27,7 +27,7 @@ from tripod.server.openai_api import add_openai_routes
 from tripod.server.openapi import openapi_document
 from tripod.server.protocol import APIError
 from tripod.server.serving import ClientGone, ServerState, too_large
-from tripod.tenants import SCOPE_KEY
+from tripod.tenants.asgi import TenantMiddleware
 
 __all__ = ["ServerState", "build_app", "lifespan_for"]
 
@@ -49,31 +49,60 @@ def error_response(e: APIError, path: str) -> JSONResponse:
     return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
+def route_of(path: str) -> str:
+    return path if path in _ROUTES else "other"
+
+
+def guarded_path(path: str) -> bool:
+    """Paths that need a key (when keys are set): all but /health, /metrics, /openapi.json and the
+    console's page shell (NOTE: it holds no data; its JSON API, /ui/api/*, is guarded)."""
+    return path not in _OPEN_PATHS and not is_open_path(path)
+
+
+def _unauthorized(path: str, message: str) -> ASGIApp:
+    return error_response(APIError(401, message, type="invalid_request_error", code="invalid_api_key"), path)
+
+
 def tenant_route(path: str) -> bool:
     """The routes whose requests are attributed, counted per tenant and audited (the API's)."""
     return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
+class BodyLimit:
+    """Pure ASGI: a request whose Content-Length is past ``limit`` gets 413 before it is read."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        length = dict(scope["headers"]).get(b"content-length") if scope["type"] == "http" else None
+        if length is not None:
+            try:
+                big = int(length) > self.limit
+            except ValueError:
+                big = False
+            if big:
+                await error_response(too_large(self.limit), scope["path"])(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class GuardMiddleware:
-    """Pure ASGI (so streaming and disconnects pass through untouched): who is calling (an API key
-    in ``Authorization: Bearer`` or Anthropic's ``x-api-key``, looked up in the tenants' table;
-    without keys, every request is the ``default`` tenant's), body size, the per-route status
-    counter, and, after the answer's last byte, the tenant's bookkeeping (``TenantGate.finish``:
-    limits released, per-tenant metrics, the audit line)."""
+    """Pure ASGI (so streaming and disconnects pass through untouched): the per-route status
+    counter, around who is calling (``tripod.tenants.asgi.TenantMiddleware``: the key, a 401, the
+    tenant's bookkeeping), around the body size limit."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
-        self.app = app
+        inner = BodyLimit(app, state.config.max_body_bytes)
+        self.app = TenantMiddleware(inner, state.tenants, _unauthorized, guarded_path, tenant_route, route_of)
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path: str = scope["path"]
-        route = path if path in _ROUTES else "other"
         status_box = [500]
-        gate = self.state.tenants
-        rec = None
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -81,39 +110,9 @@ class GuardMiddleware:
             await send(message)
 
         try:
-            headers = dict(scope["headers"])
-            # NOTE: the console's page shell (/ui, its scripts) holds no data: open, so a browser can
-            # load it and then send the key; its JSON API (/ui/api/*) is guarded like the API.
-            if path not in _OPEN_PATHS and not is_open_path(path):
-                rec = gate.identify(headers, route)
-                if rec is None:
-                    given = bool(headers.get(b"authorization") or headers.get(b"x-api-key"))
-                    why = "no API key was given" if not given else "the API key is not valid"
-                    await error_response(APIError(
-                        401, f"{why}; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                        type="invalid_request_error", code="invalid_api_key",
-                    ), path)(scope, receive, counting_send)
-                    return
-                if not tenant_route(path):
-                    rec = None
-                scope[SCOPE_KEY] = rec
-            length = headers.get(b"content-length")
-            if length is not None:
-                try:
-                    big = int(length) > self.state.config.max_body_bytes
-                except ValueError:
-                    big = False
-                if big:
-                    await error_response(too_large(self.state.config.max_body_bytes), path)(
-                        scope, receive, counting_send
-                    )
-                    return
             await self.app(scope, receive, counting_send)
         finally:
-            self.state.metrics.http_requests.labels(route, str(status_box[0])).inc()
-            if rec is not None:
-                rec.status = status_box[0]
-                gate.finish(rec)
+            self.state.metrics.http_requests.labels(route_of(scope["path"]), str(status_box[0])).inc()
 
 
 def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:

@@ -209,5 +209,6 @@ def _usage_of(gen: Generation) -> Callable[[RequestRecord], None]:
         rec.prompt_tokens = gen.usage.prompt_tokens
         rec.output_tokens = max(0, gen.usage.completion_tokens - resumed)
         rec.first_token = gen.first_token_time
+        rec.token_times = True
 
     return sync

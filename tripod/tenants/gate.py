@@ -39,8 +39,9 @@ class RequestRecord:
     status: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
-    first_token: float | None = None  # monotonic
+    first_token: float | None = None  # monotonic; a router: the answer's first byte
     last_token: float | None = None
+    token_times: bool = False  # first_token is the first token's own time (a server): TPOT is measured
     lease: Lease | None = None
     prompt: str | None = None
     sync: Callable[[RequestRecord], None] | None = None  # fills the counts in at the end (the server's generation)
@@ -125,7 +126,7 @@ class TenantGate:
             m.output_tokens.labels(name).inc(rec.output_tokens)
         if rec.first_token is not None:
             m.ttft.labels(name).observe(rec.first_token - rec.start)
-            if rec.output_tokens > 1:  # the last token: when the answer ended, unless known
+            if rec.token_times and rec.output_tokens > 1:  # the last token: when the answer ended, unless known
                 last = rec.last_token if rec.last_token is not None else now
                 m.tpot.labels(name).observe((last - rec.first_token) / (rec.output_tokens - 1))
         if self.audit is not None:
