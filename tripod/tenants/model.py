@@ -109,7 +109,8 @@ def parse_tenants(text: str, where: str = "<tenants>") -> TenantFile:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         m = re.search(r"line (\d+)", str(e))
-        raise TenantFileError(f"{where}:{m.group(1) if m else 1}: not valid TOML ({e})") from None
+        line = int(m.group(1)) if m else (max(1, len(text.splitlines())) if "end of document" in str(e) else 1)
+        raise TenantFileError(f"{where}:{line}: not valid TOML ({e})") from None
     lines = _Lines(text)
     extra = set(doc) - {"tenant"}
     if extra:
