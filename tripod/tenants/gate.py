@@ -124,7 +124,7 @@ class TenantGate:
             m.prompt_tokens.labels(name).inc(rec.prompt_tokens)
         if rec.output_tokens:
             m.output_tokens.labels(name).inc(rec.output_tokens)
-        if rec.first_token is not None:
+        if rec.first_token is not None and rec.status < 400:  # (an error's first byte is no token)
             m.ttft.labels(name).observe(rec.first_token - rec.start)
             if rec.token_times and rec.output_tokens > 1:  # the last token: when the answer ended, unless known
                 last = rec.last_token if rec.last_token is not None else now
