@@ -11,7 +11,7 @@ from tripod.tenants.gate import (
     RequestRecord,
     TenantGate,
     record_of,
-    request_key,
+    request_keys,
 )
 from tripod.tenants.limiter import Lease, OverLimit, SlidingWindow, TenantLimiter
 from tripod.tenants.metrics import TenantMetrics
@@ -28,5 +28,5 @@ from tripod.tenants.registry import Identity, TenantRegistry
 __all__ = [
     "DEFAULT_TENANT", "ENFORCE_MODES", "SCOPE_KEY", "AuditLine", "AuditLog", "Identity", "Lease", "OverLimit",
     "RequestRecord", "SlidingWindow", "Tenant", "TenantFile", "TenantFileError", "TenantGate", "TenantLimiter",
-    "TenantMetrics", "TenantRegistry", "load_tenants", "parse_tenants", "record_of", "request_key",
+    "TenantMetrics", "TenantRegistry", "load_tenants", "parse_tenants", "record_of", "request_keys",
 ]

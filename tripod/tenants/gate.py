@@ -51,13 +51,16 @@ class RequestRecord:
         return self.identity.tenant.name
 
 
-def request_key(headers: dict[bytes, bytes]) -> str | None:
-    """The key a caller sent: OpenAI's ``Authorization: Bearer KEY`` or Anthropic's ``x-api-key``."""
+def request_keys(headers: dict[bytes, bytes]) -> list[str]:
+    """The keys a caller sent: OpenAI's ``Authorization: Bearer KEY`` and/or Anthropic's ``x-api-key``."""
+    keys = []
     bearer = headers.get(b"authorization", b"")
-    if bearer[:7].lower() == b"bearer ":
-        return bearer[7:].strip().decode("latin-1") or None
+    if bearer[:7].lower() == b"bearer " and bearer[7:].strip():
+        keys.append(bearer[7:].strip().decode("latin-1"))
     x_key = headers.get(b"x-api-key", b"")
-    return x_key.decode("latin-1") or None
+    if x_key:
+        keys.append(x_key.decode("latin-1"))
+    return keys
 
 
 def record_of(scope: dict[str, Any]) -> RequestRecord | None:
@@ -79,7 +82,10 @@ class TenantGate:
         registry.on_reload.append(lambda ok: metrics.reloads.labels("ok" if ok else "kept").inc())
 
     def identify(self, headers: dict[bytes, bytes], route: str) -> RequestRecord | None:
-        ident = self.registry.identify(request_key(headers))
+        keys = request_keys(headers)
+        # NOTE: every key sent is looked up (either header may carry the valid one), the first found wins.
+        found = [self.registry.identify(k) for k in keys] if keys else [self.registry.identify(None)]
+        ident = next((i for i in found if i is not None), None)
         return RequestRecord(ident, route) if ident is not None else None
 
     def check_model(self, rec: RequestRecord | None, model: str) -> None:
