@@ -106,9 +106,12 @@ def count_usage(rec: RequestRecord | None, resp: Response) -> None:
     if rec is None or isinstance(resp, StreamingResponse) or resp.status_code != 200:
         return
     try:
-        usage = json.loads(resp.body).get("usage") or {}
+        answer = json.loads(resp.body)
+        usage = answer.get("usage") or {}
     except (ValueError, AttributeError):
         return
+    if rec.model is None and isinstance(answer.get("model"), str):
+        rec.model = answer["model"]  # the served model, for a request that named none
     if not isinstance(usage, dict):
         return
     prompt = usage.get("prompt_tokens", (usage.get("input_tokens") or 0) + (usage.get("cache_read_input_tokens") or 0))
