@@ -279,27 +279,20 @@ class ServerConfig:
     bench_dir: str | None = opt(  # the console's benchmark history: where tripod bench wrote its runs
         None, BENCH_DIR_HELP, commands=(SERVE,), metavar="DIR", group="console", forward=False)
 
-    # Tenants, audit log and TLS (tripod.tenants; README "Tenants").
-    tenants: str | None = opt(
-        None, "a TOML file of tenants: their keys, weights and limits (reloaded on SIGHUP and when it changes)",
-        commands=(SERVE,), metavar="FILE", group="tenants")
-    tenant_limits: str = opt(
-        "all", "which tenant limits this server enforces: all; tokens (the token limits and max_context only: a "
-        "fleet's replicas, whose router enforces the rest); none (attribution only)",
-        commands=(SERVE,), choices=("all", "tokens", "none"), group="tenants")
-    audit_log: str | None = opt(
-        None, "write one JSON line per authenticated request to FILE (rotated by size)", commands=(SERVE,),
-        metavar="FILE", group="tenants", forward=False)
-    audit_log_content: bool = opt(
-        False, "include the prompt's text in the audit log (never without this flag)", commands=(SERVE,),
-        group="tenants", forward=False)
+    # Tenants, audit log and TLS (tripod.tenants; README "Tenants"); audit/TLS are not forwarded to replicas.
+    tenants: str | None = opt(None, "a TOML file of tenants: keys, weights, limits (reloaded on SIGHUP and on change)",
+                              commands=(SERVE,), metavar="FILE", group="tenants")
+    tenant_limits: str = opt("all", "tenant limits enforced here: all; tokens (token limits and max_context only: a "
+                             "fleet's replicas); none", commands=(SERVE,), choices=("all", "tokens", "none"), group="tenants")
+    audit_log: str | None = opt(None, "one JSON line per authenticated request (rotated by size)", commands=(SERVE,),
+                                metavar="FILE", group="tenants", forward=False)
+    audit_log_content: bool = opt(False, "put the prompt's text in the audit log", commands=(SERVE,), group="tenants",
+                                  forward=False)
     audit_log_max_bytes: int = 64 * 2**20  # rotated past this size, 5 old files kept
-    ssl_certfile: str | None = opt(
-        None, "serve HTTPS with this certificate (PEM; with --ssl-keyfile)", commands=(SERVE,), metavar="FILE",
-        group="tenants", forward=False)
-    ssl_keyfile: str | None = opt(
-        None, "the certificate's private key (PEM)", commands=(SERVE,), metavar="FILE", group="tenants",
-        forward=False)
+    ssl_certfile: str | None = opt(None, "serve HTTPS with this PEM certificate", commands=(SERVE,), metavar="FILE",
+                                   group="tenants", forward=False)
+    ssl_keyfile: str | None = opt(None, "its PEM private key", commands=(SERVE,), metavar="FILE", group="tenants",
+                                  forward=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -375,24 +368,18 @@ class RouterConfig:
         "(default: $TRIPOD_API_KEY)", commands=(ROUTE,), env="TRIPOD_API_KEY")
     bench_dir: str | None = opt(None, BENCH_DIR_HELP, commands=(ROUTE,), metavar="DIR", group="console")
 
-    # Tenants, audit log and TLS (tripod.tenants; README "Tenants"). In a fleet these are the
-    # server's options (--tenants, --audit-log, --ssl-*), read here by their names.
-    tenants: str | None = opt(
-        None, "a TOML file of tenants: the router authenticates their keys and enforces requests_per_second, "
-        "max_concurrent and models (give the replicas the file too, with --tenant-limits tokens)",
-        commands=(ROUTE,), metavar="FILE", group="tenants")
-    audit_log: str | None = opt(None, "write one JSON line per authenticated request to FILE (rotated by size)",
-                                commands=(ROUTE,), metavar="FILE", group="tenants")
-    audit_log_content: bool = opt(False, "include the prompt's text in the audit log", commands=(ROUTE,),
-                                  group="tenants")
+    # Tenants, audit log and TLS (tripod.tenants; README "Tenants"); a fleet's router reads the server's options.
+    tenants: str | None = opt(None, "a TOML file of tenants: the router checks keys and enforces requests_per_second, "
+                              "max_concurrent, models", commands=(ROUTE,), metavar="FILE", group="tenants")
+    audit_log: str | None = opt(None, "one JSON line per authenticated request (rotated by size)", commands=(ROUTE,),
+                                metavar="FILE", group="tenants")
+    audit_log_content: bool = opt(False, "put the prompt's text in the audit log", commands=(ROUTE,), group="tenants")
     audit_log_max_bytes: int = 64 * 2**20
-    ssl_certfile: str | None = opt(None, "serve HTTPS with this certificate (PEM; with --ssl-keyfile)",
-                                   commands=(ROUTE,), metavar="FILE", group="tenants")
-    ssl_keyfile: str | None = opt(None, "the certificate's private key (PEM)", commands=(ROUTE,), metavar="FILE",
-                                  group="tenants")
-    ssl_ca: str | None = opt(
-        None, "CA bundle (PEM) the router trusts for replicas it reaches over https:// (instead of the default "
-        "store)", commands=(ROUTE,), metavar="FILE", group="tenants")
+    ssl_certfile: str | None = opt(None, "serve HTTPS with this PEM certificate", commands=(ROUTE,), metavar="FILE",
+                                   group="tenants")
+    ssl_keyfile: str | None = opt(None, "its PEM private key", commands=(ROUTE,), metavar="FILE", group="tenants")
+    ssl_ca: str | None = opt(None, "CA bundle (PEM) to verify https:// replicas with (instead of the system's)",
+                             commands=(ROUTE,), metavar="FILE", group="tenants")
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:

@@ -30,7 +30,16 @@ from tripod.server.metrics import ServerMetrics
 from tripod.server.protocol import APIError
 from tripod.server.sampling import Limits
 from tripod.server.text import TextSide
-from tripod.tenants import AuditLog, OverLimit, RequestRecord, TenantGate, TenantRegistry, record_of
+from tripod.tenants import (
+    DEFAULT_TENANT,
+    AuditLog,
+    OverLimit,
+    RequestRecord,
+    Tenant,
+    TenantGate,
+    TenantRegistry,
+    record_of,
+)
 
 
 @dataclass
@@ -152,8 +161,12 @@ async def start_generation(
                        code="draining", headers={"Retry-After": str(cfg.retry_after)})
     n = parts[0].params.n
     rec = admit_tenant(state, request, parts)
+    tenant = rec.identity.tenant if rec is not None else Tenant(DEFAULT_TENANT)
     try:
-        # TODO(issue 26, part B): the engine's fair share: state.client.open(parts, n, tenant=.., weight=..)
+        # The engine's fair share (issue 26, part B: EngineClient.open takes tenant= and weight=). Until that
+        # lands, the one line to enable is the open below:
+        #   handle = state.client.open(parts, n, tenant=tenant.name, weight=tenant.weight)
+        del tenant
         handle = state.client.open(parts, n)
     except Overloaded as e:
         raise APIError(overload_status or cfg.overload_status, f"the server is at capacity ({e}); retry later",
