@@ -161,12 +161,9 @@ async def start_generation(
                        code="draining", headers={"Retry-After": str(cfg.retry_after)})
     n = parts[0].params.n
     rec = admit_tenant(state, request, parts)
-    tenant = rec.identity.tenant if rec is not None else Tenant(DEFAULT_TENANT)
     try:
-        # The engine's fair share (issue 26, part B: EngineClient.open takes tenant= and weight=). Until that
-        # lands, the one line to enable is the open below:
-        #   handle = state.client.open(parts, n, tenant=tenant.name, weight=tenant.weight)
-        del tenant
+        # NOTE: the engine's fair share (issue 26, part B) adds tenant=/weight= to EngineClient.open; with it
+        # in the tree, this line becomes: handle = state.client.open(parts, n, **engine_share(rec))
         handle = state.client.open(parts, n)
     except Overloaded as e:
         raise APIError(overload_status or cfg.overload_status, f"the server is at capacity ({e}); retry later",
@@ -211,6 +208,12 @@ def admit_tenant(state: ServerState, request: Request, parts: list[EnginePart]) 
     if gate.audit is not None and gate.audit.content:
         rec.prompt = "\n".join(state.text.decode(p.prompt_ids) for p in parts)
     return rec
+
+
+def engine_share(rec: RequestRecord | None) -> dict[str, str | float]:
+    """Whose request the engine schedules, and that tenant's weight (``EngineClient.open``'s keywords)."""
+    tenant = rec.identity.tenant if rec is not None else Tenant(DEFAULT_TENANT)
+    return {"tenant": tenant.name, "weight": tenant.weight}
 
 
 def _usage_of(gen: Generation) -> Callable[[RequestRecord], None]:
