@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -251,3 +252,12 @@ def test_a_router_over_https_in_front(env: dict[str, Any]) -> None:
             proc.kill()
             proc.wait(10)
         log.close()
+
+
+def test_an_invalid_file_is_refused_at_start_up(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[tenant]]\nname = "a"\nkeys = ["k"]\n\n[[tenant]]\nname = "a"\nkeys = ["j"]\n')
+    r = subprocess.run([sys.executable, "-m", "tripod.cli", "serve", "--tenants", str(bad), "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == f"tripod: error: {bad}:6: tenant 'a' is defined twice"
