@@ -27,7 +27,6 @@ requests_per_second = 0.01
 CHAT = [{"role": "user", "content": "Hi"}]
 
 
-@pytest.mark.slow
 def test_a_fleet_with_tenants(tmp_path: Path) -> None:
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(TENANTS)
