@@ -147,7 +147,9 @@ def _tenant(t: dict[str, Any], fail: Any) -> tuple[Tenant, list[bytes]]:
     digests = [digest(k) for k in _strings(t, "keys", fail, nonempty=True)]
     for h in _strings(t, "key_sha256", fail, nonempty=True):
         if not _HEX64.fullmatch(h.lower()):
-            raise fail(f"key_sha256 entries are 64 hex digits (a SHA-256 digest); got {h[:12]!r}...", "key_sha256")
+            # NOTE: the value is not echoed: it may be a plain key put here by mistake.
+            raise fail(f"key_sha256 entries are 64 hex digits (a SHA-256 digest); one has {len(h)} characters",
+                       "key_sha256")
         digests.append(bytes.fromhex(h))
     if not digests:
         raise fail(f"tenant {name!r} has no key: give 'keys' or 'key_sha256'", "name")
