@@ -289,6 +289,12 @@ def native_bf16(device: torch.device) -> bool:
     return False
 
 
+def check_tls(certfile: str | None, keyfile: str | None) -> None:
+    """HTTPS needs both the certificate and its key."""
+    if (certfile is None) != (keyfile is None):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both for HTTPS, or neither")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """The HTTP side of ``tripod serve``: where it listens, who may call it, how it sheds load."""
@@ -318,6 +324,21 @@ class ServerConfig:
     bench_dir: str | None = opt(  # the console's benchmark history: where tripod bench wrote its runs
         None, BENCH_DIR_HELP, commands=(SERVE,), metavar="DIR", group="console", forward=False)
 
+    # Tenants, audit log and TLS (tripod.tenants; README "Tenants"); audit/TLS are not forwarded to replicas.
+    tenants: str | None = opt(None, "a TOML file of tenants: keys, weights, limits (reloaded on SIGHUP and on change)",
+                              commands=(SERVE,), metavar="FILE", group="tenants")
+    tenant_limits: str = opt("all", "tenant limits enforced here: all; tokens (token limits and max_context only: a "
+                             "fleet's replicas); none", commands=(SERVE,), choices=("all", "tokens", "none"), group="tenants")
+    audit_log: str | None = opt(None, "one JSON line per authenticated request (rotated by size)", commands=(SERVE,),
+                                metavar="FILE", group="tenants", forward=False)
+    audit_log_content: bool = opt(False, "put the prompt's text in the audit log", commands=(SERVE,), group="tenants",
+                                  forward=False)
+    audit_log_max_bytes: int = 64 * 2**20  # rotated past this size, 5 old files kept
+    ssl_certfile: str | None = opt(None, "serve HTTPS with this PEM certificate", commands=(SERVE,), metavar="FILE",
+                                   group="tenants", forward=False)
+    ssl_keyfile: str | None = opt(None, "its PEM private key", commands=(SERVE,), metavar="FILE", group="tenants",
+                                  forward=False)
+
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535] (got {self.port})")
@@ -334,6 +355,7 @@ class ServerConfig:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
         if self.max_n < 1 or self.max_body_bytes < 1024:
             raise ValueError("max_n must be >= 1 and max_body_bytes >= 1024")
+        check_tls(self.ssl_certfile, self.ssl_keyfile)
 
 
 ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
@@ -400,6 +422,19 @@ class RouterConfig:
         0, "requests in flight per routable replica before the router queues by tenant fair share (0: no "
         "router queue)", commands=(SERVE, ROUTE), metavar="N")
 
+    # Tenants, audit log and TLS (tripod.tenants; README "Tenants"); a fleet's router reads the server's options.
+    tenants: str | None = opt(None, "a TOML file of tenants: the router checks keys and enforces requests_per_second, "
+                              "max_concurrent, models", commands=(ROUTE,), metavar="FILE", group="tenants")
+    audit_log: str | None = opt(None, "one JSON line per authenticated request (rotated by size)", commands=(ROUTE,),
+                                metavar="FILE", group="tenants")
+    audit_log_content: bool = opt(False, "put the prompt's text in the audit log", commands=(ROUTE,), group="tenants")
+    audit_log_max_bytes: int = 64 * 2**20
+    ssl_certfile: str | None = opt(None, "serve HTTPS with this PEM certificate", commands=(ROUTE,), metavar="FILE",
+                                   group="tenants")
+    ssl_keyfile: str | None = opt(None, "its PEM private key", commands=(ROUTE,), metavar="FILE", group="tenants")
+    ssl_ca: str | None = opt(None, "CA bundle (PEM) to verify https:// replicas with (instead of the system's)",
+                             commands=(ROUTE,), metavar="FILE", group="tenants")
+
     def __post_init__(self) -> None:
         if self.region_overflow_load <= 0 or self.replica_max_inflight < 0:
             raise ValueError("region_overflow_load must be > 0 and replica_max_inflight >= 0")
@@ -416,6 +451,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
         if self.failure_threshold < 1 or self.max_pending < 1 or self.max_retries < 0 or self.balance_abs < 0:
             raise ValueError("failure_threshold and max_pending must be >= 1; max_retries and balance_abs >= 0")
+        check_tls(self.ssl_certfile, self.ssl_keyfile)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import signal
+import ssl
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,9 +23,11 @@ from tripod.asgi import DrainingServer
 from tripod.config import FleetConfig, RouterConfig
 from tripod.fleet.replicas import LocalLauncher, ReplicaLauncher
 from tripod.fleet.supervisor import Supervisor
-from tripod.router.app import build_router_app
+from tripod.router.app import build_router_app, make_router_gate
+from tripod.router.proxy import trust_replica_ca
 from tripod.router.replica import parse_replica
 from tripod.router.router import Router
+from tripod.tenants import TenantFileError, TenantGate
 
 log = logging.getLogger("tripod.router")
 
@@ -33,7 +36,7 @@ def _run(router: Router, app: Any, config: RouterConfig, log_level: int, drain_t
     logging.getLogger("httpx").setLevel(max(log_level, logging.WARNING))  # not a line per probe
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=logging.getLevelName(log_level).lower(),
                         access_log=False, timeout_graceful_shutdown=max(1, int(drain_timeout)), lifespan="on",
-                        timeout_keep_alive=30)
+                        timeout_keep_alive=30, ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile)
 
     def on_signal(sig: signal.Signals) -> None:
         if not router.draining:
@@ -48,12 +51,30 @@ def _run(router: Router, app: Any, config: RouterConfig, log_level: int, drain_t
     return bool(server.started)
 
 
+def _tenants(router: Router) -> TenantGate | None:
+    """The router's tenants and trust in replicas' certificates, or None (the reason printed:
+    exit 2) for an invalid tenants file, audit log path or CA bundle."""
+    try:
+        trust_replica_ca(router.config.ssl_ca)
+        return make_router_gate(router)
+    except (TenantFileError, OSError, ssl.SSLError) as e:
+        print(f"tripod: error: {e}", file=sys.stderr)
+        return None
+
+
+def _scheme(config: RouterConfig) -> str:
+    return "https" if config.ssl_certfile else "http"
+
+
 def route(config: RouterConfig, urls: list[str], log_level: int = logging.INFO, drain_timeout: float = 30.0) -> int:
     """Serve a router in front of running replicas given by URL."""
     if not urls:
         print("tripod: error: give at least one --replica URL", file=sys.stderr)
         return 2
     router = Router(config)
+    gate = _tenants(router)
+    if gate is None:
+        return 2
     for i, spec in enumerate(urls):
         try:
             url, labels = parse_replica(spec)  # URL[,region=NAME,...]
@@ -68,14 +89,14 @@ def route(config: RouterConfig, urls: list[str], log_level: int = logging.INFO, 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
         await router.start()
-        log.info("routing %s over %d replicas at http://%s:%d/v1 (%d routable now)", config.policy, len(urls),
-                 config.host, config.port, len(router.routable()))
+        log.info("routing %s over %d replicas at %s://%s:%d/v1 (%d routable now)", config.policy, len(urls),
+                 _scheme(config), config.host, config.port, len(router.routable()))
         try:
             yield
         finally:
             await router.stop()
 
-    return 0 if _run(router, build_router_app(router, lifespan), config, log_level, drain_timeout) else 2
+    return 0 if _run(router, build_router_app(router, lifespan, gate=gate), config, log_level, drain_timeout) else 2
 
 
 def make_launcher(fleet: FleetConfig, serve_args: list[str], log_dir: Path | None) -> ReplicaLauncher:
@@ -89,13 +110,24 @@ def make_launcher(fleet: FleetConfig, serve_args: list[str], log_dir: Path | Non
 
 def serve_fleet(config: RouterConfig, fleet: FleetConfig, serve_args: list[str], log_level: int = logging.INFO,
                 log_dir: Path | None = None) -> int:
-    """A router on ``config.host:port`` and ``fleet.min_replicas`` replicas (more under load)."""
+    """A router on ``config.host:port`` and ``fleet.min_replicas`` replicas (more under load).
+
+    Tenants: the router authenticates, enforces requests_per_second, max_concurrent and models, and
+    writes the audit log; each replica gets the tenants file too (``serve_args``) with
+    ``--tenant-limits tokens``: it attributes requests to the same tenants (its per-tenant series,
+    the engine's fair share) and enforces the token limits and max_context, which only a server
+    can count. TLS: the router serves HTTPS to clients; replicas listen on loopback in plain HTTP."""
+    if config.tenants:
+        serve_args = [*serve_args, "--tenant-limits", "tokens"]  # NOTE: argparse keeps the last value
     try:
         launcher = make_launcher(fleet, serve_args, log_dir)
     except ValueError as e:
         print(f"tripod: error: {e}", file=sys.stderr)
         return 2
     router = Router(config)
+    gate = _tenants(router)
+    if gate is None:
+        return 2
     supervisor = Supervisor(router, launcher, fleet)
     failed = False
 
@@ -110,13 +142,14 @@ def serve_fleet(config: RouterConfig, fleet: FleetConfig, serve_args: list[str],
                 failed = True
                 why = supervisor.fatal or f"no replica became healthy in {fleet.start_timeout:.0f} s"
                 raise RuntimeError(why + (f" (replica logs in {log_dir})" if log_dir else ""))
-            log.info("fleet ready: %d replica(s) (%s backend, %s routing) at http://%s:%d/v1, pid %d",
-                     len(router.routable()), fleet.backend, config.policy, config.host, config.port, os.getpid())
+            log.info("fleet ready: %d replica(s) (%s backend, %s routing) at %s://%s:%d/v1, pid %d",
+                     len(router.routable()), fleet.backend, config.policy, _scheme(config), config.host, config.port,
+                     os.getpid())
             yield
         finally:
             await supervisor.stop()
             await router.stop()
 
-    app = build_router_app(router, lifespan, fleet_info=supervisor.info, supervisor=supervisor)
+    app = build_router_app(router, lifespan, fleet_info=supervisor.info, supervisor=supervisor, gate=gate)
     started = _run(router, app, config, log_level, fleet.drain_timeout)
     return 2 if failed or not started else 0

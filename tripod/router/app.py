@@ -5,29 +5,35 @@ replica table).
 ``/tokenize``, ``/detokenize`` are proxied to the replica the policy picks; ``/v1/models`` to any
 routable replica. ``/health`` is 200 while at least one replica is routable. ``/metrics`` is the
 router's own Prometheus page. The router's own errors on ``/v1/messages`` take Anthropic's shape.
+With ``--tenants`` the router authenticates the API's requests and enforces the limits it can count
+(``make_router_gate``); per-tenant series and the audit log as a server's (``tripod.tenants``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tripod.asgi import BodyTooLarge, ClientGone, read_body, until_disconnect
 from tripod.console.app import Console
 from tripod.router.console_source import RouterConsoleSource, SupervisorView
 from tripod.router.errors import RouterError
-from tripod.router.prompt import is_anthropic
+from tripod.router.prompt import is_anthropic, render_prompt
 from tripod.router.replica import Replica
 from tripod.router.router import Router
+from tripod.tenants import AuditLog, OverLimit, RequestRecord, TenantGate, TenantRegistry, record_of
+from tripod.tenants.asgi import TenantMiddleware
 
 log = logging.getLogger("tripod.router")
 
@@ -58,6 +64,60 @@ async def read_request(request: Request, limit: int) -> tuple[bytes, dict[str, A
         raise RouterError(413, f"the request body is larger than {limit} bytes; send a smaller one",
                           "request_too_large") from None
     return raw, json_object(raw)
+
+
+def make_router_gate(router: Router) -> TenantGate:
+    """The router's tenants: with ``--tenants`` it authenticates every API request itself (the file's
+    keys, and the plain ``--api-key`` as the ``default`` tenant's) and enforces the limits it can
+    count (requests_per_second, max_concurrent, models); the replicas, given the file too, count
+    tokens. Without ``--tenants`` it checks no key (the replicas check theirs, as before), and
+    every request is ``default``'s. ``TenantFileError``/``OSError`` on a bad file or audit path."""
+    cfg = router.config
+    registry = TenantRegistry(cfg.tenants, cfg.api_key if cfg.tenants else None)
+    audit = (AuditLog(cfg.audit_log, content=cfg.audit_log_content, max_bytes=cfg.audit_log_max_bytes)
+             if cfg.audit_log else None)
+    return TenantGate(registry, router.metrics.tenants, audit)
+
+
+def admit_tenant(gate: TenantGate, request: Request, body: dict[str, Any]) -> RequestRecord | None:
+    """The router's admission of a request for its tenant: 404 for a model it may not use, 429
+    (``Retry-After``, the limit named) past requests_per_second or max_concurrent."""
+    rec = record_of(request.scope)
+    if rec is None:
+        return None
+    model = body.get("model")
+    if isinstance(model, str):
+        rec.model = model
+        try:
+            gate.check_model(rec, model)
+        except PermissionError as e:
+            raise RouterError(404, f"{e}; see the tenant's 'models' in the tenants file", "model_not_found") from None
+    try:
+        gate.admit(rec)
+    except OverLimit as e:
+        raise RouterError(429, str(e), "rate_limit_exceeded", int(e.retry_after_header)) from None
+    if gate.audit is not None and gate.audit.content:
+        rec.prompt = render_prompt(request.url.path, body)
+    return rec
+
+
+def count_usage(rec: RequestRecord | None, resp: Response) -> None:
+    """A whole answer's token counts (OpenAI's or Anthropic's ``usage``) into its tenant record."""
+    if rec is None or isinstance(resp, StreamingResponse) or resp.status_code != 200:
+        return
+    try:
+        answer = json.loads(resp.body)
+        usage = answer.get("usage") or {}
+    except (ValueError, AttributeError):
+        return
+    if rec.model is None and isinstance(answer.get("model"), str):
+        rec.model = answer["model"]  # the served model, for a request that named none
+    if not isinstance(usage, dict):
+        return
+    prompt = usage.get("prompt_tokens", (usage.get("input_tokens") or 0) + (usage.get("cache_read_input_tokens") or 0))
+    output = usage.get("completion_tokens", usage.get("output_tokens", 0))
+    rec.prompt_tokens = prompt if isinstance(prompt, int) else 0
+    rec.output_tokens = output if isinstance(output, int) else 0
 
 
 async def forward_unless_gone(router: Router, request: Request, raw: bytes, body: dict[str, Any]) -> Response:
@@ -133,17 +193,30 @@ async def _not_found(request: Request, e: Exception) -> Response:
         anthropic=is_anthropic(request.url.path))
 
 
+def _api_path(path: str) -> bool:
+    return path in PROXIED_PATHS or path == "/v1/models" or path.startswith("/v1/models/")
+
+
+def _unauthorized(path: str, message: str) -> Any:
+    return RouterError(401, message, "invalid_api_key").response(anthropic=is_anthropic(path))
+
+
 def build_router_app(router: Router, lifespan: Any = None,
                      fleet_info: Callable[[], dict[str, Any]] | None = None,
-                     supervisor: SupervisorView | None = None) -> Starlette:
+                     supervisor: SupervisorView | None = None, gate: TenantGate | None = None) -> Starlette:
     """The router's app; ``supervisor`` (a fleet this process launched) adds the slots that are
-    down and the autoscaler to the console's fleet view."""
+    down and the autoscaler to the console's fleet view; ``gate``: its tenants (default: made from
+    the config, see ``make_router_gate``)."""
     console = Console(RouterConsoleSource(router, supervisor), api_key=router.config.api_key,
                       bench_dir=router.config.bench_dir)
+    tenants = gate or make_router_gate(router)
 
     async def proxied(request: Request) -> Response:
         raw, body = await read_request(request, router.config.max_body_bytes)
-        return await forward_unless_gone(router, request, raw, body)
+        rec = admit_tenant(tenants, request, body)
+        resp = await forward_unless_gone(router, request, raw, body)
+        count_usage(rec, resp)
+        return resp
 
     async def models(request: Request) -> Response:
         return await _models(router, request)
@@ -167,5 +240,19 @@ def build_router_app(router: Router, lifespan: Any = None,
         Route("/fleet", fleet, methods=["GET"]),
         *console.routes(),  # /ui: the console (tripod.console)
     ]
-    return Starlette(routes=routes, lifespan=console.wrap_lifespan(lifespan),
+    guard = Middleware(TenantMiddleware, gate=tenants, refuse=_unauthorized, guarded=_api_path, attributed=_api_path,
+                       route_of=lambda p: "/v1/models" if p.startswith("/v1/models") else p)
+
+    @contextlib.asynccontextmanager
+    async def with_tenants(app: Any) -> AsyncIterator[None]:
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                if lifespan is not None:
+                    await stack.enter_async_context(lifespan(app))
+                await stack.enter_async_context(tenants.registry.watching())
+                yield
+        finally:
+            tenants.close()
+
+    return Starlette(routes=routes, lifespan=console.wrap_lifespan(with_tenants), middleware=[guard],
                      exception_handlers={HTTPException: _not_found})

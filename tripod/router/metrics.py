@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tripod.router.replica import Replica
+from tripod.tenants.metrics import TenantMetrics
 
 
 class RouterMetrics:
@@ -53,6 +54,9 @@ class RouterMetrics:
                               "estimated share of routed prompt tokens found cached", [g], registry=r)
         self._gauges = (self.inflight, self.inflight_tokens, self.running, self.waiting, self.healthy, self.hit_rate)
         self._known: set[str] = set()
+        # Per tenant (tripod.tenants): requests by status, rejections by limit, time to the answer's
+        # first byte; tokens of whole answers (the replicas count every token and its TPOT).
+        self.tenants = TenantMetrics(r, "tripod:router_tenant_")
 
     def render(self, replicas: Iterable[Replica], queue_depth: int, pending: int) -> bytes:
         self.queue_depth.set(queue_depth)

@@ -11,6 +11,8 @@ stream cut after its first chunk ends with an error event, never a silent second
 from __future__ import annotations
 
 import logging
+import os
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,6 +30,23 @@ from tripod.router.replica import Flight, Replica
 
 if TYPE_CHECKING:
     from tripod.router.router import Router
+
+
+def replica_ssl_context(ca_file: str | None) -> ssl.SSLContext | bool:
+    """How the router verifies replicas it reaches over ``https://``: against ``ca_file`` (a PEM
+    bundle; ``--ssl-ca``) when given, else the default store (True). An unreadable or invalid
+    bundle raises ``OSError``/``ssl.SSLError`` (start-up refuses it)."""
+    return ssl.create_default_context(cafile=ca_file) if ca_file else True
+
+
+def trust_replica_ca(ca_file: str | None) -> None:
+    """Make the router's HTTP clients verify replicas against ``ca_file``: checked now, then named
+    in ``SSL_CERT_FILE``, which httpx reads when the router opens its clients (``Router.start``).
+    NOTE: process-wide, which a router process is; once the clients take
+    ``verify=replica_ssl_context(...)`` themselves this is no longer needed."""
+    if ca_file:
+        replica_ssl_context(ca_file)
+        os.environ["SSL_CERT_FILE"] = ca_file
 
 log = logging.getLogger("tripod.router")
 

@@ -117,7 +117,7 @@ def add_token_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
         req: TokenizeRequest = parse(TokenizeRequest, await read_body(request, state.config.max_body_bytes))
-        check_model(state, req.model)
+        check_model(state, req.model, request)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
@@ -130,6 +130,6 @@ def add_token_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
         req: DetokenizeRequest = parse(DetokenizeRequest, await read_body(request, state.config.max_body_bytes))
-        check_model(state, req.model)
+        check_model(state, req.model, request)
         check_ids(state, req.tokens, "tokens")
         return JSONResponse({"prompt": state.text.decode(req.tokens, skip_special_tokens=False)})

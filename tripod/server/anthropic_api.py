@@ -58,7 +58,7 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> JSONResponse:
         req: CountTokensRequest = parse(CountTokensRequest, await read_body(request, state.config.max_body_bytes))
-        check_model(state, req.model)
+        check_model(state, req.model, request)
         msgs, tools, _, cont = conversation(req, state.chat.parallel_default)
         ids = state.chat.render(msgs, tools, continue_final=cont)
         return JSONResponse({"input_tokens": len(ids)})
@@ -137,7 +137,7 @@ def _stop_reason(finish: str | None, stop_sequence: str | None, calls: int) -> s
 async def _messages(state: ServerState, request: Request) -> Response:
     arrival = time.monotonic()
     req: MessagesRequest = parse(MessagesRequest, await read_body(request, state.config.max_body_bytes))
-    check_model(state, req.model)
+    check_model(state, req.model, request)
     msgs, tools, choice, cont = conversation(req, state.chat.parallel_default)
     ids = state.chat.render(msgs, tools, continue_final=cont)
     if req.temperature is not None and req.temperature > TEMPERATURE_MAX:

@@ -10,7 +10,6 @@ engine is only reached by requests that passed every check.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +27,7 @@ from tripod.server.openai_api import add_openai_routes
 from tripod.server.openapi import openapi_document
 from tripod.server.protocol import APIError
 from tripod.server.serving import ClientGone, ServerState, too_large
+from tripod.tenants.asgi import TenantMiddleware
 
 __all__ = ["ServerState", "build_app", "lifespan_for"]
 
@@ -49,32 +49,59 @@ def error_response(e: APIError, path: str) -> JSONResponse:
     return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
+def route_of(path: str) -> str:
+    return path if path in _ROUTES else "other"
+
+
+def guarded_path(path: str) -> bool:
+    """Paths that need a key (when keys are set): all but /health, /metrics, /openapi.json and the
+    console's page shell (NOTE: it holds no data; its JSON API, /ui/api/*, is guarded)."""
+    return path not in _OPEN_PATHS and not is_open_path(path)
+
+
+def _unauthorized(path: str, message: str) -> ASGIApp:
+    return error_response(APIError(401, message, type="invalid_request_error", code="invalid_api_key"), path)
+
+
+def tenant_route(path: str) -> bool:
+    """The routes whose requests are attributed, counted per tenant and audited (the API's)."""
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
+class BodyLimit:
+    """Pure ASGI: a request whose Content-Length is past ``limit`` gets 413 before it is read."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        length = dict(scope["headers"]).get(b"content-length") if scope["type"] == "http" else None
+        if length is not None:
+            try:
+                big = int(length) > self.limit
+            except ValueError:
+                big = False
+            if big:
+                await error_response(too_large(self.limit), scope["path"])(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class GuardMiddleware:
-    """Pure ASGI (so streaming and disconnects pass through untouched): API key (``Authorization:
-    Bearer`` or Anthropic's ``x-api-key``), body size, and the per-route status counter."""
+    """Pure ASGI (so streaming and disconnects pass through untouched): the per-route status
+    counter, around who is calling (``tripod.tenants.asgi.TenantMiddleware``: the key, a 401, the
+    tenant's bookkeeping), around the body size limit."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
-        self.app = app
+        inner = BodyLimit(app, state.config.max_body_bytes)
+        self.app = TenantMiddleware(inner, state.tenants, _unauthorized, guarded_path, tenant_route, route_of)
         self.state = state
-        key = state.config.api_key
-        self._key = key.encode() if key else None
-
-    def _authorized(self, headers: dict[bytes, bytes]) -> tuple[bool, bool]:
-        """(authorized, any key given)."""
-        assert self._key is not None
-        bearer = headers.get(b"authorization", b"")
-        x_key = headers.get(b"x-api-key", b"")
-        # NOTE: constant-time comparisons, both always made: a timing side channel must not
-        # leak the key, nor which header carried a near miss.
-        ok_bearer = hmac.compare_digest(bearer, b"Bearer " + self._key)
-        ok_x = hmac.compare_digest(x_key, self._key)
-        return ok_bearer or ok_x, bool(bearer or x_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path: str = scope["path"]
         status_box = [500]
 
         async def counting_send(message: Message) -> None:
@@ -83,33 +110,9 @@ class GuardMiddleware:
             await send(message)
 
         try:
-            headers = dict(scope["headers"])
-            # NOTE: the console's page shell (/ui, its scripts) holds no data: open, so a browser can
-            # load it and then send the key; its JSON API (/ui/api/*) is guarded like the API.
-            if self._key is not None and path not in _OPEN_PATHS and not is_open_path(path):
-                ok, given = self._authorized(headers)
-                if not ok:
-                    why = "no API key was given" if not given else "the API key is not valid"
-                    await error_response(APIError(
-                        401, f"{why}; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                        type="invalid_request_error", code="invalid_api_key",
-                    ), path)(scope, receive, counting_send)
-                    return
-            length = headers.get(b"content-length")
-            if length is not None:
-                try:
-                    big = int(length) > self.state.config.max_body_bytes
-                except ValueError:
-                    big = False
-                if big:
-                    await error_response(too_large(self.state.config.max_body_bytes), path)(
-                        scope, receive, counting_send
-                    )
-                    return
             await self.app(scope, receive, counting_send)
         finally:
-            route = path if path in _ROUTES else "other"
-            self.state.metrics.http_requests.labels(route, str(status_box[0])).inc()
+            self.state.metrics.http_requests.labels(route_of(scope["path"]), str(status_box[0])).inc()
 
 
 def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
@@ -163,10 +166,16 @@ async def lifespan_for(state: ServerState) -> AsyncIterator[None]:
                  ec.speculative, ec.num_draft_tokens, ec.spec_max_batch)
     cfg = state.config
     tools = state.chat.describe()
-    log.info("serving the OpenAI API at http://%s:%d/v1 and the Anthropic Messages API at /v1/messages%s; "
-             "tool calls: %s syntax, %s prompt format", cfg.host, cfg.port,
-             " (API key required)" if cfg.api_key else "", tools["parser"], tools["prompt_format"])
+    scheme = "https" if cfg.ssl_certfile else "http"
+    log.info("serving the OpenAI API at %s://%s:%d/v1 and the Anthropic Messages API at /v1/messages%s; "
+             "tool calls: %s syntax, %s prompt format", scheme, cfg.host, cfg.port,
+             " (API key required)" if not state.tenants.registry.open else "", tools["parser"], tools["prompt_format"])
+    if cfg.tenants:
+        log.info("tenants: %d from %s (limits enforced: %s; reloaded on SIGHUP and when the file changes)",
+                 len(state.tenants.registry.tenants()), cfg.tenants, cfg.tenant_limits)
     try:
-        yield
+        async with state.tenants.registry.watching():
+            yield
     finally:
         await state.client.stop()
+        state.tenants.close()

@@ -2,7 +2,7 @@
 
 Exit codes: 0 after a clean stop (SIGTERM/SIGINT: stop accepting, let in-flight requests finish
 up to ``drain_timeout``); 1 when the engine process died or hung (a supervisor should restart
-us); 2 when start-up failed (bad model, port in use).
+us); 2 when start-up failed (bad model, port in use, an invalid tenants file: the line and the reason).
 """
 
 from __future__ import annotations
@@ -20,13 +20,21 @@ from tripod.loader import load_tokenizer
 from tripod.server.app import ServerState, build_app, lifespan_for
 from tripod.server.engine_client import EngineClient
 from tripod.server.metrics import ServerMetrics
+from tripod.server.serving import make_gate
 from tripod.server.text import TextSide
+from tripod.tenants import TenantFileError
 
 log = logging.getLogger("tripod.server")
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig, log_level: int = logging.INFO) -> int:
     """Run the server until it is stopped; returns the process exit code."""
+    metrics = ServerMetrics(config.served_model_name or "")
+    try:
+        gate = make_gate(config, metrics)  # a bad tenants file is refused before the engine starts
+    except (TenantFileError, OSError) as e:
+        print(f"tripod: error: {e}", file=sys.stderr)
+        return 2
     client = EngineClient(engine_config, config, log_level)
     client.spawn()  # the engine loads the weights while we load the tokenizer
     try:
@@ -36,17 +44,17 @@ def serve(engine_config: EngineConfig, config: ServerConfig, log_level: int = lo
         print(f"tripod: error: {e}", file=sys.stderr)
         return 2
     name = config.served_model_name or tok.name
-    metrics = ServerMetrics(name)
+    metrics.model_name = name
     state = ServerState(
         engine_config=engine_config, config=config, text=TextSide(tok.tokenizer, tok.config.vocab_size),
-        client=client, model_name=name, quantization=tok.quantization, metrics=metrics,
+        client=client, model_name=name, quantization=tok.quantization, metrics=metrics, gate=gate,
     )
     client.on_heartbeat = metrics.on_heartbeat
     app = build_app(state, lifespan=lambda _app: lifespan_for(state))
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=logging.getLevelName(log_level).lower(),
         access_log=False, timeout_graceful_shutdown=int(config.drain_timeout) or 1,
-        lifespan="on", timeout_keep_alive=30,
+        lifespan="on", timeout_keep_alive=30, ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile,
     )
 
     def on_signal(sig: signal.Signals) -> None:

@@ -10,6 +10,10 @@ Speculative decoding as vLLM counts it, per proposer (ngram, draft, self, jump_f
 ``tripod:spec_decode_num_drafts_total``, ``tripod:spec_decode_num_draft_tokens_total``,
 ``tripod:spec_decode_num_accepted_tokens_total`` {model_name, proposer}; acceptance rate =
 accepted / draft tokens, mean accepted length = 1 + accepted / drafts.
+Per tenant (``tripod.tenants.metrics``): ``tripod:tenant_requests_total{tenant,status}``,
+``tripod:tenant_prompt_tokens_total``, ``tripod:tenant_output_tokens_total``,
+``tripod:tenant_rejections_total{tenant,limit}``, ``tripod:tenant_time_to_first_token_seconds``,
+``tripod:tenant_time_per_output_token_seconds``, ``tripod:tenant_file_reloads_total{result}``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tripod.protocol.stats import EngineStats
+from tripod.tenants.metrics import TenantMetrics
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
@@ -73,6 +78,7 @@ class ServerMetrics:
                           "speculative draft tokens accepted (each saves a forward pass)", "proposer"),
         )
         self._engine_counts: dict[str, int] = {}
+        self.tenants = TenantMetrics(r, "tripod:tenant_")  # per tenant (tripod.tenants)
 
     # Every series but the HTTP answers is labelled with the model's name first (vLLM's layout).
     def _counter(self, name: str, doc: str, *labels: str) -> Counter:

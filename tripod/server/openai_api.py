@@ -96,7 +96,7 @@ def _check_stream_options(req: ChatCompletionRequest | CompletionRequest) -> Non
 async def _chat(state: ServerState, request: Request) -> Response:
     arrival = time.monotonic()
     req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_body(request, state.config.max_body_bytes))
-    check_model(state, req.model)
+    check_model(state, req.model, request)
     tools, choice = openai_tools(req, state.chat.parallel_default)
     ids = state.chat.render(chat_messages(req.messages), tools)
     if req.top_logprobs is not None and not req.logprobs:
@@ -272,7 +272,7 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, s: Starte
 async def _completions(state: ServerState, request: Request) -> Response:
     arrival = time.monotonic()
     req: CompletionRequest = parse(CompletionRequest, await read_body(request, state.config.max_body_bytes))
-    check_model(state, req.model)
+    check_model(state, req.model, request)
     if req.suffix:
         raise APIError(400, "'suffix' is not supported by tripod; remove it", param="suffix")
     if req.best_of is not None and req.best_of != (req.n or 1):

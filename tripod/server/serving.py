@@ -30,6 +30,16 @@ from tripod.server.metrics import ServerMetrics
 from tripod.server.protocol import APIError
 from tripod.server.sampling import Limits
 from tripod.server.text import TextSide
+from tripod.tenants import (
+    DEFAULT_TENANT,
+    AuditLog,
+    OverLimit,
+    RequestRecord,
+    Tenant,
+    TenantGate,
+    TenantRegistry,
+    record_of,
+)
 
 
 @dataclass
@@ -48,10 +58,18 @@ class ServerState:
     exit_code: int = 0
     request_shutdown: Callable[[], None] | None = None
     renderer: ChatRenderer | None = None
+    gate: TenantGate | None = None  # None: made from config (launch.serve makes it first, to refuse a bad file)
 
     def __post_init__(self) -> None:
         if self.renderer is None:
             self.renderer = ChatRenderer(self.text)
+        if self.gate is None:
+            self.gate = make_gate(self.config, self.metrics)
+
+    @property
+    def tenants(self) -> TenantGate:
+        assert self.gate is not None
+        return self.gate
 
     @property
     def chat(self) -> ChatRenderer:
@@ -73,6 +91,15 @@ class ServerState:
         return f"tripod-{info.dtype if info else '?'}-{self.quantization}"
 
 
+def make_gate(config: ServerConfig, metrics: ServerMetrics) -> TenantGate:
+    """The server's tenants: the file (a ``TenantFileError`` when it is invalid), the plain key, the
+    audit log (an ``OSError`` when it cannot be opened)."""
+    registry = TenantRegistry(config.tenants, config.api_key)
+    audit = (AuditLog(config.audit_log, content=config.audit_log_content, max_bytes=config.audit_log_max_bytes)
+             if config.audit_log else None)
+    return TenantGate(registry, metrics.tenants, audit, enforce=config.tenant_limits)
+
+
 def too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit} bytes; send less", code="body_too_large")
 
@@ -84,11 +111,18 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise too_large(limit) from None
 
 
-def check_model(state: ServerState, name: str | None) -> None:
-    if name is None or name in (state.model_name, "default"):
-        return
-    raise APIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
-                   param="model", code="model_not_found")
+def check_model(state: ServerState, name: str | None, request: Request | None = None) -> None:
+    """404 for a model this server does not serve, or (``request``'s tenant has a ``models`` list)
+    one its tenant may not use."""
+    if name is not None and name not in (state.model_name, "default"):
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+    if request is not None:
+        try:
+            state.tenants.check_model(record_of(request.scope), state.model_name)
+        except PermissionError as e:
+            raise APIError(404, f"{e}; see the tenant's 'models' in the tenants file", param="model",
+                           code="model_not_found") from None
 
 
 def check_ids(state: ServerState, ids: list[int], what: str) -> None:
@@ -126,7 +160,10 @@ async def start_generation(
         raise APIError(503, "the server is shutting down; retry on another replica", type="server_error",
                        code="draining", headers={"Retry-After": str(cfg.retry_after)})
     n = parts[0].params.n
+    rec = admit_tenant(state, request, parts)
     try:
+        # NOTE: the engine's fair share (issue 26, part B) adds tenant=/weight= to EngineClient.open; with it
+        # in the tree, this line becomes: handle = state.client.open(parts, n, **engine_share(rec))
         handle = state.client.open(parts, n)
     except Overloaded as e:
         raise APIError(overload_status or cfg.overload_status, f"the server is at capacity ({e}); retry later",
@@ -135,6 +172,8 @@ async def start_generation(
     except EngineDead as e:
         raise APIError(503, f"the engine is not running: {e}", type="server_error", code="engine_dead") from None
     gen = Generation(handle, state.text, stops, state.metrics, arrival, priors)
+    if rec is not None:
+        rec.sync = _usage_of(gen)
     try:
         it = gen.deltas()
         first = await until_disconnect(request, anext(it, None))
@@ -142,3 +181,50 @@ async def start_generation(
         handle.close()
         raise
     return Started(handle, gen, it, first)
+
+
+def admit_tenant(state: ServerState, request: Request, parts: list[EnginePart]) -> RequestRecord | None:
+    """Take the request's place in its tenant's limits: 400 past ``max_context``, 429 (with
+    ``Retry-After``, naming the limit) past a rate. Output tokens are reserved as ``max_tokens``
+    times ``n`` per prompt; what is not generated is refunded when the answer ends."""
+    rec = record_of(request.scope)
+    if rec is None:
+        return None
+    gate = state.tenants
+    n = parts[0].params.n
+    rec.model = state.model_name
+    try:
+        gate.check_context(rec, max(len(p.prompt_ids) + p.params.max_tokens for p in parts))
+    except ValueError as e:
+        raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+    try:
+        gate.admit(rec, input_tokens=sum(len(p.prompt_ids) for p in parts),
+                   output_tokens=sum(p.params.max_tokens * n for p in parts))
+    except OverLimit as e:
+        if e.never:
+            raise APIError(400, str(e), param="max_tokens", code="tenant_limit_exceeded") from None
+        raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": e.retry_after_header}) from None
+    if gate.audit is not None and gate.audit.content:
+        rec.prompt = "\n".join(state.text.decode(p.prompt_ids) for p in parts)
+    return rec
+
+
+def engine_share(rec: RequestRecord | None) -> dict[str, str | float]:
+    """Whose request the engine schedules, and that tenant's weight (``EngineClient.open``'s keywords)."""
+    tenant = rec.identity.tenant if rec is not None else Tenant(DEFAULT_TENANT)
+    return {"tenant": tenant.name, "weight": tenant.weight}
+
+
+def _usage_of(gen: Generation) -> Callable[[RequestRecord], None]:
+    """What the answer's end copies into its tenant record: tokens generated here (a
+    continuation's resumed tokens were generated elsewhere), and the first token's time."""
+    resumed = sum(len(p.token_ids) for p in gen.priors.values())
+
+    def sync(rec: RequestRecord) -> None:
+        rec.prompt_tokens = gen.usage.prompt_tokens
+        rec.output_tokens = max(0, gen.usage.completion_tokens - resumed)
+        rec.first_token = gen.first_token_time
+        rec.token_times = True
+
+    return sync
