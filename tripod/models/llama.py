@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tripod.layers.attention import AttnSpec, ForwardBatch, attend
+from tripod.layers.attention import ForwardBatch
 from tripod.layers.backends.base import Backend
-from tripod.layers.linear import Fp8Scales, Linear, StoredWeight
-from tripod.layers.mlp import GatedMLP, keep
+from tripod.layers.linear import Linear, StoredWeight
+from tripod.layers.mlp import GatedMLP
 from tripod.layers.moe import MoE
 from tripod.layers.norm import rms_norm
 from tripod.layers.parallel import (
@@ -35,93 +35,14 @@ from tripod.layers.parallel import (
     SINGLE_STAGE,
     ParallelGroup,
     PipeStage,
-    columns,
-    head_split,
     parameter,
-    rows,
 )
 from tripod.layers.rotary import RotaryEmbedding
 from tripod.layers.weights import WeightSource
-from tripod.memory.kv_pool import KVPool
 from tripod.models.config import ModelConfig
+from tripod.models.gqa import GQAttention, new_param, norm_weight
 
 __all__ = ["LlamaForCausalLM", "rms_norm"]
-
-
-def _param(*shape: int, dtype: torch.dtype, fill: float | None = None) -> nn.Parameter:
-    t = torch.empty(*shape, dtype=dtype) if fill is None else torch.full(shape, fill, dtype=dtype)
-    return nn.Parameter(t, requires_grad=False)
-
-
-class GQAttention(nn.Module):
-    """Grouped-query attention with fused Q/K/V and the family options of ``ModelConfig``."""
-
-    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.spec = AttnSpec(
-            cfg.num_heads, cfg.num_kv_heads, cfg.attn_scale,
-            window=cfg.sliding_window if cfg.is_sliding(layer) else None, softcap=cfg.attn_softcap,
-        )
-        self.eps = cfg.rms_norm_eps
-        self.qkv = _param(self.q_size + 2 * self.kv_size, h, dtype=dtype)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype, fill=0.0) if qkv_bias else None
-        self.o = _param(h, self.q_size, dtype=dtype)
-        self.o_bias = _param(h, dtype=dtype, fill=0.0) if cfg.attention_bias else None
-        self.q_norm = _param(d, dtype=dtype, fill=1.0) if cfg.qk_norm else None
-        self.k_norm = _param(d, dtype=dtype, fill=1.0) if cfg.qk_norm else None
-        self.ops: dict[str, tuple[Linear, Linear]] = {}
-        self.fp8: dict[str, Fp8Scales] = {}
-        self.tp = SINGLE
-
-    def shard(self, tp: ParallelGroup) -> None:
-        """Keep this rank's Q heads and the K/V heads they read (column-parallel QKV) and the
-        matching columns of O (row-parallel: its output bias, like the residual, on rank 0)."""
-        s = self.spec
-        d = self.q_size // s.num_heads
-        q0, q1, k0, k1 = head_split(s.num_heads, s.num_kv_heads, tp)
-        spans = [(q0 * d, q1 * d), (self.q_size + k0 * d, self.q_size + k1 * d),
-                 (self.q_size + self.kv_size + k0 * d, self.q_size + self.kv_size + k1 * d)]
-        self.qkv = parameter(rows(self.qkv.data, *spans))
-        if self.qkv_bias is not None:
-            self.qkv_bias = parameter(rows(self.qkv_bias.data, *spans))
-        self.o = parameter(columns(self.o.data, q0 * d, q1 * d))
-        if self.o_bias is not None and not tp.first:
-            self.o_bias = None
-        self.q_size, self.kv_size = (q1 - q0) * d, (k1 - k0) * d
-        self.spec = AttnSpec(q1 - q0, k1 - k0, s.scale, window=s.window, softcap=s.softcap)
-        self.ops.clear()
-        self.tp = tp
-
-    def prepare(self, backend: Backend, stored: dict[str, StoredWeight]) -> None:
-        if backend.form not in self.ops:
-            self.ops[backend.form] = (
-                backend.linear(self.qkv, self.qkv_bias, stored=stored.get("qkv"), fp8=self.fp8.get("qkv")),
-                backend.linear(self.o, self.o_bias, stored=stored.get("o"), fp8=self.fp8.get("o")),
-            )
-
-    def release(self, form: str) -> None:
-        self.ops.pop(form, None)
-
-    def load(self, src: WeightSource, a: str, offset: bool) -> None:
-        get = src.get
-        keep(self, "qkv", src.cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]))
-        if self.qkv_bias is not None:
-            self.qkv_bias.data = torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
-        keep(self, "o", src.part(a + "o_proj.weight"))
-        if self.o_bias is not None:
-            self.o_bias.data = get(a + "o_proj.bias")
-        if self.q_norm is not None and self.k_norm is not None:
-            self.q_norm.data = _norm_weight(get(a + "q_norm.weight"), offset)
-            self.k_norm.data = _norm_weight(get(a + "k_norm.weight"), offset)
-
-    def forward(self, h: torch.Tensor, layer: int, pool: KVPool, batch: ForwardBatch, rotary: RotaryEmbedding,
-                cos_sin: tuple[torch.Tensor, torch.Tensor] | None, residual: torch.Tensor | None) -> torch.Tensor:
-        qkv_op, o_op = self.ops[batch.backend.form]
-        qk = (self.q_norm, self.k_norm, self.eps) if self.q_norm is not None and self.k_norm is not None else None
-        a = attend(qkv_op(h), layer, pool, batch, rotary, cos_sin, self.spec, qk)
-        return self.tp.reduce(o_op(a, residual=self.tp.residual(residual)))
 
 
 class DecoderLayer(nn.Module):
@@ -137,10 +58,10 @@ class DecoderLayer(nn.Module):
         self.pool_layer = layer  # its K/V's layer in the pool (a pipeline stage's pool holds its layers only)
         self.eps = cfg.rms_norm_eps
         self.sandwich = cfg.sandwich_norms
-        self.input_norm = _param(h, dtype=dtype, fill=1.0)
-        self.post_norm = _param(h, dtype=dtype, fill=1.0)  # before the MLP (HF's post_attention_layernorm)
-        self.attn_out_norm = _param(h, dtype=dtype, fill=1.0) if self.sandwich else None
-        self.mlp_out_norm = _param(h, dtype=dtype, fill=1.0) if self.sandwich else None
+        self.input_norm = new_param(h, dtype=dtype, fill=1.0)
+        self.post_norm = new_param(h, dtype=dtype, fill=1.0)  # before the MLP (HF's post_attention_layernorm)
+        self.attn_out_norm = new_param(h, dtype=dtype, fill=1.0) if self.sandwich else None
+        self.mlp_out_norm = new_param(h, dtype=dtype, fill=1.0) if self.sandwich else None
         self.attn = attn
         self.mlp: GatedMLP | MoE
         if cfg.is_moe_layer(layer):
@@ -210,12 +131,12 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
-        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed = new_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
-        self.norm = _param(cfg.hidden_size, dtype=dtype, fill=1.0)
+        self.norm = new_param(cfg.hidden_size, dtype=dtype, fill=1.0)
         self.lm_head: torch.Tensor | None = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            self.lm_head = new_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(self.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, device)
         self.local_rotary = (
             RotaryEmbedding(self.rope_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings, device)
@@ -400,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
         get = src.get
         offset = self.cfg.norm_offset
         self.embed.data = get("model.embed_tokens.weight").contiguous()
-        self.norm.data = _norm_weight(get("model.norm.weight"), offset)
+        self.norm.data = norm_weight(get("model.norm.weight"), offset)
         if self.lm_head is not None:
             if src.has("lm_head.weight"):
                 self.lm_head.data = get("lm_head.weight").contiguous()
@@ -408,13 +329,13 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.data = self.embed.data
         for layer in self.layers:
             p = f"model.layers.{layer.layer}."
-            layer.input_norm.data = _norm_weight(get(p + "input_layernorm.weight"), offset)
+            layer.input_norm.data = norm_weight(get(p + "input_layernorm.weight"), offset)
             if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
-                layer.attn_out_norm.data = _norm_weight(get(p + "post_attention_layernorm.weight"), offset)
-                layer.post_norm.data = _norm_weight(get(p + "pre_feedforward_layernorm.weight"), offset)
-                layer.mlp_out_norm.data = _norm_weight(get(p + "post_feedforward_layernorm.weight"), offset)
+                layer.attn_out_norm.data = norm_weight(get(p + "post_attention_layernorm.weight"), offset)
+                layer.post_norm.data = norm_weight(get(p + "pre_feedforward_layernorm.weight"), offset)
+                layer.mlp_out_norm.data = norm_weight(get(p + "post_feedforward_layernorm.weight"), offset)
             else:
-                layer.post_norm.data = _norm_weight(get(p + "post_attention_layernorm.weight"), offset)
+                layer.post_norm.data = norm_weight(get(p + "post_attention_layernorm.weight"), offset)
             self.load_attention(layer, src, p)
             self.load_mlp(layer, src, p)
             if tp.size > 1:
@@ -456,13 +377,6 @@ def _pad_rows(w: torch.Tensor, n: int) -> torch.Tensor:
     if w.shape[0] == n:
         return w.contiguous()
     return torch.cat([w, w.new_zeros(n - w.shape[0], *w.shape[1:])])
-
-
-def _norm_weight(w: torch.Tensor, offset: bool) -> torch.Tensor:
-    """Gemma's norms multiply by (1 + w): folded into the weight once (float32 like HF)."""
-    if not offset:
-        return w
-    return (1.0 + w.float()).to(w.dtype)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -29,6 +29,7 @@ from tripod.asgi import BodyTooLarge, ClientGone, read_body, until_disconnect
 from tripod.console.app import Console
 from tripod.router.console_source import RouterConsoleSource, SupervisorView
 from tripod.router.errors import RouterError
+from tripod.router.fairness import TENANT_HEADER
 from tripod.router.prompt import is_anthropic, render_prompt
 from tripod.router.replica import Replica
 from tripod.router.router import Router
@@ -76,7 +77,13 @@ def make_router_gate(router: Router) -> TenantGate:
     registry = TenantRegistry(cfg.tenants, cfg.api_key if cfg.tenants else None)
     audit = (AuditLog(cfg.audit_log, content=cfg.audit_log_content, max_bytes=cfg.audit_log_max_bytes)
              if cfg.audit_log else None)
+    router.weight_of = lambda name: _weight(registry, name)  # the router's fair share reads the file's weights
     return TenantGate(registry, router.metrics.tenants, audit)
+
+
+def _weight(registry: TenantRegistry, name: str) -> float:
+    tenant = registry.tenants().get(name)
+    return tenant.weight if tenant is not None else 1.0
 
 
 def admit_tenant(gate: TenantGate, request: Request, body: dict[str, Any]) -> RequestRecord | None:
@@ -120,10 +127,20 @@ def count_usage(rec: RequestRecord | None, resp: Response) -> None:
     rec.output_tokens = output if isinstance(output, int) else 0
 
 
+def tenant_headers(request: Request) -> dict[str, str]:
+    """The request's headers with the tenant the router authenticated in ``x-tripod-tenant`` (a
+    value the client sent is dropped: only the router names tenants)."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() != TENANT_HEADER}
+    rec = record_of(request.scope)
+    if rec is not None:
+        headers[TENANT_HEADER] = rec.identity.tenant.name
+    return headers
+
+
 async def forward_unless_gone(router: Router, request: Request, raw: bytes, body: dict[str, Any]) -> Response:
     """``router.forward`` for this request, or 499 when the client leaves first."""
     try:
-        return await until_disconnect(request, router.forward(request.url.path, raw, body, dict(request.headers)))
+        return await until_disconnect(request, router.forward(request.url.path, raw, body, tenant_headers(request)))
     except ClientGone:
         # NOTE: the client left while the router waited on a replica (a non-streamed answer, or a
         # stream before its first token): cancelling closes the upstream connection, and the

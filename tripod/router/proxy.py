@@ -184,10 +184,10 @@ class Proxy:
             content = call.raw if answer is None else answer.request_body()
             req = r.client.build_request("POST", rep.url + call.path, content=content, headers=call.headers)
             resp = await r.client.send(req, stream=True)
-            if resp.status_code in RETRYABLE:
-                return await self._refused(rep, resp)
             back = {k: v for k, v in resp.headers.items() if k.lower() in _PASS_BACK}
             back["x-tripod-replica"] = rep.name
+            if resp.status_code in RETRYABLE and not await _tenant_over_limit(resp):
+                return await self._refused(rep, resp)
             if not call.stream or resp.status_code != 200:
                 return await self._whole(rep, resp, back, call.rr, answer)
             it = resp.aiter_raw()
@@ -264,3 +264,11 @@ class Proxy:
             r.record_failure(rep, f"stream cut: {type(e).__name__}")
             log.warning("stream from %s cut after %d chunks: %s", rep.name, sent, e)
             yield stream_error(rep.name, type(e).__name__, anthropic)
+
+
+async def _tenant_over_limit(resp: httpx.Response) -> bool:
+    """A replica's 429 for the caller's tenant limit (``rate_limit_exceeded``): the client's answer,
+    as is (its Retry-After and the limit named), not a full replica to retry elsewhere."""
+    if resp.status_code != 429:
+        return False
+    return b'"rate_limit_exceeded"' in await resp.aread()

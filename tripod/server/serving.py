@@ -162,9 +162,7 @@ async def start_generation(
     n = parts[0].params.n
     rec = admit_tenant(state, request, parts)
     try:
-        # NOTE: the engine's fair share (issue 26, part B) adds tenant=/weight= to EngineClient.open; with it
-        # in the tree, this line becomes: handle = state.client.open(parts, n, **engine_share(rec))
-        handle = state.client.open(parts, n)
+        handle = state.client.open(parts, n, **engine_share(rec))  # the engine shares capacity by tenant
     except Overloaded as e:
         raise APIError(overload_status or cfg.overload_status, f"the server is at capacity ({e}); retry later",
                        type="server_error", code="overloaded",
