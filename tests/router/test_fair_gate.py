@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -79,15 +80,20 @@ def test_a_waiter_that_times_out_leaves_no_trace() -> None:
 
 
 def test_router_admits_the_under_share_tenant_first(make_stub: Callable[[str], Stub],
-                                                    make_router: Callable[..., RouterServer]) -> None:
+                                                    make_router: Callable[..., RouterServer], tmp_path: Path) -> None:
+    """Two tenants of a tenants file, authenticated by their keys (a tenant named by the client in
+    ``x-tripod-tenant`` is ignored: only the router names tenants)."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenant]]\nname = "a"\nkeys = ["key-a"]\n\n[[tenant]]\nname = "b"\nkeys = ["key-b"]\n')
     stub = make_stub("r0")
     stub.mode = "hold"
-    rs = make_router([stub], replica_max_inflight=1, queue_timeout=20.0)
+    rs = make_router([stub], replica_max_inflight=1, queue_timeout=20.0, tenants=str(tenants))
     results: dict[str, int] = {}
 
     def send(key: str, tenant: str) -> None:
+        # NOTE: each claims to be "b" in the header: the router must go by the key.
         r = rs.http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": key}]},
-                         headers={TENANT_HEADER: tenant}, timeout=30)
+                         headers={"Authorization": f"Bearer key-{tenant}", TENANT_HEADER: "b"}, timeout=30)
         results[key] = r.status_code
 
     threads = [threading.Thread(target=send, args=("a0", "a"))]
