@@ -89,8 +89,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tenants.write_text(TENANTS)
     audit = tmp / "audit.jsonl"
     TLSServer.certs = certs
+    # (--drain-timeout 2: the clients' idle keep-alive connections would hold the stop for the default 60 s)
     srv = TLSServer(tmp, "--tenants", str(tenants), "--audit-log", str(audit), "--ssl-certfile", str(certs.cert),
-                    "--ssl-keyfile", str(certs.key), api_key="sk-admin")
+                    "--ssl-keyfile", str(certs.key), "--drain-timeout", "2", api_key="sk-admin")
     http = httpx.Client(verify=certs.context(), timeout=120)
     try:
         yield {"srv": srv, "certs": certs, "tenants": tenants, "audit": audit, "tmp": tmp, "http": http}
