@@ -97,9 +97,10 @@ class ServerProcess:
 
 class TripodProcess:
     """Any ``tripod`` command that serves HTTP on ``--port`` (a router, a fleet): started, waited for
-    (``/health`` 200), stopped. Its log (and, for a fleet, its replicas' logs) is shown on failure."""
+    (``/health`` 200; ``wait_health=False``: not waited for, e.g. a fleet at zero replicas, whose
+    ``/health`` is 503), stopped. Its log (and, for a fleet, its replicas' logs) is shown on failure."""
 
-    def __init__(self, tmp: Path, *args: str, start_timeout: float = START_TIMEOUT) -> None:
+    def __init__(self, tmp: Path, *args: str, start_timeout: float = START_TIMEOUT, wait_health: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.tmp = tmp
@@ -108,7 +109,8 @@ class TripodProcess:
         self._log = open(self.log_path, "w")  # closed in stop()
         cmd = [sys.executable, "-m", "tripod.cli", *args, "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        wait_healthy(self, f"tripod {args[0]}", start_timeout)
+        if wait_health:
+            wait_healthy(self, f"tripod {args[0]}", start_timeout)
 
     def log(self) -> str:
         self._log.flush()
@@ -126,15 +128,18 @@ class TripodProcess:
         return next((r for r in self.fleet()["replicas"] if r["name"] == name), None)
 
     def wait_for(self, what: str, cond: Any, timeout: float) -> dict[str, Any]:
-        """Poll /fleet until ``cond(fleet)`` holds."""
+        """Poll /fleet until ``cond(fleet)`` holds (a router not listening yet is polled again)."""
         deadline = time.monotonic() + timeout
         while True:
-            f = self.fleet()
-            if cond(f):
+            try:
+                f: dict[str, Any] | None = self.fleet()
+            except httpx.HTTPError:
+                f = None
+            if f is not None and cond(f):
                 return f
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 raise AssertionError(f"timed out waiting for {what}: {f}\n{self.log()[-6000:]}")
-            time.sleep(0.2)
+            time.sleep(0.2)  # polling for a state, with a deadline
 
     def stop(self, timeout: float = 60) -> int | None:
         if self.proc.poll() is None:
