@@ -29,13 +29,13 @@ ENGINE_SERVER = [
     "--no-jump-forward", "--speculative", "draft:embedded", "--num-draft-tokens", "5", "--spec-max-batch", "0",
     "--api-key", "k", "--served-model-name", "m", "--max-waiting", "7", "--overload-status", "503",
     "--drain-timeout", "2.5", "--max-n", "3", "--parallel-timeout", "30", "--tensor-parallel-size", "2",
-    "--pipeline-parallel-size", "2", "--enable-expert-parallel", "--tenants", "/t.toml", "--tenant-limits", "tokens",
+    "--pipeline-parallel-size", "2", "--data-parallel-size", "2", "--enable-expert-parallel", "--tenants", "/t.toml", "--tenant-limits", "tokens",
 ]
 
 # The options of each command (as before the CLI was generated from the configs).
 FLAGS = {
     ("serve",): "--api-key --audit-log --audit-log-content --backend --balance-abs --balance-rel --bench-dir "
-    "--chunk-size --device --downscale-delay --drain-timeout --dtype --enable-expert-parallel "
+    "--chunk-size --data-parallel-size --device --downscale-delay --drain-timeout --dtype --enable-expert-parallel "
     "--health-interval --host --kernels --kv-cache-tokens --load-weight --log-level --lookback "
     "--max-batch-tokens --max-model-len --max-n --max-pending --max-replicas --max-retries --max-running "
     "--max-waiting --min-replicas --model --no-jump-forward --no-prefix-cache --num-draft-tokens "
@@ -48,12 +48,12 @@ FLAGS = {
     "--health-interval --host --load-weight --log-level --max-pending --max-retries --policy --port "
     "--queue-timeout --region --region-overflow-load --replica --replica-max-inflight --ssl-ca "
     "--ssl-certfile --ssl-keyfile --stall-timeout --tenants",
-    ("generate",): "--chunk-size --device --dtype --enable-expert-parallel --ignore-eos --kernels --kv-cache-tokens "
+    ("generate",): "--chunk-size --data-parallel-size --device --dtype --enable-expert-parallel --ignore-eos --kernels --kv-cache-tokens "
     "--log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p --model "
     "--no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-timeout --pipeline-parallel-size "
     "--policy --raw --repetition-penalty --seed --spec-max-batch --speculative --stats --system "
     "--temperature --tensor-parallel-size --threads --top-k --top-p --weights",
-    ("chat",): "--api-key --chunk-size --device --dtype --enable-expert-parallel --ignore-eos --kernels "
+    ("chat",): "--api-key --chunk-size --data-parallel-size --device --dtype --enable-expert-parallel --ignore-eos --kernels "
     "--kv-cache-tokens --log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p "
     "--model --no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-timeout "
     "--pipeline-parallel-size --policy --repetition-penalty --seed --spec-max-batch --speculative "

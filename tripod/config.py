@@ -153,8 +153,13 @@ class EngineConfig:
         1, "pipeline parallel: run the model as P processes, each holding a contiguous 1/P of its layers and their "
         "KV (this process the first, which samples); hidden states pass stage to stage", commands=ENGINE_COMMANDS,
         metavar="P")
+    data_parallel_size: int = opt(
+        1, "data-parallel attention for MLA models (DeepSeek-V2/V3): run the model as D processes, each holding "
+        "the latent KV cache of its own requests and running their attention (full heads), while the MoE/MLP "
+        "layers, the embedding and the head are split over all D ranks (tokens gathered for them); other "
+        "models: use --tensor-parallel-size or --replicas", commands=ENGINE_COMMANDS, metavar="D")
     enable_expert_parallel: bool = opt(
-        False, "with --tensor-parallel-size: split a MoE's experts over the ranks (each rank whole experts; the "
+        False, "with --tensor-parallel-size (or --data-parallel-size): split a MoE's experts over the ranks (each rank whole experts; the "
         "shared expert replicated) instead of splitting every expert's columns", commands=ENGINE_COMMANDS)
     parallel_timeout: float = opt(
         60.0, "tensor parallel: seconds a collective may wait for a rank before the group is declared failed",
@@ -198,9 +203,10 @@ class EngineConfig:
         self._check_parallel()
 
     def _check_parallel(self) -> None:
-        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
-            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1 "
-                             f"(got {self.tensor_parallel_size}, {self.pipeline_parallel_size})")
+        if min(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size) < 1:
+            raise ValueError("tensor_parallel_size, pipeline_parallel_size and data_parallel_size must be >= 1 "
+                             f"(got {self.tensor_parallel_size}, {self.pipeline_parallel_size}, "
+                             f"{self.data_parallel_size})")
         if self.parallel_timeout <= 0:
             raise ValueError(f"parallel_timeout must be > 0 (got {self.parallel_timeout})")
 
@@ -209,9 +215,12 @@ class EngineConfig:
         is built, so that a config naming both still round-trips through the command line."""
         if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
             raise ValueError("combining --tensor-parallel-size and --pipeline-parallel-size is not built yet: give one")
-        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
-            raise ValueError("--enable-expert-parallel splits experts over the tensor-parallel ranks: "
-                             "give --tensor-parallel-size 2 or more")
+        if self.data_parallel_size > 1 and self.world_size != self.data_parallel_size:
+            raise ValueError("--data-parallel-size already splits the MoE/MLP layers over its ranks: combining it "
+                             "with --tensor-parallel-size or --pipeline-parallel-size is not built yet")
+        if self.enable_expert_parallel and self.tensor_parallel_size * self.data_parallel_size == 1:
+            raise ValueError("--enable-expert-parallel splits experts over the ranks: "
+                             "give --tensor-parallel-size or --data-parallel-size 2 or more")
         if self.world_size == 1:
             return
         if self.weights != "dequantized":
@@ -222,8 +231,8 @@ class EngineConfig:
 
     @property
     def world_size(self) -> int:
-        """How many processes run the model (tensor x pipeline parallel)."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """How many processes run the model (tensor x pipeline x data parallel)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
     def compute_path(self, dtype: torch.dtype) -> str:
         """"eager" (the reference path) or "optimized", for this config's ``kernels`` mode."""

@@ -53,14 +53,17 @@ def folder(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> Any:
     return get
 
 
-def _check(kind: str, path: Path, expert_parallel: bool, pipeline: bool = False) -> None:
+LAYOUTS = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "dp": "data_parallel_size"}
+
+
+def _check(kind: str, path: Path, expert_parallel: bool, pipeline: bool = False, layout: str = "tp") -> None:
+    layout = "pp" if pipeline else layout
     single = Engine(model=str(path), **SETTINGS)
     refs = [Greedy.from_tripod(single.generate([p], GREEDY)[0]) for p in PROMPTS]
     seeded = [o.token_ids for o in single.generate(PROMPTS, SEEDED)]
     full = weight_bytes(single.loaded.model)
-    what = f"{kind} {'PP' if pipeline else 'TP'}=2{' EP' if expert_parallel else ''}"
-    layout = dict(pipeline_parallel_size=2) if pipeline else dict(tensor_parallel_size=2)
-    tp = Engine(model=str(path), enable_expert_parallel=expert_parallel, **layout, **SETTINGS)
+    what = f"{kind} {layout.upper()}=2{' EP' if expert_parallel else ''}"
+    tp = Engine(model=str(path), enable_expert_parallel=expert_parallel, **{LAYOUTS[layout]: 2}, **SETTINGS)
     try:
         for i, p in enumerate(PROMPTS):  # alone (c's prefix is a's: already a radix hit)
             check_greedy_tokens(tp.generate([p], GREEDY)[0].token_ids, refs[i], f"{what} prompt {i} alone")
@@ -75,6 +78,12 @@ def _check(kind: str, path: Path, expert_parallel: bool, pipeline: bool = False)
         assert sum(r.weight_bytes for r in ranks) >= full
         card = tp.runner.card()["parallel"]
         assert card.expert_parallel == expert_parallel
+        if layout == "dp":  # each rank the KV of its own requests; the MoE/MLP and vocabulary split
+            assert card.data_parallel_size == 2 and card.kv_capacity_tokens == 2 * ranks[0].kv_slots
+            tp.generate(PROMPTS, GREEDY)  # two at once: both ranks hold a request's KV
+            assert all(tree.size > 0 for tree in tp.cache.trees), f"{what}: a rank never held a request"
+            assert all(r.weight_bytes < full for r in ranks)
+            return
         if pipeline:  # each stage its layers (and their KV); the embedding and head on every stage
             assert card.pipeline_parallel_size == 2
             assert sum(r.kv_bytes_per_token for r in ranks) == single.kv_bytes_per_token
@@ -112,23 +121,32 @@ def test_pp2_equals_one_process_every_family(kind: str, folder: Any) -> None:
     _check(kind, folder(kind), False, pipeline=True)
 
 
-def test_tp2_prompt_logprobs_and_ngram_speculation(folder: Any) -> None:
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_dp_attention2_equals_one_process(expert_parallel: bool, folder: Any) -> None:
+    """``--data-parallel-size 2`` on DeepSeek-V3 (MLA + MoE): each rank runs its own requests'
+    attention over its own latent pool; the MoE (split by columns, or by experts) sees every token."""
+    _check("deepseek-v3", folder("deepseek-v3"), expert_parallel, layout="dp")
+
+
+@pytest.mark.parametrize(("kind", "layout"), [("llama", "tp"), ("deepseek-v3", "dp")])
+def test_tp2_prompt_logprobs_and_ngram_speculation(kind: str, layout: str, folder: Any) -> None:
     """The passes outside the plain step reach the workers too: prompt scoring's own forward, and
     the verify rows of n-gram drafts (a repetitive prompt, so drafts are proposed and verified)."""
-    path = folder("llama")
-    rep = (PROMPTS[0][:12] * 4)[:44]
+    path = folder(kind)
+    # a repetitive prompt whose greedy continuation (of this random model) repeats it: drafts found
+    rep = (PROMPTS[0][:12] * 4)[:44] if kind == "llama" else (PROMPTS[0][:6] * 10)[:40]
     scored = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     single = Engine(model=str(path), **SETTINGS)
     want_scores = single.generate([PROMPTS[0]], scored)[0].prompt_logprobs
     want_spec = Greedy.from_tripod(single.generate([rep], GREEDY)[0])
-    tp = Engine(model=str(path), tensor_parallel_size=2, speculative="ngram", **SETTINGS)
+    tp = Engine(model=str(path), **{LAYOUTS[layout]: 2}, speculative="ngram", **SETTINGS)
     try:
         got = tp.generate([PROMPTS[0]], scored)[0].prompt_logprobs
         assert got is not None and want_scores is not None and len(got) == len(want_scores)
         for g, w in zip(got[1:], want_scores[1:], strict=True):
             assert g is not None and w is not None and g.token_id == w.token_id
             assert abs(g.logprob - w.logprob) < 1e-4
-        check_greedy_tokens(tp.generate([rep], GREEDY)[0].token_ids, want_spec, "TP=2 with ngram drafts")
+        check_greedy_tokens(tp.generate([rep], GREEDY)[0].token_ids, want_spec, f"{layout}=2 with ngram drafts")
         assert tp.stats.spec["ngram"].drafts > 0, "no n-gram draft was verified: the test proves nothing"
     finally:
         tp.close()

@@ -45,8 +45,9 @@ class Sim:
         policy: str = "lpm",
         aging: float = 8.0,
         cache: bool = True,
+        ranks: int = 1,
     ) -> None:
-        self.allocator = SlotAllocator(num_slots)
+        self.allocator = SlotAllocator(num_slots, ranks)
         self.cache = RadixCache(self.allocator, enabled=cache)
         self.sched = Scheduler(
             self.allocator,
@@ -388,6 +389,47 @@ def test_prefix_cache_disabled_still_consistent() -> None:
     sim.assert_no_leak()
 
 
+# ---------------------------------------------------------------- data-parallel attention
+
+
+def test_dp_ranks_each_hold_their_requests_and_a_prefix_goes_where_it_is_cached() -> None:
+    """Two ranks' slot ranges: requests without a cache hit spread over the ranks; a request whose
+    prompt extends a cached prefix runs on the rank holding it (and its slots stay there)."""
+    sim = Sim(128, ranks=2, chunk_size=64)
+    a = make_req([*HOT, 40, 41], max_tokens=3, rid="a")
+    b = make_req(list(range(50, 70)), max_tokens=3, rid="b")
+    sim.add(a, b)
+    sim.step()
+    assert {a.dp_rank, b.dp_rank} == {0, 1}, "two misses at once went to one rank"
+    sim.run([a, b])
+    c = make_req([*HOT, 42], max_tokens=2, rid="c")
+    sim.add(c)
+    sim.step()
+    assert c.dp_rank == a.dp_rank and c.cached_tokens == len(HOT)
+    assert all(sim.allocator.rank_of(s) == a.dp_rank for s in c.slots)
+    sim.run([c])
+    sim.assert_no_leak()
+
+
+def test_dp_rank_full_evicts_its_own_cache_only() -> None:
+    """A rank out of slots evicts its own tree's entries; the other rank's cache stays."""
+    sim = Sim(64, ranks=2, chunk_size=64, max_running=1)
+    done = []
+    for rid, first in (("x", 100), ("y", 200), ("z", 300)):
+        r = make_req(list(range(first, first + 20)), max_tokens=2, rid=rid)
+        sim.add(r)
+        sim.run([r])
+        done.append(r)
+    x, y, z = done
+    assert x.dp_rank != y.dp_rank, "y went to the rank with fewer free slots"
+    # z (no hit) fits on neither rank without evicting: its rank drops its own entry, the other keeps its
+    kept = y if z.dp_rank == x.dp_rank else x
+    assert sim.cache.stats.evicted_tokens > 0
+    assert sim.cache.match_prefix(kept.prompt_ids, record=False).slots, "the other rank's cache was evicted"
+    assert sim.cache.trees[kept.dp_rank].size >= len(kept.prompt_ids)
+    sim.assert_no_leak()
+
+
 # ---------------------------------------------------------------- randomised
 
 
@@ -409,6 +451,7 @@ _REQ = st.tuples(
     policy=st.sampled_from(["lpm", "fcfs"]),
     aging=st.sampled_from([0.0, 1.0, 8.0]),
     cache=st.booleans(),
+    ranks=st.sampled_from([1, 1, 2]),
     specs=st.lists(_REQ, min_size=1, max_size=10),
     aborts=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 29)), max_size=3),
 )
@@ -420,11 +463,14 @@ def test_random_workloads_finish_without_leaks(
     policy: str,
     aging: float,
     cache: bool,
+    ranks: int,
     specs: list[tuple[list[int], int, int, int, int]],
     aborts: list[tuple[int, int]],
 ) -> None:
+    # ranks=2: data-parallel attention's slot ranges, ``total`` slots each (a request's KV on one rank)
     sim = Sim(
-        total,
+        total * ranks,
+        ranks=ranks,
         max_running=max_running,
         max_batch_tokens=max_running + extra_tokens,
         chunk_size=chunk_size,

@@ -200,3 +200,32 @@ def test_pool_spec_makes_the_pool_it_counts() -> None:
     lat.write(1, slots, torch.arange(48, dtype=torch.float32).view(2, 24))
     assert torch.equal(lat.gather(1, slots), torch.arange(48, dtype=torch.float32).view(2, 24))
     assert lat.allocator.num_free == 16
+
+
+def test_ranked_allocator_hands_out_each_ranks_own_range() -> None:
+    """Data-parallel attention: rank d's slots are ``[d * per, (d + 1) * per)``; a rank's
+    exhaustion leaves the other's free; freed slots go back to their own rank."""
+    a = SlotAllocator(8, ranks=2)
+    assert a.per_rank == 4 and a.free_on(0) == a.free_on(1) == 4
+    first = a.alloc(3, 1)
+    assert first == [4, 5, 6] and a.free_on(1) == 1 and a.free_on(0) == 4
+    assert a.alloc(2, 1) is None and a.free_on(1) == 1  # not taken from rank 0's range
+    zero = a.alloc(4, 0)
+    assert zero == [0, 1, 2, 3] and a.num_free == 1
+    a.free([5, 1])
+    assert a.free_on(0) == 1 and a.free_on(1) == 2 and [a.rank_of(s) for s in (3, 4)] == [0, 1]
+    with pytest.raises(ValueError, match="do not split evenly"):
+        SlotAllocator(9, ranks=2)
+
+
+def test_latent_pool_of_a_later_rank_holds_its_range_only() -> None:
+    """Rank 1's pool holds global slots [per, 2 per) in its rows 0..per-1; padding (slot 0) reads row 0."""
+    pool = PoolSpec(2, "latent", latent_dim=3).make(4, torch.float32, torch.device("cpu"), base=4)
+    assert pool.kv.shape == (2, 4, 3)
+    pool.write(1, torch.tensor([5, 7]), torch.tensor([[1.0, 2, 3], [4, 5, 6]]))
+    assert torch.equal(pool.kv[1, 1], torch.tensor([1.0, 2, 3])) and torch.equal(pool.kv[1, 3], torch.tensor([4.0, 5, 6]))
+    assert torch.equal(pool.gather(1, torch.tensor([[7, 0]]))[0, 0], torch.tensor([4.0, 5, 6]))
+    with pytest.raises(IndexError):
+        pool.gather(1, torch.tensor([8]))  # rank 2's slot: never this pool's
+    with pytest.raises(ValueError, match="latent"):
+        PoolSpec(2, "mha", num_kv_heads=1, head_dim=2).make(4, torch.float32, torch.device("cpu"), base=4)

@@ -143,11 +143,13 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     num_slots = slots_from_budget(kv_cache_tokens=config.kv_cache_tokens, kv_mem_fraction=config.kv_mem_fraction,
                                   bytes_per_token=per_token, device=device, max_tokens_cap=config.max_kv_cache_tokens)
     ranks: tuple[RankCard, ...] = ()
+    dp = config.data_parallel_size if group is not None and tp.dp_attention else 1
     if group is not None:
         ranks = (RankCard(rank=0, weight_bytes=weight_bytes(loaded.model),
-                          kv_bytes_per_token=mc.pool_spec(tp, stage_layers).bytes_per_token(dtype)),
+                          kv_bytes_per_token=mc.pool_spec(tp, stage_layers).bytes_per_token(dtype), kv_slots=num_slots),
                  *group.wait_ready(num_slots))
-    pool = mc.pool_spec(tp, stage_layers).make(num_slots, dtype, device)
+    # (data-parallel attention: this pool is rank 0's range; its allocator hands out every rank's)
+    pool = mc.pool_spec(tp, stage_layers).make(num_slots, dtype, device, ranks=dp)
     kv_bytes = mc.pool_spec(tp, stage_layers).bytes_per_token(dtype)
     if mc.mla is not None:
         log.info("MLA latent KV: %d bytes per token (the same model with MHA: %d)", kv_bytes,
@@ -159,8 +161,9 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     start_kernels(config, path, device, wait=True if group is not None else None)
     build_threads = BuildThreads()
     card = ParallelCard(tensor_parallel_size=config.tensor_parallel_size,
-                        pipeline_parallel_size=config.pipeline_parallel_size, expert_parallel=config.enable_expert_parallel,
-                        ranks=list(ranks)) if group is not None else None
+                        pipeline_parallel_size=config.pipeline_parallel_size, data_parallel_size=dp,
+                        expert_parallel=config.enable_expert_parallel, ranks=list(ranks),
+                        kv_capacity_tokens=num_slots * dp) if group is not None else None
     runner = ModelRunner(loaded.model, pool, device, use_mirror=config.decode_mirror and group is None, path=path,
                          max_len=max_len, stored=config.weights == "stored", level=config.kernel_level, group=group,
                          parallel=card)

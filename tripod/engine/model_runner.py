@@ -25,6 +25,7 @@ from tripod.layers.backends import CpuBackend, CpuLinearBackend, ReferenceBacken
 from tripod.layers.backends.base import Backend
 from tripod.layers.backends.reference import ScoringBackend, prefill_segment
 from tripod.layers.linear import onednn_supported
+from tripod.layers.parallel import DPLayout
 from tripod.memory.kv_pool import KVPool, Pool
 from tripod.memory.slot_table import SlotTable
 from tripod.models.llama import LlamaForCausalLM
@@ -165,10 +166,46 @@ class ModelRunner:
             return f"optimized: {now} until tripod's CPU kernels finish building in the background"
         return f"optimized: {now} (tripod CPU kernels unused: {why})"
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel attention: how many ranks each run their own requests' attention (1: none)."""
+        return self.group.size if self.group is not None and self.group.tp.dp_attention else 1
+
     def build_batch(self, items: list[ScheduledItem]) -> tuple[ForwardBatch, list[ScheduledItem]]:
         """Lay out ``items`` for the step's backend. Returns the batch and the items in the order
-        of the logits rows (those that sample)."""
-        return self.backend.build_batch(items, self)
+        of the logits rows (those that sample). Data-parallel attention: one batch per rank (its
+        requests' items), rank 0's returned with the others attached (``DPLayout``); the logits
+        rows are rank 0's, then rank 1's, ..."""
+        if self.dp_size == 1:
+            return self.backend.build_batch(items, self)
+        backend = self.backend
+        batches: list[ForwardBatch] = []
+        sampling: list[ScheduledItem] = []
+        for rank in range(self.dp_size):
+            mine = [it for it in items if it.req.dp_rank == rank]
+            batch, rows = backend.build_batch(mine, self) if mine else (self._empty_batch(backend), [])
+            batches.append(batch)
+            sampling += rows
+        return self._dp_batch(batches), sampling
+
+    def _empty_batch(self, backend: Backend) -> ForwardBatch:
+        """A rank's batch when none of its requests is in the step (it still joins the collectives)."""
+        none = torch.empty(0, dtype=torch.long, device=self.device)
+        return ForwardBatch(input_ids=none, positions=none, out_slots=none, num_decode=0, decode_kv_idx=None,
+                            decode_mask=None, logits_idx=none, backend=backend)
+
+    @staticmethod
+    def _dp_batch(batches: list[ForwardBatch]) -> ForwardBatch:
+        """Rank 0's batch, carrying the layout of the step over every rank and the others' batches."""
+        layout = DPLayout(
+            rows=tuple(b.input_ids.numel() for b in batches),
+            samples=tuple(b.input_ids.numel() if b.logits_idx is None else b.logits_idx.numel() for b in batches),
+            ids=torch.cat([b.input_ids for b in batches]),
+            others=batches[1:],
+        )
+        for b in batches:
+            b.dp = layout
+        return batches[0]
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's forward pass over a built batch: float32 logits for its sampling rows."""
@@ -220,6 +257,8 @@ class ModelRunner:
                 logits_idx=torch.arange(n, dtype=torch.long, device=dev),
                 backend=backend,
             )
+            if self.dp_size > 1:  # scored on rank 0 (its slots); the others join with nothing to attend
+                batch = self._dp_batch([batch, *(self._empty_batch(backend) for _ in range(self.dp_size - 1))])
             if self.group is not None:
                 self.group.send(batch, scoring=True)
             yield s, self.model(batch, self.pool)

@@ -31,7 +31,7 @@ import torch
 
 from tripod.config import EngineConfig
 from tripod.layers.attention import ForwardBatch
-from tripod.layers.parallel import SINGLE, SINGLE_STAGE, ParallelGroup, PipeStage
+from tripod.layers.parallel import SINGLE, SINGLE_STAGE, DPLayout, ParallelGroup, PipeStage
 from tripod.protocol.stats import RankCard
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,10 @@ def init_group(config: EngineConfig, rank: int, init_method: str) -> tuple[Paral
     backend = "nccl" if config.torch_device().type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=config.world_size,
                             timeout=timedelta(seconds=config.parallel_timeout))
-    tp = ParallelGroup(rank, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else SINGLE
+    if config.data_parallel_size > 1:  # data-parallel attention: the MLPs and vocabulary split over the D ranks
+        tp = ParallelGroup(rank, config.data_parallel_size, dp_attention=True)
+    else:
+        tp = ParallelGroup(rank, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else SINGLE
     pp = PipeStage(rank, config.pipeline_parallel_size) if config.pipeline_parallel_size > 1 else SINGLE_STAGE
     return tp, pp
 
@@ -108,13 +111,18 @@ class WorkerGroup:
         self.ready: list[RankCard] = []
 
     def wait_ready(self, num_slots: int) -> list[RankCard]:
-        """Each worker's shard is loaded: tell it how many KV slots to hold; what each holds."""
+        """Tell each worker how many KV slots to hold; once its shard is loaded and its pool
+        made, what it holds (or why it failed)."""
+        for conn in self.conns:
+            try:
+                conn.send(num_slots)
+            except (BrokenPipeError, OSError):
+                pass  # it failed already: its error is read below
         for rank, conn in enumerate(self.conns, start=1):
             msg = self._recv(conn, rank)
             if isinstance(msg, BaseException):
                 raise WorkerLost(f"tensor-parallel rank {rank} failed to start: {msg}") from msg
             self.ready.append(msg)
-            conn.send(num_slots)
         return self.ready
 
     def _recv(self, conn: Connection, rank: int) -> Any:
@@ -132,11 +140,22 @@ class WorkerGroup:
                                  "the group stops and is restarted whole")
 
     def send(self, batch: ForwardBatch, scoring: bool = False) -> None:
-        """Before rank 0's forward: the same forward for every worker."""
+        """Before rank 0's forward: the same forward for every worker (data-parallel attention:
+        each its own rows' batch, with the step's layout)."""
         self.check()
-        step = Step(dataclasses.replace(batch, backend=None, item_rows=[], decode_mirror=None), batch.backend.form,
-                    scoring)
-        for rank, conn in enumerate(self.conns, start=1):
+        form = batch.backend.form
+
+        def step_of(b: ForwardBatch, dp: DPLayout | None) -> Step:
+            return Step(dataclasses.replace(b, backend=None, item_rows=[], decode_mirror=None, dp=dp), form, scoring)
+
+        dp = batch.dp
+        if dp is None:
+            steps = [step_of(batch, None)] * len(self.conns)
+        else:
+            assert dp.others is not None and len(dp.others) == len(self.conns)
+            shared = dataclasses.replace(dp, others=None)
+            steps = [step_of(b, shared) for b in dp.others]
+        for rank, (conn, step) in enumerate(zip(self.conns, steps, strict=True), start=1):
             try:
                 conn.send(step)
             except (BrokenPipeError, OSError) as e:
@@ -195,10 +214,10 @@ def _start_worker(spec: WorkerSpec, conn: Connection) -> Any:
     loaded = load_model(config.model, dtype, device, weights=config.weights, tp=tp,
                         expert_parallel=config.enable_expert_parallel, pp=pp)
     pool_spec = loaded.config.pool_spec(tp, num_layers=len(loaded.model.layers))
+    num_slots = conn.recv()  # rank 0's count (every rank holds as many)
+    pool = pool_spec.make(num_slots, dtype, device, base=spec.rank * num_slots if tp.dp_attention else 0)
     conn.send(RankCard(rank=spec.rank, weight_bytes=weight_bytes(loaded.model),
-                       kv_bytes_per_token=pool_spec.bytes_per_token(dtype)))
-    num_slots = conn.recv()
-    pool = pool_spec.make(num_slots, dtype, device)
+                       kv_bytes_per_token=pool_spec.bytes_per_token(dtype), kv_slots=num_slots))
     path = config.compute_path(dtype)
     start_kernels(dataclasses.replace(config, kernels=config.kernels if config.kernels != "auto" else "optimized")
                   if path == "optimized" else config, path, device)

@@ -19,9 +19,10 @@ def score_prompt(req: Req, runner: ModelRunner, allocator: SlotAllocator, cache:
     """Set ``req.prompt_logprobs`` (the first token has none: no context scores it), using
     scratch KV slots freed at once; False when the slots are not to be had now."""
     ids = req.prompt_ids
-    if allocator.num_free < len(ids):
-        cache.evict(len(ids) - allocator.num_free)
-    slots = allocator.alloc(len(ids))
+    # (data-parallel attention: scored on rank 0, in its pool)
+    if allocator.free_on(0) < len(ids):
+        cache.evict(len(ids) - allocator.free_on(0), 0)
+    slots = allocator.alloc(len(ids), 0)
     if slots is None:
         return False
     k = req.params.prompt_logprobs or 0

@@ -34,6 +34,7 @@ TreeNode = RadixNode[list[int]]
 class MatchResult:
     slots: list[int]  # KV slots of the matched prefix
     node: TreeNode  # deepest node covering exactly the matched prefix (root if none)
+    rank: int = 0  # the data-parallel rank whose tree (and pool) holds them
 
 
 @dataclass(slots=True)
@@ -55,8 +56,10 @@ class RadixCache:
     def __init__(self, allocator: SlotAllocator, enabled: bool = True) -> None:
         self.allocator = allocator
         self.enabled = enabled
-        self.tree: RadixTree[list[int]] = RadixTree([])
-        self.tree.root.lock_ref = 1  # the root is never evicted
+        self.trees: list[RadixTree[list[int]]] = [RadixTree([]) for _ in range(allocator.ranks)]
+        self.tree = self.trees[0]
+        for tree in self.trees:
+            tree.root.lock_ref = 1  # a root is never evicted
         self.stats = CacheStats()
         self._protected = 0  # slots held by pinned nodes
 
@@ -67,29 +70,41 @@ class RadixCache:
     # ---------------------------------------------------------------- sizes
     @property
     def total_size(self) -> int:
-        return self.tree.size
+        return sum(t.size for t in self.trees)
 
     @property
     def evictable_size(self) -> int:
-        return self.tree.size - self._protected
+        return self.total_size - self._protected
 
     @property
     def protected_size(self) -> int:
         return self._protected
 
     # ---------------------------------------------------------------- match
-    def match_prefix(self, tokens: list[int], *, record: bool = True) -> MatchResult:
-        """Longest cached prefix of ``tokens``. Splits an edge so the result ends on a node."""
+    def match_prefix(self, tokens: list[int], *, record: bool = True, rank: int | None = None) -> MatchResult:
+        """Longest cached prefix of ``tokens`` (in ``rank``'s tree; None: the longest over every
+        rank). Splits an edge so the result ends on a node."""
         if record:
             self.stats.queries += 1
             self.stats.query_tokens += len(tokens)
         if not self.enabled or not tokens:
-            return MatchResult([], self.root)
-        _, node = self.tree.match(tokens, now=next(_tick))
-        slots = node.path_value()
+            return MatchResult([], self.trees[rank or 0].root, rank or 0)
+        best: MatchResult | None = None
+        for r in range(len(self.trees)) if rank is None else (rank,):
+            _, node = self.trees[r].match(tokens, now=next(_tick))
+            found = MatchResult(node.path_value(), node, r)
+            if best is None or len(found.slots) > len(best.slots):
+                best = found
+        assert best is not None
         if record:
-            self.stats.hit_tokens += len(slots)
-        return MatchResult(slots, node)
+            self.stats.hit_tokens += len(best.slots)
+        return best
+
+    def record(self, query_tokens: int, hit_tokens: int) -> None:
+        """Count one lookup made with ``record=False`` (a choice among ranks' trees)."""
+        self.stats.queries += 1
+        self.stats.query_tokens += query_tokens
+        self.stats.hit_tokens += hit_tokens
 
     # ---------------------------------------------------------------- insert
     def insert(self, tokens: list[int], slots: list[int]) -> tuple[int, TreeNode]:
@@ -100,20 +115,21 @@ class RadixCache:
         its private copies.
         """
         assert len(tokens) == len(slots)
+        tree = self.trees[self.allocator.rank_of(slots[0])] if slots else self.tree
         if not self.enabled or not tokens:
-            return 0, self.root
-        return self.tree.insert(tokens, next(_tick), slots)
+            return 0, tree.root
+        return tree.insert(tokens, next(_tick), slots)
 
     # ---------------------------------------------------------------- locks
     def lock(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:  # up to (not including) its tree's root
             if node.lock_ref == 0:
                 self._protected += len(node.key)
             node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             assert node.lock_ref > 0, "unlock of an unlocked radix node"
             node.lock_ref -= 1
             if node.lock_ref == 0:
@@ -121,12 +137,16 @@ class RadixCache:
             node = node.parent  # type: ignore[assignment]
 
     # ---------------------------------------------------------------- evict
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` slots from unpinned LRU leaves, if possible."""
+    def evict(self, num_tokens: int, rank: int | None = None) -> int:
+        """Free at least ``num_tokens`` slots from unpinned LRU leaves, if possible (of ``rank``'s
+        range only; None: of any)."""
         freed = 0
-        for node in self.tree.evict(num_tokens):
-            self.allocator.free(node.value)
-            freed += len(node.value)
+        for r in range(len(self.trees)) if rank is None else (rank,):
+            for node in self.trees[r].evict(num_tokens - freed):
+                self.allocator.free(node.value)
+                freed += len(node.value)
+            if freed >= num_tokens:
+                break
         self.stats.evicted_tokens += freed
         return freed
 
@@ -136,14 +156,21 @@ class RadixCache:
 
     # ---------------------------------------------------------------- checks
     def slots_in_tree(self) -> list[int]:
-        return [s for n in self.tree.nodes() for s in n.value]
+        return [s for tree in self.trees for n in tree.nodes() for s in n.value]
 
     def check_tree(self) -> None:
-        """Structural invariants of the tree alone (sizes, locks, keys)."""
+        """Structural invariants of the trees alone (sizes, locks, keys, each tree on its rank)."""
+        protected = 0
+        for rank, tree in enumerate(self.trees):
+            protected += self._check(tree, rank)
+        assert protected == self._protected, f"pinned {protected} != counter {self._protected}"
+
+    def _check(self, tree: RadixTree[list[int]], rank: int) -> int:
         total = protected = 0
-        for n in self.tree.nodes():
-            if n is not self.root:
+        for n in tree.nodes():
+            if n is not tree.root:
                 assert n.key and len(n.key) == len(n.value), "edge without tokens or slot count off"
+                assert all(self.allocator.rank_of(s) == rank for s in n.value), f"a slot off rank {rank}'s range"
                 assert n.parent is not None and n.parent.children.get(n.key[0]) is n
                 total += len(n.key)
                 if n.lock_ref > 0:
@@ -153,5 +180,5 @@ class RadixCache:
                 )
             for first, c in n.children.items():
                 assert c.key[0] == first
-        assert total == self.tree.size, f"tree size {total} != counter {self.tree.size}"
-        assert protected == self._protected, f"pinned {protected} != counter {self._protected}"
+        assert total == tree.size, f"tree size {total} != counter {tree.size}"
+        return protected

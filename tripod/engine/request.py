@@ -76,6 +76,7 @@ class Req:
     cache_len: int = 0  # slots owned by the tree (and locked via last_node)
     last_node: TreeNode | None = None
     computed: int = 0  # tokens of all_ids whose KV is in slots
+    dp_rank: int = 0  # data-parallel attention: the rank whose pool holds its KV (set when admitted)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     finish_reason: FinishReason | None = None
     error: str | None = None

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 
 from tripod.engine.fairness import FairShare
-from tripod.engine.radix_cache import RadixCache
+from tripod.engine.radix_cache import MatchResult, RadixCache
 from tripod.engine.request import FinishReason, Req
 from tripod.memory.kv_pool import SlotAllocator
 
@@ -153,8 +153,10 @@ class Scheduler:
             if left <= 1 or any(it.req is req for it in items):
                 continue
             n = min(left, self.chunk_size, budget)
-            n = self._fit(n)
+            n = self._fit(n, req.dp_rank)
             if n <= 0:
+                if self.allocator.ranks > 1:
+                    continue  # its rank is full; another rank's prefill may still fit
                 break
             self._reserve(req, n, may_retract=False)
             items.append(ScheduledItem(req, req.computed, n))
@@ -186,25 +188,28 @@ class Scheduler:
 
     def _admit(self, req: Req, budget: int) -> ScheduledItem | None:
         tokens = req.all_ids
-        match = self.cache.match_prefix(tokens[:-1], record=req.retractions == 0)
+        match = self._match(req)
+        rank = match.rank
         # Lock before allocating: eviction below must not take the prefix we just matched.
         self.cache.lock(match.node)
         hit = len(match.slots)
         n = min(len(tokens) - hit, self.chunk_size, budget)
-        # Headroom: leave room for every running request's next decode token.
-        headroom = len(self.running)
-        if self._available() < n + headroom:
-            self.cache.evict(n + headroom - self.allocator.num_free)
-        if self._available() < n + headroom:
-            if not self.running and self._available() >= 1:
-                n = min(n, self._available())  # alone in the engine: take what there is
+        # Headroom: leave room for every running request's next decode token (on this rank).
+        mates = self._on(rank)
+        headroom = len(mates)
+        if self._available(rank) < n + headroom:
+            self.cache.evict(n + headroom - self._available(rank), rank)
+        if self._available(rank) < n + headroom:
+            if not mates and self._available(rank) >= 1:
+                n = min(n, self._available(rank))  # alone on its rank: take what there is
             else:
                 self.cache.unlock(match.node)
                 return None
-        new = self.allocator.alloc(n)
+        new = self.allocator.alloc(n, rank)
         assert new is not None
         self.waiting.remove(req)
         self._enqueued_at.pop(req.rid, None)
+        req.dp_rank = rank
         req.slots = match.slots + new
         req.slots_version += 1
         req.cache_len = hit
@@ -215,26 +220,45 @@ class Scheduler:
         self.running.append(req)
         return ScheduledItem(req, hit, n)
 
-    def _available(self) -> int:
-        return self.allocator.num_free
+    def _match(self, req: Req) -> MatchResult:
+        """The request's cached prefix; data-parallel attention: on the rank that holds the
+        longest one, else (no hit) the rank with the fewest running requests, then the most free slots."""
+        record = req.retractions == 0
+        if self.allocator.ranks == 1:
+            return self.cache.match_prefix(req.all_ids[:-1], record=record)
+        found = [self.cache.match_prefix(req.all_ids[:-1], record=False, rank=r) for r in range(self.allocator.ranks)]
+        best = max(found, key=lambda m: (len(m.slots), -len(self._on(m.rank)), self.allocator.free_on(m.rank)))
+        if record:
+            self.cache.record(len(req.all_ids) - 1, len(best.slots))
+        return best
 
-    def _fit(self, n: int) -> int:
+    def _on(self, rank: int) -> list[Req]:
+        """The running requests whose attention runs on ``rank`` (every one with a single rank)."""
+        if self.allocator.ranks == 1:
+            return self.running
+        return [r for r in self.running if r.dp_rank == rank]
+
+    def _available(self, rank: int = 0) -> int:
+        return self.allocator.free_on(rank)
+
+    def _fit(self, n: int, rank: int) -> int:
         """Largest chunk <= n that memory allows (evicting cache if needed)."""
-        if self.allocator.num_free < n:
-            self.cache.evict(n - self.allocator.num_free)
-        return min(n, self.allocator.num_free)
+        if self._available(rank) < n:
+            self.cache.evict(n - self._available(rank), rank)
+        return min(n, self._available(rank))
 
     def _reserve(self, req: Req, n: int, *, may_retract: bool) -> bool:
-        """Allocate ``n`` slots onto ``req``'s private tail; retract others if allowed."""
+        """Allocate ``n`` slots onto ``req``'s private tail; retract others (on its rank) if allowed."""
+        rank = req.dp_rank
         while True:
-            if self.allocator.num_free < n:
-                self.cache.evict(n - self.allocator.num_free)
-            new = self.allocator.alloc(n)
+            if self._available(rank) < n:
+                self.cache.evict(n - self._available(rank), rank)
+            new = self.allocator.alloc(n, rank)
             if new is not None:
                 req.slots.extend(new)
                 return True
             assert may_retract, "prefill chunk sized beyond free memory"
-            victim = min(self.running, key=self._importance)
+            victim = min(self._on(rank), key=self._importance)
             self.retract(victim)
             if victim is req:
                 return False
@@ -258,7 +282,7 @@ class Scheduler:
         k = req.computed
         tokens = req.all_ids[:k]
         present, _ = self.cache.insert(tokens, req.slots[:k])
-        match = self.cache.match_prefix(tokens, record=False)
+        match = self.cache.match_prefix(tokens, record=False, rank=req.dp_rank)
         assert len(match.slots) == k
         # Slots in [cache_len, present) duplicate entries someone else inserted meanwhile.
         self.allocator.free(req.slots[req.cache_len : present])
@@ -306,6 +330,8 @@ class Scheduler:
             for s in r.slots[r.cache_len :]:
                 assert s not in owner, f"slot {s} of {r.rid} is also {owner[s]}"
                 owner[s] = r.rid
+            assert all(self.allocator.rank_of(s) == r.dp_rank for s in r.slots), (
+                f"{r.rid} runs on rank {r.dp_rank} but holds another rank's slots")
         for r in self.waiting:
             assert not r.slots and r.last_node is None, f"waiting {r.rid} holds KV"
         assert len(owner) == self.allocator.num_slots, (

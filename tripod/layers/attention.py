@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tripod.layers.parallel import DPLayout
 from tripod.layers.rotary import RotaryEmbedding
 from tripod.memory.kv_pool import KVPool
 
@@ -88,6 +89,8 @@ class ForwardBatch:
     # (item, first flat row) of every scheduled item, whose tokens are contiguous rows: what a
     # reader of per-token outputs (the MTP proposer reads hidden states) needs to find its rows.
     item_rows: list[tuple[Any, int]] = field(default_factory=list)
+    # Data-parallel attention: this rank's rows among the group's (layers/parallel.DPLayout).
+    dp: DPLayout | None = None
 
 
 def attend(

@@ -36,12 +36,15 @@ class CommTime:
 @dataclass(frozen=True, slots=True)
 class ParallelGroup:
     """This process's place in a tensor-parallel group (``group``: a torch.distributed group;
-    None for the default one)."""
+    None for the default one). ``dp_attention``: data-parallel attention — the attention layers
+    stay whole on every rank (each runs its own requests' rows, ``DPLayout``); the MLPs/experts
+    and the vocabulary are split over the group as in tensor parallel."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
     comm: CommTime = field(default_factory=CommTime, compare=False)
+    dp_attention: bool = False
 
     @property
     def first(self) -> bool:
@@ -75,6 +78,22 @@ class ParallelGroup:
         self._count(t)
         return torch.cat(parts, dim=1)[:, :total]
 
+    def gather_rows(self, x: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+        """Concatenate each rank's rows (rank r holds ``counts[r]`` of them) on every rank."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        most = max(counts)
+        if most == 0:
+            return x
+        t = time.perf_counter()
+        padded = x if x.shape[0] == most else torch.cat([x, x.new_zeros(most - x.shape[0], *x.shape[1:])])
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded.contiguous(), group=self.group)
+        self._count(t)
+        return torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)])
+
     def _count(self, since: float) -> None:
         self.comm.seconds += time.perf_counter() - since
         self.comm.calls += 1
@@ -95,6 +114,24 @@ class ParallelGroup:
 
 
 SINGLE = ParallelGroup()
+
+
+@dataclass(slots=True)
+class DPLayout:
+    """One step under data-parallel attention: rank r runs attention for its own ``rows[r]``
+    tokens (its requests', whose KV its pool holds) and samples from ``samples[r]`` of them; the
+    MLP/MoE layers run on every token of the group (``gather``), the embedding on ``ids`` (all
+    ranks' tokens, rank 0's first). ``others``: rank 0's batches for ranks 1.. (never sent)."""
+
+    rows: tuple[int, ...]
+    samples: tuple[int, ...]
+    ids: torch.Tensor
+    others: list[Any] | None = None
+
+    def span(self, rank: int, counts: tuple[int, ...] | None = None) -> tuple[int, int]:
+        c = self.rows if counts is None else counts
+        lo = sum(c[:rank])
+        return lo, lo + c[rank]
 
 
 def head_split(num_heads: int, num_kv_heads: int, tp: ParallelGroup) -> tuple[int, int, int, int]:

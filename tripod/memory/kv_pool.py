@@ -33,39 +33,62 @@ class PoolSpec:
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         return self.values_per_token() * torch.empty((), dtype=dtype).element_size()
 
-    def make(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> KVPool | LatentPool:
+    def make(self, num_slots: int, dtype: torch.dtype, device: torch.device, *, base: int = 0,
+             ranks: int = 1) -> KVPool | LatentPool:
+        """A pool of ``num_slots`` slots. Data-parallel attention (``ranks`` > 1, latent pools
+        only): this rank's pool holds the global slot ids ``[base, base + num_slots)``, and its
+        allocator (rank 0's is the one the scheduler uses) hands out ``ranks`` such ranges."""
         if self.kind == "latent":
-            return LatentPool(num_slots, self.num_layers, self.latent_dim, dtype, device)
+            return LatentPool(num_slots, self.num_layers, self.latent_dim, dtype, device, base=base, ranks=ranks)
+        if base or ranks > 1:
+            raise ValueError("per-rank slot ranges (data-parallel attention) are built for latent (MLA) pools only")
         return KVPool(num_slots, self.num_layers, self.num_kv_heads, self.head_dim, dtype, device)
 
 
 class SlotAllocator:
     """Owns the free list of KV slots.
 
+    ``ranks`` > 1 (data-parallel attention): the slot ids are ``ranks`` equal ranges, rank d's
+    ``[d * per_rank, (d + 1) * per_rank)`` held in rank d's pool; a request's slots all come
+    from the range of the rank that runs its attention (``alloc(n, rank)``).
+
     Invariant: a slot id is either in the free list or handed out, never both; ``free``
     rejects a slot that is already free (a double free is an engine bug).
     """
 
-    def __init__(self, num_slots: int) -> None:
-        if num_slots < 2:
-            raise ValueError(f"the KV pool needs at least 2 token slots (got {num_slots})")
+    def __init__(self, num_slots: int, ranks: int = 1) -> None:
+        if num_slots < 2 * ranks:
+            raise ValueError(f"the KV pool needs at least 2 token slots per rank (got {num_slots} over {ranks})")
+        if num_slots % ranks:
+            raise ValueError(f"{num_slots} KV slots do not split evenly over {ranks} ranks")
         self.num_slots = num_slots
+        self.ranks = ranks
+        self.per_rank = num_slots // ranks
         # Pop from the end: low slot ids are handed out first, which keeps small runs compact.
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._free: list[list[int]] = [list(range((d + 1) * self.per_rank - 1, d * self.per_rank - 1, -1))
+                                       for d in range(ranks)]
         self._is_free = bytearray(b"\x01") * num_slots
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return sum(len(f) for f in self._free)
 
-    def alloc(self, n: int) -> list[int] | None:
-        """Hand out ``n`` slots, or None (and nothing) if fewer are free."""
-        if n > len(self._free):
+    def free_on(self, rank: int) -> int:
+        """Free slots in ``rank``'s range."""
+        return len(self._free[rank])
+
+    def rank_of(self, slot: int) -> int:
+        return slot // self.per_rank
+
+    def alloc(self, n: int, rank: int = 0) -> list[int] | None:
+        """Hand out ``n`` slots of ``rank``'s range, or None (and nothing) if fewer are free."""
+        free = self._free[rank]
+        if n > len(free):
             return None
         if n == 0:
             return []
-        out = self._free[-n:][::-1]  # ascending: a prefill chunk gets a run of slot ids
-        del self._free[-n:]
+        out = free[-n:][::-1]  # ascending: a prefill chunk gets a run of slot ids
+        del free[-n:]
         for s in out:
             self._is_free[s] = 0
         return out
@@ -74,10 +97,14 @@ class SlotAllocator:
         for s in slots:
             assert not self._is_free[s], f"double free of KV slot {s}"
             self._is_free[s] = 1
-        self._free.extend(slots)
+        if self.ranks == 1:
+            self._free[0].extend(slots)
+        else:
+            for s in slots:
+                self._free[s // self.per_rank].append(s)
 
     def free_set(self) -> set[int]:
-        return set(self._free)
+        return {s for f in self._free for s in f}
 
 
 class KVPool:
@@ -126,18 +153,24 @@ class LatentPool:
     kind = "latent"
 
     def __init__(self, num_slots: int, num_layers: int, latent_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.num_slots = num_slots
+                 device: torch.device, *, base: int = 0, ranks: int = 1) -> None:
+        self.num_slots = num_slots  # this rank's (data-parallel attention: one range of the group's)
         self.latent_dim = latent_dim
+        self.base = base  # the global slot id of this pool's first row
         self.kv = torch.zeros((num_layers, num_slots, latent_dim), dtype=dtype, device=device)
-        self.allocator = SlotAllocator(num_slots)
+        self.allocator = SlotAllocator(num_slots * ranks, ranks)
+
+    def _local(self, slots: torch.Tensor) -> torch.Tensor:
+        # NOTE: padding in a batch's slot table is slot 0, below a later rank's range: it maps to
+        # row 0 here (masked out); a slot above the range fails the index check.
+        return slots if not self.base else (slots - self.base).clamp_(min=0)
 
     def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
-        self.kv[layer].index_copy_(0, slots, latent)
+        self.kv[layer].index_copy_(0, self._local(slots), latent)
 
     def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The latents of ``slots`` (any shape ``S``): ``[*S, latent_dim]``."""
-        return self.kv[layer].index_select(0, slots.reshape(-1)).view(*slots.shape, self.latent_dim)
+        return self.kv[layer].index_select(0, self._local(slots).reshape(-1)).view(*slots.shape, self.latent_dim)
 
 
 Pool = KVPool | LatentPool

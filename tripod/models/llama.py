@@ -33,6 +33,7 @@ from tripod.layers.norm import rms_norm
 from tripod.layers.parallel import (
     SINGLE,
     SINGLE_STAGE,
+    DPLayout,
     ParallelGroup,
     PipeStage,
     parameter,
@@ -93,6 +94,21 @@ class DecoderLayer(nn.Module):
         h = be.norm(x, self.post_norm, self.eps)
         assert self.mlp_out_norm is not None
         return x + be.norm(self.mlp(h, be), self.mlp_out_norm, self.eps)
+
+    def forward_dp(self, x: torch.Tensor, ctx: StepContext, dp: DPLayout) -> torch.Tensor:
+        """Data-parallel attention: attention (whole) over this rank's rows ``x``; the MLP (split
+        over the group) over every rank's rows, gathered; this rank's rows of it added back."""
+        be, tp = ctx.batch.backend, ctx.model.tp
+        if x.shape[0]:
+            h = be.norm(x, self.input_norm, self.eps)
+            rotary, cos_sin = ctx.rope(self.layer)
+            x = self._attend(h, ctx, rotary, cos_sin, residual=x)
+            h = be.norm(x, self.post_norm, self.eps)
+        else:  # no request of this rank's in the step: it still takes part in the MLP's collectives
+            h = x
+        out = self.mlp(tp.gather_rows(h, dp.rows), be)
+        lo, hi = dp.span(tp.rank)
+        return x + out[lo:hi]
 
     def _attend(self, h: torch.Tensor, ctx: StepContext, rotary: RotaryEmbedding,
                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None, residual: torch.Tensor | None) -> torch.Tensor:
@@ -177,7 +193,14 @@ class LlamaForCausalLM(nn.Module):
     def shard_layer(self, layer: DecoderLayer, tp: ParallelGroup, expert_parallel: bool) -> None:
         if self.has_stored_weights or self.fp8_weights:
             raise ValueError("tensor parallel runs dequantized weights (not --weights stored or fp8) for now")
-        layer.attn.shard(tp)
+        if tp.dp_attention:
+            if self.cfg.mla is None:
+                raise ValueError("--data-parallel-size runs the attention of MLA models (DeepSeek-V2/V3) data-parallel; "
+                                 f"{self.cfg.architecture} has none: use --tensor-parallel-size or --replicas")
+            if layer.attn_out_norm is not None:
+                raise ValueError("data-parallel attention does not cover sandwich norms")
+        else:
+            layer.attn.shard(tp)
         if isinstance(layer.mlp, MoE):
             layer.mlp.shard(tp, expert_parallel)
         else:
@@ -249,6 +272,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: Any) -> torch.Tensor:
+        if batch.dp is not None:
+            return self._forward_dp(batch, pool, batch.dp)
         pp = self.pp
         if pp.first:
             x = self.embed_tokens(batch.input_ids)
@@ -267,6 +292,23 @@ class LlamaForCausalLM(nn.Module):
         if not pp.first:
             pp.send(logits, 0)  # stage 0 samples
         return logits
+
+    def _forward_dp(self, batch: ForwardBatch, pool: Any, dp: DPLayout) -> torch.Tensor:
+        """Data-parallel attention: this rank's rows through every layer (``DecoderLayer.forward_dp``);
+        the embedding and the head, split over the vocabulary, see every rank's tokens. Every rank
+        returns the logits of the whole group's sampling rows (rank 0's first)."""
+        tp = self.tp
+        lo, hi = dp.span(tp.rank)
+        x = self.embed_tokens(dp.ids)[lo:hi]
+        ctx = StepContext(self, batch, pool, x.dtype)
+        for layer in self.layers:
+            x = layer.forward_dp(x, ctx, dp)
+        if batch.logits_idx is not None:
+            x = x.index_select(0, batch.logits_idx)
+        if x.shape[0]:
+            x = batch.backend.norm(x, self.norm, self.cfg.rms_norm_eps)
+        x = tp.gather_rows(x, dp.samples)
+        return tp.gather_columns(self.head_ops[batch.backend.form](x).float(), self.cfg.vocab_size)
 
     def _logits(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.capture_hidden:

@@ -25,13 +25,16 @@ class RankCard(msgspec.Struct, kw_only=True):
     rank: int
     weight_bytes: int  # the parameters this rank holds
     kv_bytes_per_token: int  # its KV pool's bytes per token slot
+    kv_slots: int = 0  # the token slots its pool holds
 
 
 class ParallelCard(msgspec.Struct, kw_only=True):
     tensor_parallel_size: int
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1  # data-parallel attention (MLA): each rank the KV of its own requests
     expert_parallel: bool
     ranks: list[RankCard]
+    kv_capacity_tokens: int = 0  # the group's: tokens it can hold in KV at once
 
 
 class ComputeCard(msgspec.Struct, kw_only=True):

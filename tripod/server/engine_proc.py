@@ -60,7 +60,7 @@ def engine_main(launch: engine_ipc.EngineLaunch) -> None:
             max_request_len=engine.max_request_len,
             vocab_size=engine.model_config.vocab_size,
             max_running=engine.config.max_running,
-            kv_slots=engine.pool.num_slots,
+            kv_slots=engine.pool.allocator.num_slots,
             compute=ComputeCard(**engine.runner.card()),
         )))
         EngineLoop(engine, pull, push, launch.heartbeat_interval, launch.parent_pid).run()
@@ -187,7 +187,7 @@ class EngineLoop:
         out = EngineStats(
             running=len(s.running),
             waiting=len(s.waiting),
-            kv_slots=e.pool.num_slots,
+            kv_slots=e.pool.allocator.num_slots,
             kv_free=e.pool.allocator.num_free,
             kv_cached=e.cache.total_size,
             kv_pinned=e.cache.protected_size,

@@ -115,7 +115,7 @@ class Speculator:
             if k <= 0:
                 break
             if proposer.writes_kv:
-                slots = self.allocator.alloc(k)
+                slots = self.allocator.alloc(k, it.req.dp_rank)
                 if slots is None:  # no spare KV: decode plainly this step
                     continue
                 it.req.slots.extend(slots)
@@ -148,7 +148,7 @@ class Speculator:
         toks = p.tokens[: max(0, budget)]
         if not toks:
             return budget
-        slots = self.allocator.alloc(len(toks))
+        slots = self.allocator.alloc(len(toks), it.req.dp_rank)
         if slots is None:
             return budget
         req = it.req
