@@ -29,7 +29,8 @@ ENGINE_SERVER = [
     "--no-jump-forward", "--speculative", "draft:embedded", "--num-draft-tokens", "5", "--spec-max-batch", "0",
     "--api-key", "k", "--served-model-name", "m", "--max-waiting", "7", "--overload-status", "503",
     "--drain-timeout", "2.5", "--max-n", "3", "--parallel-timeout", "30", "--tensor-parallel-size", "2",
-    "--pipeline-parallel-size", "2", "--data-parallel-size", "2", "--enable-expert-parallel", "--tenants", "/t.toml", "--tenant-limits", "tokens",
+    "--pipeline-parallel-size", "2", "--data-parallel-size", "2", "--enable-expert-parallel",
+    "--parallel-backend", "ray", "--parallel-placement", "strict-spread", "--parallel-ray-address", "auto", "--tenants", "/t.toml", "--tenant-limits", "tokens",
 ]
 
 # The options of each command (as before the CLI was generated from the configs).
@@ -39,7 +40,7 @@ FLAGS = {
     "--health-interval --host --kernels --kv-cache-tokens --load-weight --log-level --lookback "
     "--max-batch-tokens --max-model-len --max-n --max-pending --max-replicas --max-retries --max-running "
     "--max-waiting --min-replicas --model --no-jump-forward --no-prefix-cache --num-draft-tokens "
-    "--overload-status --parallel-timeout --pipeline-parallel-size --policy --port --queue-timeout "
+    "--overload-status --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout --pipeline-parallel-size --policy --port --queue-timeout "
     "--ray-address --ray-num-cpus --ray-num-gpus --region --region-overflow-load --replica-log-dir "
     "--replica-max-inflight --replicas --router-policy --served-model-name --slo-tpot-p95 --slo-ttft-p95 "
     "--spec-max-batch --speculative --ssl-certfile --ssl-keyfile --stall-timeout --target-inflight "
@@ -50,12 +51,12 @@ FLAGS = {
     "--ssl-certfile --ssl-keyfile --stall-timeout --tenants",
     ("generate",): "--chunk-size --data-parallel-size --device --dtype --enable-expert-parallel --ignore-eos --kernels --kv-cache-tokens "
     "--log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p --model "
-    "--no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-timeout --pipeline-parallel-size "
+    "--no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout --pipeline-parallel-size "
     "--policy --raw --repetition-penalty --seed --spec-max-batch --speculative --stats --system "
     "--temperature --tensor-parallel-size --threads --top-k --top-p --weights",
     ("chat",): "--api-key --chunk-size --data-parallel-size --device --dtype --enable-expert-parallel --ignore-eos --kernels "
     "--kv-cache-tokens --log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p "
-    "--model --no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-timeout "
+    "--model --no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout "
     "--pipeline-parallel-size --policy --repetition-penalty --seed --spec-max-batch --speculative "
     "--system --temperature --tensor-parallel-size --threads --top-k --top-p --url --weights",
     ("chains", "serve"): "--backend --drain-timeout --entrypoint --host --log-dir --log-level --model --model-args --port "

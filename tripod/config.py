@@ -161,6 +161,17 @@ class EngineConfig:
     enable_expert_parallel: bool = opt(
         False, "with --tensor-parallel-size (or --data-parallel-size): split a MoE's experts over the ranks (each rank whole experts; the "
         "shared expert replicated) instead of splitting every expert's columns", commands=ENGINE_COMMANDS)
+    parallel_backend: str = opt(
+        "local", "where ranks 1.. of a model over several processes run: processes spawned here (local), or Ray "
+        "actors in a placement group, one bundle per rank, on the nodes of a Ray cluster (ray)",
+        commands=ENGINE_COMMANDS, choices=("local", "ray"))
+    parallel_placement: str = opt(
+        "pack", "--parallel-backend ray: how the ranks' bundles are placed: pack (as few nodes as possible), "
+        "spread (over as many as possible), strict-pack (one node), strict-spread (one rank per node)",
+        commands=ENGINE_COMMANDS, choices=("pack", "spread", "strict-pack", "strict-spread"))
+    parallel_ray_address: str | None = opt(
+        None, "--parallel-backend ray: the cluster to join ('auto': this machine's, started with `ray start`; "
+        "ray://host:10001; default: a Ray instance of this process)", commands=ENGINE_COMMANDS, metavar="ADDRESS")
     parallel_timeout: float = opt(
         60.0, "tensor parallel: seconds a collective may wait for a rank before the group is declared failed",
         commands=ENGINE_COMMANDS, metavar="S")
@@ -209,6 +220,11 @@ class EngineConfig:
                              f"{self.data_parallel_size})")
         if self.parallel_timeout <= 0:
             raise ValueError(f"parallel_timeout must be > 0 (got {self.parallel_timeout})")
+        if self.parallel_backend not in ("local", "ray"):
+            raise ValueError(f"parallel_backend must be 'local' or 'ray' (got {self.parallel_backend!r})")
+        if self.parallel_placement not in ("pack", "spread", "strict-pack", "strict-spread"):
+            raise ValueError("parallel_placement must be pack, spread, strict-pack or strict-spread "
+                             f"(got {self.parallel_placement!r})")
 
     def check_parallel(self) -> None:
         """What a model over several processes cannot combine with (yet); checked when an engine

@@ -13,7 +13,7 @@ import torch
 from tripod import kernels
 from tripod.config import EngineConfig
 from tripod.engine.model_runner import ModelRunner
-from tripod.engine.parallel import WorkerGroup, threads_per_rank, weight_bytes
+from tripod.engine.parallel import LocalWorkers, WorkerGroup, threads_per_rank, weight_bytes
 from tripod.engine.sampler import Sampler
 from tripod.engine.speculative.factory import extra_bytes_per_token, load_draft, make_proposer
 from tripod.engine.speculative.proposer import Proposer
@@ -111,10 +111,19 @@ def eos_ids_of(loaded: LoadedModel) -> frozenset[int]:
     return frozenset(eos)
 
 
+def make_group(config: EngineConfig) -> WorkerGroup:
+    """Start ranks 1..N-1: processes on this machine, or Ray actors placed over a cluster's nodes."""
+    if config.parallel_backend == "ray":
+        from tripod.engine.ray_group import RayWorkers
+
+        return RayWorkers(config)
+    return LocalWorkers(config)
+
+
 def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
     """Every part of an engine, in dependency order (the pool is sized once the draft is known)."""
     config.check_parallel()
-    group = WorkerGroup(config) if config.world_size > 1 else None
+    group = make_group(config) if config.world_size > 1 else None
     try:
         return _build(config, loaded, group)
     except BaseException:

@@ -353,9 +353,10 @@ class Engine(OfflineAPI):
 
     # ------------------------------------------------------------------ the group
     def check_workers(self) -> None:
-        """Raise ``WorkerLost`` if a tensor-parallel rank has exited (the engine cannot go on)."""
+        """Raise ``WorkerLost`` if a rank of the group has exited or stopped answering (the engine
+        cannot go on)."""
         if self.group is not None:
-            self.group.check()
+            self.group.watch()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (an engine of one process holds nothing to stop)."""

@@ -88,7 +88,65 @@ def threads_per_rank(config: EngineConfig, size: int) -> int:
 
 
 class WorkerGroup:
-    """Ranks 1..T-1, started as processes; this process joins the group as rank 0."""
+    """Ranks 1..N-1 of a group; this process joins it as rank 0. How the workers are started and
+    reached is the subclass's: ``LocalWorkers`` (processes spawned here, a pipe each) or
+    ``engine/ray_group.RayWorkers`` (Ray actors in a placement group, over the cluster's nodes)."""
+
+    size: int
+    timeout: float
+    tp: ParallelGroup
+    pp: PipeStage
+    ready: list[RankCard]
+
+    def wait_ready(self, num_slots: int) -> list[RankCard]:
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise ``WorkerLost`` if a worker is known to be gone (cheap: before every step)."""
+        raise NotImplementedError
+
+    def watch(self) -> None:
+        """``check``, and whatever else finds a dead or hung worker while the engine idles (the
+        engine's heartbeat calls it)."""
+        self.check()
+
+    def deliver(self, steps: list[Step]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def send(self, batch: ForwardBatch, scoring: bool = False) -> None:
+        """Before rank 0's forward: the same forward for every worker (data-parallel attention:
+        each its own rows' batch, with the step's layout)."""
+        self.check()
+        form = batch.backend.form
+
+        def step_of(b: ForwardBatch, dp: DPLayout | None) -> Step:
+            return Step(dataclasses.replace(b, backend=None, item_rows=[], decode_mirror=None, dp=dp), form, scoring)
+
+        dp = batch.dp
+        if dp is None:
+            self.deliver([step_of(batch, None)] * (self.size - 1))
+            return
+        assert dp.others is not None and len(dp.others) == self.size - 1
+        shared = dataclasses.replace(dp, others=None)
+        self.deliver([step_of(b, shared) for b in dp.others])
+
+
+def destroy_group() -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as e:
+        log.debug("destroying the process group: %s", e)
+
+
+class LocalWorkers(WorkerGroup):
+    """Ranks 1..N-1 as processes spawned on this machine, each reached over a pipe; the group meets
+    through a file store in a temporary directory."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.size = config.world_size
@@ -139,22 +197,7 @@ class WorkerGroup:
                 raise WorkerLost(f"tensor-parallel rank {rank} exited (code {p.exitcode}); "
                                  "the group stops and is restarted whole")
 
-    def send(self, batch: ForwardBatch, scoring: bool = False) -> None:
-        """Before rank 0's forward: the same forward for every worker (data-parallel attention:
-        each its own rows' batch, with the step's layout)."""
-        self.check()
-        form = batch.backend.form
-
-        def step_of(b: ForwardBatch, dp: DPLayout | None) -> Step:
-            return Step(dataclasses.replace(b, backend=None, item_rows=[], decode_mirror=None, dp=dp), form, scoring)
-
-        dp = batch.dp
-        if dp is None:
-            steps = [step_of(batch, None)] * len(self.conns)
-        else:
-            assert dp.others is not None and len(dp.others) == len(self.conns)
-            shared = dataclasses.replace(dp, others=None)
-            steps = [step_of(b, shared) for b in dp.others]
+    def deliver(self, steps: list[Step]) -> None:
         for rank, (conn, step) in enumerate(zip(self.conns, steps, strict=True), start=1):
             try:
                 conn.send(step)
@@ -171,22 +214,17 @@ class WorkerGroup:
             p.join(5)
             if p.is_alive():
                 p.kill()
-        try:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception as e:
-            log.debug("destroying the process group: %s", e)
+        destroy_group()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """A rank > 0: join the group, load and shard the model, hold a KV pool, run the forwards
+    """A local rank > 0: join the group, load and shard the model, hold a KV pool, run the forwards
     rank 0 sends until it sends None or goes away."""
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s %(name)s[tp{spec.rank}]: %(message)s")
     try:
-        runner = _start_worker(spec, conn)
+        worker = RankWorker(spec)
+        conn.send(worker.make_pool(conn.recv()))
     except Exception as e:
         log.exception("tensor-parallel rank %d failed to start", spec.rank)
         conn.send(RuntimeError(f"{type(e).__name__}: {e}"))
@@ -198,29 +236,44 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
             return  # rank 0 is gone
         if step is None:
             return
-        runner.run_step(step)
+        worker.run(step)
 
 
-def _start_worker(spec: WorkerSpec, conn: Connection) -> Any:
-    from tripod.engine.builder import start_kernels
-    from tripod.engine.model_runner import ModelRunner
-    from tripod.loader import load_model
+class RankWorker:
+    """What a rank > 0 holds, however it is started: its place in the group, its shard of the
+    model, then (``make_pool``, once rank 0 has sized the pools) its KV pool and model runner."""
 
-    torch.set_num_threads(spec.threads)
-    config = spec.config
-    device = config.torch_device()
-    dtype = config.torch_dtype(device)
-    tp, pp = init_group(config, spec.rank, spec.init_method)
-    loaded = load_model(config.model, dtype, device, weights=config.weights, tp=tp,
-                        expert_parallel=config.enable_expert_parallel, pp=pp)
-    pool_spec = loaded.config.pool_spec(tp, num_layers=len(loaded.model.layers))
-    num_slots = conn.recv()  # rank 0's count (every rank holds as many)
-    pool = pool_spec.make(num_slots, dtype, device, base=spec.rank * num_slots if tp.dp_attention else 0)
-    conn.send(RankCard(rank=spec.rank, weight_bytes=weight_bytes(loaded.model),
-                       kv_bytes_per_token=pool_spec.bytes_per_token(dtype), kv_slots=num_slots))
-    path = config.compute_path(dtype)
-    start_kernels(dataclasses.replace(config, kernels=config.kernels if config.kernels != "auto" else "optimized")
-                  if path == "optimized" else config, path, device)
-    context = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
-    return ModelRunner(loaded.model, pool, device, use_mirror=False, path=path, max_len=min(context, num_slots),
-                       stored=config.weights == "stored", level=config.kernel_level)
+    def __init__(self, spec: WorkerSpec) -> None:
+        from tripod.loader import load_model
+
+        torch.set_num_threads(spec.threads)
+        self.spec = spec
+        config = spec.config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        self.tp, self.pp = init_group(config, spec.rank, spec.init_method)
+        self.loaded = load_model(config.model, self.dtype, self.device, weights=config.weights, tp=self.tp,
+                                 expert_parallel=config.enable_expert_parallel, pp=self.pp)
+        self.runner: Any = None
+
+    def make_pool(self, num_slots: int) -> RankCard:
+        """A pool of rank 0's ``num_slots`` (every rank holds as many), the kernels, the runner."""
+        from tripod.engine.builder import start_kernels
+        from tripod.engine.model_runner import ModelRunner
+
+        config, loaded, dtype, device = self.spec.config, self.loaded, self.dtype, self.device
+        pool_spec = loaded.config.pool_spec(self.tp, num_layers=len(loaded.model.layers))
+        pool = pool_spec.make(num_slots, dtype, device, base=self.spec.rank * num_slots if self.tp.dp_attention else 0)
+        path = config.compute_path(dtype)
+        start_kernels(dataclasses.replace(config, kernels=config.kernels if config.kernels != "auto" else "optimized")
+                      if path == "optimized" else config, path, device)
+        context = min(config.max_model_len or loaded.config.max_position_embeddings,
+                      loaded.config.max_position_embeddings)
+        self.runner = ModelRunner(loaded.model, pool, device, use_mirror=False, path=path,
+                                  max_len=min(context, num_slots), stored=config.weights == "stored",
+                                  level=config.kernel_level)
+        return RankCard(rank=self.spec.rank, weight_bytes=weight_bytes(loaded.model),
+                        kv_bytes_per_token=pool_spec.bytes_per_token(dtype), kv_slots=num_slots)
+
+    def run(self, step: Step) -> None:
+        self.runner.run_step(step)
