@@ -229,8 +229,6 @@ class EngineConfig:
     def check_parallel(self) -> None:
         """What a model over several processes cannot combine with (yet); checked when an engine
         is built, so that a config naming both still round-trips through the command line."""
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ValueError("combining --tensor-parallel-size and --pipeline-parallel-size is not built yet: give one")
         if self.data_parallel_size > 1 and self.world_size != self.data_parallel_size:
             raise ValueError("--data-parallel-size already splits the MoE/MLP layers over its ranks: combining it "
                              "with --tensor-parallel-size or --pipeline-parallel-size is not built yet")

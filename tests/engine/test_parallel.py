@@ -54,6 +54,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> Any:
 
 
 LAYOUTS = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "dp": "data_parallel_size"}
+SIZES: dict[str, dict[str, int]] = {k: {v: 2} for k, v in LAYOUTS.items()}
+SIZES["tpxpp"] = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}  # 4 ranks: 2 stages of TP=2
 
 
 def _check(kind: str, path: Path, expert_parallel: bool, pipeline: bool = False, layout: str = "tp") -> None:
@@ -63,7 +65,8 @@ def _check(kind: str, path: Path, expert_parallel: bool, pipeline: bool = False,
     seeded = [o.token_ids for o in single.generate(PROMPTS, SEEDED)]
     full = weight_bytes(single.loaded.model)
     what = f"{kind} {layout.upper()}=2{' EP' if expert_parallel else ''}"
-    tp = Engine(model=str(path), enable_expert_parallel=expert_parallel, **{LAYOUTS[layout]: 2}, **SETTINGS)
+    sizes = SIZES[layout]
+    tp = Engine(model=str(path), enable_expert_parallel=expert_parallel, **sizes, **SETTINGS)
     try:
         for i, p in enumerate(PROMPTS):  # alone (c's prefix is a's: already a radix hit)
             check_greedy_tokens(tp.generate([p], GREEDY)[0].token_ids, refs[i], f"{what} prompt {i} alone")
@@ -74,7 +77,8 @@ def _check(kind: str, path: Path, expert_parallel: bool, pipeline: bool = False,
         assert [o.token_ids for o in tp.generate(PROMPTS, SEEDED)] == seeded, f"{what}: seeded sampling differs"
         tp.assert_consistent()
         ranks = tp.ranks
-        assert [r.rank for r in ranks] == [0, 1]
+        assert [r.rank for r in ranks] == list(range(tp.config.world_size))
+        assert tp.config.world_size == 2 ** len(sizes)
         assert sum(r.weight_bytes for r in ranks) >= full
         card = tp.runner.card()["parallel"]
         assert card.expert_parallel == expert_parallel
@@ -83,6 +87,11 @@ def _check(kind: str, path: Path, expert_parallel: bool, pipeline: bool = False,
             tp.generate(PROMPTS, GREEDY)  # two at once: both ranks hold a request's KV
             assert all(tree.size > 0 for tree in tp.cache.trees), f"{what}: a rank never held a request"
             assert all(r.weight_bytes < full for r in ranks)
+            return
+        if layout == "tpxpp":  # each rank half of its stage's layers: about a quarter of the model
+            assert card.tensor_parallel_size == card.pipeline_parallel_size == 2
+            for r in ranks:
+                assert r.weight_bytes <= 0.45 * full, f"{what}: rank {r.rank} holds {r.weight_bytes} of {full} bytes"
             return
         if pipeline:  # each stage its layers (and their KV); the embedding and head on every stage
             assert card.pipeline_parallel_size == 2
@@ -119,6 +128,11 @@ def test_pp2_equals_one_process(kind: str, folder: Any) -> None:
 @pytest.mark.parametrize("kind", ["gemma3", "mixtral", "qwen3-moe", "mistral-sliding"])
 def test_pp2_equals_one_process_every_family(kind: str, folder: Any) -> None:
     _check(kind, folder(kind), False, pipeline=True)
+
+
+def test_tp2_by_pp2_equals_one_process(folder: Any) -> None:
+    """Tensor parallel inside each pipeline stage: 4 ranks, two stages of two lanes."""
+    _check("qwen3", folder("qwen3"), False, layout="tpxpp")
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
@@ -162,3 +176,7 @@ def test_what_tensor_parallel_refuses(folder: Any) -> None:
         Engine(model=str(folder("llama")), enable_expert_parallel=True, **SETTINGS)
     with pytest.raises(ValueError, match="pipeline parallel size 4 exceeds the model's 3 layers"):
         Engine(model=str(folder("llama")), pipeline_parallel_size=4, **SETTINGS)
+    with pytest.raises(ValueError, match="MLA models"):
+        Engine(model=str(folder("llama")), data_parallel_size=2, **SETTINGS)
+    with pytest.raises(ValueError, match="combining it with --tensor-parallel-size"):
+        Engine(model=str(folder("deepseek-v3")), data_parallel_size=2, tensor_parallel_size=2, **SETTINGS)

@@ -18,7 +18,7 @@ from tripod.engine.sampler import Sampler
 from tripod.engine.speculative.factory import extra_bytes_per_token, load_draft, make_proposer
 from tripod.engine.speculative.proposer import Proposer
 from tripod.layers.parallel import SINGLE, SINGLE_STAGE, ParallelGroup, PipeStage
-from tripod.loader import LoadedModel, load_model
+from tripod.loader import LoadedModel, load_model, load_tokenizer
 from tripod.memory.kv_pool import Pool, slots_from_budget
 from tripod.protocol.stats import ParallelCard, RankCard
 
@@ -123,6 +123,11 @@ def make_group(config: EngineConfig) -> WorkerGroup:
 def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
     """Every part of an engine, in dependency order (the pool is sized once the draft is known)."""
     config.check_parallel()
+    if config.data_parallel_size > 1 and loaded is None:  # refused before any worker starts
+        mc = load_tokenizer(config.model).config
+        if mc.mla is None:
+            raise ValueError("--data-parallel-size runs the attention of MLA models (DeepSeek-V2/V3) data-parallel; "
+                             f"{mc.architecture} has none: use --tensor-parallel-size or --replicas")
     group = make_group(config) if config.world_size > 1 else None
     try:
         return _build(config, loaded, group)

@@ -74,11 +74,17 @@ def init_group(config: EngineConfig, rank: int, init_method: str) -> tuple[Paral
     backend = "nccl" if config.torch_device().type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=config.world_size,
                             timeout=timedelta(seconds=config.parallel_timeout))
+    t, p = config.tensor_parallel_size, config.pipeline_parallel_size
     if config.data_parallel_size > 1:  # data-parallel attention: the MLPs and vocabulary split over the D ranks
-        tp = ParallelGroup(rank, config.data_parallel_size, dp_attention=True)
-    else:
-        tp = ParallelGroup(rank, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else SINGLE
-    pp = PipeStage(rank, config.pipeline_parallel_size) if config.pipeline_parallel_size > 1 else SINGLE_STAGE
+        return ParallelGroup(rank, config.data_parallel_size, dp_attention=True), SINGLE_STAGE
+    stage, lane = divmod(rank, t)
+    group = None  # tensor parallel alone: the whole (default) group
+    if t > 1 and p > 1:  # each stage's lanes reduce among themselves (every rank makes every group)
+        for s in range(p):
+            made = dist.new_group([s * t + i for i in range(t)])
+            group = made if s == stage else group
+    tp = ParallelGroup(lane, t, group=group) if t > 1 else SINGLE
+    pp = PipeStage(stage, p, lane, t) if p > 1 else SINGLE_STAGE
     return tp, pp
 
 

@@ -163,11 +163,15 @@ def parameter(t: torch.Tensor) -> torch.nn.Parameter:
 class PipeStage:
     """This process's stage of a pipeline: layers ``[first_layer, end_layer)`` of the model. Stage
     0 (the engine's process) embeds the tokens; each stage sends its hidden states to the next;
-    the last one computes the logits and sends them back to stage 0, which samples. Stage s is
-    rank s of the group (pipeline parallel runs without tensor parallel for now)."""
+    the last one computes the logits and sends them back to stage 0, which samples. With tensor
+    parallel inside each stage (``width`` ranks a stage), stage s's ranks are ``s * width + lane``:
+    each lane is a pipeline of its own (lane l of one stage talks to lane l of the next), the
+    all-reduces run among a stage's lanes."""
 
     stage: int = 0
     stages: int = 1
+    lane: int = 0
+    width: int = 1
 
     @property
     def first(self) -> bool:
@@ -177,6 +181,10 @@ class PipeStage:
     def last(self) -> bool:
         return self.stage == self.stages - 1
 
+    def rank_of(self, stage: int) -> int:
+        """The global rank of this lane's process in ``stage``."""
+        return stage * self.width + self.lane
+
     def layers(self, num_layers: int) -> tuple[int, int]:
         """This stage's layers: an even split, the earlier stages taking one more when it does not divide."""
         if num_layers < self.stages:
@@ -185,17 +193,17 @@ class PipeStage:
         lo = self.stage * per + min(self.stage, extra)
         return lo, lo + per + (1 if self.stage < extra else 0)
 
-    def receive(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int) -> torch.Tensor:
+    def receive(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, stage: int) -> torch.Tensor:
         import torch.distributed as dist
 
         x = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(x, src=src)
+        dist.recv(x, src=self.rank_of(stage))
         return x
 
-    def send(self, x: torch.Tensor, dst: int) -> None:
+    def send(self, x: torch.Tensor, stage: int) -> None:
         import torch.distributed as dist
 
-        dist.send(x.contiguous(), dst=dst)
+        dist.send(x.contiguous(), dst=self.rank_of(stage))
 
 
 SINGLE_STAGE = PipeStage()
