@@ -82,7 +82,7 @@ def load_model(
         log.info("%s: %d weights kept in FP8 (w8a16: dequantized per block band inside each matmul)",
                  name, net.fp8_weights)
     else:
-        lazy = src.lazy_weights() if (tp.size > 1 or pp.stages > 1) and isinstance(src, HFFolder) else None
+        lazy = src.lazy_weights() if tp.size > 1 or pp.stages > 1 else None
         net.load_weights(lazy if lazy is not None else src.weights(), tp=tp, expert_parallel=expert_parallel)
     if weights == "stored":
         if not isinstance(src, GGUFFile):

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -139,24 +140,26 @@ class GGUFFile:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """All tensors, dequantized to float32, under HF names."""
+        lazy = self.lazy_weights()
+        return {name: lazy[name] for name in lazy}
+
+    def lazy_weights(self) -> GGUFTensors:
+        """Every tensor under its HF name, dequantized only when asked for (a rank of a model over
+        several processes then holds one layer's full tensors at a time, then its slices)."""
+        return GGUFTensors(self)
+
+    def dequantized(self, t: Any, name: str, cfg: ModelConfig) -> torch.Tensor:
+        """One GGUF tensor as float32, in HF's layout."""
         import gguf
 
-        cfg = self.config()
-        out: dict[str, torch.Tensor] = {}
-        for t in self.reader.tensors:
-            name = _hf_name(t.name, self.arch)
-            if name is None:
-                log.debug("skipping GGUF tensor %s", t.name)
-                continue
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
-            w = np.ascontiguousarray(w, dtype=np.float32)
-            if self.arch == "gemma3" and name.endswith("norm.weight"):
-                w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norms with the 1 added
-            if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                n = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
-                w = _unpermute_rotary(w, n)
-            out[name] = torch.from_numpy(w.copy() if not w.flags.writeable else w)
-        return out
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if self.arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norms with the 1 added
+        if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+            w = _unpermute_rotary(w, n)
+        return torch.from_numpy(w.copy() if not w.flags.writeable else w)
 
     def stored_weights(self) -> dict[str, Any]:
         """The 2-D weights whose GGUF type tripod's kernels execute as stored (Q4_1, Q8_0, Q5_0,
@@ -211,6 +214,33 @@ class GGUFFile:
         except OSError as e:
             log.warning("could not cache the tokenizer in %s: %s", cache, e)
         return tok
+
+
+class GGUFTensors(Mapping[str, torch.Tensor]):
+    """A GGUF file's tensors by HF name, each dequantized on access (never cached here)."""
+
+    def __init__(self, src: GGUFFile) -> None:
+        self.src = src
+        self.cfg = src.config()
+        self._where: dict[str, Any] = {}
+        for t in src.reader.tensors:
+            name = _hf_name(t.name, src.arch)
+            if name is None:
+                log.debug("skipping GGUF tensor %s", t.name)
+                continue
+            self._where[name] = t
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.src.dequantized(self._where[name], name, self.cfg)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
 
 
 def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
