@@ -90,11 +90,13 @@ def _check(kind: str, path: Path, expert_parallel: bool, pipeline: bool = False,
             return
         if layout == "tpxpp":  # each rank half of its stage's layers: about a quarter of the model
             assert card.tensor_parallel_size == card.pipeline_parallel_size == 2
+            assert tp.runner.micro_steps > 0, "the batched steps never ran as micro-batches"
             for r in ranks:
                 assert r.weight_bytes <= 0.45 * full, f"{what}: rank {r.rank} holds {r.weight_bytes} of {full} bytes"
             return
         if pipeline:  # each stage its layers (and their KV); the embedding and head on every stage
             assert card.pipeline_parallel_size == 2
+            assert tp.runner.micro_steps > 0, "the batched steps never ran as micro-batches"
             assert sum(r.kv_bytes_per_token for r in ranks) == single.kv_bytes_per_token
             assert all(r.weight_bytes < full for r in ranks)
             return

@@ -53,6 +53,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.group = group  # tensor parallel: the other ranks, sent every forward (engine/parallel.py)
+        self.micro_steps = 0  # pipeline parallel: steps run as several micro-batches
         self.parallel = parallel  # ... and what each rank holds, for the compute card
         self.pool = pool
         self.device = device
@@ -176,6 +177,9 @@ class ModelRunner:
         of the logits rows (those that sample). Data-parallel attention: one batch per rank (its
         requests' items), rank 0's returned with the others attached (``DPLayout``); the logits
         rows are rank 0's, then rank 1's, ..."""
+        stages = self.group.pp.stages if self.group is not None else 1
+        if stages > 1 and len(items) > 1:
+            return self._micro_batches(items, min(stages, len(items)))
         if self.dp_size == 1:
             return self.backend.build_batch(items, self)
         backend = self.backend
@@ -187,6 +191,24 @@ class ModelRunner:
             batches.append(batch)
             sampling += rows
         return self._dp_batch(batches), sampling
+
+    def _micro_batches(self, items: list[ScheduledItem], m: int) -> tuple[ForwardBatch, list[ScheduledItem]]:
+        """Pipeline parallel: the step's items in ``m`` micro-batches of about equal tokens (so the
+        stages overlap), the first carrying the others; logits rows in micro-batch order."""
+        backend, total = self.backend, sum(it.length for it in items)
+        groups: list[list[ScheduledItem]] = [[]]
+        done = 0
+        for i, it in enumerate(items):
+            left = len(items) - i  # every micro-batch gets at least one item
+            if groups[-1] and len(groups) < m and (done >= total * len(groups) / m or left == m - len(groups)):
+                groups.append([])
+            groups[-1].append(it)
+            done += it.length
+        built = [backend.build_batch(g, self) for g in groups]
+        self.micro_steps += 1
+        first = built[0][0]
+        first.micro = [b for b, _ in built[1:]]
+        return first, [it for _, rows in built for it in rows]
 
     def _empty_batch(self, backend: Backend) -> ForwardBatch:
         """A rank's batch when none of its requests is in the step (it still joins the collectives)."""

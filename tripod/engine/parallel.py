@@ -128,8 +128,12 @@ class WorkerGroup:
         self.check()
         form = batch.backend.form
 
+        def bare(b: ForwardBatch) -> ForwardBatch:
+            return dataclasses.replace(b, backend=None, item_rows=[], decode_mirror=None,
+                                       micro=[bare(m) for m in b.micro])
+
         def step_of(b: ForwardBatch, dp: DPLayout | None) -> Step:
-            return Step(dataclasses.replace(b, backend=None, item_rows=[], decode_mirror=None, dp=dp), form, scoring)
+            return Step(dataclasses.replace(bare(b), dp=dp), form, scoring)
 
         dp = batch.dp
         if dp is None:

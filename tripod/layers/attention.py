@@ -91,6 +91,9 @@ class ForwardBatch:
     item_rows: list[tuple[Any, int]] = field(default_factory=list)
     # Data-parallel attention: this rank's rows among the group's (layers/parallel.DPLayout).
     dp: DPLayout | None = None
+    # Pipeline parallel: the step's further micro-batches (other requests), run after this one
+    # so that the stages overlap; their logits rows follow this batch's.
+    micro: list[ForwardBatch] = field(default_factory=list)
 
 
 def attend(

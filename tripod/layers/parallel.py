@@ -205,5 +205,11 @@ class PipeStage:
 
         dist.send(x.contiguous(), dst=self.rank_of(stage))
 
+    def post(self, x: torch.Tensor, stage: int) -> Any:
+        """Send without waiting (``.wait()`` the result; ``x`` must live until then)."""
+        import torch.distributed as dist
+
+        return dist.isend(x, dst=self.rank_of(stage))
+
 
 SINGLE_STAGE = PipeStage()

@@ -274,6 +274,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, pool: Any) -> torch.Tensor:
         if batch.dp is not None:
             return self._forward_dp(batch, pool, batch.dp)
+        if batch.micro:
+            return self._forward_micro([batch, *batch.micro], pool)
         pp = self.pp
         if pp.first:
             x = self.embed_tokens(batch.input_ids)
@@ -292,6 +294,39 @@ class LlamaForCausalLM(nn.Module):
         if not pp.first:
             pp.send(logits, 0)  # stage 0 samples
         return logits
+
+    def _forward_micro(self, batches: list[ForwardBatch], pool: Any) -> torch.Tensor:
+        """Pipeline parallel over micro-batches: each stage runs micro-batch i while the next runs
+        i - 1 (sends are posted, not awaited); stage 0 collects every micro-batch's logits from the
+        last stage at the end, in order."""
+        pp, sent, out = self.pp, [], []
+        for b in batches:
+            b.backend = batches[0].backend
+            if pp.first:
+                x = self.embed_tokens(b.input_ids)
+                if self.embed_scale is not None:
+                    x = x * self.embed_scale
+            else:
+                x = pp.receive((b.input_ids.numel(), self.cfg.hidden_size), self.dtype, self.device, pp.stage - 1)
+            ctx = StepContext(self, b, pool, x.dtype)
+            for layer in self.layers:
+                x = layer(x, ctx)
+            if not pp.last:
+                x = x.contiguous()
+                sent.append((pp.post(x, pp.stage + 1), x))
+                continue
+            logits = self._logits(x, b)
+            if pp.first:
+                out.append(logits)
+            else:
+                sent.append((pp.post(logits, 0), logits))
+        if pp.first and not pp.last:
+            for b in batches:
+                rows = b.input_ids.numel() if b.logits_idx is None else b.logits_idx.numel()
+                out.append(pp.receive((rows, self.cfg.vocab_size), torch.float32, self.device, pp.stages - 1))
+        for work, _ in sent:
+            work.wait()
+        return torch.cat(out) if out else x
 
     def _forward_dp(self, batch: ForwardBatch, pool: Any, dp: DPLayout) -> torch.Tensor:
         """Data-parallel attention: this rank's rows through every layer (``DecoderLayer.forward_dp``);
