@@ -91,3 +91,33 @@ def test_served_tp2_equals_one_process_and_a_killed_worker_fails_cleanly(tmp_pat
         assert srv.wait_exit(30) != 0, "the server should exit (non-zero) for its supervisor to restart the group"
     finally:
         srv.stop()
+
+
+def test_served_dp_attention_answers_concurrent_requests_like_one_process(tmp_path: Path, hf_tokenizer: Any) -> None:
+    """``tripod serve --data-parallel-size 2`` (DeepSeek-V3, MLA): two requests at once, each on its
+    own rank's latent pool, get the single process's tokens through the official client."""
+    folder = save(build_hf("deepseek-v3"), tmp_path / "dsv3", hf_tokenizer)
+    prompts = [list(range(5, 40)), list(range(60, 81))]
+    single = Engine(model=str(folder), dtype="float32", kernels="eager", kv_cache_tokens=1024)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in single.generate(prompts, params)]
+    srv = ServerProcess(tmp_path, "--model", str(folder), "--data-parallel-size", "2", "--kernels", "eager",
+                        "--threads", "1", "--kv-cache-tokens", "1024")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        card = client.models.list().data[0].model_extra["compute"]["parallel"]
+        assert card["data_parallel_size"] == 2 and card["kv_capacity_tokens"] == 2 * card["ranks"][0]["kv_slots"]
+        got: list[Any] = [None, None]
+
+        def ask(i: int) -> None:
+            got[i] = client.completions.create(model="dsv3", prompt=prompts[i], max_tokens=10, temperature=0,
+                                               extra_body={"ignore_eos": True, "return_token_ids": True})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [g.choices[0].model_extra["token_ids"] for g in got] == want
+    finally:
+        srv.stop()
