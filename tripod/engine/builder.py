@@ -158,10 +158,11 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
                                   bytes_per_token=per_token, device=device, max_tokens_cap=config.max_kv_cache_tokens)
     ranks: tuple[RankCard, ...] = ()
     dp = config.data_parallel_size if group is not None and tp.dp_attention else 1
-    if group is not None:
+    if group is not None:  # every rank sized its pool: the group holds the smallest
+        num_slots, cards = group.wait_ready(num_slots)
         ranks = (RankCard(rank=0, weight_bytes=weight_bytes(loaded.model),
                           kv_bytes_per_token=mc.pool_spec(tp, stage_layers).bytes_per_token(dtype), kv_slots=num_slots),
-                 *group.wait_ready(num_slots))
+                 *cards)
     # (data-parallel attention: this pool is rank 0's range; its allocator hands out every rank's)
     pool = mc.pool_spec(tp, stage_layers).make(num_slots, dtype, device, ranks=dp)
     kv_bytes = mc.pool_spec(tp, stage_layers).bytes_per_token(dtype)

@@ -32,6 +32,7 @@ import torch
 from tripod.config import EngineConfig
 from tripod.layers.attention import ForwardBatch
 from tripod.layers.parallel import SINGLE, SINGLE_STAGE, DPLayout, ParallelGroup, PipeStage
+from tripod.memory.kv_pool import slots_from_budget
 from tripod.protocol.stats import RankCard
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,10 @@ class WorkerGroup:
     pp: PipeStage
     ready: list[RankCard]
 
-    def wait_ready(self, num_slots: int) -> list[RankCard]:
+    def wait_ready(self, budget: int) -> tuple[int, list[RankCard]]:
+        """Once every worker has loaded its shard and sized the KV pool its memory allows: the
+        group's slot count (the smallest of theirs and rank 0's ``budget``: slot ids address every
+        rank's pool alike), each worker's pool made with it, and what each holds."""
         raise NotImplementedError
 
     def check(self) -> None:
@@ -178,20 +182,18 @@ class LocalWorkers(WorkerGroup):
         self.tp, self.pp = init_group(config, 0, init)
         self.ready: list[RankCard] = []
 
-    def wait_ready(self, num_slots: int) -> list[RankCard]:
-        """Tell each worker how many KV slots to hold; once its shard is loaded and its pool
-        made, what it holds (or why it failed)."""
+    def wait_ready(self, budget: int) -> tuple[int, list[RankCard]]:
+        num_slots = min([budget, *(self._expect(conn, rank) for rank, conn in enumerate(self.conns, start=1))])
         for conn in self.conns:
-            try:
-                conn.send(num_slots)
-            except (BrokenPipeError, OSError):
-                pass  # it failed already: its error is read below
-        for rank, conn in enumerate(self.conns, start=1):
-            msg = self._recv(conn, rank)
-            if isinstance(msg, BaseException):
-                raise WorkerLost(f"tensor-parallel rank {rank} failed to start: {msg}") from msg
-            self.ready.append(msg)
-        return self.ready
+            conn.send(num_slots)
+        self.ready = [self._expect(conn, rank) for rank, conn in enumerate(self.conns, start=1)]
+        return num_slots, self.ready
+
+    def _expect(self, conn: Connection, rank: int) -> Any:
+        msg = self._recv(conn, rank)
+        if isinstance(msg, BaseException):
+            raise WorkerLost(f"tensor-parallel rank {rank} failed to start: {msg}") from msg
+        return msg
 
     def _recv(self, conn: Connection, rank: int) -> Any:
         try:
@@ -234,6 +236,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s %(name)s[tp{spec.rank}]: %(message)s")
     try:
         worker = RankWorker(spec)
+        conn.send(worker.budget)
         conn.send(worker.make_pool(conn.recv()))
     except Exception as e:
         log.exception("tensor-parallel rank %d failed to start", spec.rank)
@@ -264,6 +267,11 @@ class RankWorker:
         self.tp, self.pp = init_group(config, spec.rank, spec.init_method)
         self.loaded = load_model(config.model, self.dtype, self.device, weights=config.weights, tp=self.tp,
                                  expert_parallel=config.enable_expert_parallel, pp=self.pp)
+        self.pool_spec = self.loaded.config.pool_spec(self.tp, num_layers=len(self.loaded.model.layers))
+        # the slots this rank's memory allows (rank 0 takes the group's smallest)
+        self.budget = slots_from_budget(kv_cache_tokens=config.kv_cache_tokens, kv_mem_fraction=config.kv_mem_fraction,
+                                        bytes_per_token=self.pool_spec.bytes_per_token(self.dtype), device=self.device,
+                                        max_tokens_cap=config.max_kv_cache_tokens)
         self.runner: Any = None
 
     def make_pool(self, num_slots: int) -> RankCard:
@@ -271,8 +279,7 @@ class RankWorker:
         from tripod.engine.builder import start_kernels
         from tripod.engine.model_runner import ModelRunner
 
-        config, loaded, dtype, device = self.spec.config, self.loaded, self.dtype, self.device
-        pool_spec = loaded.config.pool_spec(self.tp, num_layers=len(loaded.model.layers))
+        config, loaded, dtype, device, pool_spec = self.spec.config, self.loaded, self.dtype, self.device, self.pool_spec
         pool = pool_spec.make(num_slots, dtype, device, base=self.spec.rank * num_slots if self.tp.dp_attention else 0)
         path = config.compute_path(dtype)
         start_kernels(dataclasses.replace(config, kernels=config.kernels if config.kernels != "auto" else "optimized")

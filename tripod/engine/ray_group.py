@@ -58,14 +58,15 @@ class RankActor:
     def __init__(self) -> None:
         self.worker: RankWorker | None = None
 
-    def start(self, spec: WorkerSpec) -> str:
-        """Join the group (blocks until every rank has), load this rank's shard; the node's id."""
+    def start(self, spec: WorkerSpec) -> tuple[str, int]:
+        """Join the group (blocks until every rank has), load this rank's shard; the node's id and
+        the KV slots this rank's memory allows."""
         import ray
 
         logging.basicConfig(level=spec.log_level,
                             format=f"%(asctime)s %(levelname)s %(name)s[tp{spec.rank}]: %(message)s")
         self.worker = RankWorker(spec)
-        return str(ray.get_runtime_context().get_node_id())
+        return str(ray.get_runtime_context().get_node_id()), self.worker.budget
 
     def make_pool(self, num_slots: int) -> RankCard:
         assert self.worker is not None
@@ -150,11 +151,13 @@ class RayWorkers(WorkerGroup):
         except self.ray.exceptions.RayError as e:
             raise WorkerLost(f"a Ray rank failed {what}: {e}") from e
 
-    def wait_ready(self, num_slots: int) -> list[RankCard]:
-        self.nodes += self._get(self._starts, "to load its shard")
+    def wait_ready(self, budget: int) -> tuple[int, list[RankCard]]:
+        started = self._get(self._starts, "to load its shard")
+        self.nodes += [node for node, _ in started]
+        num_slots = min([budget, *(b for _, b in started)])
         self.ready = self._get([a.make_pool.remote(num_slots) for a in self.actors], "to make its KV pool")
         log.info("ranks placed on Ray nodes %s", ", ".join(n[:8] for n in self.nodes))
-        return self.ready
+        return num_slots, self.ready
 
     def _reap(self, refs: list[Any]) -> list[Any]:
         """Raise for any finished call that failed; the ones still running."""
