@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import HFReference, check_greedy_tokens
-from tests.support.tiny_models import ARCHS, VOCAB, add_mtp, build_hf, save, save_fp8
+from tests.support.tiny_models import ARCHS, VOCAB, add_mtp, build_hf, save, save_fp8, save_mxfp4
 from tripod import Engine, SamplingParams
 
 N_TOKENS = 24
@@ -94,6 +94,33 @@ def test_config_features_read(tiny: Any) -> None:
     assert v3.mla is not None and v3.mla.q_lora_rank == 24
     v2 = cfg("deepseek-v2")
     assert v2.moe is not None and v2.moe.topk_method == "group_max" and v2.mla is not None and v2.mla.q_lora_rank is None
+    oss = cfg("gpt-oss")
+    assert oss.attn_sinks and oss.attention_bias and oss.sliding_layers == (0, 2) and oss.sliding_window == 12
+    assert oss.moe is not None and oss.moe.scoring == "topk_softmax" and oss.moe.router_bias and oss.moe.expert_bias
+    assert oss.moe.swiglu_limit == 2.0 and oss.rope_scaling is not None and oss.rope_scaling["rope_type"] == "yarn"
+
+
+def test_gpt_oss_mxfp4_checkpoint(tmp_path: Path, hf_tokenizer: Any) -> None:
+    """gpt-oss's MXFP4 folder (experts as packed FP4 blocks with E8M0 scales, made here by an
+    independent quantizer) loads, says so, and decodes transformers' greedy tokens on the values
+    the blocks hold (a dequantized copy given to transformers)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = build_hf("gpt-oss", seed=5)
+    folder, held = save_mxfp4(model, tmp_path / "oss-mxfp4", hf_tokenizer)
+    assert any(n.endswith("_blocks") for n in _tensors(folder)), "nothing was stored as MXFP4"
+    plain = tmp_path / "oss-dequantized"
+    plain.mkdir()
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["quantization_config"]
+    (plain / "config.json").write_text(json.dumps(cfg))
+    save_file(held, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    ref = AutoModelForCausalLM.from_pretrained(str(plain), dtype=torch.float32).eval()
+    assert not torch.equal(ref.model.layers[0].mlp.experts.down_proj, model.model.layers[0].mlp.experts.down_proj)
+    eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=4096, chunk_size=16, kernels="eager")
+    assert eng.loaded.quantization == "mxfp4 (MoE experts; dequantized at load)"
+    _check_engine(eng, HFReference(ref), "gpt-oss mxfp4")
 
 
 def _copy_with_config(src: Path, dst: Path, edit: Any) -> Path:

@@ -45,6 +45,12 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
                                                       "original_max_position_embeddings": 128,
                                                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                                                       "mscale_all_dim": 1.0, "rope_theta": 10000.0})),
+    "gpt-oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=12,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                swiglu_limit=2.0, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                 "truncate": False, "original_max_position_embeddings": 64,
+                                                 "rope_theta": 150000.0})),
     "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=12, query_pre_attn_scalar=16,
                                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                    final_logit_softcapping=30.0)),
@@ -71,6 +77,10 @@ def build_hf(kind: str, seed: int = 0) -> Any:
             elif name.endswith("norm.weight"):
                 base = 0.0 if mtype.startswith("gemma") else 1.0  # Gemma's norms scale by (1 + w)
                 p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".sinks"):  # gpt-oss: sinks that take a real share of the softmax
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("router.bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn(b.shape, generator=g))
@@ -176,3 +186,50 @@ def add_mtp(target: Any, folder: Path, seed: int = 6) -> tuple[Any, dict[str, to
     tensors.update({k: v.contiguous() for k, v in bigger.state_dict().items() if k.startswith(prefix)})
     save_file(tensors, str(folder / "mtp.safetensors"), metadata={"format": "pt"})
     return bigger, extra
+
+
+_FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` ``[..., n]`` (n a multiple of 32) → (blocks uint8 ``[..., n/32, 16]``, scales uint8
+    ``[..., n/32]``, the values they hold), rounding each value to the nearest FP4 after a
+    power-of-two scale per block that brings its largest magnitude to at most 6."""
+    *lead, n = w.shape
+    x = w.float().reshape(*lead, n // 32, 32)
+    top = x.abs().amax(dim=-1).clamp(min=1e-30)
+    exp = torch.ceil(torch.log2(top / 6.0)).clamp(-127, 127)
+    y = x / torch.exp2(exp).unsqueeze(-1)
+    mag = (y.abs().unsqueeze(-1) - _FP4).abs().argmin(dim=-1)  # 0..7
+    code = mag + 8 * (y < 0).long() * (mag > 0).long()
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    held = torch.where(y < 0, -_FP4[mag], _FP4[mag]) * torch.exp2(exp).unsqueeze(-1)
+    return packed, (exp + 127).to(torch.uint8), held.reshape(*lead, n)
+
+
+def save_mxfp4(model: Any, folder: Path, tokenizer: Any) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Save a tiny gpt-oss as its MXFP4 checkpoint: every layer's experts (``gate_up_proj``,
+    ``down_proj``; transformers holds them ``[E, in, out]``, the checkpoint ``[E, out, in]``) as
+    ``*_blocks`` + ``*_scales``. Returns the folder and the state dict of the values it holds."""
+    from safetensors.torch import load_file, save_file
+
+    save(model, folder, tokenizer)
+    held: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        out: dict[str, torch.Tensor] = {}
+        for name, w in tensors.items():
+            if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+                blocks, scales, values = _mxfp4_quantize(w.transpose(1, 2).contiguous())
+                out[name + "_blocks"], out[name + "_scales"] = blocks, scales
+                held[name] = values.transpose(1, 2).contiguous()
+            else:
+                out[name] = held[name] = w
+        save_file(out, str(f), metadata={"format": "pt"})
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                     "model.layers.*.mlp.router",
+                                                                                     "model.embed_tokens", "lm_head"]}
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return folder, held

@@ -95,6 +95,8 @@ class ModelRunner:
             return "sliding-window attention layers run on torch's ops"
         if cfg.attn_softcap is not None:
             return "soft-capped attention runs on torch's ops"
+        if cfg.attn_sinks:
+            return "attention with sinks runs on torch's ops"
         if cfg.head_dim not in (32, 64, 96, 128, 256) or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 8:
             return f"head_dim {cfg.head_dim} / {cfg.num_heads} heads over {cfg.num_kv_heads} is not a shape they cover"
         return None

@@ -41,6 +41,9 @@ class AttnSpec:
     scale: float
     window: int | None = None  # sliding window: a query at p sees keys p - window + 1 .. p
     softcap: float | None = None  # scores -> tanh(scores / cap) * cap before the softmax
+    # Attention sinks (gpt-oss): a learned logit per head joining the softmax's denominator (a
+    # virtual key whose value is zero), so a query may attend to "nothing".
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
 
 @dataclass(slots=True)
@@ -130,21 +133,30 @@ def sdpa(
     scale: float,
     softcap: float | None = None,
     causal: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention`` (grouped-query), or its soft-capped form spelled out."""
-    if softcap is None:
+    """``scaled_dot_product_attention`` (grouped-query), or spelled out for soft-capped logits or
+    attention sinks (``[H]``: one more logit per head in the softmax, whose probability is dropped)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     rep = q.shape[-3] // k.shape[-3]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    s = torch.tanh(s / softcap) * softcap
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     if causal:
         lq, lk = s.shape[-2], s.shape[-1]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    sink = sinks.to(s.dtype).view(-1, 1, 1).expand(*s.shape[:-1], 1)
+    both = torch.cat((s, sink), dim=-1)
+    both = both - both.max(dim=-1, keepdim=True).values  # (as transformers: the sink can be the largest)
+    p = torch.softmax(both, dim=-1, dtype=both.dtype)[..., :-1]
+    return torch.matmul(p.to(v.dtype), v)
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -199,7 +211,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: 
     if spec.window is not None:
         keys = torch.arange(width, device=dev).unsqueeze(0)
         mask = mask & (keys > batch.positions[:nd].unsqueeze(1) - spec.window)[:, None, None, :]
-    o = sdpa(q[:nd].unsqueeze(2), kc, vc, mask, spec.scale, spec.softcap)
+    o = sdpa(q[:nd].unsqueeze(2), kc, vc, mask, spec.scale, spec.softcap, sinks=spec.sinks)
     out[:nd] = o.squeeze(2)
 
 
@@ -214,7 +226,7 @@ def _verify_attention(q: torch.Tensor, layer: int, pool: KVPool, spec: AttnSpec,
         mask = _all_true(w, dev)
         if spec.window is not None:
             mask = mask & (torch.arange(w, device=dev) > w - 1 - spec.window)
-        o = sdpa(q[s0 + j : s0 + j + 1].unsqueeze(2), kc[:, :, :w], vc[:, :, :w], mask, spec.scale, spec.softcap)
+        o = sdpa(q[s0 + j : s0 + j + 1].unsqueeze(2), kc[:, :, :w], vc[:, :, :w], mask, spec.scale, spec.softcap, sinks=spec.sinks)
         out[s0 + j] = o[0, :, 0]
 
 
@@ -227,10 +239,10 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer:
         ks = k[s : s + n].transpose(0, 1).unsqueeze(0)
         vs = v[s : s + n].transpose(0, 1).unsqueeze(0)
         if window is None or n <= window:
-            o = sdpa(qs, ks, vs, None, spec.scale, spec.softcap, causal=True)
+            o = sdpa(qs, ks, vs, None, spec.scale, spec.softcap, causal=True, sinks=spec.sinks)
         else:
             p = torch.arange(n, device=dev)
-            o = sdpa(qs, ks, vs, window_mask(p, p, window), spec.scale, spec.softcap)
+            o = sdpa(qs, ks, vs, window_mask(p, p, window), spec.scale, spec.softcap, sinks=spec.sinks)
     else:
         assert seg.kv_slots is not None
         ks, vs = pool.gather(layer, seg.kv_slots)
@@ -239,7 +251,7 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer:
         if window is not None:
             mask = window_mask(torch.arange(seg.prefix_len, seg.prefix_len + n, device=dev),
                                torch.arange(seg.prefix_len + n, device=dev), window)
-        o = sdpa(qs, ks, vs, mask, spec.scale, spec.softcap)
+        o = sdpa(qs, ks, vs, mask, spec.scale, spec.softcap, sinks=spec.sinks)
     out[s : s + n] = o.squeeze(0).transpose(0, 1)
 
 

@@ -23,7 +23,7 @@ from tripod.layers.backends.base import Backend
 from tripod.layers.linear import Fp8Scales, StoredWeight, dequantize_fp8
 from tripod.layers.mlp import GatedMLP, activate, keep
 from tripod.layers.parallel import SINGLE, ParallelGroup, columns, parameter, rows
-from tripod.layers.weights import WeightSource
+from tripod.layers.weights import WeightSource, dequantize_mxfp4
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +46,19 @@ class MoEConfig:
     shared_intermediate_size: int = 0  # 0: no shared expert
     shared_gate: bool = False  # Qwen2-MoE: the shared expert's output scaled by sigmoid(gate(x))
     dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense (``intermediate_size``)
+    # gpt-oss: a bias on the router's logits and on each expert's projections, and the clamped
+    # SwiGLU ``(clamp(up) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``.
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
 
 def route(logits: torch.Tensor, spec: MoEConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits`` float32 ``[T, E]`` → (weights float32 ``[T, k]``, expert ids ``[T, k]``)."""
+    if spec.scoring == "topk_softmax":  # gpt-oss: the k largest logits, softmaxed among themselves
+        top, idx = logits.topk(spec.top_k, dim=-1)
+        return top.softmax(dim=-1), idx
     scores = logits.sigmoid() if spec.scoring == "sigmoid" else logits.softmax(dim=-1)
     choice = scores + bias if bias is not None else scores
     if spec.topk_method != "greedy" and spec.n_group > 1:
@@ -78,11 +87,17 @@ def route(logits: torch.Tensor, spec: MoEConfig, bias: torch.Tensor | None) -> t
 class ExpertSet(nn.Module):
     """A layer's routed experts, stacked."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, act: str, dtype: torch.dtype) -> None:
+    def __init__(self, num_experts: int, hidden: int, inter: int, act: str, dtype: torch.dtype,
+                 spec: MoEConfig | None = None) -> None:
         super().__init__()
         self.num_experts, self.inter, self.act = num_experts, inter, act
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False)
+        biased = spec is not None and spec.expert_bias
+        self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * inter, dtype=dtype), requires_grad=False) if biased else None
+        self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden, dtype=dtype), requires_grad=False) if biased else None
+        self.limit = spec.swiglu_limit if spec is not None else None
+        self.alpha = spec.swiglu_alpha if spec is not None else 1.702
         self.fp8: dict[str, Fp8Scales] = {}  # stacked scales [E, rows, cols] of weights kept in FP8
         self.first = 0  # the global index of this rank's first expert (expert parallel)
 
@@ -91,6 +106,10 @@ class ExpertSet(nn.Module):
         i0, i1 = tp.split(self.inter, "experts' intermediate size")
         self.gate_up = parameter(rows(self.gate_up.data, (i0, i1), (self.inter + i0, self.inter + i1)))
         self.down = parameter(columns(self.down.data, i0, i1))
+        if self.gate_up_bias is not None:
+            self.gate_up_bias = parameter(rows(self.gate_up_bias.data, (i0, i1), (self.inter + i0, self.inter + i1)))
+        if self.down_bias is not None and not tp.first:  # a row-parallel output's bias counts once
+            self.down_bias = parameter(torch.zeros_like(self.down_bias.data))
         self.inter = i1 - i0
 
     def shard_experts(self, tp: ParallelGroup) -> None:
@@ -98,6 +117,9 @@ class ExpertSet(nn.Module):
         e0, e1 = tp.split(self.num_experts, "number of routed experts")
         self.gate_up = parameter(self.gate_up.data[e0:e1].contiguous())
         self.down = parameter(self.down.data[e0:e1].contiguous())
+        if self.gate_up_bias is not None and self.down_bias is not None:
+            self.gate_up_bias = parameter(self.gate_up_bias.data[e0:e1].contiguous())
+            self.down_bias = parameter(self.down_bias.data[e0:e1].contiguous())
         self.first, self.num_experts = e0, e1 - e0
 
     def load(self, src: WeightSource, prefix: str, names: tuple[str, str, str]) -> None:
@@ -111,6 +133,34 @@ class ExpertSet(nn.Module):
         E = range(self.num_experts)
         keep(self, "gate_up", src.stack([src.cat([f"{prefix}{e}.{g}.weight", f"{prefix}{e}.{u}.weight"]) for e in E]))
         keep(self, "down", src.stack([src.part(f"{prefix}{e}.{d}.weight") for e in E]))
+
+    def load_interleaved(self, src: WeightSource, prefix: str) -> None:
+        """gpt-oss's stacked experts: ``gate_up_proj`` ``[E, H, 2I]`` with gate and up columns
+        interleaved (even, odd), ``down_proj`` ``[E, I, H]``, and their biases."""
+        if src.has(prefix + "gate_up_proj_blocks"):  # MXFP4: stored [E, out, in], dequantized at load
+            gu = self._mxfp4(src, prefix + "gate_up_proj")  # [E, 2I interleaved, H]
+            self.gate_up.data = torch.cat((gu[:, ::2], gu[:, 1::2]), dim=1).contiguous()
+            self.down.data = self._mxfp4(src, prefix + "down_proj").contiguous()
+        else:
+            gu = src.get(prefix + "gate_up_proj")
+            self.gate_up.data = torch.cat((gu[..., ::2], gu[..., 1::2]), dim=-1).transpose(1, 2).contiguous()
+            self.down.data = src.get(prefix + "down_proj").transpose(1, 2).contiguous()
+        if self.gate_up_bias is not None and self.down_bias is not None:
+            b = src.get(prefix + "gate_up_proj_bias")
+            self.gate_up_bias.data = torch.cat((b[..., ::2], b[..., 1::2]), dim=-1).contiguous()
+            self.down_bias.data = src.get(prefix + "down_proj_bias").contiguous()
+
+    def _mxfp4(self, src: WeightSource, name: str) -> torch.Tensor:
+        w = dequantize_mxfp4(src.raw(name + "_blocks"), src.raw(name + "_scales"), src.dtype)
+        return w.to(src.device)
+
+    def _activate(self, gu: torch.Tensor) -> torch.Tensor:
+        if self.limit is None:
+            return activate(gu, self.inter, self.act)
+        g, u = gu.split([self.inter, self.inter], dim=-1)
+        g = g.clamp(max=self.limit)
+        u = u.clamp(min=-self.limit, max=self.limit)
+        return (u + 1) * (g * torch.sigmoid(g * self.alpha))
 
     def weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert ``e``'s ``gate_up`` or ``down`` in ``dtype`` (an FP8 one dequantized now)."""
@@ -136,8 +186,13 @@ class ExpertSet(nn.Module):
                 continue
             picked = tokens[start : start + n]
             xs = x.index_select(0, picked)
-            h = activate(xs @ self.weight("gate_up", e, x.dtype).t(), self.inter, self.act)
-            out.index_add_(0, picked, (h @ self.weight("down", e, x.dtype).t()) * w[start : start + n])
+            gu = xs @ self.weight("gate_up", e, x.dtype).t()
+            if self.gate_up_bias is not None:
+                gu = gu + self.gate_up_bias[e]
+            y = self._activate(gu) @ self.weight("down", e, x.dtype).t()
+            if self.down_bias is not None:
+                y = y + self.down_bias[e]
+            out.index_add_(0, picked, y * w[start : start + n])
             start += n
         return out
 
@@ -155,7 +210,11 @@ class MoE(nn.Module):
             nn.Parameter(torch.zeros(spec.num_experts, dtype=torch.float32), requires_grad=False)
             if spec.correction_bias else None
         )
-        self.experts = ExpertSet(spec.num_experts, hidden, spec.intermediate_size, act, dtype)
+        self.router_bias = (
+            nn.Parameter(torch.zeros(spec.num_experts, dtype=torch.float32), requires_grad=False)
+            if spec.router_bias else None
+        )
+        self.experts = ExpertSet(spec.num_experts, hidden, spec.intermediate_size, act, dtype, spec)
         self.shared = GatedMLP(hidden, spec.shared_intermediate_size, act, dtype) if spec.shared_intermediate_size else None
         self.shared_gate = (
             nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False) if spec.shared_gate else None
@@ -184,7 +243,7 @@ class MoE(nn.Module):
             self.shared.release(form)
 
     def forward(self, h: torch.Tensor, backend: Backend, residual: torch.Tensor | None = None) -> torch.Tensor:
-        logits = torch.nn.functional.linear(h.float(), self.router)
+        logits = torch.nn.functional.linear(h.float(), self.router, self.router_bias)
         weights, idx = route(logits, self.spec, self.bias)
         out = self.experts(h, weights, idx)
         if self.shared is not None and self.shared_here:

@@ -37,6 +37,10 @@ class WeightSource:
             return dequantize_fp8(t, sc, self.dtype)
         return t
 
+    def raw(self, name: str) -> torch.Tensor:
+        """A tensor exactly as the checkpoint stores it (e.g. MXFP4's packed blocks)."""
+        return self._raw(name)
+
     def get_f32(self, name: str) -> torch.Tensor:
         return self._raw(name).to(device=self.device, dtype=torch.float32).contiguous()
 
@@ -70,3 +74,20 @@ def fuse(parts: list[Part], dtype: torch.dtype, op: object, dim0: bool) -> Part:
             return w.contiguous(), Fp8Scales(s.contiguous(), scales[0].block)  # type: ignore[union-attr]
     plain = [t if sc is None else dequantize_fp8(t, sc, dtype) for t, sc in parts]
     return op(plain).contiguous(), None  # type: ignore[operator]
+
+
+# FP4 (e2m1) codes 0..15 as values: the sign bit, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """OCP MXFP4 (gpt-oss's experts): ``blocks`` uint8 ``[*rows, G, 16]`` (two FP4 codes a byte, the
+    low nibble first), ``scales`` uint8 ``[*rows, G]`` (E8M0: 2^(s - 127) for each block of 32) →
+    ``[*rows, G * 32]`` in ``dtype``."""
+    if blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match")
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    b = blocks.to(torch.uint8)
+    vals = torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).flatten(-2)  # [*rows, G, 32]
+    vals = torch.ldexp(vals, (scales.to(torch.int32) - 127).unsqueeze(-1).to(torch.float32))
+    return vals.flatten(-2).to(dtype)

@@ -72,13 +72,15 @@ class HFFolder:
             return None
         method = q.get("quant_method")
         block = q.get("weight_block_size")
+        if method == "mxfp4":  # gpt-oss: MXFP4 experts, dequantized as they load (``ExpertSet``)
+            return None
         if method == "fp8" and isinstance(block, list) and len(block) == 2:
             if q.get("fmt", "e4m3") != "e4m3":
                 raise ValueError(f"FP8 format {q.get('fmt')!r} is not supported (only e4m3)")
             return int(block[0]), int(block[1])
         raise ValueError(
             f"quantized checkpoints ({method or q}) are not supported; tripod loads unquantized "
-            "folders, DeepSeek's block-wise FP8 folders and GGUF files"
+            "folders, DeepSeek's block-wise FP8 folders, gpt-oss's MXFP4 folders and GGUF files"
         )
 
     @property
@@ -86,6 +88,8 @@ class HFFolder:
         block = self.fp8_block
         if block is not None:
             return f"fp8 (block {block[0]}x{block[1]}, e4m3)"
+        if (self.raw_config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+            return "mxfp4 (MoE experts; dequantized at load)"
         return str(self.raw_config.get("torch_dtype") or self.raw_config.get("dtype") or "none")
 
     def lazy_weights(self) -> Mapping[str, torch.Tensor] | None:

@@ -32,6 +32,7 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "gemma3": ("Gemma3ForCausalLM",),
     "deepseek_v2": ("DeepseekV2ForCausalLM",),
     "deepseek_v3": ("DeepseekV3ForCausalLM",),
+    "gpt_oss": ("GptOssForCausalLM",),
 }
 
 
@@ -96,6 +97,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
     num_nextn_predict_layers: int = 0  # DeepSeek-V3's multi-token-prediction modules
+    attn_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax (AttnSpec.sinks)
 
     def is_sliding(self, layer: int) -> bool:
         if self.sliding_window is None:
@@ -184,6 +186,7 @@ class ModelConfig:
             moe=_moe(d, layers),
             mla=mla,
             num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
+            attn_sinks=mtype == "gpt_oss" or arch == "GptOssForCausalLM",
         )
 
 
@@ -255,6 +258,10 @@ def _moe(d: dict[str, Any], layers: int) -> MoEConfig | None:
             correction_bias=v3, shared_intermediate_size=inter * int(d.get("n_shared_experts") or 0),
             dense_layers=dense,
         )
+    if mtype == "gpt_oss":  # softmax over the top-k router logits (+ its bias); biased clamped-SwiGLU experts
+        return MoEConfig(num_experts=int(n), top_k=top_k, intermediate_size=inter, scoring="topk_softmax",
+                         router_bias=True, expert_bias=True, swiglu_limit=float(d.get("swiglu_limit") or 7.0),
+                         swiglu_alpha=float(d.get("swiglu_alpha") or 1.702))
     only = tuple(int(i) for i in d.get("mlp_only_layers") or ())
     step = int(d.get("decoder_sparse_step") or 1)
     dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)

@@ -30,9 +30,10 @@ class GQAttention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.sinks = new_param(cfg.num_heads, dtype=dtype, fill=0.0) if cfg.attn_sinks else None
         self.spec = AttnSpec(
             cfg.num_heads, cfg.num_kv_heads, cfg.attn_scale,
-            window=cfg.sliding_window if cfg.is_sliding(layer) else None, softcap=cfg.attn_softcap,
+            window=cfg.sliding_window if cfg.is_sliding(layer) else None, softcap=cfg.attn_softcap, sinks=self.sinks,
         )
         self.eps = cfg.rms_norm_eps
         self.qkv = new_param(self.q_size + 2 * self.kv_size, h, dtype=dtype)
@@ -60,7 +61,9 @@ class GQAttention(nn.Module):
         if self.o_bias is not None and not tp.first:
             self.o_bias = None
         self.q_size, self.kv_size = (q1 - q0) * d, (k1 - k0) * d
-        self.spec = AttnSpec(q1 - q0, k1 - k0, s.scale, window=s.window, softcap=s.softcap)
+        if self.sinks is not None:  # each head's sink goes with the head
+            self.sinks = parameter(self.sinks.data[q0:q1].contiguous())
+        self.spec = AttnSpec(q1 - q0, k1 - k0, s.scale, window=s.window, softcap=s.softcap, sinks=self.sinks)
         self.ops.clear()
         self.tp = tp
 
@@ -82,6 +85,8 @@ class GQAttention(nn.Module):
         keep(self, "o", src.part(a + "o_proj.weight"))
         if self.o_bias is not None:
             self.o_bias.data = get(a + "o_proj.bias")
+        if self.sinks is not None:
+            self.sinks.data = get(a + "sinks")
         if self.q_norm is not None and self.k_norm is not None:
             self.q_norm.data = norm_weight(get(a + "q_norm.weight"), offset)
             self.k_norm.data = norm_weight(get(a + "k_norm.weight"), offset)

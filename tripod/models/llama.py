@@ -429,6 +429,12 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(mlp, GatedMLP):
             mlp.load(src, p + "mlp.")
             return
+        if src.has(p + "mlp.router.weight"):  # gpt-oss: a biased router, interleaved stacked experts
+            mlp.router.data = src.get_f32(p + "mlp.router.weight")
+            if mlp.router_bias is not None:
+                mlp.router_bias.data = src.get_f32(p + "mlp.router.bias")
+            mlp.experts.load_interleaved(src, p + "mlp.experts.")
+            return
         if src.has(p + "block_sparse_moe.gate.weight"):  # Mixtral's names
             m, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
         else:
