@@ -100,6 +100,22 @@ def test_config_features_read(tiny: Any) -> None:
     assert oss.moe.swiglu_limit == 2.0 and oss.rope_scaling is not None and oss.rope_scaling["rope_type"] == "yarn"
 
 
+def test_deepseek_v32_attends_only_the_indexed_tokens(tiny: Any) -> None:
+    """V3.2's lightning indexer really prunes (sequences longer than ``index_topk``), the pool
+    keeps its key beside each token's latent, and transformers' tokens still come out (prefill,
+    chunked prefill over a cached prefix, decode)."""
+    folder, ref = tiny("deepseek-v32")
+    eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=2048, chunk_size=16, kernels="eager")
+    mc = eng.model_config
+    assert mc.mla is not None and mc.mla.index_topk == 12
+    assert eng.pool.kv.shape[-1] == mc.mla.latent_dim + mc.mla.index_head_dim
+    (out,) = eng.generate([PROMPTS[0]], PARAMS)
+    check_greedy_tokens(out.token_ids, ref.greedy(PROMPTS[0], N_TOKENS), "deepseek-v32 alone")
+    indexers = [layer.attn.indexer for layer in eng.loaded.model.layers]
+    assert all(ix is not None for ix in indexers)
+    assert sum(ix.pruned for ix in indexers if ix is not None) > 0, "no query attended fewer tokens than it saw"
+
+
 def test_gpt_oss_mxfp4_checkpoint(tmp_path: Path, hf_tokenizer: Any) -> None:
     """gpt-oss's MXFP4 folder (experts as packed FP4 blocks with E8M0 scales, made here by an
     independent quantizer) loads, says so, and decodes transformers' greedy tokens on the values

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tripod.layers.attention import ForwardBatch, sdpa, window_mask
@@ -45,6 +46,11 @@ class MLAConfig:
     v_head_dim: int
     q_lora_rank: int | None = None  # None: Q is one projection (DeepSeek-V2-Lite)
     rope_interleave: bool = True  # the rope dims come in (even, odd) pairs in the checkpoint
+    # DeepSeek-V3.2's sparse attention: a lightning indexer (``index_n_heads`` small heads of
+    # ``index_head_dim``, one key per token) picks each query's ``index_topk`` past tokens.
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -53,6 +59,65 @@ class MLAConfig:
     @property
     def latent_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def pool_dim(self) -> int:
+        """A token's values in the pool per layer: the latent, then the indexer's key (V3.2)."""
+        return self.latent_dim + self.index_head_dim
+
+
+class Indexer(nn.Module):
+    """DeepSeek-V3.2's lightning indexer: scores every visible past token for a query as
+    ``sum_h w_h(x) * relu(q_h · k / sqrt(d))`` (``q_h`` from the query's low-rank state, one key per
+    token, LayerNorm'ed, both rotated on their first ``rope`` dims, half-split) and keeps the
+    ``topk`` best; attention then runs over those only. Keys live in the latent pool's rows, after
+    the latent. ``pruned`` counts the queries that attended fewer tokens than they could see."""
+
+    def __init__(self, cfg: MLAConfig, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        assert cfg.q_lora_rank is not None, "the indexer reads the query's low-rank state"
+        self.n, self.d, self.topk, self.rope = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, cfg.qk_rope_head_dim
+        self.wq = _param(self.n * self.d, cfg.q_lora_rank, dtype=dtype)
+        self.wk = _param(self.d, hidden, dtype=dtype)
+        self.k_norm = _param(self.d, dtype=dtype)
+        self.k_norm_bias = _param(self.d, dtype=dtype)
+        self.w = _param(self.n, hidden, dtype=dtype)
+        self.pruned = 0
+
+    def load(self, src: WeightSource, prefix: str) -> None:
+        self.wq.data = src.get(prefix + "wq_b.weight")
+        self.wk.data = src.get(prefix + "wk.weight")
+        self.k_norm.data = src.get(prefix + "k_norm.weight")
+        self.k_norm_bias.data = src.get(prefix + "k_norm.bias")
+        self.w.data = src.get(prefix + "weights_proj.weight")
+
+    def _rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        r = self.rope
+        return torch.cat((apply_rotary(x[..., :r], *cos_sin), x[..., r:]), dim=-1)
+
+    def keys(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Each token's key ``[T, d]`` (to store in the pool)."""
+        k = F.layer_norm(F.linear(x, self.wk), (self.d,), self.k_norm, self.k_norm_bias, 1e-6)
+        return self._rotate(k[:, None], cos_sin)[:, 0]
+
+    def queries(self, x: torch.Tensor, q_low: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's query heads ``[T, n, d]`` and their weights ``[T, n]`` (float32)."""
+        q = self._rotate(F.linear(q_low, self.wq).view(-1, self.n, self.d), cos_sin)
+        return q.float(), F.linear(x, self.w).float() * self.n**-0.5
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """``visible`` ``[R, L]`` narrowed to each row's ``topk`` best-scored keys (``keys``
+        ``[R, L, d]``, or ``[L, d]`` shared by the rows)."""
+        if visible.shape[-1] <= self.topk:
+            return visible  # nothing to leave out
+        k = keys.float()
+        dots = torch.einsum("rhd,ld->rhl", q, k) if k.dim() == 2 else torch.einsum("rhd,rld->rhl", q, k)
+        scores = torch.einsum("rh,rhl->rl", w, F.relu(dots * self.d**-0.5))
+        top = scores.masked_fill(~visible, float("-inf")).topk(self.topk, dim=-1).indices
+        keep = torch.zeros_like(visible).scatter_(-1, top, True) & visible
+        self.pruned += int((keep.sum(-1) < visible.sum(-1)).sum())
+        return keep
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -80,6 +145,7 @@ class MLAttention(nn.Module):
         self.o = _param(hidden, num_heads * cfg.v_head_dim, dtype=dtype)
         if bias:
             raise ValueError("MLA checkpoints with attention biases are not supported")
+        self.indexer = Indexer(cfg, hidden, dtype) if cfg.index_topk else None
         self.ops: dict[str, dict[str, Linear]] = {}
         self.fp8: dict[str, Fp8Scales] = {}
         self.tp = SINGLE
@@ -133,6 +199,8 @@ class MLAttention(nn.Module):
         self.kv_a_norm.data = src.get(prefix + "kv_a_layernorm.weight")
         keep(self, "kv_b", src.part(prefix + "kv_b_proj.weight"))
         keep(self, "o", src.part(prefix + "o_proj.weight"))
+        if self.indexer is not None:
+            self.indexer.load(src, prefix + "indexer.")
 
     def forward(
         self,
@@ -145,41 +213,57 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         c, ops = self.cfg, self.ops[batch.backend.form]
         t = x.shape[0]
+        q_low = None
         if self.q_a is not None:
             assert self.q_a_norm is not None
-            q = ops["q"](rms_norm(ops["q_a"](x), self.q_a_norm, self.eps))
+            q_low = rms_norm(ops["q_a"](x), self.q_a_norm, self.eps)
+            q = ops["q"](q_low)
         else:
             q = ops["q"](x)
         q = q.view(t, self.h, c.qk_head_dim)
         q_nope, q_pe = q[..., : c.qk_nope_head_dim], apply_rotary(q[..., c.qk_nope_head_dim :], *cos_sin)
         ckv = ops["kv_a"](x)
-        latent = torch.cat(
-            (rms_norm(ckv[:, : c.kv_lora_rank], self.kv_a_norm, self.eps),
-             apply_rotary(ckv[:, None, c.kv_lora_rank :], *cos_sin)[:, 0]),
-            dim=-1,
-        )
-        pool.write(layer, batch.out_slots, latent)
+        parts = [rms_norm(ckv[:, : c.kv_lora_rank], self.kv_a_norm, self.eps),
+                 apply_rotary(ckv[:, None, c.kv_lora_rank :], *cos_sin)[:, 0]]
+        ix = self.indexer
+        if ix is not None:  # V3.2: the indexer's key joins the latent in the pool; its queries for this step
+            assert q_low is not None
+            parts.append(ix.keys(x, cos_sin).to(x.dtype))
+            iq, iw = ix.queries(x, q_low, cos_sin)
+        row = torch.cat(parts, dim=-1)
+        pool.write(layer, batch.out_slots, row)
+        dim = c.latent_dim  # a pool row: the latent [:dim], then (V3.2) the indexer's key
         out = torch.empty(t, self.h, c.v_head_dim, dtype=x.dtype, device=x.device)
         nd = batch.num_decode
         if nd:
             assert batch.decode_kv_idx is not None and batch.decode_mask is not None
-            lat = pool.gather(layer, batch.decode_kv_idx)  # [B, L, latent]
-            out[:nd] = self._absorbed(q_nope[:nd], q_pe[:nd], lat, batch.decode_mask)
+            lat = pool.gather(layer, batch.decode_kv_idx)  # [B, L, pool row]
+            mask = batch.decode_mask
+            if ix is not None:
+                mask = ix.select(iq[:nd], iw[:nd], lat[..., dim:], mask[:, 0, 0])[:, None, None, :]
+            out[:nd] = self._absorbed(q_nope[:nd], q_pe[:nd], lat[..., :dim], mask)
         for s0, p0, n, kv in batch.verifies:
-            lat = pool.gather(layer, kv)  # [p0 + n, latent]
+            lat = pool.gather(layer, kv)  # [p0 + n, pool row]
             p = torch.arange(p0, p0 + n, device=x.device)
-            mask = window_mask(p, torch.arange(p0 + n, device=x.device), None)[:, None, None, :]
+            seen = window_mask(p, torch.arange(p0 + n, device=x.device), None)
+            if ix is not None:
+                seen = ix.select(iq[s0 : s0 + n], iw[s0 : s0 + n], lat[:, dim:], seen)
             out[s0 : s0 + n] = self._absorbed(
-                q_nope[s0 : s0 + n], q_pe[s0 : s0 + n], lat.unsqueeze(0).expand(n, -1, -1), mask
+                q_nope[s0 : s0 + n], q_pe[s0 : s0 + n], lat[:, :dim].unsqueeze(0).expand(n, -1, -1),
+                seen[:, None, None, :],
             )
         for seg in batch.prefills:
             s, n = seg.start, seg.length
             if seg.prefix_len == 0:
-                lat, mask, causal = latent[s : s + n], None, True
+                rows, mask, causal = row[s : s + n], None, True
             else:
                 assert seg.kv_slots is not None
-                lat, mask, causal = pool.gather(layer, seg.kv_slots), seg.mask, False
-            out[s : s + n] = self._expanded(q_nope[s : s + n], q_pe[s : s + n], lat, mask, causal, ops)
+                rows, mask, causal = pool.gather(layer, seg.kv_slots), seg.mask, False
+            if ix is not None and rows.shape[0] > ix.topk:
+                if mask is None:
+                    mask = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+                mask, causal = ix.select(iq[s : s + n], iw[s : s + n], rows[:, dim:], mask), False
+            out[s : s + n] = self._expanded(q_nope[s : s + n], q_pe[s : s + n], rows[:, :dim], mask, causal, ops)
         return self.tp.reduce(ops["o"](out.view(t, -1), residual=self.tp.residual(residual)))
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

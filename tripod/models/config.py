@@ -32,6 +32,7 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "gemma3": ("Gemma3ForCausalLM",),
     "deepseek_v2": ("DeepseekV2ForCausalLM",),
     "deepseek_v3": ("DeepseekV3ForCausalLM",),
+    "deepseek_v32": ("DeepseekV32ForCausalLM",),
     "gpt_oss": ("GptOssForCausalLM",),
 }
 
@@ -120,7 +121,7 @@ class ModelConfig:
         parallelism), or MLA's latent; over ``num_layers`` layers (a pipeline stage's; default all)."""
         layers = self.num_layers if num_layers is None else num_layers
         if self.mla is not None:
-            return PoolSpec(layers, "latent", latent_dim=self.mla.latent_dim)
+            return PoolSpec(layers, "latent", latent_dim=self.mla.pool_dim)
         _, _, k0, k1 = head_split(self.num_heads, self.num_kv_heads, tp)
         return PoolSpec(layers, "mha", num_kv_heads=k1 - k0, head_dim=self.head_dim)
 
@@ -244,7 +245,10 @@ def _moe(d: dict[str, Any], layers: int) -> MoEConfig | None:
         first_dense = int(d.get("first_k_dense_replace") or 0)
         freq = int(d.get("moe_layer_freq") or 1)
         dense = tuple(i for i in range(layers) if i < first_dense or i % freq)
-        v3 = mtype == "deepseek_v3" or d.get("topk_method") == "noaux_tc"
+        kinds = d.get("mlp_layer_types")
+        if isinstance(kinds, list) and len(kinds) == layers:  # V3.2 names each layer's MLP
+            dense = tuple(i for i, k in enumerate(kinds) if k != "sparse")
+        v3 = mtype in ("deepseek_v3", "deepseek_v32") or d.get("topk_method") == "noaux_tc"
         method = d.get("topk_method") or ("noaux_tc" if v3 else "greedy")
         topk_method = {"noaux_tc": "group_top2", "group_limited_greedy": "group_max", "greedy": "greedy"}.get(method)
         if topk_method is None:
@@ -286,6 +290,9 @@ def _mla(d: dict[str, Any]) -> MLAConfig | None:
         q_lora_rank=int(d["q_lora_rank"]) if d.get("q_lora_rank") else None,
         # V2 rotates (even, odd) pairs as complex numbers; V3 says so in rope_interleave.
         rope_interleave=True if mtype == "deepseek_v2" else bool(d.get("rope_interleave", True)),
+        index_n_heads=int(d.get("index_n_heads") or 0) if d.get("index_topk") else 0,
+        index_head_dim=int(d.get("index_head_dim") or 0) if d.get("index_topk") else 0,
+        index_topk=int(d.get("index_topk") or 0),
     )
 
 

@@ -96,7 +96,7 @@ class MTPModule(torch.nn.Module):
     def pool_spec(cfg: ModelConfig) -> PoolSpec:
         """Its own pool: one layer of latents, at the target's slot ids."""
         assert cfg.mla is not None
-        return PoolSpec(1, "latent", latent_dim=cfg.mla.latent_dim)
+        return PoolSpec(1, "latent", latent_dim=cfg.mla.pool_dim)
 
     @torch.inference_mode()
     def forward(self, target: DeepseekForCausalLM, batch: ForwardBatch, hidden: torch.Tensor,

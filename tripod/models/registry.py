@@ -18,6 +18,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Gemma3ForCausalLM": LlamaForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekForCausalLM,  # + the lightning indexer's sparse attention
     "GptOssForCausalLM": LlamaForCausalLM,  # sinks, alternating windows, biased clamped-SwiGLU experts
 }
 
