@@ -59,7 +59,8 @@ FLAGS = {
     "--model --no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-timeout "
     "--pipeline-parallel-size --policy --repetition-penalty --seed --spec-max-batch --speculative "
     "--system --temperature --tensor-parallel-size --threads --top-k --top-p --url --weights",
-    ("chains", "serve"): "--backend --drain-timeout --entrypoint --host --log-dir --log-level --model --model-args --port "
+    ("chains", "serve"): "--backend --drain-timeout --entrypoint --host --log-dir --log-level --model --model-args "
+    "--otel-endpoint --otel-file --port "
     "--ray-address --ray-num-cpus --ray-num-gpus --router-policy --start-timeout",
 }
 

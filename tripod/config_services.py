@@ -64,8 +64,9 @@ class ServerConfig:
     ssl_keyfile: str | None = opt(None, "its PEM private key", commands=(SERVE,), metavar="FILE", group="tenants",
                                   forward=False)
     # Tracing (tripod.tracing; README "Tracing"): a fleet's replicas trace too (forwarded).
-    otel_endpoint: str | None = opt(None, OTEL_ENDPOINT_HELP, commands=(SERVE,), metavar="URL", group="tracing")
-    otel_file: str | None = opt(None, OTEL_FILE_HELP, commands=(SERVE,), metavar="FILE", group="tracing")
+    otel_endpoint: str | None = opt(None, OTEL_ENDPOINT_HELP, commands=(SERVE, CHAINS_SERVE), metavar="URL",
+                                    group="tracing")
+    otel_file: str | None = opt(None, OTEL_FILE_HELP, commands=(SERVE, CHAINS_SERVE), metavar="FILE", group="tracing")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
