@@ -93,3 +93,36 @@ def test_a_servers_series_make_the_same_view() -> None:
     assert a.ttft_p99_ms is not None and 300 < a.ttft_p99_ms <= 500
     assert a.tpot_p50_ms is not None and 10 < a.tpot_p50_ms <= 20
     assert tenant_views(ServerMetrics("m").registry.collect(), "server").tenants == []  # none yet
+
+
+def test_the_page_shows_the_tenants_table(router: RouterServer) -> None:
+    """In a real headless browser (Debian's chromium; skipped without it): the Fleet page's
+    Tenants table has a row per tenant with its counts."""
+    from tests.console.test_console_browser import chromium_or_skip
+
+    chromium = chromium_or_skip()
+    from playwright.sync_api import expect, sync_playwright
+
+    for _ in range(2):
+        oai(router, "sk-acme").chat.completions.create(model=MODEL, messages=CHAT)  # type: ignore[arg-type]
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, headless=True)
+        try:
+            tab = browser.new_page()
+            errors: list[str] = []
+            tab.on("pageerror", lambda e: errors.append(str(e)))
+            tab.goto(router.url + "/ui#fleet")
+            expect(tab.locator("#login")).to_be_visible(timeout=15_000)
+            tab.fill("#login-key", "sk-admin")
+            tab.click("#login-submit")
+            row = tab.locator('#tenants-table tr[data-tenant="acme"]')
+            expect(row).to_have_count(1, timeout=15_000)
+            cells = row.locator("td")
+            expect(cells.nth(0)).to_have_text("acme")
+            expect(cells.nth(1)).to_have_text("2")  # requests
+            expect(cells.nth(2)).to_have_text("0")  # errors
+            expect(cells.nth(4)).to_have_text("6")  # output tokens (the stub's 3 per answer)
+            assert "since the router started" in tab.locator("#tenants-note").inner_text()
+            assert not errors, errors
+        finally:
+            browser.close()
