@@ -30,7 +30,9 @@ ENGINE_SERVER = [
     "--api-key", "k", "--served-model-name", "m", "--max-waiting", "7", "--overload-status", "503",
     "--drain-timeout", "2.5", "--max-n", "3", "--parallel-timeout", "30", "--tensor-parallel-size", "2",
     "--pipeline-parallel-size", "2", "--data-parallel-size", "2", "--enable-expert-parallel",
-    "--parallel-backend", "ray", "--parallel-placement", "strict-spread", "--parallel-ray-address", "auto", "--tenants", "/t.toml", "--tenant-limits", "tokens",
+    "--parallel-backend", "ray", "--parallel-placement", "strict-spread", "--parallel-ray-address", "auto",
+    "--tenants", "/t.toml", "--tenant-limits", "tokens",
+    "--otel-endpoint", "http://collector:4318", "--otel-file", "/tmp/spans.jsonl",
 ]
 
 # The options of each command (as before the CLI was generated from the configs).
@@ -40,14 +42,15 @@ FLAGS = {
     "--health-interval --host --kernels --kv-cache-tokens --load-weight --log-level --lookback "
     "--max-batch-tokens --max-model-len --max-n --max-pending --max-replicas --max-retries --max-running "
     "--max-waiting --min-replicas --model --no-jump-forward --no-prefix-cache --num-draft-tokens "
-    "--overload-status --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout --pipeline-parallel-size --policy --port --queue-timeout "
+    "--otel-endpoint --otel-file --overload-status --parallel-backend --parallel-placement --parallel-ray-address "
+    "--parallel-timeout --pipeline-parallel-size --policy --port --queue-timeout "
     "--ray-address --ray-num-cpus --ray-num-gpus --region --region-overflow-load --replica-log-dir "
     "--replica-max-inflight --replicas --router-policy --served-model-name --slo-tpot-p95 --slo-ttft-p95 "
     "--spec-max-batch --speculative --ssl-certfile --ssl-keyfile --stall-timeout --target-inflight "
     "--tenant-limits --tenants --tensor-parallel-size --threads --upscale-delay --weights",
     ("route",): "--api-key --audit-log --audit-log-content --balance-abs --balance-rel --bench-dir --drain-timeout "
-    "--health-interval --host --load-weight --log-level --max-pending --max-retries --policy --port "
-    "--queue-timeout --region --region-overflow-load --replica --replica-max-inflight --ssl-ca "
+    "--health-interval --host --load-weight --log-level --max-pending --max-retries --otel-endpoint --otel-file "
+    "--policy --port --queue-timeout --region --region-overflow-load --replica --replica-max-inflight --ssl-ca "
     "--ssl-certfile --ssl-keyfile --stall-timeout --tenants",
     ("generate",): "--chunk-size --data-parallel-size --device --dtype --enable-expert-parallel --ignore-eos --kernels --kv-cache-tokens "
     "--log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p --model "
@@ -59,7 +62,8 @@ FLAGS = {
     "--model --no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout "
     "--pipeline-parallel-size --policy --repetition-penalty --seed --spec-max-batch --speculative "
     "--system --temperature --tensor-parallel-size --threads --top-k --top-p --url --weights",
-    ("chains", "serve"): "--backend --drain-timeout --entrypoint --host --log-dir --log-level --model --model-args --port "
+    ("chains", "serve"): "--backend --drain-timeout --entrypoint --host --log-dir --log-level --model --model-args "
+    "--otel-endpoint --otel-file --port "
     "--ray-address --ray-num-cpus --ray-num-gpus --router-policy --start-timeout",
 }
 

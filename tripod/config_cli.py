@@ -30,6 +30,7 @@ C = TypeVar("C")
 GROUP_TITLES = {
     "console": "console (GET /ui: live view, playground, benchmark history)",
     "fleet": "fleet (a router in front of replicas this process launches)",
+    "tracing": "tracing (OpenTelemetry spans: router -> replica -> engine; off by default)",
 }
 
 

@@ -9,6 +9,10 @@ from dataclasses import dataclass
 from tripod.config_cli import opt
 from tripod.config_commands import BENCH_DIR_HELP, CHAINS_SERVE, ROUTE, SERVE
 
+OTEL_ENDPOINT_HELP = ("trace requests with OpenTelemetry, exporting spans over OTLP/HTTP to this collector (e.g. "
+                      "http://localhost:4318; needs opentelemetry-exporter-otlp-proto-http)")
+OTEL_FILE_HELP = "trace requests with OpenTelemetry, appending the spans to this file (one JSON object per line)"
+
 
 def check_tls(certfile: str | None, keyfile: str | None) -> None:
     """HTTPS needs both the certificate and its key."""
@@ -59,6 +63,10 @@ class ServerConfig:
                                    group="tenants", forward=False)
     ssl_keyfile: str | None = opt(None, "its PEM private key", commands=(SERVE,), metavar="FILE", group="tenants",
                                   forward=False)
+    # Tracing (tripod.tracing; README "Tracing"): a fleet's replicas trace too (forwarded).
+    otel_endpoint: str | None = opt(None, OTEL_ENDPOINT_HELP, commands=(SERVE, CHAINS_SERVE), metavar="URL",
+                                    group="tracing")
+    otel_file: str | None = opt(None, OTEL_FILE_HELP, commands=(SERVE, CHAINS_SERVE), metavar="FILE", group="tracing")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -155,6 +163,8 @@ class RouterConfig:
     ssl_keyfile: str | None = opt(None, "its PEM private key", commands=(ROUTE,), metavar="FILE", group="tenants")
     ssl_ca: str | None = opt(None, "CA bundle (PEM) to verify https:// replicas with (instead of the system's)",
                              commands=(ROUTE,), metavar="FILE", group="tenants")
+    otel_endpoint: str | None = opt(None, OTEL_ENDPOINT_HELP, commands=(ROUTE,), metavar="URL", group="tracing")
+    otel_file: str | None = opt(None, OTEL_FILE_HELP, commands=(ROUTE,), metavar="FILE", group="tracing")
 
     def __post_init__(self) -> None:
         if self.region_overflow_load <= 0 or self.replica_max_inflight < 0:

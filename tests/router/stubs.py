@@ -65,7 +65,7 @@ class ServerThread:
     """An ASGI app served by uvicorn in a daemon thread on a free 127.0.0.1 port (the socket is bound
     here and handed to uvicorn, so no other process can take the port in between)."""
 
-    def __init__(self, app: Any, graceful: float = 2.0, lifespan: str = "on") -> None:
+    def __init__(self, app: Any, graceful: float = 2.0, lifespan: str = "on", start_timeout: float = 10.0) -> None:
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -76,7 +76,7 @@ class ServerThread:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
-        wait_for(lambda: self.server.started or not self.thread.is_alive(), "uvicorn to start")
+        wait_for(lambda: self.server.started or not self.thread.is_alive(), "uvicorn to start", start_timeout)
         if not self.server.started:
             raise RuntimeError("uvicorn did not start (see the log)")
 

@@ -42,6 +42,7 @@ def test_window_p95s_counts_and_held_requests() -> None:
     clock.t += 7.5
     w.first_byte(t0, held=True)
     assert w.held[-1]["ttft_s"] == 7.5
+    assert w.p95_ms("ttft", 1000) is None  # a cold start is reported as one, not as the fleet's TTFT
 
 
 def test_router_measures_streams_and_whole_answers(make_stub: Callable[[str], Stub],

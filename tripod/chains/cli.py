@@ -47,6 +47,8 @@ def add_parser(sub: Subcommands) -> None:
     wrk.add_argument("--host", default="127.0.0.1")
     wrk.add_argument("--port", type=int, required=True)
     wrk.add_argument("--drain-timeout", type=float, default=30.0)
+    wrk.add_argument("--otel-endpoint", default=None, help="as tripod chains serve's")
+    wrk.add_argument("--otel-file", default=None, help="as tripod chains serve's")
     wrk.add_argument("--log-level", default=argparse.SUPPRESS, help="as the top-level --log-level")
 
 

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel
 
+from tripod import tracing
 from tripod.chains.errors import LLMError, retryable_status
 
 M = TypeVar("M", bound=BaseModel)
@@ -95,7 +96,8 @@ class LLMClient:
         return f"<LLMClient {self.name} at {self.endpoint.base_url}>"
 
     def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.endpoint.api_key}"} if self.endpoint.api_key else {}
+        headers = {"Authorization": f"Bearer {self.endpoint.api_key}"} if self.endpoint.api_key else {}
+        return tracing.inject(headers) if tracing.ACTIVE else headers  # the call continues the current trace
 
     def _body(self, extra: dict[str, Any]) -> dict[str, Any]:
         return {"model": self.model, **self.defaults, **{k: v for k, v in extra.items() if v is not None}}

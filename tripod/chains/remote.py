@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from tripod import tracing
 from tripod.chains.core import Dependency
 from tripod.chains.errors import ChainletError
 from tripod.chains.llm_client import ClientPool
@@ -176,16 +177,28 @@ class RemoteHandle(Handle):
         return ChainletError(self.name, f"its replica at {url} {what} ({type(e).__name__})", code="unavailable",
                              status=503, retryable=True)
 
+    def _span(self, url: str) -> Any:
+        """(Tracing on) the hop's span, a child of the current one (the caller's call)."""
+        return tracing.start_span("chains.call", kind="client", attributes={
+            "tripod.component": "chains", "tripod.caller": self.caller, "tripod.chainlet": self.name,
+            "server.address": url})
+
     async def _once(self, call: ChainCall) -> Any:
         url = await self._pick()
         self._inflight[url] = self._inflight.get(url, 0) + 1
+        headers = {"content-type": "application/json"}
+        span = self._span(url) if tracing.ACTIVE else None
+        error: str | None = None
         try:
             r = await self.clients.get().post(url + "/run", content=encode_call(call),
-                                              headers={"content-type": "application/json"})
+                                              headers=headers if span is None else tracing.inject(headers, span))
         except httpx.HTTPError as e:
+            error = type(e).__name__
             raise self._lost(url, e) from None
         finally:
             self._inflight[url] -= 1
+            if span is not None:
+                tracing.end(span, error=error)
         if r.status_code == 200:
             return decode_value(r.content)
         raise ChainletError.from_body(self.name, r.status_code, r.content)
@@ -194,9 +207,11 @@ class RemoteHandle(Handle):
         url = await self._pick()
         client = self.clients.get()
         self._inflight[url] = self._inflight.get(url, 0) + 1
+        headers = {"content-type": "application/json", "accept": "text/event-stream"}
+        span = self._span(url) if tracing.ACTIVE else None
         try:
             req = client.build_request("POST", url + "/run", content=encode_call(call),
-                                       headers={"content-type": "application/json", "accept": "text/event-stream"})
+                                       headers=headers if span is None else tracing.inject(headers, span))
             try:
                 resp = await client.send(req, stream=True)
             except httpx.HTTPError as e:
@@ -218,3 +233,5 @@ class RemoteHandle(Handle):
                 await resp.aclose()  # unread: the connection drops and the replica cancels the call
         finally:
             self._inflight[url] -= 1
+            if span is not None:
+                tracing.end(span)

@@ -40,6 +40,7 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 
+from tripod import tracing
 from tripod.chains.core import Dependency, Graph, Model, Node, entrypoint_options
 from tripod.chains.llm_client import ClientPool
 from tripod.chains.loader import declared_models, load_chain
@@ -78,6 +79,13 @@ class ChainServeConfig:
     health_interval: float = 0.5  # chainlet replicas' health probes
     log_dir: Path | None = None
     log_level: str = "INFO"
+    otel_endpoint: str | None = None  # tracing (tripod.tracing): the chain server, its chainlets and its models
+    otel_file: str | None = None
+
+    def otel_args(self) -> list[str]:
+        """The tracing options every process of the chain is started with."""
+        return [*(["--otel-endpoint", self.otel_endpoint] if self.otel_endpoint else []),
+                *(["--otel-file", self.otel_file] if self.otel_file else [])]
 
     def __post_init__(self) -> None:
         if self.backend not in ("local", "ray"):
@@ -202,7 +210,7 @@ class ChainServer:
         cfg = self.cfg
         args = ["--file", str(Path(cfg.file).resolve()), "--chainlet", node.name, "--entrypoint",
                 self.graph.entrypoint.__name__, "--server", self.url, "--log-level", cfg.log_level,
-                "--drain-timeout", str(cfg.drain_timeout)]
+                "--drain-timeout", str(cfg.drain_timeout), *cfg.otel_args()]
         fleet = FleetConfig(min_replicas=node.replicas, max_replicas=node.replicas, backend=cfg.backend,
                             ray_address=cfg.ray_address, ray_num_cpus=0.0, start_timeout=min(cfg.start_timeout, 120.0),
                             restart_backoff=0.5, restart_backoff_max=10.0, drain_timeout=cfg.drain_timeout)
@@ -240,6 +248,8 @@ class ChainServer:
             if path:
                 args += ["--model", path]
             args += ["--served-model-name", name, "--log-level", cfg.log_level]
+            if not _has_option(args, "--otel-endpoint") and not _has_option(args, "--otel-file"):
+                args += cfg.otel_args()
             if not _has_option(args, "--threads") and cfg.backend == "local" and not _has_option(args, "--device"):
                 args += ["--threads", str(max(1, (os.cpu_count() or 1) // total))]
             lo = spec.min_replicas or spec.replicas
@@ -287,9 +297,10 @@ def serve_chain(cfg: ChainServeConfig) -> int:
     """Run the chain server until SIGTERM/SIGINT. 0 after a clean stop; 2 when start-up failed."""
     level = getattr(logging, str(cfg.log_level).upper(), logging.INFO)
     try:
+        tracing.configure("tripod-chains", cfg.otel_endpoint, cfg.otel_file)
         module, graph = load_chain(cfg.file, cfg.entrypoint)
         server = ChainServer(cfg, graph, declared_models(module))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, tracing.TracingUnavailable) as e:
         print(f"tripod: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
@@ -312,7 +323,9 @@ def serve_chain(cfg: ChainServeConfig) -> int:
         finally:
             await server.stop()
 
-    app = RunCounter(Starlette(routes=chain_routes(server), lifespan=lifespan), server)
+    app: Any = RunCounter(Starlette(routes=chain_routes(server), lifespan=lifespan), server)
+    if tracing.ACTIVE:  # /run and the models' routes (the router's attempts are spans too)
+        app = tracing.TraceMiddleware(app, "chains", lambda path: path == "/run" or path.startswith("/v1/"))
     logging.getLogger("httpx").setLevel(max(level, logging.WARNING))
     uv = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=logging.getLevelName(level).lower(),
                         access_log=False, timeout_graceful_shutdown=max(1, int(cfg.drain_timeout)), lifespan="on",
@@ -322,4 +335,6 @@ def serve_chain(cfg: ChainServeConfig) -> int:
         srv.run()
     except SystemExit:
         return 2
+    finally:
+        tracing.shutdown()
     return 2 if server.failed or not srv.started else 0

@@ -20,10 +20,12 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from tripod import tracing
 from tripod.asgi import DrainingServer
 from tripod.chains.core import Chainlet, Dependency, LLMSpec, Signature
 from tripod.chains.errors import ChainletError
@@ -95,13 +97,20 @@ def build_worker_app(instance: Chainlet, sig: Signature, metrics: ChainMetrics,
     async def metrics_page(_: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    middleware = [Middleware(tracing.TraceMiddleware, component="chains", traced=lambda path: path == "/run")] \
+        if tracing.ACTIVE else []
     return Starlette(routes=[Route("/run", run_route, methods=["POST"]),
                              Route("/health", health, methods=["GET"]),
-                             Route("/metrics", metrics_page, methods=["GET"])])
+                             Route("/metrics", metrics_page, methods=["GET"])], middleware=middleware)
 
 
 def main(args: argparse.Namespace) -> int:
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
+    try:
+        tracing.configure("tripod-chains", args.otel_endpoint, args.otel_file)
+    except tracing.TracingUnavailable as e:
+        log.error("%s", e)
+        return 2
     try:
         _, graph = load_chain(args.file, args.entrypoint)
         node = graph.nodes[args.chainlet]
@@ -138,4 +147,6 @@ def main(args: argparse.Namespace) -> int:
         server.run()
     except SystemExit:
         return 2
+    finally:
+        tracing.shutdown()
     return 0 if server.started else 2

@@ -3,7 +3,8 @@ route``, a fleet) on their own app:
 
 - ``GET /ui`` (and ``/ui/``): the page; ``GET /ui/static/<file>``: its scripts and styles. These hold
   no data and are served without a key, so a browser can load the page and then ask for the key.
-- ``GET /ui/api/info | fleet | series?since=T | bench``: the JSON the page reads (models.py). When
+- ``GET /ui/api/info | fleet | series?since=T | bench | tenants``: the JSON the page reads (models.py;
+  ``tenants``: per tenant, from the source's ``tenant_families()`` when it has them). When
   the process has an API key they need it, like the API itself: ``Authorization: Bearer KEY`` (or
   ``x-api-key``). The page asks for the key once, keeps it in the tab's ``sessionStorage`` and
   sends it as a Bearer header on every call (its playground too).
@@ -19,7 +20,7 @@ import hmac
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -29,6 +30,7 @@ from starlette.routing import Route
 from tripod.console.bench_runs import bench_index
 from tripod.console.models import ConsoleInfo, Series
 from tripod.console.sampler import ConsoleSource, Sampler
+from tripod.console.tenants import tenant_views
 
 OPEN_PREFIX = "/ui/static/"
 _MEDIA = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -127,6 +129,7 @@ class Console:
             Route("/ui/api/fleet", g(self._fleet), methods=["GET"]),
             Route("/ui/api/series", g(self._series), methods=["GET"]),
             Route("/ui/api/bench", g(self._bench), methods=["GET"]),
+            Route("/ui/api/tenants", g(self._tenants), methods=["GET"]),
             Route("/ui/api/{rest:path}", g(self._unknown), methods=["GET", "POST"]),
         ]
 
@@ -170,6 +173,11 @@ class Console:
         # Reading the folder is file IO: off the event loop, which serves streams.
         return _json(await asyncio.to_thread(bench_index, self.bench_dir))
 
+    async def _tenants(self, _: Request) -> Response:
+        families = getattr(self.source, "tenant_families", None)
+        source: Literal["server", "router"] = "server" if self.source.kind == "server" else "router"
+        return _json(tenant_views(families() if families is not None else [], source))
+
     async def _unknown(self, request: Request) -> Response:
         return _error(404, f"no console API route {request.url.path}; see /ui/api/info, /ui/api/fleet, "
-                      "/ui/api/series, /ui/api/bench", "not_found")
+                      "/ui/api/series, /ui/api/bench, /ui/api/tenants", "not_found")

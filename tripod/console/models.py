@@ -90,6 +90,28 @@ class Series(BaseModel):
     points: list[SeriesPoint]
 
 
+class TenantView(BaseModel):
+    """One tenant since the process started (``tripod.tenants``' per-tenant series)."""
+
+    name: str
+    requests: int  # answered, any status
+    by_status: dict[str, int]  # HTTP status → answers
+    errors: int  # answers that were not 2xx (rejections included)
+    prompt_tokens: int
+    output_tokens: int
+    rejections: dict[str, int]  # limit (requests_per_second, max_concurrent, ...) → requests refused
+    ttft_p50_ms: float | None = None  # None: no first token yet (the router: first byte of the answer)
+    ttft_p99_ms: float | None = None
+    tpot_p50_ms: float | None = None
+    tpot_p99_ms: float | None = None
+
+
+class TenantsView(BaseModel):
+    t: float
+    source: Literal["server", "router"]  # whose counts: a server's, or a fleet's router's
+    tenants: list[TenantView]
+
+
 class ConsoleInfo(BaseModel):
     kind: Literal["server", "fleet"]
     model: str | None

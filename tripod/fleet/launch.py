@@ -19,6 +19,7 @@ from typing import Any
 
 import uvicorn
 
+from tripod import tracing
 from tripod.asgi import DrainingServer
 from tripod.config import FleetConfig, RouterConfig
 from tripod.fleet.replicas import LocalLauncher, ReplicaLauncher
@@ -48,16 +49,21 @@ def _run(router: Router, app: Any, config: RouterConfig, log_level: int, drain_t
         server.run()
     except SystemExit:  # uvicorn's own exit when start-up failed (the reason is logged): ours is 2
         return False
+    finally:
+        tracing.shutdown()  # the spans still buffered go out
     return bool(server.started)
 
 
 def _tenants(router: Router) -> TenantGate | None:
-    """The router's tenants and trust in replicas' certificates, or None (the reason printed:
-    exit 2) for an invalid tenants file, audit log path or CA bundle."""
+    """The router's tenants and trust in replicas' certificates (and its tracing), or None (the
+    reason printed: exit 2) for an invalid tenants file, audit log path or CA bundle, or tracing
+    that cannot start."""
+    cfg = router.config
     try:
-        trust_replica_ca(router.config.ssl_ca)
+        trust_replica_ca(cfg.ssl_ca)
+        tracing.configure("tripod-router", cfg.otel_endpoint, cfg.otel_file)
         return make_router_gate(router)
-    except (TenantFileError, OSError, ssl.SSLError) as e:
+    except (TenantFileError, OSError, ssl.SSLError, tracing.TracingUnavailable) as e:
         print(f"tripod: error: {e}", file=sys.stderr)
         return None
 

@@ -75,6 +75,19 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     compute: ComputeCard
 
 
+class SeqTiming(msgspec.Struct, array_like=True, frozen=True):
+    """When the engine did what for one sequence, in the engine process's ``time.monotonic()``
+    (CLOCK_MONOTONIC: the same clock as the server's on one machine): added to the engine, first
+    admitted to a batch (its prefill began), its first token, and finished (None until then).
+    Reported only when the server asks at launch (``EngineLaunch.timings``: tracing is on), on a
+    sequence's first output and on its last; the server makes the engine's spans from them."""
+
+    arrival: float
+    scheduled: float
+    first_token: float | None = None
+    finished: float | None = None
+
+
 class SeqOutput(msgspec.Struct, kw_only=True):
     """New tokens of one sequence (copy ``index`` of request ``rid``) from one engine step."""
 
@@ -87,6 +100,7 @@ class SeqOutput(msgspec.Struct, kw_only=True):
     error: str | None = None
     # params.prompt_logprobs, with the sequence's first output: one per prompt token.
     prompt_logprobs: list[Logprob] | None = None
+    timing: SeqTiming | None = None  # EngineLaunch.timings: on a sequence's first and last output
 
 
 class Outputs(msgspec.Struct, tag=True):
@@ -170,6 +184,7 @@ class EngineLaunch(msgspec.Struct, kw_only=True):
     heartbeat_interval: float
     log_level: int
     parent_pid: int
+    timings: bool = False  # report each sequence's SeqTiming (tracing is on in the server)
 
 
 def encode_launch(launch: EngineLaunch) -> str:

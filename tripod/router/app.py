@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tripod import tracing
 from tripod.asgi import BodyTooLarge, ClientGone, read_body, until_disconnect
 from tripod.console.app import Console
 from tripod.router.console_source import RouterConsoleSource, SupervisorView
@@ -214,6 +215,12 @@ def _api_path(path: str) -> bool:
     return path in PROXIED_PATHS or path == "/v1/models" or path.startswith("/v1/models/")
 
 
+def _finish_span(scope: Any, span: Any) -> None:
+    tenant = tracing.tenant_of(scope)
+    if tenant is not None:
+        span.set_attribute("tripod.tenant", tenant)
+
+
 def _unauthorized(path: str, message: str) -> Any:
     return RouterError(401, message, "invalid_api_key").response(anthropic=is_anthropic(path))
 
@@ -257,6 +264,8 @@ def build_router_app(router: Router, lifespan: Any = None,
         Route("/fleet", fleet, methods=["GET"]),
         *console.routes(),  # /ui: the console (tripod.console)
     ]
+    traced = [Middleware(tracing.TraceMiddleware, component="router", traced=_api_path, finish=_finish_span)] \
+        if tracing.ACTIVE else []  # outermost: the span covers the whole request (and the tenant's 401/429)
     guard = Middleware(TenantMiddleware, gate=tenants, refuse=_unauthorized, guarded=_api_path, attributed=_api_path,
                        route_of=lambda p: "/v1/models" if p.startswith("/v1/models") else p)
 
@@ -271,5 +280,5 @@ def build_router_app(router: Router, lifespan: Any = None,
         finally:
             tenants.close()
 
-    return Starlette(routes=routes, lifespan=console.wrap_lifespan(with_tenants), middleware=[guard],
+    return Starlette(routes=routes, lifespan=console.wrap_lifespan(with_tenants), middleware=[*traced, guard],
                      exception_handlers={HTTPException: _not_found})

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from typing import Any, Literal, Protocol
 
 import httpx
+from prometheus_client.metrics_core import Metric
 
 from tripod.console.models import AutoscalerView, FleetEvent, FleetView, NodeView
 from tripod.console.readings import Reading, read_text
@@ -81,6 +83,11 @@ class RouterConsoleSource:
         except httpx.HTTPError:
             return rep, None
         return rep, read_text(r.text) if r.status_code == 200 else None
+
+    def tenant_families(self) -> Iterable[Metric]:
+        """The router's per-tenant series (``tripod:router_tenant_*``): every request of the fleet
+        passes it (the replicas' own are each a share)."""
+        return self.router.metrics.registry.collect()
 
     async def readings(self) -> dict[str, Reading]:
         client = self.router.probe_client

@@ -7,7 +7,8 @@ arrival at the router to the first byte of the answer (queueing for a replica in
 TPOT is the time from that byte to the last, over the events after the first. A whole
 (non-streamed) answer shows only its end: it gives a TPOT (latency / completion tokens, an upper
 bound) and no TTFT. Requests that arrived while no replica was routable ("held": a cold start)
-are also counted apart, with the TTFT they saw.
+are counted apart, with the TTFT they saw, and left out of the p95 the autoscaler reads (that
+wait is the cold start, reported as such).
 """
 
 from __future__ import annotations
@@ -76,10 +77,13 @@ class LatencyWindow:
     def first_byte(self, t0: float, held: bool) -> float:
         """A stream's first byte for a request that arrived at ``t0``; returns now."""
         now = self.clock()
-        self.ttft.append((now, now - t0))
         self.ttft_hist.observe(now - t0)
         if held:
             self._held(now - t0)
+        else:
+            # NOTE: a held request's TTFT is the cold start (reported as such), not the fleet's
+            # latency: counted in the SLO's p95 it would make every scale from zero a scale-up.
+            self.ttft.append((now, now - t0))
         return now
 
     def finished(self, t0: float, first: float | None, tokens: int, held: bool) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from starlette.responses import Response
 
+from tripod import tracing
 from tripod.asgi import ClosingStream
 from tripod.router.errors import FULL, RETRYABLE, RouterError, stream_error
 from tripod.router.failover import AnswerProgress, Failed, supports_failover
@@ -124,7 +125,8 @@ class Proxy:
                     raise
                 rep = d.replica
                 tried.add(rep)
-                flight = r.begin(d, call.rr, retry=bool(retries or continuing), caches=call.path in _GENERATING)
+                flight = r.begin(d, call.rr, retry=bool(retries or continuing), caches=call.path in _GENERATING,
+                                 continuation=continuing)
                 use = call.answer if call.answer is not None and rep.continues else None
                 outcome = await self._attempt(flight, call, use, tried)
                 if continuing:
@@ -182,11 +184,13 @@ class Proxy:
         handed_off = False
         try:
             content = call.raw if answer is None else answer.request_body()
-            req = r.client.build_request("POST", rep.url + call.path, content=content, headers=call.headers)
+            headers = call.headers if f.span is None else tracing.inject(call.headers, f.span)
+            req = r.client.build_request("POST", rep.url + call.path, content=content, headers=headers)
             resp = await r.client.send(req, stream=True)
             back = {k: v for k, v in resp.headers.items() if k.lower() in _PASS_BACK}
             back["x-tripod-replica"] = rep.name
             if resp.status_code in RETRYABLE and not await _tenant_over_limit(resp):
+                f.failure = f"answered {resp.status_code}"
                 return await self._refused(rep, resp)
             if not call.stream or resp.status_code != 200:
                 return await self._whole(rep, resp, back, call.rr, answer)
@@ -198,6 +202,7 @@ class Proxy:
             handed_off = True  # the stream owns the flight and the upstream response now
             return self._stream(f, resp, it, first, back, call, answer, tried)
         except (httpx.HTTPError, StopAsyncIteration, Failed, TimeoutError) as e:
+            f.failure = f"{type(e).__name__}: {e}"
             rep.failures += 1
             r.record_failure(rep, f"{type(e).__name__}: {e}", fatal=isinstance(e, httpx.ConnectError))
             return 0, f"{type(e).__name__} talking to {rep.name}: {e}", rep.name

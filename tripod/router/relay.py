@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from tripod import tracing
 from tripod.router.errors import FULL, RETRYABLE, RouterError, stream_error
 from tripod.router.failover import AnswerProgress, Failed, SSESplitter
 from tripod.router.policy import RouteRequest
@@ -98,6 +99,7 @@ class FailoverRelay:
             r.metrics.stream_failures.labels(rep.name).inc()
             r.record_failure(rep, f"stream failed: {why}")
             log.warning("stream from %s failed mid-answer (%s)", rep.name, why)
+            run.flight.failure = f"stream failed: {why}"
             r.end(run.flight)
             await run.resp.aclose()  # the replica (if alive) aborts the request and frees its KV
             t0 = r.clock()
@@ -125,7 +127,7 @@ class FailoverRelay:
             if not rep.continues:
                 r.metrics.continuations.labels("failed").inc()
                 continue
-            run.flight = r.begin(d, run.rr, retry=True)
+            run.flight = r.begin(d, run.rr, retry=True, continuation=True)
             try:
                 took = await self._take_over(run)
             except _Refused:
@@ -144,8 +146,9 @@ class FailoverRelay:
         resp: httpx.Response | None = None
         took_over = False
         try:
+            headers = run.headers if f.span is None else tracing.inject(run.headers, f.span)
             req = r.client.build_request("POST", rep.url + run.path, content=run.answer.request_body(),
-                                         headers=run.headers)
+                                         headers=headers)
             resp = await r.client.send(req, stream=True)
             if resp.status_code == 200:
                 it = resp.aiter_raw()
@@ -158,6 +161,7 @@ class FailoverRelay:
                 log.info("answer continued on %s (continuation %d)", rep.name, run.answer.continuations)
                 return it, first
             text = (await resp.aread()).decode(errors="replace")[:300]
+            f.failure = f"answered {resp.status_code}"
             r.metrics.continuations.labels("failed").inc()
             log.warning("continuation refused by %s: %d %s", rep.name, resp.status_code, text)
             if resp.status_code not in RETRYABLE:
@@ -165,6 +169,7 @@ class FailoverRelay:
             if resp.status_code not in FULL:
                 r.record_failure(rep, f"answered {resp.status_code}", fatal=resp.status_code == 503)
         except (httpx.HTTPError, StopAsyncIteration) as e:
+            f.failure = f"{type(e).__name__}: {e}"
             r.metrics.continuations.labels("failed").inc()
             rep.failures += 1
             r.record_failure(rep, f"{type(e).__name__}: {e}", fatal=isinstance(e, httpx.ConnectError))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from tripod.router.prefix_tree import PrefixTree
 
@@ -137,3 +137,7 @@ class Flight:
     replica: Replica
     tokens: float  # counted into the replica's inflight_tokens
     done: bool = False
+    # Tracing (tripod.tracing; None when off): the attempt's span, ended with the flight, and
+    # why the attempt failed (its span's error status).
+    span: Any = None
+    failure: str | None = None

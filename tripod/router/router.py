@@ -21,6 +21,7 @@ import httpx
 from prometheus_client import Counter
 from starlette.responses import Response
 
+from tripod import tracing
 from tripod.asgi import ClosingStream
 from tripod.config import RouterConfig
 from tripod.router.errors import RouterError
@@ -214,9 +215,11 @@ class Router:
         per = self.config.replica_max_inflight
         return per * max(1, len(self.routable())) if per > 0 else 0
 
-    def begin(self, d: Decision, rr: RouteRequest, retry: bool, caches: bool = True) -> Flight:
+    def begin(self, d: Decision, rr: RouteRequest, retry: bool, caches: bool = True,
+              continuation: bool = False) -> Flight:
         """Count an attempt on ``d.replica`` into its load (and its tree, ``caches``: the replica
-        will hold this prompt in its prefix cache); ``end`` undoes the load."""
+        will hold this prompt in its prefix cache); ``end`` undoes the load. ``continuation``: it
+        continues an answer a failed replica had begun (for its span)."""
         rep = d.replica
         share = d.matched_chars / max(len(rr.text), 1)
         cached = rr.prompt_tokens * share
@@ -232,12 +235,19 @@ class Router:
         self.metrics.routed.labels(rep.name, "retry" if retry else d.reason).inc()
         self.metrics.est_prompt.labels(rep.name).inc(rr.prompt_tokens)
         self.metrics.est_cached.labels(rep.name).inc(cached)
-        return Flight(rep, tokens)
+        f = Flight(rep, tokens)
+        if tracing.ACTIVE:  # a child of the request's span (the current one)
+            f.span = tracing.start_span("router.attempt", kind="client", attributes={
+                "tripod.component": "router", "tripod.replica": rep.name, "server.address": rep.url,
+                "tripod.retry": retry, "tripod.continuation": continuation, "tripod.route_reason": d.reason})
+        return f
 
     def end(self, f: Flight) -> None:
         """The attempt ended (answered, failed or abandoned): its load leaves the replica. Once."""
         if not f.done:
             f.done = True
+            if f.span is not None:
+                tracing.end(f.span, error=f.failure)
             rep = f.replica
             rep.inflight -= 1
             rep.inflight_tokens = max(0.0, rep.inflight_tokens - f.tokens) if rep.inflight else 0.0

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tripod import tracing
 from tripod.console.app import Console, is_open_path
 from tripod.server.admin_api import add_admin_routes
 from tripod.server.anthropic_api import add_anthropic_routes
@@ -27,6 +28,7 @@ from tripod.server.openai_api import add_openai_routes
 from tripod.server.openapi import openapi_document
 from tripod.server.protocol import APIError
 from tripod.server.serving import ClientGone, ServerState, too_large
+from tripod.server.traces import finish_request
 from tripod.tenants.asgi import TenantMiddleware
 
 __all__ = ["ServerState", "build_app", "lifespan_for"]
@@ -121,6 +123,8 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
                   openapi_url="/openapi.json")
     app.state.tripod = state
     app.add_middleware(GuardMiddleware, state=state)
+    if tracing.ACTIVE:  # outermost: the span covers the whole request (and the tenant's 401/429)
+        app.add_middleware(tracing.TraceMiddleware, component="server", traced=tenant_route, finish=finish_request)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:

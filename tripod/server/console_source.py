@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from typing import Literal
+
+from prometheus_client.metrics_core import Metric
 
 from tripod.console.models import FleetView, NodeView
 from tripod.console.readings import Reading, read_families
@@ -37,6 +40,10 @@ class ServerConsoleSource:
             cached_share=r.cache_hits / r.cache_queries if r.cache_queries > 0 else None, kv_usage=r.kv_usage,
         )
         return FleetView(kind="server", t=time.time(), nodes=[node])
+
+    def tenant_families(self) -> Iterable[Metric]:
+        """The per-tenant series (``tripod:tenant_*``), for the console's tenants view."""
+        return self.state.metrics.registry.collect()
 
     async def readings(self) -> dict[str, Reading]:
         return {"server": self._reading()}

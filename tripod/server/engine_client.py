@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from tripod import tracing
 from tripod.config import EngineConfig, ServerConfig
 from tripod.protocol import engine_ipc
 from tripod.protocol.sampling import Resume, SamplingParams
@@ -211,6 +212,7 @@ class EngineClient:
                 heartbeat_interval=self.server_config.heartbeat_interval,
                 log_level=self.log_level,
                 parent_pid=os.getpid(),
+                timings=tracing.ACTIVE,  # the engine's spans are made from them
             )),
         ])
 

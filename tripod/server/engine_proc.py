@@ -63,7 +63,7 @@ def engine_main(launch: engine_ipc.EngineLaunch) -> None:
             kv_slots=engine.pool.allocator.num_slots,
             compute=ComputeCard(**engine.runner.card()),
         )))
-        EngineLoop(engine, pull, push, launch.heartbeat_interval, launch.parent_pid).run()
+        EngineLoop(engine, pull, push, launch.heartbeat_interval, launch.parent_pid, timings=launch.timings).run()
     except Exception as e:  # a crash must reach the server as a message, not only a dead pid
         log.error("engine process failed:\n%s", traceback.format_exc())
         push.send(engine_ipc.encode(engine_ipc.Fatal(f"{type(e).__name__}: {e}")))
@@ -81,7 +81,8 @@ class EngineLoop:
     """Owns the step loop of one engine process and the mapping from ZMQ messages to it."""
 
     def __init__(
-        self, engine: Any, pull: zmq.Socket, push: zmq.Socket, heartbeat_interval: float, parent_pid: int
+        self, engine: Any, pull: zmq.Socket, push: zmq.Socket, heartbeat_interval: float, parent_pid: int,
+        timings: bool = False,
     ) -> None:
         self.engine = engine
         self.pull = pull
@@ -93,6 +94,11 @@ class EngineLoop:
         # Where the loop's time goes besides Engine.step (see benchmarks/serve_profile.py).
         self.idle_seconds = 0.0  # waiting for messages with nothing to run
         self.ipc_seconds = 0.0  # decoding incoming messages, encoding and sending outputs
+        # Tracing (EngineLaunch.timings): when each sequence was first admitted (the start of the
+        # step that admitted it), until its last output has reported it.
+        self.timings = timings
+        self._admitted: dict[Any, float] = {}
+        self._reported: set[Any] = set()  # sequences whose first output carried their times
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -111,9 +117,12 @@ class EngineLoop:
                 log.warning("the server process is gone; stopping")
                 return
             if self.engine.pending:
+                step_start = time.monotonic() if self.timings else 0.0
                 outs = self.engine.step()
+                if self.timings:
+                    self._note_admitted(step_start)
                 t2 = time.perf_counter()
-                self._send_outputs(outs)
+                self._send_outputs(outs, step_start)
                 self.ipc_seconds += time.perf_counter() - t2
             now = time.monotonic()
             if now - self._last_heartbeat >= self.heartbeat_interval:
@@ -158,7 +167,35 @@ class EngineLoop:
             for i in range(n)
         ])))
 
-    def _send_outputs(self, outs: list[Any]) -> None:
+    def _note_admitted(self, step_start: float) -> None:
+        """Sequences running now that were not before this step began their prefill in it."""
+        s = self.engine.scheduler
+        for r in s.running:
+            if r not in self._admitted:
+                self._admitted[r] = step_start
+        if len(self._admitted) > 4 * (len(s.running) + len(s.waiting)) + 64:
+            # Aborted sequences never report their last output: forget those the scheduler no longer holds.
+            held = set(s.running) | set(s.waiting)
+            self._admitted = {r: t for r, t in self._admitted.items() if r in held}
+            self._reported &= held
+
+    def _timing(self, o: Any, step_start: float) -> engine_ipc.SeqTiming | None:
+        """A sequence's times, on its first output and on its last (None on the others)."""
+        r = o.req
+        first = r not in self._reported
+        if not (first or o.finished):
+            return None
+        # NOTE: a sequence admitted and finished within one step was never seen running: this step.
+        scheduled = self._admitted.get(r, step_start)
+        if o.finished:
+            self._admitted.pop(r, None)
+            self._reported.discard(r)
+        else:
+            self._reported.add(r)
+        finished = (r.finish_time or time.monotonic()) if o.finished else None
+        return engine_ipc.SeqTiming(r.arrival, scheduled, r.first_token_time, finished)
+
+    def _send_outputs(self, outs: list[Any], step_start: float = 0.0) -> None:
         items = []
         for o in outs:
             r = o.req
@@ -174,6 +211,7 @@ class EngineLoop:
                     _logprob(lp) if lp is not None else engine_ipc.Logprob(r.prompt_ids[0], None, [])
                     for lp in o.prompt_logprobs
                 ],
+                timing=self._timing(o, step_start) if self.timings else None,
             ))
         if items:
             self.push.send(engine_ipc.encode(engine_ipc.Outputs(items)))

@@ -113,6 +113,8 @@ class Generation:
         self.usage = Usage(prompt_tokens=sum(len(p.prompt_ids) for p in handle.parts))
         self._cached_seen: set[str] = set()
         self.first_token_time: float | None = None
+        # Tracing: each sequence's times in the engine (reported only when tracing is on).
+        self.timings: dict[tuple[str, int], engine_ipc.SeqTiming] = {}
         # A continuation: per choice index, what it had produced, and (whole answers) its text so far.
         self.priors = priors or {}
         self.prior_text: dict[int, str] = {}
@@ -148,6 +150,8 @@ class Generation:
 
     def _apply(self, out: engine_ipc.SeqOutput) -> Delta | None:
         seq = self.seqs[(out.rid, out.index)]
+        if out.timing is not None:
+            self.timings[(out.rid, out.index)] = out.timing
         if out.finish_reason == "rejected":
             raise APIError(400, out.error or "the engine refused the request")
         if out.finish_reason == "error":

@@ -14,6 +14,7 @@ import sys
 
 import uvicorn
 
+from tripod import tracing
 from tripod.asgi import DrainingServer
 from tripod.config import EngineConfig, ServerConfig
 from tripod.loader import load_tokenizer
@@ -22,7 +23,7 @@ from tripod.server.engine_client import EngineClient
 from tripod.server.metrics import ServerMetrics
 from tripod.server.serving import make_gate
 from tripod.server.text import TextSide
-from tripod.tenants import TenantFileError
+from tripod.tenants import TenantFileError, TenantGate
 
 log = logging.getLogger("tripod.server")
 
@@ -32,9 +33,19 @@ def serve(engine_config: EngineConfig, config: ServerConfig, log_level: int = lo
     metrics = ServerMetrics(config.served_model_name or "")
     try:
         gate = make_gate(config, metrics)  # a bad tenants file is refused before the engine starts
-    except (TenantFileError, OSError) as e:
+        # NOTE: before the engine is spawned: it reports its times only when tracing is on.
+        tracing.configure("tripod-server", config.otel_endpoint, config.otel_file)
+    except (TenantFileError, OSError, tracing.TracingUnavailable) as e:
         print(f"tripod: error: {e}", file=sys.stderr)
         return 2
+    try:
+        return _serve(engine_config, config, log_level, metrics, gate)
+    finally:
+        tracing.shutdown()  # the spans still buffered go out
+
+
+def _serve(engine_config: EngineConfig, config: ServerConfig, log_level: int, metrics: ServerMetrics,
+           gate: TenantGate) -> int:
     client = EngineClient(engine_config, config, log_level)
     client.spawn()  # the engine loads the weights while we load the tokenizer
     try:

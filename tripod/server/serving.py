@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from tripod import asgi
+from tripod import asgi, tracing
 from tripod.asgi import ClientGone as ClientGone  # (the app answers it with 499)
 from tripod.asgi import until_disconnect as until_disconnect
 from tripod.config import EngineConfig, ServerConfig
@@ -40,6 +40,8 @@ from tripod.tenants import (
     TenantRegistry,
     record_of,
 )
+
+GENERATION_KEY = "tripod.generation"  # (tracing on) the request's Generation, in its ASGI scope
 
 
 @dataclass
@@ -170,6 +172,8 @@ async def start_generation(
     except EngineDead as e:
         raise APIError(503, f"the engine is not running: {e}", type="server_error", code="engine_dead") from None
     gen = Generation(handle, state.text, stops, state.metrics, arrival, priors)
+    if tracing.ACTIVE:
+        request.scope[GENERATION_KEY] = gen  # the engine's spans are made from it (server/app.py)
     if rec is not None:
         rec.sync = _usage_of(gen)
     try:

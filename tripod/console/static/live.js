@@ -78,6 +78,21 @@ export class FleetView {
     document.querySelector("#fleet-table tbody").innerHTML = rows.join("");
     document.getElementById("fleet-events").innerHTML = f.events.slice().reverse().slice(0, 100)
       .map((e) => `<li data-kind="${esc(e.kind)}"><time>${clock(e.t)}</time>${esc(e.text)}</li>`).join("");
+    await this.refreshTenants();
+  }
+
+  async refreshTenants() {
+    const v = await getJSON("/ui/api/tenants");
+    const ms = (a, b) => (a === null && b === null ? "–" : `${a === null ? "–" : fmtNum(a)} / ${b === null ? "–" : fmtNum(b)}`);
+    const limits = (r) => Object.entries(r).map(([k, n]) => `${esc(k)}: ${n}`).join(", ") || "–";
+    document.getElementById("tenants-note").textContent = v.tenants.length
+      ? `since the ${v.source === "router" ? "router" : "server"} started (its per-tenant series)`
+      : "no tenant has sent a request yet";
+    document.querySelector("#tenants-table tbody").innerHTML = v.tenants.map((t) => `<tr data-tenant="${esc(t.name)}">
+      <td>${esc(t.name)}</td><td class="num">${t.requests}</td><td class="num">${t.errors}</td>
+      <td class="num">${fmtNum(t.prompt_tokens)}</td><td class="num">${fmtNum(t.output_tokens)}</td>
+      <td class="num">${ms(t.ttft_p50_ms, t.ttft_p99_ms)}</td><td class="num">${ms(t.tpot_p50_ms, t.tpot_p99_ms)}</td>
+      <td class="small">${limits(t.rejections)}</td></tr>`).join("");
   }
 
   draw() {
