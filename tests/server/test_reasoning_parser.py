@@ -5,6 +5,7 @@ answer (compiled with XGrammar against the embedded tokenizer)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -129,3 +130,27 @@ def test_no_parser_no_change_to_the_constraint() -> None:
     spec = GrammarSpec("regex", "[a-z]+")
     assert Thinking(Qwen3Parser(), "answer").grammar(spec, None) == spec
     assert Thinking(Qwen3Parser(), "maybe").grammar(None, None) is None
+
+
+def test_harmony_markers_are_tokens(hf_tokenizer: Any) -> None:
+    """gpt-oss: the markers are special tokens; the grammar names them as tokens, and the text side
+    keeps them for the splitter (which drops them)."""
+    from tripod.engine.structured import GrammarBackend
+    from tripod.server.text import SeqText, TextSide
+
+    tok = copy.deepcopy(hf_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|channel|>", "<|message|>", "<|end|>", "<|start|>",
+                                                          "<|return|>"]})
+    ret = tok.convert_tokens_to_ids("<|return|>")
+    grammars = GrammarBackend(tok, len(tok), frozenset({ret}))
+    thinking = Thinking(GptOssParser(), "maybe")
+    g = thinking.grammar(GrammarSpec("regex", "[a-z]+"), None)
+    assert g is not None
+    text = "<|channel|>analysis<|message|>I think so.<|end|><|start|>assistant<|channel|>final<|message|>"
+    ids = [*tok.encode(text + "yes", add_special_tokens=False), ret]
+    m = grammars.matcher(grammars.compile_now(g))
+    assert all(m.accept_token(t) for t in ids) and m.is_terminated()
+    m = grammars.matcher(grammars.compile_now(g))
+    assert not all(m.accept_token(t) for t in tok.encode(text + "YES", add_special_tokens=False))
+    seq = SeqText(TextSide(tok, len(tok)), [], special=True)
+    assert thinking.split(seq.push(ids, final=True)) == Split("I think so.", "yes")

@@ -185,7 +185,8 @@ async def _messages(state: ServerState, request: Request) -> Response:
     stops = stop_strings(req.stop_sequences, "stop_sequences")
     rid = new_id("msg", "_")
     started = await start_generation(state, request, [EnginePart(rid, ids, params)], stops, arrival,
-                                     overload_status=OVERLOADED)
+                                     overload_status=OVERLOADED,
+                                     special=think is not None and think.parser.special_tokens)
     if req.stream:
         return ClosingStream(_stream(state, started, rid, parser, think), on_close=started.handle.close,
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -126,7 +126,8 @@ async def _chat(state: ServerState, request: Request) -> Response:
     created = cont.created if cont is not None else int(time.time())
     parts = [EnginePart(engine_rid, ids, params)]
     priors = resume_priors(state, req, parts, params.n)
-    started = await start_generation(state, request, parts, stops, arrival, priors=priors)
+    started = await start_generation(state, request, parts, stops, arrival, priors=priors,
+                                     special=think is not None and think.parser.special_tokens)
     if req.stream:
         body = _chat_stream(state, req, started, rid, created, parser, think)
         return ClosingStream(body, on_close=started.handle.close, media_type="text/event-stream",

@@ -279,7 +279,6 @@ class GptOssParser(ReasoningParser):
     name = "gpt_oss"
     open = "<|channel|>analysis<|message|>"
     close = "<|end|>"
-    FINAL = "<|start|>assistant<|channel|>final<|message|>"
     default_start = "maybe"
     special_tokens = True
 
@@ -290,12 +289,23 @@ class GptOssParser(ReasoningParser):
         return _HarmonyStream()
 
     def thinking_format(self, start: Start, budget: int | None) -> dict[str, Any] | None:
-        text: dict[str, Any] = {"type": "any_text"}
+        # NOTE: harmony's markers are special tokens, which XGrammar never matches as text: they
+        # are named as tokens (the tokenizer must have them: a gpt-oss tokenizer does).
+        def tok(t: str) -> dict[str, Any]:
+            return {"type": "token", "token": t}
+
+        def text(t: str) -> dict[str, Any]:
+            return {"type": "const_string", "value": t}
+
+        body: dict[str, Any] = {"type": "any_tokens", "exclude_tokens": ["<|end|>", "<|start|>", "<|channel|>"]}
         if budget is not None:
-            text["max_tokens"] = budget
-        analysis = {"type": "tag", "begin": self.open, "content": text, "end": self.close}
-        return {"type": "sequence", "elements": [{"type": "optional", "content": analysis},
-                                                 {"type": "const_string", "value": self.FINAL}]}
+            body["max_tokens"] = budget
+        analysis = {"type": "sequence", "elements": [
+            tok("<|channel|>"), text("analysis"), tok("<|message|>"),
+            {"type": "tag", "begin": "", "content": body, "end": tok("<|end|>")}]}
+        final = {"type": "sequence", "elements": [
+            tok("<|start|>"), text("assistant"), tok("<|channel|>"), text("final"), tok("<|message|>")]}
+        return {"type": "sequence", "elements": [{"type": "optional", "content": analysis}, final]}
 
 
 PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (DeepSeekR1Parser, Qwen3Parser, GptOssParser)}

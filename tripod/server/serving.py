@@ -170,10 +170,11 @@ async def start_generation(
     arrival: float,
     overload_status: int | None = None,
     priors: dict[int, Prior] | None = None,
+    special: bool = False,
 ) -> Started:
     """Admit ``parts`` and wait for the first delta. The first delta comes before the response
     starts: a request the engine refuses still gets its 4xx status, and a client gone during
-    prefill is noticed."""
+    prefill is noticed. ``special``: special tokens stay in the text (``SeqText``)."""
     cfg = state.config
     if state.draining:
         raise APIError(503, "the server is shutting down; retry on another replica", type="server_error",
@@ -188,7 +189,7 @@ async def start_generation(
                        headers={"Retry-After": str(cfg.retry_after)}) from None
     except EngineDead as e:
         raise APIError(503, f"the engine is not running: {e}", type="server_error", code="engine_dead") from None
-    gen = Generation(handle, state.text, stops, state.metrics, arrival, priors)
+    gen = Generation(handle, state.text, stops, state.metrics, arrival, priors, special)
     if rec is not None:
         rec.sync = _usage_of(gen)
     try:
