@@ -150,6 +150,34 @@ def test_anthropic_thinking_blocks(oai: openai.OpenAI, claude: anthropic.Anthrop
     assert [b.type for b in again.content] == ["thinking", "text"]
 
 
+def test_tool_calls_come_after_the_thinking(oai: openai.OpenAI) -> None:
+    params = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+              "required": ["city"], "additionalProperties": False}
+    tools: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    for stream in (False, True):
+        kw: dict[str, Any] = {"model": "default", "messages": CHAT, "max_tokens": 100, "temperature": 0, "tools": tools,
+                              "tool_choice": "required", "extra_body": {"thinking_budget": BUDGET}}
+        if not stream:
+            m = oai.chat.completions.create(**kw).choices[0]
+            reasoning, calls, finish = m.message.model_extra["reasoning_content"], m.message.tool_calls, m.finish_reason
+            assert calls is not None
+            name, args = calls[0].function.name, calls[0].function.arguments
+        else:
+            reasoning, name, args, finish = "", "", "", None
+            for c in oai.chat.completions.create(**kw, stream=True):
+                for ch in c.choices:
+                    d = ch.delta
+                    reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+                    for tc in d.tool_calls or []:
+                        assert tc.function is not None
+                        name += tc.function.name or ""
+                        args += tc.function.arguments or ""
+                    finish = ch.finish_reason or finish
+        assert reasoning and "<tool_call>" not in reasoning, stream
+        assert name == "get_weather" and finish == "tool_calls", stream
+        jsonschema.validate(json.loads(args), params)
+
+
 def _sse(server: ServerProcess, body: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
