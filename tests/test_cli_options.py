@@ -33,6 +33,7 @@ ENGINE_SERVER = [
     "--parallel-backend", "ray", "--parallel-placement", "strict-spread", "--parallel-ray-address", "auto",
     "--tenants", "/t.toml", "--tenant-limits", "tokens",
     "--otel-endpoint", "http://collector:4318", "--otel-file", "/tmp/spans.jsonl",
+    "--reasoning-parser", "qwen3",
 ]
 
 # The options of each command (as before the CLI was generated from the configs).
@@ -44,7 +45,7 @@ FLAGS = {
     "--max-waiting --min-replicas --model --no-jump-forward --no-prefix-cache --num-draft-tokens "
     "--otel-endpoint --otel-file --overload-status --parallel-backend --parallel-placement --parallel-ray-address "
     "--parallel-timeout --pipeline-parallel-size --policy --port --queue-timeout "
-    "--ray-address --ray-num-cpus --ray-num-gpus --region --region-overflow-load --replica-log-dir "
+    "--ray-address --ray-num-cpus --ray-num-gpus --reasoning-parser --region --region-overflow-load --replica-log-dir "
     "--replica-max-inflight --replicas --router-policy --served-model-name --slo-tpot-p95 --slo-ttft-p95 "
     "--spec-max-batch --speculative --ssl-certfile --ssl-keyfile --stall-timeout --target-inflight "
     "--tenant-limits --tenants --tensor-parallel-size --threads --upscale-delay --weights",
@@ -159,6 +160,7 @@ def test_empty_api_key_means_none(monkeypatch: pytest.MonkeyPatch) -> None:
     (("serve", "--port", "x"), "argument --port: invalid int value: 'x'"),
     (("generate", "--threads", "x"), "argument --threads: invalid int value"),
     (("serve", "--overload-status", "500"), "argument --overload-status: invalid choice: 500"),
+    (("serve", "--reasoning-parser", "r2"), "argument --reasoning-parser: invalid choice: 'r2'"),
 ])
 def test_parse_errors_name_the_flag(argv: tuple[str, ...], words: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:

@@ -20,6 +20,11 @@ def check_tls(certfile: str | None, keyfile: str | None) -> None:
         raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both for HTTPS, or neither")
 
 
+# --reasoning-parser: auto (from the model's architecture and chat template), none, or a parser
+# (tripod/server/reasoning.py keeps the parsers by these names).
+REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "gpt_oss")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """The HTTP side of ``tripod serve``: where it listens, who may call it, how it sheds load."""
@@ -41,6 +46,10 @@ class ServerConfig:
         30.0, "seconds in-flight requests get to finish after SIGTERM", commands=(SERVE, ROUTE, CHAINS_SERVE))
     max_body_bytes: int = 4 * 2**20
     max_n: int = opt(16, "largest 'n' a request may ask for", commands=(SERVE,))
+    reasoning_parser: str = opt(  # how the thinking is split from the answer (README "Reasoning output")
+        "auto", "split the model's thinking out of its answer (reasoning_content, thinking blocks): auto (from "
+        "the model's architecture and chat template), none, or a parser", commands=(SERVE,), metavar="NAME|none",
+        choices=REASONING_PARSERS)
     heartbeat_interval: float = 0.5  # engine → server
     heartbeat_timeout: float = 30.0  # no heartbeat this long: the engine is hung
     engine_start_timeout: float = 600.0
@@ -85,6 +94,9 @@ class ServerConfig:
         if self.max_n < 1 or self.max_body_bytes < 1024:
             raise ValueError("max_n must be >= 1 and max_body_bytes >= 1024")
         check_tls(self.ssl_certfile, self.ssl_keyfile)
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} "
+                             f"(got {self.reasoning_parser!r})")
 
 
 ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")

@@ -129,7 +129,9 @@ class GrammarBackend:
         if node.get("type") == "json_schema" and node.get("style", "json") == "json":
             schema = node.get("json_schema")
             text = json.dumps(schema if isinstance(schema, dict) else {})
-            grammar = self.xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+            # (tripod's "strict": false: any JSON object, as the plain ``json`` kind with no schema)
+            strict = node.get("strict", True) is not False
+            grammar = self.xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=strict)
             return {"type": "grammar", "grammar": str(grammar)}
         return {k: self._tight_json(v) for k, v in node.items()}
 

@@ -40,6 +40,9 @@ def model_card(state: ServerState) -> dict[str, Any]:
         # How tools reach the model: its chat template's own rendering, or tripod's generic
         # prompt format (templates without tools); and the syntax calls are parsed in.
         "tool_calling": state.chat.describe(),
+        # How the thinking is split from the answer (reasoning_content, thinking blocks): the
+        # parser's name, or null (answers unchanged); --reasoning-parser.
+        "reasoning_parser": state.reasoning.name if state.reasoning is not None else None,
     }
     # The same facts at the top level (as vLLM puts max_model_len) and under "metadata".
     created_at = datetime.fromtimestamp(state.created, UTC).isoformat().replace("+00:00", "Z")

@@ -24,10 +24,12 @@ from tripod.server.anthropic_protocol import (
     MessagesRequest,
     conversation,
     output_format,
+    thinking_budget,
 )
 from tripod.server.engine_client import EnginePart
 from tripod.server.generation import Delta, Usage, collect, new_id
 from tripod.server.protocol import APIError, parse
+from tripod.server.reasoning import Split, Thinking
 from tripod.server.sampling import build_sampling, stop_strings
 from tripod.server.serving import (
     ServerState,
@@ -72,7 +74,9 @@ def _usage(u: Usage) -> dict[str, int]:
 class Blocks:
     """Tool-parser events → Anthropic content blocks, and the stream events that build them.
     Streamed and whole answers both go through it, so they always agree. A text block opens only
-    once it has more than whitespace (Anthropic refuses blank text blocks sent back to it)."""
+    once it has more than whitespace (Anthropic refuses blank text blocks sent back to it). A
+    model's thinking (``thinking``) becomes ``thinking`` blocks, with an empty ``signature``
+    (nothing to verify: tripod ignores thinking blocks sent back)."""
 
     def __init__(self) -> None:
         self.content: list[dict[str, Any]] = []
@@ -81,15 +85,31 @@ class Blocks:
         self.args = ""
         self.calls = 0
 
+    def thinking(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        if not text:
+            return out
+        if not self._open("thinking"):
+            self.close(out)
+            self._start(out, {"type": "thinking", "thinking": "", "signature": ""})
+        self.content[-1]["thinking"] += text
+        out.append(("content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1,
+                                            "delta": {"type": "thinking_delta", "thinking": text}}))
+        return out
+
+    def _open(self, kind: str) -> bool:
+        return self.open and self.content[-1]["type"] == kind
+
     def feed(self, events: list[ToolEvent]) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
         for e in events:
             if isinstance(e, TextPiece):
                 text = self.blank + e.text
-                if not self.open:
+                if not self._open("text"):
                     if not text.strip():
                         self.blank = text
                         continue
+                    self.close(out)
                     self._start(out, {"type": "text", "text": ""})
                 self.blank = ""
                 self.content[-1]["text"] += text
@@ -148,18 +168,27 @@ async def _messages(state: ServerState, request: Request) -> Response:
     if grammar is not None and fmt is not None:
         raise APIError(400, "tool use cannot be combined with 'output_config.format'; set tool_choice "
                        "{\"type\": \"none\"} or drop the format", param="output_config.format")
+    wants_thinking, budget = thinking_budget(req)
+    if wants_thinking and state.reasoning is None:
+        raise APIError(400, "'thinking' needs a model that thinks; this server has no reasoning parser (see "
+                       "--reasoning-parser); remove 'thinking' or set its type to 'disabled'", param="thinking")
+    think = state.thinking(ids, budget, "thinking.budget_tokens")
+    constraint = grammar or fmt
+    if think is not None:  # tools and the output format apply to the answer after the thinking
+        constraint = think.grammar(constraint, budget)
     params = build_sampling(
         state.limits, prompt_len=len(ids), max_tokens=req.max_tokens, default_max_tokens=state.max_len,
-        prompt_param="messages", grammar=grammar or fmt,
+        prompt_param="messages", grammar=constraint,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, ignore_eos=req.ignore_eos,
         priority=req.priority, speculative=req.speculative,
     )
     stops = stop_strings(req.stop_sequences, "stop_sequences")
     rid = new_id("msg", "_")
     started = await start_generation(state, request, [EnginePart(rid, ids, params)], stops, arrival,
-                                     overload_status=OVERLOADED)
+                                     overload_status=OVERLOADED,
+                                     special=think is not None and think.parser.special_tokens)
     if req.stream:
-        return ClosingStream(_stream(state, started, rid, parser), on_close=started.handle.close,
+        return ClosingStream(_stream(state, started, rid, parser, think), on_close=started.handle.close,
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
         c = await until_disconnect(request, collect(started.gen, started.it, started.first))
@@ -168,6 +197,10 @@ async def _messages(state: ServerState, request: Request) -> Response:
     started.gen.done()
     text = "".join(c.texts[0])
     blocks = Blocks()
+    if think is not None:
+        split = think.split(text)
+        blocks.thinking(split.reasoning)
+        text = split.content
     ps = parser.stream(lambda: new_id("toolu", "_")) if parser else None
     blocks.feed((ps.feed(text) + ps.finish()) if ps else [TextPiece(text)])
     return JSONResponse({
@@ -181,16 +214,25 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
 
-async def _stream(state: ServerState, s: Started, rid: str, parser: ToolCallParser | None) -> AsyncIterator[bytes]:
+async def _stream(state: ServerState, s: Started, rid: str, parser: ToolCallParser | None,
+                  think: Thinking | None) -> AsyncIterator[bytes]:
     blocks = Blocks()
     ps: ToolCallStream | None = parser.stream(lambda: new_id("toolu", "_")) if parser else None
+    rs = think.stream() if think is not None else None
 
     def events(d: Delta) -> list[bytes]:
+        text = d.text
+        out: list[tuple[str, dict[str, Any]]] = []
+        if rs is not None:
+            split = rs.feed(text) + (rs.finish() if d.finish_reason is not None else Split())
+            out += blocks.thinking(split.reasoning)
+            text = split.content
         if ps is None:
-            evs: list[ToolEvent] = [TextPiece(d.text)] if d.text else []
+            evs: list[ToolEvent] = [TextPiece(text)] if text else []
         else:
-            evs = ps.feed(d.text) + (ps.finish() if d.finish_reason is not None else [])
-        return [_event(n, x) for n, x in blocks.feed(evs)]
+            evs = ps.feed(text) + (ps.finish() if d.finish_reason is not None else [])
+        out += blocks.feed(evs)
+        return [_event(n, x) for n, x in out]
 
     try:
         yield _event("message_start", {"type": "message_start", "message": {

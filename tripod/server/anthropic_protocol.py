@@ -2,7 +2,9 @@
 and their translation into ``Message``s, tools and a tool choice.
 
 Content blocks are read as one permissive model and checked by type here, so an unsupported block
-(``image``, ``document``, ``thinking``) is refused by name with a 400 rather than a schema dump.
+(``image``, ``document``) is refused by name with a 400 rather than a schema dump. Earlier
+``thinking`` blocks in assistant messages are accepted and left out of the prompt (as Anthropic
+does: past thinking does not count as input).
 ``cache_control`` marks are accepted and ignored: tripod's prefix cache needs no hints.
 """
 
@@ -26,7 +28,7 @@ class _Strict(BaseModel):
 
 
 class Block(_Strict):
-    type: str = one_of("text", "tool_use", "tool_result")
+    type: str = one_of("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
     text: str | None = None
     id: str | None = None  # tool_use
     name: str | None = None
@@ -111,9 +113,6 @@ def conversation(req: _Conversation, default_parallel: bool = True,
     """→ (messages, tools, tool choice, whether the last assistant message is to be continued).
     ``default_parallel``: whether several calls are allowed unless ``disable_parallel_tool_use``
     says."""
-    if req.thinking is not None and req.thinking.get("type") not in (None, "disabled"):
-        raise APIError(400, "'thinking' (extended thinking) is not supported by tripod; remove it or set "
-                       "its type to 'disabled'", param="thinking")
     out: list[Message] = []
     system = _text_of(req.system, "system")
     if system:
@@ -149,6 +148,8 @@ def conversation(req: _Conversation, default_parallel: bool = True,
                 content = _text_of(b.content, f"{at}.content")
                 out.append(Message("tool", f"Error: {content}" if b.is_error else content,
                                    tool_call_id=b.tool_use_id))
+            elif b.type in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue  # past thinking is not part of the prompt
             elif b.type in ("tool_use", "tool_result"):
                 raise APIError(400, f"{at}: {b.type} blocks belong in "
                                f"{'assistant' if b.type == 'tool_use' else 'user'} messages", param=f"{at}.type")
@@ -161,6 +162,29 @@ def conversation(req: _Conversation, default_parallel: bool = True,
     continue_final = last.role == "assistant" and not out[-1].tool_calls
     tools, choice = _tools(req, default_parallel)
     return out, tools, choice, continue_final
+
+
+def thinking_budget(req: MessagesRequest) -> tuple[bool, int | None]:
+    """``thinking``: (whether extended thinking is asked for, its ``budget_tokens``). Whether the
+    model thinks is the model's: ``disabled`` (or no ``thinking``) still shows the thinking of a
+    model that always thinks; ``enabled`` needs a model with a reasoning parser."""
+    t = req.thinking
+    kind = None if t is None else t.get("type")
+    if kind in (None, "disabled"):
+        return False, None
+    if kind == "adaptive":
+        return True, None
+    if kind != "enabled":
+        raise APIError(400, f"'thinking.type' must be 'enabled', 'adaptive' or 'disabled' (got {kind!r})",
+                       param="thinking.type")
+    budget = t.get("budget_tokens") if t is not None else None
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise APIError(400, f"'thinking.budget_tokens' must be a positive integer (got {budget!r})",
+                       param="thinking.budget_tokens")
+    if budget >= req.max_tokens:
+        raise APIError(400, f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' ({req.max_tokens})",
+                       param="thinking.budget_tokens")
+    return True, budget
 
 
 def output_format(req: MessagesRequest) -> GrammarSpec | None:

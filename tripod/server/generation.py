@@ -100,13 +100,14 @@ class Generation:
         metrics: ServerMetrics,
         arrival: float,
         priors: dict[int, Prior] | None = None,
+        special: bool = False,
     ) -> None:
         self.handle = handle
         self.metrics = metrics
         self.arrival = arrival
         n = handle.n
         self.seqs = {
-            (p.rid, i): _Seq(pi * n + i, SeqText(text, stops))
+            (p.rid, i): _Seq(pi * n + i, SeqText(text, stops, special))
             for pi, p in enumerate(handle.parts)
             for i in p.copies
         }
@@ -124,7 +125,7 @@ class Generation:
             seq = by_index.get(idx)
             if seq is None:  # a choice that had finished: its text, for a whole answer
                 assert prior.finish_reason is not None, idx
-                self.prior_text[idx] = SeqText(text, stops).push(prior.token_ids, final=True)
+                self.prior_text[idx] = SeqText(text, stops, special).push(prior.token_ids, final=True)
                 continue
             # NOTE: the text side is primed with the choice's tokens, so text held back at the cut
             # (the start of a stop string, part of a multi-byte character) is decided exactly as

@@ -59,7 +59,10 @@ def _serve(engine_config: EngineConfig, config: ServerConfig, log_level: int, me
     state = ServerState(
         engine_config=engine_config, config=config, text=TextSide(tok.tokenizer, tok.config.vocab_size),
         client=client, model_name=name, quantization=tok.quantization, metrics=metrics, gate=gate,
+        architecture=tok.config.architecture,
     )
+    if state.reasoning is not None:
+        log.info("reasoning parser: %s (--reasoning-parser %s)", state.reasoning.name, config.reasoning_parser)
     client.on_heartbeat = metrics.on_heartbeat
     app = build_app(state, lifespan=lambda _app: lifespan_for(state))
     uv_config = uvicorn.Config(

@@ -43,6 +43,7 @@ from tripod.server.protocol import (
     openai_tools,
     parse,
 )
+from tripod.server.reasoning import ReasoningStream, Split, Thinking
 from tripod.server.sampling import build_sampling, logit_bias_ids, stop_strings
 from tripod.server.serving import (
     ServerState,
@@ -102,7 +103,10 @@ async def _chat(state: ServerState, request: Request) -> Response:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     parser = state.chat.parser if choice.mode != "none" else None
+    think = state.thinking(ids, req.thinking_budget)
     grammar = _one_constraint(parser.grammar(tools, choice) if parser else None, grammar_spec(req))
+    if think is not None:  # the constraint (tools, response_format) applies to the answer after the thinking
+        grammar = think.grammar(grammar, req.thinking_budget)
     _check_stream_options(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     names = {"logprobs": "top_logprobs"}
@@ -122,14 +126,15 @@ async def _chat(state: ServerState, request: Request) -> Response:
     created = cont.created if cont is not None else int(time.time())
     parts = [EnginePart(engine_rid, ids, params)]
     priors = resume_priors(state, req, parts, params.n)
-    started = await start_generation(state, request, parts, stops, arrival, priors=priors)
+    started = await start_generation(state, request, parts, stops, arrival, priors=priors,
+                                     special=think is not None and think.parser.special_tokens)
     if req.stream:
-        body = _chat_stream(state, req, started, rid, created, parser)
+        body = _chat_stream(state, req, started, rid, created, parser, think)
         return ClosingStream(body, on_close=started.handle.close, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
     def answer(c: Collected) -> dict[str, Any]:
-        return _chat_body(state, req, c, rid, created, parser, started.gen.usage.body())
+        return _chat_body(state, req, c, rid, created, parser, think, started.gen.usage.body())
 
     if req.tripod_failover:
         return ClosingStream(progress_stream(started.gen, started.it, started.first, rid, created, answer),
@@ -144,11 +149,15 @@ async def _chat(state: ServerState, request: Request) -> Response:
 
 
 def _chat_body(state: ServerState, req: ChatCompletionRequest, c: Collected, rid: str, created: int,
-               parser: ToolCallParser | None, usage: dict[str, Any]) -> dict[str, Any]:
+               parser: ToolCallParser | None, think: Thinking | None, usage: dict[str, Any]) -> dict[str, Any]:
     choices = []
     for idx in sorted(c.texts):
         text = "".join(c.texts[idx])
         finish = c.finish[idx]
+        reasoning = None
+        if think is not None:
+            split = think.split(text)
+            text, reasoning = split.content, split.reasoning or None
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if parser is not None:
             ans = parse_all(parser, text, lambda: new_id("call", "_"))
@@ -159,6 +168,10 @@ def _chat_body(state: ServerState, req: ChatCompletionRequest, c: Collected, rid
                 finish = "tool_calls" if finish == "stop" else finish
             else:
                 message["content"] = ans.text
+        if think is not None:
+            if not message["content"] and reasoning:
+                message["content"] = None  # (all thinking: cut by max_tokens)
+            message["reasoning_content"] = reasoning
         choice = {
             "index": idx, "message": message,
             "logprobs": {"content": chat_logprobs(state.text, c.logprobs[idx])} if req.logprobs else None,
@@ -193,11 +206,13 @@ def _tool_delta(e: ToolEvent) -> dict[str, Any] | None:
 
 class _ChatChunks:
     """A chat stream's deltas → SSE chunks: the text, or (with tools) the parser's tool-call
-    events per choice, each choice's last chunk of a delta marked with its token ids."""
+    events per choice, each choice's last chunk of a delta marked with its token ids. A model
+    that thinks: its thinking as ``delta.reasoning_content`` first, the rest from its answer."""
 
     def __init__(self, state: ServerState, req: ChatCompletionRequest, rid: str, created: int,
-                 parser: ToolCallParser | None) -> None:
-        self.state, self.req, self.parser = state, req, parser
+                 parser: ToolCallParser | None, think: Thinking | None = None) -> None:
+        self.state, self.req, self.parser, self.think = state, req, parser, think
+        self.thoughts: dict[int, ReasoningStream] = {}
         self.head: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                                      "model": state.model_name, "system_fingerprint": state.fingerprint()}
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -228,16 +243,32 @@ class _ChatChunks:
     def _deltas(self, d: Delta, has_logprobs: bool) -> tuple[list[dict[str, Any]], str | None]:
         """The ``delta`` objects ``d`` makes, and its finish reason as the client sees it."""
         finish = d.finish_reason
-        if self.parser is None:
+        if self.parser is None and self.think is None:
             return ([{"content": d.text}] if d.text or finish is None else [{}]), finish
+        text, replayed = d.text, d.replayed
+        deltas: list[dict[str, Any]] = []
+        if self.think is not None:
+            rs = self.thoughts.setdefault(d.index, self.think.stream())
+            if replayed:  # a continued stream: what the client has, fed to the splitter silently
+                replayed = rs.feed(replayed).content
+            split = rs.feed(text) + (rs.finish() if finish is not None else Split())
+            if split.reasoning:
+                deltas.append({"reasoning_content": split.reasoning})
+            text = split.content
+        if self.parser is None:
+            if text:
+                deltas.append({"content": text})
+            if not deltas and (has_logprobs or finish is not None):
+                deltas = [{}]
+            return deltas, finish
         ps = self.streams.setdefault(d.index, self.parser.stream(lambda: new_id("call", "_")))
-        if d.replayed:  # a continued stream: what the client has, fed to the parser silently
-            if any(isinstance(e, CallStart) for e in ps.feed(d.replayed)):
+        if replayed:  # a continued stream: what the client has, fed to the parser silently
+            if any(isinstance(e, CallStart) for e in ps.feed(replayed)):
                 self.called.add(d.index)
-        events = ps.feed(d.text) + (ps.finish() if finish is not None else [])
+        events = ps.feed(text) + (ps.finish() if finish is not None else [])
         if any(isinstance(e, CallStart) for e in events):
             self.called.add(d.index)
-        deltas = [x for x in map(_tool_delta, events) if x is not None]
+        deltas += [x for x in map(_tool_delta, events) if x is not None]
         if finish == "stop" and d.index in self.called:
             finish = "tool_calls"
         if not deltas and (has_logprobs or finish is not None):
@@ -246,8 +277,8 @@ class _ChatChunks:
 
 
 async def _chat_stream(state: ServerState, req: ChatCompletionRequest, s: Started, rid: str, created: int,
-                       parser: ToolCallParser | None) -> AsyncIterator[bytes]:
-    chunks = _ChatChunks(state, req, rid, created, parser)
+                       parser: ToolCallParser | None, think: Thinking | None) -> AsyncIterator[bytes]:
+    chunks = _ChatChunks(state, req, rid, created, parser, think)
     try:
         indices = sorted(q.index for q in s.gen.seqs.values())
         if req.tripod_continuation is None:  # a continued stream's client has its role chunk

@@ -210,6 +210,9 @@ class ChatCompletionRequest(_Constrained):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None  # OpenAI's deprecated function calling: refused by name
     function_call: Any = None
+    # tripod's extension (models with a reasoning parser): at most this many tokens of thinking,
+    # then the end of the thinking is forced (as Anthropic's thinking.budget_tokens).
+    thinking_budget: int | None = None
 
 
 class CompletionRequest(_Constrained):

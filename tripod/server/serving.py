@@ -28,6 +28,7 @@ from tripod.server.engine_client import (
 from tripod.server.generation import Delta, Generation, Prior
 from tripod.server.metrics import ServerMetrics
 from tripod.server.protocol import APIError
+from tripod.server.reasoning import ReasoningParser, Thinking, choose_parser
 from tripod.server.sampling import Limits
 from tripod.server.text import TextSide
 from tripod.tenants import (
@@ -61,12 +62,30 @@ class ServerState:
     request_shutdown: Callable[[], None] | None = None
     renderer: ChatRenderer | None = None
     gate: TenantGate | None = None  # None: made from config (launch.serve makes it first, to refuse a bad file)
+    architecture: str | None = None  # the model's (for --reasoning-parser auto)
+    reasoning: ReasoningParser | None = field(init=False, default=None)  # None: answers are not split
 
     def __post_init__(self) -> None:
         if self.renderer is None:
             self.renderer = ChatRenderer(self.text)
+        self.reasoning = choose_parser(self.config.reasoning_parser, self.text.template, self.architecture)
         if self.gate is None:
             self.gate = make_gate(self.config, self.metrics)
+
+    def thinking(self, prompt_ids: list[int], budget: int | None = None, param: str = "thinking_budget",
+                 ) -> Thinking | None:
+        """The reasoning of a request with this prompt (None: the model has no reasoning parser).
+        ``budget`` (tokens of thinking at most) is checked here: it needs a parser."""
+        if self.reasoning is None:
+            if budget is not None:
+                raise APIError(400, f"'{param}' needs a model that thinks; this server has no reasoning parser "
+                               "(see --reasoning-parser)", param=param)
+            return None
+        if budget is not None and budget < 1:
+            raise APIError(400, f"'{param}' must be >= 1 (got {budget})", param=param)
+        # NOTE: the prompt's end says whether the template opened (or closed) the thinking block.
+        tail = self.text.decode(prompt_ids[-16:], skip_special_tokens=False)
+        return Thinking(self.reasoning, self.reasoning.start(tail))
 
     @property
     def tenants(self) -> TenantGate:
@@ -153,10 +172,11 @@ async def start_generation(
     arrival: float,
     overload_status: int | None = None,
     priors: dict[int, Prior] | None = None,
+    special: bool = False,
 ) -> Started:
     """Admit ``parts`` and wait for the first delta. The first delta comes before the response
     starts: a request the engine refuses still gets its 4xx status, and a client gone during
-    prefill is noticed."""
+    prefill is noticed. ``special``: special tokens stay in the text (``SeqText``)."""
     cfg = state.config
     if state.draining:
         raise APIError(503, "the server is shutting down; retry on another replica", type="server_error",
@@ -171,7 +191,7 @@ async def start_generation(
                        headers={"Retry-After": str(cfg.retry_after)}) from None
     except EngineDead as e:
         raise APIError(503, f"the engine is not running: {e}", type="server_error", code="engine_dead") from None
-    gen = Generation(handle, state.text, stops, state.metrics, arrival, priors)
+    gen = Generation(handle, state.text, stops, state.metrics, arrival, priors, special)
     if tracing.ACTIVE:
         request.scope[GENERATION_KEY] = gen  # the engine's spans are made from it (server/app.py)
     if rec is not None:

@@ -110,8 +110,10 @@ class SeqText:
     complete: text that could begin a stop string is held back until the next token decides it.
     """
 
-    def __init__(self, text: TextSide, stop: list[str]) -> None:
-        self.detok = IncrementalDetokenizer(text.tokenizer)
+    def __init__(self, text: TextSide, stop: list[str], special: bool = False) -> None:
+        # special: special tokens stay in the text (a reasoning parser whose markers are special
+        # tokens, e.g. gpt-oss's harmony channels, reads them there and drops them).
+        self.detok = IncrementalDetokenizer(text.tokenizer, skip_special_tokens=not special)
         self.stop = stop
         self.held = ""
         self.stopped = False
