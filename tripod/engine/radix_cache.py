@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tripod.memory.kv_pool import SlotAllocator
 from tripod.radix import RadixNode, RadixTree
+
+if TYPE_CHECKING:
+    from tripod.engine.disk_cache import DiskCache
 
 _tick = itertools.count()
 
@@ -59,6 +63,7 @@ class RadixCache:
         self.tree.root.lock_ref = 1  # the root is never evicted
         self.stats = CacheStats()
         self._protected = 0  # slots held by pinned nodes
+        self.disk: DiskCache | None = None  # the tier below (--kv-disk): evicted nodes go there
 
     @property
     def root(self) -> TreeNode:
@@ -124,7 +129,10 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` slots from unpinned LRU leaves, if possible."""
         freed = 0
-        for node in self.tree.evict(num_tokens):
+        nodes = self.tree.evict(num_tokens)
+        if self.disk is not None and nodes:
+            self.disk.on_evict(nodes)  # copies their rows out before the slots are freed
+        for node in nodes:
             self.allocator.free(node.value)
             freed += len(node.value)
         self.stats.evicted_tokens += freed
