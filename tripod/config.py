@@ -205,8 +205,6 @@ class EngineConfig:
             raise ValueError(f"policy must be 'lpm' or 'fcfs' (got {self.policy!r})")
         if self.kv_disk_size <= 0:
             raise ValueError(f"kv_disk_size must be > 0 GB (got {self.kv_disk_size})")
-        if self.kv_disk is not None and not self.enable_prefix_cache:
-            raise ValueError("--kv-disk is a tier under the prefix cache: it cannot be combined with --no-prefix-cache")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (got {self.max_model_len})")
         self._check_parallel()
@@ -226,6 +224,8 @@ class EngineConfig:
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("--enable-expert-parallel splits experts over the tensor-parallel ranks: "
                              "give --tensor-parallel-size 2 or more")
+        if self.kv_disk is not None and not self.enable_prefix_cache:
+            raise ValueError("--kv-disk is a tier under the prefix cache: it cannot be combined with --no-prefix-cache")
         if self.world_size == 1:
             return
         if self.kv_disk is not None:

@@ -215,7 +215,9 @@ class DiskTier:
         order, up to the first that is missing or fails a check."""
         out: list[torch.Tensor] = []
         for key, toks in zip(keys, tokens, strict=True):
-            with self._lock:
+            with self._idle:
+                while key in self._reading:  # being prefetched: wait for it rather than read it twice
+                    self._idle.wait()
                 w = self._pending.get(key)
                 staged = self._staged.pop(key, None)
                 if staged is not None:
@@ -293,7 +295,7 @@ class DiskTier:
             t0 = time.perf_counter()
             try:
                 size = self._publish(w)
-            except OSError as e:
+            except Exception as e:  # never leave a block marked pending: flush() waits on it
                 log.warning("kv disk tier: writing a block failed (%s); it is not cached", e)
                 size = None
             with self._lock:
@@ -337,7 +339,11 @@ class DiskTier:
             if todo is None:
                 return
             for key, toks in todo:
-                block = self._load(key, toks)
+                try:
+                    block = self._load(key, toks)
+                except Exception:  # never leave a key marked in flight: read() waits on it
+                    log.exception("kv disk tier: prefetching a block failed")
+                    block = None
                 with self._lock:
                     self._reading.discard(key)
                     if block is not None and key not in self._staged:
