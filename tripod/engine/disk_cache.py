@@ -57,7 +57,7 @@ def model_identity(*, name: str, architecture: str, model: torch.nn.Module, dtyp
                    extra: dict[str, Any]) -> bytes:
     """A 16-byte digest of what the KV rows depend on (see the module docstring)."""
     h = hashlib.blake2b(digest_size=16)
-    desc = {"format": 1, "name": name, "architecture": architecture, "dtype": str(dtype),
+    desc = {"format": 1, "name": name, "architecture": architecture, "dtype": str(dtype), "kv_dtype": str(pool.kv.dtype),
             "pool": [type(pool).__name__, *pool.kv.shape[0:1], *pool.kv.shape[2:]], **extra}
     h.update(json.dumps(desc, sort_keys=True, default=str).encode())
     for pname, t in sorted(model.state_dict().items()):

@@ -300,14 +300,15 @@ class DiskTier:
                 size = None
             with self._lock:
                 self.counters.write_seconds += time.perf_counter() - t0
-                del self._pending[w.key]
-                self._pending_bytes -= w.nbytes
                 if size is not None and w.key not in self._index:
                     self._index[w.key] = size
                     self._used += size
                     self._since_scan += size
-                self._idle.notify_all()
             self._enforce_capacity()
+            with self._lock:
+                del self._pending[w.key]
+                self._pending_bytes -= w.nbytes
+                self._idle.notify_all()
 
     def _publish(self, w: _Write) -> int | None:
         final = self.path(w.key)
