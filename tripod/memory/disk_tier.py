@@ -317,17 +317,24 @@ class DiskTier:
                 self.counters.skipped_blocks += 1
             return final.stat().st_size
         toks = _token_bytes(w.tokens)
-        payload = w.rows.detach().to("cpu").contiguous().view(torch.uint8).numpy()
-        crc = zlib.crc32(payload, zlib.crc32(toks))
-        head = HEADER.pack(MAGIC, self.layout.identity, w.key, len(w.tokens), payload.nbytes, crc)
+        # NOTE: layer by layer, each a contiguous run of the engine's copy: no torch op (and no
+        # intra-op thread pool) on this thread.
+        rows = w.rows.detach().to("cpu")
+        parts = [rows[layer].contiguous().view(torch.uint8).numpy() for layer in range(rows.shape[0])]
+        crc = zlib.crc32(toks)
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        nbytes = sum(part.nbytes for part in parts)
+        head = HEADER.pack(MAGIC, self.layout.identity, w.key, len(w.tokens), nbytes, crc)
         final.parent.mkdir(exist_ok=True)
         tmp = self.tmp / f"{w.key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "wb") as f:
             f.write(head)
             f.write(toks)
-            f.write(memoryview(payload))
+            for part in parts:
+                f.write(memoryview(part))
         os.replace(tmp, final)  # atomic publish: readers see the whole file or none
-        size = len(head) + len(toks) + payload.nbytes
+        size = len(head) + len(toks) + nbytes
         with self._lock:
             self.counters.written_blocks += 1
             self.counters.written_bytes += size
