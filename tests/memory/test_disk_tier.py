@@ -250,3 +250,45 @@ def test_a_full_write_queue_drops_blocks(tmp_path: Path) -> None:
 def test_a_capacity_below_one_block_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="holds not one block"):
         DiskTier(tmp_path, 10, _layout())
+
+
+_WRITER = """
+import sys, torch
+from pathlib import Path
+from tripod.memory.disk_tier import DiskTier, TierLayout, chain_keys
+lay = TierLayout(bytes(range(16)), num_layers=3, row_shape=(2, 2, 5), dtype=torch.float32, block_tokens=4)
+t = DiskTier(Path(sys.argv[1]), 10**9, lay)
+tokens, announced = [], False
+while True:  # an endless growing prefix, one block at a time, until killed
+    tokens += [len(tokens) + i for i in range(4)]
+    key = chain_keys(lay.identity, tokens, 4)[-1]
+    t.submit(key, tokens[-4:], torch.full(lay.shape, float(len(tokens))))
+    if len(tokens) == 4 * 50 and not announced:
+        t.flush()
+        print("written", flush=True)
+        announced = True
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_served_corrupted(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "written"
+    finally:
+        proc.send_signal(signal.SIGKILL)  # mid-write, as far as the writer knows
+        proc.wait(30)
+    t = _tier(tmp_path, blocks=10**6)
+    assert not list(t.tmp.iterdir()), "the dead writer's temp files are gone"
+    n = t.entries
+    assert n >= 50
+    tokens = list(range(4 * (n + 5)))
+    keys = chain_keys(IDENT, tokens, B)
+    got = t.read(keys, _blocks(tokens))
+    assert len(got) == n and t.counters.corrupt_files == 0, "every published block is whole"
+    assert all(float(block[0, 0, 0, 0, 0]) == 4 * (j + 1) for j, block in enumerate(got))
+    t.close()
