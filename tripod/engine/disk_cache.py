@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 16
+_COPY_BLOCKS = 64  # blocks copied out of the pool at once
 
 
 @dataclass(slots=True)
@@ -116,27 +117,35 @@ class DiskCache:
             self._save(tokens, slots, len(tokens) - len(node.key))
         self.stats.save_seconds += time.perf_counter() - t0
 
-    def save_tree(self, cache: RadixCache) -> None:
-        """Queue every block of every path in the tree that the tier does not have."""
+    def save_tree(self, cache: RadixCache, timeout: float | None = None) -> None:
+        """Queue every block of every path in the tree that the tier does not have (``timeout``:
+        wait for room in the write queue up to that many seconds in all, instead of dropping)."""
         t0 = time.perf_counter()
+        deadline = None if timeout is None else time.monotonic() + timeout
         for node in cache.tree.leaves():
             tokens, slots = _path(node)
-            self._save(tokens, slots, 0)
+            self._save(tokens, slots, 0, deadline)
         self.stats.save_seconds += time.perf_counter() - t0
 
-    def _save(self, tokens: list[int], slots: list[int], start: int) -> None:
+    def _save(self, tokens: list[int], slots: list[int], start: int, deadline: float | None = None) -> None:
         b = self.block
         first, end = start // b, len(tokens) // b
         if end <= first:
             return
         keys = chain_keys(self.tier.layout.identity, tokens, b, end)
         todo = [j for j in range(first, end) if not self.tier.known(keys[j])]
-        if not todo:
-            return
-        rows = self._copy_out([s for j in todo for s in slots[j * b : (j + 1) * b]])
-        for i, j in enumerate(todo):
-            if self.tier.submit(keys[j], tokens[j * b : (j + 1) * b], rows[:, i * b : (i + 1) * b]):
-                self.stats.saved_tokens += b
+        per_block = self.tier.layout.payload_bytes
+        for at in range(0, len(todo), _COPY_BLOCKS):  # bounded copies: never the whole path at once
+            part = todo[at : at + _COPY_BLOCKS]
+            need = len(part) * per_block
+            if not self.tier.has_room(need) and (deadline is None or not self.tier.wait_for_room(need, deadline)):
+                # NOTE: the queue stays full while the disk is slower than eviction: drop (counted).
+                self.tier.count_dropped(len(part))
+                continue
+            rows = self._copy_out([s for j in part for s in slots[j * b : (j + 1) * b]])
+            for i, j in enumerate(part):
+                if self.tier.submit(keys[j], tokens[j * b : (j + 1) * b], rows[:, i * b : (i + 1) * b]):
+                    self.stats.saved_tokens += b
 
     # ------------------------------------------------------------------ in
     def _missing_blocks(self, cache: RadixCache, tokens: list[int]) -> tuple[int, list[bytes]]:
@@ -200,9 +209,10 @@ class DiskCache:
 
     def close(self, cache: RadixCache | None, timeout: float = 8.0) -> None:
         """Save the tree (when given), publish what is queued (up to ``timeout`` s), stop."""
+        deadline = time.monotonic() + timeout
         if cache is not None:
-            self.save_tree(cache)
-        if not self.tier.close(timeout):
+            self.save_tree(cache, timeout)
+        if not self.tier.close(max(0.0, deadline - time.monotonic())):
             log.warning("kv disk tier: %d bytes of blocks were not written in %.0f s at shutdown",
                         self.tier.pending_bytes, timeout)
 

@@ -249,15 +249,34 @@ class DiskTier:
             self._reads.put(todo)
 
     # ------------------------------------------------------------------ writes
+    def has_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more of queued blocks would fit the write queue now."""
+        return self._pending_bytes + nbytes <= self.max_pending_bytes
+
+    def wait_for_room(self, nbytes: int, deadline: float) -> bool:
+        """Wait (until ``time.monotonic()`` reaches ``deadline``) for the write queue to have room."""
+        with self._idle:
+            while self._pending and self._pending_bytes + nbytes > self.max_pending_bytes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def count_dropped(self, blocks: int) -> None:
+        """Count blocks the caller gave up on writing (the queue had no room)."""
+        with self._lock:
+            self.counters.dropped_blocks += blocks
+
     def submit(self, key: bytes, tokens: Sequence[int], rows: torch.Tensor) -> bool:
         """Queue one block (``rows``: a copy the tier may keep) for writing; False when it is known
-        already or the queue is full."""
+        already or the queue is full (counted as dropped)."""
         assert len(tokens) == self.layout.block_tokens and tuple(rows.shape) == self.layout.shape
         w = _Write(key, list(tokens), rows)
         with self._lock:
             if self._closed or key in self._index or key in self._pending:
                 return False
-            if self._pending_bytes + w.nbytes > self.max_pending_bytes:
+            if self._pending and self._pending_bytes + w.nbytes > self.max_pending_bytes:
                 self.counters.dropped_blocks += 1
                 return False
             self._pending[key] = w
