@@ -193,3 +193,30 @@ def test_the_disk_tier_is_refused_with_tensor_parallel_and_without_the_prefix_ca
         EngineConfig(kv_disk=str(tmp_path), tensor_parallel_size=2).check_parallel()
     with pytest.raises(ValueError, match="--no-prefix-cache"):
         EngineConfig(kv_disk=str(tmp_path), enable_prefix_cache=False).check_parallel()
+
+
+@pytest.mark.slow
+def test_bfloat16_on_the_kernels_a_prefix_from_disk_gives_the_same_tokens(
+    tmp_path: Path, prompts: tuple[list[int], list[int]],
+) -> None:
+    """The default dtype where tripod's kernels run (bfloat16): the loaded rows are the computed
+    rows, and the greedy tokens after a disk hit are those computed without one."""
+    from tripod import Engine, kernels
+
+    if kernels.unavailable_reason() is not None:
+        pytest.skip(f"tripod's CPU kernels unavailable: {kernels.unavailable_reason()}")
+    p, q = prompts
+    eng = Engine(dtype="bfloat16", kernels="optimized", kv_cache_tokens=POOL, kv_disk=str(tmp_path))
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        first = eng.generate([p], params)[0]
+        computed = _rows(eng, p[: _blocks_of(p)])
+        eng.generate([q], params)  # evicts p
+        assert eng.cache.disk.tier.flush(30) and eng.cache.tree.match(p)[0] == 0
+        from_disk = eng.generate([p], params)[0]
+        assert from_disk.cached_tokens == _blocks_of(p)
+        assert torch.equal(_rows(eng, p[: _blocks_of(p)]), computed)
+        assert from_disk.token_ids == first.token_ids
+        eng.assert_consistent()
+    finally:
+        eng.close()
