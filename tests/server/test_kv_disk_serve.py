@@ -1,11 +1,13 @@
-"""A warm restart through real ``tripod serve`` processes with ``--kv-disk``: the second server on the
+"""Real ``tripod serve`` processes with ``--kv-disk``. A warm restart: the second server on the
 directory answers the first one's prompt from disk (``usage.prompt_tokens_details.cached_tokens``
 through the official ``openai`` client), with the same answer, and says so in ``/debug/engine`` and
-``/metrics``."""
+``/metrics``. Sharing: two servers live on one directory, the second answers from what the first
+evicted."""
 
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -62,3 +64,35 @@ def test_a_restarted_server_serves_the_old_prefix_from_disk(tmp_path: Path) -> N
         assert hits is not None and float(hits.group(1)) == cached2
     finally:
         second.stop()
+
+
+def _other_prompt(srv: ServerProcess) -> None:
+    client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+    filler = " ".join(f"Cargo manifest line {i}: crates of tinned fish, rope and lamp oil." for i in range(25))
+    client.chat.completions.create(model="default", max_tokens=4, temperature=0,
+                                   messages=[{"role": "user", "content": filler}])
+
+
+@pytest.mark.slow
+def test_two_servers_on_one_directory_share_what_one_evicted(tmp_path: Path) -> None:
+    disk = tmp_path / "kv"
+    args = ("--kv-disk", str(disk), "--kv-cache-tokens", "640")
+    a = ServerProcess(tmp_path, *args)
+    b = ServerProcess(tmp_path, *args)  # both live on the directory at once
+    try:
+        answer, prompt_tokens, cached = _ask(a)
+        assert cached == 0
+        _other_prompt(a)  # a's pool cannot hold both: the first prompt is evicted, written to disk
+        deadline = time.monotonic() + 60
+        while True:  # the writer thread publishes in the background: wait for what a queued
+            d = a.wait_idle()["kv_disk"]
+            if d["saved_tokens"] >= prompt_tokens - 16 and d["written_blocks"] * 16 == d["saved_tokens"]:
+                break
+            assert time.monotonic() < deadline, f"a did not write its evicted prefix: {d}"
+            time.sleep(0.1)
+        again, _, cached_b = _ask(b)
+        assert again == answer
+        assert cached_b >= prompt_tokens - 16 - 1 and b.wait_idle()["kv_disk"]["hit_tokens"] == cached_b
+    finally:
+        a.stop()
+        b.stop()
