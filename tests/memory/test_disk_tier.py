@@ -292,3 +292,21 @@ def test_a_writer_killed_mid_write_leaves_nothing_served_corrupted(tmp_path: Pat
     assert len(got) == n and t.counters.corrupt_files == 0, "every published block is whole"
     assert all(float(block[0, 0, 0, 0, 0]) == 4 * (j + 1) for j, block in enumerate(got))
     t.close()
+
+
+def test_a_failed_write_leaves_no_file_and_no_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from tripod.memory import disk_tier
+
+    def full(src: object, dst: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    t = _tier(tmp_path)
+    monkeypatch.setattr(disk_tier.os, "replace", full)
+    key = chain_keys(IDENT, TOKENS, B)[0]
+    assert t.submit(key, TOKENS[:B], _rows(0))
+    assert t.flush(10)
+    assert not list(t.tmp.iterdir()) and not t.path(key).exists()
+    assert t.count_present([key]) == 0 and t.counters.written_blocks == 0
+    t.close()

@@ -185,7 +185,10 @@ def open_disk_cache(config: EngineConfig, parts: EngineParts) -> DiskCache | Non
                               dtype=parts.dtype, pool=parts.pool,
                               extra={"quantization": loaded.quantization, "weights": config.weights,
                                      "path": config.compute_path(parts.dtype)})
-    disk = DiskCache.open(config.kv_disk, int(config.kv_disk_size * 1e9), parts.pool, identity)
+    try:
+        disk = DiskCache.open(config.kv_disk, int(config.kv_disk_size * 1e9), parts.pool, identity)
+    except OSError as e:
+        raise ValueError(f"--kv-disk {config.kv_disk}: the directory cannot be used ({e})") from e
     log.info("kv disk tier: %s (%.1f GB, %d blocks of %d tokens found, %.0f MiB)", disk.tier.dir, config.kv_disk_size,
              disk.tier.entries, disk.block, disk.tier.used_bytes / 2**20)
     return disk

@@ -347,12 +347,16 @@ class DiskTier:
         head = HEADER.pack(MAGIC, self.layout.identity, w.key, len(w.tokens), nbytes, crc)
         final.parent.mkdir(exist_ok=True)
         tmp = self.tmp / f"{w.key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(head)
-            f.write(toks)
-            for part in parts:
-                f.write(memoryview(part))
-        os.replace(tmp, final)  # atomic publish: readers see the whole file or none
+        try:
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.write(toks)
+                for part in parts:
+                    f.write(memoryview(part))
+            os.replace(tmp, final)  # atomic publish: readers see the whole file or none
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk, say: leave no half-written file behind
+            raise
         size = len(head) + len(toks) + nbytes
         with self._lock:
             self.counters.written_blocks += 1
