@@ -91,6 +91,16 @@ class EngineConfig:
     aging: float = 8.0  # lpm: tokens of credit per step waited
     enable_prefix_cache: bool = opt(
         True, "disable the radix prefix cache", commands=ENGINE_COMMANDS, flag="--no-prefix-cache")
+    # The disk tier under the prefix cache (engine/disk_cache.py, memory/disk_tier.py): evicted
+    # prefixes are written to DIR and loaded back instead of recomputed; a restart, or another
+    # engine of the same model on DIR, finds them there.
+    kv_disk: str | None = opt(
+        None, "a directory for the prefix cache's disk tier: evicted prefixes are written there and loaded back "
+        "instead of recomputed; kept across restarts and shared by the engines (replicas) of the same model and "
+        "dtype pointed at it", commands=ENGINE_COMMANDS, metavar="DIR")
+    kv_disk_size: float = opt(
+        16.0, "--kv-disk: the tier's capacity in GB (least recently used blocks are removed beyond it)",
+        commands=ENGINE_COMMANDS, metavar="GB")
     decode_mirror: bool = True  # dense copy of decoding requests' KV (see engine/decode_mirror.py)
     seed: int = 0  # for sampled requests without a seed
     # CPU: torch intra-op threads (None: torch's default; a local fleet gives each replica its share).
@@ -209,6 +219,8 @@ class EngineConfig:
             raise ValueError(f"spec_max_batch must be >= 0 (got {self.spec_max_batch})")
         if self.policy not in ("lpm", "fcfs"):
             raise ValueError(f"policy must be 'lpm' or 'fcfs' (got {self.policy!r})")
+        if self.kv_disk_size <= 0:
+            raise ValueError(f"kv_disk_size must be > 0 GB (got {self.kv_disk_size})")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (got {self.max_model_len})")
         self._check_parallel()
@@ -235,8 +247,13 @@ class EngineConfig:
         if self.enable_expert_parallel and self.tensor_parallel_size * self.data_parallel_size == 1:
             raise ValueError("--enable-expert-parallel splits experts over the ranks: "
                              "give --tensor-parallel-size or --data-parallel-size 2 or more")
+        if self.kv_disk is not None and not self.enable_prefix_cache:
+            raise ValueError("--kv-disk is a tier under the prefix cache: it cannot be combined with --no-prefix-cache")
         if self.world_size == 1:
             return
+        if self.kv_disk is not None:
+            raise ValueError("--kv-disk is not built for a model over several processes yet (each rank holds a "
+                             "shard of the KV); drop --kv-disk or --tensor/pipeline-parallel-size")
         if self.weights != "dequantized":
             raise ValueError(f"a model over several processes runs dequantized weights for now (got --weights {self.weights})")
         if self.speculative is not None and parse_speculative(self.speculative).kind != "ngram":

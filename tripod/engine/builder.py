@@ -12,6 +12,7 @@ import torch
 
 from tripod import kernels
 from tripod.config import EngineConfig
+from tripod.engine.disk_cache import DiskCache, model_identity
 from tripod.engine.model_runner import ModelRunner
 from tripod.engine.parallel import LocalWorkers, WorkerGroup, threads_per_rank, weight_bytes
 from tripod.engine.sampler import Sampler
@@ -191,6 +192,24 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
                        bytes_per_slot=per_token, kv_bytes_per_token=kv_bytes, context_len=context_len,
                        threads=build_threads, runner=runner, sampler=sampler, proposer=proposer,
                        eos_ids=eos_ids_of(loaded), group=group, ranks=ranks)
+
+
+def open_disk_cache(config: EngineConfig, parts: EngineParts) -> DiskCache | None:
+    """``--kv-disk``: the tier under the prefix cache, keyed by this model, dtype and pool layout."""
+    if config.kv_disk is None:
+        return None
+    loaded = parts.loaded
+    identity = model_identity(name=loaded.name, architecture=loaded.config.architecture, model=loaded.model,
+                              dtype=parts.dtype, pool=parts.pool,
+                              extra={"quantization": loaded.quantization, "weights": config.weights,
+                                     "path": config.compute_path(parts.dtype)})
+    try:
+        disk = DiskCache.open(config.kv_disk, int(config.kv_disk_size * 1e9), parts.pool, identity)
+    except OSError as e:
+        raise ValueError(f"--kv-disk {config.kv_disk}: the directory cannot be used ({e})") from e
+    log.info("kv disk tier: %s (%.1f GB, %d blocks of %d tokens found, %.0f MiB)", disk.tier.dir, config.kv_disk_size,
+             disk.tier.entries, disk.block, disk.tier.used_bytes / 2**20)
+    return disk
 
 
 def log_started(config: EngineConfig, parts: EngineParts, seconds: float) -> None:

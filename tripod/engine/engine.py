@@ -104,6 +104,7 @@ class Engine(OfflineAPI):
         self.runner, self.sampler, self.eos_ids, self._threads = parts.runner, parts.sampler, parts.eos_ids, parts.threads
         self.group, self.ranks = parts.group, parts.ranks  # tensor parallel: the other ranks, what each holds
         self.cache = RadixCache(self.pool.allocator, enabled=config.enable_prefix_cache)
+        self.cache.disk = builder.open_disk_cache(config, parts)  # --kv-disk: the tier under the cache
         self.scheduler = Scheduler(self.pool.allocator, self.cache, max_running=config.max_running,
                                    max_batch_tokens=config.max_batch_tokens, chunk_size=config.chunk_size,
                                    policy=SchedulePolicy(config.policy, config.aging))
@@ -359,7 +360,11 @@ class Engine(OfflineAPI):
             self.group.watch()
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (an engine of one process holds nothing to stop)."""
+        """Save the prefix cache to the disk tier (``--kv-disk``: a restart finds it there) and stop
+        the tensor-parallel workers."""
+        if self.cache.disk is not None:
+            self.cache.disk.close(self.cache)
+            self.cache.disk = None
         if self.group is not None:
             self.group.close()
             self.group = None

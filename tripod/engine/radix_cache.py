@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tripod.memory.kv_pool import SlotAllocator
 from tripod.radix import RadixNode, RadixTree
+
+if TYPE_CHECKING:
+    from tripod.engine.disk_cache import DiskCache
 
 _tick = itertools.count()
 
@@ -62,6 +66,7 @@ class RadixCache:
             tree.root.lock_ref = 1  # a root is never evicted
         self.stats = CacheStats()
         self._protected = 0  # slots held by pinned nodes
+        self.disk: DiskCache | None = None  # the tier below (--kv-disk): evicted nodes go there
 
     @property
     def root(self) -> TreeNode:
@@ -142,7 +147,10 @@ class RadixCache:
         range only; None: of any)."""
         freed = 0
         for r in range(len(self.trees)) if rank is None else (rank,):
-            for node in self.trees[r].evict(num_tokens - freed):
+            nodes = self.trees[r].evict(num_tokens - freed)
+            if self.disk is not None and nodes:
+                self.disk.on_evict(nodes)  # copies their rows out before the slots are freed
+            for node in nodes:
                 self.allocator.free(node.value)
                 freed += len(node.value)
             if freed >= num_tokens:

@@ -105,6 +105,8 @@ class Scheduler:
         self.waiting.append(req)
         self._enqueued_at[req.rid] = self.step_count
         self.fair.join(req)
+        if self.cache.disk is not None:
+            self.cache.disk.prefetch(self.cache, req.all_ids[:-1])  # read its prefix from disk meanwhile
 
     def abort(self, req: Req) -> None:
         """Finish ``req`` as aborted and release its KV (no-op if already finished)."""
@@ -188,6 +190,9 @@ class Scheduler:
 
     def _admit(self, req: Req, budget: int) -> ScheduledItem | None:
         tokens = req.all_ids
+        if self.cache.disk is not None:  # what the disk tier has beyond the pool's match goes into the pool
+            self.cache.disk.load(self.cache, tokens[:-1], headroom=len(self.running),
+                                 chunk=min(self.chunk_size, budget), record=req.retractions == 0)
         match = self._match(req)
         rank = match.rank
         # Lock before allocating: eviction below must not take the prefix we just matched.

@@ -78,6 +78,29 @@ class StepTimes(msgspec.Struct, kw_only=True):
     idle: float = 0.0  # waiting for messages with nothing to run
 
 
+class DiskTierStats(msgspec.Struct, kw_only=True):
+    """The prefix cache's disk tier (``--kv-disk``): where, how full, and what it served. Tokens
+    served by the pool = ``prefix_hit_tokens`` - ``hit_tokens``."""
+
+    dir: str
+    capacity_bytes: int
+    used_bytes: int  # the files this engine knows of (every engine's on the directory, as of its last scan)
+    entries: int
+    block_tokens: int
+    hit_tokens: int = 0  # prompt tokens of first admissions served from the disk tier
+    loaded_tokens: int = 0  # tokens loaded back into the pool (retried requests included)
+    saved_tokens: int = 0  # tokens queued for writing (evicted from the pool, or saved at shutdown)
+    written_blocks: int = 0
+    written_bytes: int = 0
+    dropped_blocks: int = 0  # not written: the write queue was full
+    read_blocks: int = 0
+    prefetched_blocks: int = 0  # read in the background while their request was queued
+    corrupt_files: int = 0  # torn or corrupted files found, ignored and removed (never served)
+    evicted_files: int = 0  # removed beyond the capacity (least recently used first)
+    load_seconds: float = 0.0  # engine-loop time loading blocks into the pool
+    save_seconds: float = 0.0  # engine-loop time copying evicted rows out for the writer
+
+
 class EngineStats(msgspec.Struct, kw_only=True):
     """One snapshot of an engine: queues and KV slots now, cumulative counters since start.
 
@@ -104,6 +127,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     compute: str = ""  # the compute path of the next step, in words
     compute_card: ComputeCard | None = None  # ... and as /v1/models reports it
     time: StepTimes = msgspec.field(default_factory=StepTimes)
+    kv_disk: DiskTierStats | UnsetType = UNSET  # set only with a disk tier (--kv-disk)
     # A reply to a stats query only: the KV ownership invariant, checked when the engine is idle
     # (None: it was busy); ``inconsistency`` says what failed.
     consistent: bool | UnsetType | None = UNSET

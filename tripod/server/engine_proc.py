@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from tripod.protocol import engine_ipc
-from tripod.protocol.stats import ComputeCard, EngineStats, SpecDecodeCounts, StepTimes
+from tripod.protocol.stats import (
+    ComputeCard,
+    DiskTierStats,
+    EngineStats,
+    SpecDecodeCounts,
+    StepTimes,
+)
 
 if TYPE_CHECKING:
     from tripod.engine.request import TokenLogprob
@@ -248,6 +254,16 @@ class EngineLoop:
                 bookkeeping=es.bookkeeping_seconds, ipc=self.ipc_seconds, idle=self.idle_seconds,
             ),
         )
+        disk = e.cache.disk
+        if disk is not None:
+            t, c, d = disk.tier, disk.tier.counters, disk.stats
+            out.kv_disk = DiskTierStats(
+                dir=str(t.dir), capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes, entries=t.entries,
+                block_tokens=disk.block, hit_tokens=d.hit_tokens, loaded_tokens=d.loaded_tokens,
+                saved_tokens=d.saved_tokens, written_blocks=c.written_blocks, written_bytes=c.written_bytes,
+                dropped_blocks=c.dropped_blocks, read_blocks=c.read_blocks, prefetched_blocks=c.prefetched_blocks,
+                corrupt_files=c.corrupt_files, evicted_files=c.evicted_files, load_seconds=d.load_seconds,
+                save_seconds=d.save_seconds)
         if check:
             self._check(out)
         return out

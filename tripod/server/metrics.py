@@ -10,6 +10,10 @@ Speculative decoding as vLLM counts it, per proposer (ngram, draft, self, jump_f
 ``tripod:spec_decode_num_drafts_total``, ``tripod:spec_decode_num_draft_tokens_total``,
 ``tripod:spec_decode_num_accepted_tokens_total`` {model_name, proposer}; acceptance rate =
 accepted / draft tokens, mean accepted length = 1 + accepted / drafts.
+With a disk tier under the prefix cache (``--kv-disk``): ``tripod:prefix_cache_tier_hits_total{tier=pool|disk}``
+(prompt tokens served by each tier), ``tripod:kv_disk_usage_bytes``, ``tripod:kv_disk_capacity_bytes``,
+``tripod:kv_disk_written_bytes_total``, ``tripod:kv_disk_corrupt_files_total``, ``tripod:kv_disk_evicted_files_total``,
+``tripod:kv_disk_dropped_blocks_total``, ``tripod:kv_disk_load_seconds_total``.
 Per tenant (``tripod.tenants.metrics``): ``tripod:tenant_requests_total{tenant,status}``,
 ``tripod:tenant_prompt_tokens_total``, ``tripod:tenant_output_tokens_total``,
 ``tripod:tenant_rejections_total{tenant,limit}``, ``tripod:tenant_time_to_first_token_seconds``,
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tripod.protocol.stats import EngineStats
+from tripod.protocol.stats import DiskTierStats, EngineStats
 from tripod.tenants.metrics import TenantMetrics
 
 _LATENCY_BUCKETS = (
@@ -77,7 +81,16 @@ class ServerMetrics:
             self._counter("spec_decode_num_accepted_tokens",
                           "speculative draft tokens accepted (each saves a forward pass)", "proposer"),
         )
-        self._engine_counts: dict[str, int] = {}
+        # The prefix cache per tier, and the disk tier (--kv-disk; from the heartbeat).
+        self.tier_hits = self._counter("prefix_cache_tier_hits", "prompt tokens served from cache, by tier", "tier")
+        self.disk_written = self._counter("kv_disk_written_bytes", "bytes written to the KV disk tier")
+        self.disk_corrupt = self._counter("kv_disk_corrupt_files", "torn or corrupted KV disk tier files ignored")
+        self.disk_evicted = self._counter("kv_disk_evicted_files", "KV disk tier files removed beyond its capacity")
+        self.disk_dropped = self._counter("kv_disk_dropped_blocks", "evicted KV blocks not written (queue full)")
+        self.disk_load_seconds = self._counter("kv_disk_load_seconds", "engine-loop seconds loading KV from disk")
+        self.disk_used = self._gauge("kv_disk_usage_bytes", "bytes in the KV disk tier")
+        self.disk_capacity = self._gauge("kv_disk_capacity_bytes", "capacity of the KV disk tier")
+        self._engine_counts: dict[str, float] = {}
         self.tenants = TenantMetrics(r, "tripod:tenant_")  # per tenant (tripod.tenants)
 
     # Every series but the HTTP answers is labelled with the model's name first (vLLM's layout).
@@ -101,12 +114,23 @@ class ServerMetrics:
         # The engine's counters are cumulative; add what is new since the last heartbeat.
         self._add_new("jump_forward_accepted", s.jump_forward_accepted, (self.jf_accepted, self.passes_saved), m)
         self._add_new("jump_forward_proposed", s.jump_forward_proposed, (self.jf_proposed,), m)
+        if isinstance(s.kv_disk, DiskTierStats):
+            d = s.kv_disk
+            self._add_new("tier/disk", d.hit_tokens, (self.tier_hits,), m, "disk")
+            self._add_new("tier/pool", s.prefix_hit_tokens - d.hit_tokens, (self.tier_hits,), m, "pool")
+            self._add_new("disk/written", d.written_bytes, (self.disk_written,), m)
+            self._add_new("disk/corrupt", d.corrupt_files, (self.disk_corrupt,), m)
+            self._add_new("disk/evicted", d.evicted_files, (self.disk_evicted,), m)
+            self._add_new("disk/dropped", d.dropped_blocks, (self.disk_dropped,), m)
+            self._add_new("disk/load", d.load_seconds, (self.disk_load_seconds,), m)
+            self.disk_used.labels(m).set(d.used_bytes)
+            self.disk_capacity.labels(m).set(d.capacity_bytes)
         for proposer, counts in s.spec_decode.items():
             values = (counts.drafts, counts.draft_tokens, counts.accepted_tokens)
             for i, (counter, value) in enumerate(zip(self.spec_counters, values, strict=True)):
                 self._add_new(f"spec_decode/{proposer}/{i}", value, (counter,), m, proposer)
 
-    def _add_new(self, key: str, total: int, counters: tuple[Counter, ...], *labels: str) -> None:
+    def _add_new(self, key: str, total: float, counters: tuple[Counter, ...], *labels: str) -> None:
         """Add to ``counters`` what the engine's cumulative ``total`` under ``key`` gained since
         the last heartbeat (a series appears once it has counted something)."""
         new = total - self._engine_counts.get(key, 0)

@@ -1,0 +1,520 @@
+"""A disk tier under the KV pool: blocks of token KV rows in files, keyed by a token-prefix hash chain.
+
+The unit is a *block*: ``block_tokens`` consecutive tokens of a prefix, aligned at a multiple of
+``block_tokens`` from position 0, with their rows of every layer (``[layers, block_tokens, *row]``,
+the pool's own row layout and dtype). A block's key is a hash chain: ``key[j] = H(key[j-1] ‖
+tokens of block j)``, ``key[-1]`` the *identity* (model, dtype, pool layout: the caller's digest),
+so one key names the whole prefix up to its block, and a different model or dtype has other keys
+and another directory (``DIR/<identity>``) and never reads another's entries.
+
+Files. ``DIR/<identity>/<kk>/<key>.kv``: a header (magic, identity, key, token count, payload
+length, CRC-32 of tokens and payload), the block's token ids, the payload. A block is written to
+``DIR/<identity>/tmp/`` and published by ``os.replace`` (atomic): a reader sees a whole file or
+none. A torn or corrupted file (a crash of the disk, a file cut by hand) fails the header, size,
+token or checksum check on read: it is counted, removed, and treated as absent, never served. Temp
+files of dead writers are removed at start-up.
+
+Threads. ``submit`` only queues (the caller has copied the rows out of the pool); a writer thread
+checksums and writes. ``prefetch`` queues reads for a reader thread, which verifies the blocks into
+a small staging area that ``read`` takes from first. Blocks queued but not yet written are served
+from memory. The index (key → size, in LRU order) and the counters are guarded by one lock.
+
+Capacity. The tier keeps the files it knows of under ``capacity_bytes``, removing the least
+recently used first. A hit touches the file's mtime, so several engines on one directory (replicas
+of one model on one host) share one recency order: each rescans the directory (by mtime) when
+what it wrote since its last scan reaches an eighth of the capacity, so their files count too.
+Concurrent writers of one block publish the same bytes; a reader whose file was removed meanwhile
+sees a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from hashlib import blake2b
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"TPKVBLK1"
+# magic, identity, key, token count, payload bytes, CRC-32 of (tokens ‖ payload)
+HEADER = struct.Struct("<8s16s16sIQI")
+KEY_BYTES = 16
+STALE_TMP_SECONDS = 600.0  # a temp file this old whose writer cannot be told alive is removed
+
+
+def chain_keys(identity: bytes, tokens: Sequence[int], block_tokens: int, count: int | None = None) -> list[bytes]:
+    """The keys of the first ``count`` whole blocks of ``tokens`` (default: every whole block)."""
+    n = len(tokens) // block_tokens if count is None else min(count, len(tokens) // block_tokens)
+    keys: list[bytes] = []
+    prev = identity
+    for j in range(n):
+        prev = blake2b(prev + _token_bytes(tokens[j * block_tokens : (j + 1) * block_tokens]),
+                       digest_size=KEY_BYTES).digest()
+        keys.append(prev)
+    return keys
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    return array("i", tokens).tobytes()
+
+
+@dataclass(frozen=True, slots=True)
+class TierLayout:
+    """What a block holds: ``[num_layers, block_tokens, *row_shape]`` of ``dtype``, for ``identity``."""
+
+    identity: bytes  # KEY_BYTES: digest of the model, dtype and pool layout (the caller's)
+    num_layers: int
+    row_shape: tuple[int, ...]
+    dtype: torch.dtype
+    block_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if len(self.identity) != KEY_BYTES:
+            raise ValueError(f"identity must be {KEY_BYTES} bytes")
+        if self.block_tokens < 1:
+            raise ValueError("block_tokens must be >= 1")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, self.block_tokens, *self.row_shape)
+
+    @property
+    def payload_bytes(self) -> int:
+        n = self.num_layers * self.block_tokens * torch.empty((), dtype=self.dtype).element_size()
+        for d in self.row_shape:
+            n *= d
+        return n
+
+    @property
+    def file_bytes(self) -> int:
+        return HEADER.size + 4 * self.block_tokens + self.payload_bytes
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Cumulative counts of one tier (this process's view)."""
+
+    written_blocks: int = 0
+    written_bytes: int = 0
+    skipped_blocks: int = 0  # already on disk (written by this or another engine)
+    dropped_blocks: int = 0  # not written: the write queue was full
+    read_blocks: int = 0
+    read_bytes: int = 0
+    prefetched_blocks: int = 0
+    corrupt_files: int = 0  # failed a check on read: removed, never served
+    evicted_files: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Write:
+    key: bytes
+    tokens: list[int]
+    rows: torch.Tensor  # [layers, block_tokens, *row]: a copy, owned by the queue
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = self.rows.numel() * self.rows.element_size()
+
+
+class DiskTier:
+    """Owns one identity's directory: the files, the index of them, the writer and reader threads."""
+
+    def __init__(self, root: str | Path, capacity_bytes: int, layout: TierLayout, *,
+                 max_pending_bytes: int = 512 << 20, max_staged_bytes: int = 256 << 20) -> None:
+        if capacity_bytes < layout.file_bytes:
+            raise ValueError(f"the disk tier's capacity ({capacity_bytes} bytes) holds not one block "
+                             f"({layout.file_bytes} bytes)")
+        self.root = Path(root)
+        self.layout = layout
+        self.capacity_bytes = capacity_bytes
+        self.dir = self.root / layout.identity.hex()
+        self.tmp = self.dir / "tmp"
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.max_pending_bytes = max_pending_bytes
+        self.max_staged_bytes = max_staged_bytes
+        self.counters = TierCounters()
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, least recent first
+        self._used = 0
+        self._since_scan = 0  # bytes written since the last directory scan
+        self._pending: dict[bytes, _Write] = {}  # queued, not yet published
+        self._pending_bytes = 0
+        self._staged: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # prefetched, verified
+        self._staged_bytes = 0
+        self._reading: set[bytes] = set()
+        self._writes: queue.Queue[_Write | None] = queue.Queue()
+        self._reads: queue.Queue[list[tuple[bytes, list[int]]] | None] = queue.Queue()
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
+        self._clean_tmp()
+        self.rescan()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name="kv-disk-reader", daemon=True)
+        self._writer.start()
+        self._reader.start()
+
+    # ------------------------------------------------------------------ describing
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def entries(self) -> int:
+        return len(self._index)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of blocks queued and not yet published."""
+        return self._pending_bytes
+
+    def path(self, key: bytes) -> Path:
+        h = key.hex()
+        return self.dir / h[:2] / f"{h}.kv"
+
+    # ------------------------------------------------------------------ lookups
+    def known(self, key: bytes) -> bool:
+        """Whether ``key`` is on disk or queued for it, as far as this process knows (no syscall)."""
+        with self._lock:
+            return key in self._index or key in self._pending
+
+    def count_present(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are on disk or queued (another engine's new files count: a key
+        this process does not know is looked for on disk)."""
+        n = 0
+        for key in keys:
+            if self.known(key):
+                n += 1
+                continue
+            try:
+                size = self.path(key).stat().st_size
+            except OSError:
+                break
+            with self._lock:
+                if key not in self._index:
+                    self._index[key] = size
+                    self._used += size
+            n += 1
+        return n
+
+    def read(self, keys: Sequence[bytes], tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """The blocks of ``keys`` (``tokens``: each block's token ids, checked against the file), in
+        order, up to the first that is missing or fails a check."""
+        out: list[torch.Tensor] = []
+        for key, toks in zip(keys, tokens, strict=True):
+            with self._idle:
+                while key in self._reading:  # being prefetched: wait for it rather than read it twice
+                    self._idle.wait()
+                w = self._pending.get(key)
+                staged = self._staged.pop(key, None)
+                if staged is not None:
+                    self._staged_bytes -= staged.numel() * staged.element_size()
+            if w is not None:
+                block: torch.Tensor | None = w.rows
+            elif staged is not None:
+                block = staged
+                self._touch(key)
+            else:
+                block = self._load(key, toks)
+                if block is not None:
+                    self._touch(key)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def prefetch(self, keys: Sequence[bytes], tokens: Sequence[Sequence[int]]) -> None:
+        """Read these blocks in the background (verified, staged for ``read``)."""
+        todo = []
+        with self._lock:
+            for key, toks in zip(keys, tokens, strict=True):
+                if key in self._staged or key in self._pending or key in self._reading:
+                    continue
+                self._reading.add(key)
+                todo.append((key, list(toks)))
+        if todo:
+            self._reads.put(todo)
+
+    # ------------------------------------------------------------------ writes
+    def has_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more of queued blocks would fit the write queue now."""
+        return self._pending_bytes + nbytes <= self.max_pending_bytes
+
+    def wait_for_room(self, nbytes: int, deadline: float) -> bool:
+        """Wait (until ``time.monotonic()`` reaches ``deadline``) for the write queue to have room."""
+        with self._idle:
+            while self._pending and self._pending_bytes + nbytes > self.max_pending_bytes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def count_dropped(self, blocks: int) -> None:
+        """Count blocks the caller gave up on writing (the queue had no room)."""
+        with self._lock:
+            self.counters.dropped_blocks += blocks
+
+    def submit(self, key: bytes, tokens: Sequence[int], rows: torch.Tensor) -> bool:
+        """Queue one block (``rows``: a copy the tier may keep) for writing; False when it is known
+        already or the queue is full (counted as dropped)."""
+        assert len(tokens) == self.layout.block_tokens and tuple(rows.shape) == self.layout.shape
+        w = _Write(key, list(tokens), rows)
+        with self._lock:
+            if self._closed or key in self._index or key in self._pending:
+                return False
+            if self._pending and self._pending_bytes + w.nbytes > self.max_pending_bytes:
+                self.counters.dropped_blocks += 1
+                return False
+            self._pending[key] = w
+            self._pending_bytes += w.nbytes
+        self._writes.put(w)
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is published (or ``timeout`` s pass); True when done."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._pending or self._reading:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self, timeout: float | None = 10.0) -> bool:
+        """Publish what is queued (up to ``timeout`` s), then stop the threads."""
+        done = self.flush(timeout)
+        with self._lock:
+            self._closed = True
+        self._writes.put(None)
+        self._reads.put(None)
+        self._writer.join(1.0)
+        self._reader.join(1.0)
+        return done
+
+    def _write_loop(self) -> None:
+        while True:
+            w = self._writes.get()
+            if w is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                size = self._publish(w)
+            except Exception as e:  # never leave a block marked pending: flush() waits on it
+                log.warning("kv disk tier: writing a block failed (%s); it is not cached", e)
+                size = None
+            with self._lock:
+                self.counters.write_seconds += time.perf_counter() - t0
+                if size is not None and w.key not in self._index:
+                    self._index[w.key] = size
+                    self._used += size
+                    self._since_scan += size
+            self._enforce_capacity()
+            with self._lock:
+                del self._pending[w.key]
+                self._pending_bytes -= w.nbytes
+                self._idle.notify_all()
+
+    def _publish(self, w: _Write) -> int | None:
+        final = self.path(w.key)
+        if final.exists():  # another engine wrote it (the same bytes)
+            with self._lock:
+                self.counters.skipped_blocks += 1
+            return final.stat().st_size
+        toks = _token_bytes(w.tokens)
+        # NOTE: layer by layer, each a contiguous run of the engine's copy: no torch op (and no
+        # intra-op thread pool) on this thread.
+        rows = w.rows.detach().to("cpu")
+        parts = [rows[layer].contiguous().view(torch.uint8).numpy() for layer in range(rows.shape[0])]
+        crc = zlib.crc32(toks)
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        nbytes = sum(part.nbytes for part in parts)
+        head = HEADER.pack(MAGIC, self.layout.identity, w.key, len(w.tokens), nbytes, crc)
+        final.parent.mkdir(exist_ok=True)
+        tmp = self.tmp / f"{w.key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.write(toks)
+                for part in parts:
+                    f.write(memoryview(part))
+            os.replace(tmp, final)  # atomic publish: readers see the whole file or none
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk, say: leave no half-written file behind
+            raise
+        size = len(head) + len(toks) + nbytes
+        with self._lock:
+            self.counters.written_blocks += 1
+            self.counters.written_bytes += size
+        return size
+
+    # ------------------------------------------------------------------ reads
+    def _read_loop(self) -> None:
+        while True:
+            todo = self._reads.get()
+            if todo is None:
+                return
+            for key, toks in todo:
+                try:
+                    block = self._load(key, toks)
+                except Exception:  # never leave a key marked in flight: read() waits on it
+                    log.exception("kv disk tier: prefetching a block failed")
+                    block = None
+                with self._lock:
+                    self._reading.discard(key)
+                    if block is not None and key not in self._staged:
+                        self._staged[key] = block
+                        self._staged_bytes += block.numel() * block.element_size()
+                        self.counters.prefetched_blocks += 1
+                        while self._staged_bytes > self.max_staged_bytes:
+                            _, old = self._staged.popitem(last=False)
+                            self._staged_bytes -= old.numel() * old.element_size()
+                    self._idle.notify_all()
+
+    def _load(self, key: bytes, tokens: Sequence[int]) -> torch.Tensor | None:
+        """One block from its file, verified; None when absent, and (counted, removed) when bad."""
+        lay = self.layout
+        path = self.path(key)
+        t0 = time.perf_counter()
+        try:
+            with open(path, "rb") as f:
+                data = bytearray(f.read())
+        except OSError:
+            self._forget(key)
+            return None
+        why = self._check(data, key, tokens)
+        if why is not None:
+            log.warning("kv disk tier: ignoring %s: %s", path.name, why)
+            with self._lock:
+                self.counters.corrupt_files += 1
+            self._remove(key)
+            return None
+        start = HEADER.size + 4 * lay.block_tokens
+        block = torch.frombuffer(data, dtype=torch.uint8, offset=start, count=lay.payload_bytes)
+        block = block.view(lay.dtype).view(lay.shape)
+        with self._lock:
+            self.counters.read_blocks += 1
+            self.counters.read_bytes += len(data)
+            self.counters.read_seconds += time.perf_counter() - t0
+        return block
+
+    def _check(self, data: bytearray, key: bytes, tokens: Sequence[int]) -> str | None:
+        lay = self.layout
+        if len(data) < HEADER.size:
+            return "shorter than its header (torn)"
+        magic, ident, fkey, ntok, nbytes, crc = HEADER.unpack_from(data)
+        if magic != MAGIC:
+            return "not a tripod KV block"
+        if ident != lay.identity or fkey != key:
+            return "another model's or another prefix's block"
+        if ntok != lay.block_tokens or nbytes != lay.payload_bytes:
+            return "another block layout"
+        if len(data) != lay.file_bytes:
+            return f"{len(data)} bytes, not {lay.file_bytes} (torn)"
+        toks = bytes(data[HEADER.size : HEADER.size + 4 * ntok])
+        if toks != _token_bytes(tokens):
+            return "other token ids than its key's"
+        if zlib.crc32(memoryview(data)[HEADER.size + 4 * ntok :], zlib.crc32(toks)) != crc:
+            return "checksum mismatch (torn or corrupted)"
+        return None
+
+    # ------------------------------------------------------------------ the index, LRU
+    def _touch(self, key: bytes) -> None:
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+        try:
+            os.utime(self.path(key))  # recency shared with the other engines on this directory
+        except OSError:
+            pass
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+
+    def _remove(self, key: bytes) -> None:
+        self._forget(key)
+        try:
+            self.path(key).unlink()
+        except OSError:
+            pass
+
+    def _enforce_capacity(self) -> None:
+        if self._since_scan * 8 >= self.capacity_bytes:
+            self.rescan()
+        while True:
+            with self._lock:
+                if self._used <= self.capacity_bytes or not self._index:
+                    return
+                key, size = self._index.popitem(last=False)
+                self._used -= size
+                self.counters.evicted_files += 1
+            try:
+                self.path(key).unlink()
+            except OSError:
+                pass
+
+    def rescan(self) -> None:
+        """Rebuild the index from the directory (every engine's files), least recently used first."""
+        found: list[tuple[float, bytes, int]] = []
+        for sub in self.dir.iterdir() if self.dir.exists() else ():
+            if not sub.is_dir() or len(sub.name) != 2:
+                continue
+            for entry in os.scandir(sub):
+                name = entry.name
+                if not name.endswith(".kv") or len(name) != 2 * KEY_BYTES + 3:
+                    continue
+                try:
+                    st = entry.stat()
+                    key = bytes.fromhex(name[:-3])
+                except (OSError, ValueError):
+                    continue
+                found.append((st.st_mtime, key, st.st_size))
+        found.sort(key=lambda x: x[0])
+        with self._lock:
+            self._index = OrderedDict((k, s) for _, k, s in found)
+            self._used = sum(s for _, _, s in found)
+            self._since_scan = 0
+
+    def _clean_tmp(self) -> None:
+        """Remove temp files left by writers that died mid-write (never published, never read)."""
+        now = time.time()
+        for entry in os.scandir(self.tmp):
+            parts = entry.name.split(".")
+            pid = int(parts[1]) if len(parts) == 4 and parts[1].isdigit() else None
+            try:
+                stale = now - entry.stat().st_mtime > STALE_TMP_SECONDS
+            except OSError:
+                continue
+            if stale or (pid is not None and not _alive(pid)):
+                try:
+                    os.unlink(entry.path)
+                except OSError:
+                    pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
