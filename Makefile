@@ -61,7 +61,7 @@ serve: install
 # TRIPOD_SLOW=1 make test: the long tests too (as test-all).
 test: install browser
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q $(if $(TRIPOD_SLOW),-m "slow or not slow",)
+	$(BIN)/python -m pytest -q --durations=30 $(if $(TRIPOD_SLOW),-m "slow or not slow",)
 
 # The long tests too (the failover chaos run, the long API fuzzing, the Ray fleet's own tests, ...):
 # not in CI's default run; run them by hand before landing a change to those parts.
