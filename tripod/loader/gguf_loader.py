@@ -11,7 +11,6 @@ import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from tripod import paths
+from tripod.loader.lazy import LazyTensors
 from tripod.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -216,31 +216,23 @@ class GGUFFile:
         return tok
 
 
-class GGUFTensors(Mapping[str, torch.Tensor]):
+class GGUFTensors(LazyTensors):
     """A GGUF file's tensors by HF name, each dequantized on access (never cached here)."""
 
     def __init__(self, src: GGUFFile) -> None:
         self.src = src
         self.cfg = src.config()
-        self._where: dict[str, Any] = {}
+        where: dict[str, Any] = {}
         for t in src.reader.tensors:
             name = _hf_name(t.name, src.arch)
             if name is None:
                 log.debug("skipping GGUF tensor %s", t.name)
                 continue
-            self._where[name] = t
+            where[name] = t
+        super().__init__(where)
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.src.dequantized(self._where[name], name, self.cfg)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._where
+    def read(self, name: str, handle: Any) -> torch.Tensor:
+        return self.src.dequantized(handle, name, self.cfg)
 
 
 def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:

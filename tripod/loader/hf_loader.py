@@ -4,37 +4,29 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tripod.loader.lazy import LazyTensors
 from tripod.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 
-class LazySafetensors(Mapping[str, torch.Tensor]):
+class LazySafetensors(LazyTensors):
     """The tensors of several safetensors files by name, read on access (never cached here)."""
 
     def __init__(self, files: list[Path]) -> None:
         from safetensors import safe_open
 
         self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self._where = {k: h for h in self._handles for k in h.keys()}
+        super().__init__({k: h for h in self._handles for k in h.keys()})
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._where[name].get_tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._where
+    def read(self, name: str, handle: Any) -> torch.Tensor:
+        return handle.get_tensor(name)
 
 
 class HFFolder:

@@ -1,0 +1,31 @@
+"""A checkpoint's tensors by name, each read only when asked for (never cached): what lets a rank
+of a model over several processes hold one layer's full tensors at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """``where`` maps each name to what reads it; ``read(name, handle)`` makes the tensor."""
+
+    def __init__(self, where: dict[str, Any]) -> None:
+        self._where = where
+
+    def read(self, name: str, handle: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.read(name, self._where[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
