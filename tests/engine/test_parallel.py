@@ -22,6 +22,7 @@ from tests.conftest import Greedy, check_greedy_tokens
 from tests.support.tiny_models import VOCAB, build_hf, save
 from tripod import Engine, SamplingParams
 from tripod.engine.parallel import weight_bytes
+from tripod.layers.moe import MoE
 
 N_TOKENS = 16
 
@@ -86,6 +87,9 @@ def _check(kind: str, path: Path, expert_parallel: bool, pipeline: bool = False,
             assert card.data_parallel_size == 2 and card.kv_capacity_tokens == 2 * ranks[0].kv_slots
             tp.generate(PROMPTS, GREEDY)  # two at once: both ranks hold a request's KV
             assert all(tree.size > 0 for tree in tp.cache.trees), f"{what}: a rank never held a request"
+            moes = [layer.mlp for layer in tp.loaded.model.layers if isinstance(layer.mlp, MoE)]
+            # expert parallel under DP attention: (token, expert) pairs go to the experts' ranks (all-to-all)
+            assert moes and all(m.dispatch == expert_parallel for m in moes)
             assert all(r.weight_bytes < full for r in ranks)
             return
         if layout == "tpxpp":  # each rank half of its stage's layers: about a quarter of the model

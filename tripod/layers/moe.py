@@ -221,13 +221,17 @@ class MoE(nn.Module):
         )
         self.tp = SINGLE
         self.shared_here = True  # expert parallel: the (replicated) shared expert adds in on rank 0 only
+        self.dispatch = False  # expert parallel under data-parallel attention: tokens go to their experts' ranks
 
     def shard(self, tp: ParallelGroup, expert_parallel: bool = False) -> None:
         """Tensor parallel (each expert's columns split) or expert parallel (the experts split,
         the shared expert replicated); the router is replicated; one all-reduce sums the parts."""
         if expert_parallel:
             self.experts.shard_experts(tp)
-            self.shared_here = tp.first
+            # under data-parallel attention each rank holds its own tokens: it sends each
+            # (token, expert) pair to the expert's rank and computes its tokens' shared expert itself
+            self.dispatch = tp.dp_attention
+            self.shared_here = tp.first or self.dispatch
         else:
             self.experts.shard_columns(tp)
             if self.shared is not None:
@@ -241,6 +245,30 @@ class MoE(nn.Module):
     def release(self, form: str) -> None:
         if self.shared is not None:
             self.shared.release(form)
+
+    def dispatched(self, h: torch.Tensor, backend: Backend) -> torch.Tensor:
+        """Expert parallel under data-parallel attention, for this rank's rows ``h``: route them
+        here, send each (token, expert) pair to the rank holding the expert (all-to-all), run the
+        experts there, send the outputs back (all-to-all), weight and sum them per token; add the
+        shared expert. The same routing and experts as ``forward``; the sum runs in rank order."""
+        tp, ex, k = self.tp, self.experts, self.spec.top_k
+        weights, idx = route(torch.nn.functional.linear(h.float(), self.router, self.router_bias), self.spec, self.bias)
+        flat = idx.reshape(-1)
+        dest = torch.div(flat, ex.num_experts, rounding_mode="floor")  # every rank holds as many experts
+        order = torch.argsort(dest, stable=True)
+        send = torch.bincount(dest, minlength=tp.size).tolist()
+        rows, recv = tp.exchange(h.index_select(0, order // k), send)
+        ids, _ = tp.exchange(flat.index_select(0, order), send, recv)
+        done = ex(rows, torch.ones(rows.shape[0], 1, device=h.device), ids.unsqueeze(1))
+        back, _ = tp.exchange(done, recv, send)
+        out = torch.zeros_like(h)
+        out.index_add_(0, order // k, back * weights.reshape(-1).index_select(0, order).to(h.dtype).unsqueeze(1))
+        if self.shared is not None and h.shape[0]:
+            s = self.shared(h, backend)
+            if self.shared_gate is not None:
+                s = torch.sigmoid(torch.nn.functional.linear(h, self.shared_gate)) * s
+            out = out + s
+        return out
 
     def forward(self, h: torch.Tensor, backend: Backend, residual: torch.Tensor | None = None) -> torch.Tensor:
         logits = torch.nn.functional.linear(h.float(), self.router, self.router_bias)

@@ -94,6 +94,22 @@ class ParallelGroup:
         self._count(t)
         return torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)])
 
+    def exchange(self, x: torch.Tensor, send: list[int], recv: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """All-to-all: rows ``x[sum(send[:r]) : sum(send[:r+1])]`` go to rank r; returns the rows every
+        rank sent here (rank order) and how many came from each (``recv``: known already, e.g. the
+        way back)."""
+        import torch.distributed as dist
+
+        t = time.perf_counter()
+        if recv is None:
+            counts = torch.empty(self.size, dtype=torch.int64, device=x.device)
+            dist.all_to_all_single(counts, torch.tensor(send, dtype=torch.int64, device=x.device), group=self.group)
+            recv = counts.tolist()
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=self.group)
+        self._count(t)
+        return out, recv
+
     def _count(self, since: float) -> None:
         self.comm.seconds += time.perf_counter() - since
         self.comm.calls += 1

@@ -106,6 +106,8 @@ class DecoderLayer(nn.Module):
             h = be.norm(x, self.post_norm, self.eps)
         else:  # no request of this rank's in the step: it still takes part in the MLP's collectives
             h = x
+        if isinstance(self.mlp, MoE) and self.mlp.dispatch:  # expert parallel: tokens to their experts' ranks
+            return x + self.mlp.dispatched(h, be)
         out = self.mlp(tp.gather_rows(h, dp.rows), be)
         lo, hi = dp.span(tp.rank)
         return x + out[lo:hi]
