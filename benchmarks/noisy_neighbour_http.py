@@ -25,10 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_process import ServeProcess
 
 PROMPT_A = "Write a long story about a lighthouse keeper and the sea, with many details. " * 2
 PROMPT_B = "In two sentences, what makes a tide rise and fall?"
@@ -53,41 +53,12 @@ def tenants_file(path: Path, weights: tuple[float, float], a_limits: dict[str, f
     path.write_text("\n".join(lines))
 
 
-class Server:
-    """``tripod serve`` as a subprocess on a free port, its log in a file."""
+class Server(ServeProcess):
+    """``tripod serve --tenants FILE`` on the embedded model."""
 
     def __init__(self, tmp: Path, tenants: Path, max_running: int, threads: int) -> None:
-        import socket
-
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp / f"serve-{self.port}.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tripod.cli", "serve", "--port", str(self.port), "--tenants", str(tenants),
-             "--max-running", str(max_running), "--threads", str(threads), "--kv-cache-tokens", "16384",
-             "--max-waiting", "512"],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "TRIPOD_API_KEY": ""})
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"tripod serve did not start; see {self.log.name}")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        super().__init__(tmp, ["--tenants", str(tenants), "--max-running", str(max_running), "--threads", str(threads),
+                               "--kv-cache-tokens", "16384", "--max-waiting", "512"])
 
 
 @dataclass

@@ -24,10 +24,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_process import ServeProcess
 
 PROMPT = "In three sentences, explain why the sky looks blue during the day and red at sunset."
 
@@ -60,26 +59,9 @@ def load_trace(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-class Fleet:
+class Fleet(ServeProcess):
     def __init__(self, tmp: Path, args: list[str]) -> None:
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp / f"fleet-{self.port}.log", "w")  # closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "tripod.cli", "serve", "--port", str(self.port), *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "TRIPOD_API_KEY": ""})
-        deadline = time.monotonic() + 300
-        while True:  # the router listens (a fleet at zero replicas has /health 503)
-            try:
-                httpx.get(self.url + "/fleet", timeout=2).raise_for_status()
-                break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the fleet did not start; see {self.log.name}")
-            time.sleep(0.5)
+        super().__init__(tmp, args, ready_path="/fleet", name="fleet", stop_timeout=90.0)
 
     def fleet(self) -> dict[str, Any]:
         return dict(httpx.get(self.url + "/fleet", timeout=10).json())
@@ -90,14 +72,6 @@ class Fleet:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{n} replicas not healthy in time; see {self.log.name}")
             time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(90)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 async def send(client: httpx.AsyncClient, url: str, item: dict[str, Any], t0: float) -> dict[str, Any]:
