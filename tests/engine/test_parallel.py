@@ -12,6 +12,7 @@ DeepSeek-V3 (MLA split by heads, latent replicated) run by default; the other fa
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,7 @@ def _check(kind: str, path: Path, expert_parallel: bool, pipeline: bool = False,
         tp.assert_consistent()
         ranks = tp.ranks
         assert [r.rank for r in ranks] == list(range(tp.config.world_size))
+        assert all(r.node == socket.gethostname() for r in ranks)  # spawned here
         assert tp.config.world_size == 2 ** len(sizes)
         assert sum(r.weight_bytes for r in ranks) >= full
         card = tp.runner.card()["parallel"]

@@ -115,6 +115,8 @@ def test_group_over_two_ray_nodes_equals_one_process(layout: str, cluster: str, 
         assert workers is not None
         nodes = workers.nodes  # type: ignore[attr-defined]
         assert len(nodes) == 2 and nodes[0] != nodes[1], f"both ranks on one Ray node: {nodes}"
+        card = group.runner.card()["parallel"]  # what /v1/models says: each rank's node
+        assert [r.node for r in card.ranks] == nodes
         for i, out in enumerate(group.generate(PROMPTS, GREEDY)):
             check_greedy_tokens(out.token_ids, refs[i], f"{layout}=2 over two Ray nodes, prompt {i}")
         group.assert_consistent()

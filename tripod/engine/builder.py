@@ -162,7 +162,8 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     if group is not None:  # every rank sized its pool: the group holds the smallest
         num_slots, cards = group.wait_ready(num_slots)
         ranks = (RankCard(rank=0, weight_bytes=weight_bytes(loaded.model),
-                          kv_bytes_per_token=mc.pool_spec(tp, stage_layers).bytes_per_token(dtype), kv_slots=num_slots),
+                          kv_bytes_per_token=mc.pool_spec(tp, stage_layers).bytes_per_token(dtype), kv_slots=num_slots,
+                          node=group.node),
                  *cards)
     # (data-parallel attention: this pool is rank 0's range; its allocator hands out every rank's)
     pool = mc.pool_spec(tp, stage_layers).make(num_slots, dtype, device, ranks=dp)

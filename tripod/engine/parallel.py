@@ -21,6 +21,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -104,6 +105,7 @@ class WorkerGroup:
     tp: ParallelGroup
     pp: PipeStage
     ready: list[RankCard]
+    node: str = socket.gethostname()  # where rank 0 (this process) runs
 
     def wait_ready(self, budget: int) -> tuple[int, list[RankCard]]:
         """Once every worker has loaded its shard and sized the KV pool its memory allows: the
@@ -290,7 +292,8 @@ class RankWorker:
                                   max_len=min(context, num_slots), stored=config.weights == "stored",
                                   level=config.kernel_level)
         return RankCard(rank=self.spec.rank, weight_bytes=weight_bytes(loaded.model),
-                        kv_bytes_per_token=pool_spec.bytes_per_token(dtype), kv_slots=num_slots)
+                        kv_bytes_per_token=pool_spec.bytes_per_token(dtype), kv_slots=num_slots,
+                        node=socket.gethostname())
 
     def run(self, step: Step) -> None:
         self.runner.run_step(step)

@@ -69,8 +69,12 @@ class RankActor:
         return str(ray.get_runtime_context().get_node_id()), self.worker.budget
 
     def make_pool(self, num_slots: int) -> RankCard:
+        import ray
+
         assert self.worker is not None
-        return self.worker.make_pool(num_slots)
+        card = self.worker.make_pool(num_slots)
+        card.node = str(ray.get_runtime_context().get_node_id())
+        return card
 
     def run(self, step: Step) -> None:
         assert self.worker is not None
@@ -144,6 +148,7 @@ class RayWorkers(WorkerGroup):
             self.close()
             raise
         self.nodes.append(str(ray.get_runtime_context().get_node_id()))
+        self.node = self.nodes[0]
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
         try:

@@ -26,6 +26,7 @@ class RankCard(msgspec.Struct, kw_only=True):
     weight_bytes: int  # the parameters this rank holds
     kv_bytes_per_token: int  # its KV pool's bytes per token slot
     kv_slots: int = 0  # the token slots its pool holds
+    node: str = ""  # where it runs: the host name, or the Ray node id of a rank placed by Ray
 
 
 class ParallelCard(msgspec.Struct, kw_only=True):
