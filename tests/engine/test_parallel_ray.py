@@ -25,18 +25,11 @@ from tests.engine.test_parallel import GREEDY, PROMPTS, SETTINGS
 from tests.support.tiny_models import build_hf, save
 from tripod import Engine
 from tripod.engine.parallel import WorkerLost
+from tripod.fleet.process import free_port
 
 ray = pytest.importorskip("ray")
 
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_nodes(address: str, n: int, deadline: float) -> None:
@@ -58,7 +51,7 @@ def _env() -> dict[str, str]:
 def cluster() -> Iterator[str]:
     """Two Ray nodes on loopback: a head with no CPUs and a worker node with one. Each ``ray start
     --block`` process is its node; terminating it stops the node (nothing else on the machine)."""
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths have a length limit
     common = ["--block", "--node-ip-address", "127.0.0.1", "--disable-usage-stats", "--object-store-memory",

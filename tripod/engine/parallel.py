@@ -16,6 +16,7 @@ rank. Workers exit when rank 0 goes away (their pipe closes).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -95,7 +96,7 @@ def threads_per_rank(config: EngineConfig, size: int) -> int:
     return config.num_threads or max(1, (os.cpu_count() or 1) // size)
 
 
-class WorkerGroup:
+class WorkerGroup(abc.ABC):
     """Ranks 1..N-1 of a group; this process joins it as rank 0. How the workers are started and
     reached is the subclass's: ``LocalWorkers`` (processes spawned here, a pipe each) or
     ``engine/ray_group.RayWorkers`` (Ray actors in a placement group, over the cluster's nodes)."""
@@ -107,26 +108,28 @@ class WorkerGroup:
     ready: list[RankCard]
     node: str = socket.gethostname()  # where rank 0 (this process) runs
 
+    @abc.abstractmethod
     def wait_ready(self, budget: int) -> tuple[int, list[RankCard]]:
         """Once every worker has loaded its shard and sized the KV pool its memory allows: the
         group's slot count (the smallest of theirs and rank 0's ``budget``: slot ids address every
         rank's pool alike), each worker's pool made with it, and what each holds."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def check(self) -> None:
         """Raise ``WorkerLost`` if a worker is known to be gone (cheap: before every step)."""
-        raise NotImplementedError
 
     def watch(self) -> None:
         """``check``, and whatever else finds a dead or hung worker while the engine idles (the
         engine's heartbeat calls it)."""
         self.check()
 
+    @abc.abstractmethod
     def deliver(self, steps: list[Step]) -> None:
-        raise NotImplementedError
+        """Hand each worker its step (rank r gets ``steps[r - 1]``)."""
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Stop the workers and leave the process group."""
 
     def send(self, batch: ForwardBatch, scoring: bool = False) -> None:
         """Before rank 0's forward: the same forward for every worker (data-parallel attention:

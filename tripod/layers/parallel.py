@@ -216,11 +216,6 @@ class PipeStage:
         dist.recv(x, src=self.rank_of(stage))
         return x
 
-    def send(self, x: torch.Tensor, stage: int) -> None:
-        import torch.distributed as dist
-
-        dist.send(x.contiguous(), dst=self.rank_of(stage))
-
     def post(self, x: torch.Tensor, stage: int) -> Any:
         """Send without waiting (``.wait()`` the result; ``x`` must live until then)."""
         import torch.distributed as dist

@@ -3,20 +3,22 @@ of a model over several processes hold one layer's full tensors at a time."""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 
-class LazyTensors(Mapping[str, torch.Tensor]):
+class LazyTensors(Mapping[str, torch.Tensor], abc.ABC):
     """``where`` maps each name to what reads it; ``read(name, handle)`` makes the tensor."""
 
     def __init__(self, where: dict[str, Any]) -> None:
         self._where = where
 
+    @abc.abstractmethod
     def read(self, name: str, handle: Any) -> torch.Tensor:
-        raise NotImplementedError
+        """The tensor ``name``, read through its ``handle``."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.read(name, self._where[name])

@@ -276,31 +276,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, pool: Any) -> torch.Tensor:
         if batch.dp is not None:
             return self._forward_dp(batch, pool, batch.dp)
-        if batch.micro:
-            return self._forward_micro([batch, *batch.micro], pool)
-        pp = self.pp
-        if pp.first:
-            x = self.embed_tokens(batch.input_ids)
-            if self.embed_scale is not None:
-                x = x * self.embed_scale
-        else:  # a later pipeline stage: the previous stage's hidden states
-            x = pp.receive((batch.input_ids.numel(), self.cfg.hidden_size), self.dtype, self.device, pp.stage - 1)
-        ctx = StepContext(self, batch, pool, x.dtype)
-        for layer in self.layers:
-            x = layer(x, ctx)
-        if not pp.last:
-            pp.send(x, pp.stage + 1)
-            rows = batch.input_ids.numel() if batch.logits_idx is None else batch.logits_idx.numel()
-            return pp.receive((rows, self.cfg.vocab_size), torch.float32, self.device, pp.stages - 1) if pp.first else x
-        logits = self._logits(x, batch)
-        if not pp.first:
-            pp.send(logits, 0)  # stage 0 samples
-        return logits
+        return self._forward_stages([batch, *batch.micro], pool)
 
-    def _forward_micro(self, batches: list[ForwardBatch], pool: Any) -> torch.Tensor:
-        """Pipeline parallel over micro-batches: each stage runs micro-batch i while the next runs
-        i - 1 (sends are posted, not awaited); stage 0 collects every micro-batch's logits from the
-        last stage at the end, in order."""
+    def _forward_stages(self, batches: list[ForwardBatch], pool: Any) -> torch.Tensor:
+        """This stage's layers over the step's micro-batches (one, without pipeline parallel):
+        stage 0 embeds, a later stage receives the previous one's hidden states; a stage posts its
+        sends (not awaited) and goes on with the next micro-batch while the following stage runs this
+        one; the last stage computes the logits, which stage 0 collects at the end, in order."""
         pp, sent, out = self.pp, [], []
         for b in batches:
             b.backend = batches[0].backend
@@ -328,7 +310,9 @@ class LlamaForCausalLM(nn.Module):
                 out.append(pp.receive((rows, self.cfg.vocab_size), torch.float32, self.device, pp.stages - 1))
         for work, _ in sent:
             work.wait()
-        return torch.cat(out) if out else x
+        if not out:
+            return x  # a later stage's return value is not used
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def _forward_dp(self, batch: ForwardBatch, pool: Any, dp: DPLayout) -> torch.Tensor:
         """Data-parallel attention: this rank's rows through every layer (``DecoderLayer.forward_dp``);
