@@ -197,6 +197,8 @@ def _fleet(router: Router, fleet_info: Callable[[], dict[str, Any]] | None) -> R
         "policy": router.policy.name, "pending": router.pending, "queue_depth": router.queue_depth,
         "chars_per_token": round(router.chars_per_token, 3),
         "replicas": [r.describe() for r in router.replicas.values()],
+        "pd": router.pd.describe(),  # prefill/decode hand-overs (router/pd.py)
+        "kv_tiers": {key: {"tree_chars": t.size} for key, t in router.tiers.items()},  # shared disk tiers
     }
     if fleet_info is not None:
         body.update(fleet_info())
