@@ -131,6 +131,22 @@ def test_a_completion_through_pd(servers: tuple[TripodProcess, ServerProcess]) -
         got.usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_fleet_metrics_and_console_show_the_hand_overs(servers: tuple[TripodProcess, ServerProcess]) -> None:
+    fleet, _ = servers
+    assert _metric(fleet.url, "tripod:router_pd_transfers_total", 'outcome="ok"') >= 4
+    assert _metric(fleet.url, "tripod:router_pd_transfer_seconds_count") >= 4
+    f = fleet.wait_for("the replicas' transfer counters scraped", lambda f: all(
+        r["counters"].get("pd_kv_sent_bytes" if r["role"] == "prefill" else "pd_kv_received_bytes", 0) > 0
+        for r in f["replicas"]), 30)
+    assert f["pd"]["ok"] >= 4 and f["pd"]["bytes"] > 0 and f["pd"]["seconds"] > 0
+    decode = next(r for r in f["replicas"] if r["role"] == "decode")
+    assert decode["kv_tier"] and decode["counters"]["tier_hits/disk"] > 0  # the handed-over blocks, loaded
+    ui = httpx.get(f"{fleet.url}/ui/api/fleet", timeout=10).json()
+    nodes = {n["role"]: n for n in ui["nodes"]}
+    assert nodes["prefill"]["kv_sent_bytes"] > 0 and nodes["decode"]["kv_received_bytes"] > 0
+    assert nodes["decode"]["tier_hits_disk"] > 0 and ui["pd"]["ok"] >= 4
+
+
 def test_a_prefill_replica_killed_mid_transfer_costs_a_fallback(
         servers: tuple[TripodProcess, ServerProcess], marker: Path) -> None:
     fleet, ref = servers
