@@ -72,7 +72,7 @@ class Disaggregator:
         """Have a prefill replica compute the prompt's KV and hand it to ``decode`` (tries
         ``--max-retries`` others after a failure; returns having counted the outcome)."""
         r = self.router
-        order = pd.encode(pd.PrefillOrder(path=path, body=msgspec.Raw(raw), decode_url=decode.url))  # type: ignore[arg-type]
+        order = pd.encode(pd.PrefillOrder(path=path, body=msgspec.Raw(raw), decode_url=decode.url))
         tried: set[Replica] = set()
         while len(tried) <= r.config.max_retries:
             cands = [p for p in self.prefill_replicas() if p not in tried]
