@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from openai import OpenAI
 
 from tests.support.server_helpers import ServerProcess, TripodProcess, assert_same_answer
@@ -174,3 +177,36 @@ def test_a_prefill_replica_killed_mid_transfer_costs_a_fallback(
     assert again.choices[0].message.content == _chat(ref.url, messages=msgs, temperature=0,
                                                      max_tokens=12).choices[0].message.content
     assert _pd(fleet)["ok"] == after["ok"] + 1
+
+
+def test_bad_hand_overs_get_clear_errors(servers: tuple[TripodProcess, ServerProcess]) -> None:
+    """Another model's blocks (409), bytes that are no blocks (400), a replica with no tier to receive
+    into (409) and a malformed order (400), each in the OpenAI error shape."""
+    from tripod.memory.disk_tier import TierLayout, chain_keys
+    from tripod.memory.kv_transfer import encode_block
+
+    fleet, ref = servers
+    decode = _decode_url(fleet)
+    other = TierLayout(bytes(16), 30, (2, 3, 64), torch.float32, 16)  # another identity
+    tokens = list(range(16))
+    block = encode_block(other, chain_keys(bytes(16), tokens, 16)[0], tokens, torch.zeros(other.shape))
+    cases = [(decode, "/v1/pd/kv", block, 409, "identity"), (decode, "/v1/pd/kv", b"x" * 100, 400, "not a stream"),
+             (ref.url, "/v1/pd/kv", block, 409, "no disk tier"),
+             (decode, "/v1/pd/prefill", b'{"path": "/v1/embeddings", "body": {}, "decode_url": "x"}', 400, "order")]
+    for url, path, body, status, words in cases:
+        r = httpx.post(url + path, content=body, timeout=30)
+        assert r.status_code == status, (path, r.text)
+        assert words in r.json()["error"]["message"], r.text
+    assert _metric(decode, "tripod:pd_kv_receives_total", 'outcome="refused"') == 2
+
+
+@pytest.mark.parametrize("argv, words", [
+    (("--role", "decode", "--no-prefix-cache"), "cannot be combined with --no-prefix-cache"),
+    (("--replicas", "1", "--prefill-replicas", "1", "--max-replicas", "3"), "autoscaling a disaggregated fleet"),
+    (("--replicas", "2", "--role", "decode"), "a fleet gives its replicas their roles"),
+    (("--prefill-replicas", "1", "--tensor-parallel-size", "2"), "not built for a model over several processes"),
+])
+def test_combinations_that_cannot_work_are_refused(argv: tuple[str, ...], words: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "tripod.cli", "serve", "--port", "0", *argv], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2 and words in r.stderr, r.stderr
