@@ -123,21 +123,24 @@ def test_a_follow_up_hits_the_decode_replicas_prefix_cache(servers: tuple[Tripod
     assert got.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
 
 
-def test_a_completion_through_pd(servers: tuple[TripodProcess, ServerProcess]) -> None:
+def test_completions_through_pd_one_prompt_and_several(servers: tuple[TripodProcess, ServerProcess]) -> None:
     fleet, ref = servers
-    prompt = _system("completion") + "\nThe fragile parcels ride"
-    args = {"model": "default", "prompt": prompt, "max_tokens": 8, "temperature": 0}
-    got = OpenAI(base_url=f"{fleet.url}/v1", api_key="x", max_retries=0).completions.create(**args)
-    want = OpenAI(base_url=f"{ref.url}/v1", api_key="x", max_retries=0).completions.create(**args)
-    assert got.choices[0].text == want.choices[0].text
-    assert got.usage.prompt_tokens_details is None or got.usage.prompt_tokens_details.cached_tokens is None or \
-        got.usage.prompt_tokens_details.cached_tokens > 0
+    prompts = [_system(f"completion {i}") + "\nThe fragile parcels ride" for i in range(3)]
+    for prompt in (prompts[0], prompts[1:]):  # several prompts: their blocks travel in one stream
+        args = {"model": "default", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        before = _pd(fleet)
+        got = httpx.post(f"{fleet.url}/v1/completions", json=args, timeout=120).json()
+        want = httpx.post(f"{ref.url}/v1/completions", json=args, timeout=120).json()
+        assert [c["text"] for c in got["choices"]] == [c["text"] for c in want["choices"]]
+        assert _pd(fleet)["ok"] == before["ok"] + 1
+        per_prompt = got["usage"]["prompt_tokens"] // (1 if isinstance(prompt, str) else 2)
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= (per_prompt - 16) // 16 * 16
 
 
 def test_fleet_metrics_and_console_show_the_hand_overs(servers: tuple[TripodProcess, ServerProcess]) -> None:
     fleet, _ = servers
-    assert _metric(fleet.url, "tripod:router_pd_transfers_total", 'outcome="ok"') >= 4
-    assert _metric(fleet.url, "tripod:router_pd_transfer_seconds_count") >= 4
+    assert _metric(fleet.url, "tripod:router_pd_transfers_total", 'outcome="ok"') >= 5
+    assert _metric(fleet.url, "tripod:router_pd_transfer_seconds_count") >= 5
     f = fleet.wait_for("the replicas' transfer counters scraped", lambda f: all(
         r["counters"].get("pd_kv_sent_bytes" if r["role"] == "prefill" else "pd_kv_received_bytes", 0) > 0
         for r in f["replicas"]), 30)

@@ -83,7 +83,7 @@ def test_blocks_out_of_order_or_corrupted_are_refused(tmp_path: Path) -> None:
     lay = _layout()
     blocks = _stream(lay)
     rx = BlockReceiver(lay, tmp_path)
-    with pytest.raises(TransferRefused, match="does not continue") as e:
+    with pytest.raises(TransferRefused, match="neither continues") as e:
         rx.feed(blocks[1])  # a block whose prefix was not sent
     assert e.value.status == 400
     bad = bytearray(blocks[0])
@@ -91,3 +91,11 @@ def test_blocks_out_of_order_or_corrupted_are_refused(tmp_path: Path) -> None:
     with pytest.raises(TransferRefused, match="checksum"):
         BlockReceiver(lay, tmp_path).feed(bytes(bad))
     assert not list(tmp_path.glob("??/*.kv"))
+
+
+def test_several_prompts_in_one_stream_each_start_their_chain(tmp_path: Path) -> None:
+    lay = _layout()
+    other = list(range(500, 500 + 2 * B))
+    rx = BlockReceiver(lay, tmp_path)
+    rx.feed(b"".join(_stream(lay)[:3] + _stream(lay, other)))
+    assert rx.counts.blocks == 5 and len(list(tmp_path.glob("??/*.kv"))) == 5

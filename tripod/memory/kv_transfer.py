@@ -91,7 +91,8 @@ class ReceiveCounts:
 
 class BlockReceiver:
     """Owns one incoming stream: splits it into blocks, verifies each (header, chain, checksum)
-    and publishes it into ``directory`` (a disk tier's ``DIR/<identity>``) at once."""
+    and publishes it into ``directory`` (a disk tier's ``DIR/<identity>``) at once. The stream is
+    one or more prefixes, each from its block 0 on."""
 
     def __init__(self, layout: TierLayout, directory: Path) -> None:
         self.layout = layout
@@ -120,9 +121,13 @@ class BlockReceiver:
             data = bytes(self._buf[:size])
             del self._buf[:size]
             tokens = list(memoryview(data)[HEADER.size : HEADER.size + 4 * ntok].cast("i"))
-            want = blake2b(self._prev + token_bytes(tokens), digest_size=KEY_BYTES).digest()
-            if key != want:
-                raise TransferRefused(400, f"block {self.counts.blocks} does not continue the prefix sent before it")
+            toks = token_bytes(tokens)
+            # NOTE: a block continues the prefix sent before it, or starts another prompt's (several
+            # prompts of one request, one after another); either way its key is recomputed here.
+            if key != blake2b(self._prev + toks, digest_size=KEY_BYTES).digest() \
+                    and key != blake2b(lay.identity + toks, digest_size=KEY_BYTES).digest():
+                raise TransferRefused(400, f"block {self.counts.blocks} neither continues the prefix sent before it "
+                                      "nor starts one")
             why = check_block(lay, data, key, tokens)
             if why is not None:
                 raise TransferRefused(400, f"block {self.counts.blocks}: {why}")
