@@ -60,6 +60,18 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
                                 rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                                  "truncate": False, "original_max_position_embeddings": 64,
                                                  "rope_theta": 150000.0})),
+    "deepseek-v4": ("deepseek_v4", dict(num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25,
+                                        q_lora_rank=24, o_groups=2, o_lora_rank=16, index_n_heads=8,
+                                        index_head_dim=16, index_topk=4, sliding_window=8, hc_mult=2,
+                                        compress_rates={"compressed_sparse_attention": 4,
+                                                        "heavily_compressed_attention": 8},
+                                        layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                     "heavily_compressed_attention"],
+                                        mlp_layer_types=["hash_moe", "moe", "moe"], n_routed_experts=8,
+                                        num_experts_per_tok=2, moe_intermediate_size=32,
+                                        rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 128,
+                                                         "beta_fast": 32, "beta_slow": 1})),
     "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=12, query_pre_attn_scalar=16,
                                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                    final_logit_softcapping=30.0)),
@@ -88,11 +100,16 @@ def build_hf(kind: str, seed: int = 0) -> Any:
                 p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith(".sinks"):  # gpt-oss: sinks that take a real share of the softmax
                 p.copy_(torch.randn(p.shape, generator=g))
-            elif name.endswith("router.bias"):
+            elif name.endswith("router.bias") or name.endswith("hc.base") or name.endswith("hc_base"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith("hc.scale") or name.endswith("hc_scale"):  # DeepSeek-V4's hyper-connections
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn(b.shape, generator=g))
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's hash routing: k distinct experts per token id
+                experts = model.config.n_routed_experts
+                b.copy_(torch.stack([torch.randperm(experts, generator=g)[: b.shape[1]] for _ in range(b.shape[0])]))
     model.eval()
     return model
 

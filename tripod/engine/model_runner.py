@@ -91,6 +91,8 @@ class ModelRunner:
         cfg = self.model.cfg
         if cfg.mla is not None:
             return "multi-head latent attention runs on torch's ops (latent pool, absorbed decode)"
+        if cfg.v4 is not None:
+            return "DeepSeek-V4's compressed attention runs on torch's ops"
         if cfg.sliding_window is not None:
             return "sliding-window attention layers run on torch's ops"
         if cfg.attn_softcap is not None:
