@@ -68,7 +68,7 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
                                         layer_types=["sliding_attention", "compressed_sparse_attention",
                                                      "heavily_compressed_attention"],
                                         mlp_layer_types=["hash_moe", "moe", "moe"], n_routed_experts=8,
-                                        num_experts_per_tok=2, moe_intermediate_size=32,
+                                        num_experts_per_tok=2, intermediate_size=32,  # (V4's name for moe_intermediate_size)
                                         rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                          "original_max_position_embeddings": 128,
                                                          "beta_fast": 32, "beta_slow": 1})),
