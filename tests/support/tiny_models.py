@@ -191,6 +191,9 @@ def add_mtp(target: Any, folder: Path, seed: int = 6) -> tuple[Any, dict[str, to
     layers = cfg["num_hidden_layers"]
     d = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
     d["num_hidden_layers"] = layers + 1
+    for key in ("layer_types", "mlp_layer_types"):  # per-layer lists (V3.2): the module's block as the last layer
+        if isinstance(d.get(key), list):
+            d[key] = [*d[key], d[key][-1]]
     torch.manual_seed(seed)
     bigger = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d), dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed + 2)

@@ -124,9 +124,12 @@ def make_group(config: EngineConfig) -> WorkerGroup:
 def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
     """Every part of an engine, in dependency order (the pool is sized once the draft is known)."""
     config.check_parallel()
-    if config.data_parallel_size > 1 and loaded is None:  # refused before any worker starts
+    if config.world_size > 1 and loaded is None:  # refused before any worker starts
         mc = load_tokenizer(config.model).config
-        if mc.mla is None:
+        if mc.v4 is not None:
+            raise ValueError("DeepSeek-V4 runs in one process for now (no --tensor/--pipeline/--data-parallel-size): "
+                             "use --replicas")
+        if config.data_parallel_size > 1 and mc.mla is None:
             raise ValueError("--data-parallel-size runs the attention of MLA models (DeepSeek-V2/V3) data-parallel; "
                              f"{mc.architecture} has none: use --tensor-parallel-size or --replicas")
     group = make_group(config) if config.world_size > 1 else None

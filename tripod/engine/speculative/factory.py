@@ -86,6 +86,9 @@ def make_proposer(
 def mtp_module(target: LoadedModel) -> torch.nn.Module:
     """The target model (with its MTP module loaded), or why ``mtp`` cannot run on it."""
     model = target.model
+    if target.config.v4 is not None:
+        raise ValueError("--speculative mtp: DeepSeek-V4's MTP layers are not read yet (the reference tripod is "
+                         "proven against, transformers 5.24, leaves them out); use --speculative ngram")
     if getattr(model, "mtp", None) is None:
         raise ValueError(
             f"--speculative mtp needs a multi-token-prediction module in the checkpoint "
