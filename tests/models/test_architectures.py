@@ -139,7 +139,7 @@ def test_deepseek_v4_compressed_attention(tiny: Any) -> None:
     alone = [warm.generate([p], seeded)[0].token_ids for p in PROMPTS]
     assert [o.token_ids for o in warm.generate(PROMPTS, seeded)] == alone
     warm.assert_consistent()
-    with pytest.raises(ValueError, match="DeepSeek-V4's MTP layers are not read"):
+    with pytest.raises(ValueError, match="multi-token-prediction module"):  # (this folder has none)
         Engine(model=str(folder), dtype="float32", kv_cache_tokens=512, speculative="mtp")
     with pytest.raises(ValueError, match="one process"):
         Engine(model=str(folder), dtype="float32", kv_cache_tokens=512, tensor_parallel_size=2)

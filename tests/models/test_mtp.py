@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.tiny_models import VOCAB, add_mtp, build_hf, save
+from tests.support.tiny_models import VOCAB, add_mtp, add_v4_mtp, build_hf, save
 from tripod import Engine, SamplingParams
 from tripod.engine.speculative.mtp import MTPProposer
 
@@ -48,6 +48,15 @@ def test_mtp_drafts_on_deepseek_v32(tmp_path_factory: pytest.TempPathFactory, hf
     """V3.2's MTP module is a V3.2 block (its own lightning indexer, its key in the module's pool
     row): drafts from it are verified losslessly, with prompts longer than ``index_topk``."""
     _check_lossless(_with_mtp("deepseek-v32", tmp_path_factory, hf_tokenizer))
+
+
+def test_mtp_drafts_on_deepseek_v4(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> None:
+    """V4's MTP block (``mtp.0.*``: a V4 block over the target's hidden *streams*, its own stream
+    collapse) drafts, and the drafts are verified losslessly; prompts cross the compressed blocks."""
+    target = build_hf("deepseek-v4", seed=5)
+    out = save(target, tmp_path_factory.mktemp("v4-mtp"), hf_tokenizer)
+    add_v4_mtp(target, out)
+    _check_lossless(out)
 
 
 def _check_lossless(folder: Path) -> None:

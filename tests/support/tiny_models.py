@@ -262,3 +262,49 @@ def save_mxfp4(model: Any, folder: Path, tokenizer: Any) -> tuple[Path, dict[str
                                                                                      "model.embed_tokens", "lm_head"]}
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return folder, held
+
+
+def add_v4_mtp(target: Any, folder: Path, seed: int = 6) -> None:
+    """Give a saved tiny DeepSeek-V4 folder an MTP block as DeepSeek's checkpoints hold it
+    (``num_nextn_predict_layers: 1`` and ``mtp.0.*``): a V4 block with sliding-window attention and
+    a top-k MoE (transformers' own, saved under DeepSeek's names), ``e_proj``/``h_proj``,
+    ``enorm``/``hnorm``/``norm`` and its own ``hc_head_*``."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(cfg))
+    layers = cfg["num_hidden_layers"]
+    d = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
+    d["num_hidden_layers"] = layers + 1
+    d["layer_types"] = [*cfg["layer_types"], "sliding_attention"]
+    d["mlp_layer_types"] = [*cfg["mlp_layer_types"], "moe"]
+    torch.manual_seed(seed)
+    bigger = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, p in bigger.model.layers[layers].named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5))
+            elif name.endswith("norm.weight") or name.endswith("sinks"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+        with tempfile.TemporaryDirectory() as tmp:
+            bigger.save_pretrained(tmp)
+            saved = {k: v for f in Path(tmp).glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    block = f"model.layers.{layers}."
+    tensors = {"mtp.0." + k.removeprefix(block): v.contiguous() for k, v in saved.items() if k.startswith(block)}
+    h, n = cfg["hidden_size"], cfg["hc_mult"]
+    tensors.update({
+        "mtp.0.enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "mtp.0.hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "mtp.0.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "mtp.0.e_proj.weight": torch.randn(h, h, generator=g) / h**0.5,
+        "mtp.0.h_proj.weight": torch.randn(h, h, generator=g) / h**0.5,
+        "mtp.0.hc_head_fn": torch.randn(n, n * h, generator=g) / (n * h) ** 0.5,
+        "mtp.0.hc_head_base": 0.5 * torch.randn(n, generator=g),
+        "mtp.0.hc_head_scale": 1 + 0.2 * torch.randn(1, generator=g),
+    })
+    save_file(tensors, str(folder / "mtp.safetensors"), metadata={"format": "pt"})

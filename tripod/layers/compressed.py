@@ -182,10 +182,10 @@ class _Compressor(nn.Module):
 class CompressedAttention(nn.Module):
     """One DeepSeek-V4 attention layer (sliding, CSA or HCA) over the latent pool's rows."""
 
-    def __init__(self, cfg: CompressedAttnConfig, layer: int, hidden: int, num_heads: int, eps: float,
+    def __init__(self, cfg: CompressedAttnConfig, kind: str, hidden: int, num_heads: int, eps: float,
                  dtype: torch.dtype) -> None:
         super().__init__()
-        self.cfg, self.kind, self.h, self.eps = cfg, cfg.kinds[layer], num_heads, eps
+        self.cfg, self.kind, self.h, self.eps = cfg, kind, num_heads, eps
         d = cfg.head_dim
         self.scale = d**-0.5
         self.q_a = _param(cfg.q_lora_rank, hidden, dtype=dtype)

@@ -29,6 +29,7 @@ from tripod.layers.moe import ExpertSet, chosen_weights, route, score
 from tripod.layers.norm import rms_norm
 from tripod.layers.parallel import SINGLE, ParallelGroup, PipeStage
 from tripod.layers.weights import WeightSource
+from tripod.memory.kv_pool import PoolSpec
 from tripod.models.config import ModelConfig, V4Config
 from tripod.models.llama import LlamaForCausalLM
 
@@ -116,14 +117,14 @@ class V4MoE(nn.Module):
 class V4Layer(nn.Module):
     """Hyper-connected attention and MoE sublayers."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, kind: str | None = None) -> None:
         super().__init__()
         v4 = cfg.v4
         assert v4 is not None
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer = self.pool_layer = layer
         self.eps = eps
-        self.attn = CompressedAttention(v4.attn, layer, h, cfg.num_heads, eps, dtype)
+        self.attn = CompressedAttention(v4.attn, kind or v4.attn.kinds[layer], h, cfg.num_heads, eps, dtype)
         self.mlp = V4MoE(cfg, layer, dtype)
         self.input_norm = _param(h, dtype=dtype)
         self.post_norm = _param(h, dtype=dtype)
@@ -172,9 +173,8 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
             InterleavedRope(a.rope_dim, a.main_theta, None, cfg.max_position_embeddings, device),
             InterleavedRope(a.rope_dim, a.compress_theta, a.compress_scaling, cfg.max_position_embeddings, device),
         )
-        self.head_fn = _param(v4.hc_mult, v4.hc_mult * cfg.hidden_size)
-        self.head_base = _param(v4.hc_mult)
-        self.head_scale = _param(1)
+        self.hc_head = HyperHead(cfg)
+        self.mtp: V4MTP | None = None
 
     def make_layer(self, i: int) -> V4Layer:  # type: ignore[override]
         return V4Layer(self.cfg, i, self.dtype)
@@ -204,10 +204,10 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
         x = e.unsqueeze(1).expand(-1, v4.hc_mult, -1).contiguous()
         for layer in self.layers:
             x = layer(x, batch, pool, self.ropes)
-        # the last collapse of the streams (no post / comb): then the final norm and the head
-        mixes = F.linear(unweighted_rms(x.reshape(x.shape[0], -1).float(), self.cfg.rms_norm_eps), self.head_fn)
-        pre = torch.sigmoid(mixes * self.head_scale + self.head_base) + v4.hc_eps
-        return self._logits((pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype), batch)
+        logits = self._logits(self.hc_head(x), batch)
+        if self.capture_hidden:  # the MTP module reads the streams (before the last collapse)
+            self.last_hidden = x
+        return logits
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], fp8_block: tuple[int, int] | None = None,
                      tp: ParallelGroup = SINGLE, expert_parallel: bool = False) -> None:
@@ -218,12 +218,86 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
         self.norm.data = src.get("model.norm.weight")
         if self.lm_head is not None:
             self.lm_head.data = src.get("lm_head.weight").contiguous() if src.has("lm_head.weight") else self.embed.data
-        self.head_fn.data = src.get_f32("model.hc_head.hc_fn")
-        self.head_base.data = src.get_f32("model.hc_head.hc_base")
-        self.head_scale.data = src.get_f32("model.hc_head.hc_scale")
+        self.hc_head.load(src, "model.hc_head.hc_")
         for layer in self.layers:
             assert isinstance(layer, V4Layer)
             layer.load(src, f"model.layers.{layer.layer}.")
+        if self.cfg.num_nextn_predict_layers and src.has("model.mtp.0.e_proj.weight"):
+            self.mtp = V4MTP(self)
+            self.mtp.load(src)
+
+
+class HyperHead(nn.Module):
+    """The last collapse of the streams (weights only, no post / comb), before the final norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.v4 is not None
+        n = cfg.v4.hc_mult
+        self.eps, self.hc_eps = cfg.rms_norm_eps, cfg.v4.hc_eps
+        self.fn = _param(n, n * cfg.hidden_size)
+        self.base = _param(n)
+        self.scale = _param(1)
+
+    def load(self, src: WeightSource, prefix: str) -> None:
+        """``{prefix}fn``, ``base``, ``scale`` (the model's ``hc_head.hc_*``, the MTP's ``hc_head_*``)."""
+        self.fn.data = src.get_f32(prefix + "fn")
+        self.base.data = src.get_f32(prefix + "base")
+        self.scale.data = src.get_f32(prefix + "scale")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mixes = F.linear(unweighted_rms(x.reshape(x.shape[0], -1).float(), self.eps), self.fn)
+        pre = torch.sigmoid(mixes * self.scale + self.base) + self.hc_eps
+        return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+
+
+class V4MTP(nn.Module):
+    """DeepSeek-V4's multi-token-prediction block (``mtp.0.*``), as DeepSeek's reference defines
+    it: the next token's embedding (``enorm`` → ``e_proj``) added to every stream of the target's
+    last hidden streams (``hnorm`` → ``h_proj``), one V4 block (sliding-window attention, top-k MoE)
+    over them, then its own stream collapse (``hc_head``), ``norm`` and the target's head. Its
+    output streams feed it again for chained drafts. Its K/V: a one-layer pool at the target's slots."""
+
+    def __init__(self, target: DeepseekV4ForCausalLM) -> None:
+        super().__init__()
+        cfg, dtype = target.cfg, target.dtype
+        h = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.enorm = _param(h, dtype=dtype)
+        self.hnorm = _param(h, dtype=dtype)
+        self.norm = _param(h, dtype=dtype)
+        self.e_proj = _param(h, h, dtype=dtype)
+        self.h_proj = _param(h, h, dtype=dtype)
+        self.block = V4Layer(cfg, cfg.num_layers, dtype, kind="sliding")
+        self.block.pool_layer = 0
+        self.hc_head = HyperHead(cfg)
+
+    def load(self, src: WeightSource) -> None:
+        p = "model.mtp.0."
+        self.enorm.data = src.get(p + "enorm.weight")
+        self.hnorm.data = src.get(p + "hnorm.weight")
+        self.norm.data = src.get(p + "norm.weight")
+        self.e_proj.data = src.get(p + "e_proj.weight")
+        self.h_proj.data = src.get(p + "h_proj.weight")
+        self.block.load(src, p)
+        self.hc_head.load(src, p + "hc_head_")
+
+    @staticmethod
+    def pool_spec(cfg: ModelConfig) -> PoolSpec:
+        assert cfg.v4 is not None
+        return PoolSpec(1, "latent", latent_dim=cfg.v4.attn.row("sliding"))
+
+    @torch.inference_mode()
+    def forward(self, target: DeepseekV4ForCausalLM, batch: ForwardBatch, hidden: torch.Tensor,
+                pool: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch.input_ids`` the tokens t[i+1], ``hidden`` ``[T, n, H]`` the streams h[i] →
+        (float32 logits for ``batch.logits_idx`` (all rows when None), its own streams)."""
+        e = F.linear(rms_norm(F.embedding(batch.input_ids, target.embed), self.enorm, self.eps), self.e_proj)
+        x = e.unsqueeze(1) + F.linear(rms_norm(hidden, self.hnorm, self.eps), self.h_proj)
+        x = self.block(x, batch, pool, target.ropes)
+        rows = x if batch.logits_idx is None else x.index_select(0, batch.logits_idx)
+        head = target.embed if target.lm_head is None else target.lm_head
+        return F.linear(rms_norm(self.hc_head(rows), self.norm, self.eps), head).float(), x
 
 
 # DeepSeek's own tensor names (how V4 checkpoints are stored, and how transformers writes them back)
@@ -245,9 +319,15 @@ _RENAMES = [(re.compile(a), b) for a, b in (
 )]
 
 
+_MTP_OWN = re.compile(r"^mtp\.(\d+)\.(e_proj|h_proj|enorm|hnorm|norm|hc_head_)")
+
+
 def v4_name(name: str) -> str:
-    """A V4 checkpoint's tensor name as transformers' module tree names it."""
+    """A V4 checkpoint's tensor name as transformers' module tree names it (the MTP block's
+    ``mtp.N.*`` as ``model.mtp.N.*``, its own parts kept, its block's renamed like a layer's)."""
     bare = name.removeprefix("model.")
+    if _MTP_OWN.match(bare):
+        return "model." + bare
     for pattern, repl in _RENAMES:
         bare = pattern.sub(repl, bare)
     return bare if bare == "lm_head.weight" else "model." + bare
