@@ -175,6 +175,16 @@ def test_deepseek_v32_attends_only_the_indexed_tokens(tiny: Any) -> None:
     assert sum(ix.pruned for ix in indexers if ix is not None) > 0, "no query attended fewer tokens than it saw"
 
 
+@pytest.mark.parametrize("kind", ["deepseek-v32", "gpt-oss"])
+def test_day0_seeded_sampling_alone_equals_batched(kind: str, tiny: Any) -> None:
+    """Seeded sampling on the sparse (V3.2) and sink/window (gpt-oss) attention: each request's
+    tokens are the same alone and batched with the others (V4: its own test above)."""
+    eng = Engine(model=str(tiny(kind)[0]), dtype="float32", kv_cache_tokens=4096, chunk_size=16, kernels="eager")
+    seeded = SamplingParams(max_tokens=N_TOKENS, temperature=1.0, seed=5, ignore_eos=True)
+    alone = [eng.generate([p], seeded)[0].token_ids for p in PROMPTS]
+    assert [o.token_ids for o in eng.generate(PROMPTS, seeded)] == alone
+
+
 def test_gpt_oss_mxfp4_checkpoint(tmp_path: Path, hf_tokenizer: Any) -> None:
     """gpt-oss's MXFP4 folder (experts as packed FP4 blocks with E8M0 scales, made here by an
     independent quantizer) loads, says so, and decodes transformers' greedy tokens on the values
