@@ -25,6 +25,7 @@ from tripod.layers.backends import CpuBackend, CpuLinearBackend, ReferenceBacken
 from tripod.layers.backends.base import Backend
 from tripod.layers.backends.reference import ScoringBackend, prefill_segment
 from tripod.layers.linear import onednn_supported
+from tripod.layers.lora import LoraBatch
 from tripod.layers.parallel import DPLayout
 from tripod.memory.kv_pool import KVPool, Pool
 from tripod.memory.slot_table import SlotTable
@@ -185,7 +186,9 @@ class ModelRunner:
         if stages > 1 and len(items) > 1:
             return self._micro_batches(items, min(stages, len(items)))
         if self.dp_size == 1:
-            return self.backend.build_batch(items, self)
+            batch, sampling = self.backend.build_batch(items, self)
+            batch.lora = lora_rows(batch)
+            return batch, sampling
         backend = self.backend
         batches: list[ForwardBatch] = []
         sampling: list[ScheduledItem] = []
@@ -288,3 +291,16 @@ class ModelRunner:
             if self.group is not None:
                 self.group.send(batch, scoring=True)
             yield s, self.model(batch, self.pool)
+
+
+def lora_rows(batch: ForwardBatch) -> LoraBatch | None:
+    """The batch's rows grouped by the LoRA adapter their request runs (None: all base)."""
+    rows: dict[int, tuple[Any, list[int]]] = {}
+    for it, first in batch.item_rows:
+        adapter = it.req.lora
+        if adapter is not None:
+            rows.setdefault(id(adapter), (adapter, []))[1].extend(range(first, first + it.length))
+    if not rows:
+        return None
+    dev = batch.input_ids.device
+    return LoraBatch([(a, torch.tensor(r, dtype=torch.long, device=dev)) for a, r in rows.values()])
