@@ -152,7 +152,7 @@ def test_load_unload_and_refusals(setup: dict[str, Any], tmp_path: Path) -> None
     (head / "adapter_config.json").write_text(json.dumps(conf))
     with pytest.raises(ValueError, match="modules_to_save"):
         eng.load_lora("head", str(head))
-    with pytest.raises(ValueError, match="needs adapter_config.json"):
+    with pytest.raises(ValueError, match=r"needs adapter_config\.json"):
         eng.load_lora("empty", str(tmp_path))
     torn = tmp_path / "torn"
     shutil.copytree(setup["paths"]["mlp"], torn)
