@@ -212,9 +212,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.lora is not None:
-            parse_loras(self.lora)
-            if self.world_size > 1:
-                raise ValueError("--lora runs in one process (not with --tensor/--pipeline/--data-parallel-size)")
+            parse_loras(self.lora)  # (several processes are refused when the engine is built)
         if not 1 <= self.max_loras <= 1024:
             raise ValueError(f"max_loras must be in [1, 1024] (got {self.max_loras})")
         if not 1 <= self.max_lora_rank <= 1024:

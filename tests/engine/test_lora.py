@@ -18,37 +18,14 @@ import pytest
 import torch
 
 from tests.conftest import HFReference, check_greedy_tokens
+from tests.support.lora_adapters import ADAPTERS, make_adapter, other_llama
 from tests.support.tiny_models import VOCAB, build_hf, save
 from tripod import Engine, SamplingParams
 
 N = 16
-ADAPTERS = {
-    "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "mlp": dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
-    "all-rs": dict(r=16, lora_alpha=8, use_rslora=True,
-                   target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-}
-
-
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (21, 9, 33, 14)]
-
-
-def make_adapter(base: Any, kind: str, folder: Path, seed: int) -> Any:
-    """Save a random PEFT LoRA adapter of ``base``; returns the adapted transformers model."""
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, lora_dropout=0.0, **ADAPTERS[kind]))
-    with torch.no_grad():  # decisive deltas: B away from zero
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape) * 0.5 / p.shape[1] ** 0.5)
-    peft_model.save_pretrained(str(folder))
-    return peft_model.eval().base_model.model  # the HF model with the adapter injected (not merged)
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +39,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> dict[s
         paths[kind] = tmp / kind
         refs[kind] = HFReference(make_adapter(base, kind, paths[kind], seed=10 + i))
     return {"folder": folder, "paths": paths, "refs": refs, "tmp": tmp}
-
-
-def _other_llama() -> Any:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from tests.support.tiny_models import COMMON
-
-    cfg = AutoConfig.for_model("llama", **{**COMMON, "hidden_size": 48, "head_dim": 12})
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
 def _engine(setup: dict[str, Any], **kw: Any) -> Engine:
@@ -142,7 +110,7 @@ def test_load_unload_and_refusals(setup: dict[str, Any], tmp_path: Path) -> None
         eng.generate([p], _params("attn"))
     # Malformed adapters: each refused, saying what is wrong.
     wrong = tmp_path / "wrong-shape"
-    make_adapter(_other_llama(), "attn", wrong, seed=4)  # made for a model 48 wide (the base: 64)
+    make_adapter(other_llama(), "attn", wrong, seed=4)  # made for a model 48 wide (the base: 64)
     with pytest.raises(ValueError, match="do not fit the base model"):
         eng.load_lora("wrong", str(wrong))
     head = tmp_path / "lm-head"

@@ -59,6 +59,15 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
+class LoraRequest(msgspec.Struct, tag=True):
+    """Load (``path`` given) or unload a LoRA adapter by name; answered by ``LoraReply(token)``."""
+
+    token: int
+    action: str  # "load" | "unload" | "list"
+    name: str = ""
+    path: str = ""
+
+
 # ---------------------------------------------------------------------- engine → server
 class Ready(msgspec.Struct, tag=True, kw_only=True):
     pid: int
@@ -73,6 +82,8 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     kv_slots: int
     # The compute backend at start-up; heartbeats carry its later value (the kernels may load later).
     compute: ComputeCard
+    # LoRA adapters loaded at start-up (--lora): name -> path; None: this engine serves none.
+    loras: dict[str, str] | None = None
 
 
 class SeqTiming(msgspec.Struct, array_like=True, frozen=True):
@@ -116,11 +127,22 @@ class StatsReply(msgspec.Struct, tag=True):
     stats: EngineStats
 
 
+class LoraReply(msgspec.Struct, tag=True):
+    """The answer to a ``LoraRequest``: its error (None: done), the adapters now loaded (name ->
+    path), and the running requests still holding the adapter just unloaded."""
+
+    token: int
+    error: str | None
+    loras: dict[str, str]
+    running: int = 0
+
+
 class Fatal(msgspec.Struct, tag=True):
     message: str
 
 
-Message = AddRequest | AbortRequest | StatsRequest | Shutdown | Ready | Outputs | Heartbeat | StatsReply | Fatal
+Message = (AddRequest | AbortRequest | StatsRequest | Shutdown | LoraRequest | Ready | Outputs | Heartbeat | StatsReply
+           | LoraReply | Fatal)
 
 
 class ProtocolError(ValueError):

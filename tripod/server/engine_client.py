@@ -179,6 +179,8 @@ class EngineClient:
         self.on_heartbeat: Callable[[EngineStats], None] | None = None
         self._handles: dict[str, RequestHandle] = {}
         self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
+        self._lora_waiters: dict[int, asyncio.Future[engine_ipc.LoraReply]] = {}
+        self.loras: dict[str, str] | None = None  # LoRA adapters the engine serves (name -> path); None: none
         self._tokens = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._proc: EngineProcess | None = None
@@ -262,6 +264,7 @@ class EngineClient:
             raise EngineDead(f"the engine failed to start: {msg.message}")
         assert isinstance(msg, engine_ipc.Ready), msg
         self.info = msg
+        self.loras = dict(msg.loras) if msg.loras is not None else None
         self.last_heartbeat = time.monotonic()
         # NOTE: the exit watch fires the moment the process ends, however it ends (crash,
         # kill -9, OOM): that is what makes /health turn at once.
@@ -352,6 +355,12 @@ class EngineClient:
                 fut = self._stats_waiters.pop(msg.token, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg.stats)
+            elif isinstance(msg, engine_ipc.LoraReply):
+                if self.loras is not None:
+                    self.loras = dict(msg.loras)
+                waiter = self._lora_waiters.pop(msg.token, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(msg)
             elif isinstance(msg, engine_ipc.Fatal):
                 self._die(f"the engine loop failed: {msg.message}")
                 return
@@ -394,6 +403,19 @@ class EngineClient:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._stats_waiters.pop(token, None)
+
+    async def lora(self, action: str, name: str = "", path: str = "", timeout: float = 60.0) -> engine_ipc.LoraReply:
+        """Load / unload / ask about a LoRA adapter in the engine (``LoraRequest``)."""
+        if not self.alive:
+            raise EngineDead(self.dead_reason or "the engine is not running")
+        token = next(self._tokens)
+        fut: asyncio.Future[engine_ipc.LoraReply] = asyncio.get_running_loop().create_future()
+        self._lora_waiters[token] = fut
+        self._send(engine_ipc.LoraRequest(token, action, name, path))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._lora_waiters.pop(token, None)
 
     def _send(self, msg: engine_ipc.Message) -> None:
         if self._push is None or self.dead_reason is not None:
