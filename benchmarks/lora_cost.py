@@ -14,7 +14,6 @@ plus a gathered pair of matmuls per adapter present per projection). Prints a ma
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -25,31 +24,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests.support.lora_adapters import random_adapter  # noqa: E402
 from tripod import Engine, SamplingParams  # noqa: E402
-from tripod.layers.lora import site_shapes  # noqa: E402
-
-TARGETS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
-           "down": ("down_proj",)}
-
-
-def write_adapter(folder: Path, cfg: object, rank: int, seed: int) -> None:
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    shapes = site_shapes(cfg)
-    for layer in range(cfg.num_layers):  # type: ignore[attr-defined]
-        for site, names in TARGETS.items():
-            for name, (d_in, d_out) in zip(names, shapes[site], strict=True):
-                part = "self_attn" if site in ("qkv", "o") else "mlp"
-                key = f"base_model.model.model.layers.{layer}.{part}.{name}"
-                tensors[key + ".lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in**0.5
-                tensors[key + ".lora_B.weight"] = torch.randn(d_out, rank, generator=g) * 0.01
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
-        "target_modules": [n for names in TARGETS.values() for n in names]}))
 
 
 def main() -> None:
@@ -69,7 +45,7 @@ def main() -> None:
     del probe
     most = max(counts)
     for i in range(most):
-        write_adapter(tmp / f"a{i}", cfg, args.rank, seed=i)
+        random_adapter(tmp / f"a{i}", cfg, args.rank, seed=i, scale=0.01)
     spec = ",".join(f"a{i}={tmp / f'a{i}'}" for i in range(most)) or None
     eng = Engine(model=args.model, dtype=args.dtype, lora=spec, max_loras=max(most, 1),
                  kv_cache_tokens=args.concurrency * (args.prompt_len + args.max_tokens) * 2 + 512)
@@ -84,7 +60,7 @@ def main() -> None:
     for n in counts:
         names = [f"a{i}" for i in range(n)] or [None]
 
-        def batch() -> tuple[list[list[int]], list[SamplingParams]]:
+        def batch(names: list[str | None] = names) -> tuple[list[list[int]], list[SamplingParams]]:
             prompts = [torch.randint(10, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.concurrency)]
             params = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
                                      lora=names[i % len(names)]) for i in range(args.concurrency)]

@@ -6,16 +6,20 @@ requests are done; bad adapters and unknown names get 4xx saying why."""
 
 from __future__ import annotations
 
+import json
 import threading
+from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
 
 from tests.conftest import HFReference
-from tests.support.lora_adapters import make_adapter, other_llama
+from tests.support.lora_adapters import make_adapter, other_llama, random_adapter
 from tests.support.server_helpers import ServerProcess
 from tests.support.tiny_models import VOCAB, build_hf, save
 
@@ -98,3 +102,35 @@ def test_adapters_served_live(served: Any) -> None:
         _complete(oai, "mlp", p)
     assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"}).status_code == 404
     assert _complete(oai, "attn", p) == refs["attn"].greedy(p, N).tokens  # the other adapter is untouched
+
+
+def test_adapter_on_the_embedded_model_through_every_surface(tmp_path: Path) -> None:
+    """A random adapter of the embedded SmolLM2 (real tokenizer and chat template): the Anthropic
+    client and the OpenAI chat API answer alike on it (and unlike the base), a JSON schema
+    constrains its answer, and n-gram drafts verified by the adapted model change nothing."""
+    from tripod.loader import load_tokenizer
+
+    cfg = load_tokenizer(None).config
+    path = random_adapter(tmp_path / "rnd", cfg, rank=8, seed=1)
+    srv = ServerProcess(tmp_path, "--lora", f"rnd={path}", "--speculative", "ngram", "--threads", "1")
+    try:
+        oai = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        claude = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=120)
+        base = next(m.id for m in oai.models.list().data if not m.model_extra.get("parent"))
+        msgs = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+        def chat(model: str, **kw: Any) -> str:
+            r = oai.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0, **kw)
+            return r.choices[0].message.content or ""
+
+        adapted = chat("rnd")
+        assert adapted != chat(base), "the adapter changed nothing"
+        m = claude.messages.create(model="rnd", messages=msgs, max_tokens=24, extra_body={"temperature": 0})  # type: ignore[arg-type]
+        assert m.content[0].text == adapted
+        assert chat("rnd", extra_body={"speculative": False}) == adapted  # drafts verified by the adapted model
+        schema = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"],
+                  "additionalProperties": False}
+        answer = chat("rnd", response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+        jsonschema.validate(json.loads(answer), schema)
+    finally:
+        srv.stop()

@@ -41,3 +41,31 @@ def other_llama() -> Any:
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
+
+
+def random_adapter(folder: Path, cfg: Any, rank: int, seed: int, scale: float = 0.05) -> Path:
+    """Write a random PEFT LoRA folder for a tripod ``ModelConfig`` (every projection of every
+    layer), without transformers or peft: for models held only as GGUF (the embedded SmolLM2)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tripod.layers.lora import site_shapes
+
+    targets = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+               "down": ("down_proj",)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    shapes = site_shapes(cfg)
+    for layer in range(cfg.num_layers):
+        for site, names in targets.items():
+            for name, (d_in, d_out) in zip(names, shapes[site], strict=True):
+                key = f"base_model.model.model.layers.{layer}.{'self_attn' if site in ('qkv', 'o') else 'mlp'}.{name}"
+                tensors[key + ".lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in**0.5
+                tensors[key + ".lora_B.weight"] = torch.randn(d_out, rank, generator=g) * scale
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+        "target_modules": [n for names in targets.values() for n in names]}))
+    return folder
