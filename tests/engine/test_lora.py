@@ -130,3 +130,18 @@ def test_load_unload_and_refusals(setup: dict[str, Any], tmp_path: Path) -> None
     with pytest.raises(ValueError, match="rank 16 is over --max-lora-rank 8"):
         Engine(model=str(setup["folder"]), dtype="float32", kv_cache_tokens=512, max_lora_rank=8,
                lora=f"rs={setup['paths']['all-rs']}")
+
+
+def test_prompt_logprobs_run_the_adapter(setup: dict[str, Any]) -> None:
+    """Prompt scoring (its own pass outside the steps) runs the request's adapter: each prompt
+    token's logprob is the adapted model's (PEFT's), not the base's."""
+    eng = _engine(setup, kernels="eager")
+    p = _prompts()[0]
+    (out,) = eng.generate([p], SamplingParams(max_tokens=1, prompt_logprobs=0, lora="attn"))
+    assert out.prompt_logprobs is not None
+    got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:] if lp is not None])
+    for name, close in (("attn", True), (None, False)):
+        with torch.no_grad():
+            logits = setup["refs"][name].model(input_ids=torch.tensor([p])).logits[0].float()
+        want = torch.log_softmax(logits, -1)[torch.arange(len(p) - 1), torch.tensor(p[1:])]
+        assert torch.allclose(got, want, atol=1e-4) == close, name

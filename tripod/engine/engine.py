@@ -196,7 +196,8 @@ class Engine(OfflineAPI):
         self.stats.prompt_tokens += tokens
 
     def _score(self, req: Req) -> bool:
-        return score_prompt(req, self.runner, self.pool.allocator, self.cache, self.config.chunk_size)
+        lora = self.loras.weights(req.params.lora) if req.params.lora is not None and self.loras is not None else None
+        return score_prompt(req, self.runner, self.pool.allocator, self.cache, self.config.chunk_size, lora)
 
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()

@@ -98,6 +98,12 @@ class LoraRegistry:
         self.held[name] = self.held.get(name, 0) + 1
         return adapter
 
+    def weights(self, name: str) -> LoraAdapter:
+        """The adapter's weights for a pass outside the steps (prompt scoring): the resident copy,
+        or one read now (not made resident)."""
+        adapter = self.resident.get(name)
+        return adapter if adapter is not None else self._read(name, self.paths[name])
+
     def release(self, name: str) -> None:
         left = self.held.get(name, 0) - 1
         if left > 0:

@@ -262,11 +262,12 @@ class ModelRunner:
         batch, sampling = self.build_batch(items)
         return self.run(batch), sampling
 
-    def prompt_logits(self, ids: list[int], slots: list[int], chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
+    def prompt_logits(self, ids: list[int], slots: list[int], chunk: int,
+                      lora: Any = None) -> Iterator[tuple[int, torch.Tensor]]:
         """Score a prompt: a forward of its own, outside any step, over ``ids`` in chunks of
         ``chunk`` tokens, writing K/V into ``slots`` (scratch slots the caller owns and frees).
         Yields ``(start, logits)``: float32 logits at every position of ``ids[start:start + n]``
-        (row j predicts token ``start + j + 1``)."""
+        (row j predicts token ``start + j + 1``). ``lora``: the adapter the request runs."""
         # NOTE: prompt logprobs need logits at every prompt position, which a step's prefill
         # never computes (and a cached prefix is never recomputed); this separate pass keeps
         # the step path untouched.
@@ -286,6 +287,8 @@ class ModelRunner:
                 logits_idx=torch.arange(n, dtype=torch.long, device=dev),
                 backend=backend,
             )
+            if lora is not None:  # (the request's LoRA adapter, on every row)
+                batch.lora = LoraBatch([(lora, torch.arange(n, dtype=torch.long, device=dev))])
             if self.dp_size > 1:  # scored on rank 0 (its slots); the others join with nothing to attend
                 batch = self._dp_batch([batch, *(self._empty_batch(backend) for _ in range(self.dp_size - 1))])
             if self.group is not None:
