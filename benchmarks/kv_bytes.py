@@ -1,5 +1,6 @@
-"""KV bytes per token: MLA's latent pool against the same models with their attention expanded
-(every head's K and V stored), from the models' published config shapes.
+"""KV bytes per token: MLA's latent pool and DeepSeek-V4's compressed rows against the same models
+with their attention expanded (every head's K and V stored), from the models' published config
+shapes (V4: transformers' ``DeepseekV4Config`` defaults, which describe DeepSeek-V4-Flash).
 
     .venv/bin/python benchmarks/kv_bytes.py > benchmarks/results/kv_bytes.md
 """
@@ -32,6 +33,12 @@ CONFIGS = {
         model_type="gpt_oss", architectures=["GptOssForCausalLM"], hidden_size=2880, intermediate_size=2880,
         num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
         num_local_experts=128, num_experts_per_tok=4, sliding_window=128),
+    "DeepSeek-V4-Flash (43 layers, 64 heads; CSA/HCA)": dict(
+        model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], hidden_size=4096,
+        moe_intermediate_size=2048, num_hidden_layers=43, num_attention_heads=64, num_key_value_heads=1,
+        head_dim=512, q_lora_rank=1024, vocab_size=129280, n_routed_experts=256, num_experts_per_tok=6,
+        n_shared_experts=1, o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128, index_topk=512,
+        sliding_window=128, partial_rotary_factor=64 / 512),
     "Llama-3-8B (GQA: 32 layers, 8 KV heads of 128)": dict(
         model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
@@ -46,8 +53,38 @@ def main() -> None:
         cfg = ModelConfig.from_hf_dict(d)
         ours, mha = cfg.pool_spec(), cfg.mha_equivalent_spec()
         kind = f"latent {ours.latent_dim}/layer" if ours.kind == "latent" else f"K+V {ours.num_kv_heads}x{ours.head_dim}/layer"
+        if cfg.v4 is not None:
+            kind = f"V4 rows {ours.latent_dim}/layer"
         b, m = ours.bytes_per_token(dt), mha.bytes_per_token(dt)
         print(f"| {name} | {kind} | {b:,} | {m:,} | {m / b:.1f}x |")
+    v4_detail(dt)
+
+
+def v4_detail(dt: torch.dtype) -> None:
+    """DeepSeek-V4: what tripod's rows hold per layer kind, against what the design needs per token
+    once blocks are closed and keys have left the window (the compressed entries only)."""
+    name = next(n for n in CONFIGS if "V4" in n)
+    cfg = ModelConfig.from_hf_dict(CONFIGS[name])
+    assert cfg.v4 is not None
+    a, size = cfg.v4.attn, torch.tensor([], dtype=dt).element_size()
+    kinds = a.kinds
+    print()
+    print(f"{name}: {kinds.count('sliding')} sliding, {kinds.count('csa')} CSA, {kinds.count('hca')} HCA layers")
+    print()
+    print("| layer kind | row parts (values) | tripod's row | long-context need per token |")
+    print("|---|---|---|---|")
+    for kind in ("sliding", "csa", "hca"):
+        parts = ", ".join(f"{n} {w}" for n, (_, w) in a.layout(kind).items())
+        print(f"| {kind} | {parts} | {a.row(kind)} | {a.steady_values(kind):g} |")
+    stored = sum(a.row_dim for _ in kinds) * size
+    steady = sum(a.steady_values(k) for k in kinds) * size
+    window = len(kinds) * a.window * a.head_dim * size
+    mha = cfg.mha_equivalent_spec().bytes_per_token(dt)
+    print()
+    print(f"tripod's pool (every layer's row as wide as the widest, {a.row_dim}): {stored:,} bytes/token (bf16), "
+          f"{mha / stored:.1f}x under MHA ({mha:,}).")
+    print(f"The design's long-context need: {steady:,.0f} bytes/token (entries and indexer keys over their "
+          f"blocks) plus a fixed {window:,} bytes per sequence for the {a.window}-token windows: {mha / steady:,.0f}x under MHA.")
 
 
 if __name__ == "__main__":

@@ -34,11 +34,12 @@ ENGINE_SERVER = [
     "--tenants", "/t.toml", "--tenant-limits", "tokens",
     "--otel-endpoint", "http://collector:4318", "--otel-file", "/tmp/spans.jsonl",
     "--reasoning-parser", "qwen3", "--kv-disk", "/var/kv", "--kv-disk-size", "2.5",
+    "--lora", "a=/la,b=/lb", "--max-loras", "2", "--max-lora-rank", "32",
 ]
 
 # The options of each command (as before the CLI was generated from the configs).
 FLAGS = {
-    ("serve",): "--api-key --audit-log --audit-log-content --backend --balance-abs --balance-rel --bench-dir "
+    ("serve",): "--lora --max-lora-rank --max-loras --api-key --audit-log --audit-log-content --backend --balance-abs --balance-rel --bench-dir "
     "--chunk-size --data-parallel-size --device --downscale-delay --drain-timeout --dtype --enable-expert-parallel "
     "--health-interval --host --kernels --kv-cache-tokens --kv-disk --kv-disk-size --load-weight --log-level --lookback "
     "--max-batch-tokens --max-model-len --max-n --max-pending --max-replicas --max-retries --max-running "
@@ -53,12 +54,12 @@ FLAGS = {
     "--health-interval --host --load-weight --log-level --max-pending --max-retries --otel-endpoint --otel-file "
     "--policy --port --queue-timeout --region --region-overflow-load --replica --replica-max-inflight --ssl-ca "
     "--ssl-certfile --ssl-keyfile --stall-timeout --tenants",
-    ("generate",): "--chunk-size --data-parallel-size --device --dtype --enable-expert-parallel --ignore-eos --kernels --kv-cache-tokens "
+    ("generate",): "--lora --max-lora-rank --max-loras --chunk-size --data-parallel-size --device --dtype --enable-expert-parallel --ignore-eos --kernels --kv-cache-tokens "
     "--kv-disk --kv-disk-size --log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p --model "
     "--no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout --pipeline-parallel-size "
     "--policy --raw --repetition-penalty --seed --spec-max-batch --speculative --stats --system "
     "--temperature --tensor-parallel-size --threads --top-k --top-p --weights",
-    ("chat",): "--api-key --chunk-size --data-parallel-size --device --dtype --enable-expert-parallel --ignore-eos --kernels "
+    ("chat",): "--lora --max-lora-rank --max-loras --api-key --chunk-size --data-parallel-size --device --dtype --enable-expert-parallel --ignore-eos --kernels "
     "--kv-cache-tokens --kv-disk --kv-disk-size --log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p "
     "--model --no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout "
     "--pipeline-parallel-size --policy --repetition-penalty --seed --spec-max-batch --speculative "

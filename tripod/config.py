@@ -68,6 +68,20 @@ def parse_speculative(value: str) -> SpeculativeSpec:
     )
 
 
+def parse_loras(value: str) -> dict[str, str]:
+    """``NAME=PATH[,NAME=PATH...]`` → {name: path} (names distinct, neither part empty)."""
+    out: dict[str, str] = {}
+    for part in value.split(","):
+        name, sep, path = part.strip().partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"--lora takes NAME=PATH[,NAME=PATH...] (got {part.strip()!r})")
+        if name in out:
+            raise ValueError(f"--lora names {name!r} twice")
+        out[name] = path
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything that shapes one engine: the model, numerics, memory and scheduling."""
@@ -182,11 +196,27 @@ class EngineConfig:
     parallel_ray_address: str | None = opt(
         None, "--parallel-backend ray: the cluster to join ('auto': this machine's, started with `ray start`; "
         "ray://host:10001; default: a Ray instance of this process)", commands=ENGINE_COMMANDS, metavar="ADDRESS")
+    # LoRA adapters (engine/lora.py): served beside the base model, a request picks one by name.
+    lora: str | None = opt(
+        None, "LoRA adapters to serve beside the base model: NAME=PATH[,NAME=PATH...] (PEFT folders: "
+        "adapter_config.json + adapter_model.safetensors); a request picks one by its \"model\" name; more can be "
+        "loaded live (POST /v1/load_lora_adapter)", commands=ENGINE_COMMANDS, metavar="NAME=PATH[,...]",
+        check=lambda v: parse_loras(v))
+    max_loras: int = opt(
+        4, "LoRA: adapters resident at once (more may be registered: the least recently used idle one is "
+        "evicted and read again when needed)", commands=ENGINE_COMMANDS, metavar="N")
+    max_lora_rank: int = opt(64, "LoRA: the largest adapter rank accepted", commands=ENGINE_COMMANDS, metavar="R")
     parallel_timeout: float = opt(
         60.0, "tensor parallel: seconds a collective may wait for a rank before the group is declared failed",
         commands=ENGINE_COMMANDS, metavar="S")
 
     def __post_init__(self) -> None:
+        if self.lora is not None:
+            parse_loras(self.lora)  # (several processes are refused when the engine is built)
+        if not 1 <= self.max_loras <= 1024:
+            raise ValueError(f"max_loras must be in [1, 1024] (got {self.max_loras})")
+        if not 1 <= self.max_lora_rank <= 1024:
+            raise ValueError(f"max_lora_rank must be in [1, 1024] (got {self.max_lora_rank})")
         if self.dtype not in ("auto", *_DTYPES, *_ALIASES):
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)} (got {self.dtype!r})")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):

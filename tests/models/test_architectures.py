@@ -98,6 +98,65 @@ def test_config_features_read(tiny: Any) -> None:
     assert oss.attn_sinks and oss.attention_bias and oss.sliding_layers == (0, 2) and oss.sliding_window == 12
     assert oss.moe is not None and oss.moe.scoring == "topk_softmax" and oss.moe.router_bias and oss.moe.expert_bias
     assert oss.moe.swiglu_limit == 2.0 and oss.rope_scaling is not None and oss.rope_scaling["rope_type"] == "yarn"
+    v4 = cfg("deepseek-v4")
+    assert v4.v4 is not None and v4.moe is not None and v4.sliding_window is None  # (V4's window is its attention's)
+    a = v4.v4.attn
+    assert a.kinds == ("sliding", "csa", "hca") and (a.csa_rate, a.hca_rate, a.window, a.index_topk) == (4, 8, 8, 4)
+    assert (a.head_dim, a.rope_dim, a.o_groups, a.o_lora_rank) == (32, 8, 2, 16)
+    assert a.compress_scaling is not None and a.compress_scaling["rope_type"] == "yarn" and a.main_theta == 10000.0
+    assert v4.v4.hash_layers == (0,) and v4.v4.hc_mult == 2 and v4.moe.scoring == "sqrtsoftplus"
+    assert v4.moe.swiglu_style == "clamp" and v4.moe.shared_intermediate_size == 32
+
+
+def test_deepseek_v4_compressed_attention(tiny: Any) -> None:
+    """DeepSeek-V4's compressed caches, with chunks (5 tokens) that end inside compression blocks
+    (4 and 8 tokens) and sequences longer than the window (8), several blocks and ``index_topk``
+    (4): a prefix-cache hit (33 tokens: inside a block of each rate) decodes the tokens of a
+    miss, which are transformers'; the indexer really narrows CSA; seeded sampling is the same
+    alone and batched."""
+    folder, ref = tiny("deepseek-v4")
+
+    def engine() -> Engine:
+        return Engine(model=str(folder), dtype="float32", kv_cache_tokens=4096, chunk_size=5, max_batch_tokens=12, max_running=4,
+                      kernels="eager")
+
+    a, d = PROMPTS[0], PROMPTS[3]  # d shares a's first 33 tokens
+    cold = engine()
+    (miss,) = cold.generate([a], PARAMS)
+    assert cold.stats.cached_prompt_tokens == 0
+    check_greedy_tokens(miss.token_ids, ref.greedy(a, N_TOKENS), "deepseek-v4 miss")
+    warm = engine()
+    warm.generate([d], PARAMS)
+    (hit,) = warm.generate([a], PARAMS)
+    assert warm.stats.cached_prompt_tokens >= 33
+    assert hit.token_ids == miss.token_ids, "a prefix-cache hit decoded other tokens than a miss"
+    cfg = warm.model_config.v4
+    assert cfg is not None and warm.pool.kv.shape[-1] == cfg.attn.row_dim
+    layers = {layer.attn.kind: layer.attn for layer in warm.loaded.model.layers}
+    csa = layers["csa"]
+    assert 0 < csa.selected < csa.complete, "the indexer kept every compressed entry: CSA was never sparse"
+    seeded = SamplingParams(max_tokens=N_TOKENS, temperature=1.0, seed=11, ignore_eos=True)
+    alone = [warm.generate([p], seeded)[0].token_ids for p in PROMPTS]
+    assert [o.token_ids for o in warm.generate(PROMPTS, seeded)] == alone
+    warm.assert_consistent()
+    with pytest.raises(ValueError, match="multi-token-prediction module"):  # (this folder has none)
+        Engine(model=str(folder), dtype="float32", kv_cache_tokens=512, speculative="mtp")
+    with pytest.raises(ValueError, match="one process"):
+        Engine(model=str(folder), dtype="float32", kv_cache_tokens=512, tensor_parallel_size=2)
+
+
+def test_deepseek_v4_checkpoint_names(tiny: Any) -> None:
+    """V4 folders hold DeepSeek's own tensor names (``attn.wq_a``, ``ffn.experts.N.w1``,
+    ``hc_attn_fn`` ...), which transformers writes too: tripod reads them as transformers' modules."""
+    from tripod.models.deepseek_v4 import v4_name
+
+    names = _tensors(tiny("deepseek-v4")[0])
+    assert "model.layers.1.attn.indexer.compressor.ape" in names and "head.weight" in names
+    assert v4_name("model.layers.1.attn.indexer.compressor.ape") == "model.layers.1.self_attn.compressor.indexer.position_bias"
+    assert v4_name("layers.0.ffn.shared_experts.w3.weight") == "model.layers.0.mlp.shared_experts.up_proj.weight"
+    assert v4_name("layers.2.attn.norm.weight") == "model.layers.2.self_attn.kv_norm.weight"
+    assert v4_name("norm.weight") == "model.norm.weight" and v4_name("head.weight") == "lm_head.weight"
+    assert v4_name("hc_head_fn") == "model.hc_head.hc_fn" and v4_name("embed.weight") == "model.embed_tokens.weight"
 
 
 def test_deepseek_v32_attends_only_the_indexed_tokens(tiny: Any) -> None:
@@ -114,6 +173,16 @@ def test_deepseek_v32_attends_only_the_indexed_tokens(tiny: Any) -> None:
     indexers = [layer.attn.indexer for layer in eng.loaded.model.layers]
     assert all(ix is not None for ix in indexers)
     assert sum(ix.pruned for ix in indexers if ix is not None) > 0, "no query attended fewer tokens than it saw"
+
+
+@pytest.mark.parametrize("kind", ["deepseek-v32", "gpt-oss"])
+def test_day0_seeded_sampling_alone_equals_batched(kind: str, tiny: Any) -> None:
+    """Seeded sampling on the sparse (V3.2) and sink/window (gpt-oss) attention: each request's
+    tokens are the same alone and batched with the others (V4: its own test above)."""
+    eng = Engine(model=str(tiny(kind)[0]), dtype="float32", kv_cache_tokens=4096, chunk_size=16, kernels="eager")
+    seeded = SamplingParams(max_tokens=N_TOKENS, temperature=1.0, seed=5, ignore_eos=True)
+    alone = [eng.generate([p], seeded)[0].token_ids for p in PROMPTS]
+    assert [o.token_ids for o in eng.generate(PROMPTS, seeded)] == alone
 
 
 def test_gpt_oss_mxfp4_checkpoint(tmp_path: Path, hf_tokenizer: Any) -> None:

@@ -14,17 +14,21 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.tiny_models import VOCAB, add_mtp, build_hf, save
+from tests.support.tiny_models import VOCAB, add_mtp, add_v4_mtp, build_hf, save
 from tripod import Engine, SamplingParams
 from tripod.engine.speculative.mtp import MTPProposer
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> Path:
-    target = build_hf("deepseek-v3", seed=5)
-    out = save(target, tmp_path_factory.mktemp("v3-mtp"), hf_tokenizer)
+def _with_mtp(kind: str, tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
+    target = build_hf(kind, seed=5)
+    out = save(target, tmp_path_factory.mktemp(f"{kind}-mtp"), tokenizer)
     add_mtp(target, out)
     return out
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> Path:
+    return _with_mtp("deepseek-v3", tmp_path_factory, hf_tokenizer)
 
 
 def _prompts() -> list[list[int]]:
@@ -37,6 +41,25 @@ def _engine(folder: Path, **kw: Any) -> Engine:
 
 
 def test_mtp_drafts_are_lossless(folder: Path) -> None:
+    _check_lossless(folder)
+
+
+def test_mtp_drafts_on_deepseek_v32(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> None:
+    """V3.2's MTP module is a V3.2 block (its own lightning indexer, its key in the module's pool
+    row): drafts from it are verified losslessly, with prompts longer than ``index_topk``."""
+    _check_lossless(_with_mtp("deepseek-v32", tmp_path_factory, hf_tokenizer))
+
+
+def test_mtp_drafts_on_deepseek_v4(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> None:
+    """V4's MTP block (``mtp.0.*``: a V4 block over the target's hidden *streams*, its own stream
+    collapse) drafts, and the drafts are verified losslessly; prompts cross the compressed blocks."""
+    target = build_hf("deepseek-v4", seed=5)
+    out = save(target, tmp_path_factory.mktemp("v4-mtp"), hf_tokenizer)
+    add_v4_mtp(target, out)
+    _check_lossless(out)
+
+
+def _check_lossless(folder: Path) -> None:
     plain = _engine(folder)
     spec = _engine(folder, speculative="mtp", num_draft_tokens=3, spec_adaptive=False)
     prompts = _prompts()

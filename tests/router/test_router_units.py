@@ -376,3 +376,22 @@ def test_cache_aware_a_role_marker_alone_does_not_steer() -> None:
     picks = Counter(policy.choose(reps, _req(f"<|user|>question {i}: " + "words " * 30), 256).replica.name
                     for i in range(200))
     assert min(picks.values()) > 60, picks
+
+
+def test_cache_aware_keys_prefixes_by_model() -> None:
+    """The same prompt under two LoRA adapters (the request's ``model``) is two different cached
+    prefixes: a replica holding adapter a's gets no cache-hit preference for adapter b's, and the
+    base model (no name, or ``default``) is a third."""
+    from tripod.router.prompt import model_scope, render_prompt
+
+    body = {"messages": [{"role": "system", "content": "shared instructions " * 40}, {"role": "user", "content": "q"}]}
+    text = render_prompt("/v1/chat/completions", body)
+    keys = {m: model_scope({**body, "model": m}) + text for m in ("adapter-a", "adapter-b", "default")}
+    assert len(set(keys.values())) == 3 and keys["default"] == text
+    cfg = RouterConfig()
+    reps = _replicas(2, cfg)
+    reps[0].tree.insert(keys["adapter-a"], 0.0)
+    policy = CacheAwarePolicy(cfg, random.Random(0))
+    assert policy.choose(reps, _req(keys["adapter-a"]), 256).reason == "cache_hit"
+    d = policy.choose(reps, _req(keys["adapter-b"]), 256)
+    assert d.reason != "cache_hit" and d.matched_chars < len("<|model|>adapter-")  # only the scope's marker

@@ -60,6 +60,18 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
                                 rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                                  "truncate": False, "original_max_position_embeddings": 64,
                                                  "rope_theta": 150000.0})),
+    "deepseek-v4": ("deepseek_v4", dict(num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25,
+                                        q_lora_rank=24, o_groups=2, o_lora_rank=16, index_n_heads=8,
+                                        index_head_dim=16, index_topk=4, sliding_window=8, hc_mult=2,
+                                        compress_rates={"compressed_sparse_attention": 4,
+                                                        "heavily_compressed_attention": 8},
+                                        layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                     "heavily_compressed_attention"],
+                                        mlp_layer_types=["hash_moe", "moe", "moe"], n_routed_experts=8,
+                                        num_experts_per_tok=2, intermediate_size=32,  # (V4's name for moe_intermediate_size)
+                                        rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 128,
+                                                         "beta_fast": 32, "beta_slow": 1})),
     "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=12, query_pre_attn_scalar=16,
                                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                    final_logit_softcapping=30.0)),
@@ -88,11 +100,16 @@ def build_hf(kind: str, seed: int = 0) -> Any:
                 p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith(".sinks"):  # gpt-oss: sinks that take a real share of the softmax
                 p.copy_(torch.randn(p.shape, generator=g))
-            elif name.endswith("router.bias"):
+            elif name.endswith("router.bias") or name.endswith("hc.base") or name.endswith("hc_base"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith("hc.scale") or name.endswith("hc_scale"):  # DeepSeek-V4's hyper-connections
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn(b.shape, generator=g))
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's hash routing: k distinct experts per token id
+                experts = model.config.n_routed_experts
+                b.copy_(torch.stack([torch.randperm(experts, generator=g)[: b.shape[1]] for _ in range(b.shape[0])]))
     model.eval()
     return model
 
@@ -174,6 +191,9 @@ def add_mtp(target: Any, folder: Path, seed: int = 6) -> tuple[Any, dict[str, to
     layers = cfg["num_hidden_layers"]
     d = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
     d["num_hidden_layers"] = layers + 1
+    for key in ("layer_types", "mlp_layer_types"):  # per-layer lists (V3.2): the module's block as the last layer
+        if isinstance(d.get(key), list):
+            d[key] = [*d[key], d[key][-1]]
     torch.manual_seed(seed)
     bigger = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d), dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed + 2)
@@ -242,3 +262,49 @@ def save_mxfp4(model: Any, folder: Path, tokenizer: Any) -> tuple[Path, dict[str
                                                                                      "model.embed_tokens", "lm_head"]}
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return folder, held
+
+
+def add_v4_mtp(target: Any, folder: Path, seed: int = 6) -> None:
+    """Give a saved tiny DeepSeek-V4 folder an MTP block as DeepSeek's checkpoints hold it
+    (``num_nextn_predict_layers: 1`` and ``mtp.0.*``): a V4 block with sliding-window attention and
+    a top-k MoE (transformers' own, saved under DeepSeek's names), ``e_proj``/``h_proj``,
+    ``enorm``/``hnorm``/``norm`` and its own ``hc_head_*``."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(cfg))
+    layers = cfg["num_hidden_layers"]
+    d = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
+    d["num_hidden_layers"] = layers + 1
+    d["layer_types"] = [*cfg["layer_types"], "sliding_attention"]
+    d["mlp_layer_types"] = [*cfg["mlp_layer_types"], "moe"]
+    torch.manual_seed(seed)
+    bigger = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, p in bigger.model.layers[layers].named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5))
+            elif name.endswith("norm.weight") or name.endswith("sinks"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+        with tempfile.TemporaryDirectory() as tmp:
+            bigger.save_pretrained(tmp)
+            saved = {k: v for f in Path(tmp).glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    block = f"model.layers.{layers}."
+    tensors = {"mtp.0." + k.removeprefix(block): v.contiguous() for k, v in saved.items() if k.startswith(block)}
+    h, n = cfg["hidden_size"], cfg["hc_mult"]
+    tensors.update({
+        "mtp.0.enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "mtp.0.hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "mtp.0.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        "mtp.0.e_proj.weight": torch.randn(h, h, generator=g) / h**0.5,
+        "mtp.0.h_proj.weight": torch.randn(h, h, generator=g) / h**0.5,
+        "mtp.0.hc_head_fn": torch.randn(n, n * h, generator=g) / (n * h) ** 0.5,
+        "mtp.0.hc_head_base": 0.5 * torch.randn(n, generator=g),
+        "mtp.0.hc_head_scale": 1 + 0.2 * torch.randn(1, generator=g),
+    })
+    save_file(tensors, str(folder / "mtp.safetensors"), metadata={"format": "pt"})

@@ -53,6 +53,7 @@ class Admission:
         self.count_prompt = count_prompt
         self.score = score
         self.grammars = grammars
+        self.loras: Any = None  # the engine's LoraRegistry (engine/lora.py), when it serves adapters
         self.reqs: dict[str, Req] = {}
         self.compiling: list[Compiling] = []
         self.scoring: list[list[Req]] = []  # groups waiting for their prompt logprobs, in arrival order
@@ -84,6 +85,11 @@ class Admission:
                 f"the prompt has {len(ids)} tokens but the context allows at most {limit - 1} "
                 f"(context {limit} including at least one generated token); shorten the prompt"
             )
+        namespace = 0
+        if params.lora is not None:
+            if self.loras is None:
+                raise ValueError(f"LoRA adapter {params.lora!r}: this engine serves no adapters (start it with --lora NAME=PATH)")
+            namespace = self.loras.namespace(params.lora)
         base = request_id or f"req-{next(self._rid_counter)}"
         prior = {r.index: list(r.output_ids) for r in resume} if resume is not None else {}
         if resume is not None:
@@ -98,6 +104,7 @@ class Admission:
                 noise_key=noise_key(params.seed, i) if params.seed is not None else None,
                 index=i, group=base, output_ids=prior.get(i, []), tenant=tenant, weight=weight,
             )
+            req.lora_ns = namespace
             if copies and self.cache.enabled:
                 req.wait_for = copies[0]
             copies.append(req)

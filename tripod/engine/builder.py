@@ -13,6 +13,7 @@ import torch
 from tripod import kernels
 from tripod.config import EngineConfig
 from tripod.engine.disk_cache import DiskCache, model_identity
+from tripod.engine.lora import LoraRegistry
 from tripod.engine.model_runner import ModelRunner
 from tripod.engine.parallel import LocalWorkers, WorkerGroup, threads_per_rank, weight_bytes
 from tripod.engine.sampler import Sampler
@@ -124,9 +125,12 @@ def make_group(config: EngineConfig) -> WorkerGroup:
 def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
     """Every part of an engine, in dependency order (the pool is sized once the draft is known)."""
     config.check_parallel()
-    if config.data_parallel_size > 1 and loaded is None:  # refused before any worker starts
+    if config.world_size > 1 and loaded is None:  # refused before any worker starts
         mc = load_tokenizer(config.model).config
-        if mc.mla is None:
+        if mc.v4 is not None:
+            raise ValueError("DeepSeek-V4 runs in one process for now (no --tensor/--pipeline/--data-parallel-size): "
+                             "use --replicas")
+        if config.data_parallel_size > 1 and mc.mla is None:
             raise ValueError("--data-parallel-size runs the attention of MLA models (DeepSeek-V2/V3) data-parallel; "
                              f"{mc.architecture} has none: use --tensor-parallel-size or --replicas")
     group = make_group(config) if config.world_size > 1 else None
@@ -227,3 +231,28 @@ def log_started(config: EngineConfig, parts: EngineParts, seconds: float) -> Non
         str(p.dtype).removeprefix("torch."), p.device, p.num_slots, p.num_slots * p.bytes_per_slot / 2**20,
         p.context_len, p.runner.describe(), config.speculative or "off", seconds,
     )
+
+
+def lora_registry(config: EngineConfig, parts: EngineParts) -> LoraRegistry | None:
+    """The engine's LoRA adapters (``--lora``; more loaded live), or None where they cannot run:
+    several processes, or a model whose projections are not the Llama-shaped ones (MLA, V4)."""
+    from tripod.config import parse_loras
+    from tripod.layers.mlp import GatedMLP
+
+    mc, model = parts.loaded.config, parts.loaded.model
+    why = None
+    if config.world_size > 1:
+        why = "the model runs over several processes"
+    elif mc.mla is not None or mc.v4 is not None:
+        why = f"{mc.architecture}'s attention has no q/k/v/o projections to adapt"
+    if why is not None:
+        if config.lora:
+            raise ValueError(f"--lora: {why}")
+        return None
+    dense = {layer.layer for layer in model.layers if isinstance(layer.mlp, GatedMLP)}
+    registry = LoraRegistry(mc, parts.dtype, parts.device, max_loras=config.max_loras,
+                            max_rank=config.max_lora_rank, dense_layers=dense)
+    for name, path in parse_loras(config.lora).items() if config.lora else ():
+        registry.register(name, path)
+        log.info("LoRA adapter %s loaded from %s", name, path)
+    return registry

@@ -118,6 +118,8 @@ class Engine(OfflineAPI):
             tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size, eos_ids=self.eos_ids,
             max_len=lambda: self.max_request_len, cache=self.cache, scheduler=self.scheduler,
             count_prompt=self._count_prompt, score=self._score, grammars=lambda: self.grammars)
+        self.loras = builder.lora_registry(config, parts)  # None: this model/layout serves no adapters
+        self.admission.loras = self.scheduler.loras = self.loras
         self.inboxes: dict[str, list[StepOutput]] = {}  # rid -> undelivered stream outputs
         self._kv_layout: TierLayout | None = None  # the KV block layout, made on first use
         builder.log_started(config, parts, time.monotonic() - t0)
@@ -161,6 +163,22 @@ class Engine(OfflineAPI):
         self.admission.admit(copies)
         return copies
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora(self, name: str, path: str) -> None:
+        """Register a PEFT LoRA adapter under ``name`` (checked against the base model now: a
+        mismatch raises ``ValueError`` saying what); requests pick it with ``SamplingParams(lora=name)``."""
+        if self.loras is None:
+            raise ValueError(f"{self.model_config.architecture} in this layout serves no LoRA adapters")
+        self.loras.register(name, path)
+
+    def unload_lora(self, name: str) -> int:
+        """Refuse new requests for ``name`` from now on; returns how many running ones still hold it
+        (they finish on its weights)."""
+        if self.loras is None:
+            raise ValueError("this engine serves no LoRA adapters")
+        self.loras.unregister(name)
+        return self.loras.in_use(name)
+
     def abort(self, request_id: str) -> bool:
         """Cancel a request (every copy when n > 1). Its KV is released at once."""
         hit = [r for r in self.admission.reqs.values() if r.rid == request_id or r.group == request_id]
@@ -181,7 +199,8 @@ class Engine(OfflineAPI):
         self.stats.prompt_tokens += tokens
 
     def _score(self, req: Req) -> bool:
-        return score_prompt(req, self.runner, self.pool.allocator, self.cache, self.config.chunk_size)
+        lora = self.loras.weights(req.params.lora) if req.params.lora is not None and self.loras is not None else None
+        return score_prompt(req, self.runner, self.pool.allocator, self.cache, self.config.chunk_size, lora)
 
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()

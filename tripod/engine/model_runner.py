@@ -25,6 +25,7 @@ from tripod.layers.backends import CpuBackend, CpuLinearBackend, ReferenceBacken
 from tripod.layers.backends.base import Backend
 from tripod.layers.backends.reference import ScoringBackend, prefill_segment
 from tripod.layers.linear import onednn_supported
+from tripod.layers.lora import LoraBatch
 from tripod.layers.parallel import DPLayout
 from tripod.memory.kv_pool import KVPool, Pool
 from tripod.memory.slot_table import SlotTable
@@ -91,6 +92,8 @@ class ModelRunner:
         cfg = self.model.cfg
         if cfg.mla is not None:
             return "multi-head latent attention runs on torch's ops (latent pool, absorbed decode)"
+        if cfg.v4 is not None:
+            return "DeepSeek-V4's compressed attention runs on torch's ops"
         if cfg.sliding_window is not None:
             return "sliding-window attention layers run on torch's ops"
         if cfg.attn_softcap is not None:
@@ -183,7 +186,9 @@ class ModelRunner:
         if stages > 1 and len(items) > 1:
             return self._micro_batches(items, min(stages, len(items)))
         if self.dp_size == 1:
-            return self.backend.build_batch(items, self)
+            batch, sampling = self.backend.build_batch(items, self)
+            batch.lora = lora_rows(batch)
+            return batch, sampling
         backend = self.backend
         batches: list[ForwardBatch] = []
         sampling: list[ScheduledItem] = []
@@ -257,11 +262,12 @@ class ModelRunner:
         batch, sampling = self.build_batch(items)
         return self.run(batch), sampling
 
-    def prompt_logits(self, ids: list[int], slots: list[int], chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
+    def prompt_logits(self, ids: list[int], slots: list[int], chunk: int,
+                      lora: Any = None) -> Iterator[tuple[int, torch.Tensor]]:
         """Score a prompt: a forward of its own, outside any step, over ``ids`` in chunks of
         ``chunk`` tokens, writing K/V into ``slots`` (scratch slots the caller owns and frees).
         Yields ``(start, logits)``: float32 logits at every position of ``ids[start:start + n]``
-        (row j predicts token ``start + j + 1``)."""
+        (row j predicts token ``start + j + 1``). ``lora``: the adapter the request runs."""
         # NOTE: prompt logprobs need logits at every prompt position, which a step's prefill
         # never computes (and a cached prefix is never recomputed); this separate pass keeps
         # the step path untouched.
@@ -281,8 +287,23 @@ class ModelRunner:
                 logits_idx=torch.arange(n, dtype=torch.long, device=dev),
                 backend=backend,
             )
+            if lora is not None:  # (the request's LoRA adapter, on every row)
+                batch.lora = LoraBatch([(lora, torch.arange(n, dtype=torch.long, device=dev))])
             if self.dp_size > 1:  # scored on rank 0 (its slots); the others join with nothing to attend
                 batch = self._dp_batch([batch, *(self._empty_batch(backend) for _ in range(self.dp_size - 1))])
             if self.group is not None:
                 self.group.send(batch, scoring=True)
             yield s, self.model(batch, self.pool)
+
+
+def lora_rows(batch: ForwardBatch) -> LoraBatch | None:
+    """The batch's rows grouped by the LoRA adapter their request runs (None: all base)."""
+    rows: dict[int, tuple[Any, list[int]]] = {}
+    for it, first in batch.item_rows:
+        adapter = it.req.lora
+        if adapter is not None:
+            rows.setdefault(id(adapter), (adapter, []))[1].extend(range(first, first + it.length))
+    if not rows:
+        return None
+    dev = batch.input_ids.device
+    return LoraBatch([(a, torch.tensor(r, dtype=torch.long, device=dev)) for a, r in rows.values()])

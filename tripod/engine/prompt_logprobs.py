@@ -7,6 +7,8 @@ recomputed), so this separate pass keeps the step path untouched.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tripod.engine.model_runner import ModelRunner
@@ -15,7 +17,8 @@ from tripod.engine.request import Req, TokenLogprob
 from tripod.memory.kv_pool import SlotAllocator
 
 
-def score_prompt(req: Req, runner: ModelRunner, allocator: SlotAllocator, cache: RadixCache, chunk: int) -> bool:
+def score_prompt(req: Req, runner: ModelRunner, allocator: SlotAllocator, cache: RadixCache, chunk: int,
+                 lora: Any = None) -> bool:
     """Set ``req.prompt_logprobs`` (the first token has none: no context scores it), using
     scratch KV slots freed at once; False when the slots are not to be had now."""
     ids = req.prompt_ids
@@ -28,7 +31,7 @@ def score_prompt(req: Req, runner: ModelRunner, allocator: SlotAllocator, cache:
     k = req.params.prompt_logprobs or 0
     out: list[TokenLogprob | None] = [None]
     try:
-        for s, logits in runner.prompt_logits(ids, slots, chunk):
+        for s, logits in runner.prompt_logits(ids, slots, chunk, lora):
             m = min(logits.shape[0], len(ids) - 1 - s)  # rows that predict a prompt token
             if m <= 0:
                 continue

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tripod.engine.lora import cache_ids
+
 # The sampling parameters cross the server → engine pipe, so they are protocol types; the engine
 # and the offline API name them from here.
 from tripod.protocol.sampling import (  # noqa: F401 (re-exported)
@@ -77,6 +79,9 @@ class Req:
     last_node: TreeNode | None = None
     computed: int = 0  # tokens of all_ids whose KV is in slots
     dp_rank: int = 0  # data-parallel attention: the rank whose pool holds its KV (set when admitted)
+    # LoRA: the adapter's cache namespace (0: the base model) and its weights while it runs.
+    lora_ns: int = 0
+    lora: Any = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -113,6 +118,11 @@ class Req:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """``all_ids`` as the prefix cache keys them: in its LoRA adapter's namespace."""
+        return cache_ids(self.all_ids, self.lora_ns)
 
     @property
     def seq_len(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from tripod.engine.fairness import FairShare
 from tripod.engine.radix_cache import MatchResult, RadixCache
@@ -63,7 +64,7 @@ class SchedulePolicy:
             return sorted(waiting, key=lambda r: (-r.params.priority, r.arrival))
 
         def score(r: Req) -> tuple[int, float, float]:
-            hit = len(cache.match_prefix(r.all_ids[:-1], record=False).slots)
+            hit = len(cache.match_prefix(r.cache_ids[:-1], record=False).slots)
             age = step - enq.get(r.rid, step)
             return (-r.params.priority, -(hit + self.aging * age), r.arrival)
 
@@ -99,13 +100,14 @@ class Scheduler:
         self._enqueued_at: dict[str, int] = {}
         self.num_retractions = 0
         self.fair = FairShare()
+        self.loras: Any = None  # the engine's LoraRegistry (engine/lora.py), when it serves adapters
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
         self.waiting.append(req)
         self._enqueued_at[req.rid] = self.step_count
         self.fair.join(req)
-        if self.cache.disk is not None:
+        if self.cache.disk is not None and not req.lora_ns:  # (adapters' prefixes stay in the pool)
             self.cache.disk.prefetch(self.cache, req.all_ids[:-1])  # read its prefix from disk meanwhile
 
     def abort(self, req: Req) -> None:
@@ -189,8 +191,21 @@ class Scheduler:
         return (req.params.priority, -req.arrival, -req.seq)
 
     def _admit(self, req: Req, budget: int) -> ScheduledItem | None:
-        tokens = req.all_ids
-        if self.cache.disk is not None:  # what the disk tier has beyond the pool's match goes into the pool
+        if req.params.lora is None or req.lora is not None:
+            return self._place(req, budget)
+        assert self.loras is not None
+        req.lora = self.loras.acquire(req.params.lora)  # held while it runs (given back in release)
+        if req.lora is None:
+            return None  # every resident adapter is held by running requests: wait
+        item = self._place(req, budget)
+        if item is None:  # not admitted after all: it waits without holding the adapter
+            self.loras.release(req.params.lora)
+            req.lora = None
+        return item
+
+    def _place(self, req: Req, budget: int) -> ScheduledItem | None:
+        tokens = req.cache_ids
+        if self.cache.disk is not None and not req.lora_ns:  # what the disk tier has beyond the pool's match goes into the pool
             self.cache.disk.load(self.cache, tokens[:-1], headroom=len(self.running),
                                  chunk=min(self.chunk_size, budget), record=req.retractions == 0)
         match = self._match(req)
@@ -230,8 +245,8 @@ class Scheduler:
         longest one, else (no hit) the rank with the fewest running requests, then the most free slots."""
         record = req.retractions == 0
         if self.allocator.ranks == 1:
-            return self.cache.match_prefix(req.all_ids[:-1], record=record)
-        found = [self.cache.match_prefix(req.all_ids[:-1], record=False, rank=r) for r in range(self.allocator.ranks)]
+            return self.cache.match_prefix(req.cache_ids[:-1], record=record)
+        found = [self.cache.match_prefix(req.cache_ids[:-1], record=False, rank=r) for r in range(self.allocator.ranks)]
         best = max(found, key=lambda m: (len(m.slots), -len(self._on(m.rank)), self.allocator.free_on(m.rank)))
         if record:
             self.cache.record(len(req.all_ids) - 1, len(best.slots))
@@ -285,7 +300,7 @@ class Scheduler:
         if not self.cache.enabled:
             return
         k = req.computed
-        tokens = req.all_ids[:k]
+        tokens = req.cache_ids[:k]
         present, _ = self.cache.insert(tokens, req.slots[:k])
         match = self.cache.match_prefix(tokens, record=False, rank=req.dp_rank)
         assert len(match.slots) == k
@@ -308,6 +323,10 @@ class Scheduler:
         private = req.slots[req.cache_len :]
         if private:
             self.allocator.free(private)
+        if req.lora is not None:
+            assert self.loras is not None
+            self.loras.release(req.params.lora)
+            req.lora = None
         req.slots = []
         req.slots_version += 1
         req.cache_len = 0

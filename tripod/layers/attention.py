@@ -97,6 +97,9 @@ class ForwardBatch:
     # Pipeline parallel: the step's further micro-batches (other requests), run after this one
     # so that the stages overlap; their logits rows follow this batch's.
     micro: list[ForwardBatch] = field(default_factory=list)
+    # LoRA adapters (layers/lora.LoraBatch): each adapter's rows get its delta after every
+    # targeted projection; None when every row runs the base model.
+    lora: Any = None
 
 
 def attend(

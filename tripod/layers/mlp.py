@@ -60,9 +60,15 @@ class GatedMLP(nn.Module):
         keep(self, "gate_up", src.cat([f"{prefix}{g}.weight", f"{prefix}{u}.weight"]))
         keep(self, "down", src.part(f"{prefix}{d}.weight"))
 
-    def forward(self, h: torch.Tensor, backend: Backend, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, backend: Backend, residual: torch.Tensor | None = None,
+                lora: tuple[Any, int] | None = None) -> torch.Tensor:
+        """``lora``: (the step's ``LoraBatch``, this MLP's layer) when rows run adapters."""
         gate_up, down = self.ops[backend.form]
-        return self.tp.reduce(down(backend.activate(gate_up(h), self.inter, self.act), residual=self.tp.residual(residual)))
+        if lora is None:
+            return self.tp.reduce(down(backend.activate(gate_up(h), self.inter, self.act), residual=self.tp.residual(residual)))
+        adapters, layer = lora
+        act = backend.activate(adapters.apply(layer, "gate_up", h, gate_up(h)), self.inter, self.act)
+        return self.tp.reduce(adapters.apply(layer, "down", act, down(act, residual=self.tp.residual(residual))))
 
 
 def keep(module: Any, name: str, part: tuple[torch.Tensor, Fp8Scales | None]) -> None:

@@ -33,7 +33,7 @@ class MoEConfig:
     num_experts: int
     top_k: int
     intermediate_size: int  # per expert
-    scoring: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
+    scoring: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3) | "sqrtsoftplus" (DeepSeek-V4)
     norm_topk_prob: bool = True  # renormalize the chosen experts' weights to sum to 1
     routed_scaling_factor: float = 1.0
     # Expert choice restricted to the best ``topk_group`` of ``n_group`` expert groups
@@ -52,6 +52,8 @@ class MoEConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # DeepSeek-V4 clamps the plain SwiGLU instead: ``silu(min(gate, limit)) * clamp(up, ±limit)``.
+    swiglu_style: str = "gpt_oss"  # "gpt_oss" | "clamp"
 
 
 def route(logits: torch.Tensor, spec: MoEConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +61,7 @@ def route(logits: torch.Tensor, spec: MoEConfig, bias: torch.Tensor | None) -> t
     if spec.scoring == "topk_softmax":  # gpt-oss: the k largest logits, softmaxed among themselves
         top, idx = logits.topk(spec.top_k, dim=-1)
         return top.softmax(dim=-1), idx
-    scores = logits.sigmoid() if spec.scoring == "sigmoid" else logits.softmax(dim=-1)
+    scores = score(logits, spec.scoring)
     choice = scores + bias if bias is not None else scores
     if spec.topk_method != "greedy" and spec.n_group > 1:
         t, e = choice.shape
@@ -75,13 +77,26 @@ def route(logits: torch.Tensor, spec: MoEConfig, bias: torch.Tensor | None) -> t
         fill = float("-inf") if spec.topk_method == "group_top2" else 0.0
         choice = choice.masked_fill(~expert_mask, fill)
     idx = choice.topk(spec.top_k, dim=-1, sorted=False)[1]
+    return chosen_weights(scores, idx, spec), idx
+
+
+def score(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    if scoring == "sigmoid":
+        return logits.sigmoid()
+    if scoring == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits).sqrt()
+    return logits.softmax(dim=-1)
+
+
+def chosen_weights(scores: torch.Tensor, idx: torch.Tensor, spec: MoEConfig) -> torch.Tensor:
+    """The chosen experts' scores, renormalised (when the family does) and scaled."""
     weights = scores.gather(1, idx)
     if spec.norm_topk_prob:
         denom = weights.sum(dim=-1, keepdim=True)
-        weights = weights / (denom + 1e-20) if spec.scoring == "sigmoid" else weights / denom
+        weights = weights / (denom + 1e-20) if spec.scoring != "softmax" else weights / denom
     if spec.routed_scaling_factor != 1.0:
         weights = weights * spec.routed_scaling_factor
-    return weights, idx
+    return weights
 
 
 class ExpertSet(nn.Module):
@@ -98,6 +113,7 @@ class ExpertSet(nn.Module):
         self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden, dtype=dtype), requires_grad=False) if biased else None
         self.limit = spec.swiglu_limit if spec is not None else None
         self.alpha = spec.swiglu_alpha if spec is not None else 1.702
+        self.style = spec.swiglu_style if spec is not None else "gpt_oss"
         self.fp8: dict[str, Fp8Scales] = {}  # stacked scales [E, rows, cols] of weights kept in FP8
         self.first = 0  # the global index of this rank's first expert (expert parallel)
 
@@ -160,6 +176,8 @@ class ExpertSet(nn.Module):
         g, u = gu.split([self.inter, self.inter], dim=-1)
         g = g.clamp(max=self.limit)
         u = u.clamp(min=-self.limit, max=self.limit)
+        if self.style == "clamp":
+            return activate(torch.cat((g, u), dim=-1), self.inter, self.act)
         return (u + 1) * (g * torch.sigmoid(g * self.alpha))
 
     def weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tripod.layers.compressed import CompressedAttnConfig
 from tripod.layers.mla import MLAConfig
 from tripod.layers.moe import MoEConfig
 from tripod.layers.parallel import SINGLE, ParallelGroup, head_split
@@ -34,6 +35,7 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "deepseek_v3": ("DeepseekV3ForCausalLM",),
     "deepseek_v32": ("DeepseekV32ForCausalLM",),
     "gpt_oss": ("GptOssForCausalLM",),
+    "deepseek_v4": ("DeepseekV4ForCausalLM",),
 }
 
 
@@ -57,6 +59,18 @@ def architecture_of(d: dict[str, Any]) -> str:
         raise ValueError(f"config.json has no architectures and its model_type {mtype!r} is not one tripod "
                          f"supports; supported model types: {', '.join(sorted(MODEL_TYPES))}")
     return "LlamaForCausalLM"  # neither said: the decoder every family builds on
+
+
+@dataclass(frozen=True, slots=True)
+class V4Config:
+    """DeepSeek-V4's parts beyond the Llama shape: its attention (``layers/compressed.py``), the
+    ``hc_mult`` residual streams mixed by hyper-connections, and the hash-routed MoE layers."""
+
+    attn: CompressedAttnConfig
+    hc_mult: int
+    hc_iters: int  # Sinkhorn-Knopp iterations
+    hc_eps: float
+    hash_layers: tuple[int, ...]  # layers whose experts are chosen by token id (``tid2eid``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +113,7 @@ class ModelConfig:
     mla: MLAConfig | None = None
     num_nextn_predict_layers: int = 0  # DeepSeek-V3's multi-token-prediction modules
     attn_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax (AttnSpec.sinks)
+    v4: V4Config | None = None  # DeepSeek-V4: compressed attention, hyper-connections, hash routing
 
     def is_sliding(self, layer: int) -> bool:
         if self.sliding_window is None:
@@ -122,12 +137,16 @@ class ModelConfig:
         layers = self.num_layers if num_layers is None else num_layers
         if self.mla is not None:
             return PoolSpec(layers, "latent", latent_dim=self.mla.pool_dim)
+        if self.v4 is not None:
+            return PoolSpec(layers, "latent", latent_dim=self.v4.attn.row_dim)
         _, _, k0, k1 = head_split(self.num_heads, self.num_kv_heads, tp)
         return PoolSpec(layers, "mha", num_kv_heads=k1 - k0, head_dim=self.head_dim)
 
     def mha_equivalent_spec(self) -> PoolSpec:
         """The pool the same model would need with its attention expanded (MLA: every head's K
         and V stored; otherwise the model's own)."""
+        if self.v4 is not None:  # one K=V head per layer shared by all: expanded, K and V per head
+            return PoolSpec(self.num_layers, "mha", num_kv_heads=self.num_heads, head_dim=self.head_dim)
         if self.mla is None:
             return self.pool_spec()
         m = self.mla
@@ -153,12 +172,13 @@ class ModelConfig:
             raise ValueError(f"activation {act!r} is not supported; supported: silu, gelu_pytorch_tanh")
         mla = _mla(d)
         layers = int(d["num_hidden_layers"])
-        window, sliding = _sliding(d, layers)
+        v4 = _v4(d, layers) if mtype == "deepseek_v4" or arch == "DeepseekV4ForCausalLM" else None
+        window, sliding = _sliding(d, layers) if v4 is None else (None, None)  # (V4's window: its attention's)
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]),
+            intermediate_size=int(d.get("intermediate_size") or d["moe_intermediate_size"]),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
@@ -188,6 +208,7 @@ class ModelConfig:
             mla=mla,
             num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
             attn_sinks=mtype == "gpt_oss" or arch == "GptOssForCausalLM",
+            v4=v4,
         )
 
 
@@ -241,6 +262,13 @@ def _moe(d: dict[str, Any], layers: int) -> MoEConfig | None:
     mtype = str(d.get("model_type") or "")
     top_k = int(d.get("num_experts_per_tok") or 2)
     inter = int(d.get("moe_intermediate_size") or d["intermediate_size"])
+    if mtype == "deepseek_v4":  # every layer MoE; sqrt(softplus) scores; the clamped SwiGLU everywhere
+        return MoEConfig(
+            num_experts=int(n), top_k=top_k, intermediate_size=inter, scoring=str(d.get("scoring_func") or "sqrtsoftplus"),
+            norm_topk_prob=True, routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+            correction_bias=True, shared_intermediate_size=inter * int(d.get("n_shared_experts") or 0),
+            swiglu_limit=float(d.get("swiglu_limit") or 10.0), swiglu_style="clamp",
+        )
     if mtype.startswith("deepseek"):
         first_dense = int(d.get("first_k_dense_replace") or 0)
         freq = int(d.get("moe_layer_freq") or 1)
@@ -294,6 +322,56 @@ def _mla(d: dict[str, Any]) -> MLAConfig | None:
         index_head_dim=int(d.get("index_head_dim") or 0) if d.get("index_topk") else 0,
         index_topk=int(d.get("index_topk") or 0),
     )
+
+
+_V4_KINDS = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
+             "heavily_compressed_attention": "hca"}
+_V4_RATIOS = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+
+def _v4(d: dict[str, Any], layers: int) -> V4Config:
+    """DeepSeek-V4's config, as transformers reads it (``layer_types`` or the older
+    ``compress_ratios``; ``rope_parameters`` keyed ``main`` / ``compress``)."""
+    types = d.get("layer_types")
+    if types is None and d.get("compress_ratios") is not None:
+        types = [_V4_RATIOS[int(r)] for r in d["compress_ratios"]]
+    if types is None:  # transformers' default: two HCA layers, then CSA / HCA alternating
+        types = ["heavily_compressed_attention"] * min(layers, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(layers - 2, 0))]
+    bad = [t for t in types if t not in _V4_KINDS]
+    if len(types) < layers or bad:
+        raise ValueError(f"DeepSeek-V4 layer_types must name each of the {layers} layers as one of "
+                         f"{', '.join(_V4_KINDS)} (got {types})")
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128, **(d.get("compress_rates") or {})}
+    head_dim = int(d["head_dim"])
+    partial = d.get("partial_rotary_factor")
+    rope_dim = int(d["qk_rope_head_dim"]) if d.get("qk_rope_head_dim") else int(head_dim * float(partial or 64 / 512))
+    rp = d.get("rope_parameters") or {}
+    main = rp.get("main") if isinstance(rp.get("main"), dict) else {}
+    comp = rp.get("compress") if isinstance(rp.get("compress"), dict) else dict(rp)
+    scaling = {k: v for k, v in comp.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = {}
+    elif scaling.get("rope_type") == "yarn":
+        scaling.setdefault("attention_factor", 1.0)  # V4 does not scale cos/sin by YaRN's mscale
+    kinds = d.get("mlp_layer_types")
+    if kinds is None:
+        n_hash = int(d.get("num_hash_layers", 3))
+        kinds = ["hash_moe"] * min(layers, n_hash) + ["moe"] * max(0, layers - n_hash)
+    attn = CompressedAttnConfig(
+        head_dim=head_dim, rope_dim=rope_dim, q_lora_rank=int(d["q_lora_rank"]), o_groups=int(d["o_groups"]),
+        o_lora_rank=int(d["o_lora_rank"]), window=int(d.get("sliding_window") or 128),
+        kinds=tuple(_V4_KINDS[t] for t in types[:layers]),
+        csa_rate=int(rates["compressed_sparse_attention"]), hca_rate=int(rates["heavily_compressed_attention"]),
+        index_heads=int(d.get("index_n_heads") or 64), index_dim=int(d.get("index_head_dim") or 128),
+        index_topk=int(d.get("index_topk") or 512),
+        main_theta=float(main.get("rope_theta") or d.get("rope_theta") or 10000.0),
+        compress_theta=float(comp.get("rope_theta") or d.get("compress_rope_theta") or 160000.0),
+        compress_scaling=scaling or None,
+    )
+    return V4Config(attn=attn, hc_mult=int(d.get("hc_mult") or 4), hc_iters=int(d.get("hc_sinkhorn_iters") or 20),
+                    hc_eps=float(d.get("hc_eps") or 1e-6),
+                    hash_layers=tuple(i for i, k in enumerate(kinds[:layers]) if k == "hash_moe"))
 
 
 def _mla_mscale(rope: dict[str, Any] | None) -> float:

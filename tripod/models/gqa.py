@@ -36,6 +36,7 @@ class GQAttention(nn.Module):
             window=cfg.sliding_window if cfg.is_sliding(layer) else None, softcap=cfg.attn_softcap, sinks=self.sinks,
         )
         self.eps = cfg.rms_norm_eps
+        self.index = layer  # (LoRA sites are per model layer)
         self.qkv = new_param(self.q_size + 2 * self.kv_size, h, dtype=dtype)
         self.qkv_bias = new_param(self.q_size + 2 * self.kv_size, dtype=dtype, fill=0.0) if qkv_bias else None
         self.o = new_param(h, self.q_size, dtype=dtype)
@@ -95,8 +96,11 @@ class GQAttention(nn.Module):
                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None, residual: torch.Tensor | None) -> torch.Tensor:
         qkv_op, o_op = self.ops[batch.backend.form]
         qk = (self.q_norm, self.k_norm, self.eps) if self.q_norm is not None and self.k_norm is not None else None
-        a = attend(qkv_op(h), layer, pool, batch, rotary, cos_sin, self.spec, qk)
-        return self.tp.reduce(o_op(a, residual=self.tp.residual(residual)))
+        lora = batch.lora
+        qkv = qkv_op(h) if lora is None else lora.apply(self.index, "qkv", h, qkv_op(h))
+        a = attend(qkv, layer, pool, batch, rotary, cos_sin, self.spec, qk)
+        out = o_op(a, residual=self.tp.residual(residual))
+        return self.tp.reduce(out if lora is None else lora.apply(self.index, "o", a, out))
 
 
 def norm_weight(w: torch.Tensor, offset: bool) -> torch.Tensor:

@@ -88,12 +88,18 @@ class DecoderLayer(nn.Module):
         if self.attn_out_norm is None:
             x = self._attend(h, ctx, rotary, cos_sin, residual=x)
             h = be.norm(x, self.post_norm, self.eps)
-            return self.mlp(h, be, residual=x)
+            return self._mlp(h, ctx, residual=x)
         a = self._attend(h, ctx, rotary, cos_sin, residual=None)
         x = x + be.norm(a, self.attn_out_norm, self.eps)
         h = be.norm(x, self.post_norm, self.eps)
         assert self.mlp_out_norm is not None
-        return x + be.norm(self.mlp(h, be), self.mlp_out_norm, self.eps)
+        return x + be.norm(self._mlp(h, ctx, residual=None), self.mlp_out_norm, self.eps)
+
+    def _mlp(self, h: torch.Tensor, ctx: StepContext, residual: torch.Tensor | None) -> torch.Tensor:
+        lora = ctx.batch.lora
+        if lora is not None and isinstance(self.mlp, GatedMLP):
+            return self.mlp(h, ctx.batch.backend, residual=residual, lora=(lora, self.layer))
+        return self.mlp(h, ctx.batch.backend, residual=residual)
 
     def forward_dp(self, x: torch.Tensor, ctx: StepContext, dp: DPLayout) -> torch.Tensor:
         """Data-parallel attention: attention (whole) over this rank's rows ``x``; the MLP (split

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tripod.models.deepseek import DeepseekForCausalLM
+from tripod.models.deepseek_v4 import DeepseekV4ForCausalLM
 from tripod.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 
 # Every family is the one decoder (models/llama.py) configured by its ModelConfig; the classes
@@ -20,6 +21,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekForCausalLM,  # + the lightning indexer's sparse attention
     "GptOssForCausalLM": LlamaForCausalLM,  # sinks, alternating windows, biased clamped-SwiGLU experts
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,  # compressed attention, hyper-connections, hash routing
 }
 
 

@@ -67,6 +67,15 @@ class ExportKV(msgspec.Struct, tag=True):
     prompt_ids: list[int]
 
 
+class LoraRequest(msgspec.Struct, tag=True):
+    """Load (``path`` given) or unload a LoRA adapter by name; answered by ``LoraReply(token)``."""
+
+    token: int
+    action: str  # "load" | "unload" | "list"
+    name: str = ""
+    path: str = ""
+
+
 # ---------------------------------------------------------------------- engine → server
 class KVTierCard(msgspec.Struct, kw_only=True):
     """Where and how the engine's disk tier keeps blocks (``--kv-disk``; a decode replica's), so
@@ -94,6 +103,8 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     # The compute backend at start-up; heartbeats carry its later value (the kernels may load later).
     compute: ComputeCard
     kv_tier: KVTierCard | None = None  # with a disk tier (--kv-disk; --role decode)
+    # LoRA adapters loaded at start-up (--lora): name -> path; None: this engine serves none.
+    loras: dict[str, str] | None = None
 
 
 class SeqTiming(msgspec.Struct, array_like=True, frozen=True):
@@ -137,6 +148,16 @@ class StatsReply(msgspec.Struct, tag=True):
     stats: EngineStats
 
 
+class LoraReply(msgspec.Struct, tag=True):
+    """The answer to a ``LoraRequest``: its error (None: done), the adapters now loaded (name ->
+    path), and the running requests still holding the adapter just unloaded."""
+
+    token: int
+    error: str | None
+    loras: dict[str, str]
+    running: int = 0
+
+
 class Fatal(msgspec.Struct, tag=True):
     message: str
 
@@ -150,8 +171,8 @@ class KVExport(msgspec.Struct, tag=True):
     error: str | None = None
 
 
-Message = (AddRequest | AbortRequest | StatsRequest | Shutdown | ExportKV | Ready | Outputs | Heartbeat | StatsReply
-           | Fatal | KVExport)
+Message = (AddRequest | AbortRequest | StatsRequest | Shutdown | LoraRequest | ExportKV | Ready | Outputs | Heartbeat
+           | StatsReply | LoraReply | KVExport | Fatal)
 
 
 class ProtocolError(ValueError):

@@ -88,6 +88,8 @@ class SamplingParams:
     # Speculative decoding for this request when the engine has a proposer (False: decode
     # plainly; outputs are the same either way, only the speed differs).
     speculative: bool = True
+    # The LoRA adapter to run this request with (its name; None: the base model).
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> SamplingParamError:
@@ -124,6 +126,8 @@ class SamplingParams:
             raise bad("grammar", "must be a GrammarSpec or None")
         if not isinstance(self.speculative, bool):
             raise bad("speculative", "must be true or false")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise bad("lora", "must be an adapter's name (a non-empty string) or None")
         if self.logit_bias is not None:
             lb = self.logit_bias
             if not isinstance(lb, dict) or len(lb) > MAX_LOGIT_BIAS:

@@ -28,6 +28,7 @@ from starlette.routing import Route
 from tripod import tracing
 from tripod.asgi import BodyTooLarge, ClientGone, read_body, until_disconnect
 from tripod.console.app import Console
+from tripod.router import lora
 from tripod.router.console_source import RouterConsoleSource, SupervisorView
 from tripod.router.errors import RouterError
 from tripod.router.fairness import TENANT_HEADER
@@ -214,7 +215,7 @@ async def _not_found(request: Request, e: Exception) -> Response:
 
 
 def _api_path(path: str) -> bool:
-    return path in PROXIED_PATHS or path == "/v1/models" or path.startswith("/v1/models/")
+    return path in PROXIED_PATHS or path in lora.LORA_PATHS or path == "/v1/models" or path.startswith("/v1/models/")
 
 
 def _finish_span(scope: Any, span: Any) -> None:
@@ -247,6 +248,10 @@ def build_router_app(router: Router, lifespan: Any = None,
     async def models(request: Request) -> Response:
         return await _models(router, request)
 
+    async def lora_admin(request: Request) -> Response:  # to every replica (router/lora.py)
+        raw, _ = await read_request(request, router.config.max_body_bytes)
+        return await lora.broadcast(router, request.url.path, raw, dict(request.headers))
+
     async def health(_: Request) -> Response:
         return _health(router)
 
@@ -261,6 +266,7 @@ def build_router_app(router: Router, lifespan: Any = None,
     routes += [
         Route("/v1/models", _counted(router, "/v1/models", models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", _counted(router, "/v1/models", models), methods=["GET"]),
+        *(Route(p, _counted(router, p, lora_admin), methods=["POST"]) for p in lora.LORA_PATHS),
         Route("/health", _counted(router, "/health", health), methods=["GET"]),
         Route("/metrics", metrics_page, methods=["GET"]),
         Route("/fleet", fleet, methods=["GET"]),

@@ -117,6 +117,14 @@ def render_prompt(path: str, body: dict[str, Any]) -> str:
     return prompt if isinstance(prompt, str) else ""
 
 
+def model_scope(body: dict[str, Any]) -> str:
+    """The key the prompt text is put under in the router's prefix trees: the requested ``model``
+    (a LoRA adapter's name keeps its prefixes apart from the base's and other adapters'), none
+    for an unnamed or ``default`` model."""
+    model = body.get("model")
+    return f"<|model|>{model}\n" if isinstance(model, str) and model not in ("", "default") else ""
+
+
 def output_budget(body: dict[str, Any]) -> float:
     """The output tokens a request may ask for (all its choices), as counted into a replica's load."""
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_OUTPUT_TOKENS

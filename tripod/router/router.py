@@ -32,7 +32,13 @@ from tripod.router.metrics import RouterMetrics
 from tripod.router.pd import Disaggregator
 from tripod.router.policy import Decision, RouteRequest, RoutingPolicy, make_policy, prefer_region
 from tripod.router.prefix_tree import PrefixTree
-from tripod.router.prompt import DEFAULT_OUTPUT_TOKENS, is_anthropic, output_budget, render_prompt
+from tripod.router.prompt import (
+    DEFAULT_OUTPUT_TOKENS,
+    is_anthropic,
+    model_scope,
+    output_budget,
+    render_prompt,
+)
 from tripod.router.proxy import Proxy
 from tripod.router.replica import CircuitBreaker, Flight, Replica, ReplicaProcess
 
@@ -181,7 +187,9 @@ class Router:
     # ------------------------------------------------------------ routing
     def route_request(self, path: str, body: dict[str, Any]) -> RouteRequest:
         text = render_prompt(path, body)
-        return RouteRequest(text, len(text) / self.chars_per_token, output_budget(body))
+        # The cache-aware tree keys the prompt under the model it runs on: a LoRA adapter's prefixes
+        # (cached apart from the base's and each other's in the replicas) gather on their own replicas.
+        return RouteRequest(model_scope(body) + text, len(text) / self.chars_per_token, output_budget(body))
 
     async def pick(self, rr: RouteRequest, tried: set[Replica], wait: bool = True) -> Decision:
         """A decision among routable replicas not yet tried; waits (bounded) for one to appear."""

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tripod.protocol import health
 from tripod.server.engine_client import EngineDead
+from tripod.server.lora_api import adapter_cards, add_lora_routes
 from tripod.server.protocol import (
     APIError,
     DetokenizeRequest,
@@ -80,14 +81,16 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         card = model_card(state)
+        cards = [card, *adapter_cards(state, card)]  # the base, then its LoRA adapters
         # Anthropic's list shape (data, first_id, last_id, has_more) beside OpenAI's (object, data).
-        return JSONResponse({"object": "list", "data": [card], "first_id": card["id"], "last_id": card["id"],
+        return JSONResponse({"object": "list", "data": cards, "first_id": cards[0]["id"], "last_id": cards[-1]["id"],
                              "has_more": False})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
         check_model(state, model_id)
-        return JSONResponse(model_card(state))
+        card = model_card(state)
+        return JSONResponse(next((c for c in adapter_cards(state, card) if c["id"] == model_id), card))
 
     @app.get("/debug/engine")
     async def debug_engine() -> JSONResponse:
@@ -99,6 +102,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({**stats.as_json(), "inflight": state.client.inflight})
 
     add_token_routes(app, state)
+    add_lora_routes(app, state)
 
 
 def health_answer(state: ServerState) -> Response:

@@ -34,6 +34,7 @@ from tripod.server.sampling import build_sampling, stop_strings
 from tripod.server.serving import (
     ServerState,
     Started,
+    adapter_of,
     check_model,
     read_body,
     start_generation,
@@ -180,7 +181,7 @@ async def _messages(state: ServerState, request: Request) -> Response:
         state.limits, prompt_len=len(ids), max_tokens=req.max_tokens, default_max_tokens=state.max_len,
         prompt_param="messages", grammar=constraint,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, ignore_eos=req.ignore_eos,
-        priority=req.priority, speculative=req.speculative,
+        priority=req.priority, speculative=req.speculative, lora=adapter_of(state, req.model),
     )
     stops = stop_strings(req.stop_sequences, "stop_sequences")
     rid = new_id("msg", "_")

@@ -180,6 +180,8 @@ class EngineClient:
         self._handles: dict[str, RequestHandle] = {}
         self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
         self._export_waiters: dict[int, asyncio.Future[engine_ipc.KVExport]] = {}
+        self._lora_waiters: dict[int, asyncio.Future[engine_ipc.LoraReply]] = {}
+        self.loras: dict[str, str] | None = None  # LoRA adapters the engine serves (name -> path); None: none
         self._tokens = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._proc: EngineProcess | None = None
@@ -263,6 +265,7 @@ class EngineClient:
             raise EngineDead(f"the engine failed to start: {msg.message}")
         assert isinstance(msg, engine_ipc.Ready), msg
         self.info = msg
+        self.loras = dict(msg.loras) if msg.loras is not None else None
         self.last_heartbeat = time.monotonic()
         # NOTE: the exit watch fires the moment the process ends, however it ends (crash,
         # kill -9, OOM): that is what makes /health turn at once.
@@ -357,6 +360,12 @@ class EngineClient:
                 kfut = self._export_waiters.pop(msg.token, None)
                 if kfut is not None and not kfut.done():
                     kfut.set_result(msg)
+            elif isinstance(msg, engine_ipc.LoraReply):
+                if self.loras is not None:
+                    self.loras = dict(msg.loras)
+                waiter = self._lora_waiters.pop(msg.token, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(msg)
             elif isinstance(msg, engine_ipc.Fatal):
                 self._die(f"the engine loop failed: {msg.message}")
                 return
@@ -412,6 +421,19 @@ class EngineClient:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._export_waiters.pop(token, None)
+
+    async def lora(self, action: str, name: str = "", path: str = "", timeout: float = 60.0) -> engine_ipc.LoraReply:
+        """Load / unload / ask about a LoRA adapter in the engine (``LoraRequest``)."""
+        if not self.alive:
+            raise EngineDead(self.dead_reason or "the engine is not running")
+        token = next(self._tokens)
+        fut: asyncio.Future[engine_ipc.LoraReply] = asyncio.get_running_loop().create_future()
+        self._lora_waiters[token] = fut
+        self._send(engine_ipc.LoraRequest(token, action, name, path))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._lora_waiters.pop(token, None)
 
     def _send(self, msg: engine_ipc.Message) -> None:
         if self._push is None or self.dead_reason is not None:

@@ -69,6 +69,7 @@ def engine_main(launch: engine_ipc.EngineLaunch) -> None:
             kv_slots=engine.pool.allocator.num_slots,
             compute=ComputeCard(**engine.runner.card()),
             kv_tier=_tier_card(engine),
+            loras=dict(engine.loras.paths) if engine.loras is not None else None,
         )))
         EngineLoop(engine, pull, push, launch.heartbeat_interval, launch.parent_pid, timings=launch.timings).run()
     except Exception as e:  # a crash must reach the server as a message, not only a dead pid
@@ -156,10 +157,26 @@ class EngineLoop:
                 self.push.send(engine_ipc.encode(engine_ipc.StatsReply(msg.token, self.stats(check=True))))
             elif isinstance(msg, engine_ipc.ExportKV):
                 self._export(msg)
+            elif isinstance(msg, engine_ipc.LoraRequest):
+                self.push.send(engine_ipc.encode(self._lora(msg)))
             elif isinstance(msg, engine_ipc.Shutdown):
                 self.running = False
             else:
                 raise AssertionError(f"unexpected message {msg!r}")
+
+    def _lora(self, msg: engine_ipc.LoraRequest) -> engine_ipc.LoraReply:
+        loras = self.engine.loras
+        error, running = None, 0
+        try:
+            if msg.action == "load":
+                self.engine.load_lora(msg.name, msg.path)
+            elif msg.action == "unload":
+                running = self.engine.unload_lora(msg.name)
+            elif msg.action == "list" and loras is not None and msg.name:
+                running = loras.in_use(msg.name)
+        except ValueError as e:
+            error = str(e)
+        return engine_ipc.LoraReply(msg.token, error, dict(loras.paths) if loras is not None else {}, running)
 
     def _add(self, msg: engine_ipc.AddRequest) -> None:
         try:

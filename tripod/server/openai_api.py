@@ -48,6 +48,7 @@ from tripod.server.sampling import build_sampling, logit_bias_ids, stop_strings
 from tripod.server.serving import (
     ServerState,
     Started,
+    adapter_of,
     check_ids,
     check_model,
     read_body,
@@ -115,7 +116,8 @@ async def _chat(state: ServerState, request: Request) -> Response:
     params = build_sampling(
         state.limits, prompt_len=len(ids), max_tokens=max_tokens, default_max_tokens=state.max_len,
         names=names, prompt_param="messages", grammar=grammar,
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None, **_sampling_fields(req),
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None, lora=adapter_of(state, req.model),
+        **_sampling_fields(req),
     )
     stops = stop_strings(req.stop)
     cont = req.tripod_continuation
@@ -326,7 +328,8 @@ async def _completions(state: ServerState, request: Request) -> Response:
             state.limits, prompt_len=len(ids), max_tokens=1 if score_only else req.max_tokens,
             default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, grammar=grammar, logprobs=req.logprobs,
             # echo + logprobs: the echoed prompt's tokens get logprobs too (the first has none).
-            prompt_logprobs=req.logprobs if req.echo else None, **_sampling_fields(req),
+            prompt_logprobs=req.logprobs if req.echo else None, lora=adapter_of(state, req.model),
+            **_sampling_fields(req),
         )
         parts.append(EnginePart(engine_rid if len(prompts) == 1 else f"{engine_rid}-p{i}", ids, params))
     n = parts[0].params.n

@@ -132,15 +132,23 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise too_large(limit) from None
 
 
+def adapter_of(state: ServerState, name: str | None) -> str | None:
+    """The LoRA adapter a request's ``model`` names (None: the base model)."""
+    loras = state.client.loras
+    return name if name is not None and loras and name in loras and name not in (state.model_name, "default") else None
+
+
 def check_model(state: ServerState, name: str | None, request: Request | None = None) -> None:
-    """404 for a model this server does not serve, or (``request``'s tenant has a ``models`` list)
-    one its tenant may not use."""
-    if name is not None and name not in (state.model_name, "default"):
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+    """404 for a model this server does not serve (the base model or one of its LoRA adapters),
+    or (``request``'s tenant has a ``models`` list) one its tenant may not use."""
+    adapter = adapter_of(state, name)
+    if name is not None and adapter is None and name not in (state.model_name, "default"):
+        also = f" and the LoRA adapters {', '.join(sorted(state.client.loras))}" if state.client.loras else ""
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}{also}",
                        param="model", code="model_not_found")
     if request is not None:
         try:
-            state.tenants.check_model(record_of(request.scope), state.model_name)
+            state.tenants.check_model(record_of(request.scope), adapter or state.model_name)
         except PermissionError as e:
             raise APIError(404, f"{e}; see the tenant's 'models' in the tenants file", param="model",
                            code="model_not_found") from None

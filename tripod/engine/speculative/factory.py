@@ -14,8 +14,10 @@ from tripod.engine.speculative.mtp import MTPProposer
 from tripod.engine.speculative.ngram import NgramProposer
 from tripod.engine.speculative.proposer import Proposer
 from tripod.loader import LoadedModel, load_model
-from tripod.memory.kv_pool import Pool
+from tripod.memory.kv_pool import Pool, PoolSpec
+from tripod.models.config import ModelConfig
 from tripod.models.deepseek import MTPModule
+from tripod.models.deepseek_v4 import V4MTP
 
 
 def load_draft(config: EngineConfig, target: LoadedModel, dtype: torch.dtype, device: torch.device) -> LoadedModel | None:
@@ -68,7 +70,7 @@ def make_proposer(
         return NgramProposer()
     if spec.kind == "mtp":
         model = mtp_module(target)
-        own = MTPModule.pool_spec(target.config).make(pool.num_slots, dtype, device)
+        own = mtp_pool_spec(target.config).make(pool.num_slots, dtype, device)
         return MTPProposer(model, own, sampler, catch_up=config.chunk_size)  # type: ignore[arg-type]
     if spec.kind == "self":
         view = target.model.truncated(spec.layers)
@@ -83,13 +85,18 @@ def make_proposer(
     return DraftModelProposer("draft", runner, sampler, shares_kv=False, catch_up=config.chunk_size)
 
 
+def mtp_pool_spec(cfg: ModelConfig) -> PoolSpec:
+    """The MTP layer's own one-layer pool (at the target's slot ids)."""
+    return V4MTP.pool_spec(cfg) if cfg.v4 is not None else MTPModule.pool_spec(cfg)
+
+
 def mtp_module(target: LoadedModel) -> torch.nn.Module:
     """The target model (with its MTP module loaded), or why ``mtp`` cannot run on it."""
     model = target.model
     if getattr(model, "mtp", None) is None:
         raise ValueError(
             f"--speculative mtp needs a multi-token-prediction module in the checkpoint "
-            f"(DeepSeek-V3's num_nextn_predict_layers and its model.layers.N.* tensors); {target.name} has none"
+            f"(num_nextn_predict_layers and DeepSeek-V3's model.layers.N.* or V4's mtp.0.* tensors); {target.name} has none"
         )
     return model
 
@@ -97,5 +104,5 @@ def mtp_module(target: LoadedModel) -> torch.nn.Module:
 def extra_bytes_per_token(config: EngineConfig, target: LoadedModel, dtype: torch.dtype) -> int:
     """KV bytes per token slot a proposer adds to the target's (the MTP layer's latent)."""
     if config.speculative is not None and parse_speculative(config.speculative).kind == "mtp":
-        return MTPModule.pool_spec(target.config).bytes_per_token(dtype)
+        return mtp_pool_spec(target.config).bytes_per_token(dtype)
     return 0

@@ -1,0 +1,138 @@
+"""The engine's LoRA adapters: registered by name, at most ``max_loras`` resident, LRU.
+
+- ``register(name, path)`` reads and checks the PEFT folder against the base model at once (a bad
+  adapter is refused with the reason, before any request uses it); it stays resident while there
+  is room. ``unregister(name)`` refuses new requests for it at once; the running ones finish on
+  the weights they hold (``in_use`` says how many).
+- A request takes its adapter when it is admitted into the running batch (``acquire``: made
+  resident if it was evicted, evicting the least recently used adapter no running request holds)
+  and gives it back when it leaves (``release``). When every resident adapter is held and another
+  is needed, the request waits in the queue.
+- Prefix-cache namespaces: each distinct adapter content (its files' digest) gets a number; a
+  request's tokens are keyed into the radix tree under it (``cache_ids``), so a base prefix is
+  never reused for an adapter's request, nor one adapter's for another's. The same files loaded
+  again (any name) get the same number, and their cached prefixes stay valid.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tripod.layers.lora import LoraAdapter, LoraError, adapter_digest, read_peft
+
+# A namespace's token ids are shifted by this (above any vocabulary) in the radix tree's keys.
+NAMESPACE_STRIDE = 1 << 21
+MAX_NAMESPACES = (1 << 31) // NAMESPACE_STRIDE - 1  # (keys stay int32 for the disk tier's hashing)
+
+
+def cache_ids(ids: list[int], namespace: int) -> list[int]:
+    """The radix-tree key of ``ids`` under an adapter's namespace (0: the base model's, unchanged)."""
+    if namespace == 0:
+        return ids
+    shift = namespace * NAMESPACE_STRIDE
+    return [t + shift for t in ids]
+
+
+class LoraRegistry:
+    def __init__(self, cfg: Any, dtype: torch.dtype, device: torch.device, *, max_loras: int, max_rank: int,
+                 dense_layers: set[int]) -> None:
+        if cfg.vocab_size >= NAMESPACE_STRIDE:
+            raise ValueError(f"LoRA: a vocabulary of {cfg.vocab_size} tokens is over the cache namespaces' stride")
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.max_loras, self.max_rank, self.dense_layers = max_loras, max_rank, dense_layers
+        self.paths: dict[str, str] = {}
+        self.digests: dict[str, str] = {}
+        self.resident: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
+        self.held: dict[str, int] = {}  # name -> running requests holding it
+        self.namespaces: dict[str, int] = {}  # digest -> namespace
+        self.loads = 0
+
+    # ------------------------------------------------------------------ registration
+    def register(self, name: str, path: str) -> LoraAdapter:
+        if not name or name in self.paths:
+            raise LoraError(f"a LoRA adapter named {name!r} is already loaded" if name else "a LoRA adapter needs a name")
+        adapter = self._read(name, path)
+        if adapter.digest not in self.namespaces:
+            if len(self.namespaces) >= MAX_NAMESPACES:
+                raise LoraError(f"this engine has seen {MAX_NAMESPACES} distinct adapters; restart it to load more")
+            self.namespaces[adapter.digest] = len(self.namespaces) + 1
+        self.paths[name] = str(path)
+        self.digests[name] = adapter.digest
+        if self._room():
+            self.resident[name] = adapter
+        return adapter
+
+    def unregister(self, name: str) -> None:
+        if name not in self.paths:
+            raise LoraError(f"no LoRA adapter named {name!r} is loaded")
+        del self.paths[name]
+        del self.digests[name]
+        if not self.held.get(name):
+            self.resident.pop(name, None)
+
+    def namespace(self, name: str) -> int:
+        if name not in self.paths:
+            raise LoraError(f"no LoRA adapter named {name!r} is loaded (loaded: {', '.join(self.paths) or 'none'})")
+        return self.namespaces[self.digests[name]]
+
+    def in_use(self, name: str) -> int:
+        return self.held.get(name, 0)
+
+    # ------------------------------------------------------------------ requests
+    def acquire(self, name: str) -> LoraAdapter | None:
+        """The adapter for a request entering the batch (held until ``release``); None when it
+        cannot be made resident now (every resident adapter is held)."""
+        adapter = self.resident.get(name)
+        if adapter is None:
+            if name not in self.paths:
+                raise LoraError(f"no LoRA adapter named {name!r} is loaded")
+            if not self._room():
+                return None
+            adapter = self._read(name, self.paths[name])
+            self.resident[name] = adapter
+        self.resident.move_to_end(name)
+        self.held[name] = self.held.get(name, 0) + 1
+        return adapter
+
+    def weights(self, name: str) -> LoraAdapter:
+        """The adapter's weights for a pass outside the steps (prompt scoring): the resident copy,
+        or one read now (not made resident)."""
+        adapter = self.resident.get(name)
+        return adapter if adapter is not None else self._read(name, self.paths[name])
+
+    def release(self, name: str) -> None:
+        left = self.held.get(name, 0) - 1
+        if left > 0:
+            self.held[name] = left
+            return
+        self.held.pop(name, None)
+        if name not in self.paths:  # unloaded while running: its weights go with its last request
+            self.resident.pop(name, None)
+
+    # ------------------------------------------------------------------ internals
+    def _room(self) -> bool:
+        """Whether one more adapter can be resident (evicting an unheld one if needed)."""
+        if len(self.resident) < self.max_loras:
+            return True
+        for name in self.resident:
+            if not self.held.get(name):
+                del self.resident[name]
+                return True
+        return False
+
+    def _read(self, name: str, path: str) -> LoraAdapter:
+        if not Path(path).is_dir():
+            raise LoraError(f"LoRA adapter {name!r}: {path} is not a directory")
+        if name in self.digests and adapter_digest(path) != self.digests[name]:
+            raise LoraError(f"LoRA adapter {name!r}: its files at {path} changed since it was loaded; unload and load it again")
+        self.loads += 1
+        return read_peft(name, path, self.cfg, max_rank=self.max_rank, dtype=self.dtype, device=self.device,
+                         dense_layers=self.dense_layers)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"name": n, "path": p, "resident": n in self.resident, "running": self.held.get(n, 0)}
+                for n, p in self.paths.items()]
