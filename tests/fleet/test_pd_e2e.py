@@ -21,10 +21,13 @@ import pytest
 import torch
 from openai import OpenAI
 
+from tests.support.lora_adapters import random_adapter
 from tests.support.server_helpers import ServerProcess, TripodProcess, assert_same_answer
+from tripod.loader import load_tokenizer
 from tripod.server.pd import KILL_HOOK
 
 ARGS = ("--dtype", "float32", "--kernels", "optimized", "--kv-cache-tokens", "8192")
+ADAPTER = "dispatch-lora"
 KILL_AFTER = 12  # blocks: the kill hook fires on the first transfer longer than this (the long prompt only)
 NOTES = ("The depot dispatches vans at seven, ten and two. Fragile parcels ride in the front cage, cold chain "
          "goods in the blue boxes, and anything over thirty kilograms needs two handlers and a trolley. Drivers "
@@ -43,13 +46,16 @@ def marker(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory, marker: Path) -> Iterator[tuple[TripodProcess, ServerProcess]]:
     tmp = tmp_path_factory.mktemp("pd")
+    adapter = random_adapter(tmp / "adapter", load_tokenizer(None).config, rank=4, seed=3)
+    lora = ("--lora", f"{ADAPTER}={adapter}")
     old = os.environ.get(KILL_HOOK)
     os.environ[KILL_HOOK] = f"{KILL_AFTER}:{marker}"  # the fleet's replicas inherit it
     try:
         with ThreadPoolExecutor(2) as pool:  # start-up is most of the cost: both at once
             fleet_f = pool.submit(TripodProcess, tmp, "serve", "--replicas", "1", "--prefill-replicas", "1", *ARGS,
-                                  "--speculative", "ngram", "--health-interval", "0.2", "--replica-log-dir", str(tmp))
-            ref_f = pool.submit(ServerProcess, tmp, "--threads", "1")
+                                  *lora, "--speculative", "ngram", "--health-interval", "0.2", "--replica-log-dir",
+                                  str(tmp))
+            ref_f = pool.submit(ServerProcess, tmp, "--threads", "1", *lora)
             fleet, ref = fleet_f.result(), ref_f.result()
     finally:
         if old is None:
@@ -66,7 +72,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, marker: Path) -> Iterator[
 
 def _chat(url: str, **kw: Any) -> Any:
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    return client.chat.completions.create(model="default", **kw)
+    return client.chat.completions.create(**{"model": "default", **kw})
 
 
 def _pd(fleet: TripodProcess) -> dict[str, Any]:
@@ -121,6 +127,21 @@ def test_a_follow_up_hits_the_decode_replicas_prefix_cache(servers: tuple[Tripod
     after = _pd(fleet)
     assert after["skipped"] == before["skipped"] + 1 and after["ok"] == before["ok"], after
     assert got.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+
+
+def test_a_lora_adapters_prompt_is_prefilled_where_it_is_answered(
+        servers: tuple[TripodProcess, ServerProcess]) -> None:
+    """An adapter's prefixes live in its own cache namespace, which the disk tier does not carry: the
+    prefill replica declines (422), the router counts it skipped, the answer is the adapter's."""
+    fleet, ref = servers
+    msgs = [{"role": "system", "content": _system("lora")}, {"role": "user", "content": "Where do returns go?"}]
+    before = _pd(fleet)
+    got = _chat(fleet.url, messages=msgs, model=ADAPTER, temperature=0, max_tokens=10)
+    want = _chat(ref.url, messages=msgs, model=ADAPTER, temperature=0, max_tokens=10)
+    base = _chat(ref.url, messages=msgs, temperature=0, max_tokens=10)
+    assert got.choices[0].message.content == want.choices[0].message.content != base.choices[0].message.content
+    after = _pd(fleet)
+    assert after["skipped"] == before["skipped"] + 1 and after["ok"] == before["ok"] and after["refused"] == 0
 
 
 def test_completions_through_pd_one_prompt_and_several(servers: tuple[TripodProcess, ServerProcess]) -> None:

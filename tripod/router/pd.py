@@ -84,15 +84,17 @@ class Disaggregator:
             if outcome == "ok":
                 self._count("ok" if len(tried) == 1 else "retried")
                 return
-            if outcome == "refused":
-                self._count("refused")
+            if outcome in ("refused", "skipped"):
+                self._count(outcome)
                 return
         self._count("fallback")
         log.info("no prefill replica handed over this prompt (%d tried); %s prefills it itself", len(tried),
                  decode.name)
 
     async def _one(self, rep: Replica, order: bytes, headers: dict[str, str], decode: Replica) -> str:
-        """One order to one prefill replica: "ok", "failed" (try another) or "refused" (do not)."""
+        """One order to one prefill replica: "ok", "failed" (try another), "refused" (do not: the
+        replicas cannot hand over to each other) or "skipped" (nothing to hand over: a LoRA adapter's
+        prompt, 422)."""
         r = self.router
         assert r.client is not None
         rep.inflight += 1
@@ -110,6 +112,8 @@ class Disaggregator:
             rep.inflight -= 1
             if rep.draining and not rep.inflight:
                 r.notify()
+        if resp.status_code == 422:
+            return "skipped"
         if resp.status_code == 409:
             log.error("prefill on %s for %s refused: %s", rep.name, decode.name, resp.text[:500])
             return "refused"

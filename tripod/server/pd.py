@@ -55,7 +55,7 @@ from tripod.server.protocol import (
     openai_tools,
     parse,
 )
-from tripod.server.serving import ServerState, read_body
+from tripod.server.serving import ServerState, adapter_of, check_model, read_body
 
 log = logging.getLogger("tripod.server.pd")
 
@@ -149,12 +149,18 @@ def add_pd_routes(app: FastAPI, state: ServerState) -> None:
 
 def _prompts(state: ServerState, order: pd.PrefillOrder) -> list[list[int]]:
     """The prompt ids the API route will make of ``order.body`` (the same code, so the same ids)."""
-    if order.path == "/v1/chat/completions":
-        chat: ChatCompletionRequest = parse(ChatCompletionRequest, bytes(order.body))
-        tools, _choice = openai_tools(chat, state.chat.parallel_default)
-        return [state.chat.render(chat_messages(chat.messages), tools)]
-    comp: CompletionRequest = parse(CompletionRequest, bytes(order.body))
-    return prompt_ids(state, comp.prompt)
+    req: ChatCompletionRequest | CompletionRequest = parse(
+        ChatCompletionRequest if order.path == "/v1/chat/completions" else CompletionRequest, bytes(order.body))
+    check_model(state, req.model)
+    if adapter_of(state, req.model) is not None:
+        # NOTE: a LoRA adapter's prefixes are keyed in its own cache namespace and never loaded from
+        # the disk tier, so blocks handed over would not be used: the decode replica prefills them.
+        raise APIError(422, f"the model {req.model!r} is a LoRA adapter: its prompts are prefilled where they are "
+                       "answered", code="pd_not_applicable")
+    if isinstance(req, ChatCompletionRequest):
+        tools, _choice = openai_tools(req, state.chat.parallel_default)
+        return [state.chat.render(chat_messages(req.messages), tools)]
+    return prompt_ids(state, req.prompt)
 
 
 async def _prefill(state: ServerState, metrics: PDMetrics, order: pd.PrefillOrder,
