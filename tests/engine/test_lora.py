@@ -145,3 +145,17 @@ def test_prompt_logprobs_run_the_adapter(setup: dict[str, Any]) -> None:
             logits = setup["refs"][name].model(input_ids=torch.tensor([p])).logits[0].float()
         want = torch.log_softmax(logits, -1)[torch.arange(len(p) - 1), torch.tensor(p[1:])]
         assert torch.allclose(got, want, atol=1e-4) == close, name
+
+
+def test_continuation_on_an_adapter_equals_the_undisturbed_answer(setup: dict[str, Any]) -> None:
+    """A failover continuation (``Resume``: the tokens so far, recomputed like a prompt) of an
+    adapter's seeded answer continues it token for token on the same adapter."""
+    from tests.engine.test_continuation import continued
+    from tripod.engine.request import Resume
+
+    eng = _engine(setup, kernels="eager")
+    p = _prompts()[3]
+    params = SamplingParams(max_tokens=N, temperature=0.8, seed=9, ignore_eos=True, lora="mlp")
+    (whole,) = eng.generate([p], params)
+    got = continued(eng, p, params, [Resume(0, tuple(whole.token_ids[:5]))])[0]
+    assert got.output_ids == whole.token_ids

@@ -178,11 +178,10 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, b: int) -> torch.Ten
     return out
 
 
-def add_mtp(target: Any, folder: Path, seed: int = 6) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Give a saved tiny DeepSeek-V3 folder an MTP module (``num_nextn_predict_layers: 1`` and
-    ``model.layers.{L}.*``): its decoder block is transformers' own fourth layer (returned, with
-    the module's other tensors, for a reference)."""
-    from safetensors.torch import save_file
+def _one_layer_deeper(folder: Path, seed: int, last: dict[str, str] | None = None) -> tuple[dict[str, Any], int, Any]:
+    """Mark the saved folder's config as carrying one MTP module; returns (its config, its layer
+    count, transformers' random model one layer deeper: the module's block is that last layer).
+    Per-layer lists get ``last``'s kind for the new layer (else their last one's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = json.loads((folder / "config.json").read_text())
@@ -191,11 +190,20 @@ def add_mtp(target: Any, folder: Path, seed: int = 6) -> tuple[Any, dict[str, to
     layers = cfg["num_hidden_layers"]
     d = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
     d["num_hidden_layers"] = layers + 1
-    for key in ("layer_types", "mlp_layer_types"):  # per-layer lists (V3.2): the module's block as the last layer
+    for key in ("layer_types", "mlp_layer_types"):
         if isinstance(d.get(key), list):
-            d[key] = [*d[key], d[key][-1]]
+            d[key] = [*d[key], (last or {}).get(key, d[key][-1])]
     torch.manual_seed(seed)
-    bigger = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d), dtype=torch.float32).eval()
+    return cfg, layers, AutoModelForCausalLM.from_config(AutoConfig.for_model(**d), dtype=torch.float32).eval()
+
+
+def add_mtp(target: Any, folder: Path, seed: int = 6) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Give a saved tiny DeepSeek-V3 folder an MTP module (``num_nextn_predict_layers: 1`` and
+    ``model.layers.{L}.*``): its decoder block is transformers' own fourth layer (returned, with
+    the module's other tensors, for a reference)."""
+    from safetensors.torch import save_file
+
+    cfg, layers, bigger = _one_layer_deeper(folder, seed)
     g = torch.Generator().manual_seed(seed + 2)
     block = bigger.model.layers[layers]
     with torch.no_grad():
@@ -272,18 +280,8 @@ def add_v4_mtp(target: Any, folder: Path, seed: int = 6) -> None:
     import tempfile
 
     from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["num_nextn_predict_layers"] = 1
-    (folder / "config.json").write_text(json.dumps(cfg))
-    layers = cfg["num_hidden_layers"]
-    d = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
-    d["num_hidden_layers"] = layers + 1
-    d["layer_types"] = [*cfg["layer_types"], "sliding_attention"]
-    d["mlp_layer_types"] = [*cfg["mlp_layer_types"], "moe"]
-    torch.manual_seed(seed)
-    bigger = AutoModelForCausalLM.from_config(AutoConfig.for_model(**d), dtype=torch.float32).eval()
+    cfg, layers, bigger = _one_layer_deeper(folder, seed, {"layer_types": "sliding_attention", "mlp_layer_types": "moe"})
     g = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():
         for name, p in bigger.model.layers[layers].named_parameters():

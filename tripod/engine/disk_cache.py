@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tripod.engine.lora import NAMESPACE_STRIDE
 from tripod.memory.disk_tier import DiskTier, TierLayout, chain_keys
 from tripod.memory.kv_transfer import encode_block
 
@@ -127,6 +128,8 @@ class DiskCache:
         self.stats.save_seconds += time.perf_counter() - t0
 
     def _save(self, tokens: list[int], slots: list[int], start: int, deadline: float | None = None) -> None:
+        if tokens and tokens[0] >= NAMESPACE_STRIDE:  # a LoRA adapter's prefix: kept out of the tier
+            return
         b = self.block
         first, end = start // b, len(tokens) // b
         if end <= first:

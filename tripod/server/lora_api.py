@@ -13,19 +13,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from tripod.server.engine_client import EngineDead
-from tripod.server.protocol import APIError, _Strict, parse
+from tripod.server.protocol import APIError, LoadLoraRequest, UnloadLoraRequest, parse
 from tripod.server.serving import ServerState, read_body
 
 UNLOAD_WAIT_S = 600.0
-
-
-class LoadLoraRequest(_Strict):
-    lora_name: str
-    lora_path: str
-
-
-class UnloadLoraRequest(_Strict):
-    lora_name: str
 
 
 def adapter_cards(state: ServerState, base: dict[str, Any]) -> list[dict[str, Any]]:

@@ -230,6 +230,15 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
 
 
+class LoadLoraRequest(_Strict):  # POST /v1/load_lora_adapter (vLLM's body)
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(_Strict):  # POST /v1/unload_lora_adapter
+    lora_name: str
+
+
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
