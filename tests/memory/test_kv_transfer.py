@@ -99,3 +99,16 @@ def test_several_prompts_in_one_stream_each_start_their_chain(tmp_path: Path) ->
     rx = BlockReceiver(lay, tmp_path)
     rx.feed(b"".join(_stream(lay)[:3] + _stream(lay, other)))
     assert rx.counts.blocks == 5 and len(list(tmp_path.glob("??/*.kv"))) == 5
+
+
+def test_received_blocks_count_against_the_tiers_capacity(tmp_path: Path) -> None:
+    """A decode replica's engine may never write (what its pool evicts came by transfer, so it is on
+    disk already): finding received files still keeps the directory under the capacity."""
+    lay = _layout()
+    tier = DiskTier(tmp_path, 3 * lay.file_bytes, lay)
+    rx = BlockReceiver(lay, tier.dir)
+    rx.feed(b"".join(_stream(lay)))  # five blocks into a tier of three
+    keys = chain_keys(IDENT, TOKENS, B)
+    assert tier.count_present(keys) == 5  # all there when looked for ...
+    assert tier.used_bytes <= tier.capacity_bytes and len(list(tier.dir.glob("??/*.kv"))) <= 3  # ... then trimmed
+    tier.close()

@@ -195,6 +195,7 @@ class DiskTier:
         """How many leading ``keys`` are on disk or queued (another engine's new files count: a key
         this process does not know is looked for on disk)."""
         n = 0
+        found = False
         for key in keys:
             if self.known(key):
                 n += 1
@@ -207,7 +208,14 @@ class DiskTier:
                 if key not in self._index:
                     self._index[key] = size
                     self._used += size
+                    self._since_scan += size
+                    found = True
             n += 1
+        if found:
+            # NOTE: files others published (a KV transfer's receiver, another engine) count against the
+            # capacity here too: an engine that never writes (its evictions are on disk already) still
+            # keeps the directory under it.
+            self._enforce_capacity()
         return n
 
     def read(self, keys: Sequence[bytes], tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
