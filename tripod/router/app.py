@@ -186,7 +186,7 @@ async def _models(router: Router, request: Request) -> Response:
 
 
 def _health(router: Router) -> Response:
-    n = len(router.routable())
+    n = len(router.serving())  # (prefill replicas answer no request themselves)
     ok = n > 0 and not router.draining
     status = "draining" if router.draining else ("ok" if ok else "no routable replica")
     return JSONResponse({"status": status, "routable_replicas": n, "replicas": len(router.replicas)},
