@@ -102,8 +102,8 @@ def add_pd_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, f"not a prefill order: {e}") from None
         try:
             done = await _prefill(state, metrics, order, request.headers.get("authorization"))
-        except APIError:
-            metrics.prefills.labels(metrics.model, "refused").inc()
+        except APIError as e:
+            metrics.prefills.labels(metrics.model, "refused" if e.status < 500 else "failed").inc()
             raise
         except Exception:
             metrics.prefills.labels(metrics.model, "failed").inc()
