@@ -88,6 +88,11 @@ class FairShare:
         total = sum(self.weights.get(t, 1.0) for t in active)
         return counts, {t: max_running * self.weights.get(t, 1.0) / total for t in active}
 
+    def someone_over(self, waiting: list[Req], running: list[Req], max_running: int) -> bool:
+        """Whether a running tenant holds more than its share of the slots (a preemption may be due)."""
+        counts, share = self._slots(waiting, running, max_running)
+        return len(share) > 1 and any(n > share[t] + 1e-9 for t, n in counts.items())
+
     def slot_order(self, ordered: list[Req], running: list[Req], max_running: int) -> list[Req]:
         """``ordered`` (the admission order) with the requests that would take their tenant past
         its share of the running slots moved after the others (each group keeps its order)."""

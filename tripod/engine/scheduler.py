@@ -288,10 +288,12 @@ class Scheduler:
         the slots, by retracting requests of tenants over theirs (``FairShare.preemptions``)."""
         if len(self.running) < self.max_running or not self.waiting or len(self.fair.vtime) < 2:
             return
+        if not self.fair.someone_over(self.waiting, self.running, self.max_running):
+            return  # the common case under contention once shares are reached: nothing to do
         eligible = [r for r in self.waiting if r.wait_for is None or _sibling_ready(r.wait_for)]
-        if not eligible:
-            return
-        ordered = self.fair.order(self.policy.order(eligible, self.cache, self.step_count, self._enqueued_at))
+        # NOTE: arrival order within a tenant (priority first), not the policy's: lpm's prefix
+        # matching of the whole queue is not worth repeating for the choice of who is promoted.
+        ordered = self.fair.order(sorted(eligible, key=lambda r: (-r.params.priority, r.arrival)))
         for needy, victim in self.fair.preemptions(ordered, self.running, self.max_running, self._importance):
             self.retract(victim, keep=True)
             self.num_fair_preemptions += 1
