@@ -39,6 +39,7 @@ from tripod.router.tenant_limits import Admission, OutputCount, settle_whole
 from tripod.tenants import (
     COUNT_HEADER,
     AuditLog,
+    OverLimit,
     RequestRecord,
     TenantGate,
     TenantRegistry,
@@ -234,6 +235,11 @@ def _finish_span(scope: Any, span: Any) -> None:
         span.set_attribute("tripod.tenant", tenant)
 
 
+def _over_limit(path: str, e: OverLimit) -> Any:
+    return RouterError(429, str(e), "rate_limit_exceeded", int(e.retry_after_header)).response(
+        anthropic=is_anthropic(path))
+
+
 def _unauthorized(path: str, message: str) -> Any:
     return RouterError(401, message, "invalid_api_key").response(anthropic=is_anthropic(path))
 
@@ -288,7 +294,8 @@ def build_router_app(router: Router, lifespan: Any = None,
     traced = [Middleware(tracing.TraceMiddleware, component="router", traced=_api_path, finish=_finish_span)] \
         if tracing.ACTIVE else []  # outermost: the span covers the whole request (and the tenant's 401/429)
     guard = Middleware(TenantMiddleware, gate=tenants, refuse=_unauthorized, guarded=_api_path, attributed=_api_path,
-                       route_of=lambda p: "/v1/models" if p.startswith("/v1/models") else p)
+                       route_of=lambda p: "/v1/models" if p.startswith("/v1/models") else p,
+                       limited=PROXIED_PATHS.__contains__, over_limit=_over_limit)
 
     @contextlib.asynccontextmanager
     async def with_tenants(app: Any) -> AsyncIterator[None]:

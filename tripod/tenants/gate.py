@@ -140,6 +140,17 @@ class TenantGate:
         raise ValueError(f"the prompt and max_tokens come to {tokens} tokens, more than tenant {t.name!r}'s "
                          f"max_context ({t.max_context}); send a shorter prompt or a smaller max_tokens")
 
+    def early_refusal(self, rec: RequestRecord) -> OverLimit | None:
+        """A refusal by the limits that need no counts, before the request is read (counted as a
+        rejection), or None: ``admit`` takes the request's place later. Only where every limit is
+        enforced here."""
+        if self.enforce != "all":
+            return None
+        e = self.limiter.refusal(rec.identity.tenant)
+        if e is not None:
+            self.metrics.rejections.labels(rec.tenant, e.limit).inc()
+        return e
+
     def admit(self, rec: RequestRecord | None, input_tokens: int | None = None,
               output_tokens: int | None = None) -> None:
         """Take the request's place in its tenant's limits (released by ``finish``) or raise OverLimit."""
