@@ -82,8 +82,8 @@ class ServerConfig:
     # Tenants, audit log and TLS (tripod.tenants; README "Tenants"); audit/TLS are not forwarded to replicas.
     tenants: str | None = opt(None, "a TOML file of tenants: keys, weights, limits (reloaded on SIGHUP and on change)",
                               commands=(SERVE,), metavar="FILE", group="tenants")
-    tenant_limits: str = opt("all", "tenant limits enforced here: all; tokens (token limits and max_context only: a "
-                             "fleet's replicas); none", commands=(SERVE,), choices=("all", "tokens", "none"), group="tenants")
+    tenant_limits: str = opt("all", "tenant limits enforced here: all; tokens (token limits and max_context only); "
+                             "none (attribution only: a router with --tenants enforces them)", commands=(SERVE,), choices=("all", "tokens", "none"), group="tenants")
     audit_log: str | None = opt(None, "one JSON line per authenticated request (rotated by size)", commands=(SERVE,),
                                 metavar="FILE", group="tenants", forward=False)
     audit_log_content: bool = opt(False, "put the prompt's text in the audit log", commands=(SERVE,), group="tenants",

@@ -136,3 +136,84 @@ def test_engine_carries_tenant_and_weight_to_the_scheduler(engine: Any) -> None:
     assert tagged[0].output_ids == plain[0].output_ids and len(tagged[0].output_ids) == 6
     with pytest.raises(ValueError, match="weight"):
         engine.add_request("x", params, request_id="bad", tenant="acme", weight=0.0)
+
+
+def test_under_share_tenant_preempts_a_full_batch_of_an_over_share_one() -> None:
+    """A fills every running slot with long answers; B's request is admitted at the next step
+    (one of A's is retracted, not waited for), A keeps its share, and nothing thrashes."""
+    sim = Sim(max_running=4, max_batch_tokens=64, chunk_size=32, policy="lpm")
+    a_reqs = [treq("a", max_tokens=200) for _ in range(8)]
+    sim.add(*a_reqs)
+    for _ in range(10):
+        sim.step()
+    assert {r.tenant for r in sim.sched.running} == {"a"} and len(sim.sched.running) == 4
+    b = treq("b", max_tokens=4)
+    sim.add(b)
+    sim.step()
+    assert b in sim.sched.running, "B waited behind A's running requests"
+    assert [r.tenant for r in sim.sched.running].count("a") == 3
+    assert sim.sched.num_fair_preemptions == 1
+    sim.run([b, *a_reqs])
+    # A at its share (2 of 4) is never preempted for B: one preemption for B's single request.
+    assert sim.sched.num_fair_preemptions == 1
+    assert all(len(r.output_ids) == r.params.max_tokens for r in [b, *a_reqs])
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (3.0, 1.0)])
+def test_fair_preemption_respects_weights_and_does_not_thrash(weights: tuple[float, float]) -> None:
+    wa, wb = weights
+    sim = Sim(max_running=4, max_batch_tokens=64, chunk_size=32, policy="fcfs")
+    sim.add(*(treq("a", wa, max_tokens=40) for _ in range(40)))
+    for _ in range(5):
+        sim.step()
+    sim.add(*(treq("b", wb, max_tokens=40) for _ in range(40)))
+    share_b = round(4 * wb / (wa + wb))
+    sim.step()
+    # B's first step: A gave up exactly enough running requests to bring B to its share of slots.
+    assert [r.tenant for r in sim.sched.running].count("b") == share_b
+    assert sim.sched.num_fair_preemptions == share_b
+    got = served_while_backlogged(sim, 300)
+    share_a = got["a"] / (got["a"] + got["b"])
+    assert abs(share_a - wa / (wa + wb)) <= 0.1 * wa / (wa + wb), got
+    # Free slots are filled within the shares of slots, so no preemption is needed again.
+    assert sim.sched.num_fair_preemptions == share_b, sim.sched.num_fair_preemptions
+
+
+def test_one_tenant_is_never_preempted() -> None:
+    sim = Sim(max_running=2, max_batch_tokens=64, chunk_size=32, policy="fcfs")
+    reqs = [treq("a", max_tokens=20) for _ in range(6)]
+    sim.add(*reqs)
+    sim.run(reqs)
+    assert sim.sched.num_fair_preemptions == 0 and sim.sched.num_retractions == 0
+
+
+def test_preempted_request_resumes_token_exact(engine: Any) -> None:
+    """The real engine, greedy: A's answers retracted for B's are the answers A gets alone, token
+    for token, and nothing is lost."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The sky is blue because"]
+    alone = [engine.add_request(p, params, request_id=f"alone-{i}", tenant="a")[0] for i, p in enumerate(prompts)]
+    while engine.has_work:
+        engine.step()
+    sched = engine.scheduler
+    before = sched.num_fair_preemptions
+    old_max = sched.max_running
+    sched.max_running = len(prompts)
+    try:
+        shared = [engine.add_request(p, params, request_id=f"a-{i}", tenant="a")[0] for i, p in enumerate(prompts)]
+        for _ in range(6):
+            engine.step()
+        assert len(sched.running) == len(prompts)
+        b = engine.add_request("Water boils at", SamplingParams(max_tokens=4, temperature=0.0), request_id="b-1",
+                               tenant="b")[0]
+        engine.step()
+        assert b in sched.running
+        while engine.has_work:
+            engine.step()
+    finally:
+        sched.max_running = old_max
+    assert sched.num_fair_preemptions > before
+    assert any(r.retractions for r in shared)
+    assert [r.output_ids for r in shared] == [r.output_ids for r in alone]
+    assert len(b.output_ids) == 4
+    sched.assert_consistent()

@@ -1,6 +1,7 @@
 """Tenants on a fleet (``tripod serve --replicas 1 --tenants``): the router checks keys and
-enforces requests_per_second (429 with the limit named), its replica gets the file with
-``--tenant-limits tokens`` and counts the tenant's tokens, the router writes the audit log."""
+enforces requests_per_second (429 with the limit named) and the token limits (with the replica's
+counts), its replica gets the file with ``--tenant-limits none`` and attributes the tenant's
+tokens, the router writes the audit log. Two replicas: ``test_fleet_token_limits.py``."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_a_fleet_with_tenants(tmp_path: Path) -> None:
         with pytest.raises(openai.RateLimitError) as e:
             client("sk-globex").chat.completions.create(model="default", messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
         assert e.value.response.json()["error"]["message"] == "tenant 'globex' is over its requests_per_second (0.01)"
-        # The replica counts tokens: max_tokens alone over the output budget is refused there (400, passed back).
+        # max_tokens alone over the output budget: refused by the router (400) with the replica's count.
         with pytest.raises(openai.BadRequestError, match="output_tokens_per_minute"):
             client("sk-acme").chat.completions.create(model="default", messages=CHAT, max_tokens=11)  # type: ignore[arg-type]
         r = client("sk-acme").chat.completions.create(model="default", messages=CHAT, max_tokens=3,  # type: ignore[arg-type]

@@ -114,3 +114,43 @@ def test_router_admits_the_under_share_tenant_first(make_stub: Callable[[str], S
     seen = [b["messages"][0]["content"] for b in stub.bodies]
     # B arrived last, behind three of A's, but A was over its share: B went next.
     assert seen[:2] == ["a0", "b0"], seen
+
+
+def test_a_tenant_under_its_share_is_let_through_over_a_flooder_holding_every_place() -> None:
+    """Capacity 4, all of it held by A: B (under its share of 2) does not wait for one of A's to
+    end; it is lent a place at once (the replica's engine preempts for it). B's second is lent
+    too (2 is its share), its third waits, and so does A's next; A's releases pay the loan back."""
+
+    async def scenario() -> None:
+        gate = FairGate(lambda: 4, lambda t: 1.0)
+        for _ in range(4):
+            assert await gate.acquire("a", 10.0, 1.0)
+        assert await gate.acquire("b", 10.0, 0.01)
+        assert await gate.acquire("b", 10.0, 0.01)
+        assert gate.admitted == 6
+        assert not await gate.acquire("b", 10.0, 0.01)  # over its share now: it waits (and times out)
+        assert not await gate.acquire("a", 10.0, 0.01)
+        waiter = asyncio.create_task(gate.acquire("a", 10.0, 30.0))
+        while gate.waiting < 1:
+            await asyncio.sleep(0)
+        for _ in range(2):
+            gate.release("a")  # the loan is paid back: still at capacity, nothing granted
+        assert gate.admitted == 4 and not waiter.done()
+        gate.release("a")
+        assert await waiter
+        assert gate.held == {"a": 2, "b": 2}
+
+    asyncio.run(scenario())
+
+
+def test_no_lending_with_one_tenant_or_a_share_under_one_place() -> None:
+    async def scenario() -> None:
+        gate = FairGate(lambda: 2, lambda t: 1.0)
+        for _ in range(2):
+            assert await gate.acquire("a", 1.0, 1.0)
+        assert not await gate.acquire("a", 1.0, 0.01)  # one tenant: it waits for its own
+        three = FairGate(lambda: 1, lambda t: 1.0)
+        assert await three.acquire("a", 1.0, 1.0)
+        assert not await three.acquire("b", 1.0, 0.01)  # B's share of one place is 1/2: no loan
+
+    asyncio.run(scenario())

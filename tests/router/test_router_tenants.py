@@ -139,3 +139,27 @@ def test_max_concurrent_and_a_live_key_rotation(setup: tuple[RouterServer, Stub,
     tenants.write_text(TENANTS + "\n[[tenant]]\nname = \"acme\"\nkeys = [\"x\"]\n")
     wait_for(lambda: rs.metric("tripod:router_tenant_file_reloads_total", result="kept") >= 1, "the refusal")
     oai(rs, "sk-acme-2").chat.completions.create(model=MODEL, messages=CHAT)  # type: ignore[arg-type]
+
+
+def test_a_tenant_over_a_count_free_limit_is_refused_before_its_request_is_read(
+        setup: tuple[RouterServer, Stub, Path, Path]) -> None:
+    """requests_per_second spent: the next request is answered 429 without being read (a body
+    that is not even JSON gets the 429, not a 400), in each API's shape, counted and audited."""
+    rs, stub, _, audit = setup
+    oai(rs, "sk-globex").chat.completions.create(model=MODEL, messages=CHAT)  # type: ignore[arg-type]
+    posts = stub.posts
+    for path, key_header in (("/v1/chat/completions", "authorization"), ("/v1/messages", "x-api-key")):
+        value = "Bearer sk-globex" if key_header == "authorization" else "sk-globex"
+        r = httpx.post(rs.url + path, content=b"{not json", headers={key_header: value})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        body = r.json()
+        message = body["error"]["message"]
+        assert message == "tenant 'globex' is over its requests_per_second (0.01)"
+        if path == "/v1/messages":
+            assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
+        else:
+            assert body["error"]["code"] == "rate_limit_exceeded"
+    assert stub.posts == posts
+    assert rs.metric("tripod:router_tenant_rejections_total", limit="requests_per_second", tenant="globex") == 2
+    rows = wait_for(lambda: _lines(audit, 3), "3 audit lines")
+    assert [(r["tenant"], r["status"]) for r in rows] == [("globex", 200), ("globex", 429), ("globex", 429)]

@@ -129,3 +129,57 @@ def test_a_refusal_takes_nothing() -> None:
     lim.release(lease, 4)
     clock.t += 1
     lim.release(lim.admit(t, output_tokens=6))  # 6 refunded tokens are free again
+
+
+_opt = st.one_of(st.none(), st.integers(1, 60))
+
+
+@settings(max_examples=300, deadline=None)
+@given(rps=st.one_of(st.none(), st.sampled_from([0.5, 1, 2, 3])), inp=_opt, out=_opt,
+       conc=st.one_of(st.none(), st.integers(1, 4)),
+       ops=st.lists(st.tuples(st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0, 30.0, 60.0]), st.integers(0, 70),
+                              st.integers(0, 70), st.integers(0, 70), st.booleans()), max_size=40))
+def test_every_limit_together_against_a_model(rps: float | None, inp: int | None, out: int | None,
+                                              conc: int | None,
+                                              ops: list[tuple[float, int, int, int, bool]]) -> None:
+    """All four limits on one tenant, requests of every size: a request is admitted iff it fits
+    every limit (a brute-force model of each window, refunds included), a refusal names a limit it
+    is over (``never`` iff it alone is larger than the limit) and takes nothing."""
+    clock = Clock()
+    lim = TenantLimiter(clock)
+    t = Tenant("t", requests_per_second=rps, input_tokens_per_minute=inp, output_tokens_per_minute=out,
+               max_concurrent=conc)
+    span, cap = (1.0, rps) if rps is None or rps >= 1 else (1.0 / rps, 1.0)
+    admitted: list[float] = []  # admission times (requests_per_second)
+    inputs: list[tuple[float, int]] = []
+    outputs: list[list[float]] = []  # [time, tokens still counted]
+    live: list[tuple[object, list[float], int]] = []  # (lease, its output entry, reserved)
+    for dt, n_in, n_out, used, end_one in ops:
+        clock.t += dt
+        now = clock.t
+        if end_one and live:  # the oldest request ends, having produced ``used`` of its reservation
+            lease, entry, reserved = live.pop(0)
+            produced = min(used, reserved)
+            entry[1] = produced
+            lim.release(lease, produced)  # type: ignore[arg-type]
+        fits = {
+            "max_concurrent": conc is None or len(live) < conc,
+            "requests_per_second": rps is None or sum(1 for a in admitted if a + span > now) + 1 <= cap,
+            "input_tokens_per_minute": inp is None or sum(n for a, n in inputs if a + 60 > now) + n_in <= inp,
+            "output_tokens_per_minute": out is None or sum(e[1] for e in outputs if e[0] + 60 > now) + n_out <= out,
+        }
+        try:
+            lease = lim.admit(t, input_tokens=n_in, output_tokens=n_out)
+        except OverLimit as e:
+            assert not all(fits.values()), (fits, e)
+            assert not fits[e.limit], (fits, e.limit)
+            alone = {"input_tokens_per_minute": n_in, "output_tokens_per_minute": n_out}.get(e.limit, 0)
+            assert e.never == (alone > e.value), (e.limit, alone, e.value)
+            assert e.retry_after > 0
+            continue
+        assert all(fits.values()), fits
+        admitted.append(now)
+        inputs.append((now, n_in))
+        entry = [now, float(n_out)]
+        outputs.append(entry)
+        live.append((lease, entry, n_out))

@@ -110,3 +110,69 @@ def test_otlp_endpoint_without_the_exporter_is_refused_at_start_up() -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "opentelemetry-exporter-otlp-proto-http" in r.stderr
+
+
+def test_the_router_fair_share_queue_has_its_span(stub: Stub) -> None:
+    """With ``--replica-max-inflight`` the router's fair-share queue is a span of its own under the
+    request's, with the tenant and whether a place came."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exp = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exp))
+    tracing.use(provider)
+    try:
+        rs = RouterServer([("s", stub.url)], RouterConfig(**{**SETTINGS, "replica_max_inflight": 1}))  # type: ignore[arg-type]
+        wait_for(lambda: rs.states().get("s") == "healthy", "the stub routable")
+        try:
+            r = rs.http.post("/v1/chat/completions", json={"model": "stub-model",
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200
+        finally:
+            rs.stop()
+    finally:
+        tracing.use(None)
+    by_name = {s.name: s for s in exp.get_finished_spans()}
+    assert {"router.request", "router.queue", "router.attempt"} <= set(by_name)
+    queue, root = by_name["router.queue"], by_name["router.request"]
+    assert queue.parent is not None and queue.parent.span_id == root.context.span_id
+    assert queue.context.trace_id == root.context.trace_id
+    assert queue.attributes is not None and queue.attributes["tripod.admitted"] is True
+    assert queue.attributes["tripod.tenant"] == "default"
+
+
+@pytest.mark.skipif(not _otlp_installed(), reason="the OTLP exporter is not installed here (optional)")
+def test_otlp_endpoint_exports_to_a_collector() -> None:
+    """With the exporter installed, ``--otel-endpoint`` POSTs OTLP/HTTP to ``<endpoint>/v1/traces``
+    (a collector on loopback that records what it receives)."""
+    import http.server
+    import threading
+
+    got: list[tuple[str, str, bytes]] = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # (the stdlib names it)
+            body = self.rfile.read(int(self.headers.get("content-length", 0)))
+            got.append((self.path, self.headers.get("content-type", ""), body))
+            self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert tracing.configure("tripod-router", endpoint=f"http://127.0.0.1:{srv.server_address[1]}")
+        try:
+            tracing.end(tracing.start_span("router.request", attributes={"tripod.request_id": "otlp-1"}))
+            tracing.shutdown()  # flushes the batch to the collector
+        finally:
+            tracing.use(None)
+    finally:
+        srv.shutdown()
+    assert got and got[0][0] == "/v1/traces" and got[0][1] == "application/x-protobuf"
+    assert b"router.request" in got[0][2] and b"otlp-1" in got[0][2]

@@ -10,6 +10,12 @@ Each step is built in this order, within a token budget:
 KV memory never raises: a prefill that does not fit waits; a decode that does not fit first
 evicts unpinned prefix-cache entries, then retracts the least important running request (its
 KV is released and it is re-queued to be recomputed later, its output so far kept).
+
+Fair preemption: when every running slot is taken and a tenant waits below its share of the
+slots while another runs above its own (``FairShare.preemptions``), the over-share tenant's least
+important request is retracted before the step is built (its computed KV goes into the prefix
+cache, so resuming recomputes little) and the under-share request is admitted first. A tenant
+under its share never waits behind one over it for a running request to finish.
 """
 
 from __future__ import annotations
@@ -99,8 +105,10 @@ class Scheduler:
         self.step_count = 0
         self._enqueued_at: dict[str, int] = {}
         self.num_retractions = 0
+        self.num_fair_preemptions = 0
         self.fair = FairShare()
         self.loras: Any = None  # the engine's LoraRegistry (engine/lora.py), when it serves adapters
+        self._promoted: list[Req] = []  # under-share requests a fair preemption made room for
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -117,6 +125,8 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
             self._enqueued_at.pop(req.rid, None)
+            if req in self._promoted:
+                self._promoted.remove(req)
         elif req in self.running:
             self.running.remove(req)
             self.release(req, keep=True)
@@ -139,6 +149,7 @@ class Scheduler:
         self.step_count += 1
         items: list[ScheduledItem] = []
         budget = self.max_batch_tokens
+        self._preempt_for_fairness()  # NOTE: before any item is built: a victim is in no item
 
         # 1. Decodes. Iterate over a snapshot: retraction removes from self.running.
         for req in sorted(self.running, key=self._importance, reverse=True):
@@ -168,8 +179,10 @@ class Scheduler:
 
         # 3. Admissions.
         if budget > 0 and self.waiting and len(self.running) < self.max_running:
-            ordered = self.policy.order(self.waiting, self.cache, self.step_count, self._enqueued_at)
-            for req in self.fair.order(ordered):
+            ordered = self.fair.order(self.policy.order(self.waiting, self.cache, self.step_count, self._enqueued_at))
+            ordered = self.fair.slot_order(ordered, self.running, self.max_running)
+            self._promoted = [r for r in self._promoted if r in self.waiting]
+            for req in self._promoted + [r for r in ordered if r not in self._promoted]:
                 if budget <= 0 or len(self.running) >= self.max_running:
                     break
                 if req.wait_for is not None and not _sibling_ready(req.wait_for):
@@ -229,6 +242,8 @@ class Scheduler:
         assert new is not None
         self.waiting.remove(req)
         self._enqueued_at.pop(req.rid, None)
+        if req in self._promoted:
+            self._promoted.remove(req)
         req.dp_rank = rank
         req.slots = match.slots + new
         req.slots_version += 1
@@ -283,11 +298,29 @@ class Scheduler:
             if victim is req:
                 return False
 
-    def retract(self, req: Req) -> None:
-        """Release a running request's KV and re-queue it (its outputs are kept)."""
-        log.info("retracting %s to free KV memory", req.rid)
+    def _preempt_for_fairness(self) -> None:
+        """Make room in a full running batch for waiting requests of tenants under their share of
+        the slots, by retracting requests of tenants over theirs (``FairShare.preemptions``)."""
+        if len(self.running) < self.max_running or not self.waiting or len(self.fair.vtime) < 2:
+            return
+        if not self.fair.someone_over(self.waiting, self.running, self.max_running):
+            return  # the common case under contention once shares are reached: nothing to do
+        eligible = [r for r in self.waiting if r.wait_for is None or _sibling_ready(r.wait_for)]
+        # NOTE: arrival order within a tenant (priority first), not the policy's: lpm's prefix
+        # matching of the whole queue is not worth repeating for the choice of who is promoted.
+        ordered = self.fair.order(sorted(eligible, key=lambda r: (-r.params.priority, r.arrival)))
+        for needy, victim in self.fair.preemptions(ordered, self.running, self.max_running, self._importance):
+            self.retract(victim, keep=True)
+            self.num_fair_preemptions += 1
+            if needy not in self._promoted:
+                self._promoted.append(needy)
+
+    def retract(self, req: Req, *, keep: bool = False) -> None:
+        """Release a running request's KV and re-queue it (its outputs are kept). ``keep``: its
+        computed tokens go into the prefix cache (a fair preemption; memory pressure frees them)."""
+        log.info("retracting %s to %s", req.rid, "make room for a tenant under its share" if keep else "free KV memory")
         self.running.remove(req)
-        self.release(req, keep=False)
+        self.release(req, keep=keep)
         req.retractions += 1
         self.num_retractions += 1
         self.waiting.insert(0, req)

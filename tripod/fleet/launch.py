@@ -120,13 +120,14 @@ def serve_fleet(config: RouterConfig, fleet: FleetConfig, serve_args: list[str],
                 log_dir: Path | None = None) -> int:
     """A router on ``config.host:port`` and ``fleet.min_replicas`` replicas (more under load).
 
-    Tenants: the router authenticates, enforces requests_per_second, max_concurrent and models, and
-    writes the audit log; each replica gets the tenants file too (``serve_args``) with
-    ``--tenant-limits tokens``: it attributes requests to the same tenants (its per-tenant series,
-    the engine's fair share) and enforces the token limits and max_context, which only a server
-    can count. TLS: the router serves HTTPS to clients; replicas listen on loopback in plain HTTP."""
+    Tenants: the router authenticates, enforces every limit across the replicas (the token limits
+    and max_context with counts a replica makes: ``router/tenant_limits.py``) and writes the audit
+    log; each replica gets the tenants file too (``serve_args``) with ``--tenant-limits none``: it
+    attributes requests to the same tenants (its per-tenant series, the engine's fair share) and
+    leaves the limits to the router. TLS: the router serves HTTPS to clients; replicas listen on
+    loopback in plain HTTP."""
     if config.tenants:
-        serve_args = [*serve_args, "--tenant-limits", "tokens"]  # NOTE: argparse keeps the last value
+        serve_args = [*serve_args, "--tenant-limits", "none"]  # NOTE: argparse keeps the last value
     try:
         launcher = make_launcher(fleet, serve_args, log_dir)
     except ValueError as e:

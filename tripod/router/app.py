@@ -5,8 +5,9 @@ replica table).
 ``/tokenize``, ``/detokenize`` are proxied to the replica the policy picks; ``/v1/models`` to any
 routable replica. ``/health`` is 200 while at least one replica is routable. ``/metrics`` is the
 router's own Prometheus page. The router's own errors on ``/v1/messages`` take Anthropic's shape.
-With ``--tenants`` the router authenticates the API's requests and enforces the limits it can count
-(``make_router_gate``); per-tenant series and the audit log as a server's (``tripod.tenants``).
+With ``--tenants`` the router authenticates the API's requests and enforces every tenant limit
+across its replicas (``make_router_gate``; the token limits with counts a replica makes:
+``router/tenant_limits.py``); per-tenant series and the audit log as a server's (``tripod.tenants``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tripod import tracing
-from tripod.asgi import BodyTooLarge, ClientGone, read_body, until_disconnect
+from tripod.asgi import BodyTooLarge, ClientGone, ClosingStream, read_body, until_disconnect
 from tripod.console.app import Console
 from tripod.router import lora
 from tripod.router.console_source import RouterConsoleSource, SupervisorView
@@ -35,7 +36,16 @@ from tripod.router.fairness import TENANT_HEADER
 from tripod.router.prompt import is_anthropic, render_prompt
 from tripod.router.replica import Replica
 from tripod.router.router import Router
-from tripod.tenants import AuditLog, OverLimit, RequestRecord, TenantGate, TenantRegistry, record_of
+from tripod.router.tenant_limits import Admission, OutputCount, settle_whole
+from tripod.tenants import (
+    COUNT_HEADER,
+    AuditLog,
+    OverLimit,
+    RequestRecord,
+    TenantGate,
+    TenantRegistry,
+    record_of,
+)
 from tripod.tenants.asgi import TenantMiddleware
 
 log = logging.getLogger("tripod.router")
@@ -71,10 +81,11 @@ async def read_request(request: Request, limit: int) -> tuple[bytes, dict[str, A
 
 def make_router_gate(router: Router) -> TenantGate:
     """The router's tenants: with ``--tenants`` it authenticates every API request itself (the file's
-    keys, and the plain ``--api-key`` as the ``default`` tenant's) and enforces the limits it can
-    count (requests_per_second, max_concurrent, models); the replicas, given the file too, count
-    tokens. Without ``--tenants`` it checks no key (the replicas check theirs, as before), and
-    every request is ``default``'s. ``TenantFileError``/``OSError`` on a bad file or audit path."""
+    keys, and the plain ``--api-key`` as the ``default`` tenant's) and enforces every limit for
+    the whole fleet (the token limits with a replica's counts: ``router/tenant_limits.py``); the
+    replicas, given the file too, attribute requests to the same tenants. Without ``--tenants``
+    it checks no key (the replicas check theirs, as before), and every request is ``default``'s.
+    ``TenantFileError``/``OSError`` on a bad file or audit path."""
     cfg = router.config
     registry = TenantRegistry(cfg.tenants, cfg.api_key if cfg.tenants else None)
     audit = (AuditLog(cfg.audit_log, content=cfg.audit_log_content, max_bytes=cfg.audit_log_max_bytes)
@@ -88,9 +99,9 @@ def _weight(registry: TenantRegistry, name: str) -> float:
     return tenant.weight if tenant is not None else 1.0
 
 
-def admit_tenant(gate: TenantGate, request: Request, body: dict[str, Any]) -> RequestRecord | None:
-    """The router's admission of a request for its tenant: 404 for a model it may not use, 429
-    (``Retry-After``, the limit named) past requests_per_second or max_concurrent."""
+def check_tenant(gate: TenantGate, request: Request, body: dict[str, Any]) -> RequestRecord | None:
+    """The request's tenant record, 404 for a model it may not use. Its limits are taken later
+    (``router/tenant_limits.py``: ``Admission``, which ``Router.forward`` calls)."""
     rec = record_of(request.scope)
     if rec is None:
         return None
@@ -101,10 +112,6 @@ def admit_tenant(gate: TenantGate, request: Request, body: dict[str, Any]) -> Re
             gate.check_model(rec, model)
         except PermissionError as e:
             raise RouterError(404, f"{e}; see the tenant's 'models' in the tenants file", "model_not_found") from None
-    try:
-        gate.admit(rec)
-    except OverLimit as e:
-        raise RouterError(429, str(e), "rate_limit_exceeded", int(e.retry_after_header)) from None
     if gate.audit is not None and gate.audit.content:
         rec.prompt = render_prompt(request.url.path, body)
     return rec
@@ -124,25 +131,32 @@ def count_usage(rec: RequestRecord | None, resp: Response) -> None:
     if not isinstance(usage, dict):
         return
     prompt = usage.get("prompt_tokens", (usage.get("input_tokens") or 0) + (usage.get("cache_read_input_tokens") or 0))
-    output = usage.get("completion_tokens", usage.get("output_tokens", 0))
+    output = usage.get("completion_tokens", usage.get("output_tokens"))
     rec.prompt_tokens = prompt if isinstance(prompt, int) else 0
     rec.output_tokens = output if isinstance(output, int) else 0
+    rec.output_known = rec.output_known or isinstance(output, int)
 
 
 def tenant_headers(request: Request) -> dict[str, str]:
     """The request's headers with the tenant the router authenticated in ``x-tripod-tenant`` (a
     value the client sent is dropped: only the router names tenants)."""
-    headers = {k: v for k, v in request.headers.items() if k.lower() != TENANT_HEADER}
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in (TENANT_HEADER, COUNT_HEADER)}
     rec = record_of(request.scope)
     if rec is not None:
         headers[TENANT_HEADER] = rec.identity.tenant.name
     return headers
 
 
-async def forward_unless_gone(router: Router, request: Request, raw: bytes, body: dict[str, Any]) -> Response:
-    """``router.forward`` for this request, or 499 when the client leaves first."""
+async def forward_unless_gone(router: Router, request: Request, raw: bytes, body: dict[str, Any],
+                              gate: TenantGate | None = None) -> Response:
+    """``router.forward`` for this request (admitted into its tenant's limits by ``gate``), or 499
+    when the client leaves first."""
+    headers = tenant_headers(request)
+    rec = record_of(request.scope)
+    admit = Admission(gate, router, rec, request.url.path, raw, body, headers) \
+        if gate is not None and rec is not None else None
     try:
-        return await until_disconnect(request, router.forward(request.url.path, raw, body, tenant_headers(request)))
+        return await until_disconnect(request, router.forward(request.url.path, raw, body, headers, admit))
     except ClientGone:
         # NOTE: the client left while the router waited on a replica (a non-streamed answer, or a
         # stream before its first token): cancelling closes the upstream connection, and the
@@ -224,6 +238,11 @@ def _finish_span(scope: Any, span: Any) -> None:
         span.set_attribute("tripod.tenant", tenant)
 
 
+def _over_limit(path: str, e: OverLimit) -> Any:
+    return RouterError(429, str(e), "rate_limit_exceeded", int(e.retry_after_header)).response(
+        anthropic=is_anthropic(path))
+
+
 def _unauthorized(path: str, message: str) -> Any:
     return RouterError(401, message, "invalid_api_key").response(anthropic=is_anthropic(path))
 
@@ -240,9 +259,17 @@ def build_router_app(router: Router, lifespan: Any = None,
 
     async def proxied(request: Request) -> Response:
         raw, body = await read_request(request, router.config.max_body_bytes)
-        rec = admit_tenant(tenants, request, body)
-        resp = await forward_unless_gone(router, request, raw, body)
+        rec = check_tenant(tenants, request, body)
+        try:
+            resp = await forward_unless_gone(router, request, raw, body, tenants)
+        except RouterError:
+            if rec is not None:
+                rec.output_tokens, rec.output_known = 0, True  # nothing was answered: nothing used
+            raise
         count_usage(rec, resp)
+        settle_whole(rec, resp)
+        if rec is not None and not rec.output_known and isinstance(resp, ClosingStream):
+            OutputCount(rec, resp)
         return resp
 
     async def models(request: Request) -> Response:
@@ -275,7 +302,8 @@ def build_router_app(router: Router, lifespan: Any = None,
     traced = [Middleware(tracing.TraceMiddleware, component="router", traced=_api_path, finish=_finish_span)] \
         if tracing.ACTIVE else []  # outermost: the span covers the whole request (and the tenant's 401/429)
     guard = Middleware(TenantMiddleware, gate=tenants, refuse=_unauthorized, guarded=_api_path, attributed=_api_path,
-                       route_of=lambda p: "/v1/models" if p.startswith("/v1/models") else p)
+                       route_of=lambda p: "/v1/models" if p.startswith("/v1/models") else p,
+                       limited=PROXIED_PATHS.__contains__, over_limit=_over_limit)
 
     @contextlib.asynccontextmanager
     async def with_tenants(app: Any) -> AsyncIterator[None]:

@@ -8,6 +8,14 @@ its share never waits behind one over it. Within a tenant, requests go in arriva
 The tenant is what the router's app put in the ``x-tripod-tenant`` header after authenticating
 the request (no header: tenant "", weight 1); its weight comes from ``weight_of``. With capacity
 0 (the default) nothing waits here: today's behaviour.
+
+A freed place is not enough when one tenant holds every place: a newcomer would wait for one of its
+requests to finish. So, as the engine preempts (``FairShare.preemptions``), the gate lends: each
+active tenant's share of the places is in proportion to its weight, and a tenant that would still
+be within its share with one more place is let through at once, over the capacity, while another
+tenant holds more than its share (the replica's engine then preempts that tenant's request for
+it). Places lent are paid back by the over-share tenant's next releases (nothing is granted while
+the count is at or over the capacity).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ class FairGate:
         self.vtime: dict[str, float] = {}
         self.live: dict[str, int] = {}  # per tenant: admitted + waiting
         self.granted: dict[str, int] = {}  # per active tenant: places given since it became active
+        self.held: dict[str, int] = {}  # per tenant: places it holds now
         self.waiters: dict[str, deque[tuple[asyncio.Future[None], float]]] = {}
 
     @property
@@ -51,13 +60,14 @@ class FairGate:
     def _grant(self, tenant: str, cost: float) -> None:
         self.admitted += 1
         self.granted[tenant] += 1
+        self.held[tenant] = self.held.get(tenant, 0) + 1
         self.vtime[tenant] += cost / max(self.weight_of(tenant), 1e-9)
 
     async def acquire(self, tenant: str, cost: float, timeout: float) -> bool:
         """Wait (up to ``timeout`` s) for a place; False when none came in time."""
         cap = self.capacity()
         self._join(tenant)
-        if cap <= 0 or (not self.waiting and self.admitted < cap):
+        if cap <= 0 or (not self.waiting and self.admitted < cap) or self._lends(tenant, cap):
             self._grant(tenant, cost)
             return True
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -79,8 +89,21 @@ class FairGate:
                 raise
             return False
 
+    def _lends(self, tenant: str, cap: int) -> bool:
+        """Whether ``tenant`` is under its share of the places while another holds more than its own."""
+        if self.waiters.get(tenant):
+            return False  # its own earlier requests wait: it takes its turn behind them
+        total = sum(max(self.weight_of(t), 1e-9) for t in self.live)
+        share = {t: cap * max(self.weight_of(t), 1e-9) / total for t in self.live}
+        if self.held.get(tenant, 0) + 1 > share[tenant] + 1e-9:
+            return False
+        return any(n > share[t] + 1e-9 for t, n in self.held.items() if t in share)
+
     def release(self, tenant: str) -> None:
         self.admitted -= 1
+        self.held[tenant] -= 1
+        if not self.held[tenant]:
+            del self.held[tenant]
         self._leave(tenant)
         self.pump()
 

@@ -68,8 +68,8 @@ class LatencyWindow:
             while s and s[0][0] < edge:
                 s.popleft()
 
-    def arrived(self) -> float:
-        now = self.clock()
+    def arrived(self, at: float | None = None) -> float:
+        now = self.clock() if at is None else at
         self.arrivals.append(now)
         self._trim(now)
         return now

@@ -251,8 +251,10 @@ class Proxy:
         if answer is not None:
             run = Run(f, resp, answer, call.path, call.headers, call.rr, tried)
             # NOTE: read at close: a continuation replaces the run's flight and upstream response.
-            return ClosingStream(self.failover.relay(run, it, first), headers=back,
-                                 on_close=lambda: r.finish_stream(run.flight, run.resp))
+            stream = ClosingStream(self.failover.relay(run, it, first), headers=back,
+                                   on_close=lambda: r.finish_stream(run.flight, run.resp))
+            stream.answer = answer  # type: ignore[attr-defined]  # its output count (router/tenant_limits.py)
+            return stream
         return ClosingStream(self._relay(f, it, first, is_anthropic(call.path)), headers=back,
                              on_close=lambda: r.finish_stream(f, resp))
 

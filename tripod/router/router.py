@@ -14,7 +14,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -295,19 +295,36 @@ class Router:
             self.chars_per_token += 0.1 * (ratio - self.chars_per_token)
 
     # ------------------------------------------------------------ proxying
-    async def forward(self, path: str, raw: bytes, body: dict[str, Any], headers: dict[str, str]) -> Response:
+    async def forward(self, path: str, raw: bytes, body: dict[str, Any], headers: dict[str, str],
+                      admit: Callable[[], Awaitable[Response | None]] | None = None) -> Response:
         """Send one POST to a replica; the answer, or an error once retries are spent
-        (``router/proxy.py``). Admitted by tenant fair share when capacity is bounded
+        (``router/proxy.py``). ``admit``: the request's admission into its tenant's limits
+        (``router/tenant_limits.py``; its Response, a replica's 4xx to the request, is the
+        answer). Then admitted by tenant fair share when capacity is bounded
         (``router/fairness.py``), and timed (``router/latency.py``)."""
         tenant = headers.get(TENANT_HEADER, "")
-        t0 = self.latency.arrived()
+        t0 = self.latency.clock()
         held = not self.serving()  # a cold start (or every replica down): the request waits for one
+        if admit is not None:
+            # NOTE: before the arrival is counted: a refused request is no load to scale for.
+            early = await admit()
+            if early is not None:
+                return early
+        self.latency.arrived(t0)
         cost = len(raw) / self.chars_per_token + output_budget(body)
         self.queue_depth += 1
+        # The fair-share queue (--replica-max-inflight): its own span, a child of the request's.
+        span = tracing.start_span("router.queue", attributes={
+            "tripod.component": "router", "tripod.tenant": tenant, "tripod.queue_depth": self.gate.waiting,
+        }) if tracing.ACTIVE and self.config.replica_max_inflight > 0 else None
+        admitted = False
         try:
             admitted = await self.gate.acquire(tenant, cost, self.config.queue_timeout)
         finally:
             self.queue_depth -= 1
+            if span is not None:
+                span.set_attribute("tripod.admitted", admitted)
+                tracing.end(span, error=None if admitted else "no place within --queue-timeout")
         if not admitted:
             raise RouterError(503, "every replica is at its capacity (--replica-max-inflight) and this request "
                               "waited its turn past --queue-timeout; retry shortly", "no_capacity",

@@ -30,6 +30,7 @@ from tripod.server.pd import add_pd_routes
 from tripod.server.protocol import APIError
 from tripod.server.serving import ClientGone, ServerState, too_large
 from tripod.server.traces import finish_request
+from tripod.tenants import OverLimit
 from tripod.tenants.asgi import TenantMiddleware
 
 __all__ = ["ServerState", "build_app", "lifespan_for"]
@@ -60,6 +61,14 @@ def guarded_path(path: str) -> bool:
     """Paths that need a key (when keys are set): all but /health, /metrics, /openapi.json and the
     console's page shell (NOTE: it holds no data; its JSON API, /ui/api/*, is guarded)."""
     return path not in _OPEN_PATHS and not is_open_path(path)
+
+
+_GENERATING = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})  # (admitted into the limits)
+
+
+def _over_limit(path: str, e: OverLimit) -> ASGIApp:
+    return error_response(APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                                   headers={"Retry-After": e.retry_after_header}), path)
 
 
 def _unauthorized(path: str, message: str) -> ASGIApp:
@@ -99,7 +108,8 @@ class GuardMiddleware:
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         inner = BodyLimit(app, state.config.max_body_bytes)
-        self.app = TenantMiddleware(inner, state.tenants, _unauthorized, guarded_path, tenant_route, route_of)
+        self.app = TenantMiddleware(inner, state.tenants, _unauthorized, guarded_path, tenant_route, route_of,
+                                    limited=_GENERATING.__contains__, over_limit=_over_limit)
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
@@ -32,6 +33,7 @@ from tripod.server.reasoning import ReasoningParser, Thinking, choose_parser
 from tripod.server.sampling import Limits
 from tripod.server.text import TextSide
 from tripod.tenants import (
+    COUNT_HEADER,
     DEFAULT_TENANT,
     AuditLog,
     OverLimit,
@@ -39,6 +41,7 @@ from tripod.tenants import (
     Tenant,
     TenantGate,
     TenantRegistry,
+    TokenCounts,
     record_of,
 )
 
@@ -189,10 +192,11 @@ async def start_generation(
     if state.draining:
         raise APIError(503, "the server is shutting down; retry on another replica", type="server_error",
                        code="draining", headers={"Retry-After": str(cfg.retry_after)})
-    n = parts[0].params.n
+    if request.headers.get(COUNT_HEADER) == "count":
+        raise AdmissionCounted(token_counts(parts), record_of(request.scope))
     rec = admit_tenant(state, request, parts)
     try:
-        handle = state.client.open(parts, n, **engine_share(rec))  # the engine shares capacity by tenant
+        handle = state.client.open(parts, parts[0].params.n, **engine_share(rec))  # the engine shares capacity by tenant
     except Overloaded as e:
         raise APIError(overload_status or cfg.overload_status, f"the server is at capacity ({e}); retry later",
                        type="server_error", code="overloaded",
@@ -213,6 +217,33 @@ async def start_generation(
     return Started(handle, gen, it, first)
 
 
+def token_counts(parts: list[EnginePart]) -> TokenCounts:
+    """What the request takes from its tenant's token limits (``admit_tenant``, and a router's count)."""
+    n = parts[0].params.n
+    return TokenCounts(input_tokens=sum(len(p.prompt_ids) for p in parts),
+                       output_tokens=sum(p.params.max_tokens * n for p in parts),
+                       context_tokens=max(len(p.prompt_ids) + p.params.max_tokens for p in parts))
+
+
+class AdmissionCounted(APIError):
+    """Not an error: the answer (200) to a router's count request (``COUNT_HEADER``), the request
+    validated and tokenized as if it were to run, its counts instead of a generation. Raised from
+    where they are known, past every check of the request, so they are exactly what this
+    server's own admission would take; the request is no request of its tenant's (``probe``)."""
+
+    def __init__(self, counts: TokenCounts, rec: RequestRecord | None) -> None:
+        super().__init__(200, "token counts")
+        self.counts = counts
+        if rec is not None:
+            rec.probe = True
+
+    def body(self) -> dict[str, Any]:
+        return dict(self.counts.as_json())
+
+    def anthropic_body(self) -> dict[str, Any]:
+        return self.body()
+
+
 def admit_tenant(state: ServerState, request: Request, parts: list[EnginePart]) -> RequestRecord | None:
     """Take the request's place in its tenant's limits: 400 past ``max_context``, 429 (with
     ``Retry-After``, naming the limit) past a rate. Output tokens are reserved as ``max_tokens``
@@ -221,15 +252,14 @@ def admit_tenant(state: ServerState, request: Request, parts: list[EnginePart]) 
     if rec is None:
         return None
     gate = state.tenants
-    n = parts[0].params.n
+    counts = token_counts(parts)
     rec.model = state.model_name
     try:
-        gate.check_context(rec, max(len(p.prompt_ids) + p.params.max_tokens for p in parts))
+        gate.check_context(rec, counts.context_tokens)
     except ValueError as e:
         raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
     try:
-        gate.admit(rec, input_tokens=sum(len(p.prompt_ids) for p in parts),
-                   output_tokens=sum(p.params.max_tokens * n for p in parts))
+        gate.admit(rec, input_tokens=counts.input_tokens, output_tokens=counts.output_tokens)
     except OverLimit as e:
         if e.never:
             raise APIError(400, str(e), param="max_tokens", code="tenant_limit_exceeded") from None

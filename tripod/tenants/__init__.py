@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from tripod.tenants.audit import AuditLine, AuditLog
 from tripod.tenants.gate import (
+    COUNT_HEADER,
     ENFORCE_MODES,
     SCOPE_KEY,
     RequestRecord,
     TenantGate,
+    TokenCounts,
+    has_token_limits,
     record_of,
     request_keys,
 )
@@ -26,7 +29,7 @@ from tripod.tenants.model import (
 from tripod.tenants.registry import Identity, TenantRegistry
 
 __all__ = [
-    "DEFAULT_TENANT", "ENFORCE_MODES", "SCOPE_KEY", "AuditLine", "AuditLog", "Identity", "Lease", "OverLimit",
+    "COUNT_HEADER", "DEFAULT_TENANT", "ENFORCE_MODES", "SCOPE_KEY", "AuditLine", "AuditLog", "Identity", "Lease", "OverLimit",
     "RequestRecord", "SlidingWindow", "Tenant", "TenantFile", "TenantFileError", "TenantGate", "TenantLimiter",
-    "TenantMetrics", "TenantRegistry", "load_tenants", "parse_tenants", "record_of", "request_keys",
+    "TenantMetrics", "TenantRegistry", "TokenCounts", "has_token_limits", "load_tenants", "parse_tenants", "record_of", "request_keys",
 ]

@@ -18,13 +18,48 @@ from typing import Any
 from tripod.tenants.audit import AuditLine, AuditLog
 from tripod.tenants.limiter import Lease, OverLimit, TenantLimiter
 from tripod.tenants.metrics import TenantMetrics
+from tripod.tenants.model import Tenant
 from tripod.tenants.registry import Identity, TenantRegistry
 
 SCOPE_KEY = "tripod.tenant"
+# A router that enforces the token limits itself (fleet-wide) sends a request to a replica with
+# this header set to "count" first: the replica answers the request's token counts (what its own
+# admission would take: ``TokenCounts``) instead of generating.
+COUNT_HEADER = "x-tripod-admission"
 
 # What a process enforces itself (--tenant-limits): every limit; only the token limits and
 # max_context (a fleet's replicas: their router enforces the rest); none (attribution only).
 ENFORCE_MODES = ("all", "tokens", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCounts:
+    """What a request takes from its tenant's token limits, as the server that would serve it
+    counts: its prompt tokens, its output reservation (``max_tokens`` × ``n`` per prompt), and its
+    largest prompt + ``max_tokens`` (for ``max_context``)."""
+
+    input_tokens: int
+    output_tokens: int
+    context_tokens: int
+
+    def as_json(self) -> dict[str, int | str]:
+        return {"object": "tripod.admission_count", "input_tokens": self.input_tokens,
+                "output_tokens": self.output_tokens, "context_tokens": self.context_tokens}
+
+    @staticmethod
+    def from_json(obj: object) -> TokenCounts:
+        """``ValueError`` unless ``obj`` is what ``as_json`` wrote."""
+        if not isinstance(obj, dict) or obj.get("object") != "tripod.admission_count":
+            raise ValueError("not an admission count")
+        vals = [obj.get(k) for k in ("input_tokens", "output_tokens", "context_tokens")]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals):
+            raise ValueError(f"bad admission count {obj!r}")
+        return TokenCounts(*vals)  # type: ignore[arg-type]
+
+
+def has_token_limits(t: Tenant) -> bool:
+    """Whether admitting ``t``'s requests needs their token counts."""
+    return t.input_tokens_per_minute is not None or t.output_tokens_per_minute is not None or t.max_context is not None
 
 
 @dataclass(slots=True)
@@ -45,6 +80,8 @@ class RequestRecord:
     lease: Lease | None = None
     prompt: str | None = None
     sync: Callable[[RequestRecord], None] | None = None  # fills the counts in at the end (the server's generation)
+    output_known: bool = True  # False: output_tokens is not the answer's count (its reservation is kept)
+    probe: bool = False  # a router's count request (COUNT_HEADER): no request of the tenant's, not recorded
 
     @property
     def tenant(self) -> str:
@@ -103,6 +140,17 @@ class TenantGate:
         raise ValueError(f"the prompt and max_tokens come to {tokens} tokens, more than tenant {t.name!r}'s "
                          f"max_context ({t.max_context}); send a shorter prompt or a smaller max_tokens")
 
+    def early_refusal(self, rec: RequestRecord) -> OverLimit | None:
+        """A refusal by the limits that need no counts, before the request is read (counted as a
+        rejection), or None: ``admit`` takes the request's place later. Only where every limit is
+        enforced here."""
+        if self.enforce != "all":
+            return None
+        e = self.limiter.refusal(rec.identity.tenant)
+        if e is not None:
+            self.metrics.rejections.labels(rec.tenant, e.limit).inc()
+        return e
+
     def admit(self, rec: RequestRecord | None, input_tokens: int | None = None,
               output_tokens: int | None = None) -> None:
         """Take the request's place in its tenant's limits (released by ``finish``) or raise OverLimit."""
@@ -120,10 +168,12 @@ class TenantGate:
     def finish(self, rec: RequestRecord, model: str | None = None) -> None:
         """The request's answer is complete (or the client left): release, count, audit."""
         now = time.monotonic()
+        if rec.probe:
+            return
         if rec.sync is not None:
             rec.sync(rec)
         if rec.lease is not None:
-            self.limiter.release(rec.lease, rec.output_tokens)
+            self.limiter.release(rec.lease, rec.output_tokens if rec.output_known else None)
         m, name = self.metrics, rec.tenant
         m.requests.labels(name, str(rec.status)).inc()
         if rec.prompt_tokens:

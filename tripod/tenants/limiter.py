@@ -131,6 +131,21 @@ class TenantLimiter:
                 s.rps = SlidingWindow(span)
         return s
 
+    def refusal(self, t: Tenant) -> OverLimit | None:
+        """The refusal ``admit`` would give any request of ``t``'s now by the limits that need no
+        counts (``max_concurrent``, ``requests_per_second``), or None; takes nothing. Lets a flood
+        be refused before its requests are read and tokenized."""
+        now = self.clock()
+        s = self._state(t)
+        if t.max_concurrent is not None and s.concurrent >= t.max_concurrent:
+            return OverLimit(t.name, "max_concurrent", t.max_concurrent, 1.0)
+        if t.requests_per_second is not None:
+            assert s.rps is not None
+            wait = s.rps.wait(now, 1, rps_window(t.requests_per_second)[1])
+            if wait > 0:
+                return OverLimit(t.name, "requests_per_second", t.requests_per_second, wait)
+        return None
+
     def admit(self, t: Tenant, input_tokens: int | None = None, output_tokens: int | None = None) -> Lease:
         """Admit one request (``None`` token counts: those limits are not checked here, as in the
         router, which does not tokenize), or raise :class:`OverLimit` and change nothing."""
