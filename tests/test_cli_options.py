@@ -45,9 +45,9 @@ FLAGS = {
     "--max-batch-tokens --max-model-len --max-n --max-pending --max-replicas --max-retries --max-running "
     "--max-waiting --min-replicas --model --no-jump-forward --no-prefix-cache --num-draft-tokens "
     "--otel-endpoint --otel-file --overload-status --parallel-backend --parallel-placement --parallel-ray-address "
-    "--parallel-timeout --pipeline-parallel-size --policy --port --queue-timeout "
+    "--parallel-timeout --pipeline-parallel-size --policy --port --prefill-replicas --queue-timeout "
     "--ray-address --ray-num-cpus --ray-num-gpus --reasoning-parser --region --region-overflow-load --replica-log-dir "
-    "--replica-max-inflight --replicas --router-policy --served-model-name --slo-tpot-p95 --slo-ttft-p95 "
+    "--replica-max-inflight --replicas --role --router-policy --served-model-name --slo-tpot-p95 --slo-ttft-p95 "
     "--spec-max-batch --speculative --ssl-certfile --ssl-keyfile --stall-timeout --target-inflight "
     "--tenant-limits --tenants --tensor-parallel-size --threads --upscale-delay --weights",
     ("route",): "--api-key --audit-log --audit-log-content --balance-abs --balance-rel --bench-dir --drain-timeout "

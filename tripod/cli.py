@@ -37,6 +37,7 @@ from tripod.config import (
     ServerConfig,
 )
 from tripod.config_cli import CommandParser, Subcommands, from_namespace, to_argv
+from tripod.config_services import check_pd_role
 
 if TYPE_CHECKING:
     from tripod.engine.engine import Engine
@@ -67,6 +68,9 @@ def _add_serve(sub: Subcommands) -> None:
     fleet.add_argument("--min-replicas", type=int, default=None,
                        help="autoscale between --min-replicas and --max-replicas")
     fleet.add_argument("--max-replicas", type=int, default=None, help="see --min-replicas")
+    fleet.add_argument("--prefill-replicas", type=int, default=None, metavar="P",
+                       help="prefill/decode disaggregation: P more replicas run --role prefill and the --replicas N "
+                       "run --role decode; the router has prompts prefilled on the former and answered by the latter")
     cp.add(FleetConfig, "fleet")
     fleet.add_argument("--replica-log-dir", default=None, help="local: write each replica's log here")
     cp.add(RouterConfig, "router")
@@ -185,7 +189,20 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     from_namespace(EngineConfig, args)
     lo = args.min_replicas if args.min_replicas is not None else (args.replicas or 1)
     hi = args.max_replicas if args.max_replicas is not None else (args.replicas or lo)
-    fleet = from_namespace(FleetConfig, args, min_replicas=lo, max_replicas=hi, drain_timeout=args.drain_timeout)
+    prefill = args.prefill_replicas or 0
+    try:
+        fleet = from_namespace(FleetConfig, args, min_replicas=lo + prefill, max_replicas=hi + prefill,
+                               prefill_replicas=prefill, drain_timeout=args.drain_timeout)
+        if args.role != "both":
+            raise ValueError("--role is one replica's: a fleet gives its replicas their roles (--prefill-replicas P)")
+        if prefill:
+            check_pd_role("prefill", args.enable_prefix_cache, from_namespace(EngineConfig, args).world_size)
+            if args.backend != "local":
+                raise ValueError("--prefill-replicas runs local replicas only for now (drop --backend ray)")
+    except ValueError as e:
+        print(f"tripod: error: {e}", file=sys.stderr)
+        return 2
+    hi += prefill
     threads = args.num_threads
     if threads is None and args.backend == "local" and args.device == "cpu":
         threads = max(1, (os.cpu_count() or 1) // hi)  # replicas share this machine's cores
@@ -203,7 +220,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tripod.server.launch import serve
 
     if args.replicas is not None or args.min_replicas is not None or args.max_replicas is not None \
-            or args.backend != "local":
+            or args.backend != "local" or args.prefill_replicas is not None:
         return cmd_fleet(args)
     cfg = from_namespace(ServerConfig, args)
     return serve(from_namespace(EngineConfig, args), cfg, _level(args))

@@ -20,6 +20,20 @@ def check_tls(certfile: str | None, keyfile: str | None) -> None:
         raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both for HTTPS, or neither")
 
 
+PD_ROLES = ("both", "prefill", "decode")  # --role: server/pd.py
+
+
+def check_pd_role(role: str, enable_prefix_cache: bool, world_size: int) -> None:
+    """What ``--role prefill|decode`` cannot combine with (a ValueError that says what to change)."""
+    if role == "both":
+        return
+    if not enable_prefix_cache:
+        raise ValueError(f"--role {role} hands a prompt's KV over through the prefix cache: it cannot be combined "
+                         "with --no-prefix-cache")
+    if world_size > 1:
+        raise ValueError(f"--role {role} is not built for a model over several processes (each rank holds a shard "
+                         "of the KV); drop --tensor/pipeline/data-parallel-size or --role")
+
 # --reasoning-parser: auto (from the model's architecture and chat template), none, or a parser
 # (tripod/server/reasoning.py keeps the parsers by these names).
 REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "gpt_oss")
@@ -57,6 +71,13 @@ class ServerConfig:
     dead_grace: float = 2.0
     bench_dir: str | None = opt(  # the console's benchmark history: where tripod bench wrote its runs
         None, BENCH_DIR_HELP, commands=(SERVE,), metavar="DIR", group="console", forward=False)
+    # Prefill/decode disaggregation (server/pd.py; README "Prefill/decode disaggregation"). A fleet
+    # gives each replica its role (--prefill-replicas), so it is not forwarded.
+    role: str = opt(
+        "both", "prefill/decode disaggregation: prefill (a router sends it new prompts; it computes their KV and "
+        "hands it to a decode replica) or decode (receives prompts' KV into its disk tier: --kv-disk, or a private "
+        "one in /dev/shm, and generates); both = an ordinary replica", commands=(SERVE,),
+        choices=PD_ROLES, forward=False)
 
     # Tenants, audit log and TLS (tripod.tenants; README "Tenants"); audit/TLS are not forwarded to replicas.
     tenants: str | None = opt(None, "a TOML file of tenants: keys, weights, limits (reloaded on SIGHUP and on change)",
@@ -94,6 +115,8 @@ class ServerConfig:
         if self.max_n < 1 or self.max_body_bytes < 1024:
             raise ValueError("max_n must be >= 1 and max_body_bytes >= 1024")
         check_tls(self.ssl_certfile, self.ssl_keyfile)
+        if self.role not in PD_ROLES:
+            raise ValueError(f"role must be one of {', '.join(PD_ROLES)} (got {self.role!r})")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} "
                              f"(got {self.reasoning_parser!r})")
@@ -123,6 +146,9 @@ class RouterConfig:
         "flight is not chosen for its cache", commands=(SERVE, ROUTE))
     balance_rel: float = opt(1.5, "see --balance-abs", commands=(SERVE, ROUTE))
     min_match_tokens: float = 16.0  # a cached prefix shorter than this does not steer a request
+    # Prefill/decode disaggregation (router/pd.py): a prompt the decode replica probably lacks fewer
+    # tokens of than this is not handed to a prefill replica (a follow-up turn: little to compute).
+    pd_min_uncached_tokens: float = 64.0
     tree_max_chars: int = 2_000_000  # per replica
     chars_per_token: float = 4.0  # first estimate; refined from the usage replicas report
     health_interval: float = opt(  # seconds between /health probes of each replica
@@ -203,6 +229,9 @@ class FleetConfig:
 
     min_replicas: int = 1
     max_replicas: int = 1
+    # Prefill/decode disaggregation: this many more replicas run --role prefill (the others --role
+    # decode); the router hands new prompts' prefill to them.
+    prefill_replicas: int = 0
     backend: str = opt("local", "where replicas run: local processes or Ray actors", commands=(SERVE, CHAINS_SERVE), choices=("local", "ray"))
     ray_address: str | None = opt(  # None: a local Ray instance; "auto": the running cluster
         None, "ray: 'auto' joins the running cluster (default: a local one)", commands=(SERVE, CHAINS_SERVE))
@@ -235,6 +264,11 @@ class FleetConfig:
         if self.min_replicas < 0 or self.max_replicas < max(self.min_replicas, 1):
             raise ValueError(f"need 0 <= min_replicas <= max_replicas, max_replicas >= 1 (got {self.min_replicas}, "
                              f"{self.max_replicas})")
+        if self.prefill_replicas < 0:
+            raise ValueError(f"prefill_replicas must be >= 0 (got {self.prefill_replicas})")
+        if self.prefill_replicas and (self.autoscaling or self.min_replicas < 1):
+            raise ValueError("--prefill-replicas runs a fixed fleet: give --replicas N (the decode replicas), not "
+                             "--min-replicas/--max-replicas (autoscaling a disaggregated fleet is not built)")
         if any(v is not None and v <= 0 for v in (self.slo_ttft_p95, self.slo_tpot_p95)):
             raise ValueError(f"slo_ttft_p95 and slo_tpot_p95 must be > 0 ms (got {self.slo_ttft_p95}, {self.slo_tpot_p95})")
         if not 0 < self.slo_headroom < 1 or self.scale_cooldown < 0:

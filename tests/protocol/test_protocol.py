@@ -204,11 +204,15 @@ def test_health_answers_and_the_routers_lenient_reading() -> None:
     from tripod.protocol import health
 
     ok = json.loads(health.encode(health.Healthy(model="m", engine_pid=7, running=2, waiting=1)))
-    assert ok == {"status": "ok", "model": "m", "engine_pid": 7, "running": 2, "waiting": 1, "continuation": True}
+    assert ok == {"status": "ok", "model": "m", "engine_pid": 7, "running": 2, "waiting": 1, "continuation": True,
+                  "role": "both", "kv_tier": None}
     assert json.loads(health.encode(health.Unhealthy(status="draining"))) == {"status": "draining"}
     assert json.loads(health.encode(health.Unhealthy(status="dead", reason="gone"))) == {"status": "dead",
                                                                                           "reason": "gone"}
     got = health.probe(health.encode(health.Healthy(model="m", engine_pid=None, running=0, waiting=0)))
-    assert got.continuation and got.model == "m"
+    assert got.continuation and got.model == "m" and got.role == "both" and got.kv_tier is None
+    pd = health.probe(health.encode(health.Healthy(model="m", engine_pid=1, running=0, waiting=0, role="decode",
+                                                   kv_tier="host:/kv/ab")))
+    assert (pd.role, pd.kv_tier) == ("decode", "host:/kv/ab")
     for foreign in (b"", b"{}", b"[1]", b'{"continuation": "yes"}', b"not json"):
         assert health.probe(foreign) == health.HealthProbe(), foreign

@@ -34,6 +34,13 @@ class NodeView(BaseModel):
     consecutive_failures: int | None = None
     kv_usage: float | None = None  # KV slots in use by requests (0-1)
     restart_in_s: float | None = None  # down: seconds until the supervisor relaunches it
+    # Cache tiers and prefill/decode hand-overs (from its /metrics; None where it has none).
+    role: str | None = None  # prefill | decode | both
+    tier_hits_pool: float | None = None  # prompt tokens served from the pool (with a disk tier)
+    tier_hits_disk: float | None = None  # … and from the disk tier
+    kv_sent_bytes: float | None = None  # a prefill replica: KV handed over
+    kv_received_bytes: float | None = None  # a decode replica: KV received and verified
+    kv_transfer_s: float | None = None  # seconds spent sending (prefill) or receiving (decode) KV
 
 
 class AutoscalerView(BaseModel):
@@ -62,6 +69,7 @@ class FleetView(BaseModel):
     nodes: list[NodeView]
     autoscaler: AutoscalerView | None = None
     events: list[FleetEvent] = Field(default_factory=list)
+    pd: dict[str, float] | None = None  # the router's prefill/decode hand-overs (router/pd.py totals)
 
 
 class SeriesPoint(BaseModel):

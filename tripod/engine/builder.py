@@ -203,11 +203,7 @@ def open_disk_cache(config: EngineConfig, parts: EngineParts) -> DiskCache | Non
     """``--kv-disk``: the tier under the prefix cache, keyed by this model, dtype and pool layout."""
     if config.kv_disk is None:
         return None
-    loaded = parts.loaded
-    identity = model_identity(name=loaded.name, architecture=loaded.config.architecture, model=loaded.model,
-                              dtype=parts.dtype, pool=parts.pool,
-                              extra={"quantization": loaded.quantization, "weights": config.weights,
-                                     "path": config.compute_path(parts.dtype)})
+    identity = kv_identity(config, parts.loaded, parts.dtype, parts.pool)
     try:
         disk = DiskCache.open(config.kv_disk, int(config.kv_disk_size * 1e9), parts.pool, identity)
     except OSError as e:
@@ -215,6 +211,14 @@ def open_disk_cache(config: EngineConfig, parts: EngineParts) -> DiskCache | Non
     log.info("kv disk tier: %s (%.1f GB, %d blocks of %d tokens found, %.0f MiB)", disk.tier.dir, config.kv_disk_size,
              disk.tier.entries, disk.block, disk.tier.used_bytes / 2**20)
     return disk
+
+
+def kv_identity(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, pool: Pool) -> bytes:
+    """What makes this engine's KV rows interchangeable with another's (the disk tier's and the KV
+    transfer's key root): ``model_identity`` of the model, dtype, pool layout and compute path."""
+    return model_identity(name=loaded.name, architecture=loaded.config.architecture, model=loaded.model,
+                          dtype=dtype, pool=pool, extra={"quantization": loaded.quantization, "weights": config.weights,
+                                                         "path": config.compute_path(dtype)})
 
 
 def log_started(config: EngineConfig, parts: EngineParts, seconds: float) -> None:

@@ -35,6 +35,7 @@ import torch
 
 from tripod.engine.lora import NAMESPACE_STRIDE
 from tripod.memory.disk_tier import DiskTier, TierLayout, chain_keys
+from tripod.memory.kv_transfer import encode_block
 
 if TYPE_CHECKING:
     from tripod.engine.radix_cache import RadixCache, TreeNode
@@ -88,9 +89,7 @@ class DiskCache:
     @classmethod
     def open(cls, root: str | Path, capacity_bytes: int, pool: Pool, identity: bytes,
              block_tokens: int = BLOCK_TOKENS) -> DiskCache:
-        kv = pool.kv
-        layout = TierLayout(identity, kv.shape[0], tuple(kv.shape[2:]), kv.dtype, block_tokens)
-        return cls(DiskTier(root, capacity_bytes, layout), pool)
+        return cls(DiskTier(root, capacity_bytes, pool_layout(pool, identity, block_tokens)), pool)
 
     # ------------------------------------------------------------------ rows
     def _copy_out(self, slots: list[int]) -> torch.Tensor:
@@ -218,6 +217,35 @@ class DiskCache:
         if not self.tier.close(max(0.0, deadline - time.monotonic())):
             log.warning("kv disk tier: %d bytes of blocks were not written in %.0f s at shutdown",
                         self.tier.pending_bytes, timeout)
+
+
+def pool_layout(pool: Pool, identity: bytes, block_tokens: int = BLOCK_TOKENS) -> TierLayout:
+    """The block layout of ``pool``'s rows under ``identity`` (the disk tier's and the KV transfer's)."""
+    kv = pool.kv
+    return TierLayout(identity, kv.shape[0], tuple(kv.shape[2:]), kv.dtype, block_tokens)
+
+
+def export_prefix(cache: RadixCache, pool: Pool, layout: TierLayout, tokens: list[int]) -> list[bytes]:
+    """The whole blocks of ``tokens`` that the tree holds, from block 0 on, each as the bytes of its
+    disk-tier file (``kv_transfer``: what a prefill replica sends a decode replica). Runs on the
+    engine loop: nothing can evict between the match and the copies."""
+    b = layout.block_tokens
+    slots = cache.match_prefix(tokens, record=False).slots
+    n = len(slots) // b
+    if n == 0:
+        return []
+    keys = chain_keys(layout.identity, tokens, b, n)
+    kv = pool.kv
+    out: list[bytes] = []
+    for at in range(0, n, _COPY_BLOCKS):  # bounded copies: never the whole prompt's rows at once
+        part = range(at, min(n, at + _COPY_BLOCKS))
+        idx = torch.tensor([s for j in part for s in slots[j * b : (j + 1) * b]], dtype=torch.long, device=kv.device)
+        rows = torch.empty((kv.shape[0], len(idx), *kv.shape[2:]), dtype=kv.dtype, device=kv.device)
+        for layer in range(kv.shape[0]):
+            torch.index_select(kv[layer], 0, idx, out=rows[layer])
+        for i, j in enumerate(part):
+            out.append(encode_block(layout, keys[j], tokens[j * b : (j + 1) * b], rows[:, i * b : (i + 1) * b]))
+    return out
 
 
 def _path(node: TreeNode) -> tuple[list[int], list[int]]:

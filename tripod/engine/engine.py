@@ -20,6 +20,7 @@ import torch
 from tripod.config import EngineConfig
 from tripod.engine import builder
 from tripod.engine.admission import Admission, Prompt
+from tripod.engine.disk_cache import export_prefix, pool_layout
 from tripod.engine.offline import OfflineAPI
 from tripod.engine.prompt_logprobs import score_prompt
 from tripod.engine.radix_cache import RadixCache
@@ -30,6 +31,7 @@ from tripod.engine.speculative.counts import SpecCounts
 from tripod.engine.speculative.speculator import Speculator
 from tripod.engine.structured import GrammarBackend
 from tripod.loader import LoadedModel
+from tripod.memory.disk_tier import TierLayout
 
 __all__ = ["Engine", "EngineStats", "Prompt", "StepOutput"]
 
@@ -119,6 +121,7 @@ class Engine(OfflineAPI):
         self.loras = builder.lora_registry(config, parts)  # None: this model/layout serves no adapters
         self.admission.loras = self.scheduler.loras = self.loras
         self.inboxes: dict[str, list[StepOutput]] = {}  # rid -> undelivered stream outputs
+        self._kv_layout: TierLayout | None = None  # the KV block layout, made on first use
         builder.log_started(config, parts, time.monotonic() - t0)
 
     # ------------------------------------------------------------------ describing
@@ -387,6 +390,24 @@ class Engine(OfflineAPI):
         if self.group is not None:
             self.group.close()
             self.group = None
+
+    # ------------------------------------------------------------------ KV transfer
+    @property
+    def kv_layout(self) -> TierLayout:
+        """The block layout of this engine's KV (the disk tier's, when there is one; its identity
+        digested from the weights once, on first use)."""
+        if self._kv_layout is None:
+            disk = self.cache.disk
+            self._kv_layout = disk.tier.layout if disk is not None else pool_layout(
+                self.pool, builder.kv_identity(self.config, self.loaded, self.dtype, self.pool))
+        return self._kv_layout
+
+    def export_kv(self, tokens: list[int]) -> list[bytes]:
+        """The whole blocks of ``tokens`` the prefix cache holds, as disk-tier block bytes (a prefill
+        replica's hand-over to a decode replica; ``memory/kv_transfer.py``)."""
+        if self.group is not None:
+            raise ValueError("a model over several processes holds its KV in shards: it cannot export it")
+        return export_prefix(self.cache, self.pool, self.kv_layout, tokens)
 
     # ------------------------------------------------------------------ checks
     def assert_consistent(self) -> None:

@@ -22,7 +22,7 @@ import uvicorn
 from tripod import tracing
 from tripod.asgi import DrainingServer
 from tripod.config import FleetConfig, RouterConfig
-from tripod.fleet.replicas import LocalLauncher, ReplicaLauncher
+from tripod.fleet.replicas import LocalLauncher, ReplicaLauncher, RoleLauncher
 from tripod.fleet.supervisor import Supervisor
 from tripod.router.app import build_router_app, make_router_gate
 from tripod.router.proxy import trust_replica_ca
@@ -111,6 +111,8 @@ def make_launcher(fleet: FleetConfig, serve_args: list[str], log_dir: Path | Non
 
         return RayLauncher(serve_args, address=fleet.ray_address, num_cpus=fleet.ray_num_cpus,
                            num_gpus=fleet.ray_num_gpus)
+    if fleet.prefill_replicas:
+        return RoleLauncher(serve_args, fleet.prefill_replicas, log_dir=log_dir)
     return LocalLauncher(serve_args, log_dir=log_dir)
 
 

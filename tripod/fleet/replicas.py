@@ -114,3 +114,22 @@ class LocalLauncher:
 
     def close(self) -> None:
         pass
+
+
+class RoleLauncher:
+    """Prefill/decode disaggregation (``--prefill-replicas P``): slots ``0 .. P-1`` run ``--role
+    prefill``, the others ``--role decode`` (a relaunched slot keeps its role). The router learns
+    each replica's role from its ``/health``."""
+
+    blocking = False
+
+    def __init__(self, serve_args: list[str], prefill: int, log_dir: Path | None = None) -> None:
+        self.prefill = prefill
+        self.prefill_launcher = LocalLauncher([*serve_args, "--role", "prefill"], log_dir=log_dir)
+        self.decode_launcher = LocalLauncher([*serve_args, "--role", "decode"], log_dir=log_dir)
+
+    def launch(self, index: int) -> LocalProcess:
+        return (self.prefill_launcher if index < self.prefill else self.decode_launcher).launch(index)
+
+    def close(self) -> None:
+        pass

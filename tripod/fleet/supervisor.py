@@ -85,8 +85,8 @@ class Supervisor:
             self._tasks.append(asyncio.create_task(self._autoscale()))
 
     async def wait_routable(self, timeout: float) -> bool:
-        await self.router.wait_until(lambda: bool(self.router.routable()) or self.fatal is not None, timeout)
-        return bool(self.router.routable())
+        await self.router.wait_until(lambda: bool(self.router.serving()) or self.fatal is not None, timeout)
+        return bool(self.router.serving())
 
     async def stop(self) -> None:
         """Every replica drains and exits (SIGTERM; SIGKILL past the drain timeout)."""
@@ -263,7 +263,7 @@ class Supervisor:
             await asyncio.to_thread(proc.terminate)  # the server drains too: what is in flight there finishes
             if await asyncio.to_thread(proc.wait, self.config.drain_timeout) is None:
                 await asyncio.to_thread(proc.kill)
-        self.router.remove_replica(slot.name)
+        self.router.remove_replica(slot.name, saved=True)
         self.slots.pop(slot.index, None)
         log.info("%s drained and stopped", slot.name)
 

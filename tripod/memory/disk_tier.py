@@ -60,13 +60,13 @@ def chain_keys(identity: bytes, tokens: Sequence[int], block_tokens: int, count:
     keys: list[bytes] = []
     prev = identity
     for j in range(n):
-        prev = blake2b(prev + _token_bytes(tokens[j * block_tokens : (j + 1) * block_tokens]),
+        prev = blake2b(prev + token_bytes(tokens[j * block_tokens : (j + 1) * block_tokens]),
                        digest_size=KEY_BYTES).digest()
         keys.append(prev)
     return keys
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
+def token_bytes(tokens: Sequence[int]) -> bytes:
     return array("i", tokens).tobytes()
 
 
@@ -195,6 +195,7 @@ class DiskTier:
         """How many leading ``keys`` are on disk or queued (another engine's new files count: a key
         this process does not know is looked for on disk)."""
         n = 0
+        found = False
         for key in keys:
             if self.known(key):
                 n += 1
@@ -207,7 +208,14 @@ class DiskTier:
                 if key not in self._index:
                     self._index[key] = size
                     self._used += size
+                    self._since_scan += size
+                    found = True
             n += 1
+        if found:
+            # NOTE: files others published (a KV transfer's receiver, another engine) count against the
+            # capacity here too: an engine that never writes (its evictions are on disk already) still
+            # keeps the directory under it.
+            self._enforce_capacity()
         return n
 
     def read(self, keys: Sequence[bytes], tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -335,7 +343,7 @@ class DiskTier:
             with self._lock:
                 self.counters.skipped_blocks += 1
             return final.stat().st_size
-        toks = _token_bytes(w.tokens)
+        toks = token_bytes(w.tokens)
         # NOTE: layer by layer, each a contiguous run of the engine's copy: no torch op (and no
         # intra-op thread pool) on this thread.
         rows = w.rows.detach().to("cpu")
@@ -414,24 +422,7 @@ class DiskTier:
         return block
 
     def _check(self, data: bytearray, key: bytes, tokens: Sequence[int]) -> str | None:
-        lay = self.layout
-        if len(data) < HEADER.size:
-            return "shorter than its header (torn)"
-        magic, ident, fkey, ntok, nbytes, crc = HEADER.unpack_from(data)
-        if magic != MAGIC:
-            return "not a tripod KV block"
-        if ident != lay.identity or fkey != key:
-            return "another model's or another prefix's block"
-        if ntok != lay.block_tokens or nbytes != lay.payload_bytes:
-            return "another block layout"
-        if len(data) != lay.file_bytes:
-            return f"{len(data)} bytes, not {lay.file_bytes} (torn)"
-        toks = bytes(data[HEADER.size : HEADER.size + 4 * ntok])
-        if toks != _token_bytes(tokens):
-            return "other token ids than its key's"
-        if zlib.crc32(memoryview(data)[HEADER.size + 4 * ntok :], zlib.crc32(toks)) != crc:
-            return "checksum mismatch (torn or corrupted)"
-        return None
+        return check_block(self.layout, data, key, tokens)
 
     # ------------------------------------------------------------------ the index, LRU
     def _touch(self, key: bytes) -> None:
@@ -508,6 +499,28 @@ class DiskTier:
                     os.unlink(entry.path)
                 except OSError:
                     pass
+
+
+def check_block(lay: TierLayout, data: bytes | bytearray, key: bytes, tokens: Sequence[int]) -> str | None:
+    """Why ``data`` is not block ``key`` (of ``tokens``) of ``lay``, or None when it is: the one check of
+    a block, whether it was read from a file or received from another process (``kv_transfer``)."""
+    if len(data) < HEADER.size:
+        return "shorter than its header (torn)"
+    magic, ident, fkey, ntok, nbytes, crc = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        return "not a tripod KV block"
+    if ident != lay.identity or fkey != key:
+        return "another model's or another prefix's block"
+    if ntok != lay.block_tokens or nbytes != lay.payload_bytes:
+        return "another block layout"
+    if len(data) != lay.file_bytes:
+        return f"{len(data)} bytes, not {lay.file_bytes} (torn)"
+    toks = bytes(data[HEADER.size : HEADER.size + 4 * ntok])
+    if toks != token_bytes(tokens):
+        return "other token ids than its key's"
+    if zlib.crc32(memoryview(data)[HEADER.size + 4 * ntok :], zlib.crc32(toks)) != crc:
+        return "checksum mismatch (torn or corrupted)"
+    return None
 
 
 def _alive(pid: int) -> bool:

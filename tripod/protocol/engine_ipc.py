@@ -1,8 +1,8 @@
 """The messages between the HTTP process and the engine process (ZMQ), and their one codec.
 
 Two PUSH/PULL pipes: server → engine carries ``AddRequest`` / ``AbortRequest`` /
-``StatsRequest`` / ``Shutdown``; engine → server carries ``Ready``, ``Outputs`` (one message per
-engine step), ``Heartbeat``, ``StatsReply`` and ``Fatal``. The engine side speaks token ids only.
+``StatsRequest`` / ``Shutdown`` / ``ExportKV``; engine → server carries ``Ready``, ``Outputs`` (one
+message per engine step), ``Heartbeat``, ``StatsReply``, ``KVExport`` and ``Fatal``. The engine side speaks token ids only.
 
 Every message is a tagged ``msgspec.Struct``; on the wire it is a msgpack map with its fields by
 name and ``"type"`` naming the message. ``decode`` reads any of them into its class and validates
@@ -59,6 +59,14 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
+class ExportKV(msgspec.Struct, tag=True):
+    """The whole blocks of ``prompt_ids`` the prefix cache holds, please (prefill/decode
+    disaggregation: what a prefill replica sends on; ``memory/kv_transfer.py``)."""
+
+    token: int  # echoed in the reply
+    prompt_ids: list[int]
+
+
 class LoraRequest(msgspec.Struct, tag=True):
     """Load (``path`` given) or unload a LoRA adapter by name; answered by ``LoraReply(token)``."""
 
@@ -69,6 +77,18 @@ class LoraRequest(msgspec.Struct, tag=True):
 
 
 # ---------------------------------------------------------------------- engine → server
+class KVTierCard(msgspec.Struct, kw_only=True):
+    """Where and how the engine's disk tier keeps blocks (``--kv-disk``; a decode replica's), so
+    that its HTTP process can publish received blocks there."""
+
+    dir: str  # DIR/<identity>
+    identity: str  # hex
+    num_layers: int
+    row_shape: list[int]
+    dtype: str  # torch dtype name, e.g. "float32"
+    block_tokens: int
+
+
 class Ready(msgspec.Struct, tag=True, kw_only=True):
     pid: int
     model_name: str
@@ -82,6 +102,7 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     kv_slots: int
     # The compute backend at start-up; heartbeats carry its later value (the kernels may load later).
     compute: ComputeCard
+    kv_tier: KVTierCard | None = None  # with a disk tier (--kv-disk; --role decode)
     # LoRA adapters loaded at start-up (--lora): name -> path; None: this engine serves none.
     loras: dict[str, str] | None = None
 
@@ -141,8 +162,17 @@ class Fatal(msgspec.Struct, tag=True):
     message: str
 
 
-Message = (AddRequest | AbortRequest | StatsRequest | Shutdown | LoraRequest | Ready | Outputs | Heartbeat | StatsReply
-           | LoraReply | Fatal)
+class KVExport(msgspec.Struct, tag=True):
+    """The reply to ``ExportKV``: each block as the bytes of its disk-tier file, from block 0 on
+    (empty when the tree holds none), or why none could be exported."""
+
+    token: int
+    blocks: list[bytes]
+    error: str | None = None
+
+
+Message = (AddRequest | AbortRequest | StatsRequest | Shutdown | LoraRequest | ExportKV | Ready | Outputs | Heartbeat
+           | StatsReply | LoraReply | KVExport | Fatal)
 
 
 class ProtocolError(ValueError):

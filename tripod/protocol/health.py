@@ -22,6 +22,11 @@ class Healthy(msgspec.Struct, kw_only=True):
     # The router continues this server's answers on another replica when it fails
     # (tripod_failover / tripod_continuation on the OpenAI routes).
     continuation: bool = True
+    # Prefill/decode disaggregation (server/pd.py): "prefill" | "decode" | "both".
+    role: str = "both"
+    # The disk tier's directory as host:DIR/<identity> (--kv-disk): replicas that report the same
+    # one share it, which the router counts in its cache estimate.
+    kv_tier: str | None = None
 
 
 class Unhealthy(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -34,6 +39,8 @@ class HealthProbe(msgspec.Struct):
 
     continuation: bool = False
     model: str | None = None
+    role: str = "both"
+    kv_tier: str | None = None
 
 
 def encode(answer: Healthy | Unhealthy) -> bytes:

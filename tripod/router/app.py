@@ -200,7 +200,7 @@ async def _models(router: Router, request: Request) -> Response:
 
 
 def _health(router: Router) -> Response:
-    n = len(router.routable())
+    n = len(router.serving())  # (prefill replicas answer no request themselves)
     ok = n > 0 and not router.draining
     status = "draining" if router.draining else ("ok" if ok else "no routable replica")
     return JSONResponse({"status": status, "routable_replicas": n, "replicas": len(router.replicas)},
@@ -212,6 +212,8 @@ def _fleet(router: Router, fleet_info: Callable[[], dict[str, Any]] | None) -> R
         "policy": router.policy.name, "pending": router.pending, "queue_depth": router.queue_depth,
         "chars_per_token": round(router.chars_per_token, 3),
         "replicas": [r.describe() for r in router.replicas.values()],
+        "pd": router.pd.describe(),  # prefill/decode hand-overs (router/pd.py)
+        "kv_tiers": {key: {"tree_chars": t.size} for key, t in router.tiers.items()},  # shared disk tiers
     }
     if fleet_info is not None:
         body.update(fleet_info())

@@ -47,6 +47,7 @@ class RouterConsoleSource:
 
     def _node(self, rep: Replica) -> NodeView:
         r = self._last.get(rep.name) if rep.breaker.closed else None
+        c = rep.counters
         return NodeView(
             name=rep.name, url=rep.url, state=rep.state(), pid=rep.process.pid if rep.process is not None else None,
             inflight=rep.inflight, inflight_tokens=round(rep.inflight_tokens, 1), running=rep.running,
@@ -54,7 +55,10 @@ class RouterConsoleSource:
             cached_share=r.cache_hits / r.cache_queries if r is not None and r.cache_queries > 0 else None,
             estimated_cached_share=rep.est_cached_tokens / rep.est_prompt_tokens if rep.est_prompt_tokens else None,
             circuit="closed" if rep.breaker.closed else "open", consecutive_failures=rep.breaker.failures,
-            kv_usage=r.kv_usage if r is not None else None,
+            kv_usage=r.kv_usage if r is not None else None, role=rep.role,
+            tier_hits_pool=c.get("tier_hits/pool"), tier_hits_disk=c.get("tier_hits/disk"),
+            kv_sent_bytes=c.get("pd_kv_sent_bytes"), kv_received_bytes=c.get("pd_kv_received_bytes"),
+            kv_transfer_s=(c.get("pd_kv_send_seconds_sum") or c.get("pd_kv_receive_seconds_sum")),
         )
 
     async def fleet(self) -> FleetView:
@@ -75,7 +79,8 @@ class RouterConsoleSource:
                       for e in sup.scale_events if "wall" in e]
         nodes.sort(key=lambda n: (len(n.name), n.name))
         return FleetView(kind="fleet", t=time.time(), policy=router.policy.name, pending=router.pending,
-                         queue_depth=router.queue_depth, nodes=nodes, autoscaler=autoscaler, events=events)
+                         queue_depth=router.queue_depth, nodes=nodes, autoscaler=autoscaler, events=events,
+                         pd={k: v for k, v in router.pd.totals.items()} if router.pd.prefill_replicas() else None)
 
     async def _read(self, client: httpx.AsyncClient, rep: Replica) -> tuple[Replica, Reading | None]:
         try:

@@ -23,6 +23,35 @@ _LOAD_NAMES = {
 }
 
 
+# Counters shown per replica (/fleet, the console): cache tiers and prefill/decode KV transfers.
+_COUNTERS = ("tripod:prefix_cache_tier_hits_total", "tripod:pd_kv_sent_blocks_total", "tripod:pd_kv_sent_bytes_total",
+             "tripod:pd_kv_received_blocks_total", "tripod:pd_kv_received_bytes_total", "tripod:pd_prefills_total",
+             "tripod:pd_kv_receives_total", "tripod:pd_prefill_seconds_sum", "tripod:pd_prefill_seconds_count",
+             "tripod:pd_kv_send_seconds_sum", "tripod:pd_kv_receive_seconds_sum", "tripod:pd_kv_receive_seconds_count")
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """The cache-tier and KV-transfer counters of a tripod page, by name (without ``tripod:`` and
+    ``_total``) and, where the series has one, its ``tier`` or ``outcome`` label (``tier_hits/disk``)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("tripod:"):
+            continue
+        name, _, rest = line.partition("{")
+        if name not in _COUNTERS:
+            continue
+        key = name.removeprefix("tripod:").removesuffix("_total").replace("prefix_cache_tier_hits", "tier_hits")
+        for label in ("tier", "outcome"):
+            at = rest.find(f'{label}="')
+            if at >= 0:
+                key += "/" + rest[at + len(label) + 2 :].split('"', 1)[0]
+        try:
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            pass
+    return out
+
+
 def parse_load(text: str) -> tuple[int, int]:
     """Running and waiting sequences from a Prometheus text page (tripod's, vLLM's or SGLang's names)."""
     found = {"running": 0.0, "waiting": 0.0}
@@ -88,7 +117,8 @@ class HealthChecker:
             self.failed(rep, f"health probe: {type(e).__name__}", False)
             return
         if r.status_code == 200:
-            rep.continues = health.probe(r.content).continuation
+            p = health.probe(r.content)
+            rep.continues, rep.role, rep.kv_tier = p.continuation, p.role, p.kv_tier
             self.succeeded(rep)
         else:
             # NOTE: a replica that answers 503 (draining, engine dead) asks to get nothing more.
@@ -106,6 +136,7 @@ class HealthChecker:
         if r.status_code == 200:
             running, waiting = parse_load(r.text)
             rep.running, rep.waiting = running, waiting
+            rep.counters = parse_counters(r.text)
             # NOTE: taken against the in-flight count of this moment; later finishes are seen by the
             # router at once, so stale running/waiting numbers never count twice.
             rep.external = max(0, running + waiting - rep.inflight)

@@ -58,7 +58,7 @@ class RoundRobinPolicy(RoutingPolicy):
 
     def choose(self, replicas: list[Replica], req: RouteRequest, avg_request_tokens: float) -> Decision:
         r = replicas[next(self._counter) % len(replicas)]
-        return Decision(r, "round_robin", r.tree.match(req.text))
+        return Decision(r, "round_robin", r.match(req.text))
 
 
 class LeastLoadPolicy(RoutingPolicy):
@@ -67,7 +67,7 @@ class LeastLoadPolicy(RoutingPolicy):
     def choose(self, replicas: list[Replica], req: RouteRequest, avg_request_tokens: float) -> Decision:
         pair = self.rng.sample(replicas, 2) if len(replicas) > 1 else replicas
         r = min(pair, key=lambda x: (x.inflight, x.load_tokens(avg_request_tokens)))
-        return Decision(r, "least_load", r.tree.match(req.text))
+        return Decision(r, "least_load", r.match(req.text))
 
 
 
@@ -81,7 +81,7 @@ class CacheAwarePolicy(RoutingPolicy):
         limit = cfg.balance_rel * least + cfg.balance_abs
         allowed = [r for r in replicas if r.inflight <= limit]
         chars = max(len(req.text), 1)
-        matched = {id(r): r.tree.match(req.text) for r in replicas}
+        matched = {id(r): r.match(req.text) for r in replicas}
         # A prefix worth fewer than min_match_tokens (a role marker, a common first word: nearly every
         # request shares one) is noise, not a reason to steer: it counts as no match, so unrelated
         # requests tie and spread instead of all following the first replica that saw any.

@@ -12,7 +12,7 @@ of the replica's prompt up to the last few tokens at the boundary.
 
 from __future__ import annotations
 
-from tripod.radix import RadixTree
+from tripod.radix import RadixNode, RadixTree
 
 
 class PrefixTree:
@@ -34,11 +34,27 @@ class PrefixTree:
         """How many leading characters of ``text`` the tree holds."""
         return self._tree.match(text)[0]
 
-    def insert(self, text: str, now: float) -> None:
-        """Remember ``text`` (marking its whole path used at ``now``), then evict to the budget."""
+    def insert(self, text: str, now: float) -> list[str]:
+        """Remember ``text`` (marking its whole path used at ``now``), then evict to the budget;
+        returns the prompts evicted (each the text from the root to an evicted node)."""
         self._tree.insert(text, now)
-        if self._tree.size > self.max_chars:
-            self._tree.evict(self._tree.size - self.max_chars)
+        if self._tree.size <= self.max_chars:
+            return []
+        return [_text(node) for node in self._tree.evict(self._tree.size - self.max_chars)]
+
+    def texts(self) -> list[str]:
+        """Every prompt held (the text from the root to each leaf)."""
+        return [_text(node) for node in self._tree.leaves() if node is not self._tree.root]
 
     def clear(self) -> None:
         self._tree.clear()
+
+
+def _text(node: RadixNode[str]) -> str:
+    """The characters from the root to ``node`` (which may just have been detached)."""
+    parts: list[str] = []
+    n: RadixNode[str] | None = node
+    while n is not None and n.parent is not None:
+        parts.append(n.key)
+        n = n.parent
+    return "".join(reversed(parts))

@@ -125,6 +125,9 @@ class Proxy:
                     raise
                 rep = d.replica
                 tried.add(rep)
+                if last is None and not continuing and r.pd.wants(call.path, d, call.rr):
+                    # NOTE: before the attempt begins: the decode replica then finds the prompt cached.
+                    await r.pd.prefill(call.path, call.raw, call.headers, rep)
                 flight = r.begin(d, call.rr, retry=bool(retries or continuing), caches=call.path in _GENERATING,
                                  continuation=continuing)
                 use = call.answer if call.answer is not None and rep.continues else None

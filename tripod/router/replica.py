@@ -80,6 +80,21 @@ class Replica:
     continues: bool = False
     # Labels (``--replica URL,region=eu-west``; a Ray node's labels): ``region`` steers routing.
     labels: dict[str, str] = field(default_factory=dict)
+    # Prefill/decode disaggregation (its /health says): a "prefill" replica only prefills prompts
+    # for the others (router/pd.py); "decode" and "both" answer requests.
+    role: str = "both"
+    # The disk tier it shares with the replicas reporting the same one (host:DIR/<identity>), and
+    # the router's tree of what that tier probably holds (shared by those replicas' objects).
+    kv_tier: str | None = None
+    tier_tree: PrefixTree | None = None
+    # Its cache tiers' and KV transfers' counters at the last scrape (health.parse_counters).
+    counters: dict[str, float] = field(default_factory=dict)
+
+    def match(self, text: str) -> int:
+        """Characters of ``text`` it probably has cached: in its pool (its own tree) or in the disk
+        tier it shares (what any replica on that tier evicted there)."""
+        own = self.tree.match(text)
+        return max(own, self.tier_tree.match(text)) if self.tier_tree is not None else own
 
     @property
     def region(self) -> str:
@@ -111,7 +126,9 @@ class Replica:
             "failures": self.failures, "restarts": self.restarts, "continues": self.continues,
             "estimated_hit_rate": round(self.est_cached_tokens / self.est_prompt_tokens, 4)
             if self.est_prompt_tokens else None,
-            "tree_chars": self.tree.size, "labels": dict(self.labels),
+            "tree_chars": self.tree.size, "labels": dict(self.labels), "role": self.role, "kv_tier": self.kv_tier,
+            "tier_tree_chars": self.tier_tree.size if self.tier_tree is not None else None,
+            "counters": dict(self.counters),
             # Ray replicas: the actor and the node it was placed on.
             **{k: getattr(self.process, k) for k in ("actor_name", "node_id") if hasattr(self.process, k)},
         }

@@ -29,6 +29,7 @@ from tripod.router.fairness import TENANT_HEADER, FairGate
 from tripod.router.health import HealthChecker, parse_load
 from tripod.router.latency import LatencyWindow, completion_tokens
 from tripod.router.metrics import RouterMetrics
+from tripod.router.pd import Disaggregator
 from tripod.router.policy import Decision, RouteRequest, RoutingPolicy, make_policy, prefer_region
 from tripod.router.prefix_tree import PrefixTree
 from tripod.router.prompt import (
@@ -64,6 +65,10 @@ class Router:
         self.policy = policy or make_policy(config, self.rng)
         self.clock = clock
         self.replicas: dict[str, Replica] = {}
+        # What each shared disk tier (--kv-disk; a replica's /health names it) probably holds: the
+        # prompts its replicas' trees evicted (their engines write evicted KV there), and the trees of
+        # replicas drained (their engines save their cache there at shutdown).
+        self.tiers: dict[str, PrefixTree] = {}
         self.metrics = RouterMetrics()
         self.pending = 0
         self.queue_depth = 0
@@ -75,6 +80,7 @@ class Router:
         self.health = HealthChecker(config, lambda: list(self.replicas.values()), self.record_success,
                                     self.record_failure)
         self.proxy = Proxy(self)
+        self.pd = Disaggregator(self)  # prefill/decode disaggregation (replicas with roles)
         self._closing: set[asyncio.Task[None]] = set()
         # Tenants (router/fairness.py): a tenant's weight; the app that authenticates may replace it.
         self.weight_of: Callable[[str], float] = weight_of or (lambda _tenant: 1.0)
@@ -97,14 +103,22 @@ class Router:
         log.info("replica %s at %s added", name, rep.url)
         return rep
 
-    def remove_replica(self, name: str) -> None:
+    def remove_replica(self, name: str, saved: bool = False) -> None:
+        """``saved``: it stopped cleanly, so its engine saved its prefix cache to its disk tier."""
         rep = self.replicas.pop(name, None)
         if rep is not None:
+            if saved and rep.tier_tree is not None:
+                for text in rep.tree.texts():
+                    rep.tier_tree.insert(text, self.clock())
             log.info("replica %s removed", name)
             self.notify()
 
     def routable(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.routable]
+
+    def serving(self) -> list[Replica]:
+        """Routable replicas that answer requests (not the prefill replicas of a disaggregated fleet)."""
+        return [r for r in self.replicas.values() if r.routable and r.role != "prefill"]
 
     @property
     def inflight(self) -> int:
@@ -142,6 +156,8 @@ class Router:
             self._opened(rep, why)
 
     def record_success(self, rep: Replica) -> None:
+        if rep.kv_tier is not None and rep.tier_tree is None:
+            rep.tier_tree = self.tiers.setdefault(rep.kv_tier, PrefixTree(self.config.tree_max_chars))
         if rep.breaker.success(self.clock()):
             rep.healthy_since = self.clock()
             log.info("replica %s is routable", rep.name)
@@ -182,7 +198,7 @@ class Router:
         stuck_since: float | None = None
         try:
             while True:
-                routable = self.routable()
+                routable = self.serving()
                 cands = [r for r in routable if r not in tried]
                 if cands:
                     return self._choose(cands, rr)
@@ -221,7 +237,7 @@ class Router:
     def _capacity(self) -> int:
         """Places the fair gate gives out (0: unbounded)."""
         per = self.config.replica_max_inflight
-        return per * max(1, len(self.routable())) if per > 0 else 0
+        return per * max(1, len(self.serving())) if per > 0 else 0
 
     def begin(self, d: Decision, rr: RouteRequest, retry: bool, caches: bool = True,
               continuation: bool = False) -> Flight:
@@ -238,7 +254,10 @@ class Router:
         rep.est_prompt_tokens += rr.prompt_tokens
         rep.est_cached_tokens += cached
         if caches:
-            rep.tree.insert(rr.text, self.clock())
+            evicted = rep.tree.insert(rr.text, self.clock())
+            if rep.tier_tree is not None:  # NOTE: the engine writes what its pool evicts to the shared tier
+                for text in evicted:
+                    rep.tier_tree.insert(text, self.clock())
         self.avg_request_tokens += 0.05 * (rr.prompt_tokens + rr.output_tokens - self.avg_request_tokens)
         self.metrics.routed.labels(rep.name, "retry" if retry else d.reason).inc()
         self.metrics.est_prompt.labels(rep.name).inc(rr.prompt_tokens)
@@ -285,7 +304,7 @@ class Router:
         (``router/fairness.py``), and timed (``router/latency.py``)."""
         tenant = headers.get(TENANT_HEADER, "")
         t0 = self.latency.clock()
-        held = not self.routable()  # a cold start (or every replica down): the request waits for one
+        held = not self.serving()  # a cold start (or every replica down): the request waits for one
         if admit is not None:
             # NOTE: before the arrival is counted: a refused request is no load to scale for.
             early = await admit()

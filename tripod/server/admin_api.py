@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import socket
 from datetime import UTC, datetime
 from typing import Any
 
@@ -110,8 +111,10 @@ def health_answer(state: ServerState) -> Response:
         return _health(health.Unhealthy(status="dead", reason=c.dead_reason), 503)
     if state.draining:
         return _health(health.Unhealthy(status="draining"), 503)
+    tier = c.info.kv_tier if c.info is not None else None
     return _health(health.Healthy(model=state.model_name, engine_pid=c.pid, running=c.stats.running if c.stats else 0,
-                                  waiting=c.stats.waiting if c.stats else 0), 200)
+                                  waiting=c.stats.waiting if c.stats else 0, role=state.config.role,
+                                  kv_tier=f"{socket.gethostname()}:{tier.dir}" if tier is not None else None), 200)
 
 
 def _health(answer: health.Healthy | health.Unhealthy, status: int) -> Response:

@@ -26,6 +26,7 @@ from tripod.server.anthropic_api import add_anthropic_routes
 from tripod.server.console_source import ServerConsoleSource
 from tripod.server.openai_api import add_openai_routes
 from tripod.server.openapi import openapi_document
+from tripod.server.pd import add_pd_routes
 from tripod.server.protocol import APIError
 from tripod.server.serving import ClientGone, ServerState, too_large
 from tripod.server.traces import finish_request
@@ -76,7 +77,8 @@ def _unauthorized(path: str, message: str) -> ASGIApp:
 
 def tenant_route(path: str) -> bool:
     """The routes whose requests are attributed, counted per tenant and audited (the API's)."""
-    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+    # NOTE: not the prefill/decode hand-over (/v1/pd/*): the request it serves is counted where it is answered.
+    return (path.startswith("/v1/") and not path.startswith("/v1/pd/")) or path in ("/tokenize", "/detokenize")
 
 
 class BodyLimit:
@@ -153,6 +155,7 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     add_admin_routes(app, state)
     add_openai_routes(app, state)
     add_anthropic_routes(app, state)
+    add_pd_routes(app, state)
     app.router.routes.extend(console.routes())  # /ui: the console (tripod.console)
     document: dict[str, Any] = {}
 

@@ -179,6 +179,7 @@ class EngineClient:
         self.on_heartbeat: Callable[[EngineStats], None] | None = None
         self._handles: dict[str, RequestHandle] = {}
         self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
+        self._export_waiters: dict[int, asyncio.Future[engine_ipc.KVExport]] = {}
         self._lora_waiters: dict[int, asyncio.Future[engine_ipc.LoraReply]] = {}
         self.loras: dict[str, str] | None = None  # LoRA adapters the engine serves (name -> path); None: none
         self._tokens = itertools.count()
@@ -314,7 +315,7 @@ class EngineClient:
         err = EngineDead(reason)
         for h in list(self._handles.values()):
             h.queue.put_nowait(err)
-        for fut in self._stats_waiters.values():
+        for fut in [*self._stats_waiters.values(), *self._export_waiters.values()]:
             if not fut.done():
                 fut.set_exception(err)
         if self._proc is not None and self._proc.alive:
@@ -355,6 +356,10 @@ class EngineClient:
                 fut = self._stats_waiters.pop(msg.token, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg.stats)
+            elif isinstance(msg, engine_ipc.KVExport):
+                kfut = self._export_waiters.pop(msg.token, None)
+                if kfut is not None and not kfut.done():
+                    kfut.set_result(msg)
             elif isinstance(msg, engine_ipc.LoraReply):
                 if self.loras is not None:
                     self.loras = dict(msg.loras)
@@ -403,6 +408,19 @@ class EngineClient:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._stats_waiters.pop(token, None)
+
+    async def export_kv(self, prompt_ids: list[int], timeout: float = 60.0) -> engine_ipc.KVExport:
+        """The whole blocks of ``prompt_ids`` the engine's prefix cache holds (``ExportKV``)."""
+        if not self.alive:
+            raise EngineDead(self.dead_reason or "the engine is not running")
+        token = next(self._tokens)
+        fut: asyncio.Future[engine_ipc.KVExport] = asyncio.get_running_loop().create_future()
+        self._export_waiters[token] = fut
+        self._send(engine_ipc.ExportKV(token, prompt_ids))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._export_waiters.pop(token, None)
 
     async def lora(self, action: str, name: str = "", path: str = "", timeout: float = 60.0) -> engine_ipc.LoraReply:
         """Load / unload / ask about a LoRA adapter in the engine (``LoraRequest``)."""

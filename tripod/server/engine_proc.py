@@ -68,6 +68,7 @@ def engine_main(launch: engine_ipc.EngineLaunch) -> None:
             max_running=engine.config.max_running,
             kv_slots=engine.pool.allocator.num_slots,
             compute=ComputeCard(**engine.runner.card()),
+            kv_tier=_tier_card(engine),
             loras=dict(engine.loras.paths) if engine.loras is not None else None,
         )))
         EngineLoop(engine, pull, push, launch.heartbeat_interval, launch.parent_pid, timings=launch.timings).run()
@@ -154,6 +155,8 @@ class EngineLoop:
                 self.engine.abort(msg.rid)
             elif isinstance(msg, engine_ipc.StatsRequest):
                 self.push.send(engine_ipc.encode(engine_ipc.StatsReply(msg.token, self.stats(check=True))))
+            elif isinstance(msg, engine_ipc.ExportKV):
+                self._export(msg)
             elif isinstance(msg, engine_ipc.LoraRequest):
                 self.push.send(engine_ipc.encode(self._lora(msg)))
             elif isinstance(msg, engine_ipc.Shutdown):
@@ -183,6 +186,13 @@ class EngineLoop:
             # The server validates first (with the same SamplingParams); this is the backstop so
             # a request is never lost.
             self._reject(msg.rid, msg.params.n, str(e))
+
+    def _export(self, msg: engine_ipc.ExportKV) -> None:
+        try:
+            reply = engine_ipc.KVExport(msg.token, self.engine.export_kv(msg.prompt_ids))
+        except ValueError as e:
+            reply = engine_ipc.KVExport(msg.token, [], str(e))
+        self.push.send(engine_ipc.encode(reply), copy=False)
 
     def _reject(self, rid: str, n: int, why: str) -> None:
         self.push.send(engine_ipc.encode(engine_ipc.Outputs([
@@ -296,6 +306,16 @@ class EngineLoop:
             except AssertionError as err:
                 out.consistent = False
                 out.inconsistency = str(err)
+
+
+def _tier_card(engine: Any) -> engine_ipc.KVTierCard | None:
+    disk = engine.cache.disk
+    if disk is None:
+        return None
+    lay = disk.tier.layout
+    return engine_ipc.KVTierCard(dir=str(disk.tier.dir), identity=lay.identity.hex(), num_layers=lay.num_layers,
+                                 row_shape=list(lay.row_shape), dtype=str(lay.dtype).removeprefix("torch."),
+                                 block_tokens=lay.block_tokens)
 
 
 def _logprob(lp: TokenLogprob) -> engine_ipc.Logprob:

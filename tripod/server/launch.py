@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import signal
 import sys
+import tempfile
+from dataclasses import replace
 
 import uvicorn
 
 from tripod import tracing
 from tripod.asgi import DrainingServer
 from tripod.config import EngineConfig, ServerConfig
+from tripod.config_services import check_pd_role
 from tripod.loader import load_tokenizer
 from tripod.server.app import ServerState, build_app, lifespan_for
 from tripod.server.engine_client import EngineClient
@@ -27,10 +32,26 @@ from tripod.tenants import TenantFileError, TenantGate
 
 log = logging.getLogger("tripod.server")
 
+PRIVATE_TIER_GB = 1.0  # --role decode without --kv-disk: the private tier's capacity at most
+
 
 def serve(engine_config: EngineConfig, config: ServerConfig, log_level: int = logging.INFO) -> int:
     """Run the server until it is stopped; returns the process exit code."""
     metrics = ServerMetrics(config.served_model_name or "")
+    try:
+        check_pd_role(config.role, engine_config.enable_prefix_cache, engine_config.world_size)
+    except ValueError as e:
+        print(f"tripod: error: {e}", file=sys.stderr)
+        return 2
+    private: str | None = None
+    if config.role == "decode" and engine_config.kv_disk is None:
+        # A decode replica receives prompts' KV into a disk tier: a private one in memory (tmpfs) when
+        # none is given, at most PRIVATE_TIER_GB, removed at exit.
+        private = tempfile.mkdtemp(prefix="tripod-pd-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+        engine_config = replace(engine_config, kv_disk=private,
+                                kv_disk_size=min(engine_config.kv_disk_size, PRIVATE_TIER_GB))
+        log.info("--role decode: receiving KV into a private tier at %s (%.1f GB)", private,
+                 engine_config.kv_disk_size)
     try:
         gate = make_gate(config, metrics)  # a bad tenants file is refused before the engine starts
         # NOTE: before the engine is spawned: it reports its times only when tracing is on.
@@ -42,6 +63,8 @@ def serve(engine_config: EngineConfig, config: ServerConfig, log_level: int = lo
         return _serve(engine_config, config, log_level, metrics, gate)
     finally:
         tracing.shutdown()  # the spans still buffered go out
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
 
 
 def _serve(engine_config: EngineConfig, config: ServerConfig, log_level: int, metrics: ServerMetrics,

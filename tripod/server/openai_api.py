@@ -315,7 +315,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
     # echo + max_tokens 0: OpenAI's idiom for scoring a text (the prompt's logprobs, nothing
     # generated). The engine generates one token, which the answer leaves out.
     score_only = req.echo and req.max_tokens == 0
-    prompts = _prompt_ids(state, req.prompt)
+    prompts = prompt_ids(state, req.prompt)
     cont = req.tripod_continuation
     engine_rid = new_id("cmpl")  # (new even for a continuation: see _chat)
     rid = cont.id if cont is not None else engine_rid
@@ -443,7 +443,7 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, s: Star
     yield SSE_DONE
 
 
-def _prompt_ids(state: ServerState, prompt: Any) -> list[list[int]]:
+def prompt_ids(state: ServerState, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
     elif prompt and isinstance(prompt[0], int):

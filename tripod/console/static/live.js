@@ -55,6 +55,10 @@ export class FleetView {
       ["router pending", f.kind === "fleet" ? f.pending : "–"],
       ["router queue", f.kind === "fleet" ? f.queue_depth : "–"],
     ];
+    if (f.pd) {
+      stats.push(["prefill hand-overs", `${f.pd.ok + f.pd.retried} ok, ${f.pd.fallback} fallback, ${f.pd.skipped} skipped`],
+        ["hand-over time", f.pd.ok + f.pd.retried ? `${fmtNum(1000 * f.pd.seconds / (f.pd.ok + f.pd.retried))} ms mean` : "–"]);
+    }
     if (f.autoscaler) {
       const a = f.autoscaler;
       stats.push(["autoscaler", `target ${a.desired} (${a.min_replicas}–${a.max_replicas})`],
@@ -71,7 +75,8 @@ export class FleetView {
         <td>${esc(n.name)}</td><td><span class="badge ${esc(n.state)}">${esc(state)}</span></td>
         <td>${n.circuit ? `<span class="badge ${n.circuit}">${n.circuit}</span>` : "–"}</td>
         <td class="num">${n.inflight}</td><td class="num">${n.inflight_tokens === null ? "–" : fmtNum(n.inflight_tokens)}</td>
-        <td class="num">${n.running} / ${n.waiting}</td><td class="num">${cached}</td><td class="num">${pct(n.kv_usage)}</td>
+        <td class="num">${n.running} / ${n.waiting}</td><td class="num">${cached}</td>
+        <td class="num">${tierHits(n)}</td><td class="num">${handedOver(n)}</td><td class="num">${pct(n.kv_usage)}</td>
         <td class="num">${n.routed ?? "–"}</td><td class="num">${n.failures ?? "–"}</td><td class="num">${n.restarts}</td>
         <td class="num">${n.pid ?? "–"}</td><td class="small">${esc(n.url ?? "")}</td></tr>`;
     });
@@ -129,4 +134,18 @@ export class LiveView {
     document.getElementById("live-note").textContent = `sampled by the server every ${s.info.interval_s} s; rates and ` +
       `percentiles over the last ${s.info.window_s} s` + (anyAccept ? "" : "; no jump-forward or speculative drafts seen yet");
   }
+}
+
+// A node's prompt tokens served from each cache tier (a disk tier: --kv-disk), and its KV hand-overs
+// (prefill/decode disaggregation: bytes sent or received, seconds spent).
+function tierHits(n) {
+  if (n.tier_hits_pool == null && n.tier_hits_disk == null) return "–";
+  return `${fmtNum(n.tier_hits_pool ?? 0)} / ${fmtNum(n.tier_hits_disk ?? 0)}`;
+}
+
+function handedOver(n) {
+  const bytes = n.kv_sent_bytes ?? n.kv_received_bytes;
+  if (bytes == null) return n.role && n.role !== "both" ? esc(n.role) : "–";
+  const dir = n.kv_sent_bytes != null ? "sent" : "received";
+  return `${esc(n.role ?? "")} ${dir} ${fmtNum(bytes / 2 ** 20)} MiB in ${fmtNum(n.kv_transfer_s ?? 0)} s`;
 }

@@ -1,0 +1,143 @@
+"""A prompt's KV between processes, in the disk tier's block format (prefill/decode disaggregation).
+
+A prefill replica computes a prompt's KV and sends its whole blocks to a decode replica. Each block
+travels as exactly the bytes of a disk-tier file (``disk_tier``: a header with the magic, the
+identity, the key, the token count, the payload length and a CRC-32; the token ids; the rows of
+every layer), one after another in one HTTP body. So there is one block format, one identity
+(``engine.disk_cache.model_identity``) and one check (``disk_tier.check_block``) for both.
+
+The receiver (``BlockReceiver``) verifies every block as a file read would, and recomputes the hash
+chain from *its own* identity: a block lands only under the key of the prefix that produced it, and
+a sender with another model, dtype, KV layout or compute path is refused at its first header
+(``TransferRefused``, 409). Verified blocks are published into the receiver's disk-tier directory
+atomically (temp file, ``os.replace``), where its engine's admission of the prompt finds and loads
+them (``DiskCache.load``). A stream cut part-way (the sender died) leaves only whole, verified
+blocks of a prefix: a shorter cached prefix, never a wrong one.
+
+What is copied (no zero-copy path on TCP): the engine copies the rows out of its pool and encodes
+them (one copy), msgpack carries the bytes to the HTTP process (one), TCP to the receiver, whose
+HTTP process assembles each block (one) and writes it (the page cache: memory on tmpfs, where a
+``--role decode`` replica puts its private tier); its engine reads the file (one) and copies the
+rows into its pool (one).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from hashlib import blake2b
+from pathlib import Path
+
+import torch
+
+from tripod.memory.disk_tier import HEADER, KEY_BYTES, MAGIC, TierLayout, check_block, token_bytes
+
+CONTENT_TYPE = "application/x-tripod-kv-blocks"
+
+
+def encode_block(layout: TierLayout, key: bytes, tokens: Sequence[int], rows: torch.Tensor) -> bytes:
+    """One block (``rows``: ``[layers, block_tokens, *row]``) as the bytes of its disk-tier file."""
+    import zlib
+
+    assert len(tokens) == layout.block_tokens and tuple(rows.shape) == layout.shape
+    toks = token_bytes(tokens)
+    rows = rows.detach().to("cpu")
+    parts = [rows[layer].contiguous().view(torch.uint8).numpy() for layer in range(rows.shape[0])]
+    crc = zlib.crc32(toks)
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    head = HEADER.pack(MAGIC, layout.identity, key, len(tokens), sum(p.nbytes for p in parts), crc)
+    return b"".join([head, toks, *(memoryview(p) for p in parts)])
+
+
+def publish_block(directory: Path, key: bytes, data: bytes | bytearray) -> bool:
+    """Write one verified block into a disk tier's directory (atomically); False when it was there."""
+    h = key.hex()
+    final = directory / h[:2] / f"{h}.kv"
+    if final.exists():
+        return False
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = directory / "tmp"
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    # NOTE: the tier's temp-file naming, so that a tier cleans up after a receiver that died mid-write.
+    tmp = tmp_dir / f"{h}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return True
+
+
+class TransferRefused(ValueError):
+    """A KV stream the receiver will not take: ``status`` 409 for a sender whose model or layout
+    differs (the combination cannot work), 400 for bytes that are no valid block chain."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(slots=True)
+class ReceiveCounts:
+    blocks: int = 0  # whole blocks verified
+    published: int = 0  # of them, new in the tier (the others were there already)
+    bytes: int = 0
+
+
+class BlockReceiver:
+    """Owns one incoming stream: splits it into blocks, verifies each (header, chain, checksum)
+    and publishes it into ``directory`` (a disk tier's ``DIR/<identity>``) at once. The stream is
+    one or more prefixes, each from its block 0 on."""
+
+    def __init__(self, layout: TierLayout, directory: Path) -> None:
+        self.layout = layout
+        self.directory = directory
+        self.counts = ReceiveCounts()
+        self._buf = bytearray()
+        self._prev = layout.identity  # the chain starts at the identity: block 0 first
+
+    def feed(self, chunk: bytes) -> None:
+        self._buf += chunk
+        lay = self.layout
+        while len(self._buf) >= HEADER.size:
+            magic, ident, key, ntok, nbytes, _crc = HEADER.unpack_from(self._buf)
+            if magic != MAGIC:
+                raise TransferRefused(400, "not a stream of tripod KV blocks")
+            if ident != lay.identity:
+                raise TransferRefused(409, "the sender's KV identity (model, dtype, KV layout, quantization, --weights "
+                                      "and compute path) differs from this replica's: prefill and decode replicas "
+                                      "must run the same model with the same options")
+            if ntok != lay.block_tokens or nbytes != lay.payload_bytes:
+                raise TransferRefused(409, f"the sender's blocks are {ntok} tokens of {nbytes} bytes, this replica's "
+                                      f"{lay.block_tokens} of {lay.payload_bytes}")
+            size = lay.file_bytes
+            if len(self._buf) < size:
+                return
+            data = bytes(self._buf[:size])
+            del self._buf[:size]
+            tokens = list(memoryview(data)[HEADER.size : HEADER.size + 4 * ntok].cast("i"))
+            toks = token_bytes(tokens)
+            # NOTE: a block continues the prefix sent before it, or starts another prompt's (several
+            # prompts of one request, one after another); either way its key is recomputed here.
+            if key != blake2b(self._prev + toks, digest_size=KEY_BYTES).digest() \
+                    and key != blake2b(lay.identity + toks, digest_size=KEY_BYTES).digest():
+                raise TransferRefused(400, f"block {self.counts.blocks} neither continues the prefix sent before it "
+                                      "nor starts one")
+            why = check_block(lay, data, key, tokens)
+            if why is not None:
+                raise TransferRefused(400, f"block {self.counts.blocks}: {why}")
+            if publish_block(self.directory, key, data):
+                self.counts.published += 1
+            self.counts.blocks += 1
+            self.counts.bytes += size
+            self._prev = key
+
+    @property
+    def leftover(self) -> int:
+        """Bytes of a block not received whole (a cut stream): never published."""
+        return len(self._buf)
