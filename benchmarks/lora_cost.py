@@ -4,8 +4,8 @@ at the same load, in one engine (the embedded SmolLM2-135M by default).
     .venv/bin/python benchmarks/lora_cost.py                      # N = 0 (base), 1, 4, 8; 8 requests at once
     .venv/bin/python benchmarks/lora_cost.py --adapters 0,4 --concurrency 16 --max-tokens 64
 
-Adapters are random PEFT folders of the model's shape (rank ``--rank``, every projection of every
-layer targeted: q, k, v, o, gate, up, down) written here; ``--concurrency`` requests of
+Adapters are random PEFT folders of the model's shape (rank ``--rank``; ``--modules``: every
+projection of every layer, q, k, v, o, gate, up, down, or those named) written here; ``--concurrency`` requests of
 ``--prompt-len`` random tokens decode ``--max-tokens`` tokens each (``ignore_eos``), round-robin over
 the adapters, after one warm-up round. Each batch mixes every adapter (a step runs one base forward
 plus a gathered pair of matmuls per adapter present per projection). Prints a markdown table.
@@ -37,15 +37,17 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--modules", default="all", help="all (every projection) or a comma list, e.g. q_proj,v_proj")
     args = ap.parse_args()
     counts = [int(x) for x in args.adapters.split(",")]
+    modules = None if args.modules == "all" else tuple(args.modules.split(","))
     tmp = Path(tempfile.mkdtemp(prefix="lora-cost-"))
     probe = Engine(model=args.model, dtype=args.dtype, kv_cache_tokens=256, kernels="eager")
     cfg = probe.model_config
     del probe
     most = max(counts)
     for i in range(most):
-        random_adapter(tmp / f"a{i}", cfg, args.rank, seed=i, scale=0.01)
+        random_adapter(tmp / f"a{i}", cfg, args.rank, seed=i, scale=0.01, modules=modules)
     spec = ",".join(f"a{i}={tmp / f'a{i}'}" for i in range(most)) or None
     eng = Engine(model=args.model, dtype=args.dtype, lora=spec, max_loras=max(most, 1),
                  kv_cache_tokens=args.concurrency * (args.prompt_len + args.max_tokens) * 2 + 512)
@@ -53,7 +55,8 @@ def main() -> None:
     vocab = cfg.vocab_size
     base_rate = None
     print(f"{eng.model_name} ({eng.dtype_name}, {eng.runner.describe()}); {args.concurrency} requests at once, "
-          f"{args.prompt_len} prompt + {args.max_tokens} output tokens each, adapters of rank {args.rank} on every projection")
+          f"{args.prompt_len} prompt + {args.max_tokens} output tokens each, adapters of rank {args.rank} on "
+          f"{'every projection' if modules is None else ', '.join(modules)}")
     print()
     print("| adapters in the batch | output tok/s | vs the base alone |")
     print("|---|---|---|")

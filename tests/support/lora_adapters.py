@@ -43,9 +43,11 @@ def other_llama() -> Any:
 
 
 
-def random_adapter(folder: Path, cfg: Any, rank: int, seed: int, scale: float = 0.05) -> Path:
-    """Write a random PEFT LoRA folder for a tripod ``ModelConfig`` (every projection of every
-    layer), without transformers or peft: for models held only as GGUF (the embedded SmolLM2)."""
+def random_adapter(folder: Path, cfg: Any, rank: int, seed: int, scale: float = 0.05,
+                   modules: tuple[str, ...] | None = None) -> Path:
+    """Write a random PEFT LoRA folder for a tripod ``ModelConfig`` (``modules``, default every
+    projection, of every layer), without transformers or peft: for models held only as GGUF (the
+    embedded SmolLM2)."""
     import json
 
     from safetensors.torch import save_file
@@ -60,6 +62,8 @@ def random_adapter(folder: Path, cfg: Any, rank: int, seed: int, scale: float = 
     for layer in range(cfg.num_layers):
         for site, names in targets.items():
             for name, (d_in, d_out) in zip(names, shapes[site], strict=True):
+                if modules is not None and name not in modules:
+                    continue
                 key = f"base_model.model.model.layers.{layer}.{'self_attn' if site in ('qkv', 'o') else 'mlp'}.{name}"
                 tensors[key + ".lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in**0.5
                 tensors[key + ".lora_B.weight"] = torch.randn(d_out, rank, generator=g) * scale
@@ -67,5 +71,5 @@ def random_adapter(folder: Path, cfg: Any, rank: int, seed: int, scale: float = 
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
-        "target_modules": [n for names in targets.values() for n in names]}))
+        "target_modules": [n for names in targets.values() for n in names if modules is None or n in modules]}))
     return folder

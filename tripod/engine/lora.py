@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tripod.layers.lora import LoraAdapter, LoraError, adapter_digest, read_peft
+from tripod.layers.lora import LoraAdapter, LoraError, LoraPool, adapter_digest, read_peft
 
 # A namespace's token ids are shifted by this (above any vocabulary) in the radix tree's keys.
 NAMESPACE_STRIDE = 1 << 21
@@ -50,6 +50,10 @@ class LoraRegistry:
         self.held: dict[str, int] = {}  # name -> running requests holding it
         self.namespaces: dict[str, int] = {}  # digest -> namespace
         self.loads = 0
+        # NOTE: adapters are kept and applied in float32 whatever the model's dtype: their matmuls are
+        # small, where CPU float32 kernels are several times faster than bfloat16's (and exact).
+        self.pool = LoraPool(max_loras, cfg, torch.float32, device)  # the resident adapters' weights, stacked
+        self._free_slots = list(range(max_loras))
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, path: str) -> LoraAdapter:
@@ -63,7 +67,7 @@ class LoraRegistry:
         self.paths[name] = str(path)
         self.digests[name] = adapter.digest
         if self._room():
-            self.resident[name] = adapter
+            self._make_resident(name, adapter)
         return adapter
 
     def unregister(self, name: str) -> None:
@@ -72,7 +76,7 @@ class LoraRegistry:
         del self.paths[name]
         del self.digests[name]
         if not self.held.get(name):
-            self.resident.pop(name, None)
+            self._evict(name)
 
     def namespace(self, name: str) -> int:
         if name not in self.paths:
@@ -92,8 +96,7 @@ class LoraRegistry:
                 raise LoraError(f"no LoRA adapter named {name!r} is loaded")
             if not self._room():
                 return None
-            adapter = self._read(name, self.paths[name])
-            self.resident[name] = adapter
+            adapter = self._make_resident(name, self._read(name, self.paths[name]))
         self.resident.move_to_end(name)
         self.held[name] = self.held.get(name, 0) + 1
         return adapter
@@ -111,7 +114,7 @@ class LoraRegistry:
             return
         self.held.pop(name, None)
         if name not in self.paths:  # unloaded while running: its weights go with its last request
-            self.resident.pop(name, None)
+            self._evict(name)
 
     # ------------------------------------------------------------------ internals
     def _room(self) -> bool:
@@ -120,9 +123,22 @@ class LoraRegistry:
             return True
         for name in self.resident:
             if not self.held.get(name):
-                del self.resident[name]
+                self._evict(name)
                 return True
         return False
+
+    def _make_resident(self, name: str, adapter: LoraAdapter) -> LoraAdapter:
+        adapter.slot = min(self._free_slots)  # lowest first: a step reads the pool only up to its highest slot
+        self._free_slots.remove(adapter.slot)
+        self.pool.put(adapter.slot, adapter)
+        self.resident[name] = adapter
+        return adapter
+
+    def _evict(self, name: str) -> None:
+        adapter = self.resident.pop(name, None)
+        if adapter is not None and adapter.slot is not None:
+            self._free_slots.append(adapter.slot)
+            adapter.slot = None
 
     def _read(self, name: str, path: str) -> LoraAdapter:
         if not Path(path).is_dir():
@@ -130,7 +146,7 @@ class LoraRegistry:
         if name in self.digests and adapter_digest(path) != self.digests[name]:
             raise LoraError(f"LoRA adapter {name!r}: its files at {path} changed since it was loaded; unload and load it again")
         self.loads += 1
-        return read_peft(name, path, self.cfg, max_rank=self.max_rank, dtype=self.dtype, device=self.device,
+        return read_peft(name, path, self.cfg, max_rank=self.max_rank, dtype=torch.float32, device=self.device,
                          dense_layers=self.dense_layers)
 
     def describe(self) -> list[dict[str, Any]]:

@@ -25,7 +25,7 @@ from tripod.layers.backends import CpuBackend, CpuLinearBackend, ReferenceBacken
 from tripod.layers.backends.base import Backend
 from tripod.layers.backends.reference import ScoringBackend, prefill_segment
 from tripod.layers.linear import onednn_supported
-from tripod.layers.lora import LoraBatch
+from tripod.layers.lora import LoraBatch, LoraPool
 from tripod.layers.parallel import DPLayout
 from tripod.memory.kv_pool import KVPool, Pool
 from tripod.memory.slot_table import SlotTable
@@ -57,6 +57,7 @@ class ModelRunner:
         self.micro_steps = 0  # pipeline parallel: steps run as several micro-batches
         self.parallel = parallel  # ... and what each rank holds, for the compute card
         self.pool = pool
+        self.lora_pool: LoraPool | None = None  # the engine's resident LoRA adapters (engine/lora.py)
         self.device = device
         self.path = path
         self.stored = stored
@@ -187,7 +188,7 @@ class ModelRunner:
             return self._micro_batches(items, min(stages, len(items)))
         if self.dp_size == 1:
             batch, sampling = self.backend.build_batch(items, self)
-            batch.lora = lora_rows(batch)
+            batch.lora = lora_rows(batch, self.lora_pool)
             return batch, sampling
         backend = self.backend
         batches: list[ForwardBatch] = []
@@ -288,7 +289,7 @@ class ModelRunner:
                 backend=backend,
             )
             if lora is not None:  # (the request's LoRA adapter, on every row)
-                batch.lora = LoraBatch([(lora, torch.arange(n, dtype=torch.long, device=dev))])
+                batch.lora = LoraBatch(groups=[(lora, torch.arange(n, dtype=torch.long, device=dev))])
             if self.dp_size > 1:  # scored on rank 0 (its slots); the others join with nothing to attend
                 batch = self._dp_batch([batch, *(self._empty_batch(backend) for _ in range(self.dp_size - 1))])
             if self.group is not None:
@@ -296,14 +297,26 @@ class ModelRunner:
             yield s, self.model(batch, self.pool)
 
 
-def lora_rows(batch: ForwardBatch) -> LoraBatch | None:
-    """The batch's rows grouped by the LoRA adapter their request runs (None: all base)."""
-    rows: dict[int, tuple[Any, list[int]]] = {}
+def lora_rows(batch: ForwardBatch, pool: LoraPool | None) -> LoraBatch | None:
+    """The batch's rows that run LoRA adapters (None: all the base model): single rows by their
+    adapter's pool slot, longer items as runs of rows."""
+    rows: list[int] = []
+    slots: list[int] = []
+    runs: list[tuple[int, int, int]] = []
     for it, first in batch.item_rows:
         adapter = it.req.lora
-        if adapter is not None:
-            rows.setdefault(id(adapter), (adapter, []))[1].extend(range(first, first + it.length))
-    if not rows:
+        if adapter is None:
+            continue
+        assert adapter.slot is not None and pool is not None, "a running request's adapter is resident"
+        if it.length == 1:
+            rows.append(first)
+            slots.append(adapter.slot)
+        else:
+            runs.append((first, it.length, adapter.slot))
+    if not rows and not runs:
         return None
     dev = batch.input_ids.device
-    return LoraBatch([(a, torch.tensor(r, dtype=torch.long, device=dev)) for a, r in rows.values()])
+    tensor = (lambda v: torch.tensor(v, dtype=torch.long, device=dev))  # noqa: E731
+    span = (rows[0], len(rows)) if rows and rows == list(range(rows[0], rows[0] + len(rows))) else None
+    return LoraBatch(pool=pool, rows=tensor(rows) if rows else None, slots=tensor(slots) if slots else None,
+                     runs=runs, span=span, used=max(slots) + 1 if slots else 0)

@@ -7,10 +7,13 @@ rsLoRA). tripod fuses Q/K/V and gate/up into one projection each, so an adapter 
 their ``B`` placed block-diagonally ``[out, Σr]`` (the scale folded in), so a site's delta is two
 matmuls whichever of its parts the adapter targets.
 
-A step's batch mixes requests of several adapters and of the base model: ``LoraBatch`` groups the
-batch's rows by adapter and, after each base projection (whatever backend computed it), adds each
-group's delta to its rows — one gathered pair of matmuls per adapter present (the Punica / S-LoRA
-idea, with the loop over the adapters in the step, not over rows).
+A step's batch mixes requests of several adapters and of the base model. The resident adapters sit
+in a ``LoraPool`` (per site, every adapter's A and B stacked, zero-padded to the widest); after
+each base projection (whatever backend computed it) ``LoraBatch`` adds each row's delta: the
+decode rows run every resident adapter at once as two dense matmuls per site, masked to their own
+adapter's columns in between (no per-adapter loop, no gathered copies of the weights: the idea of
+Punica / S-LoRA's batched kernels with dense ops), a prefill chunk (one request, one adapter) its
+own pair of matmuls.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class LoraAdapter:
     rank: int
     digest: str  # of the adapter's files: the same weights under any name share a cache namespace
     sites: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    slot: int | None = None  # its place in the LoraPool while resident
 
     @property
     def nbytes(self) -> int:
@@ -144,19 +148,90 @@ def read_peft(name: str, path: str | Path, cfg: Any, *, max_rank: int, dtype: to
     return LoraAdapter(name=name, path=str(path), rank=r, digest=adapter_digest(p), sites=sites)
 
 
+class LoraPool:
+    """The resident adapters' weights, stacked per (layer, site) and stored transposed for the
+    matmuls: ``A`` as ``[in, slots, R]`` and ``B`` as ``[slots, R, out]`` (``R``: the widest resident
+    adapter's width at that site; narrower ones and sites an adapter leaves alone are zeros).
+    Flattened they are one ``[in, slots·R]`` and one ``[slots·R, out]`` matrix: a step's single-row
+    items (decodes) run the adapters of slots ``0 .. used - 1`` at once as two dense matmuls over
+    those columns, each row's product masked to its own adapter's in between."""
+
+    def __init__(self, slots: int, cfg: Any, dtype: torch.dtype, device: torch.device) -> None:
+        self.slots, self.dtype, self.device = slots, dtype, device
+        self.shapes = {site: (parts[0][0], sum(o for _, o in parts)) for site, parts in site_shapes(cfg).items()}
+        self.sites: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def put(self, slot: int, adapter: LoraAdapter) -> None:
+        for key in set(self.sites) | set(adapter.sites):
+            a, b = adapter.sites.get(key, (None, None))
+            width = 0 if a is None else a.shape[0]
+            at, bt = self._site(key, width)
+            at[:, slot].zero_()
+            bt[slot].zero_()
+            if a is not None and b is not None:
+                at[:, slot, :width] = a.t()
+                bt[slot, :width] = b.t()
+
+    def _site(self, key: tuple[int, str], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        d_in, d_out = self.shapes[key[1]]
+        have = self.sites.get(key)
+        if have is not None and have[0].shape[2] >= width:
+            return have
+        at = torch.zeros(d_in, self.slots, width, dtype=self.dtype, device=self.device)
+        bt = torch.zeros(self.slots, width, d_out, dtype=self.dtype, device=self.device)
+        if have is not None:  # grown for a wider adapter: the others' columns kept
+            old = have[0].shape[2]
+            at[:, :, :old] = have[0]
+            bt[:, :old] = have[1]
+        self.sites[key] = (at, bt)
+        return at, bt
+
+
 @dataclass(slots=True)
 class LoraBatch:
-    """A step's adapters and the flat rows of each (rows of the base model are in none)."""
+    """A step's rows that run adapters: single rows (decodes) by pool slot, gathered; runs of
+    rows (prefill chunks, verifications) each one adapter's; ``groups``: adapters outside the pool
+    (a pass outside the steps) with their rows."""
 
-    groups: list[tuple[LoraAdapter, torch.Tensor]]
+    pool: LoraPool | None = None
+    rows: torch.Tensor | None = None  # single rows ...
+    slots: torch.Tensor | None = None  # ... and their adapters' pool slots
+    runs: list[tuple[int, int, int]] = field(default_factory=list)  # (first row, rows, slot)
+    groups: list[tuple[LoraAdapter, torch.Tensor]] = field(default_factory=list)
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    span: tuple[int, int] | None = None  # (first, count) when ``rows`` are one contiguous range
+    used: int = 0  # the pool slots the single rows reach: 0 .. used - 1
 
     def apply(self, layer: int, site: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` (the base projection of ``x``) plus each adapter's delta on its rows."""
+        """``y`` (the base projection of ``x``) plus each row's adapter delta."""
+        w = self.pool.sites.get((layer, site)) if self.pool is not None else None
+        if w is not None:
+            at, bt = w
+            width = at.shape[2]
+            if self.rows is not None and self.slots is not None:
+                r0, n = self.span if self.span is not None else (0, 0)
+                xs = x[r0 : r0 + n] if self.span is not None else x.index_select(0, self.rows)
+                used = self.used * width  # (slots are handed out lowest first: the ones in use lead)
+                t = xs.to(at.dtype) @ at.view(at.shape[0], -1)[:, :used]  # [rows, used·R]: each adapter's product ...
+                delta = (t * self._mask(width, t.dtype)) @ bt.view(-1, bt.shape[-1])[:used]  # ... kept on the row's own
+                if self.span is not None:  # (the rows are one contiguous range: no scatter)
+                    y[r0 : r0 + n] += delta
+                else:
+                    y.index_add_(0, self.rows, delta.to(y.dtype))
+            for first, n, slot in self.runs:
+                y[first : first + n] += (x[first : first + n].to(at.dtype) @ at[:, slot]) @ bt[slot]
         for adapter, rows in self.groups:
-            w = adapter.sites.get((layer, site))
-            if w is None:
-                continue
-            a, b = w
-            delta = (x.index_select(0, rows) @ a.t()) @ b.t()
-            y.index_add_(0, rows, delta.to(y.dtype))
+            ab = adapter.sites.get((layer, site))
+            if ab is not None:
+                delta = (x.index_select(0, rows).to(ab[0].dtype) @ ab[0].t()) @ ab[1].t()
+                y.index_add_(0, rows, delta.to(y.dtype))
         return y
+
+    def _mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[rows, slots·width]``: 1 on each row's own adapter's columns (made once per width and step)."""
+        m = self.masks.get(width)
+        if m is None:
+            assert self.slots is not None and self.pool is not None
+            own = torch.nn.functional.one_hot(self.slots, self.used).to(dtype)
+            m = self.masks[width] = own.repeat_interleave(width, dim=1)
+        return m
