@@ -120,6 +120,7 @@ class Engine(OfflineAPI):
             count_prompt=self._count_prompt, score=self._score, grammars=lambda: self.grammars)
         self.loras = builder.lora_registry(config, parts)  # None: this model/layout serves no adapters
         self.admission.loras = self.scheduler.loras = self.loras
+        self.runner.lora_pool = self.loras.pool if self.loras is not None else None
         self.inboxes: dict[str, list[StepOutput]] = {}  # rid -> undelivered stream outputs
         self._kv_layout: TierLayout | None = None  # the KV block layout, made on first use
         builder.log_started(config, parts, time.monotonic() - t0)
