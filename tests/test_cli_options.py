@@ -175,3 +175,17 @@ def test_config_validation_still_applies() -> None:
         from_namespace(EngineConfig, _parse("serve", "--num-draft-tokens", "0"))
     with pytest.raises(ValueError, match="min_replicas"):
         from_namespace(FleetConfig, _parse("serve"), min_replicas=3, max_replicas=2)
+
+
+@pytest.mark.parametrize("argv", [["--lora", "a=/x", "b=/y"], ["--lora", "a=/x", "--lora", "b=/y"], ["--lora", "a=/x,b=/y"]])
+def test_lora_takes_several_adapters_in_every_spelling(argv: list[str]) -> None:
+    """``--lora NAME=PATH ...`` (vLLM's way), repeated, or comma-joined: the same adapters, in order;
+    and a fleet passes them on to its replicas as one value that parses back the same."""
+    from tripod.config import parse_loras
+
+    cfg = from_namespace(EngineConfig, _parse("serve", *argv))
+    assert parse_loras(cfg.lora or "") == {"a": "/x", "b": "/y"}
+    again = from_namespace(EngineConfig, _parse("serve", *to_argv(cfg, "serve")))
+    assert again.lora == cfg.lora
+    with pytest.raises(SystemExit):
+        _parse("serve", "--lora", "no-equals-sign")

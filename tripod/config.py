@@ -198,10 +198,10 @@ class EngineConfig:
         "ray://host:10001; default: a Ray instance of this process)", commands=ENGINE_COMMANDS, metavar="ADDRESS")
     # LoRA adapters (engine/lora.py): served beside the base model, a request picks one by name.
     lora: str | None = opt(
-        None, "LoRA adapters to serve beside the base model: NAME=PATH[,NAME=PATH...] (PEFT folders: "
-        "adapter_config.json + adapter_model.safetensors); a request picks one by its \"model\" name; more can be "
-        "loaded live (POST /v1/load_lora_adapter)", commands=ENGINE_COMMANDS, metavar="NAME=PATH[,...]",
-        check=lambda v: parse_loras(v))
+        None, "LoRA adapters to serve beside the base model: NAME=PATH ... (PEFT folders: adapter_config.json + "
+        "adapter_model.safetensors; several after one --lora, several --lora, or NAME=PATH,NAME=PATH); a request "
+        "picks one by its \"model\" name; more can be loaded live (POST /v1/load_lora_adapter)",
+        commands=ENGINE_COMMANDS, metavar="NAME=PATH", check=lambda v: parse_loras(v), join=",")
     max_loras: int = opt(
         4, "LoRA: adapters resident at once (more may be registered: the least recently used idle one is "
         "evicted and read again when needed)", commands=ENGINE_COMMANDS, metavar="N")

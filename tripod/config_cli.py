@@ -43,7 +43,7 @@ class Opt:
     environment variable (empty = unset); ``check``: run on the raw value at parse time (a
     ValueError becomes argparse's exit 2); ``group``: a help group other than the config's own;
     ``forward``: whether ``tripod serve`` passes it on to a fleet's replicas (host and port are
-    each replica's own)."""
+    each replica's own); ``join``: the option takes several values, joined with it."""
 
     help: str | None = None
     commands: tuple[str, ...] = ()
@@ -56,6 +56,9 @@ class Opt:
     check: Callable[[str], object] | None = None
     group: str | None = None
     forward: bool = True
+    # Several values (``--flag A B`` and/or ``--flag A --flag B``) joined with this separator into
+    # the field's one string (None: a single value).
+    join: str | None = None
 
 
 def opt(default: Any, help: str | None = None, **kw: Any) -> Any:
@@ -167,6 +170,8 @@ class CommandParser:
             kw["default"] = os.environ.get(o.env) if o.env else f.default
             kind = _scalar(f.hint)
             kw["type"] = _checked(o.check) if o.check is not None else kind
+            if o.join is not None:  # every value given, in order, however many flags carry them
+                kw.update(action="extend", nargs="+", default=None)
             if o.choices is not None:
                 kw["choices"] = list(o.choices)
             elif o.metavar or flag != "--" + f.dest.replace("_", "-"):  # after the flag, not the dest
@@ -184,6 +189,8 @@ def from_namespace(cls: type[C], ns: argparse.Namespace, **overrides: Any) -> C:
 
 
 def _value(f: CliField, value: Any) -> Any:
+    if f.opt.join is not None and isinstance(value, list):
+        return f.opt.join.join(value)
     # An option defaulted from the environment: an empty variable (or value) means unset.
     return None if f.opt.env and not value else value
 
