@@ -159,3 +159,23 @@ def test_continuation_on_an_adapter_equals_the_undisturbed_answer(setup: dict[st
     (whole,) = eng.generate([p], params)
     got = continued(eng, p, params, [Resume(0, tuple(whole.token_ids[:5]))])[0]
     assert got.output_ids == whole.token_ids
+
+
+def test_unload_while_running_keeps_the_weights_until_the_request_ends(setup: dict[str, Any]) -> None:
+    """An adapter unloaded while a request runs on it: the request finishes on its weights (PEFT's
+    tokens), the name cannot be loaded again until then, and afterwards its place is free again."""
+    eng = _engine(setup, kernels="eager", max_loras=3)
+    assert eng.loras is not None
+    p = _prompts()[2]
+    (req,) = eng.add_request(p, _params("mlp"))
+    while not req.output_ids:  # running, holding the adapter
+        eng.step()
+    assert eng.unload_lora("mlp") == 1
+    with pytest.raises(ValueError, match="still has 1 running"):
+        eng.load_lora("mlp", str(setup["paths"]["mlp"]))
+    while eng.has_work:
+        eng.step()
+    check_greedy_tokens(req.output_ids, setup["refs"]["mlp"].greedy(p, N), "mlp unloaded mid-run")
+    assert "mlp" not in eng.loras.resident and eng.loras.free_places == 1
+    eng.load_lora("mlp", str(setup["paths"]["mlp"]))  # loads again, in the freed place
+    assert eng.loras.resident["mlp"].slot is not None

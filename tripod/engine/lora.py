@@ -59,6 +59,9 @@ class LoraRegistry:
     def register(self, name: str, path: str) -> LoraAdapter:
         if not name or name in self.paths:
             raise LoraError(f"a LoRA adapter named {name!r} is already loaded" if name else "a LoRA adapter needs a name")
+        if self.held.get(name):  # unloaded, its last requests still running on it
+            raise LoraError(f"the LoRA adapter {name!r} just unloaded still has {self.held[name]} running requests; "
+                            "load it again once they finish")
         adapter = self._read(name, path)
         if adapter.digest not in self.namespaces:
             if len(self.namespaces) >= MAX_NAMESPACES:
@@ -85,6 +88,11 @@ class LoraRegistry:
 
     def in_use(self, name: str) -> int:
         return self.held.get(name, 0)
+
+    @property
+    def free_places(self) -> int:
+        """Places in the pool no resident adapter takes."""
+        return len(self._free_slots)
 
     # ------------------------------------------------------------------ requests
     def acquire(self, name: str) -> LoraAdapter | None:

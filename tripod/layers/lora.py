@@ -189,9 +189,9 @@ class LoraPool:
 
 @dataclass(slots=True)
 class LoraBatch:
-    """A step's rows that run adapters: single rows (decodes) by pool slot, gathered; runs of
-    rows (prefill chunks, verifications) each one adapter's; ``groups``: adapters outside the pool
-    (a pass outside the steps) with their rows."""
+    """A step's rows that run adapters: single rows (decodes) with their adapters' pool slots (all
+    of them at once, masked per row); runs of rows (prefill chunks, verifications), each one
+    adapter's; ``groups``: adapters outside the pool (a pass outside the steps) with their rows."""
 
     pool: LoraPool | None = None
     rows: torch.Tensor | None = None  # single rows ...
