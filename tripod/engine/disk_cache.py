@@ -128,7 +128,7 @@ class DiskCache:
         self.stats.save_seconds += time.perf_counter() - t0
 
     def _save(self, tokens: list[int], slots: list[int], start: int, deadline: float | None = None) -> None:
-        if tokens and tokens[0] >= NAMESPACE_STRIDE:  # a LoRA adapter's prefix: kept out of the tier
+        if not _tiered(tokens):
             return
         b = self.block
         first, end = start // b, len(tokens) // b
@@ -152,6 +152,8 @@ class DiskCache:
     # ------------------------------------------------------------------ in
     def _missing_blocks(self, cache: RadixCache, tokens: list[int]) -> tuple[int, list[bytes]]:
         """(tokens the pool has, the keys of the blocks from the one holding the next token on)."""
+        if not _tiered(tokens):
+            return 0, []
         hit = len(cache.match_prefix(tokens, record=False).slots)
         end = len(tokens) // self.block
         if hit // self.block >= end:
@@ -260,3 +262,9 @@ def _path(node: TreeNode) -> tuple[list[int], list[int]]:
     tokens = [t for k in reversed(keys) for t in k]
     slots = [s for v in reversed(values) for s in v]
     return tokens, slots
+
+
+def _tiered(tokens: list[int]) -> bool:
+    """Whether a radix key's blocks go to the tier: a LoRA adapter's prefix (its key in the adapter's
+    namespace, ``engine/lora.py``) stays in the pool only; the tier's identity has no adapter in it."""
+    return not tokens or tokens[0] < NAMESPACE_STRIDE

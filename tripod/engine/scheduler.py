@@ -115,8 +115,8 @@ class Scheduler:
         self.waiting.append(req)
         self._enqueued_at[req.rid] = self.step_count
         self.fair.join(req)
-        if self.cache.disk is not None and not req.lora_ns:  # (adapters' prefixes stay in the pool)
-            self.cache.disk.prefetch(self.cache, req.all_ids[:-1])  # read its prefix from disk meanwhile
+        if self.cache.disk is not None:
+            self.cache.disk.prefetch(self.cache, req.cache_ids[:-1])  # read its prefix from disk meanwhile
 
     def abort(self, req: Req) -> None:
         """Finish ``req`` as aborted and release its KV (no-op if already finished)."""
@@ -218,7 +218,7 @@ class Scheduler:
 
     def _place(self, req: Req, budget: int) -> ScheduledItem | None:
         tokens = req.cache_ids
-        if self.cache.disk is not None and not req.lora_ns:  # what the disk tier has beyond the pool's match goes into the pool
+        if self.cache.disk is not None:  # what the disk tier has beyond the pool's match goes into the pool
             self.cache.disk.load(self.cache, tokens[:-1], headroom=len(self.running),
                                  chunk=min(self.chunk_size, budget), record=req.retractions == 0)
         match = self._match(req)

@@ -192,12 +192,7 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: Any) -> torch.Tensor:
-        for b in batch.micro:
-            b.backend = batch.backend
-        outs = [self._forward_one(b, pool) for b in [batch, *batch.micro]]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def _forward_one(self, batch: ForwardBatch, pool: Any) -> torch.Tensor:
+        # (one process: no pipeline micro-batches, no data-parallel layout)
         v4 = self.cfg.v4
         assert v4 is not None
         e = self.embed_tokens(batch.input_ids)
