@@ -52,24 +52,22 @@ def random_adapter(folder: Path, cfg: Any, rank: int, seed: int, scale: float = 
 
     from safetensors.torch import save_file
 
-    from tripod.layers.lora import site_shapes
+    from tripod.layers.lora import MODULE_SITES, site_shapes
 
-    targets = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
-               "down": ("down_proj",)}
+    names = [n for n in MODULE_SITES if modules is None or n in modules]
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     shapes = site_shapes(cfg)
     for layer in range(cfg.num_layers):
-        for site, names in targets.items():
-            for name, (d_in, d_out) in zip(names, shapes[site], strict=True):
-                if modules is not None and name not in modules:
-                    continue
-                key = f"base_model.model.model.layers.{layer}.{'self_attn' if site in ('qkv', 'o') else 'mlp'}.{name}"
-                tensors[key + ".lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in**0.5
-                tensors[key + ".lora_B.weight"] = torch.randn(d_out, rank, generator=g) * scale
+        for name in names:
+            site, part = MODULE_SITES[name]
+            d_in, d_out = shapes[site][part]
+            key = f"base_model.model.model.layers.{layer}.{'self_attn' if site in ('qkv', 'o') else 'mlp'}.{name}"
+            tensors[key + ".lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in**0.5
+            tensors[key + ".lora_B.weight"] = torch.randn(d_out, rank, generator=g) * scale
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
-        "target_modules": [n for names in targets.values() for n in names if modules is None or n in modules]}))
+        "target_modules": names}))
     return folder

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-# PEFT module name -> (tripod site, index of the part within the fused site)
-_PARTS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+# PEFT module name -> (tripod site, index of the part within the fused site), in a layer's order
+MODULE_SITES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
           "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
-SUPPORTED_MODULES = tuple(_PARTS)
+SUPPORTED_MODULES = tuple(MODULE_SITES)
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -105,13 +105,13 @@ def read_peft(name: str, path: str | Path, cfg: Any, *, max_rank: int, dtype: to
     parts: dict[tuple[int, str, int], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)
-        if m is None or m.group(3) not in _PARTS:
+        if m is None or m.group(3) not in MODULE_SITES:
             raise LoraError(f"{path}: tensor {key!r} is not a LoRA weight of a supported projection "
                             f"({', '.join(SUPPORTED_MODULES)}); embeddings, heads and experts are not adapted")
         layer = int(m.group(1))
         if layer >= cfg.num_layers:
             raise LoraError(f"{path}: {key!r} is for layer {layer}, the base model has {cfg.num_layers}")
-        site, idx = _PARTS[m.group(3)]
+        site, idx = MODULE_SITES[m.group(3)]
         if site in ("gate_up", "down") and dense_layers is not None and layer not in dense_layers:
             raise LoraError(f"{path}: {key!r} targets the MLP of layer {layer}, which is a mixture of experts here")
         parts.setdefault((layer, site, idx), {})[m.group(4)] = t
