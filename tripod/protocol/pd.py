@@ -11,6 +11,10 @@ import msgspec
 PREFILL_PATH = "/v1/pd/prefill"  # on a prefill replica: compute a prompt's KV and send it on
 KV_PATH = "/v1/pd/kv"  # on a decode replica: receive KV blocks into its disk tier
 PD_PATHS = ("/v1/chat/completions", "/v1/completions")  # requests whose prompt can be prefilled elsewhere
+# The router's id of one request's hand-over: on the KV stream (prefill → decode replica) and on the
+# request itself when the router sends it to the decode replica, which first lets that id's streams
+# end (a stream cut by a dying prefill replica may still be publishing blocks it received).
+TRANSFER_HEADER = "x-tripod-pd-transfer"
 
 
 class PrefillOrder(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -20,6 +24,7 @@ class PrefillOrder(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     path: Literal["/v1/chat/completions", "/v1/completions"]
     body: msgspec.Raw
     decode_url: str
+    transfer_id: str = ""  # sent on as TRANSFER_HEADER with the KV stream
 
 
 class KVReceipt(msgspec.Struct, kw_only=True):

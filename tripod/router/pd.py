@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -68,11 +69,16 @@ class Disaggregator:
             return False
         return True
 
-    async def prefill(self, path: str, raw: bytes, headers: dict[str, str], decode: Replica) -> None:
+    async def prefill(self, path: str, raw: bytes, headers: dict[str, str], decode: Replica) -> str:
         """Have a prefill replica compute the prompt's KV and hand it to ``decode`` (tries
-        ``--max-retries`` others after a failure; returns having counted the outcome)."""
+        ``--max-retries`` others after a failure; returns having counted the outcome). Returns the
+        hand-over's id, for the request's ``pd.TRANSFER_HEADER`` to ``decode``: the decode replica
+        then waits for any KV stream of it still being received (one cut by a prefill replica that
+        died) before it admits the request, so whatever whole blocks came are used."""
         r = self.router
-        order = pd.encode(pd.PrefillOrder(path=path, body=msgspec.Raw(raw), decode_url=decode.url))
+        transfer_id = uuid.uuid4().hex
+        order = pd.encode(pd.PrefillOrder(path=path, body=msgspec.Raw(raw), decode_url=decode.url,
+                                          transfer_id=transfer_id))
         tried: set[Replica] = set()
         while len(tried) <= r.config.max_retries:
             cands = [p for p in self.prefill_replicas() if p not in tried]
@@ -83,13 +89,14 @@ class Disaggregator:
             outcome = await self._one(rep, order, headers, decode)
             if outcome == "ok":
                 self._count("ok" if len(tried) == 1 else "retried")
-                return
+                return transfer_id
             if outcome in ("refused", "skipped"):
                 self._count(outcome)
-                return
+                return transfer_id
         self._count("fallback")
         log.info("no prefill replica handed over this prompt (%d tried); %s prefills it itself", len(tried),
                  decode.name)
+        return transfer_id
 
     async def _one(self, rep: Replica, order: bytes, headers: dict[str, str], decode: Replica) -> str:
         """One order to one prefill replica: "ok", "failed" (try another), "refused" (do not: the

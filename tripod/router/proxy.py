@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from tripod import tracing
 from tripod.asgi import ClosingStream
+from tripod.protocol import pd
 from tripod.router.errors import FULL, RETRYABLE, RouterError, stream_error
 from tripod.router.failover import AnswerProgress, Failed, supports_failover
 from tripod.router.policy import RouteRequest
@@ -127,7 +128,8 @@ class Proxy:
                 tried.add(rep)
                 if last is None and not continuing and r.pd.wants(call.path, d, call.rr):
                     # NOTE: before the attempt begins: the decode replica then finds the prompt cached.
-                    await r.pd.prefill(call.path, call.raw, call.headers, rep)
+                    transfer = await r.pd.prefill(call.path, call.raw, call.headers, rep)
+                    call.headers = {**call.headers, pd.TRANSFER_HEADER: transfer}  # (unknown to other replicas)
                 flight = r.begin(d, call.rr, retry=bool(retries or continuing), caches=call.path in _GENERATING,
                                  continuation=continuing)
                 use = call.answer if call.answer is not None and rep.continues else None

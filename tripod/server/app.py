@@ -26,7 +26,7 @@ from tripod.server.anthropic_api import add_anthropic_routes
 from tripod.server.console_source import ServerConsoleSource
 from tripod.server.openai_api import add_openai_routes
 from tripod.server.openapi import openapi_document
-from tripod.server.pd import add_pd_routes
+from tripod.server.pd import HandOverGate, Receiving, add_pd_routes
 from tripod.server.protocol import APIError
 from tripod.server.serving import ClientGone, ServerState, too_large
 from tripod.server.traces import finish_request
@@ -134,6 +134,7 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     app = FastAPI(title="tripod", lifespan=console.wrap_lifespan(lifespan), docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.tripod = state
+    app.add_middleware(HandOverGate, receiving=Receiving())  # inside the key check (server/pd.py)
     app.add_middleware(GuardMiddleware, state=state)
     if tracing.ACTIVE:  # outermost: the span covers the whole request (and the tenant's 401/429)
         app.add_middleware(tracing.TraceMiddleware, component="server", traced=tenant_route, finish=finish_request)

@@ -8,7 +8,8 @@ router ──POST /v1/pd/prefill {path, body, decode_url}──▶ prefill repli
                         BlockReceiver: verify each block (identity, hash chain, CRC) ─▶ publish into
                         its disk tier's directory  ◀── its engine loads them on admission
 router ◀── PrefillDone (tokens, blocks, bytes, seconds)
-router ──the client's request, unchanged──▶ decode replica: the prompt's blocks hit as a prefix
+router ──the client's request (+ the hand-over's id)──▶ decode replica: HandOverGate lets that id's KV
+            streams end first, then the prompt's blocks hit as a prefix
 ```
 
 The decode replica answers the request exactly as any replica would (prefix caching, structured
@@ -30,7 +31,8 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -40,6 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import Counter, Histogram
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tripod.memory.disk_tier import TierLayout
 from tripod.memory.kv_transfer import CONTENT_TYPE, BlockReceiver, TransferRefused
@@ -60,6 +63,9 @@ from tripod.server.serving import ServerState, adapter_of, check_model, read_bod
 log = logging.getLogger("tripod.server.pd")
 
 KILL_HOOK = "TRIPOD_TEST_PD_KILL_AFTER_BLOCKS"
+# How long a request waits for its hand-over's KV streams to end: a stream from a prefill replica
+# that died without closing its connection (a host gone) is not waited for past this.
+SETTLE_SECONDS = 5.0
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -88,6 +94,71 @@ class PDMetrics:
     @property
     def model(self) -> str:
         return self.state.metrics.model_name
+
+
+class Receiving:
+    """The KV streams a decode replica is receiving, by the router's hand-over id."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, list[asyncio.Event]] = {}
+
+    @contextmanager
+    def stream(self, transfer_id: str) -> Iterator[None]:
+        done = asyncio.Event()
+        self._open.setdefault(transfer_id, []).append(done)
+        try:
+            yield
+        finally:
+            done.set()
+            events = self._open.get(transfer_id, [])
+            if done in events:
+                events.remove(done)
+            if not events:
+                self._open.pop(transfer_id, None)
+
+    async def settled(self, transfer_id: str, timeout: float = SETTLE_SECONDS) -> bool:
+        """Wait until no stream of ``transfer_id`` is open (False: some still were after ``timeout``)."""
+        events = list(self._open.get(transfer_id, ()))
+        if not events:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), timeout)
+        except TimeoutError:
+            log.warning("hand-over %s: a KV stream was still open after %.0f s; answering with the blocks it "
+                        "published so far", transfer_id, timeout)
+            return False
+        return True
+
+
+class HandOverGate:
+    """Pure ASGI, inside the key check: a KV stream carrying a hand-over id is registered in
+    ``receiving`` for as long as it is received; a request carrying one (the router's request after
+    the hand-over, e.g. its fallback after a prefill replica died mid-transfer) waits until that
+    id's streams have ended, so its admission finds every block they verified."""
+
+    def __init__(self, app: ASGIApp, receiving: Receiving) -> None:
+        self.app = app
+        self.receiving = receiving
+        self._header = pd.TRANSFER_HEADER.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        tid = _header(scope, self._header) if scope["type"] == "http" else None
+        if tid is None:
+            await self.app(scope, receive, send)
+        elif scope["path"] == pd.KV_PATH:
+            with self.receiving.stream(tid):
+                await self.app(scope, receive, send)
+        else:
+            if scope["path"] in pd.PD_PATHS:
+                await self.receiving.settled(tid)
+            await self.app(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")[:64]
+    return None
 
 
 def add_pd_routes(app: FastAPI, state: ServerState) -> None:
@@ -186,7 +257,7 @@ async def _prefill(state: ServerState, metrics: PDMetrics, order: pd.PrefillOrde
             raise APIError(409, export.error, code="kv_transfer_refused")
         blocks += export.blocks
     t2 = time.perf_counter()
-    receipt = await _send(state, order.decode_url, blocks, authorization)
+    receipt = await _send(order, blocks, authorization)
     t3 = time.perf_counter()
     m = metrics.model
     metrics.sent_blocks.labels(m).inc(len(blocks))
@@ -218,9 +289,12 @@ async def _compute(state: ServerState, ids: list[int]) -> None:
         handle.close()
 
 
-async def _send(state: ServerState, url: str, blocks: list[bytes], authorization: str | None) -> pd.KVReceipt:
-    """Stream ``blocks`` to the decode replica at ``url``; its receipt (an APIError when it refuses)."""
+async def _send(order: pd.PrefillOrder, blocks: list[bytes], authorization: str | None) -> pd.KVReceipt:
+    """Stream ``blocks`` to the order's decode replica; its receipt (an APIError when it refuses)."""
+    url = order.decode_url
     headers = {"content-type": CONTENT_TYPE}
+    if order.transfer_id:
+        headers[pd.TRANSFER_HEADER] = order.transfer_id
     if authorization:
         headers["authorization"] = authorization
     kill_after = _kill_hook(len(blocks))
