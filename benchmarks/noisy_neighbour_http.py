@@ -40,6 +40,10 @@ from serve_process import ServeProcess
 
 PROMPT_A = "Write a long story about a lighthouse keeper and the sea, with many details. " * 2
 PROMPT_B = "In two sentences, what makes a tide rise and fall?"
+# --b-words: B's requests are tickets, each its own (a number first: no prefix shared between them
+# past the chat template), with this text as the body.
+TICKET = ("The customer reports that the night shift scanner at bay four drops every third parcel label, the "
+          "handset restarts when the cold chain boxes are logged, and the returns list shows parcels twice. ")
 KEYS = {"a": "sk-tenant-a", "b": "sk-tenant-b"}
 
 
@@ -71,8 +75,20 @@ class Outcome:
     error: str | None = None
 
 
-async def one(client: httpx.AsyncClient, url: str, tenant: str, max_tokens: int) -> Outcome:
-    prompt = PROMPT_A if tenant == "a" else PROMPT_B
+_SEQ = iter(range(1 << 62))
+
+
+def b_prompt(words: int) -> str:
+    """B's prompt: the short question (``words`` 0, every request the same: a prefix-cache hit after the
+    first), or a ticket of about ``words`` words that no other request shares."""
+    if not words:
+        return PROMPT_B
+    body = " ".join((TICKET * (words // len(TICKET.split()) + 1)).split()[:words])
+    return f"Ticket {next(_SEQ)}. {body}\nSummarise the ticket in two sentences."
+
+
+async def one(client: httpx.AsyncClient, url: str, tenant: str, max_tokens: int, b_words: int = 0) -> Outcome:
+    prompt = PROMPT_A if tenant == "a" else b_prompt(b_words)
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True,
             "temperature": 0.0, "ignore_eos": True}
     out = Outcome(tenant, time.monotonic())
@@ -106,7 +122,7 @@ async def one(client: httpx.AsyncClient, url: str, tenant: str, max_tokens: int)
 
 
 async def open_loop(client: httpx.AsyncClient, url: str, tenant: str, rate: float, seconds: float,
-                    max_tokens: int) -> list[Outcome]:
+                    max_tokens: int, b_words: int = 0) -> list[Outcome]:
     tasks = []
     t0 = time.monotonic()
     n = int(rate * seconds)
@@ -114,17 +130,17 @@ async def open_loop(client: httpx.AsyncClient, url: str, tenant: str, rate: floa
         delay = t0 + i / rate - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(client, url, tenant, max_tokens)))
+        tasks.append(asyncio.create_task(one(client, url, tenant, max_tokens, b_words)))
     return list(await asyncio.gather(*tasks))
 
 
 async def closed_loop(client: httpx.AsyncClient, url: str, tenant: str, concurrency: int, until: float,
-                      max_tokens: int) -> list[Outcome]:
+                      max_tokens: int, b_words: int = 0) -> list[Outcome]:
     out: list[Outcome] = []
 
     async def worker() -> None:
         while time.monotonic() < until:
-            out.append(await one(client, url, tenant, max_tokens))
+            out.append(await one(client, url, tenant, max_tokens, b_words))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return out
@@ -151,15 +167,15 @@ def _ms(v: float | None) -> float | None:
 async def noisy(url: str, args: argparse.Namespace) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        await one(client, url, "b", args.max_tokens)  # warm-up
+        await one(client, url, "b", args.max_tokens, args.b_words)  # warm-up
         t_end = time.monotonic() + args.calibrate
-        cal = await closed_loop(client, url, "b", args.max_running, t_end, args.max_tokens)
+        cal = await closed_loop(client, url, "b", args.max_running, t_end, args.max_tokens, args.b_words)
         capacity = len([o for o in cal if o.status == 200]) / args.calibrate
         b_rate = args.b_share * capacity
-        alone = await open_loop(client, url, "b", b_rate, args.seconds, args.max_tokens)
+        alone = await open_loop(client, url, "b", b_rate, args.seconds, args.max_tokens, args.b_words)
         a_task = asyncio.create_task(open_loop(client, url, "a", args.flood * capacity, args.seconds, args.max_tokens))
         await asyncio.sleep(1.0)  # A's flood is on before B's first request
-        with_flood = await open_loop(client, url, "b", b_rate, args.seconds - 1.0, args.max_tokens)
+        with_flood = await open_loop(client, url, "b", b_rate, args.seconds - 1.0, args.max_tokens, args.b_words)
         a_outs = await a_task
     statuses: dict[str, int] = {}
     named: dict[str, int] = {}
@@ -207,6 +223,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=5.0, help="shares: seconds before the window")
     ap.add_argument("--flood", type=float, default=10.0, help="A's rate, in multiples of the capacity")
     ap.add_argument("--b-share", type=float, default=0.25, help="B's rate, as a fraction of the capacity")
+    ap.add_argument("--b-words", type=int, default=0,
+                    help="B's requests: tickets of about this many words, each its own (default 0: one short "
+                    "question, the same every time, so a prefix-cache hit after the first)")
     ap.add_argument("--a-max-concurrent", type=int, default=None,
                     help="tenant A's max_concurrent in the flood (default: max-running / 2, its share)")
     ap.add_argument("--no-shares", action="store_true", help="only the flood (phases 1-3)")

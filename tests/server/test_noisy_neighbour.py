@@ -28,7 +28,7 @@ MAX_RUNNING = 4
 
 def _args(**kw: float) -> argparse.Namespace:
     base = dict(max_running=MAX_RUNNING, threads=1, max_tokens=16, calibrate=4.0, seconds=8.0, warmup=3.0,
-                flood=10.0, b_share=0.25)
+                flood=10.0, b_share=0.25, b_words=0)
     return argparse.Namespace(**{**base, **kw})
 
 
