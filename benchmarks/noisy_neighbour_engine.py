@@ -3,8 +3,8 @@ tenant B sends a steady trickle; B's time to first token with the scheduler's fa
 (``tripod.engine.fairness``) against B alone, and against the same load without tenants (every
 request tenant ""), plus the compute shares of two backlogged tenants at 1:1 and 3:1 weights.
 
-Fair share orders admissions and never preempts: with A in every running slot, B waits for one
-of A's requests to finish (then goes first), so B's wait is bounded by A's request length.
+Fair share orders admissions and preempts: with A in every running slot, B's arrival retracts
+A's least important request (its KV kept in the prefix cache) and B is admitted at the next step.
 
 The engine is the offline ``Engine`` on the embedded model (no HTTP, no quotas: those are the
 server's). Time is counted in engine steps as well as seconds, so the result means the same on a
