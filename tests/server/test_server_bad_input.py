@@ -219,6 +219,7 @@ ANTHROPIC_CASES: list[tuple[str, str, Any, int, str, tuple[str, ...]]] = [
     ("tool-choice-names-missing-tool", MSGS, am(tools=[TOOL], tool_choice={"type": "tool", "name": "other"}), 400, "invalid_request_error", ("'other'",)),
     ("tool-choice-any-without-tools", MSGS, am(tool_choice={"type": "any"}), 400, "invalid_request_error", ("no tools",)),
     ("tool-schema-invalid", MSGS, am(tools=[{"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "foo"}}}}], tool_choice={"type": "any"}), 400, "invalid_request_error", ("foo",)),
+    ("only-past-thinking", MSGS, am(messages=[{"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"}]}]), 400, "invalid_request_error", ("nothing to prompt with",)),
     ("thinking-enabled", MSGS, am(thinking={"type": "enabled", "budget_tokens": 1024}), 400, "invalid_request_error", ("thinking",)),
     ("unknown-model", MSGS, am(model="claude-opus-9"), 404, "not_found_error", ("claude-opus-9",)),
     ("count-messages-missing", COUNT, {"model": "default"}, 400, "invalid_request_error", ("'messages' is required",)),

@@ -158,8 +158,13 @@ def conversation(req: _Conversation, default_parallel: bool = True,
                                "text, tool_use and tool_result blocks", param=f"{at}.type")
         if texts or calls or not m.content:
             out.append(Message(m.role, "".join(texts), calls))
+    if all(m.role == "system" for m in out):
+        raise APIError(400, "'messages' hold nothing to prompt with: past thinking blocks are left out of the "
+                       "prompt; add a user message", param="messages")
+    # An assistant turn to continue: the last message, when it is the assistant's and kept (one of only
+    # thinking blocks is left out: the model then answers anew after what came before).
     last = req.messages[-1]
-    continue_final = last.role == "assistant" and not out[-1].tool_calls
+    continue_final = last.role == "assistant" and out[-1].role == "assistant" and not out[-1].tool_calls
     tools, choice = _tools(req, default_parallel)
     return out, tools, choice, continue_final
 
