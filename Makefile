@@ -57,14 +57,14 @@ serve: install
 	@echo ""
 	$(BIN)/tripod serve --host $(HOST) --port $(PORT)
 
-# What CI runs (.ci/run): ruff, then the default tests (the `slow` ones left out).
-# TRIPOD_SLOW=1 make test: the long tests too (as test-all).
+# The README's test command: ruff, then the default tests (the `slow` ones left out).
+# TRIPOD_SLOW=1 make test: the long tests too; CI runs that (.ci/run).
 test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q --durations=30 $(if $(TRIPOD_SLOW),-m "slow or not slow",)
 
-# The long tests too (the failover chaos run, the long API fuzzing, the Ray fleet's own tests, ...):
-# not in CI's default run; run them by hand before landing a change to those parts.
+# The long tests too (the failover chaos run, the long API fuzzing, the fleets of real replicas, ...),
+# as CI runs them.
 test-all: install browser
 	$(BIN)/python -m pytest -q -m "slow or not slow"
 

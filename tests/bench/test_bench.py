@@ -166,6 +166,7 @@ def test_bench_end_to_end_against_a_real_server(server: Any, tmp_path: Path) -> 
     assert len(json.loads((tmp_path / "cmp" / "results.json").read_text())["runs"]) == 4
 
 
+@pytest.mark.slow
 def test_launch_and_ctrl_c_keeps_what_was_measured(tmp_path: Path) -> None:
     """--launch starts tripod for the run; Ctrl-C mid-run stops cleanly (exit 130), writes the
     levels measured so far, and takes the launched server down with it."""
@@ -207,6 +208,7 @@ def test_launch_and_ctrl_c_keeps_what_was_measured(tmp_path: Path) -> None:
         httpx.get(launched + "/health", timeout=5)
 
 
+@pytest.mark.slow
 def test_open_loop_agentic_and_structured_runs(server: Any, tmp_path: Path) -> None:
     """Open loop (Poisson arrivals) over agentic sessions, and json_schema traffic."""
 

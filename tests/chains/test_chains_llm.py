@@ -22,6 +22,8 @@ from tests.support.server_helpers import TripodProcess
 from tripod import chains
 from tripod.chains.loader import load_file
 
+pytestmark = pytest.mark.slow  # two served models: about 30 s (tests/chains/test_chains_serve.py covers chains)
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "chains"
 MODEL_ARGS = "--model-args=--dtype float32 --kernels optimized --threads 1 --kv-cache-tokens 4096 --max-running 8"
 TEXT = " ".join((EXAMPLES / "docs" / name).read_text() for name in ("tides.txt", "glaciers.txt"))

@@ -76,6 +76,7 @@ def _distribution(engine: Any, rounds: int) -> Counter[str]:
     return counts
 
 
+@pytest.mark.slow  # a two-sample test over many samples
 def test_sampled_distribution_is_unchanged(engines: tuple[Any, Any]) -> None:
     """Unseeded sampling draws other random numbers with jump-forward on, so compare the
     distributions: a chi-square two-sample test over the choices (critical value at p = 0.001)."""

@@ -27,6 +27,8 @@ from tripod import Engine
 from tripod.engine.parallel import WorkerLost
 from tripod.fleet.process import free_port
 
+pytestmark = pytest.mark.slow  # a local Ray cluster: about 35 s
+
 ray = pytest.importorskip("ray")
 
 RAY = str(Path(sys.executable).with_name("ray"))

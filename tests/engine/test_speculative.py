@@ -178,6 +178,7 @@ def test_fully_cached_prompt_is_accounted_before_speculating(make_engine: Any, p
     eng.assert_consistent()
 
 
+@pytest.mark.slow  # about 20 s
 def test_retraction_under_kv_pressure_and_n(make_engine: Any, plain: Any) -> None:
     eng = make_engine(kernels="optimized", kv_cache_tokens=600, speculative="ngram")
     prompts = [chat(plain, PROMPTS[0]), chat(plain, PROMPTS[2])]
@@ -234,6 +235,7 @@ def _chi2_p(a: Counter[int], b: Counter[int]) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), torch.tensor(chi2 / 2.0, dtype=torch.float64)))
 
 
+@pytest.mark.slow  # a two-sample test over many samples
 @pytest.mark.parametrize("method", ["self:20", "ngram"])
 def test_unseeded_sampling_keeps_its_distribution(make_engine: Any, plain: Any, method: str) -> None:
     """Unseeded draws differ with speculation (the rejection rule for a sampling draft model; the

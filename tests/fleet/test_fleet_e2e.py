@@ -78,6 +78,7 @@ async def _conversations(url: str, seed: int, convs: int = 5, turns: int = 4) ->
     return totals
 
 
+@pytest.mark.slow
 def test_cache_aware_routing_finds_more_cache_than_round_robin(replicas: list[ServerProcess], tmp_path: Path) -> None:
     results = {}
     for policy, seed in (("round_robin", 1), ("cache_aware", 2)):  # different chats: no shared cache
@@ -223,6 +224,7 @@ def _stream(url: str, i: int, max_tokens: int, on_chunk: Any = None) -> dict[str
 
 
 
+@pytest.mark.slow
 def test_kill_a_replica_during_a_burst(tmp_path: Path) -> None:
     fleet = TripodProcess(tmp_path, "serve", "--replicas", "2", "--router-policy", "round_robin",
                           "--health-interval", "0.2", "--replica-log-dir", str(tmp_path), *REPLICA_ARGS)
@@ -259,6 +261,7 @@ def test_kill_a_replica_during_a_burst(tmp_path: Path) -> None:
         assert fleet.stop() == 0
 
 
+@pytest.mark.slow
 def test_autoscale_up_under_load_and_down_after_without_losing_requests(tmp_path: Path) -> None:
     fleet = TripodProcess(tmp_path, "serve", "--min-replicas", "1", "--max-replicas", "2", "--target-inflight", "2",
                           "--upscale-delay", "1", "--downscale-delay", "3", "--lookback", "2",
@@ -302,6 +305,7 @@ def test_autoscale_up_under_load_and_down_after_without_losing_requests(tmp_path
     assert not failed, failed
 
 
+@pytest.mark.slow
 def test_ray_backend_serves_through_the_router(tmp_path: Path) -> None:
     pytest.importorskip("ray")
     fleet = TripodProcess(tmp_path, "serve", "--backend", "ray", "--replicas", "1", "--ray-num-cpus", "1",

@@ -14,6 +14,8 @@ import pytest
 
 from tests.support.server_helpers import TripodProcess
 
+pytestmark = pytest.mark.slow  # a real fleet: about 10 s
+
 TENANTS = """\
 [[tenant]]
 name = "acme"

@@ -15,6 +15,8 @@ import pytest
 
 from tests.support.server_helpers import TripodProcess
 
+pytestmark = pytest.mark.slow  # two real replicas: about 15 s (tests/router covers the limits)
+
 TENANTS = """\
 [[tenant]]
 name = "acme"

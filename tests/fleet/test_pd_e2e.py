@@ -26,6 +26,9 @@ from tests.support.server_helpers import ServerProcess, TripodProcess, assert_sa
 from tripod.loader import load_tokenizer
 from tripod.server.pd import KILL_HOOK
 
+pytestmark = pytest.mark.slow  # a disaggregated fleet and a reference replica: about 50 s (test_pd_route_e2e.py
+# and tests/memory/test_kv_transfer.py stay in the default run)
+
 ARGS = ("--dtype", "float32", "--kernels", "optimized", "--kv-cache-tokens", "8192")
 ADAPTER = "dispatch-lora"
 KILL_AFTER = 12  # blocks: the kill hook fires on the first transfer longer than this (the long prompt only)

@@ -30,6 +30,8 @@ from openai import APIConnectionError, OpenAI
 from tests.support.latency_proxy import LatencyProxy
 from tests.support.server_helpers import ServerProcess, TripodProcess
 
+pytestmark = pytest.mark.slow  # two replicas and two routers: about 45 s (tests/router/test_regions.py covers the policy)
+
 DELAY = 0.04  # seconds each way between the regions
 CHAT = [{"role": "user", "content": "Name three things a lighthouse keeper does every day."}]
 

@@ -16,6 +16,8 @@ import torch
 from tests.conftest import HFReference, check_greedy_tokens
 from tripod import Engine, SamplingParams
 
+pytestmark = pytest.mark.slow  # real 270M weights on both sides: about a minute
+
 N_TOKENS = 16
 LONG = " ".join(f"Item {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7 % 13} stones." for i in range(48))
 

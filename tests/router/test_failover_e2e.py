@@ -28,6 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.server_helpers import TripodProcess, assert_same_answer
 
+pytestmark = pytest.mark.slow  # a fleet killed twice: about 40 s (tests/router/test_router_failover.py covers the policy)
+
 REPLICA_ARGS = ("--dtype", "float32", "--kernels", "optimized", "--kv-cache-tokens", "8192", "--threads", "1")
 SYSTEM = ("You are a careful assistant for a lighthouse museum. " * 12).strip()
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},

@@ -17,6 +17,8 @@ from tests.conftest import HFReference
 from tests.support.server_helpers import ServerProcess
 from tests.support.tiny_models import VOCAB, build_hf, save
 
+pytestmark = pytest.mark.slow  # three tiny checkpoints served: about 15 s (tests/models covers the parity)
+
 N = 16
 
 

@@ -14,10 +14,13 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from tests.support.server_helpers import ServerProcess
 from tests.support.tiny_models import build_hf, save
 from tripod import Engine, SamplingParams
+
+pytestmark = pytest.mark.slow  # served TP/DP groups: about 20 s (tests/engine/test_parallel.py covers the engine)
 
 
 def workers_of(pid: int) -> list[int]:
