@@ -183,6 +183,7 @@ def test_a_prefill_replica_killed_mid_transfer_costs_a_fallback(
     assert not marker.exists(), "the kill hook fired before the long prompt"
     decode = _decode_url(fleet)
     cut_before = _metric(decode, "tripod:pd_kv_receives_total", 'outcome="cut"')
+    blocks_before = _metric(decode, "tripod:pd_kv_received_blocks_total")
     msgs = [{"role": "system", "content": _system("kill", repeat=4)}, {"role": "user", "content": "Which bay?"}]
     before = _pd(fleet)
     got = _chat(fleet.url, messages=msgs, temperature=0, max_tokens=12)
@@ -192,10 +193,13 @@ def test_a_prefill_replica_killed_mid_transfer_costs_a_fallback(
     assert got.usage.prompt_tokens > (KILL_AFTER + 2) * 16
     after = _pd(fleet)
     assert after["fallback"] == before["fallback"] + 1 and after["ok"] == before["ok"], after
-    # The decode replica kept the whole blocks it had verified before the cut, and served them.
+    # The decode replica kept the whole blocks it had verified before the cut, and served every one:
+    # the request waited for the cut stream to end (server/pd.py HandOverGate). (How many of the
+    # KILL_AFTER blocks sent reach it depends on what its server had read when the connection died.)
     assert cut_before == 0 and _metric(decode, "tripod:pd_kv_receives_total", 'outcome="cut"') == 1
-    assert _metric(decode, "tripod:pd_kv_received_blocks_total") >= KILL_AFTER
-    assert got.usage.prompt_tokens_details.cached_tokens >= KILL_AFTER * 16
+    received = _metric(decode, "tripod:pd_kv_received_blocks_total") - blocks_before
+    assert 1 <= received <= KILL_AFTER
+    assert got.usage.prompt_tokens_details.cached_tokens >= received * 16
     # The supervisor brings the prefill replica back; the next long prompt is handed over again.
     fleet.wait_for("the prefill replica back", lambda f: any(
         r["role"] == "prefill" and r["state"] == "healthy" and r["restarts"] >= 1 for r in f["replicas"]), 120)
