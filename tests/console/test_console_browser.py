@@ -26,6 +26,8 @@ import pytest
 from tests.support.bench_fixtures import write_run
 from tests.support.server_helpers import TripodProcess
 
+pytestmark = pytest.mark.slow  # a fleet and headless Chromium: about 25 s
+
 KEY = "console-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 REPLICA_ARGS = ("--dtype", "float32", "--kernels", "optimized", "--kv-cache-tokens", "8192", "--threads", "1")

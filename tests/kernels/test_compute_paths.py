@@ -151,6 +151,7 @@ def test_bfloat16_stays_within_the_stated_bound(bf16: Any, prompts: dict[str, li
             break  # past a (legitimate) divergence the continuations differ
 
 
+@pytest.mark.slow  # about 15 s; CI runs it on each CPU kind
 def test_bfloat16_outputs_do_not_depend_on_batching_chunking_or_the_cache(
     bf16: Any, prompts: dict[str, list[int]]
 ) -> None:
@@ -174,6 +175,7 @@ def test_bfloat16_outputs_do_not_depend_on_batching_chunking_or_the_cache(
     small.assert_consistent()
 
 
+@pytest.mark.slow  # about 15 s; CI runs it on each CPU kind
 def test_bfloat16_jump_forward_changes_nothing_in_a_mixed_batch(bf16: Any) -> None:
     """With the kernels every row's arithmetic is independent of its batch, so verifying a
     grammar-forced draft is bit-identical to decoding it: the whole schema suite, batched with
