@@ -18,6 +18,14 @@ from starlette.types import Receive, Scope, Send
 T = TypeVar("T")
 
 
+def header(scope: Scope, name: bytes) -> str | None:
+    """The value of the request header ``name`` (lower case, as ASGI gives names), or None."""
+    for k, v in scope.get("headers") or ():
+        if k == name:
+            return str(v.decode("latin-1"))
+    return None
+
+
 class BodyTooLarge(Exception):
     """A request body over its limit; each app answers it with a 413 in its own error shape."""
 

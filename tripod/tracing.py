@@ -150,13 +150,6 @@ def monotonic_to_ns(t: float) -> int:
 
 
 # ---------------------------------------------------------------------- ASGI
-def _header(scope: Scope, name: bytes) -> str | None:
-    for k, v in scope.get("headers") or ():
-        if k.lower() == name:
-            return str(v.decode("latin-1"))
-    return None
-
-
 class TraceMiddleware:
     """Pure ASGI: a ``<component>.request`` span around each request on ``traced`` paths, a child
     of the caller's ``traceparent`` when it sends one, with the request id (``x-request-id``, made

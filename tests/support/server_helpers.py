@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tripod.fleet import process as serve_process
 from tripod.fleet.process import free_port
@@ -151,6 +152,13 @@ class TripodProcess:
                 self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
+
+
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` on ``url``'s /metrics whose labels include ``labels``."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def kernels_run() -> bool:

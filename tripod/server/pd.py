@@ -44,6 +44,7 @@ from prometheus_client import Counter, Histogram
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tripod.asgi import header
 from tripod.memory.disk_tier import TierLayout
 from tripod.memory.kv_transfer import CONTENT_TYPE, BlockReceiver, TransferRefused
 from tripod.protocol import pd
@@ -142,7 +143,8 @@ class HandOverGate:
         self._header = pd.TRANSFER_HEADER.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        tid = _header(scope, self._header) if scope["type"] == "http" else None
+        tid = header(scope, self._header) if scope["type"] == "http" else None
+        tid = tid[:64] if tid is not None else None
         if tid is None:
             await self.app(scope, receive, send)
         elif scope["path"] == pd.KV_PATH:
@@ -152,13 +154,6 @@ class HandOverGate:
             if scope["path"] in pd.PD_PATHS:
                 await self.receiving.settled(tid)
             await self.app(scope, receive, send)
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for k, v in scope["headers"]:
-        if k == name:
-            return v.decode("latin-1")[:64]
-    return None
 
 
 def add_pd_routes(app: FastAPI, state: ServerState) -> None:
