@@ -17,18 +17,16 @@ The replicas run greedy float32, so the same request has the same answer in eith
 
 from __future__ import annotations
 
-import re
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 from openai import APIConnectionError, OpenAI
 
 from tests.support.latency_proxy import LatencyProxy
-from tests.support.server_helpers import ServerProcess, TripodProcess
+from tests.support.server_helpers import ServerProcess, TripodProcess, metric_sum
 
 pytestmark = pytest.mark.slow  # two replicas and two routers: about 45 s (tests/router/test_regions.py covers the policy)
 
@@ -85,10 +83,15 @@ def _url_of(router: TripodProcess, name: str) -> str:
     return str(rep["url"])
 
 
+def _wait_idle(router: TripodProcess) -> None:
+    """The load a router goes by includes what it reads from each replica's /metrics (requests other
+    routers sent, and its own until the next read): wait until it has read every replica idle."""
+    router.wait_for("every replica idle", lambda f: all(
+        r["running"] == 0 and r["waiting"] == 0 and r["inflight"] == 0 for r in f["replicas"]), 30)
+
+
 def _cross(router: TripodProcess, reason: str) -> float:
-    text = httpx.get(f"{router.url}/metrics", timeout=10).text
-    return sum(float(m.group(1)) for m in re.finditer(
-        r'^tripod:router_cross_region_requests_total\{[^}]*reason="' + reason + r'"[^}]*\} (\S+)$', text, re.M))
+    return metric_sum(router.url, "tripod:router_cross_region_requests_total", reason=reason)
 
 
 def test_each_router_keeps_its_region_home(regions: Regions) -> None:
@@ -107,10 +110,7 @@ def test_each_router_keeps_its_region_home(regions: Regions) -> None:
 def test_past_the_overflow_load_a_request_is_served_in_the_far_region(regions: Regions) -> None:
     home_answer, home = _chat(regions.route_eu)
     assert home == regions.eu.url
-    # The load the router goes by includes what it reads from each replica's /metrics (requests
-    # other routers sent): wait until it has read both replicas idle.
-    regions.route_eu.wait_for("both replicas idle", lambda f: all(
-        r["running"] == 0 and r["waiting"] == 0 and r["inflight"] == 0 for r in f["replicas"]), 30)
+    _wait_idle(regions.route_eu)
     client = _client(regions.route_eu)
     # One long answer streams on the eu replica (its one in-flight request: the overflow load)...
     stream = client.chat.completions.create(model="default", messages=CHAT, temperature=0, max_tokens=200,
@@ -124,6 +124,7 @@ def test_past_the_overflow_load_a_request_is_served_in_the_far_region(regions: R
     assert _cross(regions.route_eu, "overflow") == 1
     for _ in chunks:
         pass
+    _wait_idle(regions.route_eu)
     text, url = _chat(regions.route_eu)  # eu is idle again: home
     assert url == regions.eu.url and text == home_answer
 

@@ -8,6 +8,7 @@ import random
 from collections import Counter
 from typing import Any
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from tripod.config import FleetConfig, RouterConfig
 from tripod.fleet.autoscaler import Autoscaler
 from tripod.fleet.supervisor import Supervisor
+from tripod.router.health import HealthChecker
 from tripod.router.policy import (
     CacheAwarePolicy,
     Decision,
@@ -395,3 +397,25 @@ def test_cache_aware_keys_prefixes_by_model() -> None:
     assert policy.choose(reps, _req(keys["adapter-a"]), 256).reason == "cache_hit"
     d = policy.choose(reps, _req(keys["adapter-b"]), 256)
     assert d.reason != "cache_hit" and d.matched_chars < len("<|model|>adapter-")  # only the scope's marker
+
+
+def test_a_request_that_finishes_while_metrics_are_read_is_not_counted_as_another_routers() -> None:
+    """The replica's /metrics still counts this router's request, which finishes before the answer
+    is read: that request is not load from elsewhere (it would steer the next request away)."""
+    rep = Replica("r0", "http://r0", CircuitBreaker(3, 0), PrefixTree())
+    rep.breaker.closed = True
+    rep.inflight = 1
+    page = 'tripod:num_requests_running{model_name="m"} 1\ntripod:num_requests_waiting{model_name="m"} 0\n'
+
+    def metrics(request: Any) -> Any:
+        rep.inflight = 0  # this router's request finishes while the page is on its way
+        return httpx.Response(200, text=page)
+
+    async def main() -> None:
+        checker = HealthChecker(RouterConfig(), lambda: [rep], lambda r: None, lambda r, why, fatal: None)
+        checker.client = httpx.AsyncClient(transport=httpx.MockTransport(metrics))
+        await checker.scrape(rep)
+        await checker.client.aclose()
+
+    asyncio.run(main())
+    assert rep.running == 1 and rep.external == 0

@@ -129,6 +129,7 @@ class HealthChecker:
         if not rep.breaker.closed:
             return
         assert self.client is not None
+        before = rep.inflight
         try:
             r = await self.client.get(rep.url + "/metrics")
         except httpx.HTTPError:
@@ -137,6 +138,8 @@ class HealthChecker:
             running, waiting = parse_load(r.text)
             rep.running, rep.waiting = running, waiting
             rep.counters = parse_counters(r.text)
-            # NOTE: taken against the in-flight count of this moment; later finishes are seen by the
-            # router at once, so stale running/waiting numbers never count twice.
-            rep.external = max(0, running + waiting - rep.inflight)
+            # NOTE: against the larger of the in-flight counts before and after the read: a request
+            # of this router's that finished while /metrics was read is in the replica's counts but
+            # no longer in rep.inflight, and must not stay counted as another router's until the
+            # next scrape; later finishes are seen by the router at once.
+            rep.external = max(0, running + waiting - max(before, rep.inflight))
