@@ -121,7 +121,7 @@ def test_stats_of_another_version_are_refused() -> None:
 
 
 def test_stats_json_is_the_engines_old_dict() -> None:
-    """``/debug/engine`` serves ``as_json()``: exactly the dict engine_proc used to build."""
+    """``/debug/engine`` serves ``as_json()``: exactly the dict the engine process used to build."""
     old = {
         "running": 1, "waiting": 2, "kv_slots": 64, "kv_free": 40, "kv_cached": 10, "kv_pinned": 3,
         "prefix_hit_tokens": 5, "prefix_query_tokens": 9, "generated_tokens": 11, "prompt_tokens": 12, "steps": 13,

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tripod.detokenizer import IncrementalDetokenizer
 from tripod.engine.admission import Prompt, encode_prompt
-from tripod.engine.detokenizer import IncrementalDetokenizer
 from tripod.engine.request import Req, RequestOutput, SamplingParams, StreamDelta
 
 if TYPE_CHECKING:

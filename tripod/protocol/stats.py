@@ -1,6 +1,6 @@
 """The engine's stats snapshot: what a ``Heartbeat`` and a ``StatsReply`` carry.
 
-Built by the engine process (``server/engine_proc.py``) from the engine's own counters, read by
+Built by the engine process (``engine/process.py``) from the engine's own counters, read by
 attribute in the HTTP process (Prometheus metrics, ``/health``, ``/v1/models``, the console) and
 served as JSON by ``/debug/engine``. ``version`` says which layout a snapshot has: a reader of
 another version refuses it on decode instead of misreading a field.

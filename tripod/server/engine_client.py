@@ -112,7 +112,7 @@ class RequestHandle:
 
 
 class EngineProcess:
-    """The engine's OS process: a plain child (``python -m tripod.server.engine_proc``), so the
+    """The engine's OS process: a plain child (``python -m tripod.engine.process``), so the
     server has exactly one child to supervise, and a pidfd that turns readable when it ends."""
 
     def __init__(self, args: list[str]) -> None:
@@ -207,7 +207,7 @@ class EngineClient:
             return
         self._tmpdir = tempfile.mkdtemp(prefix="tripod-ipc-")
         self._proc = EngineProcess([
-            sys.executable, "-m", "tripod.server.engine_proc",
+            sys.executable, "-m", "tripod.engine.process",
             engine_ipc.encode_launch(engine_ipc.EngineLaunch(
                 engine_config=self.engine_config,
                 to_engine=f"ipc://{self._tmpdir}/to-engine",

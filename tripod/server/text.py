@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tripod.engine.detokenizer import IncrementalDetokenizer
+from tripod.detokenizer import IncrementalDetokenizer
 
 
 class ChatTemplateError(ValueError):

@@ -30,7 +30,7 @@ from tripod.protocol.stats import (
 if TYPE_CHECKING:
     from tripod.engine.request import TokenLogprob
 
-log = logging.getLogger("tripod.engine_proc")
+log = logging.getLogger("tripod.engine.process")
 
 
 def engine_main(launch: engine_ipc.EngineLaunch) -> None:
@@ -323,5 +323,5 @@ def _logprob(lp: TokenLogprob) -> engine_ipc.Logprob:
 
 
 if __name__ == "__main__":
-    # Started by EngineClient as ``python -m tripod.server.engine_proc '<EngineLaunch as JSON>'``.
+    # Started by EngineClient as ``python -m tripod.engine.process '<EngineLaunch as JSON>'``.
     engine_main(engine_ipc.decode_launch(sys.argv[1]))
