@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from tripod import kernels
-from tripod.engine.decode_mirror import DecodeMirror
 from tripod.engine.parallel import Step, WorkerGroup
 from tripod.engine.scheduler import ScheduledItem
 from tripod.layers.attention import ForwardBatch
@@ -27,6 +26,7 @@ from tripod.layers.backends.reference import ScoringBackend, prefill_segment
 from tripod.layers.linear import onednn_supported
 from tripod.layers.lora import LoraBatch, LoraPool
 from tripod.layers.parallel import DPLayout
+from tripod.memory.decode_mirror import DecodeMirror
 from tripod.memory.kv_pool import KVPool, Pool
 from tripod.memory.slot_table import SlotTable
 from tripod.models.llama import LlamaForCausalLM

@@ -16,10 +16,19 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from tripod.engine.request import Req
 from tripod.memory.kv_pool import KVPool
+
+
+class Mirrored(Protocol):
+    """What the mirror reads of a decoding request (``engine.request.Req``): the KV slots of its
+    tokens, in order. A request is known by its identity (``id``)."""
+
+    slots: list[int]
+
 
 _ROW_STEP = 16
 _LEN_STEP = 256
@@ -35,7 +44,7 @@ class DecodeMirror:
         self._row_token_bytes = layers * pool.kv[0, 0].numel() * pool.kv.element_size()
         self.buf: torch.Tensor | None = None  # [layers, rows, len, 2, kv_heads, head_dim]
         self.rows: dict[int, int] = {}  # id(req) -> row
-        self.owner: list[Req] = []  # row -> req
+        self.owner: list[Mirrored] = []  # row -> req
         self.lens: list[int] = []  # row -> valid tokens
         self.drops = 0  # times the mirror outgrew its budget (decode fell back to gathering)
         self.refills = 0  # rows rebuilt because a request fell out of step
@@ -68,7 +77,7 @@ class DecodeMirror:
         self.owner.clear()
         self.lens.clear()
 
-    def sync(self, reqs: list[Req], starts: list[int]) -> list[int] | None:
+    def sync(self, reqs: list[Mirrored], starts: list[int]) -> list[int] | None:
         """Make rows for exactly ``reqs`` (decoding this step, each computing token
         ``starts[i]``). Returns the batch order (indices into ``reqs``, by row), or None when
         the mirror would exceed its budget (the caller gathers from the pool instead)."""
