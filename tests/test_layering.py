@@ -62,7 +62,7 @@ def test_no_private_name_crosses_a_module() -> None:
 
 @pytest.mark.parametrize("module", [
     "tripod.protocol.engine_ipc", "tripod.protocol.stats", "tripod.protocol.failover", "tripod.protocol.chains",
-    "tripod.protocol.sampling", "tripod.protocol.health", "tripod.protocol.fleet", "tripod.tenants", "tripod.config", "tripod.radix", "tripod.asgi", "tripod.tracing", "tripod.router.app",
+    "tripod.protocol.sampling", "tripod.protocol.health", "tripod.protocol.fleet", "tripod.tenants", "tripod.config", "tripod.memory.radix", "tripod.asgi", "tripod.tracing", "tripod.router.app",
     "tripod.fleet.launch",
 ])
 def test_torch_free(module: str) -> None:

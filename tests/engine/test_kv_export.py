@@ -37,13 +37,13 @@ def test_exported_kv_lands_as_the_same_rows_and_tokens(make_engine: Callable[...
         assert len(blocks) == len(prompt) // 16 and blocks[0] == prefill.export_kv(prompt[:16])[0]
         assert prefill.kv_layout.identity == decode.kv_layout.identity, "one identity, computed either way"
 
-        rx = BlockReceiver(decode.kv_layout, decode.cache.disk.tier.dir)
+        rx = BlockReceiver(decode.kv_layout, decode.cache.tier.dir)
         rx.feed(b"".join(blocks))
         assert rx.counts.blocks == len(blocks) and rx.leftover == 0
 
         got = decode.generate([prompt], params)[0]
         usable = (len(prompt) - 1) // 16 * 16  # whole blocks of all but the last prompt token
-        assert got.cached_tokens == usable and decode.cache.disk.stats.hit_tokens == usable
+        assert got.cached_tokens == usable and decode.cache.tier_stats.hit_tokens == usable
         assert got.token_ids == want.token_ids
         assert torch.equal(_rows(decode, prompt[:usable]), _rows(prefill, prompt[:usable]))
         assert prefill.export_kv(list(range(7))) == []  # nothing cached: nothing to send

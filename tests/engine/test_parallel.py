@@ -22,7 +22,7 @@ import torch
 from tests.conftest import Greedy, check_greedy_tokens
 from tests.support.tiny_models import VOCAB, build_hf, save
 from tripod import Engine, SamplingParams
-from tripod.engine.parallel import weight_bytes
+from tripod.engine.executor.group import weight_bytes
 from tripod.layers.moe import MoE
 
 N_TOKENS = 16

@@ -24,7 +24,7 @@ from tests.conftest import Greedy, check_greedy_tokens
 from tests.engine.test_parallel import GREEDY, PROMPTS, SETTINGS
 from tests.support.tiny_models import build_hf, save
 from tripod import Engine
-from tripod.engine.parallel import WorkerLost
+from tripod.engine.executor.group import WorkerLost
 from tripod.fleet.process import free_port
 
 pytestmark = pytest.mark.slow  # a local Ray cluster: about 35 s

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tripod.engine.radix_cache import RadixCache
 from tripod.engine.request import FinishReason, Req, SamplingParams
 from tripod.engine.scheduler import ScheduledItem, SchedulePolicy, Scheduler
 from tripod.memory.kv_pool import SlotAllocator
+from tripod.memory.radix_cache import RadixCache
 
 _arrival = itertools.count(1)
 HOT = list(range(1, 33))  # a 32-token prefix that tests put into the cache first

@@ -213,8 +213,7 @@ def test_a_prefill_replica_killed_mid_transfer_costs_a_fallback(
 def test_bad_hand_overs_get_clear_errors(servers: tuple[TripodProcess, ServerProcess]) -> None:
     """Another model's blocks (409), bytes that are no blocks (400), a replica with no tier to receive
     into (409) and a malformed order (400), each in the OpenAI error shape."""
-    from tripod.memory.disk_tier import TierLayout, chain_keys
-    from tripod.memory.kv_transfer import encode_block
+    from tripod.memory.kv_blocks import TierLayout, chain_keys, encode_block
 
     fleet, ref = servers
     decode = _decode_url(fleet)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tripod.engine.parallel import weight_bytes
+from tripod.engine.executor.group import weight_bytes
 from tripod.layers.parallel import ParallelGroup, PipeStage
 from tripod.loader import load_model
 from tripod.loader.gguf_loader import GGUFFile

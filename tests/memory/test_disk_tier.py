@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tripod.memory.disk_tier import HEADER, DiskTier, TierLayout, chain_keys
+from tripod.memory.disk_tier import DiskTier
+from tripod.memory.kv_blocks import HEADER, TierLayout, chain_keys
 
 B = 4
 IDENT = bytes(range(16))
@@ -255,7 +256,8 @@ def test_a_capacity_below_one_block_is_refused(tmp_path: Path) -> None:
 _WRITER = """
 import sys, torch
 from pathlib import Path
-from tripod.memory.disk_tier import DiskTier, TierLayout, chain_keys
+from tripod.memory.disk_tier import DiskTier
+from tripod.memory.kv_blocks import TierLayout, chain_keys
 lay = TierLayout(bytes(range(16)), num_layers=3, row_shape=(2, 2, 5), dtype=torch.float32, block_tokens=4)
 t = DiskTier(Path(sys.argv[1]), 10**9, lay)
 tokens, announced = [], False

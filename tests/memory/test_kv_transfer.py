@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tripod.memory.disk_tier import DiskTier, TierLayout, chain_keys
-from tripod.memory.kv_transfer import BlockReceiver, TransferRefused, encode_block
+from tripod.memory.disk_tier import DiskTier
+from tripod.memory.kv_blocks import TierLayout, chain_keys, encode_block
+from tripod.memory.kv_transfer import BlockReceiver, TransferRefused
 
 B = 4
 IDENT = bytes(range(16))

@@ -15,11 +15,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tripod.engine.radix_cache import RadixCache
+from tripod.engine.lora import LoraHandle, LoraRegistry
 from tripod.engine.request import FinishReason, Req, Resume, SamplingParams
 from tripod.engine.sampler import noise_key
 from tripod.engine.scheduler import Scheduler
 from tripod.engine.structured import GrammarBackend, GrammarError
+from tripod.memory.prefix_cache import PrefixCache
 
 Prompt = str | list[int]
 # A group of copies whose grammar compiles off the loop: (future, copies, submitted at).
@@ -39,11 +40,12 @@ def encode_prompt(tokenizer: Any, vocab_size: int, prompt: Prompt) -> list[int]:
 class Admission:
     """Validates, holds and queues requests. ``score(req)`` computes a request's prompt logprobs
     (False: no scratch KV yet, try again next step); ``grammars()`` gives the structured-outputs
-    backend (created on first use)."""
+    backend (created on first use); ``loras``: the engine's adapters (None: it serves none)."""
 
     def __init__(self, *, tokenizer: Any, vocab_size: int, eos_ids: frozenset[int], max_len: Callable[[], int],
-                 cache: RadixCache, scheduler: Scheduler, count_prompt: Callable[[int], None],
-                 score: Callable[[Req], bool], grammars: Callable[[], GrammarBackend]) -> None:
+                 cache: PrefixCache, scheduler: Scheduler, count_prompt: Callable[[int], None],
+                 score: Callable[[Req], bool], grammars: Callable[[], GrammarBackend],
+                 loras: LoraRegistry | None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
@@ -53,7 +55,7 @@ class Admission:
         self.count_prompt = count_prompt
         self.score = score
         self.grammars = grammars
-        self.loras: Any = None  # the engine's LoraRegistry (engine/lora.py), when it serves adapters
+        self.loras = loras
         self.reqs: dict[str, Req] = {}
         self.compiling: list[Compiling] = []
         self.scoring: list[list[Req]] = []  # groups waiting for their prompt logprobs, in arrival order
@@ -85,11 +87,11 @@ class Admission:
                 f"the prompt has {len(ids)} tokens but the context allows at most {limit - 1} "
                 f"(context {limit} including at least one generated token); shorten the prompt"
             )
-        namespace = 0
+        lora: LoraHandle | None = None
         if params.lora is not None:
             if self.loras is None:
                 raise ValueError(f"LoRA adapter {params.lora!r}: this engine serves no adapters (start it with --lora NAME=PATH)")
-            namespace = self.loras.namespace(params.lora)
+            lora = self.loras.resolve(params.lora)  # NOTE: the one lookup by name: the handle from here on
         base = request_id or f"req-{next(self._rid_counter)}"
         prior = {r.index: list(r.output_ids) for r in resume} if resume is not None else {}
         if resume is not None:
@@ -102,9 +104,8 @@ class Admission:
             req = Req(
                 list(ids), params, rid=rid, eos_ids=self.eos_ids, max_len=limit,
                 noise_key=noise_key(params.seed, i) if params.seed is not None else None,
-                index=i, group=base, output_ids=prior.get(i, []), tenant=tenant, weight=weight,
+                index=i, group=base, output_ids=prior.get(i, []), tenant=tenant, weight=weight, lora=lora,
             )
-            req.lora_ns = namespace
             if copies and self.cache.enabled:
                 req.wait_for = copies[0]
             copies.append(req)

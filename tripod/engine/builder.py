@@ -1,6 +1,8 @@
 """Building an engine from its config: the weights, a draft model, the KV pool sized for both, the
-CPU kernels (and the threads while they build), the model runner, the sampler and the speculator.
-``Engine.__init__`` calls ``build`` and keeps what it returns."""
+prefix cache over it (with the disk tier under it, ``--kv-disk``), the LoRA adapters, the CPU
+kernels (and the threads while they build), the model runner, the sampler and the speculator's
+proposer. ``Engine.__init__`` calls ``build`` and hands each part to the constructors that use it:
+nothing is wired across objects afterwards."""
 
 from __future__ import annotations
 
@@ -10,18 +12,24 @@ from typing import Any
 
 import torch
 
-from tripod import kernels
-from tripod.config import EngineConfig
-from tripod.engine.disk_cache import DiskCache, model_identity
+from tripod.config import EngineConfig, parse_loras
+from tripod.engine.executor.group import WorkerGroup, threads_per_rank, weight_bytes
+from tripod.engine.executor.local import LocalWorkers
+from tripod.engine.executor.ray_group import RayWorkers
 from tripod.engine.lora import LoraRegistry
 from tripod.engine.model_runner import ModelRunner
-from tripod.engine.parallel import LocalWorkers, WorkerGroup, threads_per_rank, weight_bytes
 from tripod.engine.sampler import Sampler
 from tripod.engine.speculative.factory import extra_bytes_per_token, load_draft, make_proposer
 from tripod.engine.speculative.proposer import Proposer
+from tripod.kernels.startup import BuildThreads, start_kernels
+from tripod.layers.mlp import GatedMLP
 from tripod.layers.parallel import SINGLE, SINGLE_STAGE, ParallelGroup, PipeStage
 from tripod.loader import LoadedModel, load_model, load_tokenizer
+from tripod.memory.kv_blocks import model_identity
 from tripod.memory.kv_pool import Pool, slots_from_budget
+from tripod.memory.prefix_cache import PrefixCache
+from tripod.memory.radix_cache import RadixCache
+from tripod.memory.tiered_cache import TieredCache
 from tripod.protocol.stats import ParallelCard, RankCard
 
 log = logging.getLogger("tripod.engine.engine")
@@ -41,23 +49,6 @@ def resolve_config(config: EngineConfig | None, model: str | None, dtype: str, d
     return replace(config, **overrides) if overrides else config
 
 
-class BuildThreads:
-    """While the kernels build in the background the compiler holds a core; a parallel region whose
-    thread shares that core waits for it at every barrier (10x slower steps on 2 cores), so the
-    engine serves on one thread fewer until the build ends."""
-
-    def __init__(self) -> None:
-        self.after: int | None = None
-        if kernels.building() and torch.get_num_threads() > 1:
-            self.after = torch.get_num_threads()
-            torch.set_num_threads(self.after - 1)
-
-    def restore_when_built(self) -> None:
-        if self.after is not None and not kernels.building():
-            torch.set_num_threads(self.after)  # the build is over
-            self.after = None
-
-
 @dataclass(slots=True)
 class EngineParts:
     """What ``build`` makes; the engine keeps each as an attribute of the same name."""
@@ -72,6 +63,8 @@ class EngineParts:
     kv_bytes_per_token: int  # this rank's, under tensor parallelism
     context_len: int
     threads: BuildThreads
+    cache: PrefixCache  # over the pool (a TieredCache with --kv-disk)
+    loras: LoraRegistry | None  # None: this model/layout serves no adapters
     runner: ModelRunner
     sampler: Sampler
     proposer: Proposer | None
@@ -90,22 +83,6 @@ def load_weights(config: EngineConfig, loaded: LoadedModel | None, dtype: torch.
                                 expert_parallel=config.enable_expert_parallel, pp=pp)
 
 
-def start_kernels(config: EngineConfig, path: str, device: torch.device, wait: bool | None = None) -> None:
-    """Refuse a forced kernel level this CPU lacks; load (or start building) the kernels
-    (``wait``: whether to wait for the build; by default only when asked for explicitly)."""
-    level = config.kernel_level
-    if level is not None:
-        why = kernels.unavailable_reason(level)
-        if why is not None:
-            raise ValueError(f"--kernels {level} cannot run here: {why}; use --kernels optimized (the best level "
-                             f"this CPU supports: {kernels.best_level() or 'none'}) or eager")
-    if path == "optimized" and device.type == "cpu":
-        # "optimized", a level or stored weights asked for explicitly: wait for the kernels'
-        # build (tests, benchmarks); under "auto" serve on torch's ops while it builds in
-        # the background, and switch when it is loaded.
-        kernels.load(level, wait=config.kernels != "auto" or config.weights == "stored" if wait is None else wait)
-
-
 def eos_ids_of(loaded: LoadedModel) -> frozenset[int]:
     eos = set(loaded.config.eos_token_ids)
     if getattr(loaded.tokenizer, "eos_token_id", None) is not None:
@@ -116,9 +93,7 @@ def eos_ids_of(loaded: LoadedModel) -> frozenset[int]:
 def make_group(config: EngineConfig) -> WorkerGroup:
     """Start ranks 1..N-1: processes on this machine, or Ray actors placed over a cluster's nodes."""
     if config.parallel_backend == "ray":
-        from tripod.engine.ray_group import RayWorkers
-
-        return RayWorkers(config)
+        return RayWorkers(config)  # (Ray itself is imported only here)
     return LocalWorkers(config)
 
 
@@ -185,9 +160,10 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
                         pipeline_parallel_size=config.pipeline_parallel_size, data_parallel_size=dp,
                         expert_parallel=config.enable_expert_parallel, ranks=list(ranks),
                         kv_capacity_tokens=num_slots * dp) if group is not None else None
+    loras = lora_registry(config, loaded, dtype, device)
     runner = ModelRunner(loaded.model, pool, device, use_mirror=config.decode_mirror and group is None, path=path,
                          max_len=max_len, stored=config.weights == "stored", level=config.kernel_level, group=group,
-                         parallel=card)
+                         parallel=card, lora_pool=loras.pool if loras is not None else None)
     if config.weights == "stored" and runner.kernel_reason is not None:
         raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {runner.kernel_reason}")
     sampler = Sampler(device, config.seed)
@@ -195,22 +171,26 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
                               dtype=dtype)
     return EngineParts(device=device, dtype=dtype, loaded=loaded, draft=draft, pool=pool, num_slots=num_slots,
                        bytes_per_slot=per_token, kv_bytes_per_token=kv_bytes, context_len=context_len,
-                       threads=build_threads, runner=runner, sampler=sampler, proposer=proposer,
-                       eos_ids=eos_ids_of(loaded), group=group, ranks=ranks)
+                       threads=build_threads, cache=make_cache(config, loaded, dtype, pool), loras=loras,
+                       runner=runner, sampler=sampler, proposer=proposer, eos_ids=eos_ids_of(loaded), group=group,
+                       ranks=ranks)
 
 
-def open_disk_cache(config: EngineConfig, parts: EngineParts) -> DiskCache | None:
-    """``--kv-disk``: the tier under the prefix cache, keyed by this model, dtype and pool layout."""
+def make_cache(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, pool: Pool) -> PrefixCache:
+    """The prefix cache over ``pool``; with ``--kv-disk``, the tiered cache (the disk tier under it,
+    keyed by this model, dtype and pool layout)."""
     if config.kv_disk is None:
-        return None
-    identity = kv_identity(config, parts.loaded, parts.dtype, parts.pool)
+        return RadixCache(pool.allocator, enabled=config.enable_prefix_cache)
+    identity = kv_identity(config, loaded, dtype, pool)
     try:
-        disk = DiskCache.open(config.kv_disk, int(config.kv_disk_size * 1e9), parts.pool, identity)
+        cache = TieredCache.open(config.kv_disk, int(config.kv_disk_size * 1e9), pool, identity,
+                                 enabled=config.enable_prefix_cache)
     except OSError as e:
         raise ValueError(f"--kv-disk {config.kv_disk}: the directory cannot be used ({e})") from e
-    log.info("kv disk tier: %s (%.1f GB, %d blocks of %d tokens found, %.0f MiB)", disk.tier.dir, config.kv_disk_size,
-             disk.tier.entries, disk.block, disk.tier.used_bytes / 2**20)
-    return disk
+    tier = cache.tier
+    log.info("kv disk tier: %s (%.1f GB, %d blocks of %d tokens found, %.0f MiB)", tier.dir, config.kv_disk_size,
+             tier.entries, cache.block, tier.used_bytes / 2**20)
+    return cache
 
 
 def kv_identity(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, pool: Pool) -> bytes:
@@ -233,13 +213,11 @@ def log_started(config: EngineConfig, parts: EngineParts, seconds: float) -> Non
     )
 
 
-def lora_registry(config: EngineConfig, parts: EngineParts) -> LoraRegistry | None:
+def lora_registry(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype,
+                  device: torch.device) -> LoraRegistry | None:
     """The engine's LoRA adapters (``--lora``; more loaded live), or None where they cannot run:
     several processes, or a model whose projections are not the Llama-shaped ones (MLA, V4)."""
-    from tripod.config import parse_loras
-    from tripod.layers.mlp import GatedMLP
-
-    mc, model = parts.loaded.config, parts.loaded.model
+    mc, model = loaded.config, loaded.model
     why = None
     if config.world_size > 1:
         why = "the model runs over several processes"
@@ -250,8 +228,8 @@ def lora_registry(config: EngineConfig, parts: EngineParts) -> LoraRegistry | No
             raise ValueError(f"--lora: {why}")
         return None
     dense = {layer.layer for layer in model.layers if isinstance(layer.mlp, GatedMLP)}
-    registry = LoraRegistry(mc, parts.dtype, parts.device, max_loras=config.max_loras,
-                            max_rank=config.max_lora_rank, dense_layers=dense)
+    registry = LoraRegistry(mc, dtype, device, max_loras=config.max_loras, max_rank=config.max_lora_rank,
+                            dense_layers=dense)
     for name, path in parse_loras(config.lora).items() if config.lora else ():
         registry.register(name, path)
         log.info("LoRA adapter %s loaded from %s", name, path)

@@ -4,8 +4,9 @@ One ``step()`` = schedule → forward → sample → commit. The parts live in s
 ``Admission`` (validation, grammar compiles, prompt scoring), the ``Scheduler`` (what runs next,
 over the radix cache), the ``ModelRunner`` (batch building and the forward pass), the ``Sampler``
 and the ``Speculator`` (drafts attached to decodes and verified in the same pass). ``builder``
-makes them from an ``EngineConfig``; the offline API (``generate``, ``stream``) is ``OfflineAPI``.
-The server's engine process drives the same ``step()``.
+makes them from an ``EngineConfig`` and hands each to the constructors that use it; the offline
+API (``generate``, ``stream``) is ``OfflineAPI``. The engine process (``engine/process.py``) drives
+the same ``step()`` and reports ``snapshot()``.
 """
 
 from __future__ import annotations
@@ -20,36 +21,35 @@ import torch
 from tripod.config import EngineConfig
 from tripod.engine import builder
 from tripod.engine.admission import Admission, Prompt
-from tripod.engine.disk_cache import export_prefix, pool_layout
 from tripod.engine.offline import OfflineAPI
 from tripod.engine.prompt_logprobs import score_prompt
-from tripod.engine.radix_cache import RadixCache
-from tripod.engine.request import FinishReason, Req, Resume, SamplingParams, TokenLogprob
+from tripod.engine.request import (
+    FinishReason,
+    Req,
+    Resume,
+    SamplingParams,
+    StepOutput,
+    TokenLogprob,
+)
 from tripod.engine.sampler import SampleResult
 from tripod.engine.scheduler import ScheduledItem, SchedulePolicy, Scheduler
 from tripod.engine.speculative.counts import SpecCounts
 from tripod.engine.speculative.speculator import Speculator
 from tripod.engine.structured import GrammarBackend
 from tripod.loader import LoadedModel
-from tripod.memory.disk_tier import TierLayout
+from tripod.memory.kv_blocks import TierLayout, pool_layout
+from tripod.memory.kv_transfer import export_prefix
+from tripod.memory.tiered_cache import TieredCache
+from tripod.protocol.stats import ComputeCard, EngineStats, SpecDecodeCounts, StepTimes
 
-__all__ = ["Engine", "EngineStats", "Prompt", "StepOutput"]
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What one step produced for one request."""
-
-    req: Req
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: bool = False
-    # params.prompt_logprobs: set on the request's first output only.
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+__all__ = ["Engine", "Prompt", "StepCounters", "StepOutput"]
 
 
 @dataclass(slots=True)
-class EngineStats:
+class StepCounters:
+    """The engine's own cumulative counters, kept by its loop (``Engine.snapshot()`` reports them,
+    with the queues and the KV, as the protocol's ``EngineStats``)."""
+
     steps: int = 0
     forward_tokens: int = 0
     generated_tokens: int = 0
@@ -105,24 +105,21 @@ class Engine(OfflineAPI):
         self.pool, self.kv_bytes_per_token, self.context_len = parts.pool, parts.kv_bytes_per_token, parts.context_len
         self.runner, self.sampler, self.eos_ids, self._threads = parts.runner, parts.sampler, parts.eos_ids, parts.threads
         self.group, self.ranks = parts.group, parts.ranks  # tensor parallel: the other ranks, what each holds
-        self.cache = RadixCache(self.pool.allocator, enabled=config.enable_prefix_cache)
-        self.cache.disk = builder.open_disk_cache(config, parts)  # --kv-disk: the tier under the cache
+        self.cache, self.loras = parts.cache, parts.loras  # (loras None: this model/layout serves no adapters)
         self.scheduler = Scheduler(self.pool.allocator, self.cache, max_running=config.max_running,
                                    max_batch_tokens=config.max_batch_tokens, chunk_size=config.chunk_size,
-                                   policy=SchedulePolicy(config.policy, config.aging))
-        self.stats = EngineStats()
+                                   policy=SchedulePolicy(config.policy, config.aging), loras=self.loras)
+        self.stats = StepCounters()
         self.spec = Speculator(lambda: self.config, self.tokenizer, self.pool.allocator, self.sampler,
                                self.stats.spec, parts.proposer)
         self._grammars: GrammarBackend | None = None
         self.admission = Admission(
             tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size, eos_ids=self.eos_ids,
             max_len=lambda: self.max_request_len, cache=self.cache, scheduler=self.scheduler,
-            count_prompt=self._count_prompt, score=self._score, grammars=lambda: self.grammars)
-        self.loras = builder.lora_registry(config, parts)  # None: this model/layout serves no adapters
-        self.admission.loras = self.scheduler.loras = self.loras
-        self.runner.lora_pool = self.loras.pool if self.loras is not None else None
+            count_prompt=self._count_prompt, score=self._score, grammars=lambda: self.grammars, loras=self.loras)
         self.inboxes: dict[str, list[StepOutput]] = {}  # rid -> undelivered stream outputs
         self._kv_layout: TierLayout | None = None  # the KV block layout, made on first use
+        self._closed = False
         builder.log_started(config, parts, time.monotonic() - t0)
 
     # ------------------------------------------------------------------ describing
@@ -200,7 +197,7 @@ class Engine(OfflineAPI):
         self.stats.prompt_tokens += tokens
 
     def _score(self, req: Req) -> bool:
-        lora = self.loras.weights(req.params.lora) if req.params.lora is not None and self.loras is not None else None
+        lora = self.loras.weights(req.lora) if req.lora is not None and self.loras is not None else None
         return score_prompt(req, self.runner, self.pool.allocator, self.cache, self.config.chunk_size, lora)
 
     # ------------------------------------------------------------------ the loop
@@ -383,11 +380,11 @@ class Engine(OfflineAPI):
             self.group.watch()
 
     def close(self) -> None:
-        """Save the prefix cache to the disk tier (``--kv-disk``: a restart finds it there) and stop
-        the tensor-parallel workers."""
-        if self.cache.disk is not None:
-            self.cache.disk.close(self.cache)
-            self.cache.disk = None
+        """Close the prefix cache (``--kv-disk``: the tree saved to the disk tier, where a restart
+        finds it) and stop the tensor-parallel workers. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.cache.close()
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -398,8 +395,8 @@ class Engine(OfflineAPI):
         """The block layout of this engine's KV (the disk tier's, when there is one; its identity
         digested from the weights once, on first use)."""
         if self._kv_layout is None:
-            disk = self.cache.disk
-            self._kv_layout = disk.tier.layout if disk is not None else pool_layout(
+            cache = self.cache
+            self._kv_layout = cache.layout if isinstance(cache, TieredCache) else pool_layout(
                 self.pool, builder.kv_identity(self.config, self.loaded, self.dtype, self.pool))
         return self._kv_layout
 
@@ -409,6 +406,39 @@ class Engine(OfflineAPI):
         if self.group is not None:
             raise ValueError("a model over several processes holds its KV in shards: it cannot export it")
         return export_prefix(self.cache, self.pool, self.kv_layout, tokens)
+
+    # ------------------------------------------------------------------ reporting
+    def snapshot(self, *, check: bool = False) -> EngineStats:
+        """The engine's state and counters as the protocol's snapshot (what the engine process
+        sends in every heartbeat). ``check``: also prove the KV ownership invariant, when no request
+        holds memory (``consistent``; None while requests run)."""
+        s, st, cache = self.scheduler, self.stats, self.cache
+        out = EngineStats(
+            running=len(s.running), waiting=len(s.waiting), kv_slots=self.pool.allocator.num_slots,
+            kv_free=self.pool.allocator.num_free, kv_cached=cache.total_size, kv_pinned=cache.protected_size,
+            prefix_hit_tokens=cache.stats.hit_tokens, prefix_query_tokens=cache.stats.query_tokens,
+            generated_tokens=st.generated_tokens, prompt_tokens=st.prompt_tokens, steps=st.steps,
+            retractions=s.num_retractions, jump_forward_proposed=st.jump_forward_proposed,
+            jump_forward_accepted=st.jump_forward_accepted, prefill_tokens=st.prefill_tokens,
+            spec_decode={name: SpecDecodeCounts(c.drafts, c.draft_tokens, c.accepted_tokens)
+                         for name, c in st.spec.items()},
+            compute=self.runner.describe(), compute_card=ComputeCard(**self.runner.card()),
+            time=StepTimes(schedule=st.schedule_seconds, prepare=st.prepare_seconds,
+                           decode_forward=st.decode_forward_seconds, prefill_forward=st.prefill_forward_seconds,
+                           sample=st.sample_seconds, bookkeeping=st.bookkeeping_seconds),
+        )
+        if isinstance(cache, TieredCache):
+            out.kv_disk = cache.report()
+        if check:
+            out.consistent = None  # NOTE: provable only when no request holds memory (aborted ones hold none)
+            if not self.has_work:
+                try:
+                    self.assert_consistent()
+                    out.consistent = True
+                except AssertionError as err:
+                    out.consistent = False
+                    out.inconsistency = str(err)
+        return out
 
     # ------------------------------------------------------------------ checks
     def assert_consistent(self) -> None:

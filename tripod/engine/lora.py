@@ -8,37 +8,47 @@
   resident if it was evicted, evicting the least recently used adapter no running request holds)
   and gives it back when it leaves (``release``). When every resident adapter is held and another
   is needed, the request waits in the queue.
+- A request names its adapter once: admission resolves the name into a ``LoraHandle`` (name,
+  files' digest, cache namespace), and everything after (the scheduler's acquire and release,
+  prompt scoring, the cache key) goes by the handle. An adapter unloaded or replaced under its
+  name while a request waits makes the handle stale (``current``): the request is refused rather
+  than run on other weights.
 - Prefix-cache namespaces: each distinct adapter content (its files' digest) gets a number; a
-  request's tokens are keyed into the radix tree under it (``cache_ids``), so a base prefix is
-  never reused for an adapter's request, nor one adapter's for another's. The same files loaded
-  again (any name) get the same number, and their cached prefixes stay valid.
+  request's tokens are keyed into the radix tree under it (``memory.prefix_cache.namespaced_key``),
+  so a base prefix is never reused for an adapter's request, nor one adapter's for another's. The
+  same files loaded again (any name) get the same number, and their cached prefixes stay valid.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tripod.layers.lora import LoraAdapter, LoraError, LoraPool, adapter_digest, read_peft
-
-# A namespace's token ids are shifted by this (above any vocabulary) in the radix tree's keys.
-NAMESPACE_STRIDE = 1 << 21
-MAX_NAMESPACES = (1 << 31) // NAMESPACE_STRIDE - 1  # (keys stay int32 for the disk tier's hashing)
+from tripod.memory.prefix_cache import MAX_NAMESPACES, NAMESPACE_STRIDE
+from tripod.models.config import ModelConfig
 
 
-def cache_ids(ids: list[int], namespace: int) -> list[int]:
-    """The radix-tree key of ``ids`` under an adapter's namespace (0: the base model's, unchanged)."""
-    if namespace == 0:
-        return ids
-    shift = namespace * NAMESPACE_STRIDE
-    return [t + shift for t in ids]
+@dataclass(frozen=True, slots=True)
+class LoraHandle:
+    """A request's adapter as admission resolved it: by name, its files' digest and the prefix
+    cache's namespace for that content."""
+
+    name: str
+    digest: str
+    namespace: int
 
 
 class LoraRegistry:
-    def __init__(self, cfg: Any, dtype: torch.dtype, device: torch.device, *, max_loras: int, max_rank: int,
+    """Owns the engine's adapters: their paths and digests by name, the resident ones (at most
+    ``max_loras``, in the float32 ``pool``), which running requests hold which, and the cache
+    namespaces (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, *, max_loras: int, max_rank: int,
                  dense_layers: set[int]) -> None:
         if cfg.vocab_size >= NAMESPACE_STRIDE:
             raise ValueError(f"LoRA: a vocabulary of {cfg.vocab_size} tokens is over the cache namespaces' stride")
@@ -81,10 +91,16 @@ class LoraRegistry:
         if not self.held.get(name):
             self._evict(name)
 
-    def namespace(self, name: str) -> int:
+    def resolve(self, name: str) -> LoraHandle:
+        """The handle of the adapter loaded as ``name`` now (a request's, for its whole life)."""
         if name not in self.paths:
             raise LoraError(f"no LoRA adapter named {name!r} is loaded (loaded: {', '.join(self.paths) or 'none'})")
-        return self.namespaces[self.digests[name]]
+        digest = self.digests[name]
+        return LoraHandle(name, digest, self.namespaces[digest])
+
+    def current(self, handle: LoraHandle) -> bool:
+        """Whether ``handle``'s adapter is still the one loaded under its name."""
+        return self.digests.get(handle.name) == handle.digest
 
     def in_use(self, name: str) -> int:
         return self.held.get(name, 0)
@@ -95,9 +111,11 @@ class LoraRegistry:
         return len(self._free_slots)
 
     # ------------------------------------------------------------------ requests
-    def acquire(self, name: str) -> LoraAdapter | None:
+    def acquire(self, handle: LoraHandle) -> LoraAdapter | None:
         """The adapter for a request entering the batch (held until ``release``); None when it
-        cannot be made resident now (every resident adapter is held)."""
+        cannot be made resident now (every resident adapter is held). The handle is ``current``
+        (the scheduler checks it first)."""
+        name = handle.name
         adapter = self.resident.get(name)
         if adapter is None:
             if name not in self.paths:
@@ -109,13 +127,17 @@ class LoraRegistry:
         self.held[name] = self.held.get(name, 0) + 1
         return adapter
 
-    def weights(self, name: str) -> LoraAdapter:
+    def weights(self, handle: LoraHandle) -> LoraAdapter:
         """The adapter's weights for a pass outside the steps (prompt scoring): the resident copy,
         or one read now (not made resident)."""
+        name = handle.name
+        if not self.current(handle):
+            raise LoraError(f"the LoRA adapter {name!r} was unloaded or replaced; send the request again")
         adapter = self.resident.get(name)
         return adapter if adapter is not None else self._read(name, self.paths[name])
 
-    def release(self, name: str) -> None:
+    def release(self, handle: LoraHandle) -> None:
+        name = handle.name
         left = self.held.get(name, 0) - 1
         if left > 0:
             self.held[name] = left

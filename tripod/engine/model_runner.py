@@ -17,14 +17,14 @@ from typing import Any
 import torch
 
 from tripod import kernels
-from tripod.engine.parallel import Step, WorkerGroup
+from tripod.engine.executor.group import WorkerGroup
 from tripod.engine.scheduler import ScheduledItem
 from tripod.layers.attention import ForwardBatch
 from tripod.layers.backends import CpuBackend, CpuLinearBackend, ReferenceBackend, TorchBackend
 from tripod.layers.backends.base import Backend
 from tripod.layers.backends.reference import ScoringBackend, prefill_segment
 from tripod.layers.linear import onednn_supported
-from tripod.layers.lora import LoraBatch, LoraPool
+from tripod.layers.lora import LoraAdapter, LoraBatch, LoraPool
 from tripod.layers.parallel import DPLayout
 from tripod.memory.decode_mirror import DecodeMirror
 from tripod.memory.kv_pool import KVPool, Pool
@@ -51,13 +51,14 @@ class ModelRunner:
         level: str | None = None,
         group: WorkerGroup | None = None,
         parallel: ParallelCard | None = None,
+        lora_pool: LoraPool | None = None,
     ) -> None:
         self.model = model
-        self.group = group  # tensor parallel: the other ranks, sent every forward (engine/parallel.py)
+        self.group = group  # tensor parallel: the other ranks, sent every forward (engine/executor)
         self.micro_steps = 0  # pipeline parallel: steps run as several micro-batches
         self.parallel = parallel  # ... and what each rank holds, for the compute card
         self.pool = pool
-        self.lora_pool: LoraPool | None = None  # the engine's resident LoRA adapters (engine/lora.py)
+        self.lora_pool = lora_pool  # the engine's resident LoRA adapters (engine/lora.py)
         self.device = device
         self.path = path
         self.stored = stored
@@ -243,14 +244,6 @@ class ModelRunner:
             self.group.send(batch)
         return self.model(batch, self.pool)
 
-    def run_step(self, step: Step) -> None:
-        """A tensor-parallel worker's forward: rank 0's batch on this rank's shard and pool."""
-        backend = self.scoring_backend() if step.scoring else self.backend
-        if backend.form != step.form:
-            raise RuntimeError(f"rank 0 runs {step.form} but this rank {backend.form}: the ranks must compute alike")
-        step.batch.backend = backend
-        self.model(step.batch, self.pool)
-
     def scoring_backend(self) -> Backend:
         """Prompt scoring's backend: the projections as the steps run them; attention, norms and
         activations on torch's path (the pass is laid out like the reference's prefill chunks)."""
@@ -264,7 +257,7 @@ class ModelRunner:
         return self.run(batch), sampling
 
     def prompt_logits(self, ids: list[int], slots: list[int], chunk: int,
-                      lora: Any = None) -> Iterator[tuple[int, torch.Tensor]]:
+                      lora: LoraAdapter | None = None) -> Iterator[tuple[int, torch.Tensor]]:
         """Score a prompt: a forward of its own, outside any step, over ``ids`` in chunks of
         ``chunk`` tokens, writing K/V into ``slots`` (scratch slots the caller owns and frees).
         Yields ``(start, logits)``: float32 logits at every position of ``ids[start:start + n]``
@@ -304,7 +297,7 @@ def lora_rows(batch: ForwardBatch, pool: LoraPool | None) -> LoraBatch | None:
     slots: list[int] = []
     runs: list[tuple[int, int, int]] = []
     for it, first in batch.item_rows:
-        adapter = it.req.lora
+        adapter = it.req.adapter
         if adapter is None:
             continue
         assert adapter.slot is not None and pool is not None, "a running request's adapter is resident"

@@ -1,37 +1,70 @@
 """The engine's offline API: ``generate`` (batched, to completion), ``stream`` (deltas as they come)
 and the text helpers (encode, chat template, decode). ``Engine`` inherits it; everything here drives
-``Engine.step`` and reads what it files (``inboxes``)."""
+``Engine.step`` and reads what it files (``inboxes``), through ``OfflineHost``: what of the engine this
+API may use (so this module needs nothing of ``engine.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tripod.detokenizer import IncrementalDetokenizer
-from tripod.engine.admission import Prompt, encode_prompt
-from tripod.engine.request import Req, RequestOutput, SamplingParams, StreamDelta
+from tripod.engine.admission import Admission, Prompt, encode_prompt
+from tripod.engine.request import (
+    Req,
+    RequestOutput,
+    Resume,
+    SamplingParams,
+    StepOutput,
+    StreamDelta,
+)
+from tripod.engine.scheduler import Scheduler
+from tripod.engine.structured import GrammarBackend
+from tripod.models.config import ModelConfig
 
-if TYPE_CHECKING:
-    from tripod.engine.engine import Engine, StepOutput
+
+class OfflineHost(Protocol):
+    """What the offline API uses of the engine it is mixed into (``engine.Engine``)."""
+
+    tokenizer: Any
+    model_config: ModelConfig
+    admission: Admission
+    scheduler: Scheduler
+    inboxes: dict[str, list[StepOutput]]
+
+    @property
+    def grammars(self) -> GrammarBackend: ...
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    resume: Sequence[Resume] | None = None, *, tenant: str = "", weight: float = 1.0) -> list[Req]: ...
+
+    def step(self) -> list[StepOutput]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def _output(self, r: Req) -> RequestOutput: ...
 
 
 class OfflineAPI:
     """``generate`` / ``stream`` / text helpers over an engine's loop (mixed into ``Engine``)."""
 
     # ------------------------------------------------------------------ text helpers
-    def encode(self: Engine, prompt: Prompt) -> list[int]:
+    def encode(self: OfflineHost, prompt: Prompt) -> list[int]:
         return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
 
-    def apply_chat_template(self: Engine, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self: OfflineHost, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def decode(self: Engine, ids: list[int]) -> str:
+    def decode(self: OfflineHost, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     # ------------------------------------------------------------------ generate
     def generate(
-        self: Engine,
+        self: OfflineHost,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
@@ -58,7 +91,7 @@ class OfflineAPI:
             self.admission.reqs.pop(rid, None)
         return [self._output(r) for g in groups for r in g]
 
-    def _output(self: Engine, r: Req) -> RequestOutput:
+    def _output(self: OfflineHost, r: Req) -> RequestOutput:
         return RequestOutput(
             request_id=r.rid,
             prompt_token_ids=r.prompt_ids,
@@ -73,7 +106,7 @@ class OfflineAPI:
         )
 
     # ------------------------------------------------------------------ stream
-    def stream(self: Engine, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream(self: OfflineHost, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield deltas (new tokens and text) for one prompt as they are generated.
 
         Other queued requests progress too. Closing the iterator early aborts the request.

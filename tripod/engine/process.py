@@ -1,9 +1,20 @@
 """The engine process: one ``Engine`` driven in a loop, fed and drained over ZMQ.
 
+Spawned by the server (``server/engine_client.py``) as ``python -m tripod.engine.process '<EngineLaunch
+as JSON>'``: the process boundary is this package's boundary (the server imports nothing of
+``tripod.engine``; the two speak ``tripod.protocol.engine_ipc``).
+
 It speaks token ids only. Between steps it drains every queued message (adds, aborts, stats
 queries), runs one ``Engine.step()`` when there is work, sends that step's new tokens in one
-``Outputs`` message, and sends a ``Heartbeat`` at least every ``heartbeat_interval`` seconds (busy
-or idle) so the server can tell a live loop from a hung or dead one.
+``Outputs`` message, and sends a ``Heartbeat`` (``Engine.snapshot()``) at least every
+``heartbeat_interval`` seconds (busy or idle) so the server can tell a live loop from a hung or
+dead one.
+
+Shutdown belongs to the server. SIGINT and SIGTERM are ignored here: delivered to the whole
+process group (Ctrl-C in a terminal, systemd's default ``KillMode=control-group``) they are meant
+for the server, which drains its answers and then sends ``Shutdown``; the engine then closes
+(``Engine.close``: the prefix cache saved to the disk tier) and exits 0. It also stops by itself
+when the server is gone (its parent pid changes).
 """
 
 from __future__ import annotations
@@ -14,21 +25,17 @@ import signal
 import sys
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import zmq
 
+from tripod.engine.request import Req, StepOutput, TokenLogprob
+from tripod.memory.tiered_cache import TieredCache
 from tripod.protocol import engine_ipc
-from tripod.protocol.stats import (
-    ComputeCard,
-    DiskTierStats,
-    EngineStats,
-    SpecDecodeCounts,
-    StepTimes,
-)
+from tripod.protocol.stats import ComputeCard, EngineStats
 
 if TYPE_CHECKING:
-    from tripod.engine.request import TokenLogprob
+    from tripod.engine.engine import Engine
 
 log = logging.getLogger("tripod.engine.process")
 
@@ -39,9 +46,11 @@ def engine_main(launch: engine_ipc.EngineLaunch) -> None:
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s", stream=sys.stderr
     )
-    # NOTE: Ctrl-C reaches the whole process group; the server decides how to drain, then tells
-    # us to stop. SIGTERM keeps its default (dies): a supervisor that kills us means it.
+    # NOTE: a group-wide SIGINT/SIGTERM (Ctrl-C, a service manager's stop) is for the server: it
+    # drains, then tells us to stop, and we save the pool to the disk tier on the way out. Dying
+    # here at once would lose both (the server only sees its engine exit with -15).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 0)
@@ -68,7 +77,7 @@ def engine_main(launch: engine_ipc.EngineLaunch) -> None:
             max_running=engine.config.max_running,
             kv_slots=engine.pool.allocator.num_slots,
             compute=ComputeCard(**engine.runner.card()),
-            kv_tier=_tier_card(engine),
+            kv_tier=engine.cache.card() if isinstance(engine.cache, TieredCache) else None,
             loras=dict(engine.loras.paths) if engine.loras is not None else None,
         )))
         EngineLoop(engine, pull, push, launch.heartbeat_interval, launch.parent_pid, timings=launch.timings).run()
@@ -89,7 +98,7 @@ class EngineLoop:
     """Owns the step loop of one engine process and the mapping from ZMQ messages to it."""
 
     def __init__(
-        self, engine: Any, pull: zmq.Socket, push: zmq.Socket, heartbeat_interval: float, parent_pid: int,
+        self, engine: Engine, pull: zmq.Socket, push: zmq.Socket, heartbeat_interval: float, parent_pid: int,
         timings: bool = False,
     ) -> None:
         self.engine = engine
@@ -105,8 +114,8 @@ class EngineLoop:
         # Tracing (EngineLaunch.timings): when each sequence was first admitted (the start of the
         # step that admitted it), until its last output has reported it.
         self.timings = timings
-        self._admitted: dict[Any, float] = {}
-        self._reported: set[Any] = set()  # sequences whose first output carried their times
+        self._admitted: dict[Req, float] = {}
+        self._reported: set[Req] = set()  # sequences whose first output carried their times
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -212,7 +221,7 @@ class EngineLoop:
             self._admitted = {r: t for r, t in self._admitted.items() if r in held}
             self._reported &= held
 
-    def _timing(self, o: Any, step_start: float) -> engine_ipc.SeqTiming | None:
+    def _timing(self, o: StepOutput, step_start: float) -> engine_ipc.SeqTiming | None:
         """A sequence's times, on its first output and on its last (None on the others)."""
         r = o.req
         first = r not in self._reported
@@ -228,7 +237,7 @@ class EngineLoop:
         finished = (r.finish_time or time.monotonic()) if o.finished else None
         return engine_ipc.SeqTiming(r.arrival, scheduled, r.first_token_time, finished)
 
-    def _send_outputs(self, outs: list[Any], step_start: float = 0.0) -> None:
+    def _send_outputs(self, outs: list[StepOutput], step_start: float = 0.0) -> None:
         items = []
         for o in outs:
             r = o.req
@@ -250,72 +259,10 @@ class EngineLoop:
             self.push.send(engine_ipc.encode(engine_ipc.Outputs(items)))
 
     def stats(self, check: bool = False) -> EngineStats:
-        """The engine's counters as the protocol's snapshot (read here, not in the engine, so the
-        engine keeps no knowledge of the wire)."""
-        e = self.engine
-        s = e.scheduler
-        es = e.stats
-        out = EngineStats(
-            running=len(s.running),
-            waiting=len(s.waiting),
-            kv_slots=e.pool.allocator.num_slots,
-            kv_free=e.pool.allocator.num_free,
-            kv_cached=e.cache.total_size,
-            kv_pinned=e.cache.protected_size,
-            prefix_hit_tokens=e.cache.stats.hit_tokens,
-            prefix_query_tokens=e.cache.stats.query_tokens,
-            generated_tokens=es.generated_tokens,
-            prompt_tokens=es.prompt_tokens,
-            steps=es.steps,
-            retractions=s.num_retractions,
-            jump_forward_proposed=es.jump_forward_proposed,
-            jump_forward_accepted=es.jump_forward_accepted,
-            prefill_tokens=es.prefill_tokens,
-            spec_decode={name: SpecDecodeCounts(c.drafts, c.draft_tokens, c.accepted_tokens)
-                         for name, c in es.spec.items()},
-            compute=e.runner.describe(),
-            compute_card=ComputeCard(**e.runner.card()),
-            time=StepTimes(
-                schedule=es.schedule_seconds, prepare=es.prepare_seconds, decode_forward=es.decode_forward_seconds,
-                prefill_forward=es.prefill_forward_seconds, sample=es.sample_seconds,
-                bookkeeping=es.bookkeeping_seconds, ipc=self.ipc_seconds, idle=self.idle_seconds,
-            ),
-        )
-        disk = e.cache.disk
-        if disk is not None:
-            t, c, d = disk.tier, disk.tier.counters, disk.stats
-            out.kv_disk = DiskTierStats(
-                dir=str(t.dir), capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes, entries=t.entries,
-                block_tokens=disk.block, hit_tokens=d.hit_tokens, loaded_tokens=d.loaded_tokens,
-                saved_tokens=d.saved_tokens, written_blocks=c.written_blocks, written_bytes=c.written_bytes,
-                dropped_blocks=c.dropped_blocks, read_blocks=c.read_blocks, prefetched_blocks=c.prefetched_blocks,
-                corrupt_files=c.corrupt_files, evicted_files=c.evicted_files, load_seconds=d.load_seconds,
-                save_seconds=d.save_seconds)
-        if check:
-            self._check(out)
+        """The engine's snapshot, with the loop's own time (idle, IPC) in it."""
+        out = self.engine.snapshot(check=check)
+        out.time.ipc, out.time.idle = self.ipc_seconds, self.idle_seconds
         return out
-
-    def _check(self, out: EngineStats) -> None:
-        """The KV ownership invariant, provable only when no request holds memory (aborted
-        requests not yet reported hold none: abort releases at once)."""
-        out.consistent = None
-        if not self.engine.has_work:
-            try:
-                self.engine.assert_consistent()
-                out.consistent = True
-            except AssertionError as err:
-                out.consistent = False
-                out.inconsistency = str(err)
-
-
-def _tier_card(engine: Any) -> engine_ipc.KVTierCard | None:
-    disk = engine.cache.disk
-    if disk is None:
-        return None
-    lay = disk.tier.layout
-    return engine_ipc.KVTierCard(dir=str(disk.tier.dir), identity=lay.identity.hex(), num_layers=lay.num_layers,
-                                 row_shape=list(lay.row_shape), dtype=str(lay.dtype).removeprefix("torch."),
-                                 block_tokens=lay.block_tokens)
 
 
 def _logprob(lp: TokenLogprob) -> engine_ipc.Logprob:

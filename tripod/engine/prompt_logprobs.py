@@ -7,18 +7,17 @@ recomputed), so this separate pass keeps the step path untouched.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from tripod.engine.model_runner import ModelRunner
-from tripod.engine.radix_cache import RadixCache
 from tripod.engine.request import Req, TokenLogprob
+from tripod.layers.lora import LoraAdapter
 from tripod.memory.kv_pool import SlotAllocator
+from tripod.memory.prefix_cache import PrefixCache
 
 
-def score_prompt(req: Req, runner: ModelRunner, allocator: SlotAllocator, cache: RadixCache, chunk: int,
-                 lora: Any = None) -> bool:
+def score_prompt(req: Req, runner: ModelRunner, allocator: SlotAllocator, cache: PrefixCache, chunk: int,
+                 lora: LoraAdapter | None = None) -> bool:
     """Set ``req.prompt_logprobs`` (the first token has none: no context scores it), using
     scratch KV slots freed at once; False when the slots are not to be had now."""
     ids = req.prompt_ids

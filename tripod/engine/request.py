@@ -11,9 +11,11 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tripod.engine.lora import cache_ids
+from tripod.engine.lora import LoraHandle
+from tripod.layers.lora import LoraAdapter
+from tripod.memory.prefix_cache import TreeNode, namespaced_key
 
 # The sampling parameters cross the server → engine pipe, so they are protocol types; the engine
 # and the offline API name them from here.
@@ -31,9 +33,6 @@ from tripod.protocol.sampling import (  # noqa: F401 (re-exported)
     SamplingParamError,
     SamplingParams,
 )
-
-if TYPE_CHECKING:
-    from tripod.engine.radix_cache import TreeNode
 
 
 class FinishReason(enum.StrEnum):
@@ -79,9 +78,10 @@ class Req:
     last_node: TreeNode | None = None
     computed: int = 0  # tokens of all_ids whose KV is in slots
     dp_rank: int = 0  # data-parallel attention: the rank whose pool holds its KV (set when admitted)
-    # LoRA: the adapter's cache namespace (0: the base model) and its weights while it runs.
-    lora_ns: int = 0
-    lora: Any = None
+    # LoRA: the adapter admission resolved (None: the base model), and its resident weights while
+    # the request runs (held from the scheduler's admission to its release).
+    lora: LoraHandle | None = None
+    adapter: LoraAdapter | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -122,7 +122,7 @@ class Req:
     @property
     def cache_ids(self) -> list[int]:
         """``all_ids`` as the prefix cache keys them: in its LoRA adapter's namespace."""
-        return cache_ids(self.all_ids, self.lora_ns)
+        return namespaced_key(self.all_ids, self.lora.namespace if self.lora is not None else 0)
 
     @property
     def seq_len(self) -> int:
@@ -141,6 +141,18 @@ class Req:
             f"Req({self.rid}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "
             f"computed={self.computed}, cache_len={self.cache_len})"
         )
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one request."""
+
+    req: Req
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    # params.prompt_logprobs: set on the request's first output only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from tripod.engine.fairness import FairShare
-from tripod.engine.radix_cache import MatchResult, RadixCache
+from tripod.engine.lora import LoraRegistry
 from tripod.engine.request import FinishReason, Req
 from tripod.memory.kv_pool import SlotAllocator
+from tripod.memory.prefix_cache import MatchResult, PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class SchedulePolicy:
         if self.name not in ("fcfs", "lpm"):
             raise ValueError(f"unknown scheduling policy {self.name!r}; use 'fcfs' or 'lpm'")
 
-    def order(self, waiting: list[Req], cache: RadixCache, step: int, enq: dict[str, int]) -> list[Req]:
+    def order(self, waiting: list[Req], cache: PrefixCache, step: int, enq: dict[str, int]) -> list[Req]:
         if self.name == "fcfs" or not cache.enabled or len(waiting) > 512:
             # Beyond a few hundred waiting requests prefix matching each step costs more than
             # it saves; fall back to arrival order (priority still first).
@@ -81,18 +81,21 @@ class Scheduler:
     """Owns the waiting and running queues and every request's KV slots.
 
     Invariant (checked by ``assert_consistent``): each KV slot is free, private to exactly one
-    running request (``req.slots[req.cache_len:]``), or held by the radix tree.
+    running request (``req.slots[req.cache_len:]``), or held by the prefix cache's tree. It talks
+    to the cache through ``PrefixCache`` only (a disk tier under it is the cache's business), and
+    to the engine's LoRA adapters (``loras``; None: it serves none) through their handles.
     """
 
     def __init__(
         self,
         allocator: SlotAllocator,
-        cache: RadixCache,
+        cache: PrefixCache,
         *,
         max_running: int,
         max_batch_tokens: int,
         chunk_size: int,
         policy: SchedulePolicy,
+        loras: LoraRegistry | None = None,
     ) -> None:
         self.allocator = allocator
         self.cache = cache
@@ -107,7 +110,7 @@ class Scheduler:
         self.num_retractions = 0
         self.num_fair_preemptions = 0
         self.fair = FairShare()
-        self.loras: Any = None  # the engine's LoraRegistry (engine/lora.py), when it serves adapters
+        self.loras = loras
         self._promoted: list[Req] = []  # under-share requests a fair preemption made room for
 
     # ------------------------------------------------------------------ queue
@@ -115,8 +118,7 @@ class Scheduler:
         self.waiting.append(req)
         self._enqueued_at[req.rid] = self.step_count
         self.fair.join(req)
-        if self.cache.disk is not None:
-            self.cache.disk.prefetch(self.cache, req.cache_ids[:-1])  # read its prefix from disk meanwhile
+        self.cache.prefetch(req.cache_ids[:-1])  # a tier below the pool reads its prefix meanwhile
 
     def abort(self, req: Req) -> None:
         """Finish ``req`` as aborted and release its KV (no-op if already finished)."""
@@ -187,6 +189,8 @@ class Scheduler:
                     break
                 if req.wait_for is not None and not _sibling_ready(req.wait_for):
                     continue
+                if self._stale_adapter(req):
+                    continue
                 item = self._admit(req, budget)
                 if item is None:
                     break  # out of KV memory: keep the order, wait for memory
@@ -203,24 +207,41 @@ class Scheduler:
         # Higher priority, then earlier arrival, is more important (retracted last).
         return (req.params.priority, -req.arrival, -req.seq)
 
+    def _stale_adapter(self, req: Req) -> bool:
+        """A request whose LoRA adapter was unloaded (or replaced under its name) while it waited
+        is refused, not run on other weights (nor cached under the old adapter's namespace)."""
+        if req.lora is None or req.adapter is not None:
+            return False
+        assert self.loras is not None
+        if self.loras.current(req.lora):
+            return False
+        self.waiting.remove(req)
+        self._enqueued_at.pop(req.rid, None)
+        if req in self._promoted:
+            self._promoted.remove(req)
+        req.error = (f"the LoRA adapter {req.lora.name!r} was unloaded or replaced while the request waited; "
+                     "send it again")
+        req.finish_reason = FinishReason.ERROR
+        return True
+
     def _admit(self, req: Req, budget: int) -> ScheduledItem | None:
-        if req.params.lora is None or req.lora is not None:
+        if req.lora is None or req.adapter is not None:
             return self._place(req, budget)
         assert self.loras is not None
-        req.lora = self.loras.acquire(req.params.lora)  # held while it runs (given back in release)
-        if req.lora is None:
+        req.adapter = self.loras.acquire(req.lora)  # held while it runs (given back in release)
+        if req.adapter is None:
             return None  # every resident adapter is held by running requests: wait
         item = self._place(req, budget)
         if item is None:  # not admitted after all: it waits without holding the adapter
-            self.loras.release(req.params.lora)
-            req.lora = None
+            self.loras.release(req.lora)
+            req.adapter = None
         return item
 
     def _place(self, req: Req, budget: int) -> ScheduledItem | None:
         tokens = req.cache_ids
-        if self.cache.disk is not None:  # what the disk tier has beyond the pool's match goes into the pool
-            self.cache.disk.load(self.cache, tokens[:-1], headroom=len(self.running),
-                                 chunk=min(self.chunk_size, budget), record=req.retractions == 0)
+        # What a tier below the pool has beyond the pool's match goes into the pool first.
+        self.cache.load(tokens[:-1], headroom=len(self.running), chunk=min(self.chunk_size, budget),
+                        record=req.retractions == 0)
         match = self._match(req)
         rank = match.rank
         # Lock before allocating: eviction below must not take the prefix we just matched.
@@ -356,10 +377,10 @@ class Scheduler:
         private = req.slots[req.cache_len :]
         if private:
             self.allocator.free(private)
-        if req.lora is not None:
-            assert self.loras is not None
-            self.loras.release(req.params.lora)
-            req.lora = None
+        if req.adapter is not None:
+            assert self.loras is not None and req.lora is not None
+            self.loras.release(req.lora)
+            req.adapter = None
         req.slots = []
         req.slots_version += 1
         req.cache_len = 0

@@ -11,7 +11,7 @@ are gathered for the sampler.
 
 ``SINGLE`` (one rank) is the identity everywhere: an unsharded model runs exactly as before.
 Collectives are torch.distributed's (gloo on CPU, NCCL on CUDA); the group is set up by
-``tripod.engine.parallel``.
+``tripod.engine.executor``.
 """
 
 from __future__ import annotations

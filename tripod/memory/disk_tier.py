@@ -1,14 +1,11 @@
 """A disk tier under the KV pool: blocks of token KV rows in files, keyed by a token-prefix hash chain.
 
-The unit is a *block*: ``block_tokens`` consecutive tokens of a prefix, aligned at a multiple of
-``block_tokens`` from position 0, with their rows of every layer (``[layers, block_tokens, *row]``,
-the pool's own row layout and dtype). A block's key is a hash chain: ``key[j] = H(key[j-1] ‖
-tokens of block j)``, ``key[-1]`` the *identity* (model, dtype, pool layout: the caller's digest),
-so one key names the whole prefix up to its block, and a different model or dtype has other keys
-and another directory (``DIR/<identity>``) and never reads another's entries.
+The unit is a *block* of ``kv_blocks`` (the one block format: ``block_tokens`` tokens of a prefix
+with their rows of every layer, keyed by a hash chain from the *identity*, the caller's digest of
+model, dtype and pool layout), so a different model or dtype has other keys and another directory
+(``DIR/<identity>``) and never reads another's entries.
 
-Files. ``DIR/<identity>/<kk>/<key>.kv``: a header (magic, identity, key, token count, payload
-length, CRC-32 of tokens and payload), the block's token ids, the payload. A block is written to
+Files. ``DIR/<identity>/<kk>/<key>.kv``: the block's bytes (``kv_blocks``). A block is written to
 ``DIR/<identity>/tmp/`` and published by ``os.replace`` (atomic): a reader sees a whole file or
 none. A torn or corrupted file (a crash of the disk, a file cut by hand) fails the header, size,
 token or checksum check on read: it is counted, removed, and treated as absent, never served. Temp
@@ -32,74 +29,21 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 import zlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from hashlib import blake2b
 from pathlib import Path
 
 import torch
 
+from tripod.memory.kv_blocks import HEADER, KEY_BYTES, MAGIC, TierLayout, check_block, token_bytes
+
 log = logging.getLogger(__name__)
 
-MAGIC = b"TPKVBLK1"
-# magic, identity, key, token count, payload bytes, CRC-32 of (tokens ‖ payload)
-HEADER = struct.Struct("<8s16s16sIQI")
-KEY_BYTES = 16
 STALE_TMP_SECONDS = 600.0  # a temp file this old whose writer cannot be told alive is removed
-
-
-def chain_keys(identity: bytes, tokens: Sequence[int], block_tokens: int, count: int | None = None) -> list[bytes]:
-    """The keys of the first ``count`` whole blocks of ``tokens`` (default: every whole block)."""
-    n = len(tokens) // block_tokens if count is None else min(count, len(tokens) // block_tokens)
-    keys: list[bytes] = []
-    prev = identity
-    for j in range(n):
-        prev = blake2b(prev + token_bytes(tokens[j * block_tokens : (j + 1) * block_tokens]),
-                       digest_size=KEY_BYTES).digest()
-        keys.append(prev)
-    return keys
-
-
-def token_bytes(tokens: Sequence[int]) -> bytes:
-    return array("i", tokens).tobytes()
-
-
-@dataclass(frozen=True, slots=True)
-class TierLayout:
-    """What a block holds: ``[num_layers, block_tokens, *row_shape]`` of ``dtype``, for ``identity``."""
-
-    identity: bytes  # KEY_BYTES: digest of the model, dtype and pool layout (the caller's)
-    num_layers: int
-    row_shape: tuple[int, ...]
-    dtype: torch.dtype
-    block_tokens: int = 16
-
-    def __post_init__(self) -> None:
-        if len(self.identity) != KEY_BYTES:
-            raise ValueError(f"identity must be {KEY_BYTES} bytes")
-        if self.block_tokens < 1:
-            raise ValueError("block_tokens must be >= 1")
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, self.block_tokens, *self.row_shape)
-
-    @property
-    def payload_bytes(self) -> int:
-        n = self.num_layers * self.block_tokens * torch.empty((), dtype=self.dtype).element_size()
-        for d in self.row_shape:
-            n *= d
-        return n
-
-    @property
-    def file_bytes(self) -> int:
-        return HEADER.size + 4 * self.block_tokens + self.payload_bytes
 
 
 @dataclass(slots=True)
@@ -499,28 +443,6 @@ class DiskTier:
                     os.unlink(entry.path)
                 except OSError:
                     pass
-
-
-def check_block(lay: TierLayout, data: bytes | bytearray, key: bytes, tokens: Sequence[int]) -> str | None:
-    """Why ``data`` is not block ``key`` (of ``tokens``) of ``lay``, or None when it is: the one check of
-    a block, whether it was read from a file or received from another process (``kv_transfer``)."""
-    if len(data) < HEADER.size:
-        return "shorter than its header (torn)"
-    magic, ident, fkey, ntok, nbytes, crc = HEADER.unpack_from(data)
-    if magic != MAGIC:
-        return "not a tripod KV block"
-    if ident != lay.identity or fkey != key:
-        return "another model's or another prefix's block"
-    if ntok != lay.block_tokens or nbytes != lay.payload_bytes:
-        return "another block layout"
-    if len(data) != lay.file_bytes:
-        return f"{len(data)} bytes, not {lay.file_bytes} (torn)"
-    toks = bytes(data[HEADER.size : HEADER.size + 4 * ntok])
-    if toks != token_bytes(tokens):
-        return "other token ids than its key's"
-    if zlib.crc32(memoryview(data)[HEADER.size + 4 * ntok :], zlib.crc32(toks)) != crc:
-        return "checksum mismatch (torn or corrupted)"
-    return None
 
 
 def _alive(pid: int) -> bool:

@@ -1,17 +1,18 @@
 """A prompt's KV between processes, in the disk tier's block format (prefill/decode disaggregation).
 
 A prefill replica computes a prompt's KV and sends its whole blocks to a decode replica. Each block
-travels as exactly the bytes of a disk-tier file (``disk_tier``: a header with the magic, the
+travels as exactly the bytes of a disk-tier file (``kv_blocks``: a header with the magic, the
 identity, the key, the token count, the payload length and a CRC-32; the token ids; the rows of
 every layer), one after another in one HTTP body. So there is one block format, one identity
-(``engine.disk_cache.model_identity``) and one check (``disk_tier.check_block``) for both.
+(``kv_blocks.model_identity``) and one check (``kv_blocks.check_block``) for both. The sender's
+side is ``export_prefix``: the whole blocks of a prompt the prefix cache holds.
 
 The receiver (``BlockReceiver``) verifies every block as a file read would, and recomputes the hash
 chain from *its own* identity: a block lands only under the key of the prefix that produced it, and
 a sender with another model, dtype, KV layout or compute path is refused at its first header
 (``TransferRefused``, 409). Verified blocks are published into the receiver's disk-tier directory
 atomically (temp file, ``os.replace``), where its engine's admission of the prompt finds and loads
-them (``DiskCache.load``). A stream cut part-way (the sender died) leaves only whole, verified
+them (``TieredCache.load``). A stream cut part-way (the sender died) leaves only whole, verified
 blocks of a prefix: a shorter cached prefix, never a wrong one.
 
 What is copied (no zero-copy path on TCP): the engine copies the rows out of its pool and encodes
@@ -25,31 +26,27 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 from pathlib import Path
 
 import torch
 
-from tripod.memory.disk_tier import HEADER, KEY_BYTES, MAGIC, TierLayout, check_block, token_bytes
+from tripod.memory.kv_blocks import (
+    COPY_BLOCKS,
+    HEADER,
+    KEY_BYTES,
+    MAGIC,
+    TierLayout,
+    chain_keys,
+    check_block,
+    encode_block,
+    token_bytes,
+)
+from tripod.memory.kv_pool import Pool
+from tripod.memory.prefix_cache import PrefixCache
 
 CONTENT_TYPE = "application/x-tripod-kv-blocks"
-
-
-def encode_block(layout: TierLayout, key: bytes, tokens: Sequence[int], rows: torch.Tensor) -> bytes:
-    """One block (``rows``: ``[layers, block_tokens, *row]``) as the bytes of its disk-tier file."""
-    import zlib
-
-    assert len(tokens) == layout.block_tokens and tuple(rows.shape) == layout.shape
-    toks = token_bytes(tokens)
-    rows = rows.detach().to("cpu")
-    parts = [rows[layer].contiguous().view(torch.uint8).numpy() for layer in range(rows.shape[0])]
-    crc = zlib.crc32(toks)
-    for part in parts:
-        crc = zlib.crc32(part, crc)
-    head = HEADER.pack(MAGIC, layout.identity, key, len(tokens), sum(p.nbytes for p in parts), crc)
-    return b"".join([head, toks, *(memoryview(p) for p in parts)])
 
 
 def publish_block(directory: Path, key: bytes, data: bytes | bytearray) -> bool:
@@ -141,3 +138,26 @@ class BlockReceiver:
     def leftover(self) -> int:
         """Bytes of a block not received whole (a cut stream): never published."""
         return len(self._buf)
+
+
+def export_prefix(cache: PrefixCache, pool: Pool, layout: TierLayout, tokens: list[int]) -> list[bytes]:
+    """The whole blocks of ``tokens`` that the tree holds, from block 0 on, each as the bytes of its
+    disk-tier file (``kv_transfer``: what a prefill replica sends a decode replica). Runs on the
+    engine loop: nothing can evict between the match and the copies."""
+    b = layout.block_tokens
+    slots = cache.match_prefix(tokens, record=False).slots
+    n = len(slots) // b
+    if n == 0:
+        return []
+    keys = chain_keys(layout.identity, tokens, b, n)
+    kv = pool.kv
+    out: list[bytes] = []
+    for at in range(0, n, COPY_BLOCKS):  # bounded copies: never the whole prompt's rows at once
+        part = range(at, min(n, at + COPY_BLOCKS))
+        idx = torch.tensor([s for j in part for s in slots[j * b : (j + 1) * b]], dtype=torch.long, device=kv.device)
+        rows = torch.empty((kv.shape[0], len(idx), *kv.shape[2:]), dtype=kv.dtype, device=kv.device)
+        for layer in range(kv.shape[0]):
+            torch.index_select(kv[layer], 0, idx, out=rows[layer])
+        for i, j in enumerate(part):
+            out.append(encode_block(layout, keys[j], tokens[j * b : (j + 1) * b], rows[:, i * b : (i + 1) * b]))
+    return out

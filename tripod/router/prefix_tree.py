@@ -12,11 +12,11 @@ of the replica's prompt up to the last few tokens at the boundary.
 
 from __future__ import annotations
 
-from tripod.radix import RadixNode, RadixTree
+from tripod.memory.radix import RadixNode, RadixTree
 
 
 class PrefixTree:
-    """Owns the prompts sent to one replica (a ``tripod.radix.RadixTree`` over characters).
+    """Owns the prompts sent to one replica (a ``tripod.memory.radix.RadixTree`` over characters).
     Invariant: ``size`` is the sum of all edge lengths and, after every ``insert``, is at most
     ``max_chars`` (least-recently-used leaves go first)."""
 

@@ -45,7 +45,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tripod.asgi import header
-from tripod.memory.disk_tier import TierLayout
+from tripod.memory.kv_blocks import TierLayout
 from tripod.memory.kv_transfer import CONTENT_TYPE, BlockReceiver, TransferRefused
 from tripod.protocol import pd
 from tripod.protocol.sampling import SamplingParams

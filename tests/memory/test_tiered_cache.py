@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from tripod import SamplingParams
-from tripod.engine.disk_cache import BLOCK_TOKENS, model_identity
-from tripod.memory.disk_tier import chain_keys
+from tripod.memory.kv_blocks import BLOCK_TOKENS, chain_keys, model_identity
 
 POOL = 256  # slots: one prompt and its answer fit, two do not
 
@@ -83,19 +82,19 @@ def test_a_prefix_from_disk_is_the_computed_kv_and_gives_the_same_tokens(
         assert first.cached_tokens == 0 and first.token_ids == reference.token_ids
         computed = _rows(eng, p[: _blocks_of(p)])
         eng.generate([q], _params())  # evicts p (written to disk on the way out)
-        assert eng.cache.disk.tier.flush(30)
+        assert eng.cache.tier.flush(30)
         assert eng.cache.tree.match(p)[0] == 0, "p left the pool"
-        assert eng.cache.disk.stats.saved_tokens >= _blocks_of(p)
+        assert eng.cache.tier_stats.saved_tokens >= _blocks_of(p)
 
         from_disk = eng.generate([p], _params())[0]
         assert from_disk.cached_tokens == _blocks_of(p)
-        assert eng.cache.disk.stats.hit_tokens == _blocks_of(p)
+        assert eng.cache.tier_stats.hit_tokens == _blocks_of(p)
         assert torch.equal(_rows(eng, p[: _blocks_of(p)]), computed), "loaded rows are the computed rows"
         check_greedy(from_disk.token_ids, greedy_from_tripod(reference), "prefix from disk vs computed")
 
         from_pool = eng.generate([p], _params())[0]  # now in the pool, whole
         assert from_pool.cached_tokens == len(p) - 1
-        assert eng.cache.disk.stats.hit_tokens == _blocks_of(p), "a pool hit is not a disk hit"
+        assert eng.cache.tier_stats.hit_tokens == _blocks_of(p), "a pool hit is not a disk hit"
         check_greedy(from_pool.token_ids, greedy_from_tripod(reference), "prefix from the pool vs computed")
         eng.assert_consistent()
     finally:
@@ -112,9 +111,9 @@ def test_a_restart_serves_the_prefix_from_disk(
     eng.close()  # saves what the pool holds
     again = make_engine(kv_cache_tokens=POOL, kv_disk=str(tmp_path))
     try:
-        assert again.cache.disk.tier.entries >= _blocks_of(p) // BLOCK_TOKENS
+        assert again.cache.tier.entries >= _blocks_of(p) // BLOCK_TOKENS
         out = again.generate([p], _params())[0]
-        assert out.cached_tokens == _blocks_of(p) and again.cache.disk.stats.hit_tokens == _blocks_of(p)
+        assert out.cached_tokens == _blocks_of(p) and again.cache.tier_stats.hit_tokens == _blocks_of(p)
         check_greedy(out.token_ids, greedy_from_tripod(reference), "after a restart")
         again.assert_consistent()
     finally:
@@ -130,14 +129,14 @@ def test_two_engines_on_one_directory_share_hits(
     b = make_engine(kv_cache_tokens=POOL, kv_disk=str(tmp_path))  # open before a writes anything
     try:
         a.generate([p], _params())
-        a.cache.disk.save_tree(a.cache)
-        assert a.cache.disk.tier.flush(30)
+        a.cache.save_tree()
+        assert a.cache.tier.flush(30)
         out = b.generate([p], _params())[0]
-        assert out.cached_tokens == _blocks_of(p) and b.cache.disk.stats.hit_tokens == _blocks_of(p)
+        assert out.cached_tokens == _blocks_of(p) and b.cache.tier_stats.hit_tokens == _blocks_of(p)
         check_greedy(out.token_ids, greedy_from_tripod(reference), "from the other engine's blocks")
-        b.cache.disk.save_tree(b.cache)
-        assert b.cache.disk.tier.flush(30)
-        assert b.cache.disk.tier.counters.written_blocks < _blocks_of(p) // BLOCK_TOKENS, "b rewrote a's blocks"
+        b.cache.save_tree()
+        assert b.cache.tier.flush(30)
+        assert b.cache.tier.counters.written_blocks < _blocks_of(p) // BLOCK_TOKENS, "b rewrote a's blocks"
     finally:
         a.close()
         b.close()
@@ -150,7 +149,7 @@ def test_a_torn_block_is_never_served(
     p, _ = prompts
     eng = make_engine(kv_cache_tokens=POOL, kv_disk=str(tmp_path))
     eng.generate([p], _params())
-    tier = eng.cache.disk.tier
+    tier = eng.cache.tier
     eng.close()
     keys = chain_keys(tier.layout.identity, p, BLOCK_TOKENS)
     torn = tier.path(keys[4])
@@ -159,7 +158,7 @@ def test_a_torn_block_is_never_served(
     try:
         out = again.generate([p], _params())[0]
         assert out.cached_tokens == 4 * BLOCK_TOKENS, "served up to the torn block, not past it"
-        assert again.cache.disk.tier.counters.corrupt_files == 1 and not torn.exists()
+        assert again.cache.tier.counters.corrupt_files == 1 and not torn.exists()
         check_greedy(out.token_ids, greedy_from_tripod(reference), "with a torn block")
         again.assert_consistent()
     finally:
@@ -212,7 +211,7 @@ def test_bfloat16_on_the_kernels_a_prefix_from_disk_gives_the_same_tokens(
         first = eng.generate([p], params)[0]
         computed = _rows(eng, p[: _blocks_of(p)])
         eng.generate([q], params)  # evicts p
-        assert eng.cache.disk.tier.flush(30) and eng.cache.tree.match(p)[0] == 0
+        assert eng.cache.tier.flush(30) and eng.cache.tree.match(p)[0] == 0
         from_disk = eng.generate([p], params)[0]
         assert from_disk.cached_tokens == _blocks_of(p)
         assert torch.equal(_rows(eng, p[: _blocks_of(p)]), computed)

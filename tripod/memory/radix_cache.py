@@ -1,63 +1,34 @@
-"""A token-level radix tree over KV slots: the prefix cache.
+"""A token-level radix tree over KV slots: the pool's prefix cache (a ``PrefixCache``).
 
 Each edge holds a run of token ids and the KV slots that hold their K/V. A path from the root
 spells a token prefix whose KV is resident, so a new request whose prompt starts with that
-prefix skips computing it.
+prefix skips computing it. The locking and ownership rules are the protocol's
+(``prefix_cache.py``); a parent whose last child is evicted becomes a leaf candidate.
 
-Locking rules:
-- ``lock(node)`` pins ``node`` and every ancestor (lock_ref += 1). A running request holds one
-  lock on the deepest node of its cached prefix; ``unlock`` releases it. Pinned nodes are never
-  evicted.
-- ``evict(n)`` frees the slots of least-recently-used *unpinned leaves* until ``n`` slots are
-  freed or nothing evictable remains; a parent whose last child goes becomes a leaf candidate.
-- ``insert`` takes ownership of the slots it stores. Where a prefix of the inserted tokens is
-  already in the tree, the caller's duplicate slots are *not* taken: ``insert`` returns how
-  many leading tokens were already present so the caller frees its copies of them.
+With data-parallel attention there is one tree per rank (each over its rank's slot range). A
+cache below it (``tiered_cache.TieredCache``) hears of every evicted node through ``on_evict``,
+called before the node's slots are freed, so it can copy their rows out.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from tripod.memory.kv_pool import SlotAllocator
-from tripod.radix import RadixNode, RadixTree
-
-if TYPE_CHECKING:
-    from tripod.engine.disk_cache import DiskCache
+from tripod.memory.prefix_cache import CacheStats, MatchResult, TreeNode
+from tripod.memory.radix import RadixTree
 
 _tick = itertools.count()
 
-# A node of the cache: ``key`` the token ids on its edge, ``value`` their KV slots, ``lock_ref``
-# the locks of the requests running on it (see ``tripod.radix``).
-TreeNode = RadixNode[list[int]]
-
-
-@dataclass(slots=True)
-class MatchResult:
-    slots: list[int]  # KV slots of the matched prefix
-    node: TreeNode  # deepest node covering exactly the matched prefix (root if none)
-    rank: int = 0  # the data-parallel rank whose tree (and pool) holds them
-
-
-@dataclass(slots=True)
-class CacheStats:
-    queries: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    evicted_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
 
 class RadixCache:
-    """The prefix cache. Owns the tree (a ``tripod.radix.RadixTree`` over token ids, the slots
-    as its payload) and the slots stored in it (see module docstring)."""
+    """The pool's prefix cache. Owns the trees (``tripod.memory.radix.RadixTree`` over token ids,
+    the slots as their payload) and the slots stored in them (see the module docstring).
+    ``on_evict``: told of the nodes each eviction removes, before their slots are freed."""
 
-    def __init__(self, allocator: SlotAllocator, enabled: bool = True) -> None:
+    def __init__(self, allocator: SlotAllocator, enabled: bool = True, *,
+                 on_evict: Callable[[list[TreeNode]], None] | None = None) -> None:
         self.allocator = allocator
         self.enabled = enabled
         self.trees: list[RadixTree[list[int]]] = [RadixTree([]) for _ in range(allocator.ranks)]
@@ -66,7 +37,7 @@ class RadixCache:
             tree.root.lock_ref = 1  # a root is never evicted
         self.stats = CacheStats()
         self._protected = 0  # slots held by pinned nodes
-        self.disk: DiskCache | None = None  # the tier below (--kv-disk): evicted nodes go there
+        self._on_evict = on_evict
 
     @property
     def root(self) -> TreeNode:
@@ -148,8 +119,8 @@ class RadixCache:
         freed = 0
         for r in range(len(self.trees)) if rank is None else (rank,):
             nodes = self.trees[r].evict(num_tokens - freed)
-            if self.disk is not None and nodes:
-                self.disk.on_evict(nodes)  # copies their rows out before the slots are freed
+            if self._on_evict is not None and nodes:
+                self._on_evict(nodes)  # (a tier copies their rows out before the slots are freed)
             for node in nodes:
                 self.allocator.free(node.value)
                 freed += len(node.value)
@@ -161,6 +132,17 @@ class RadixCache:
     def reset(self) -> None:
         """Drop every unpinned entry (e.g. between benchmark runs)."""
         self.evict(self.evictable_size)
+
+    # ---------------------------------------------------------------- tiers (none below the pool)
+    def prefetch(self, tokens: list[int]) -> None:
+        """Nothing below the pool to read from."""
+
+    def load(self, tokens: list[int], *, headroom: int, chunk: int, record: bool) -> int:
+        """Nothing below the pool to load from."""
+        return 0
+
+    def close(self) -> None:
+        """Nothing outlives the pool."""
 
     # ---------------------------------------------------------------- checks
     def slots_in_tree(self) -> list[int]:

@@ -18,8 +18,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tripod.engine.radix_cache import RadixCache, TreeNode
 from tripod.memory.kv_pool import SlotAllocator
+from tripod.memory.prefix_cache import TreeNode
+from tripod.memory.radix_cache import RadixCache
 
 
 def _cache(num_slots: int = 64) -> tuple[SlotAllocator, RadixCache]:
@@ -44,8 +45,8 @@ def _edges(node: TreeNode) -> list[list[int]]:
 
 
 def test_the_shared_core_is_torch_free() -> None:
-    """The router's prefix tree stands on the same core (``tripod.radix``) and may not pull torch."""
-    code = "import sys, tripod.radix, tripod.router.prefix_tree; print('torch' in sys.modules)"
+    """The router's prefix tree stands on the same core (``tripod.memory.radix``) and may not pull torch."""
+    code = "import sys, tripod.memory.radix, tripod.router.prefix_tree; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

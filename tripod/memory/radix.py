@@ -1,6 +1,6 @@
 """A radix tree over sequences (token ids or characters) with least-recently-used eviction.
 
-The one core under two trees: the engine's prefix cache (``engine/radix_cache.py``: token ids,
+The one core under two trees: the engine's prefix cache (``memory/radix_cache.py``: token ids,
 each edge carrying the KV slots of its tokens, nodes pinned while a request uses them) and the
 router's approximate tree of what a replica has cached (``router/prefix_tree.py``: characters,
 nothing carried, nothing pinned). Torch-free and below both (the router may not import the

@@ -4,7 +4,7 @@ Ray places and supervises the workers; torch.distributed still carries the colle
 CPU, NCCL on CUDA), meeting over TCP at rank 0's node address. A placement group holds one bundle
 per worker (its CPUs, and a GPU on CUDA), packed onto as few nodes as possible or spread over as
 many (``--parallel-placement``); every worker is an actor in its bundle running a ``RankWorker``.
-Each step rank 0 calls every actor's ``run`` with its ``Step`` (a Ray actor runs one caller's calls
+Each step rank 0 calls every actor's ``run`` with its ``RankStep`` (a Ray actor runs one caller's calls
 in order); the collectives inside the forward keep the ranks in step.
 
 Faults: a step whose actor failed or died is seen when its result is (before the next step); a
@@ -27,15 +27,15 @@ from typing import Any
 import torch
 
 from tripod.config import EngineConfig
-from tripod.engine.parallel import (
-    RankWorker,
-    Step,
+from tripod.engine.executor.group import (
+    RankStep,
     WorkerGroup,
     WorkerLost,
     WorkerSpec,
     destroy_group,
     init_group,
 )
+from tripod.engine.executor.worker import RankWorker
 from tripod.protocol.stats import RankCard
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class RankActor:
         card.node = str(ray.get_runtime_context().get_node_id())
         return card
 
-    def run(self, step: Step) -> None:
+    def run(self, step: RankStep) -> None:
         assert self.worker is not None
         self.worker.run(step)
 
@@ -191,7 +191,7 @@ class RayWorkers(WorkerGroup):
         elif time.monotonic() - since > self.timeout:
             raise WorkerLost(f"a Ray rank has not answered for {self.timeout:.0f} s (--parallel-timeout)")
 
-    def deliver(self, steps: list[Step]) -> None:
+    def deliver(self, steps: list[RankStep]) -> None:
         self._pending += [a.run.remote(step) for a, step in zip(self.actors, steps, strict=True)]
 
     def close(self) -> None:
