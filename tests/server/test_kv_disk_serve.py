@@ -7,6 +7,7 @@ evicted."""
 from __future__ import annotations
 
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -62,6 +63,39 @@ def test_a_restarted_server_serves_the_old_prefix_from_disk(tmp_path: Path) -> N
         metrics = httpx.get(f"{second.url}/metrics", timeout=10).text
         hits = re.search(r'tripod:prefix_cache_tier_hits_total\{model_name="[^"]*",tier="disk"\} (\S+)', metrics)
         assert hits is not None and float(hits.group(1)) == cached2
+    finally:
+        second.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_whole_group_drains_and_saves_the_pool(tmp_path: Path, sig: int) -> None:
+    """systemd's default stop (SIGTERM to the control group) or Ctrl-C (SIGINT to the terminal's
+    foreground group) reach the engine process too: it must leave the stop to its server, which
+    drains, has the engine save its prefix cache to the disk tier and exits 0, so the restart on
+    the same directory is warm."""
+    disk = tmp_path / "kv"
+    args = ("--kv-disk", str(disk), "--kv-disk-size", "1", "--kv-cache-tokens", "4096")
+    first = ServerProcess(tmp_path, *args, own_group=True)
+    try:
+        answer, prompt_tokens, cached = _ask(first)
+        assert cached == 0
+        first.wait_idle()
+        assert not list(disk.glob("*/??/*.kv")), "nothing was evicted: the pool alone holds the prompt"
+        first.signal_group(sig)
+        code = first.wait_exit(60)
+        log = first.log()
+    finally:
+        first.stop()
+    assert code == 0, f"the server exited {code} on a group-wide {signal.Signals(sig).name}:\n{log[-3000:]}"
+    assert "engine process exited" not in log, log[-3000:]
+    assert list(disk.glob("*/??/*.kv")), "the engine saved its prefix cache to the tier on the way out"
+
+    second = ServerProcess(tmp_path, *args)
+    try:
+        again, prompt_tokens2, cached2 = _ask(second)
+        assert again == answer and prompt_tokens2 == prompt_tokens
+        assert cached2 >= prompt_tokens - 16 - 1, "every whole block of the prompt came from disk"
     finally:
         second.stop()
 

@@ -35,7 +35,9 @@ class ServerProcess:
     float32, so that answers equal the reference engine's), and about 2x faster than the float32
     reference path, which the engine-level parity tests cover."""
 
-    def __init__(self, tmp: Path, *extra: str, api_key: str | None = None) -> None:
+    def __init__(self, tmp: Path, *extra: str, api_key: str | None = None, own_group: bool = False) -> None:
+        """``own_group``: the server leads a process group of its own (with its engine child in
+        it), as under a service manager or a terminal's job control, so ``signal_group`` reaches both."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -48,7 +50,8 @@ class ServerProcess:
             args += ["--api-key", api_key]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRIPOD_API_KEY": ""}
         self._log = open(self.log_path, "w")  # closed in stop()
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=own_group)
         self._wait_ready()
 
     @property
@@ -81,6 +84,11 @@ class ServerProcess:
 
     def wait_exit(self, timeout: float) -> int:
         return self.proc.wait(timeout)
+
+    def signal_group(self, sig: int = signal.SIGTERM) -> None:
+        """``sig`` to every process of the server's group (``own_group``): what systemd's default
+        stop (``KillMode=control-group``) or Ctrl-C in a terminal does."""
+        os.killpg(self.proc.pid, sig)
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
