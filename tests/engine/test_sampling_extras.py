@@ -89,7 +89,7 @@ def test_prompt_logprobs_in_a_stream_come_first(engine: Any) -> None:
 
 def test_bounds_are_one_set() -> None:
     """The server's translation and the engine accept the same values (one validation)."""
-    from tripod.server.protocol import APIError
+    from tripod.server.errors import APIError
     from tripod.server.sampling import Limits, build_sampling
 
     lim = Limits(max_len=100, max_n=4, vocab_size=1000)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tripod.server.conversation import ChatRenderer, Message, PastCall
-from tripod.server.protocol import APIError
+from tripod.server.errors import APIError
 from tripod.server.tools import (
     ArgsPiece,
     CallEnd,

@@ -27,8 +27,9 @@ from tripod.server.anthropic_protocol import (
     thinking_budget,
 )
 from tripod.server.engine_client import EnginePart
+from tripod.server.errors import APIError
 from tripod.server.generation import Delta, Usage, collect, new_id
-from tripod.server.protocol import APIError, parse
+from tripod.server.protocol import parse
 from tripod.server.reasoning import Split, Thinking
 from tripod.server.sampling import build_sampling, stop_strings
 from tripod.server.serving import (

@@ -24,11 +24,11 @@ from tripod.console.app import Console, is_open_path
 from tripod.server.admin_api import add_admin_routes
 from tripod.server.anthropic_api import add_anthropic_routes
 from tripod.server.console_source import ServerConsoleSource
+from tripod.server.errors import APIError, error_response, too_large
 from tripod.server.openai_api import add_openai_routes
 from tripod.server.openapi import openapi_document
 from tripod.server.pd import HandOverGate, Receiving, add_pd_routes
-from tripod.server.protocol import APIError
-from tripod.server.serving import ClientGone, ServerState, too_large
+from tripod.server.serving import ClientGone, ServerState
 from tripod.server.traces import finish_request
 from tripod.tenants import OverLimit
 from tripod.tenants.asgi import TenantMiddleware
@@ -42,15 +42,6 @@ _ROUTES = {
     "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
     "/health", "/metrics", "/tokenize", "/detokenize", "/debug/engine", "/openapi.json",
 }
-
-
-def anthropic_path(path: str) -> bool:
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
-
-
-def error_response(e: APIError, path: str) -> JSONResponse:
-    body = e.anthropic_body() if anthropic_path(path) else e.body()
-    return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
 def route_of(path: str) -> str:

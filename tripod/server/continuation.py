@@ -17,8 +17,9 @@ from tripod.protocol.engine_ipc import Logprob
 from tripod.protocol.failover import ResumePoint
 from tripod.protocol.sampling import Resume
 from tripod.server.engine_client import EnginePart
+from tripod.server.errors import APIError
 from tripod.server.generation import Prior
-from tripod.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from tripod.server.protocol import ChatCompletionRequest, CompletionRequest
 from tripod.server.serving import ServerState, check_ids
 
 _RESUMED_FINISH = ("stop", "length", "tool_calls")

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from tripod.server.protocol import APIError
+from tripod.server.errors import APIError
 from tripod.server.text import ChatTemplateError, TextSide
 from tripod.server.tools import PARSERS, ToolCallParser, ToolSpec
 

@@ -13,7 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from tripod.server.engine_client import EngineDead
-from tripod.server.protocol import APIError, LoadLoraRequest, UnloadLoraRequest, parse
+from tripod.server.errors import APIError
+from tripod.server.protocol import LoadLoraRequest, UnloadLoraRequest, parse
 from tripod.server.serving import ServerState, read_body
 
 UNLOAD_WAIT_S = 600.0

@@ -22,6 +22,7 @@ from tripod.asgi import ClosingStream
 from tripod.protocol.sampling import GrammarSpec
 from tripod.server.continuation import mark_choice, resume_priors
 from tripod.server.engine_client import EnginePart
+from tripod.server.errors import APIError
 from tripod.server.generation import (
     SSE_DONE,
     Collected,
@@ -35,7 +36,6 @@ from tripod.server.generation import (
     sse,
 )
 from tripod.server.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,

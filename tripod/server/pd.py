@@ -50,9 +50,9 @@ from tripod.memory.kv_transfer import CONTENT_TYPE, BlockReceiver, TransferRefus
 from tripod.protocol import pd
 from tripod.protocol.sampling import SamplingParams
 from tripod.server.engine_client import EngineDead, EnginePart, Overloaded
+from tripod.server.errors import APIError
 from tripod.server.openai_api import prompt_ids
 from tripod.server.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,

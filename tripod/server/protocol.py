@@ -1,5 +1,5 @@
-"""The OpenAI wire protocol: request models (pydantic, strict types), ``APIError`` (whose body
-takes OpenAI's or Anthropic's shape), and the OpenAI-specific checks.
+"""The OpenAI wire protocol: request models (pydantic, strict types) and the OpenAI-specific
+checks (errors are ``server/errors.py``'s ``APIError``).
 
 Types are checked by pydantic in strict mode (``"5"`` is not a number, ``true`` is not 1);
 ranges are ``SamplingParams``' own (``server/sampling.py``), cross-field rules are checked here
@@ -11,51 +11,14 @@ implement are refused by name rather than ignored.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tripod.protocol.sampling import GrammarSpec
-
-if TYPE_CHECKING:
-    from tripod.server.conversation import Message
-    from tripod.server.tools import ToolChoice, ToolSpec
-
-# Anthropic's error types by HTTP status (its API documents these; others map to api_error).
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-    429: "rate_limit_error", 529: "overloaded_error",
-}
-
-
-class APIError(Exception):
-    """An error the caller can fix (4xx) or that the server reports (5xx), OpenAI-shaped."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def anthropic_body(self) -> dict[str, Any]:
-        """The same error in Anthropic's shape (``/v1/messages``)."""
-        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
-                                           "message": self.message}}
+from tripod.server.conversation import Message, PastCall
+from tripod.server.errors import APIError
+from tripod.server.tools import ToolChoice, ToolSpec, check_choice, check_tools
 
 
 class _Strict(BaseModel):
@@ -283,8 +246,6 @@ def _jsonable(x: Any) -> bool:
 
 def chat_messages(messages: list[ChatMessage]) -> list[Message]:
     """OpenAI messages → ``Message``s (string content, tool calls and results kept)."""
-    from tripod.server.conversation import Message, PastCall
-
     if not messages:
         raise APIError(400, "'messages' must hold at least one message", param="messages")
     out: list[Message] = []
@@ -328,8 +289,6 @@ def chat_messages(messages: list[ChatMessage]) -> list[Message]:
 def openai_tools(req: ChatCompletionRequest, default_parallel: bool = True) -> tuple[list[ToolSpec], ToolChoice]:
     """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` → checked tools and choice (an unset
     ``parallel_tool_calls`` means ``default_parallel``)."""
-    from tripod.server.tools import ToolChoice, check_choice, check_tools
-
     if req.functions is not None or req.function_call is not None:
         raise APIError(400, "'functions' / 'function_call' (OpenAI's deprecated function calling) are not "
                        "supported; send 'tools' and 'tool_choice'", param="functions")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tripod.protocol.sampling import GrammarSpec, SamplingParamError, SamplingParams
-from tripod.server.protocol import APIError
+from tripod.server.errors import APIError
 
 MAX_STOP = 16
 MAX_STOP_LEN = 256

@@ -26,9 +26,9 @@ from tripod.server.engine_client import (
     Overloaded,
     RequestHandle,
 )
+from tripod.server.errors import APIError, too_large
 from tripod.server.generation import Delta, Generation, Prior
 from tripod.server.metrics import ServerMetrics
-from tripod.server.protocol import APIError
 from tripod.server.reasoning import ReasoningParser, Thinking, choose_parser
 from tripod.server.sampling import Limits
 from tripod.server.text import TextSide
@@ -122,10 +122,6 @@ def make_gate(config: ServerConfig, metrics: ServerMetrics) -> TenantGate:
     audit = (AuditLog(config.audit_log, content=config.audit_log_content, max_bytes=config.audit_log_max_bytes)
              if config.audit_log else None)
     return TenantGate(registry, metrics.tenants, audit, enforce=config.tenant_limits)
-
-
-def too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than {limit} bytes; send less", code="body_too_large")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
