@@ -35,7 +35,7 @@ def check_pd_role(role: str, enable_prefix_cache: bool, world_size: int) -> None
                          "of the KV); drop --tensor/pipeline/data-parallel-size or --role")
 
 # --reasoning-parser: auto (from the model's architecture and chat template), none, or a parser
-# (tripod/server/reasoning.py keeps the parsers by these names).
+# (tripod/server/answer/reasoning.py keeps the parsers by these names).
 REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "gpt_oss")
 
 

@@ -18,6 +18,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tripod.asgi import ClosingStream
+from tripod.server.answer.generation import Delta, Usage, collect, new_id
+from tripod.server.answer.reasoning import Split, Thinking
+from tripod.server.answer.tools import (
+    ArgsPiece,
+    CallEnd,
+    CallStart,
+    TextPiece,
+    ToolCallParser,
+    ToolCallStream,
+    ToolEvent,
+)
 from tripod.server.anthropic_protocol import (
     TEMPERATURE_MAX,
     CountTokensRequest,
@@ -28,9 +39,7 @@ from tripod.server.anthropic_protocol import (
 )
 from tripod.server.engine_client import EnginePart
 from tripod.server.errors import APIError
-from tripod.server.generation import Delta, Usage, collect, new_id
 from tripod.server.protocol import parse
-from tripod.server.reasoning import Split, Thinking
 from tripod.server.sampling import build_sampling, stop_strings
 from tripod.server.serving import (
     ServerState,
@@ -40,15 +49,6 @@ from tripod.server.serving import (
     read_body,
     start_generation,
     until_disconnect,
-)
-from tripod.server.tools import (
-    ArgsPiece,
-    CallEnd,
-    CallStart,
-    TextPiece,
-    ToolCallParser,
-    ToolCallStream,
-    ToolEvent,
 )
 
 OVERLOADED = 529  # Anthropic's status for a server at capacity

@@ -16,10 +16,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from tripod.protocol.sampling import GrammarSpec
-from tripod.server.conversation import Message, PastCall
+from tripod.server.answer.conversation import Message, PastCall
+from tripod.server.answer.tools import ToolChoice, ToolSpec, check_choice, check_tools
 from tripod.server.errors import APIError
 from tripod.server.protocol import one_of
-from tripod.server.tools import ToolChoice, ToolSpec, check_choice, check_tools
 
 TEMPERATURE_MAX = 1.0  # Anthropic's range is [0, 1] (tripod's sampler allows up to 2)
 

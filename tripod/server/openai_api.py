@@ -20,10 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tripod.asgi import ClosingStream
 from tripod.protocol.sampling import GrammarSpec
-from tripod.server.continuation import mark_choice, resume_priors
-from tripod.server.engine_client import EnginePart
-from tripod.server.errors import APIError
-from tripod.server.generation import (
+from tripod.server.answer.generation import (
     SSE_DONE,
     Collected,
     CompletionLogprobs,
@@ -35,6 +32,19 @@ from tripod.server.generation import (
     progress_stream,
     sse,
 )
+from tripod.server.answer.reasoning import ReasoningStream, Split, Thinking
+from tripod.server.answer.tools import (
+    ArgsPiece,
+    CallStart,
+    TextPiece,
+    ToolCallParser,
+    ToolCallStream,
+    ToolEvent,
+    parse_all,
+)
+from tripod.server.continuation import mark_choice, resume_priors
+from tripod.server.engine_client import EnginePart
+from tripod.server.errors import APIError
 from tripod.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,7 +53,6 @@ from tripod.server.protocol import (
     openai_tools,
     parse,
 )
-from tripod.server.reasoning import ReasoningStream, Split, Thinking
 from tripod.server.sampling import build_sampling, logit_bias_ids, stop_strings
 from tripod.server.serving import (
     ServerState,
@@ -54,15 +63,6 @@ from tripod.server.serving import (
     read_body,
     start_generation,
     until_disconnect,
-)
-from tripod.server.tools import (
-    ArgsPiece,
-    CallStart,
-    TextPiece,
-    ToolCallParser,
-    ToolCallStream,
-    ToolEvent,
-    parse_all,
 )
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions

@@ -16,9 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tripod.protocol.sampling import GrammarSpec
-from tripod.server.conversation import Message, PastCall
+from tripod.server.answer.conversation import Message, PastCall
+from tripod.server.answer.tools import ToolChoice, ToolSpec, check_choice, check_tools
 from tripod.server.errors import APIError
-from tripod.server.tools import ToolChoice, ToolSpec, check_choice, check_tools
 
 
 class _Strict(BaseModel):

@@ -18,7 +18,10 @@ from tripod import asgi, tracing
 from tripod.asgi import ClientGone as ClientGone  # (the app answers it with 499)
 from tripod.asgi import until_disconnect as until_disconnect
 from tripod.config import EngineConfig, ServerConfig
-from tripod.server.conversation import ChatRenderer
+from tripod.server.answer.conversation import ChatRenderer
+from tripod.server.answer.generation import Delta, Generation, Prior
+from tripod.server.answer.reasoning import ReasoningParser, Thinking, choose_parser
+from tripod.server.answer.text import TextSide
 from tripod.server.engine_client import (
     EngineClient,
     EngineDead,
@@ -27,11 +30,8 @@ from tripod.server.engine_client import (
     RequestHandle,
 )
 from tripod.server.errors import APIError, too_large
-from tripod.server.generation import Delta, Generation, Prior
 from tripod.server.metrics import ServerMetrics
-from tripod.server.reasoning import ReasoningParser, Thinking, choose_parser
 from tripod.server.sampling import Limits
-from tripod.server.text import TextSide
 from tripod.tenants import (
     COUNT_HEADER,
     DEFAULT_TENANT,

@@ -11,7 +11,7 @@ from starlette.types import Scope
 
 from tripod import tracing
 from tripod.protocol.engine_ipc import SeqTiming
-from tripod.server.generation import Generation
+from tripod.server.answer.generation import Generation
 from tripod.server.serving import GENERATION_KEY
 
 
