@@ -9,8 +9,8 @@ import json
 import pytest
 
 from tripod.server.anthropic_protocol import MessagesRequest, conversation
+from tripod.server.api.body import parse
 from tripod.server.errors import APIError
-from tripod.server.protocol import parse
 
 THINK = {"type": "thinking", "thinking": "Let me see.", "signature": "sig"}
 

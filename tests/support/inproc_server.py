@@ -15,7 +15,7 @@ from tripod.server.answer.text import TextSide
 from tripod.server.app import ServerState, build_app, lifespan_for
 from tripod.server.engine_client import EngineClient
 from tripod.server.metrics import ServerMetrics
-from tripod.server.serving import make_gate
+from tripod.server.state import make_gate
 
 START_TIMEOUT = 180.0
 ENGINE = EngineConfig(dtype="float32", kernels="optimized", kv_cache_tokens=8192, num_threads=1)

@@ -11,11 +11,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tripod.protocol import health
+from tripod.server.api.body import parse, read_body
 from tripod.server.engine_client import EngineDead
 from tripod.server.errors import APIError
 from tripod.server.lora_api import adapter_cards, add_lora_routes
-from tripod.server.protocol import DetokenizeRequest, TokenizeRequest, chat_messages, parse
-from tripod.server.serving import ServerState, check_ids, check_model, read_body
+from tripod.server.protocol import DetokenizeRequest, TokenizeRequest, chat_messages
+from tripod.server.state import ServerState, check_ids, check_model
 
 
 def model_card(state: ServerState) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tripod.asgi import ClosingStream
+from tripod.asgi import ClosingStream, until_disconnect
 from tripod.server.answer.generation import Delta, Usage, collect, new_id
 from tripod.server.answer.reasoning import Split, Thinking
 from tripod.server.answer.tools import (
@@ -37,19 +37,12 @@ from tripod.server.anthropic_protocol import (
     output_format,
     thinking_budget,
 )
+from tripod.server.api.admission import Started, start_generation
+from tripod.server.api.body import parse, read_body
 from tripod.server.engine_client import EnginePart
 from tripod.server.errors import APIError
-from tripod.server.protocol import parse
 from tripod.server.sampling import build_sampling, stop_strings
-from tripod.server.serving import (
-    ServerState,
-    Started,
-    adapter_of,
-    check_model,
-    read_body,
-    start_generation,
-    until_disconnect,
-)
+from tripod.server.state import ServerState, adapter_of, check_model
 
 OVERLOADED = 529  # Anthropic's status for a server at capacity
 

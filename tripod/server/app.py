@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tripod import tracing
+from tripod.asgi import ClientGone
 from tripod.console.app import Console, is_open_path
 from tripod.server.admin_api import add_admin_routes
 from tripod.server.anthropic_api import add_anthropic_routes
@@ -28,7 +29,7 @@ from tripod.server.errors import APIError, error_response, too_large
 from tripod.server.openai_api import add_openai_routes
 from tripod.server.openapi import openapi_document
 from tripod.server.pd import HandOverGate, Receiving, add_pd_routes
-from tripod.server.serving import ClientGone, ServerState
+from tripod.server.state import ServerState
 from tripod.server.traces import finish_request
 from tripod.tenants import OverLimit
 from tripod.tenants.asgi import TenantMiddleware

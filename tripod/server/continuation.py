@@ -20,7 +20,7 @@ from tripod.server.answer.generation import Prior
 from tripod.server.engine_client import EnginePart
 from tripod.server.errors import APIError
 from tripod.server.protocol import ChatCompletionRequest, CompletionRequest
-from tripod.server.serving import ServerState, check_ids
+from tripod.server.state import ServerState, check_ids
 
 _RESUMED_FINISH = ("stop", "length", "tool_calls")
 

@@ -27,7 +27,7 @@ from tripod.server.answer.text import TextSide
 from tripod.server.app import ServerState, build_app, lifespan_for
 from tripod.server.engine_client import EngineClient
 from tripod.server.metrics import ServerMetrics
-from tripod.server.serving import make_gate
+from tripod.server.state import make_gate
 from tripod.tenants import TenantFileError, TenantGate
 
 log = logging.getLogger("tripod.server")

@@ -12,10 +12,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from tripod.server.api.body import parse, read_body
 from tripod.server.engine_client import EngineDead
 from tripod.server.errors import APIError
-from tripod.server.protocol import LoadLoraRequest, UnloadLoraRequest, parse
-from tripod.server.serving import ServerState, read_body
+from tripod.server.protocol import LoadLoraRequest, UnloadLoraRequest
+from tripod.server.state import ServerState
 
 UNLOAD_WAIT_S = 600.0
 

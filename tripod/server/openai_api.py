@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tripod.asgi import ClosingStream
+from tripod.asgi import ClosingStream, until_disconnect
 from tripod.protocol.sampling import GrammarSpec
 from tripod.server.answer.generation import (
     SSE_DONE,
@@ -42,6 +42,8 @@ from tripod.server.answer.tools import (
     ToolEvent,
     parse_all,
 )
+from tripod.server.api.admission import Started, start_generation
+from tripod.server.api.body import parse, read_body
 from tripod.server.continuation import mark_choice, resume_priors
 from tripod.server.engine_client import EnginePart
 from tripod.server.errors import APIError
@@ -51,19 +53,9 @@ from tripod.server.protocol import (
     chat_messages,
     grammar_spec,
     openai_tools,
-    parse,
 )
 from tripod.server.sampling import build_sampling, logit_bias_ids, stop_strings
-from tripod.server.serving import (
-    ServerState,
-    Started,
-    adapter_of,
-    check_ids,
-    check_model,
-    read_body,
-    start_generation,
-    until_disconnect,
-)
+from tripod.server.state import ServerState, adapter_of, check_ids, check_model
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 

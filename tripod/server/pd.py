@@ -49,6 +49,7 @@ from tripod.memory.disk_tier import TierLayout
 from tripod.memory.kv_transfer import CONTENT_TYPE, BlockReceiver, TransferRefused
 from tripod.protocol import pd
 from tripod.protocol.sampling import SamplingParams
+from tripod.server.api.body import parse, read_body
 from tripod.server.engine_client import EngineDead, EnginePart, Overloaded
 from tripod.server.errors import APIError
 from tripod.server.openai_api import prompt_ids
@@ -57,9 +58,8 @@ from tripod.server.protocol import (
     CompletionRequest,
     chat_messages,
     openai_tools,
-    parse,
 )
-from tripod.server.serving import ServerState, adapter_of, check_model, read_body
+from tripod.server.state import ServerState, adapter_of, check_model
 
 log = logging.getLogger("tripod.server.pd")
 

@@ -13,48 +13,38 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from tripod.protocol.sampling import GrammarSpec
 from tripod.server.answer.conversation import Message, PastCall
 from tripod.server.answer.tools import ToolChoice, ToolSpec, check_choice, check_tools
+from tripod.server.api.body import StrictModel, one_of
 from tripod.server.errors import APIError
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def one_of(*values: str) -> Any:
-    """A string field documented (OpenAPI) as one of ``values``; the route checks it itself, with a
-    message that says what to send."""
-    return Field(json_schema_extra={"enum": list(values)})
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictModel):
     type: str = one_of("text")
     text: str | None = None
 
 
-class CallFunction(_Strict):
+class CallFunction(StrictModel):
     name: str
     arguments: str | dict[str, Any]  # a JSON string, as OpenAI sends it (an object is accepted)
 
 
-class MessageToolCall(_Strict):
+class MessageToolCall(StrictModel):
     id: str
     type: str = "function"
     function: CallFunction
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: str = one_of(*ROLES)
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -62,28 +52,28 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None  # role "tool"
 
 
-class FunctionDef(_Strict):
+class FunctionDef(StrictModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDef(_Strict):
+class ToolDef(StrictModel):
     type: str = one_of("function")
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: str = one_of("function")
     function: NamedFunction
 
 
-class _Sampling(_Strict):
+class _Sampling(StrictModel):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -109,7 +99,7 @@ class _Sampling(_Strict):
     speculative: bool = True
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictModel):
     """vLLM's ``structured_outputs`` object (one of its fields)."""
 
     json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
@@ -119,7 +109,7 @@ class StructuredOutputs(_Strict):
     json_object: bool | None = None
 
 
-class ResumedChoice(_Strict):
+class ResumedChoice(StrictModel):
     """One choice of a continued answer: what it had produced before (on another replica)."""
 
     index: int
@@ -133,7 +123,7 @@ class ResumedChoice(_Strict):
     finish_reason: str | None = None  # set: the choice had finished (nothing more to generate)
 
 
-class Continuation(_Strict):
+class Continuation(StrictModel):
     """tripod's extension ``tripod_continuation`` (the router's failover): answer this request as
     the continuation of one that another replica started, whose ``id`` and ``created`` the answer
     keeps. Each listed choice resumes from its tokens; unlisted choices start afresh."""
@@ -186,62 +176,25 @@ class CompletionRequest(_Constrained):
     best_of: int | None = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class LoadLoraRequest(_Strict):  # POST /v1/load_lora_adapter (vLLM's body)
+class LoadLoraRequest(StrictModel):  # POST /v1/load_lora_adapter (vLLM's body)
     lora_name: str
     lora_path: str
 
 
-class UnloadLoraRequest(_Strict):  # POST /v1/unload_lora_adapter
+class UnloadLoraRequest(StrictModel):  # POST /v1/unload_lora_adapter
     lora_name: str
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[int]
-
-
-def parse(cls: type[BaseModel], raw: bytes) -> Any:
-    """Bytes → request model, or an ``APIError`` naming the first bad field."""
-    if not raw.strip():
-        raise APIError(400, "the request body is empty; send a JSON object")
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise APIError(400, "the request body is nested too deeply") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
-    try:
-        return cls.model_validate(data, strict=True)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"] if not isinstance(x, str) or not _is_type_tag(x))
-        if err["type"] == "missing":
-            raise APIError(400, f"'{loc}' is required", param=loc) from None
-        got = err.get("input")
-        shown = json.dumps(got)[:80] if _jsonable(got) else repr(got)[:80]
-        raise APIError(400, f"'{loc}': {err['msg']} (got {shown})", param=loc) from None
-
-
-def _is_type_tag(x: str) -> bool:
-    # pydantic puts union member names into locations ("str", "list[int]", "function-after[...]").
-    return x in ("str", "int", "float", "bool") or "[" in x
-
-
-def _jsonable(x: Any) -> bool:
-    try:
-        json.dumps(x)
-        return True
-    except (TypeError, ValueError):
-        return False
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[Message]:
