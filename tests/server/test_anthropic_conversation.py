@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tripod.server.anthropic_protocol import MessagesRequest, conversation
+from tripod.server.api.anthropic_requests import MessagesRequest, conversation
 from tripod.server.api.body import parse
 from tripod.server.errors import APIError
 

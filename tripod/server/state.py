@@ -21,8 +21,16 @@ from tripod.server.answer.text import TextSide
 from tripod.server.engine_client import EngineClient
 from tripod.server.errors import APIError
 from tripod.server.metrics import ServerMetrics
-from tripod.server.sampling import Limits
 from tripod.tenants import AuditLog, TenantGate, TenantRegistry, record_of
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the served model and the server's configuration allow."""
+
+    max_len: int  # prompt + output tokens
+    max_n: int
+    vocab_size: int
 
 
 @dataclass

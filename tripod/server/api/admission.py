@@ -1,8 +1,9 @@
-"""Starting a generation, shared by the API surfaces that generate: the drain check, the
-tenant's limits (``tripod.tenants``), the engine's admission (``EngineClient.open``: 429, or the
+"""Starting a generation, shared by the surfaces that generate: the drain check, the tenant's
+limits (``tripod.tenants``), the engine link's admission count (``EngineClient.open``: 429, or the
 surface's own overload status), and the first delta, which comes before the response starts.
 
-(The engine process's own admission, of KV memory and the queue, is ``tripod/engine``'s.)
+(This decides whether a request reaches the engine at all; what the engine process does with it
+then is the engine's own admission.)
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ async def start_generation(
         raise APIError(503, f"the engine is not running: {e}", type="server_error", code="engine_dead") from None
     gen = Generation(handle, state.text, stops, state.metrics, arrival, priors, special)
     if tracing.ACTIVE:
-        request.scope[GENERATION_KEY] = gen  # the engine's spans are made from it (server/app.py)
+        request.scope[GENERATION_KEY] = gen  # the engine's spans are made from it (server/traces.py)
     if rec is not None:
         rec.sync = _usage_of(gen)
     try:

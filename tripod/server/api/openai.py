@@ -44,17 +44,17 @@ from tripod.server.answer.tools import (
 )
 from tripod.server.api.admission import Started, start_generation
 from tripod.server.api.body import parse, read_body
-from tripod.server.continuation import mark_choice, resume_priors
-from tripod.server.engine_client import EnginePart
-from tripod.server.errors import APIError
-from tripod.server.protocol import (
+from tripod.server.api.failover import mark_choice, resume_priors
+from tripod.server.api.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,
     grammar_spec,
     openai_tools,
 )
-from tripod.server.sampling import build_sampling, logit_bias_ids, stop_strings
+from tripod.server.api.sampling import build_sampling, logit_bias_ids, stop_strings
+from tripod.server.engine_client import EnginePart
+from tripod.server.errors import APIError
 from tripod.server.state import ServerState, adapter_of, check_ids, check_model
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions

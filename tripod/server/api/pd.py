@@ -50,15 +50,15 @@ from tripod.memory.kv_transfer import CONTENT_TYPE, BlockReceiver, TransferRefus
 from tripod.protocol import pd
 from tripod.protocol.sampling import SamplingParams
 from tripod.server.api.body import parse, read_body
-from tripod.server.engine_client import EngineDead, EnginePart, Overloaded
-from tripod.server.errors import APIError
-from tripod.server.openai_api import prompt_ids
-from tripod.server.protocol import (
+from tripod.server.api.openai import prompt_ids
+from tripod.server.api.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,
     openai_tools,
 )
+from tripod.server.engine_client import EngineDead, EnginePart, Overloaded
+from tripod.server.errors import APIError
 from tripod.server.state import ServerState, adapter_of, check_model
 
 log = logging.getLogger("tripod.server.pd")

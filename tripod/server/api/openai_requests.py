@@ -1,8 +1,9 @@
-"""The OpenAI wire protocol: request models (pydantic, strict types) and the OpenAI-specific
-checks (errors are ``server/errors.py``'s ``APIError``).
+"""The OpenAI surface's request models (strict pydantic, on ``body.StrictModel``) and the
+OpenAI-specific checks and translations: messages → ``Message``s, tools → ``ToolSpec``s and a
+``ToolChoice``, output constraints → a ``GrammarSpec``. The routes are ``openai.py``'s.
 
 Types are checked by pydantic in strict mode (``"5"`` is not a number, ``true`` is not 1);
-ranges are ``SamplingParams``' own (``server/sampling.py``), cross-field rules are checked here
+ranges are ``SamplingParams``' own (``api/sampling.py``), cross-field rules are checked here
 with messages that say what to change. Unknown fields are ignored, as OpenAI-compatible servers
 do, so clients that send newer fields keep working; known OpenAI features tripod does not
 implement are refused by name rather than ignored.
@@ -174,27 +175,6 @@ class CompletionRequest(_Constrained):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
-
-
-class TokenizeRequest(StrictModel):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-
-
-class LoadLoraRequest(StrictModel):  # POST /v1/load_lora_adapter (vLLM's body)
-    lora_name: str
-    lora_path: str
-
-
-class UnloadLoraRequest(StrictModel):  # POST /v1/unload_lora_adapter
-    lora_name: str
-
-
-class DetokenizeRequest(StrictModel):
-    model: str | None = None
-    tokens: list[int]
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[Message]:

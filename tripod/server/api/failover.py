@@ -17,9 +17,9 @@ from tripod.protocol.engine_ipc import Logprob
 from tripod.protocol.failover import ResumePoint
 from tripod.protocol.sampling import Resume
 from tripod.server.answer.generation import Prior
+from tripod.server.api.openai_requests import ChatCompletionRequest, CompletionRequest
 from tripod.server.engine_client import EnginePart
 from tripod.server.errors import APIError
-from tripod.server.protocol import ChatCompletionRequest, CompletionRequest
 from tripod.server.state import ServerState, check_ids
 
 _RESUMED_FINISH = ("stop", "length", "tool_calls")

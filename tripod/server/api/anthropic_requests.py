@@ -1,5 +1,6 @@
-"""The Anthropic Messages wire protocol: request models (strict pydantic, like the OpenAI side)
-and their translation into ``Message``s, tools and a tool choice.
+"""The Anthropic surface's request models (strict pydantic on ``body.StrictModel``, like the
+OpenAI side) and their translation into ``Message``s, tools and a tool choice. The routes are
+``anthropic.py``'s.
 
 Content blocks are read as one permissive model and checked by type here, so an unsupported block
 (``image``, ``document``) is refused by name with a 400 rather than a schema dump. Earlier
