@@ -20,7 +20,7 @@ def check_tls(certfile: str | None, keyfile: str | None) -> None:
         raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both for HTTPS, or neither")
 
 
-PD_ROLES = ("both", "prefill", "decode")  # --role: server/pd.py
+PD_ROLES = ("both", "prefill", "decode")  # --role: server/api/pd.py
 
 
 def check_pd_role(role: str, enable_prefix_cache: bool, world_size: int) -> None:
@@ -35,7 +35,7 @@ def check_pd_role(role: str, enable_prefix_cache: bool, world_size: int) -> None
                          "of the KV); drop --tensor/pipeline/data-parallel-size or --role")
 
 # --reasoning-parser: auto (from the model's architecture and chat template), none, or a parser
-# (tripod/server/reasoning.py keeps the parsers by these names).
+# (tripod/server/answer/reasoning.py keeps the parsers by these names).
 REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "gpt_oss")
 
 
@@ -71,7 +71,7 @@ class ServerConfig:
     dead_grace: float = 2.0
     bench_dir: str | None = opt(  # the console's benchmark history: where tripod bench wrote its runs
         None, BENCH_DIR_HELP, commands=(SERVE,), metavar="DIR", group="console", forward=False)
-    # Prefill/decode disaggregation (server/pd.py; README "Prefill/decode disaggregation"). A fleet
+    # Prefill/decode disaggregation (server/api/pd.py; README "Prefill/decode disaggregation"). A fleet
     # gives each replica its role (--prefill-replicas), so it is not forwarded.
     role: str = opt(
         "both", "prefill/decode disaggregation: prefill (a router sends it new prompts; it computes their KV and "

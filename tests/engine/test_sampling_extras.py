@@ -89,8 +89,9 @@ def test_prompt_logprobs_in_a_stream_come_first(engine: Any) -> None:
 
 def test_bounds_are_one_set() -> None:
     """The server's translation and the engine accept the same values (one validation)."""
-    from tripod.server.protocol import APIError
-    from tripod.server.sampling import Limits, build_sampling
+    from tripod.server.api.sampling import build_sampling
+    from tripod.server.errors import APIError
+    from tripod.server.state import Limits
 
     lim = Limits(max_len=100, max_n=4, vocab_size=1000)
     for temp, ok in ((2.0, True), (2.0001, False), (0.0, True), (-1e-9, False)):

@@ -24,7 +24,7 @@ from openai import OpenAI
 from tests.support.lora_adapters import random_adapter
 from tests.support.server_helpers import ServerProcess, TripodProcess, assert_same_answer
 from tripod.loader import load_tokenizer
-from tripod.server.pd import KILL_HOOK
+from tripod.server.api.pd import KILL_HOOK
 
 pytestmark = pytest.mark.slow  # a disaggregated fleet and a reference replica: about 50 s (test_pd_route_e2e.py
 # and tests/memory/test_kv_transfer.py stay in the default run)
@@ -194,7 +194,7 @@ def test_a_prefill_replica_killed_mid_transfer_costs_a_fallback(
     after = _pd(fleet)
     assert after["fallback"] == before["fallback"] + 1 and after["ok"] == before["ok"], after
     # The decode replica kept the whole blocks it had verified before the cut, and served every one:
-    # the request waited for the cut stream to end (server/pd.py HandOverGate). (How many of the
+    # the request waited for the cut stream to end (server/api/pd.py HandOverGate). (How many of the
     # KILL_AFTER blocks sent reach it depends on what its server had read when the connection died.)
     assert cut_before == 0 and _metric(decode, "tripod:pd_kv_receives_total", 'outcome="cut"') == 1
     received = _metric(decode, "tripod:pd_kv_received_blocks_total") - blocks_before

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from tripod.server.anthropic_protocol import MessagesRequest, conversation
-from tripod.server.protocol import APIError, parse
+from tripod.server.api.anthropic_requests import MessagesRequest, conversation
+from tripod.server.api.body import parse
+from tripod.server.errors import APIError
 
 THINK = {"type": "thinking", "thinking": "Let me see.", "signature": "sig"}
 

@@ -3,7 +3,7 @@ against a real ``tripod serve``: no answer is a 5xx, every 4xx (and anything els
 in the documented error shape of its API (OpenAI's, or Anthropic's on ``/v1/messages``), and the
 server is still healthy afterwards, with no request left in its engine and its KV accounted for.
 
-The document is the one the server serves at ``/openapi.json`` (``tripod/server/openapi.py``:
+The document is the one the server serves at ``/openapi.json`` (``tripod/server/api/openapi.py``:
 request bodies are the routes' own pydantic models). Generation is kept cheap: a valid
 ``max_tokens`` above 4 (or none) becomes 4 and ``n`` at most 2, so answers take milliseconds;
 invalid values are sent as generated. Half the bodies name the served model (``"default"``) so
@@ -30,7 +30,7 @@ import schemathesis.checks as checks
 from hypothesis import HealthCheck, settings
 
 from tests.support.server_helpers import ServerProcess
-from tripod.server.openapi import api_document
+from tripod.server.api.openapi import api_document
 
 schema = schemathesis.openapi.from_dict(api_document())
 SEEN: collections.Counter[tuple[str, str, int]] = collections.Counter()

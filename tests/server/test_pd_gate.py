@@ -1,4 +1,4 @@
-"""The decode replica's hand-over gate (``server/pd.py``): a request carrying the router's hand-over
+"""The decode replica's hand-over gate (``server/api/pd.py``): a request carrying the router's hand-over
 id is admitted only once that id's KV streams have ended, so a fallback after a prefill replica died
 mid-transfer finds every block the cut stream verified; other requests are never held."""
 
@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 from tripod.protocol import pd
-from tripod.server.pd import HandOverGate, Receiving
+from tripod.server.api.pd import HandOverGate, Receiving
 
 
 def _scope(path: str, transfer: str | None) -> dict[str, Any]:

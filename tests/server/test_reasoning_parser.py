@@ -1,4 +1,4 @@
-"""The reasoning parsers (tripod/server/reasoning.py) without a model: the thinking split from the
+"""The reasoning parsers (tripod/server/answer/reasoning.py) without a model: the thinking split from the
 answer whatever the pieces the text comes in, the markers never in either part, where an output
 starts read from the prompt, the parser chosen per model, and the grammar that constrains only the
 answer (compiled with XGrammar against the embedded tokenizer)."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tripod.protocol.sampling import GrammarSpec
-from tripod.server.reasoning import (
+from tripod.server.answer.reasoning import (
     DeepSeekR1Parser,
     GptOssParser,
     Qwen3Parser,
@@ -136,7 +136,7 @@ def test_harmony_markers_are_tokens(hf_tokenizer: Any) -> None:
     """gpt-oss: the markers are special tokens; the grammar names them as tokens, and the text side
     keeps them for the splitter (which drops them)."""
     from tripod.engine.structured import GrammarBackend
-    from tripod.server.text import SeqText, TextSide
+    from tripod.server.answer.text import SeqText, TextSide
 
     tok = copy.deepcopy(hf_tokenizer)
     tok.add_special_tokens({"additional_special_tokens": ["<|channel|>", "<|message|>", "<|end|>", "<|start|>",

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tripod.loader import load_tokenizer
-from tripod.server.text import SeqText, TextSide
+from tripod.server.answer.text import SeqText, TextSide
 
 TEXT = "Voilà: héllo wörld — 你好世界 🎉🎉 naïve café, «quoted» ∑x² done."
 

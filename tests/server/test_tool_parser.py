@@ -12,9 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tripod.server.conversation import ChatRenderer, Message, PastCall
-from tripod.server.protocol import APIError
-from tripod.server.tools import (
+from tripod.server.answer.conversation import ChatRenderer, Message, PastCall
+from tripod.server.answer.tools import (
     ArgsPiece,
     CallEnd,
     CallStart,
@@ -27,6 +26,7 @@ from tripod.server.tools import (
     check_tools,
     parse_all,
 )
+from tripod.server.errors import APIError
 
 P = HermesParser()
 WEATHER = ToolSpec("get_weather", "Weather in a city", {

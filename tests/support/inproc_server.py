@@ -11,11 +11,11 @@ from typing import Any
 from tests.router.stubs import ServerThread
 from tripod.config import EngineConfig, ServerConfig
 from tripod.loader import load_tokenizer
-from tripod.server.app import ServerState, build_app, lifespan_for
+from tripod.server.answer.text import TextSide
+from tripod.server.app import build_app, lifespan_for
 from tripod.server.engine_client import EngineClient
 from tripod.server.metrics import ServerMetrics
-from tripod.server.serving import make_gate
-from tripod.server.text import TextSide
+from tripod.server.state import ServerState, make_gate
 
 START_TIMEOUT = 180.0
 ENGINE = EngineConfig(dtype="float32", kernels="optimized", kv_cache_tokens=8192, num_threads=1)

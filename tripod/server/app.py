@@ -1,10 +1,13 @@
-"""The HTTP process: the app that puts the API surfaces together, with auth, limits and errors.
+"""The HTTP shell: the app that puts the API surfaces together, with auth, limits, errors and the
+lifespan that starts and stops the engine process.
 
-One module per surface: ``openai_api`` (chat/completions), ``anthropic_api`` (messages),
-``admin_api`` (models, health, metrics, tokenize); what they share is in ``serving``, the one
-request → ``SamplingParams`` translation in ``sampling``. Every error a caller can cause is answered
-with a 4xx in the shape of the API it called (OpenAI's body; Anthropic's on ``/v1/messages``); the
-engine is only reached by requests that passed every check.
+The surfaces are ``tripod.server.api``'s, one module each: ``openai`` (chat/completions),
+``anthropic`` (messages), ``admin`` (models, health, metrics, tokenize; ``lora`` within), ``pd``
+(the prefill/decode hand-over, with its ASGI gate); ``openapi`` describes them. What they read is
+``state.ServerState``; engine outputs become answers in ``tripod.server.answer``. Every error a
+caller can cause is answered with a 4xx in the shape of the API it called (``errors``: OpenAI's
+body; Anthropic's on ``/v1/messages``); the engine is only reached by requests that passed every
+check.
 """
 
 from __future__ import annotations
@@ -20,20 +23,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tripod import tracing
+from tripod.asgi import ClientGone
 from tripod.console.app import Console, is_open_path
-from tripod.server.admin_api import add_admin_routes
-from tripod.server.anthropic_api import add_anthropic_routes
+from tripod.server.api.admin import add_admin_routes
+from tripod.server.api.anthropic import add_anthropic_routes
+from tripod.server.api.openai import add_openai_routes
+from tripod.server.api.openapi import openapi_document
+from tripod.server.api.pd import HandOverGate, Receiving, add_pd_routes
 from tripod.server.console_source import ServerConsoleSource
-from tripod.server.openai_api import add_openai_routes
-from tripod.server.openapi import openapi_document
-from tripod.server.pd import HandOverGate, Receiving, add_pd_routes
-from tripod.server.protocol import APIError
-from tripod.server.serving import ClientGone, ServerState, too_large
+from tripod.server.errors import APIError, error_response, too_large
+from tripod.server.state import ServerState
 from tripod.server.traces import finish_request
 from tripod.tenants import OverLimit
 from tripod.tenants.asgi import TenantMiddleware
 
-__all__ = ["ServerState", "build_app", "lifespan_for"]
+__all__ = ["build_app", "lifespan_for"]
 
 log = logging.getLogger("tripod.server")
 
@@ -42,15 +46,6 @@ _ROUTES = {
     "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
     "/health", "/metrics", "/tokenize", "/detokenize", "/debug/engine", "/openapi.json",
 }
-
-
-def anthropic_path(path: str) -> bool:
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
-
-
-def error_response(e: APIError, path: str) -> JSONResponse:
-    body = e.anthropic_body() if anthropic_path(path) else e.body()
-    return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
 def route_of(path: str) -> str:
@@ -134,7 +129,7 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     app = FastAPI(title="tripod", lifespan=console.wrap_lifespan(lifespan), docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.tripod = state
-    app.add_middleware(HandOverGate, receiving=Receiving())  # inside the key check (server/pd.py)
+    app.add_middleware(HandOverGate, receiving=Receiving())  # inside the key check (server/api/pd.py)
     app.add_middleware(GuardMiddleware, state=state)
     if tracing.ACTIVE:  # outermost: the span covers the whole request (and the tenant's 401/429)
         app.add_middleware(tracing.TraceMiddleware, component="server", traced=tenant_route, finish=finish_request)

@@ -12,7 +12,7 @@ from prometheus_client.metrics_core import Metric
 
 from tripod.console.models import FleetView, NodeView
 from tripod.console.readings import Reading, read_families
-from tripod.server.serving import ServerState
+from tripod.server.state import ServerState
 
 
 class ServerConsoleSource:

@@ -23,11 +23,11 @@ from tripod.asgi import DrainingServer
 from tripod.config import EngineConfig, ServerConfig
 from tripod.config_services import check_pd_role
 from tripod.loader import load_tokenizer
-from tripod.server.app import ServerState, build_app, lifespan_for
+from tripod.server.answer.text import TextSide
+from tripod.server.app import build_app, lifespan_for
 from tripod.server.engine_client import EngineClient
 from tripod.server.metrics import ServerMetrics
-from tripod.server.serving import make_gate
-from tripod.server.text import TextSide
+from tripod.server.state import ServerState, make_gate
 from tripod.tenants import TenantFileError, TenantGate
 
 log = logging.getLogger("tripod.server")

@@ -11,8 +11,9 @@ from starlette.types import Scope
 
 from tripod import tracing
 from tripod.protocol.engine_ipc import SeqTiming
-from tripod.server.generation import Generation
-from tripod.server.serving import GENERATION_KEY
+from tripod.server.answer.generation import Generation
+
+GENERATION_KEY = "tripod.generation"  # (tracing on) the request's Generation, in its ASGI scope
 
 
 def finish_request(scope: Scope, span: Any) -> None:

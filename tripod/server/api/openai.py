@@ -18,11 +18,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tripod.asgi import ClosingStream
+from tripod.asgi import ClosingStream, until_disconnect
 from tripod.protocol.sampling import GrammarSpec
-from tripod.server.continuation import mark_choice, resume_priors
-from tripod.server.engine_client import EnginePart
-from tripod.server.generation import (
+from tripod.server.answer.generation import (
     SSE_DONE,
     Collected,
     CompletionLogprobs,
@@ -34,28 +32,8 @@ from tripod.server.generation import (
     progress_stream,
     sse,
 )
-from tripod.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    chat_messages,
-    grammar_spec,
-    openai_tools,
-    parse,
-)
-from tripod.server.reasoning import ReasoningStream, Split, Thinking
-from tripod.server.sampling import build_sampling, logit_bias_ids, stop_strings
-from tripod.server.serving import (
-    ServerState,
-    Started,
-    adapter_of,
-    check_ids,
-    check_model,
-    read_body,
-    start_generation,
-    until_disconnect,
-)
-from tripod.server.tools import (
+from tripod.server.answer.reasoning import ReasoningStream, Split, Thinking
+from tripod.server.answer.tools import (
     ArgsPiece,
     CallStart,
     TextPiece,
@@ -64,6 +42,20 @@ from tripod.server.tools import (
     ToolEvent,
     parse_all,
 )
+from tripod.server.api.admission import Started, start_generation
+from tripod.server.api.body import parse, read_body
+from tripod.server.api.failover import mark_choice, resume_priors
+from tripod.server.api.openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    grammar_spec,
+    openai_tools,
+)
+from tripod.server.api.sampling import build_sampling, logit_bias_ids, stop_strings
+from tripod.server.engine_client import EnginePart
+from tripod.server.errors import APIError
+from tripod.server.state import ServerState, adapter_of, check_ids, check_model
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
 

@@ -1,8 +1,9 @@
-"""The OpenAI wire protocol: request models (pydantic, strict types), ``APIError`` (whose body
-takes OpenAI's or Anthropic's shape), and the OpenAI-specific checks.
+"""The OpenAI surface's request models (strict pydantic, on ``body.StrictModel``) and the
+OpenAI-specific checks and translations: messages → ``Message``s, tools → ``ToolSpec``s and a
+``ToolChoice``, output constraints → a ``GrammarSpec``. The routes are ``openai.py``'s.
 
 Types are checked by pydantic in strict mode (``"5"`` is not a number, ``true`` is not 1);
-ranges are ``SamplingParams``' own (``server/sampling.py``), cross-field rules are checked here
+ranges are ``SamplingParams``' own (``api/sampling.py``), cross-field rules are checked here
 with messages that say what to change. Unknown fields are ignored, as OpenAI-compatible servers
 do, so clients that send newer fields keep working; known OpenAI features tripod does not
 implement are refused by name rather than ignored.
@@ -11,87 +12,40 @@ implement are refused by name rather than ignored.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from tripod.protocol.sampling import GrammarSpec
-
-if TYPE_CHECKING:
-    from tripod.server.conversation import Message
-    from tripod.server.tools import ToolChoice, ToolSpec
-
-# Anthropic's error types by HTTP status (its API documents these; others map to api_error).
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-    429: "rate_limit_error", 529: "overloaded_error",
-}
-
-
-class APIError(Exception):
-    """An error the caller can fix (4xx) or that the server reports (5xx), OpenAI-shaped."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def anthropic_body(self) -> dict[str, Any]:
-        """The same error in Anthropic's shape (``/v1/messages``)."""
-        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
-                                           "message": self.message}}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+from tripod.server.answer.conversation import Message, PastCall
+from tripod.server.answer.tools import ToolChoice, ToolSpec, check_choice, check_tools
+from tripod.server.api.body import StrictModel, one_of
+from tripod.server.errors import APIError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def one_of(*values: str) -> Any:
-    """A string field documented (OpenAPI) as one of ``values``; the route checks it itself, with a
-    message that says what to send."""
-    return Field(json_schema_extra={"enum": list(values)})
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictModel):
     type: str = one_of("text")
     text: str | None = None
 
 
-class CallFunction(_Strict):
+class CallFunction(StrictModel):
     name: str
     arguments: str | dict[str, Any]  # a JSON string, as OpenAI sends it (an object is accepted)
 
 
-class MessageToolCall(_Strict):
+class MessageToolCall(StrictModel):
     id: str
     type: str = "function"
     function: CallFunction
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: str = one_of(*ROLES)
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -99,28 +53,28 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None  # role "tool"
 
 
-class FunctionDef(_Strict):
+class FunctionDef(StrictModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDef(_Strict):
+class ToolDef(StrictModel):
     type: str = one_of("function")
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: str = one_of("function")
     function: NamedFunction
 
 
-class _Sampling(_Strict):
+class _Sampling(StrictModel):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -146,7 +100,7 @@ class _Sampling(_Strict):
     speculative: bool = True
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictModel):
     """vLLM's ``structured_outputs`` object (one of its fields)."""
 
     json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
@@ -156,7 +110,7 @@ class StructuredOutputs(_Strict):
     json_object: bool | None = None
 
 
-class ResumedChoice(_Strict):
+class ResumedChoice(StrictModel):
     """One choice of a continued answer: what it had produced before (on another replica)."""
 
     index: int
@@ -170,7 +124,7 @@ class ResumedChoice(_Strict):
     finish_reason: str | None = None  # set: the choice had finished (nothing more to generate)
 
 
-class Continuation(_Strict):
+class Continuation(StrictModel):
     """tripod's extension ``tripod_continuation`` (the router's failover): answer this request as
     the continuation of one that another replica started, whose ``id`` and ``created`` the answer
     keeps. Each listed choice resumes from its tokens; unlisted choices start afresh."""
@@ -223,68 +177,8 @@ class CompletionRequest(_Constrained):
     best_of: int | None = None
 
 
-class TokenizeRequest(_Strict):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-
-
-class LoadLoraRequest(_Strict):  # POST /v1/load_lora_adapter (vLLM's body)
-    lora_name: str
-    lora_path: str
-
-
-class UnloadLoraRequest(_Strict):  # POST /v1/unload_lora_adapter
-    lora_name: str
-
-
-class DetokenizeRequest(_Strict):
-    model: str | None = None
-    tokens: list[int]
-
-
-def parse(cls: type[BaseModel], raw: bytes) -> Any:
-    """Bytes → request model, or an ``APIError`` naming the first bad field."""
-    if not raw.strip():
-        raise APIError(400, "the request body is empty; send a JSON object")
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise APIError(400, "the request body is nested too deeply") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
-    try:
-        return cls.model_validate(data, strict=True)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"] if not isinstance(x, str) or not _is_type_tag(x))
-        if err["type"] == "missing":
-            raise APIError(400, f"'{loc}' is required", param=loc) from None
-        got = err.get("input")
-        shown = json.dumps(got)[:80] if _jsonable(got) else repr(got)[:80]
-        raise APIError(400, f"'{loc}': {err['msg']} (got {shown})", param=loc) from None
-
-
-def _is_type_tag(x: str) -> bool:
-    # pydantic puts union member names into locations ("str", "list[int]", "function-after[...]").
-    return x in ("str", "int", "float", "bool") or "[" in x
-
-
-def _jsonable(x: Any) -> bool:
-    try:
-        json.dumps(x)
-        return True
-    except (TypeError, ValueError):
-        return False
-
-
 def chat_messages(messages: list[ChatMessage]) -> list[Message]:
     """OpenAI messages → ``Message``s (string content, tool calls and results kept)."""
-    from tripod.server.conversation import Message, PastCall
-
     if not messages:
         raise APIError(400, "'messages' must hold at least one message", param="messages")
     out: list[Message] = []
@@ -328,8 +222,6 @@ def chat_messages(messages: list[ChatMessage]) -> list[Message]:
 def openai_tools(req: ChatCompletionRequest, default_parallel: bool = True) -> tuple[list[ToolSpec], ToolChoice]:
     """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` → checked tools and choice (an unset
     ``parallel_tool_calls`` means ``default_parallel``)."""
-    from tripod.server.tools import ToolChoice, check_choice, check_tools
-
     if req.functions is not None or req.function_call is not None:
         raise APIError(400, "'functions' / 'function_call' (OpenAI's deprecated function calling) are not "
                        "supported; send 'tools' and 'tool_choice'", param="functions")

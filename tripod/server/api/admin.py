@@ -1,5 +1,5 @@
 """The admin surface: ``/health``, ``/metrics``, ``/v1/models``, ``/tokenize``, ``/detokenize``,
-``/debug/engine``."""
+``/debug/engine``, and the request models of ``/tokenize`` and ``/detokenize`` (vLLM's bodies)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tripod.protocol import health
+from tripod.server.api.body import StrictModel, parse, read_body
+from tripod.server.api.lora import adapter_cards, add_lora_routes
+from tripod.server.api.openai_requests import ChatMessage, chat_messages
 from tripod.server.engine_client import EngineDead
-from tripod.server.lora_api import adapter_cards, add_lora_routes
-from tripod.server.protocol import (
-    APIError,
-    DetokenizeRequest,
-    TokenizeRequest,
-    chat_messages,
-    parse,
-)
-from tripod.server.serving import ServerState, check_ids, check_model, read_body
+from tripod.server.errors import APIError
+from tripod.server.state import ServerState, check_ids, check_model
+
+
+# NOTE: no docstrings on these two: a docstring becomes the schema's description in /openapi.json.
+class TokenizeRequest(StrictModel):  # POST /tokenize: a prompt, or chat messages rendered with the template
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(StrictModel):  # POST /detokenize
+    model: str | None = None
+    tokens: list[int]
 
 
 def model_card(state: ServerState) -> dict[str, Any]:

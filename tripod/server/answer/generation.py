@@ -23,10 +23,10 @@ from typing import Any
 from tripod.protocol import engine_ipc
 from tripod.protocol.engine_ipc import Logprob
 from tripod.protocol.failover import Progress, encode_progress
+from tripod.server.answer.text import SeqText, TextSide
 from tripod.server.engine_client import EngineDead, RequestHandle
+from tripod.server.errors import APIError
 from tripod.server.metrics import ServerMetrics
-from tripod.server.protocol import APIError
-from tripod.server.text import SeqText, TextSide
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 A request with ``tripod_failover`` gets resume points: each stream chunk that ends an engine
 delta carries, per choice, a ``ResumePoint`` under ``"tripod"`` (``mark_choice``); a whole answer
-comes as ``progress_stream``'s events (``generation.py``). A request with ``tripod_continuation``
+comes as ``progress_stream``'s events (``answer/generation.py``). A request with ``tripod_continuation``
 continues another replica's answer: ``resume_priors`` turns it into each choice's ``Prior`` and
 the copies the engine still has to run, each from its tokens.
 """
@@ -16,10 +16,11 @@ import msgspec
 from tripod.protocol.engine_ipc import Logprob
 from tripod.protocol.failover import ResumePoint
 from tripod.protocol.sampling import Resume
+from tripod.server.answer.generation import Prior
+from tripod.server.api.openai_requests import ChatCompletionRequest, CompletionRequest
 from tripod.server.engine_client import EnginePart
-from tripod.server.generation import Prior
-from tripod.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from tripod.server.serving import ServerState, check_ids
+from tripod.server.errors import APIError
+from tripod.server.state import ServerState, check_ids
 
 _RESUMED_FINISH = ("stop", "length", "tool_calls")
 

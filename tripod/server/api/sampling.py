@@ -5,30 +5,21 @@ it hands ``build_sampling`` the ``SamplingParams`` fields it has, and the names 
 for them. The value bounds are ``SamplingParams``' own (``tripod/protocol/sampling.py``):
 constructing it here is the check, and the engine process receives this very object
 (``tripod.protocol.engine_ipc.AddRequest``). What
-only the server knows is checked here too: the context left for the output, ``--max-n``, the
-vocabulary, and what JSON integers the wire allows.
+only the server knows is checked here too (``state.Limits``): the context left for the output,
+``--max-n``, the vocabulary, and what JSON integers the wire allows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from tripod.protocol.sampling import GrammarSpec, SamplingParamError, SamplingParams
-from tripod.server.protocol import APIError
+from tripod.server.errors import APIError
+from tripod.server.state import Limits
 
 MAX_STOP = 16
 MAX_STOP_LEN = 256
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """What the served model and the server's configuration allow."""
-
-    max_len: int  # prompt + output tokens
-    max_n: int
-    vocab_size: int
 
 
 def build_sampling(

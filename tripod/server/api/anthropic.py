@@ -1,7 +1,7 @@
 """The Anthropic surface: ``POST /v1/messages`` (text, tool use, streaming with Anthropic's event
 sequence) and ``POST /v1/messages/count_tokens``.
 
-Errors on these routes take Anthropic's shape (``app.py`` picks it by path); a full server answers
+Errors on these routes take Anthropic's shape (``server/errors.py`` picks it by path); a full server answers
 529 ``overloaded_error``. ``usage`` follows Anthropic's accounting: ``input_tokens`` are the prompt
 tokens not read from the prefix cache, ``cache_read_input_tokens`` those that were (their sum is
 what ``count_tokens`` says).
@@ -17,30 +17,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tripod.asgi import ClosingStream
-from tripod.server.anthropic_protocol import (
-    TEMPERATURE_MAX,
-    CountTokensRequest,
-    MessagesRequest,
-    conversation,
-    output_format,
-    thinking_budget,
-)
-from tripod.server.engine_client import EnginePart
-from tripod.server.generation import Delta, Usage, collect, new_id
-from tripod.server.protocol import APIError, parse
-from tripod.server.reasoning import Split, Thinking
-from tripod.server.sampling import build_sampling, stop_strings
-from tripod.server.serving import (
-    ServerState,
-    Started,
-    adapter_of,
-    check_model,
-    read_body,
-    start_generation,
-    until_disconnect,
-)
-from tripod.server.tools import (
+from tripod.asgi import ClosingStream, until_disconnect
+from tripod.server.answer.generation import Delta, Usage, collect, new_id
+from tripod.server.answer.reasoning import Split, Thinking
+from tripod.server.answer.tools import (
     ArgsPiece,
     CallEnd,
     CallStart,
@@ -49,6 +29,20 @@ from tripod.server.tools import (
     ToolCallStream,
     ToolEvent,
 )
+from tripod.server.api.admission import Started, start_generation
+from tripod.server.api.anthropic_requests import (
+    TEMPERATURE_MAX,
+    CountTokensRequest,
+    MessagesRequest,
+    conversation,
+    output_format,
+    thinking_budget,
+)
+from tripod.server.api.body import parse, read_body
+from tripod.server.api.sampling import build_sampling, stop_strings
+from tripod.server.engine_client import EnginePart
+from tripod.server.errors import APIError
+from tripod.server.state import ServerState, adapter_of, check_model
 
 OVERLOADED = 529  # Anthropic's status for a server at capacity
 

@@ -1,5 +1,6 @@
-"""The Anthropic Messages wire protocol: request models (strict pydantic, like the OpenAI side)
-and their translation into ``Message``s, tools and a tool choice.
+"""The Anthropic surface's request models (strict pydantic on ``body.StrictModel``, like the
+OpenAI side) and their translation into ``Message``s, tools and a tool choice. The routes are
+``anthropic.py``'s.
 
 Content blocks are read as one permissive model and checked by type here, so an unsupported block
 (``image``, ``document``) is refused by name with a 400 rather than a schema dump. Earlier
@@ -13,21 +14,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from tripod.protocol.sampling import GrammarSpec
-from tripod.server.conversation import Message, PastCall
-from tripod.server.protocol import APIError, one_of
-from tripod.server.tools import ToolChoice, ToolSpec, check_choice, check_tools
+from tripod.server.answer.conversation import Message, PastCall
+from tripod.server.answer.tools import ToolChoice, ToolSpec, check_choice, check_tools
+from tripod.server.api.body import StrictModel, one_of
+from tripod.server.errors import APIError
 
 TEMPERATURE_MAX = 1.0  # Anthropic's range is [0, 1] (tripod's sampler allows up to 2)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class Block(_Strict):
+class Block(StrictModel):
     type: str = one_of("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
     text: str | None = None
     id: str | None = None  # tool_use
@@ -38,25 +36,25 @@ class Block(_Strict):
     is_error: bool | None = None
 
 
-class AnthropicMessage(_Strict):
+class AnthropicMessage(StrictModel):
     role: str = one_of("user", "assistant")
     content: str | list[Block]
 
 
-class AnthropicTool(_Strict):
+class AnthropicTool(StrictModel):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None  # "custom" or absent; Anthropic's server tools name a version here
 
 
-class AnthropicToolChoice(_Strict):
+class AnthropicToolChoice(StrictModel):
     type: str = one_of("auto", "any", "tool", "none")
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class _Conversation(_Strict):
+class _Conversation(StrictModel):
     model: str
     messages: list[AnthropicMessage]
     system: str | list[Block] | None = None
@@ -65,12 +63,12 @@ class _Conversation(_Strict):
     thinking: dict[str, Any] | None = None
 
 
-class OutputFormat(_Strict):
+class OutputFormat(StrictModel):
     type: str
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
 
 
-class OutputConfig(_Strict):
+class OutputConfig(StrictModel):
     format: OutputFormat | None = None
 
 

@@ -14,9 +14,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from tripod.server.protocol import APIError
-from tripod.server.text import ChatTemplateError, TextSide
-from tripod.server.tools import PARSERS, ToolCallParser, ToolSpec
+from tripod.server.answer.text import ChatTemplateError, TextSide
+from tripod.server.answer.tools import PARSERS, ToolCallParser, ToolSpec
+from tripod.server.errors import APIError
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,13 +15,11 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from tripod import __version__
-from tripod.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from tripod.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from tripod.server.api.admin import DetokenizeRequest, TokenizeRequest, add_admin_routes
+from tripod.server.api.anthropic import add_anthropic_routes
+from tripod.server.api.anthropic_requests import CountTokensRequest, MessagesRequest
+from tripod.server.api.openai import add_openai_routes
+from tripod.server.api.openai_requests import ChatCompletionRequest, CompletionRequest
 
 OPENAI_ERROR: dict[str, Any] = {
     "type": "object", "required": ["error"], "additionalProperties": False,
@@ -57,10 +55,6 @@ def _errors(shape: str) -> dict[str, Any]:
 
 def api_document() -> dict[str, Any]:
     """The document without a running server (the routes only close over the state they serve)."""
-    from tripod.server.admin_api import add_admin_routes
-    from tripod.server.anthropic_api import add_anthropic_routes
-    from tripod.server.openai_api import add_openai_routes
-
     app = FastAPI()
     unused: Any = None
     add_admin_routes(app, unused)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from tripod.protocol.sampling import GrammarSpec
-from tripod.server.protocol import APIError
+from tripod.server.errors import APIError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 MAX_TOOLS = 128

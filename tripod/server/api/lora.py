@@ -1,7 +1,8 @@
 """LoRA adapters over HTTP: listed in ``/v1/models`` (each with its base as ``parent``), loaded and
 unloaded live with vLLM's endpoints and bodies (``POST /v1/load_lora_adapter`` ``{"lora_name",
 "lora_path"}``, ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``), behind the API key like every
-``/v1/`` route. An unload answers once the adapter's running requests have finished."""
+``/v1/`` route (their request models are here). An unload answers once the adapter's running
+requests have finished."""
 
 from __future__ import annotations
 
@@ -12,11 +13,21 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from tripod.server.api.body import StrictModel, parse, read_body
 from tripod.server.engine_client import EngineDead
-from tripod.server.protocol import APIError, LoadLoraRequest, UnloadLoraRequest, parse
-from tripod.server.serving import ServerState, read_body
+from tripod.server.errors import APIError
+from tripod.server.state import ServerState
 
 UNLOAD_WAIT_S = 600.0
+
+
+class LoadLoraRequest(StrictModel):  # POST /v1/load_lora_adapter (vLLM's body)
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(StrictModel):  # POST /v1/unload_lora_adapter
+    lora_name: str
 
 
 def adapter_cards(state: ServerState, base: dict[str, Any]) -> list[dict[str, Any]]:

@@ -49,17 +49,17 @@ from tripod.memory.kv_blocks import TierLayout
 from tripod.memory.kv_transfer import CONTENT_TYPE, BlockReceiver, TransferRefused
 from tripod.protocol import pd
 from tripod.protocol.sampling import SamplingParams
-from tripod.server.engine_client import EngineDead, EnginePart, Overloaded
-from tripod.server.openai_api import prompt_ids
-from tripod.server.protocol import (
-    APIError,
+from tripod.server.api.body import parse, read_body
+from tripod.server.api.openai import prompt_ids
+from tripod.server.api.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,
     openai_tools,
-    parse,
 )
-from tripod.server.serving import ServerState, adapter_of, check_model, read_body
+from tripod.server.engine_client import EngineDead, EnginePart, Overloaded
+from tripod.server.errors import APIError
+from tripod.server.state import ServerState, adapter_of, check_model
 
 log = logging.getLogger("tripod.server.pd")
 
