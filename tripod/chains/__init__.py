@@ -27,6 +27,7 @@ from tripod.chains.core import (
     LLMSpec,
     Model,
     Signature,
+    current,
     depends,
     entrypoint,
     llm,
@@ -36,7 +37,7 @@ from tripod.chains.errors import ChainError, ChainletError, LLMError
 from tripod.chains.llm_client import Endpoint, LLMClient
 from tripod.chains.local import LocalRuntime, run_local
 from tripod.chains.metrics import ChainMetrics
-from tripod.chains.runtime import Handle, current
+from tripod.chains.runtime import Handle
 
 __all__ = [
     "ChainError",

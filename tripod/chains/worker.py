@@ -27,14 +27,15 @@ from starlette.routing import Route
 
 from tripod import tracing
 from tripod.asgi import DrainingServer
-from tripod.chains.core import Chainlet, Dependency, LLMSpec, Signature
+from tripod.chains.core import Chainlet, Dependency, LLMSpec, Runtime
 from tripod.chains.errors import ChainletError
 from tripod.chains.llm_client import ClientPool, Endpoint, LLMClient
 from tripod.chains.loader import load_chain
 from tripod.chains.metrics import ChainMetrics
 from tripod.chains.remote import PollingSource, RemoteHandle, ReplicaSource
-from tripod.chains.runtime import Runtime, execute, execute_stream, parse_args
+from tripod.chains.runtime import execute, execute_stream, parse_args
 from tripod.chains.serving import run_endpoint
+from tripod.chains.signature import Signature
 from tripod.protocol.chains import ReplicaList, WorkerHealth, decode, encode
 
 log = logging.getLogger("tripod.chains")
