@@ -8,7 +8,7 @@ from typing import Any, Literal, Protocol
 from tripod.router.prefix_tree import PrefixTree
 
 
-class ReplicaProcess(Protocol):
+class LaunchedProcess(Protocol):
     """The process behind a replica, when this process launched it (``tripod.fleet`` implements it;
     the router only reads its pid, and ``actor_name``/``node_id`` where the launcher has them)."""
 
@@ -61,7 +61,7 @@ class Replica:
     url: str
     breaker: CircuitBreaker
     tree: PrefixTree
-    process: ReplicaProcess | None = None  # set when a supervisor launched it
+    process: LaunchedProcess | None = None  # set when a supervisor launched it
     draining: bool = False
     inflight: int = 0
     inflight_tokens: float = 0.0

@@ -41,7 +41,7 @@ from tripod.router.prompt import (
     render_prompt,
 )
 from tripod.router.proxy import Proxy
-from tripod.router.replica import CircuitBreaker, Flight, Replica, ReplicaProcess
+from tripod.router.replica import CircuitBreaker, Flight, LaunchedProcess, Replica
 
 # Re-exported: where the router's callers have always found them.
 __all__ = ["Router", "RouterError", "is_anthropic", "parse_load", "render_prompt"]
@@ -93,7 +93,7 @@ class Router:
                                     ["region", "reason"], registry=self.metrics.registry)
 
     # ------------------------------------------------------------ replica set
-    def add_replica(self, name: str, url: str, process: ReplicaProcess | None = None,
+    def add_replica(self, name: str, url: str, process: LaunchedProcess | None = None,
                     labels: dict[str, str] | None = None) -> Replica:
         """A new replica starts unroutable; its first good health probe makes it routable."""
         assert name not in self.replicas, name
