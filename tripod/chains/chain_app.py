@@ -58,7 +58,7 @@ def describe(server: ChainServer) -> ChainInfo:
     for name, f in server.fleets.items():
         node = f.node
         replicas = ChainletReplicas(node.replicas, len(f.router.routable()),
-                                    [r.describe() for r in f.router.replicas.values()],
+                                    [r.info() for r in f.router.replicas.values()],
                                     f.supervisor.info()["restarts"])
         chainlets[name] = ChainletInfo(
             **node.cls.__tripod_signature__.describe(), replicas=replicas,
@@ -70,7 +70,7 @@ def describe(server: ChainServer) -> ChainInfo:
                      backend=server.cfg.backend, streaming=server.sig.streaming,
                      entrypoint_options=EntrypointInfo(opts.retries, opts.timeout_s), chainlets=chainlets,
                      models={n: ModelInfo(m.source, len(m.router.routable()),
-                                          [r.describe() for r in m.router.replicas.values()])
+                                          [r.info() for r in m.router.replicas.values()])
                              for n, m in server.models.fleets.items()})
 
 
