@@ -304,6 +304,23 @@ def test_supervisor_restarts_a_dead_replica_with_backoff() -> None:
     asyncio.run(run())
 
 
+def test_supervisor_waits_for_as_many_replicas_as_asked() -> None:
+    """The chain server's start-up waits for every replica of a chainlet (``replicas=n``); a fleet
+    is ready at its first."""
+    async def run() -> None:
+        router = Router(RouterConfig())
+        sup = Supervisor(router, FakeLauncher(), FleetConfig(min_replicas=2, max_replicas=2))
+        await sup.start()
+        both = asyncio.create_task(sup.wait_routable(10.0, replicas=2))
+        router.record_success(router.replicas["replica-0"])
+        assert await sup.wait_routable(10.0)
+        assert not await sup.wait_routable(0.05, replicas=2) and not both.done()
+        router.record_success(router.replicas["replica-1"])
+        assert await both
+        await sup.stop()
+    asyncio.run(run())
+
+
 def test_supervisor_scale_down_drains_before_stopping() -> None:
     async def run() -> None:
         router = Router(RouterConfig())

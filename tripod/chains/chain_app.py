@@ -124,6 +124,10 @@ def chain_routes(server: ChainServer) -> list[Route]:
     run = run_endpoint(sig, server.metrics, call, stream, parse)
 
     async def health(_: Request) -> Response:
+        # NOTE: ok with one routable replica each: the chain answers /run then, and a replica that
+        # died and restarts must not take the whole chain out of rotation. Start-up, before the
+        # port opens, waits for every chainlet replica (ChainServer.wait_ready); the counts below
+        # say the capacity at any time.
         ok = server.ready() and not server.draining
         status = "draining" if server.draining else ("ok" if ok else "starting")
         return _json(ChainHealth(status, sig.name, {n: len(f.router.routable()) for n, f in server.fleets.items()},

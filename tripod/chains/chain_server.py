@@ -11,10 +11,14 @@ One process, the chain server, listens on ``--host``/``--port`` and owns everyth
   same port: ``/v1/chat/completions`` etc. route by the request's ``model``, ``/v1/models`` lists
   them, ``/fleet`` describes every model's fleet;
 - the chain's own routes: ``POST /run`` (the entrypoint, called with its ``retries``/``timeout_s``;
-  SSE when it streams), ``GET /health`` (200 once every chainlet and model has a routable
-  replica), ``GET /metrics`` (every replica's chainlet metrics, labelled ``replica``, plus the
-  models' router metrics, labelled ``model``), ``GET /chain`` (the graph, each chainlet's replicas),
-  ``GET /chain/replicas`` (routable replica URLs, what the chainlets poll to call each other).
+  SSE when it streams), ``GET /health`` (200 while every chainlet and model has a routable
+  replica: a replica restarting leaves the chain in rotation), ``GET /metrics`` (every replica's
+  chainlet metrics, labelled ``replica``, plus the models' router metrics, labelled ``model``),
+  ``GET /chain`` (the graph, each chainlet's replicas), ``GET /chain/replicas`` (routable replica
+  URLs, what the chainlets poll to call each other).
+
+The port opens once start-up is done: every chainlet with all its replicas routable, every model
+with one (``ChainServer.wait_ready``), so the first ``/health`` already counts what was declared.
 
 Chainlets call each other directly, replica to replica (no hop through this process); they reach
 the models through this process's router. SIGTERM drains: ``/run`` answers 503, calls in flight
@@ -259,10 +263,20 @@ class ChainServer:
         await asyncio.gather(*(f.supervisor.start() for f in self.fleets.values()))
 
     async def wait_ready(self, timeout: float) -> str | None:
+        """Start-up: None once every chainlet has all its replicas routable and every model one
+        (its fleet's rule); else why not, past ``timeout``. The port opens only after this."""
         async def chainlet(f: ChainletFleet) -> str | None:
-            if await f.supervisor.wait_routable(timeout):
+            # NOTE: every replica, not one: the chain is announced ready (and /health first answers)
+            # with the parallelism its callers declared. A chainlet replica is a light process
+            # started with the others, so this costs no noticeable time; a model's fleet (minutes
+            # per replica, autoscaled) is ready at its first, as `tripod serve --replicas` is.
+            want = f.node.replicas
+            if await f.supervisor.wait_routable(timeout, want):
                 return None
-            return f"chainlet {f.name!r}: " + (f.supervisor.fatal or f"no replica became healthy in {timeout:.0f} s")
+            have = len(f.router.serving())
+            return f"chainlet {f.name!r}: " + (f.supervisor.fatal or (
+                f"no replica became healthy in {timeout:.0f} s" if not have
+                else f"{have} of its {want} replicas became healthy in {timeout:.0f} s"))
 
         whys = await asyncio.gather(self.models.wait_routable(timeout), *(chainlet(f) for f in self.fleets.values()))
         bad = [w for w in whys if w]
