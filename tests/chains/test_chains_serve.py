@@ -72,6 +72,8 @@ def test_served_answers_equal_local_answers(writer: TripodProcess) -> None:
     assert served.status_code == 200, served.text
     assert served.json() == asyncio.run(local())
     health = httpx.get(writer.url + "/health", timeout=5).json()
+    # NOTE: both Critic replicas count from the first 200 on: the chain server opens its port only
+    # once every chainlet has all its declared replicas routable (ChainServer.wait_ready).
     assert health["status"] == "ok" and health["chainlets"] == {"Writer": 1, "Critic": 2}
     graph = httpx.get(writer.url + "/chain", timeout=5).json()
     assert graph["entrypoint"] == "Writer" and graph["chainlets"]["Critic"]["replicas"]["desired"] == 2

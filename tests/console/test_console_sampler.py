@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from tripod.console.app import Console, is_open_path
 from tripod.console.models import FleetView, NodeView
 from tripod.console.readings import Reading, delta, histogram_quantile, read_families, read_text
-from tripod.console.sampler import Sampler
+from tripod.console.sampler import SeriesSampler
 from tripod.protocol.stats import EngineStats, SpecDecodeCounts
 from tripod.server.metrics import ServerMetrics
 
@@ -90,7 +90,7 @@ class Clock:
 
 def test_the_sampler_turns_readings_into_rates_over_its_window() -> None:
     src, clock = FakeSource(), Clock()
-    s = Sampler(src, interval=1.0, window=3.0, history=10.0, clock=clock, wall=lambda: 1000.0 + clock.t)
+    s = SeriesSampler(src, interval=1.0, window=3.0, history=10.0, clock=clock, wall=lambda: 1000.0 + clock.t)
 
     def at(t: float, **per_origin: Reading) -> None:
         clock.t = t
@@ -122,7 +122,7 @@ def test_the_sampler_turns_readings_into_rates_over_its_window() -> None:
 
 def test_the_sampler_logs_node_state_changes() -> None:
     src, clock = FakeSource(), Clock()
-    s = Sampler(src, interval=1.0, clock=clock, wall=lambda: clock.t)
+    s = SeriesSampler(src, interval=1.0, clock=clock, wall=lambda: clock.t)
     asyncio.run(s.tick())
     src.nodes["replica-1"] = "down"
     clock.t = 1

@@ -140,16 +140,23 @@ def test_the_chain_description_round_trips() -> None:
         LLMInfo,
         ModelInfo,
     )
+    from tripod.protocol.fleet import ReplicaInfo
 
+    replica = ReplicaInfo(name="r0", url="http://127.0.0.1:1", state="healthy", pid=None, inflight=0,
+                          inflight_tokens=0.0, running=0, waiting=0, routed=3, failures=0, restarts=0, continues=True,
+                          estimated_hit_rate=0.5, tree_chars=10, labels={}, role="both", kv_tier=None,
+                          tier_tree_chars=None, counters={"kv_disk_hits": 2.0})
     info = ChainInfo(
         entrypoint="Writer", file="/x/chain.py", backend="local", streaming=False,
         entrypoint_options=EntrypointInfo(1, None),
         chainlets={"Writer": ChainletInfo(
             streaming=False, input_schema={"type": "object"}, output_schema=None,
-            replicas=ChainletReplicas(1, 1, [{"name": "r0", "url": "http://127.0.0.1:1"}], {"r0": 0}),
+            replicas=ChainletReplicas(1, 1, [replica], {"r0": 0}),
             dependencies={"critic": DependencyInfo("Critic", 2, 20, 2)},
             llms={"llm": LLMInfo("judge", {"temperature": 0})})},
         models={"judge": ModelInfo("url", 1, [])})
     assert decode(encode(info), ChainInfo) == info
+    listed = json.loads(encode(info))["chainlets"]["Writer"]["replicas"]["list"][0]
+    assert list(listed)[-1] == "counters" and listed["state"] == "healthy"  # an unset Ray field is left out
     assert json.loads(encode(info))["chainlets"]["Writer"]["dependencies"]["critic"] == \
         {"chainlet": "Critic", "retries": 2, "timeout_s": 20, "replicas": 2}

@@ -166,6 +166,31 @@ def test_circuit_breaker_opens_and_closes() -> None:
     assert b.failure(8.0, fatal=True) and not b.closed  # connection refused: at once
 
 
+def test_a_replicas_description_keeps_its_json() -> None:
+    """``/fleet`` serves ``describe()`` and ``/chain`` encodes ``info()``: the same keys, in the
+    same order, as the router's description always had (a Ray replica's actor and node last)."""
+    from tripod.protocol.chains import encode
+
+    class RayProcess:
+        pid = 7
+        actor_name = "tripod-replica-0"
+        node_id = "n1"
+
+    rep = Replica("replica-0", "http://127.0.0.1:1", CircuitBreaker(1, 0.0), PrefixTree(), process=RayProcess(),
+                  labels={"region": "eu"})
+    rep.inflight_tokens, rep.est_prompt_tokens, rep.est_cached_tokens = 12.34, 10.0, 4.0
+    d = rep.describe()
+    assert list(d) == ["name", "url", "state", "pid", "inflight", "inflight_tokens", "running", "waiting", "routed",
+                       "failures", "restarts", "continues", "estimated_hit_rate", "tree_chars", "labels", "role",
+                       "kv_tier", "tier_tree_chars", "counters", "actor_name", "node_id"]
+    assert d["state"] == "starting" and d["pid"] == 7 and d["inflight_tokens"] == 12.3
+    assert d["estimated_hit_rate"] == 0.4 and d["labels"] == {"region": "eu"} and d["node_id"] == "n1"
+    assert encode(rep.info()) == encode(d)
+    bare = Replica("replica-1", "http://127.0.0.1:2", CircuitBreaker(1, 0.0), PrefixTree())
+    assert list(bare.describe())[-1] == "counters" and bare.describe()["pid"] is None
+    assert bare.describe()["estimated_hit_rate"] is None
+
+
 # ---------------------------------------------------------------- autoscaler
 def test_autoscaler_waits_for_the_delays_and_clamps() -> None:
     a = Autoscaler(FleetConfig(min_replicas=1, max_replicas=3, target_inflight=4, lookback=10,
@@ -276,6 +301,23 @@ def test_supervisor_restarts_a_dead_replica_with_backoff() -> None:
         assert len(launcher.launched) == 4 and sup.info()["restarts"]["replica-0"] == 2
         await sup.stop()
         assert all(p.code is not None for p in launcher.launched)
+    asyncio.run(run())
+
+
+def test_supervisor_waits_for_as_many_replicas_as_asked() -> None:
+    """The chain server's start-up waits for every replica of a chainlet (``replicas=n``); a fleet
+    is ready at its first."""
+    async def run() -> None:
+        router = Router(RouterConfig())
+        sup = Supervisor(router, FakeLauncher(), FleetConfig(min_replicas=2, max_replicas=2))
+        await sup.start()
+        both = asyncio.create_task(sup.wait_routable(10.0, replicas=2))
+        router.record_success(router.replicas["replica-0"])
+        assert await sup.wait_routable(10.0)
+        assert not await sup.wait_routable(0.05, replicas=2) and not both.done()
+        router.record_success(router.replicas["replica-1"])
+        assert await both
+        await sup.stop()
     asyncio.run(run())
 
 

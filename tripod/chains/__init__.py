@@ -15,7 +15,7 @@
     with chains.run_local(models={"judge": "http://127.0.0.1:8000"}):
         essay = await Writer().run(topic="tides")
 
-Deployed: ``tripod chains serve FILE.py`` (see ``tripod.chains.serve`` and docs/architecture.md).
+Deployed: ``tripod chains serve FILE.py`` (see ``tripod.chains.chain_server`` and docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tripod.chains.core import (
     LLMSpec,
     Model,
     Signature,
+    current,
     depends,
     entrypoint,
     llm,
@@ -36,7 +37,7 @@ from tripod.chains.errors import ChainError, ChainletError, LLMError
 from tripod.chains.llm_client import Endpoint, LLMClient
 from tripod.chains.local import LocalRuntime, run_local
 from tripod.chains.metrics import ChainMetrics
-from tripod.chains.runtime import Handle, current
+from tripod.chains.runtime import Handle
 
 __all__ = [
     "ChainError",

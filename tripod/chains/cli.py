@@ -1,7 +1,7 @@
 """``tripod chains``: the command line of the workflow layer.
 
 - ``tripod chains serve FILE.py [--entrypoint NAME] [--port P] [--model NAME=PATH|URL ...]``:
-  serve a chain (see ``tripod.chains.serve``).
+  serve a chain (see ``tripod.chains.chain_server`` and ``tripod.chains.chain_app``).
 - ``tripod chains worker ...``: one chainlet replica; launched by ``serve``, not by hand.
 """
 
@@ -84,7 +84,8 @@ def main(args: argparse.Namespace) -> int:
         return worker.main(args)
     if args.chains_command != "serve":
         raise ValueError("tripod chains needs a command: serve (see tripod chains serve --help)")
-    from tripod.chains.serve import ChainServeConfig, serve_chain
+    from tripod.chains.chain_app import serve_chain
+    from tripod.chains.chain_server import ChainServeConfig
 
     common, by = parse_model_args(args.model_args)
     # ChainServeConfig's fields are named as the shared options' dests (host, port, backend, ray_*,

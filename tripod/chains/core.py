@@ -1,5 +1,7 @@
-"""The programming model: ``Chainlet``, ``depends``, ``entrypoint``, ``llm``, ``Model``, and the
-graph of a chain. The typed boundary of each chainlet (``Signature``) is ``tripod.chains.signature``.
+"""The programming model: ``Chainlet``, ``depends``, ``entrypoint``, ``llm``, ``Model``, the chain
+context chainlets are built in (``Runtime``, ``current``), and the graph of a chain. The typed
+boundary of each chainlet (``Signature``) is ``tripod.chains.signature``; calling one (handles,
+retries, timeouts) is ``tripod.chains.runtime``.
 
 A chainlet is a class with one ``run`` method (``async def``, an async generator for a streaming
 chainlet, or a plain ``def``, run in a thread). Its parameters and return annotation are the
@@ -16,13 +18,16 @@ instance built in a context gets an ``LLMClient`` for that model in their place.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tripod.chains.errors import ChainError
+from tripod.chains.llm_client import LLMClient
+from tripod.chains.metrics import ChainMetrics
 from tripod.chains.signature import Signature
 
 T = TypeVar("T")
@@ -146,6 +151,46 @@ def entrypoint(cls: Any = None, *, retries: int = 0, timeout_s: float | None = N
     return mark(cls) if cls is not None else mark
 
 
+
+# --------------------------------------------------------------------------- the chain context
+class Callee(Protocol):
+    """A dependency as its caller holds it at run time (``tripod.chains.runtime.Handle``):
+    ``run`` takes the callee's parameters."""
+
+    def run(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class Runtime:
+    """A chain context (``run_local``, or a served replica's): while it is active, building a
+    chainlet turns its ``depends`` markers into handles and its ``chains.llm`` into clients.
+
+    NOTE: it lives beside ``Chainlet`` because building one reads it; the handles it gives out
+    (``tripod.chains.runtime``) import this module, never the other way round."""
+
+    metrics: ChainMetrics
+
+    def dependency(self, dep: Dependency, caller: type[Chainlet]) -> Callee:
+        raise NotImplementedError
+
+    def llm(self, spec: LLMSpec, caller: type[Chainlet]) -> LLMClient:
+        raise NotImplementedError
+
+    def activate(self) -> contextvars.Token[Runtime | None]:
+        return _current.set(self)
+
+    @staticmethod
+    def deactivate(token: contextvars.Token[Runtime | None]) -> None:
+        _current.reset(token)
+
+
+_current: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("tripod_chain_runtime", default=None)
+
+
+def current() -> Runtime | None:
+    """The chain context chainlets are being built in (``run_local``, or a served replica's)."""
+    return _current.get()
+
+
 # --------------------------------------------------------------------------- Chainlet
 class Chainlet:
     """One step of a chain. Subclass it and write one ``run`` method with typed parameters and a
@@ -177,13 +222,11 @@ class Chainlet:
 
 
 def _wrap_init(cls: type[Chainlet], init: Callable[..., None] | None) -> Callable[..., None]:
-    from tripod.chains import runtime as context
-
     @functools.wraps(init or Chainlet.__init__)
     def __init__(self: Chainlet, *args: Any, **kwargs: Any) -> None:
         own = type(self).__dict__.get("__init__") is __init__
         if own:  # the most derived wrapper does the binding once
-            ctx = context.current()
+            ctx = current()
             for name, dep in dependencies_of(type(self)).items():
                 if name in kwargs:
                     continue

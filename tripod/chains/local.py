@@ -24,11 +24,19 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from tripod.chains.core import Chainlet, Dependency, LLMSpec, Model, entrypoint_options, signature
+from tripod.chains.core import (
+    Chainlet,
+    Dependency,
+    LLMSpec,
+    Model,
+    Runtime,
+    entrypoint_options,
+    signature,
+)
 from tripod.chains.errors import ChainError
 from tripod.chains.llm_client import ClientPool, Endpoint, LLMClient
 from tripod.chains.metrics import ChainMetrics
-from tripod.chains.runtime import Handle, LocalHandle, Runtime
+from tripod.chains.runtime import Handle, LocalHandle
 
 log = logging.getLogger("tripod.chains")
 

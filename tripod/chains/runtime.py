@@ -1,48 +1,23 @@
-"""Calling chainlets: the chain context, handles (what a dependency is at run time), retries,
-timeouts, and running a chainlet's ``run`` at its boundary. Shared by ``run_local`` and the
-served replicas, so both validate, retry and fail the same way.
+"""Calling chainlets: handles (what a dependency is at run time), retries, timeouts, and running a
+chainlet's ``run`` at its boundary. Shared by ``run_local`` and the served replicas, so both
+validate, retry and fail the same way. The chain context that gives out the handles (``Runtime``)
+is ``tripod.chains.core``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tripod.chains.core import Chainlet, Dependency, LLMSpec, Signature, signature
+from tripod.chains.core import Chainlet, Dependency, signature
 from tripod.chains.errors import ChainletError, LLMError
 from tripod.chains.metrics import ChainMetrics
+from tripod.chains.signature import Signature
 from tripod.protocol.chains import ChainCall
 
-_current: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("tripod_chain_runtime", default=None)
-
 MAX_BACKOFF_S = 5.0
-
-
-def current() -> Runtime | None:
-    """The chain context chainlets are being built in (``run_local``, or a served replica's)."""
-    return _current.get()
-
-
-class Runtime:
-    """A chain context: it turns ``depends`` markers into handles and ``chains.llm`` into clients."""
-
-    metrics: ChainMetrics
-
-    def dependency(self, dep: Dependency, caller: type[Chainlet]) -> Handle:
-        raise NotImplementedError
-
-    def llm(self, spec: LLMSpec, caller: type[Chainlet]) -> Any:
-        raise NotImplementedError
-
-    def activate(self) -> contextvars.Token[Runtime | None]:
-        return _current.set(self)
-
-    @staticmethod
-    def deactivate(token: contextvars.Token[Runtime | None]) -> None:
-        _current.reset(token)
 
 
 # --------------------------------------------------------------------------- the callee's side

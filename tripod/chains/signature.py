@@ -13,7 +13,7 @@ import functools
 import inspect
 import typing
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, get_args, get_origin
+from typing import Any, get_args, get_origin
 
 import msgspec
 import pydantic
@@ -22,9 +22,6 @@ from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from tripod.chains.errors import ChainError, ChainletError
 from tripod.protocol.chains import ChainCall, FieldError, call_from_json
-
-if TYPE_CHECKING:
-    from tripod.chains.core import Chainlet
 
 _STREAM_ORIGINS = (collections.abc.AsyncIterator, collections.abc.AsyncIterable, collections.abc.AsyncGenerator)
 
@@ -46,9 +43,12 @@ def validation_error(chainlet: str, what: str, e: pydantic.ValidationError, stat
 class Signature:
     """The contract of one chainlet's ``run``: its parameters (a pydantic model that forbids extra
     fields), its return or item type, and whether it streams. Type hints are resolved on first use,
-    so a model defined further down the module is fine."""
+    so a model defined further down the module is fine.
 
-    def __init__(self, cls: type[Chainlet]) -> None:
+    NOTE: it reads only ``cls.run`` and ``cls.__name__``, so it takes any class: ``Chainlet``
+    (``tripod.chains.core``) builds one per subclass, and this module never imports it."""
+
+    def __init__(self, cls: type) -> None:
         self.cls = cls
         self.name = cls.__name__
         fn = cls.__dict__.get("run") or getattr(cls, "run", None)

@@ -2,7 +2,7 @@
 serve``) that imports the chain's file, builds the chainlet with its dependencies as remote
 handles and its LLMs as clients of the chain's router, and serves it over HTTP:
 
-- ``POST /run``: one call (see ``tripod.chains.serving``);
+- ``POST /run``: one call (see ``tripod.chains.run_endpoint``);
 - ``GET /health``: 200 while it takes calls (503 once draining);
 - ``GET /metrics``: this process's ``ChainMetrics`` (the calls it served and the calls it made).
 
@@ -27,14 +27,15 @@ from starlette.routing import Route
 
 from tripod import tracing
 from tripod.asgi import DrainingServer
-from tripod.chains.core import Chainlet, Dependency, LLMSpec, Signature
+from tripod.chains.core import Chainlet, Dependency, LLMSpec, Runtime
 from tripod.chains.errors import ChainletError
 from tripod.chains.llm_client import ClientPool, Endpoint, LLMClient
 from tripod.chains.loader import load_chain
 from tripod.chains.metrics import ChainMetrics
 from tripod.chains.remote import PollingSource, RemoteHandle, ReplicaSource
-from tripod.chains.runtime import Runtime, execute, execute_stream, parse_args
-from tripod.chains.serving import run_endpoint
+from tripod.chains.run_endpoint import run_endpoint
+from tripod.chains.runtime import execute, execute_stream, parse_args
+from tripod.chains.signature import Signature
 from tripod.protocol.chains import ReplicaList, WorkerHealth, decode, encode
 
 log = logging.getLogger("tripod.chains")

@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from tripod.console.bench_runs import bench_index
 from tripod.console.models import ConsoleInfo, Series
-from tripod.console.sampler import ConsoleSource, Sampler
+from tripod.console.sampler import ConsoleSource, SeriesSampler
 from tripod.console.tenants import tenant_views
 
 OPEN_PREFIX = "/ui/static/"
@@ -68,7 +68,7 @@ class Console:
     def __init__(self, source: ConsoleSource, *, api_key: str | None = None, bench_dir: str | None = None,
                  interval: float = 1.0, window: float = 5.0, history: float = 600.0) -> None:
         self.source = source
-        self.sampler = Sampler(source, interval=interval, window=window, history=history)
+        self.sampler = SeriesSampler(source, interval=interval, window=window, history=history)
         self.bench_dir = bench_dir
         self._key = api_key.encode() if api_key else None
         self._static = _static_files()

@@ -107,7 +107,7 @@ _CUMULATIVE = ("generation_tokens", "prompt_tokens", "requests", "cache_hits", "
 
 
 @dataclass(slots=True)
-class Delta:
+class ReadingDelta:
     """What happened between two readings (summed over processes when they are merged)."""
 
     generation_tokens: float = 0.0
@@ -121,18 +121,18 @@ class Delta:
     spec_accepted: float = 0.0
     ttft_buckets: dict[float, float] = field(default_factory=dict)
 
-    def add(self, other: Delta) -> None:
+    def add(self, other: ReadingDelta) -> None:
         for name in _CUMULATIVE:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for le, n in other.ttft_buckets.items():
             self.ttft_buckets[le] = self.ttft_buckets.get(le, 0.0) + n
 
 
-def delta(before: Reading | None, after: Reading) -> Delta:
+def delta(before: Reading | None, after: Reading) -> ReadingDelta:
     """``after − before`` for one process. A counter that went down means the process restarted
     between the readings: everything it counted since is new (its value). No ``before``: nothing
     is known to be new (the process was just found; its totals are history, not this interval)."""
-    d = Delta()
+    d = ReadingDelta()
     if before is None:
         return d
     reset = any(getattr(after, name) < getattr(before, name) for name in _CUMULATIVE) or any(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from tripod.console.models import FleetEvent, FleetView, SeriesPoint
-from tripod.console.readings import Delta, Reading, delta, histogram_quantile
+from tripod.console.readings import Reading, ReadingDelta, delta, histogram_quantile
 
 log = logging.getLogger("tripod.console")
 
@@ -49,10 +49,10 @@ class ConsoleSource(Protocol):
 class _Tick:
     mono: float
     dt: float
-    delta: Delta
+    delta: ReadingDelta
 
 
-class Sampler:
+class SeriesSampler:
     """Owns the ring buffer of ``SeriesPoint``s, the deltas of the trailing window, and the log of
     node state changes (found by comparing each tick's nodes with the last tick's)."""
 
@@ -107,7 +107,7 @@ class Sampler:
         readings = await self.source.readings()
         now = self.clock()
         dt = 0.0 if self._last_mono is None else now - self._last_mono
-        d = Delta()
+        d = ReadingDelta()
         for origin, reading in readings.items():
             d.add(delta(self._last.get(origin), reading))
         self._last = readings
@@ -122,7 +122,7 @@ class Sampler:
         return point
 
     def _point(self, fleet: FleetView, readings: dict[str, Reading]) -> SeriesPoint:
-        w = Delta()
+        w = ReadingDelta()
         span = 0.0
         for t in self._ticks:
             w.add(t.delta)

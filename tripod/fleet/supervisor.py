@@ -84,9 +84,12 @@ class Supervisor:
         if self.config.autoscaling:
             self._tasks.append(asyncio.create_task(self._autoscale()))
 
-    async def wait_routable(self, timeout: float) -> bool:
-        await self.router.wait_until(lambda: bool(self.router.serving()) or self.fatal is not None, timeout)
-        return bool(self.router.serving())
+    async def wait_routable(self, timeout: float, replicas: int = 1) -> bool:
+        """Wait (up to ``timeout`` s) until ``replicas`` replicas answer requests; False past the
+        timeout or once replicas cannot start at all (``fatal``)."""
+        await self.router.wait_until(lambda: len(self.router.serving()) >= replicas or self.fatal is not None,
+                                     timeout)
+        return len(self.router.serving()) >= replicas
 
     async def stop(self) -> None:
         """Every replica drains and exits (SIGTERM; SIGKILL past the drain timeout)."""

@@ -3,7 +3,8 @@ chainlet's replica, and what the replicas ask the chain server.
 
 The caller encodes, the callee decodes and validates. This layer types the envelopes only; the
 values inside them (the arguments, the answer, each streamed item) are the callee's own types,
-which pydantic checks against its ``run`` signature (``tripod.chains.signature``).
+which pydantic checks against its ``run`` signature (``tripod.chains.signature``): they are the
+user's own JSON here (``JSONObject``/``JSONValue``, ``tripod.protocol.json_value``).
 
 - ``POST /run``: a ``ChainCall``, sent as the bare JSON object of the arguments by name. The answer
   is the return value as JSON; for a streaming chainlet ``text/event-stream`` with one ``data:``
@@ -24,10 +25,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 from msgspec import UNSET, UnsetType
+
+from tripod.protocol.fleet import ReplicaInfo
+from tripod.protocol.json_value import JSONObject, JSONValue
 
 T = TypeVar("T")
 
@@ -39,7 +43,7 @@ class ChainCall(msgspec.Struct, frozen=True):
     """One call: the callee's arguments by name, each value JSON-shaped. On the wire it is the bare
     object of ``args`` (no wrapper), so a plain ``curl -d '{"topic": "tides"}'`` is a call."""
 
-    args: dict[str, Any]
+    args: JSONObject  # the user's own: typed by the callee's parameters
 
 
 class FieldError(msgspec.Struct, frozen=True):
@@ -104,7 +108,7 @@ class ChainHealth(msgspec.Struct):
 
 
 # --------------------------------------------------------------------------- GET /chain
-ReplicaDescriptions = list[dict[str, Any]]  # each replica as its router describes it (the router's shape)
+ReplicaDescriptions = list[ReplicaInfo]  # each replica as its router describes it (its /fleet's shape)
 
 
 class DependencyInfo(msgspec.Struct):
@@ -120,7 +124,7 @@ class LLMInfo(msgspec.Struct):
     """One ``chains.llm`` attribute: the model and the request defaults."""
 
     model: str
-    defaults: dict[str, Any]
+    defaults: JSONObject  # the user's own: chains.llm(model, **defaults)
 
 
 class ChainletReplicas(msgspec.Struct):
@@ -138,8 +142,8 @@ class ChainletInfo(msgspec.Struct, kw_only=True):
     its replicas, what it calls and which models it uses."""
 
     streaming: bool
-    input_schema: dict[str, Any]
-    output_schema: dict[str, Any] | None
+    input_schema: JSONObject  # JSON schemas of the user's annotations
+    output_schema: JSONObject | None
     replicas: ChainletReplicas
     dependencies: dict[str, DependencyInfo]
     llms: dict[str, LLMInfo]
@@ -173,14 +177,14 @@ class ChainInfo(msgspec.Struct, kw_only=True):
 
 
 # --------------------------------------------------------------------------- the codec
-def _str_hook(value: Any) -> Any:
+def _str_hook(value: object) -> str:
     return str(value)  # as json.dumps(default=str): an odd value is sent as its text, not refused
 
 
 _ENCODER = msgspec.json.Encoder(enc_hook=_str_hook)
 
 
-def encode(msg: Any) -> bytes:
+def encode(msg: msgspec.Struct | JSONValue) -> bytes:
     """Any message of this module (or JSON-shaped data) as compact JSON."""
     return _ENCODER.encode(msg)
 
@@ -191,7 +195,7 @@ def decode(raw: bytes | str, into: type[T]) -> T:
     return msgspec.json.decode(raw, type=into)
 
 
-def decode_value(raw: bytes | str) -> Any:
+def decode_value(raw: bytes | str) -> JSONValue:
     """An answer or one streamed item (or a call's arguments): JSON-shaped data, typed later by the
     callee's annotations. NaN and ±Infinity are read as Python's ``json`` writes them (a float the
     user's code returned); anything else that is not JSON raises ``ValueError``."""
@@ -201,7 +205,7 @@ def decode_value(raw: bytes | str) -> Any:
         return json.loads(raw)  # NOTE: the slow path, only for the non-finite constants
 
 
-def _json_constants(value: Any) -> Any:
+def _json_constants(value: JSONValue) -> object:
     """``value`` with NaN and ±infinity as the JSON extensions ``NaN``/``Infinity`` that Python's
     ``json`` writes and reads (msgspec would write ``null``, which a float parameter refuses)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -218,10 +222,10 @@ def encode_call(call: ChainCall) -> bytes:
     return _ENCODER.encode(_json_constants(call.args))
 
 
-def call_from_json(payload: Any) -> ChainCall:
+def call_from_json(payload: JSONValue) -> ChainCall:
     """The callee's side, from a parsed JSON body: ``msgspec.ValidationError`` unless it is an
     object of arguments by name."""
-    return ChainCall(msgspec.convert(payload, dict[str, Any]))
+    return ChainCall(msgspec.convert(payload, JSONObject))
 
 
 def decode_call(raw: bytes) -> ChainCall:

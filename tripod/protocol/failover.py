@@ -14,11 +14,10 @@ which validates (a replica that sends anything else is treated as failed, not mi
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 from tripod.protocol.engine_ipc import Logprob
+from tripod.protocol.json_value import JSONObject, JSONValue
 
 
 class ResumePoint(msgspec.Struct):
@@ -28,7 +27,7 @@ class ResumePoint(msgspec.Struct):
     token_ids: list[int]
     chars: int
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> JSONObject:
         return msgspec.to_builtins(self)
 
 
@@ -62,7 +61,7 @@ def decode_progress(data: str | bytes) -> Progress:
         raise MalformedExtension(f"malformed progress event: {e}") from None
 
 
-def decode_resume_point(obj: Any) -> ResumePoint:
+def decode_resume_point(obj: JSONValue) -> ResumePoint:
     """A chunk's ``"tripod"`` value (already parsed with the rest of the chunk) → its struct."""
     try:
         return msgspec.convert(obj, ResumePoint)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 MAX_TOP_LOGPROBS = 20
 # The bounds of every sampling parameter, in one place: the server checks requests against these
@@ -48,7 +47,7 @@ class SamplingParamError(ValueError):
     """A sampling parameter out of its bounds. ``param`` names the field, ``why`` says what it
     must be; the message is ``"<param> <why> (got <value>)"``."""
 
-    def __init__(self, param: str, why: str, value: Any) -> None:
+    def __init__(self, param: str, why: str, value: object) -> None:
         super().__init__(f"{param} {why} (got {value!r})")
         self.param = param
         self.why = why

@@ -13,10 +13,10 @@ console and scripts read it by those names.
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 from msgspec import UNSET, UnsetType
+
+from tripod.protocol.json_value import JSONObject
 
 STATS_VERSION = 1
 
@@ -52,7 +52,7 @@ class ComputeCard(msgspec.Struct, kw_only=True):
     # "ranks": [{"rank", "weight_bytes", "kv_bytes_per_token"}, ...]} (set only then).
     parallel: ParallelCard | UnsetType = UNSET
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> JSONObject:
         return msgspec.to_builtins(self)  # unset keys are left out, as the engine's card leaves them
 
 
@@ -139,9 +139,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
             raise ValueError(f"engine stats version {self.version}; this server reads version {STATS_VERSION} "
                              "(the engine process and the server must come from the same tripod)")
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> JSONObject:
         """The snapshot as ``/debug/engine`` serves it: the engine's keys, without ``version``
         (the endpoint's JSON predates it) and without the unset check fields."""
-        out: dict[str, Any] = msgspec.to_builtins(self)
+        out: JSONObject = msgspec.to_builtins(self)
         del out["version"]
         return out

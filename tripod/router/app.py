@@ -36,7 +36,7 @@ from tripod.router.fairness import TENANT_HEADER
 from tripod.router.prompt import is_anthropic, render_prompt
 from tripod.router.replica import Replica
 from tripod.router.router import Router
-from tripod.router.tenant_limits import Admission, OutputCount, settle_whole
+from tripod.router.tenant_limits import OutputCount, TenantAdmission, settle_whole
 from tripod.tenants import (
     COUNT_HEADER,
     AuditLog,
@@ -101,7 +101,7 @@ def _weight(registry: TenantRegistry, name: str) -> float:
 
 def check_tenant(gate: TenantGate, request: Request, body: dict[str, Any]) -> RequestRecord | None:
     """The request's tenant record, 404 for a model it may not use. Its limits are taken later
-    (``router/tenant_limits.py``: ``Admission``, which ``Router.forward`` calls)."""
+    (``router/tenant_limits.py``: ``TenantAdmission``, which ``Router.forward`` calls)."""
     rec = record_of(request.scope)
     if rec is None:
         return None
@@ -153,7 +153,7 @@ async def forward_unless_gone(router: Router, request: Request, raw: bytes, body
     when the client leaves first."""
     headers = tenant_headers(request)
     rec = record_of(request.scope)
-    admit = Admission(gate, router, rec, request.url.path, raw, body, headers) \
+    admit = TenantAdmission(gate, router, rec, request.url.path, raw, body, headers) \
         if gate is not None and rec is not None else None
     try:
         return await until_disconnect(request, router.forward(request.url.path, raw, body, headers, admit))

@@ -99,7 +99,7 @@ class Failed(Exception):
 
 
 @dataclass(slots=True)
-class Step:
+class RelayStep:
     """What to do with one upstream event of a stream: ``send`` these bytes now (possibly none,
     while a delta's chunks are held), and whether the stream is over."""
 
@@ -151,13 +151,13 @@ class AnswerProgress:
         self._held.clear()
 
     # ---------------------------------------------------------------- streams
-    def relay(self, raw: bytes) -> Step:
+    def relay(self, raw: bytes) -> RelayStep:
         """One event of a stream → what to send the client now. Raises ``Failed`` on an error
         event that means the replica failed."""
         name, data = parse_event(raw)
         if data == "[DONE]":
             out, self._held = b"".join(self._held) + raw, []
-            return Step(out, done=True)
+            return RelayStep(out, done=True)
         try:
             obj = json.loads(data) if name == "message" and data else None
         except ValueError:
@@ -181,7 +181,7 @@ class AnswerProgress:
         event = b"data: " + dumps(obj) + b"\n\n" if marks else raw
         if not complete:
             self._held.append(event)  # the rest of its delta comes with the resume point
-            return Step()
+            return RelayStep()
         if self.id is None:
             self.id, self.created = str(obj.get("id")), int(obj.get("created") or 0)
         for idx, mark, finish in marks:
@@ -192,9 +192,9 @@ class AnswerProgress:
                 c.finish_reason = str(finish)
         return self._flush(event)
 
-    def _flush(self, event: bytes) -> Step:
+    def _flush(self, event: bytes) -> RelayStep:
         out, self._held = b"".join(self._held) + event, []
-        return Step(out)
+        return RelayStep(out)
 
     # ---------------------------------------------------------------- whole answers
     def progress(self, raw: bytes) -> bytes | None:

@@ -20,18 +20,16 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import msgspec
 from prometheus_client import Counter, Histogram
 
 from tripod.protocol import pd
+from tripod.router.core import RouterCore
 from tripod.router.policy import Decision, RouteRequest
 from tripod.router.replica import Replica
-
-if TYPE_CHECKING:
-    from tripod.router.router import Router
 
 log = logging.getLogger("tripod.router")
 
@@ -42,7 +40,7 @@ OUTCOMES = ("ok", "retried", "fallback", "refused", "skipped")
 class Disaggregator:
     """Owns the hand-over of new prompts to prefill replicas and its counts (``/metrics``, ``/fleet``)."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: RouterCore) -> None:
         self.router = router
         reg = router.metrics.registry
         self.transfers = Counter(

@@ -15,7 +15,7 @@ import os
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 from starlette.responses import Response
@@ -23,15 +23,14 @@ from starlette.responses import Response
 from tripod import tracing
 from tripod.asgi import ClosingStream
 from tripod.protocol import pd
+from tripod.router.core import RouterCore
 from tripod.router.errors import FULL, RETRYABLE, RouterError, stream_error
 from tripod.router.failover import AnswerProgress, Failed, supports_failover
+from tripod.router.pd import Disaggregator
 from tripod.router.policy import RouteRequest
 from tripod.router.prompt import is_anthropic
 from tripod.router.relay import FailoverRelay, Run
 from tripod.router.replica import Flight, Replica
-
-if TYPE_CHECKING:
-    from tripod.router.router import Router
 
 
 def replica_ssl_context(ca_file: str | None) -> ssl.SSLContext | bool:
@@ -74,10 +73,12 @@ class _Call:
 
 
 class Proxy:
-    """Forwards requests for one router (its replicas, policy and accounting)."""
+    """Forwards requests for one router (its replicas, policy and accounting), handing a new
+    prompt's prefill to ``pd`` first when it wants it."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: RouterCore, pd: Disaggregator) -> None:
         self.router = router
+        self.pd = pd
         self.failover = FailoverRelay(router)
 
     async def forward(self, path: str, raw: bytes, body: dict[str, Any], headers: dict[str, str]) -> Response:
@@ -126,9 +127,9 @@ class Proxy:
                     raise
                 rep = d.replica
                 tried.add(rep)
-                if last is None and not continuing and r.pd.wants(call.path, d, call.rr):
+                if last is None and not continuing and self.pd.wants(call.path, d, call.rr):
                     # NOTE: before the attempt begins: the decode replica then finds the prompt cached.
-                    transfer = await r.pd.prefill(call.path, call.raw, call.headers, rep)
+                    transfer = await self.pd.prefill(call.path, call.raw, call.headers, rep)
                     call.headers = {**call.headers, pd.TRANSFER_HEADER: transfer}  # (unknown to other replicas)
                 flight = r.begin(d, call.rr, retry=bool(retries or continuing), caches=call.path in _GENERATING,
                                  continuation=continuing)

@@ -14,18 +14,15 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import httpx
 
 from tripod import tracing
+from tripod.router.core import RouterCore
 from tripod.router.errors import FULL, RETRYABLE, RouterError, stream_error
 from tripod.router.failover import AnswerProgress, Failed, SSESplitter
 from tripod.router.policy import RouteRequest
 from tripod.router.replica import Flight, Replica
-
-if TYPE_CHECKING:
-    from tripod.router.router import Router
 
 log = logging.getLogger("tripod.router")
 
@@ -51,7 +48,7 @@ class _Refused(Exception):
 class FailoverRelay:
     """Relays and continues answers under failover for one router (its replicas, its accounting)."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: RouterCore) -> None:
         self.router = router
 
     async def next(self, it: AsyncIterator[bytes]) -> bytes:

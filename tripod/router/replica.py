@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import msgspec
+
+from tripod.protocol.fleet import ReplicaInfo
 from tripod.router.prefix_tree import PrefixTree
 
 
-class ReplicaProcess(Protocol):
+class LaunchedProcess(Protocol):
     """The process behind a replica, when this process launched it (``tripod.fleet`` implements it;
     the router only reads its pid, and ``actor_name``/``node_id`` where the launcher has them)."""
 
@@ -61,7 +64,7 @@ class Replica:
     url: str
     breaker: CircuitBreaker
     tree: PrefixTree
-    process: ReplicaProcess | None = None  # set when a supervisor launched it
+    process: LaunchedProcess | None = None  # set when a supervisor launched it
     draining: bool = False
     inflight: int = 0
     inflight_tokens: float = 0.0
@@ -117,21 +120,25 @@ class Replica:
             return "healthy"
         return "starting" if self.breaker.opened_count == 0 else "unhealthy"
 
-    def describe(self) -> dict[str, object]:
-        return {
-            "name": self.name, "url": self.url, "state": self.state(),
-            "pid": self.process.pid if self.process is not None else None,
-            "inflight": self.inflight, "inflight_tokens": round(self.inflight_tokens, 1),
-            "running": self.running, "waiting": self.waiting, "routed": self.routed,
-            "failures": self.failures, "restarts": self.restarts, "continues": self.continues,
-            "estimated_hit_rate": round(self.est_cached_tokens / self.est_prompt_tokens, 4)
+    def info(self) -> ReplicaInfo:
+        """The replica as ``/fleet`` and the chain server's ``/chain`` describe it."""
+        extra = {k: getattr(self.process, k) for k in ("actor_name", "node_id") if hasattr(self.process, k)}
+        return ReplicaInfo(
+            name=self.name, url=self.url, state=self.state(),
+            pid=self.process.pid if self.process is not None else None,
+            inflight=self.inflight, inflight_tokens=round(self.inflight_tokens, 1),
+            running=self.running, waiting=self.waiting, routed=self.routed,
+            failures=self.failures, restarts=self.restarts, continues=self.continues,
+            estimated_hit_rate=round(self.est_cached_tokens / self.est_prompt_tokens, 4)
             if self.est_prompt_tokens else None,
-            "tree_chars": self.tree.size, "labels": dict(self.labels), "role": self.role, "kv_tier": self.kv_tier,
-            "tier_tree_chars": self.tier_tree.size if self.tier_tree is not None else None,
-            "counters": dict(self.counters),
-            # Ray replicas: the actor and the node it was placed on.
-            **{k: getattr(self.process, k) for k in ("actor_name", "node_id") if hasattr(self.process, k)},
-        }
+            tree_chars=self.tree.size, labels=dict(self.labels), role=self.role, kv_tier=self.kv_tier,
+            tier_tree_chars=self.tier_tree.size if self.tier_tree is not None else None,
+            counters=dict(self.counters), **extra)
+
+    def describe(self) -> dict[str, object]:
+        """``info()`` as builtins (the JSON ``/fleet`` serves); an unset Ray field is left out."""
+        out: dict[str, object] = msgspec.to_builtins(self.info())
+        return out
 
 
 def parse_replica(spec: str) -> tuple[str, dict[str, str]]:

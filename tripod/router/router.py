@@ -3,8 +3,9 @@ replica is sent.
 
 A request is parsed only far enough to render its prompt (``router/prompt.py``) for the policy;
 ``router/proxy.py`` sends its bytes to the replica picked here and retries elsewhere, and
-``router/relay.py`` continues an answer whose replica failed part-way. ``router/health.py``
-probes the replicas; its verdicts open and close their circuits here.
+``router/relay.py`` continues an answer whose replica failed part-way (both, and ``router/pd.py``,
+see this router as the ``RouterCore`` of ``router/core.py``). ``router/health.py`` probes the
+replicas; its verdicts open and close their circuits here.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from tripod.router.prompt import (
     render_prompt,
 )
 from tripod.router.proxy import Proxy
-from tripod.router.replica import CircuitBreaker, Flight, Replica, ReplicaProcess
+from tripod.router.replica import CircuitBreaker, Flight, LaunchedProcess, Replica
 
 # Re-exported: where the router's callers have always found them.
 __all__ = ["Router", "RouterError", "is_anthropic", "parse_load", "render_prompt"]
@@ -79,8 +80,8 @@ class Router:
         self.client: httpx.AsyncClient | None = None  # to the replicas, for requests (proxy, relay)
         self.health = HealthChecker(config, lambda: list(self.replicas.values()), self.record_success,
                                     self.record_failure)
-        self.proxy = Proxy(self)
         self.pd = Disaggregator(self)  # prefill/decode disaggregation (replicas with roles)
+        self.proxy = Proxy(self, self.pd)
         self._closing: set[asyncio.Task[None]] = set()
         # Tenants (router/fairness.py): a tenant's weight; the app that authenticates may replace it.
         self.weight_of: Callable[[str], float] = weight_of or (lambda _tenant: 1.0)
@@ -92,7 +93,7 @@ class Router:
                                     ["region", "reason"], registry=self.metrics.registry)
 
     # ------------------------------------------------------------ replica set
-    def add_replica(self, name: str, url: str, process: ReplicaProcess | None = None,
+    def add_replica(self, name: str, url: str, process: LaunchedProcess | None = None,
                     labels: dict[str, str] | None = None) -> Replica:
         """A new replica starts unroutable; its first good health probe makes it routable."""
         assert name not in self.replicas, name

@@ -1,6 +1,6 @@
 """Tenant limits enforced by the router, across every replica behind it.
 
-The router admits each API request against its tenant's limits in one step (``Admission``):
+The router admits each API request against its tenant's limits in one step (``TenantAdmission``):
 ``requests_per_second`` and ``max_concurrent`` need no counts; the token limits
 (``input_tokens_per_minute``, ``output_tokens_per_minute``) and ``max_context`` need the request's
 token counts exactly as a server counts them: its prompt after the chat template, tools and all,
@@ -98,7 +98,7 @@ async def count_on_replica(router: Router, path: str, raw: bytes, body: dict[str
                       "no_replica", router.config.retry_after)
 
 
-class Admission:
+class TenantAdmission:
     """One request's admission into its tenant's limits at the router (``Router.forward`` calls it
     once the request is in, before it queues)."""
 

@@ -11,51 +11,46 @@ One process, the chain server, listens on ``--host``/``--port`` and owns everyth
   same port: ``/v1/chat/completions`` etc. route by the request's ``model``, ``/v1/models`` lists
   them, ``/fleet`` describes every model's fleet;
 - the chain's own routes: ``POST /run`` (the entrypoint, called with its ``retries``/``timeout_s``;
-  SSE when it streams), ``GET /health`` (200 once every chainlet and model has a routable
-  replica), ``GET /metrics`` (every replica's chainlet metrics, labelled ``replica``, plus the
-  models' router metrics, labelled ``model``), ``GET /chain`` (the graph, each chainlet's replicas),
-  ``GET /chain/replicas`` (routable replica URLs, what the chainlets poll to call each other).
+  SSE when it streams), ``GET /health`` (200 while every chainlet and model has a routable
+  replica: a replica restarting leaves the chain in rotation), ``GET /metrics`` (every replica's
+  chainlet metrics, labelled ``replica``, plus the models' router metrics, labelled ``model``),
+  ``GET /chain`` (the graph, each chainlet's replicas), ``GET /chain/replicas`` (routable replica
+  URLs, what the chainlets poll to call each other).
+
+The port opens once start-up is done: every chainlet with all its replicas routable, every model
+with one (``ChainServer.wait_ready``), so the first ``/health`` already counts what was declared.
 
 Chainlets call each other directly, replica to replica (no hop through this process); they reach
 the models through this process's router. SIGTERM drains: ``/run`` answers 503, calls in flight
 finish, then every replica drains and exits. Exit 2 when start-up fails.
 
-This module builds the server (the graph, the chainlets' and the models' fleets) and runs it;
-``tripod.chains.server_app`` holds its routes and its drain.
+This module holds the server's state: the graph, and the fleets it launches for the chainlets and
+the models (``ChainServer``); ``tripod.chains.chain_app`` is its HTTP app (routes, drain) and runs
+it (``serve_chain``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import os
-import sys
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
-from starlette.applications import Starlette
 
-from tripod import tracing
 from tripod.chains.core import Dependency, Graph, Model, Node, entrypoint_options
 from tripod.chains.llm_client import ClientPool
-from tripod.chains.loader import declared_models, load_chain
 from tripod.chains.metrics import ChainMetrics
 from tripod.chains.remote import RemoteHandle, ReplicaSource
-from tripod.chains.server_app import CLIENT, ChainDrain, RunCounter, chain_routes
 from tripod.config import FleetConfig, RouterConfig
 from tripod.fleet.multi import MultiRouter
 from tripod.fleet.replicas import LocalLauncher, ReplicaLauncher
 from tripod.fleet.supervisor import Supervisor
 from tripod.router.router import Router
 
-log = logging.getLogger("tripod.chains")
-
 WORKER = ("chains", "worker")
+CLIENT = "client"  # the caller name of calls made by the chain server (to the entrypoint)
 
 
 @dataclass
@@ -268,10 +263,20 @@ class ChainServer:
         await asyncio.gather(*(f.supervisor.start() for f in self.fleets.values()))
 
     async def wait_ready(self, timeout: float) -> str | None:
+        """Start-up: None once every chainlet has all its replicas routable and every model one
+        (its fleet's rule); else why not, past ``timeout``. The port opens only after this."""
         async def chainlet(f: ChainletFleet) -> str | None:
-            if await f.supervisor.wait_routable(timeout):
+            # NOTE: every replica, not one: the chain is announced ready (and /health first answers)
+            # with the parallelism its callers declared. A chainlet replica is a light process
+            # started with the others, so this costs no noticeable time; a model's fleet (minutes
+            # per replica, autoscaled) is ready at its first, as `tripod serve --replicas` is.
+            want = f.node.replicas
+            if await f.supervisor.wait_routable(timeout, want):
                 return None
-            return f"chainlet {f.name!r}: " + (f.supervisor.fatal or f"no replica became healthy in {timeout:.0f} s")
+            have = len(f.router.serving())
+            return f"chainlet {f.name!r}: " + (f.supervisor.fatal or (
+                f"no replica became healthy in {timeout:.0f} s" if not have
+                else f"{have} of its {want} replicas became healthy in {timeout:.0f} s"))
 
         whys = await asyncio.gather(self.models.wait_routable(timeout), *(chainlet(f) for f in self.fleets.values()))
         bad = [w for w in whys if w]
@@ -291,50 +296,3 @@ class ChainServer:
 
     def ready(self) -> bool:
         return all(f.router.routable() for f in self.fleets.values()) and self.models.ready()
-
-
-def serve_chain(cfg: ChainServeConfig) -> int:
-    """Run the chain server until SIGTERM/SIGINT. 0 after a clean stop; 2 when start-up failed."""
-    level = getattr(logging, str(cfg.log_level).upper(), logging.INFO)
-    try:
-        tracing.configure("tripod-chains", cfg.otel_endpoint, cfg.otel_file)
-        module, graph = load_chain(cfg.file, cfg.entrypoint)
-        server = ChainServer(cfg, graph, declared_models(module))
-    except (ValueError, FileNotFoundError, tracing.TracingUnavailable) as e:
-        print(f"tripod: error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:
-        log.exception("cannot load the chain in %s", cfg.file)
-        print(f"tripod: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: Any) -> AsyncIterator[None]:
-        await server.start()
-        try:
-            why = await server.wait_ready(cfg.start_timeout)
-            if why is not None:
-                server.failed = why
-                raise RuntimeError(why + (f" (replica logs in {cfg.log_dir})" if cfg.log_dir else ""))
-            log.info("chain %s ready at %s/run: %s; models: %s (pid %d)", graph.entrypoint.__name__, server.url,
-                     ", ".join(f"{n}×{f.node.replicas}" for n, f in server.fleets.items()),
-                     ", ".join(server.models.fleets) or "none", os.getpid())
-            yield
-        finally:
-            await server.stop()
-
-    app: Any = RunCounter(Starlette(routes=chain_routes(server), lifespan=lifespan), server)
-    if tracing.ACTIVE:  # /run and the models' routes (the router's attempts are spans too)
-        app = tracing.TraceMiddleware(app, "chains", lambda path: path == "/run" or path.startswith("/v1/"))
-    logging.getLogger("httpx").setLevel(max(level, logging.WARNING))
-    uv = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=logging.getLevelName(level).lower(),
-                        access_log=False, timeout_graceful_shutdown=max(1, int(cfg.drain_timeout)), lifespan="on",
-                        timeout_keep_alive=60)
-    srv = ChainDrain(uv, server)
-    try:
-        srv.run()
-    except SystemExit:
-        return 2
-    finally:
-        tracing.shutdown()
-    return 2 if server.failed or not srv.started else 0

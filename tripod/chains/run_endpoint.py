@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tripod.asgi import BodyTooLarge, ClientGone, ClosingStream, read_body, until_disconnect
-from tripod.chains.core import Signature
 from tripod.chains.errors import ChainletError
 from tripod.chains.metrics import ChainMetrics
+from tripod.chains.signature import Signature
 
 log = logging.getLogger("tripod.chains")
 

@@ -1,31 +1,39 @@
-"""The chain server's HTTP side: its routes, what they answer, and its drain.
+"""The chain server's HTTP app: its routes, what they answer, its drain, and the process that runs
+it (``serve_chain``, behind ``tripod chains serve``).
 
-``tripod.chains.serve`` builds the ``ChainServer`` (the graph, each chainlet's fleet, the models'
-router); this module answers for it: ``POST /run`` (the entrypoint, through its ``RemoteHandle``),
-``GET /health``, ``GET /metrics`` (every replica's page merged), ``GET /chain``, ``GET
-/chain/replicas`` and the multi-model router's routes; ``RunCounter`` counts the ``/run`` calls in
-flight and ``ChainDrain`` waits for them on SIGTERM before the port closes.
+``tripod.chains.chain_server`` builds the ``ChainServer`` (the graph, each chainlet's fleet, the
+models' router); this module answers for it: ``POST /run`` (the entrypoint, through its
+``RemoteHandle``), ``GET /health``, ``GET /metrics`` (every replica's page merged), ``GET /chain``,
+``GET /chain/replicas`` and the multi-model router's routes; ``RunCounter`` counts the ``/run``
+calls in flight and ``ChainDrain`` waits for them on SIGTERM before the port closes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import uvicorn
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from tripod import tracing
 from tripod.asgi import DrainingServer
+from tripod.chains.chain_server import CLIENT, ChainServeConfig, ChainServer
 from tripod.chains.core import entrypoint_options
 from tripod.chains.errors import ChainletError
-from tripod.chains.serving import run_endpoint
+from tripod.chains.loader import declared_models, load_chain
+from tripod.chains.run_endpoint import run_endpoint
 from tripod.fleet.multi import multi_router_routes
 from tripod.protocol.chains import (
     ChainHealth,
@@ -41,12 +49,7 @@ from tripod.protocol.chains import (
 )
 from tripod.router.merge import merge_pages
 
-if TYPE_CHECKING:
-    from tripod.chains.serve import ChainServer
-
 log = logging.getLogger("tripod.chains")
-
-CLIENT = "client"  # the caller name of calls made by the chain server (to the entrypoint)
 
 
 def describe(server: ChainServer) -> ChainInfo:
@@ -55,7 +58,7 @@ def describe(server: ChainServer) -> ChainInfo:
     for name, f in server.fleets.items():
         node = f.node
         replicas = ChainletReplicas(node.replicas, len(f.router.routable()),
-                                    [r.describe() for r in f.router.replicas.values()],
+                                    [r.info() for r in f.router.replicas.values()],
                                     f.supervisor.info()["restarts"])
         chainlets[name] = ChainletInfo(
             **node.cls.__tripod_signature__.describe(), replicas=replicas,
@@ -67,7 +70,7 @@ def describe(server: ChainServer) -> ChainInfo:
                      backend=server.cfg.backend, streaming=server.sig.streaming,
                      entrypoint_options=EntrypointInfo(opts.retries, opts.timeout_s), chainlets=chainlets,
                      models={n: ModelInfo(m.source, len(m.router.routable()),
-                                          [r.describe() for r in m.router.replicas.values()])
+                                          [r.info() for r in m.router.replicas.values()])
                              for n, m in server.models.fleets.items()})
 
 
@@ -121,6 +124,10 @@ def chain_routes(server: ChainServer) -> list[Route]:
     run = run_endpoint(sig, server.metrics, call, stream, parse)
 
     async def health(_: Request) -> Response:
+        # NOTE: ok with one routable replica each: the chain answers /run then, and a replica that
+        # died and restarts must not take the whole chain out of rotation. Start-up, before the
+        # port opens, waits for every chainlet replica (ChainServer.wait_ready); the counts below
+        # say the capacity at any time.
         ok = server.ready() and not server.draining
         status = "draining" if server.draining else ("ok" if ok else "starting")
         return _json(ChainHealth(status, sig.name, {n: len(f.router.routable()) for n, f in server.fleets.items()},
@@ -188,3 +195,50 @@ class ChainDrain(DrainingServer):
         while self.server.running and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)  # NOTE: a bounded wait for calls the app does not signal the end of
         super().handle_exit(sig, frame)
+
+
+def serve_chain(cfg: ChainServeConfig) -> int:
+    """Run the chain server until SIGTERM/SIGINT. 0 after a clean stop; 2 when start-up failed."""
+    level = getattr(logging, str(cfg.log_level).upper(), logging.INFO)
+    try:
+        tracing.configure("tripod-chains", cfg.otel_endpoint, cfg.otel_file)
+        module, graph = load_chain(cfg.file, cfg.entrypoint)
+        server = ChainServer(cfg, graph, declared_models(module))
+    except (ValueError, FileNotFoundError, tracing.TracingUnavailable) as e:
+        print(f"tripod: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        log.exception("cannot load the chain in %s", cfg.file)
+        print(f"tripod: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        await server.start()
+        try:
+            why = await server.wait_ready(cfg.start_timeout)
+            if why is not None:
+                server.failed = why
+                raise RuntimeError(why + (f" (replica logs in {cfg.log_dir})" if cfg.log_dir else ""))
+            log.info("chain %s ready at %s/run: %s; models: %s (pid %d)", graph.entrypoint.__name__, server.url,
+                     ", ".join(f"{n}×{f.node.replicas}" for n, f in server.fleets.items()),
+                     ", ".join(server.models.fleets) or "none", os.getpid())
+            yield
+        finally:
+            await server.stop()
+
+    app: Any = RunCounter(Starlette(routes=chain_routes(server), lifespan=lifespan), server)
+    if tracing.ACTIVE:  # /run and the models' routes (the router's attempts are spans too)
+        app = tracing.TraceMiddleware(app, "chains", lambda path: path == "/run" or path.startswith("/v1/"))
+    logging.getLogger("httpx").setLevel(max(level, logging.WARNING))
+    uv = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=logging.getLevelName(level).lower(),
+                        access_log=False, timeout_graceful_shutdown=max(1, int(cfg.drain_timeout)), lifespan="on",
+                        timeout_keep_alive=60)
+    srv = ChainDrain(uv, server)
+    try:
+        srv.run()
+    except SystemExit:
+        return 2
+    finally:
+        tracing.shutdown()
+    return 2 if server.failed or not srv.started else 0
