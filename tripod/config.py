@@ -105,7 +105,7 @@ class EngineConfig:
     aging: float = 8.0  # lpm: tokens of credit per step waited
     enable_prefix_cache: bool = opt(
         True, "disable the radix prefix cache", commands=ENGINE_COMMANDS, flag="--no-prefix-cache")
-    # The disk tier under the prefix cache (engine/disk_cache.py, memory/disk_tier.py): evicted
+    # The disk tier under the prefix cache (memory/tiered_cache.py, memory/disk_tier.py): evicted
     # prefixes are written to DIR and loaded back instead of recomputed; a restart, or another
     # engine of the same model on DIR, finds them there.
     kv_disk: str | None = opt(
@@ -115,7 +115,7 @@ class EngineConfig:
     kv_disk_size: float = opt(
         16.0, "--kv-disk: the tier's capacity in GB (least recently used blocks are removed beyond it)",
         commands=ENGINE_COMMANDS, metavar="GB")
-    decode_mirror: bool = True  # dense copy of decoding requests' KV (see engine/decode_mirror.py)
+    decode_mirror: bool = True  # dense copy of decoding requests' KV (see memory/decode_mirror.py)
     seed: int = 0  # for sampled requests without a seed
     # CPU: torch intra-op threads (None: torch's default; a local fleet gives each replica its share).
     num_threads: int | None = opt(None, "CPU threads for torch", commands=ENGINE_COMMANDS, flag="--threads")
@@ -167,7 +167,7 @@ class EngineConfig:
     # Draft lengths from a measured cost model (speculate only where it pays); False: always the
     # full num_draft_tokens (for measuring a proposer's acceptance).
     spec_adaptive: bool = True
-    # One model over several processes (engine/parallel.py): T ranks, each a shard of every
+    # One model over several processes (engine/executor/): T ranks, each a shard of every
     # layer (heads, MLP columns, a vocabulary slice) and its own KV pool.
     tensor_parallel_size: int = opt(
         1, "tensor parallel: run the model as T processes (this one and T-1 workers), each holding 1/T of every "

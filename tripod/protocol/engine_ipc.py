@@ -8,7 +8,7 @@ Every message is a tagged ``msgspec.Struct``; on the wire it is a msgpack map wi
 name and ``"type"`` naming the message. ``decode`` reads any of them into its class and validates
 it on the way: types, nested structs, and the ``__post_init__`` checks of ``SamplingParams`` and
 ``EngineStats``. ``AddRequest`` carries a ``SamplingParams`` built and validated once in the HTTP
-process (``server/sampling.py``); decoding runs the same validation again as the engine's
+process (``server/api/sampling.py``); decoding runs the same validation again as the engine's
 backstop, and a request that fails it comes out as ``InvalidAddRequest`` (what a rejection needs:
 the id and the number of copies), anything else malformed as ``ProtocolError``.
 """

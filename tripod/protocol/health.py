@@ -22,7 +22,7 @@ class Healthy(msgspec.Struct, kw_only=True):
     # The router continues this server's answers on another replica when it fails
     # (tripod_failover / tripod_continuation on the OpenAI routes).
     continuation: bool = True
-    # Prefill/decode disaggregation (server/pd.py): "prefill" | "decode" | "both".
+    # Prefill/decode disaggregation (server/api/pd.py): "prefill" | "decode" | "both".
     role: str = "both"
     # The disk tier's directory as host:DIR/<identity> (--kv-disk): replicas that report the same
     # one share it, which the router counts in its cache estimate.

@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation's edges (JSON over HTTP): the router's order to a prefill replica,
-its report, and a decode replica's receipt for the KV blocks it was sent (``server/pd.py``; the
+its report, and a decode replica's receipt for the KV blocks it was sent (``server/api/pd.py``; the
 blocks themselves travel in the disk tier's format, ``memory/kv_transfer.py``)."""
 
 from __future__ import annotations

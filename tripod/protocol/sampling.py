@@ -2,7 +2,7 @@
 
 They cross the server → engine pipe inside ``AddRequest`` (``tripod.protocol.engine``), so they
 live here, below both; ``tripod.engine.request`` re-exports them for the engine and the offline
-API. Built and validated once in the HTTP process (``server/sampling.py`` builds a
+API. Built and validated once in the HTTP process (``server/api/sampling.py`` builds a
 ``SamplingParams``, so it runs this very validation); the engine process decodes the same
 dataclasses, and the codec runs ``__post_init__`` again as the backstop.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
 # The bounds of every sampling parameter, in one place: the server checks requests against these
-# (``server/sampling.py`` builds a ``SamplingParams``, so it runs this very validation) and the
+# (``server/api/sampling.py`` builds a ``SamplingParams``, so it runs this very validation) and the
 # engine accepts exactly the same values.
 TEMPERATURE_MAX = 2.0
 PENALTY_RANGE = (-2.0, 2.0)  # frequency_penalty, presence_penalty (OpenAI's range)

@@ -3,7 +3,7 @@
 A new OpenAI chat/completions request goes to the decode replica the policy picks among the
 replicas that answer (``Router.serving``); before it is sent there, a prefill replica (the least
 busy) is ordered to compute the prompt's KV and hand it to that decode replica
-(``server/pd.py``), whose answer then finds the prompt cached. Skipped when the decode replica
+(``server/api/pd.py``), whose answer then finds the prompt cached. Skipped when the decode replica
 probably has most of the prompt cached already (fewer than ``pd_min_uncached_tokens`` estimated
 uncached tokens: a follow-up turn), for other routes, retries and continuations.
 
