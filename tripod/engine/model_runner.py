@@ -19,10 +19,9 @@ import torch
 from tripod import kernels
 from tripod.engine.parallel import Step, WorkerGroup
 from tripod.engine.scheduler import ScheduledItem
-from tripod.layers.attention import ForwardBatch
 from tripod.layers.backends import CpuBackend, CpuLinearBackend, ReferenceBackend, TorchBackend
-from tripod.layers.backends.base import Backend
 from tripod.layers.backends.reference import ScoringBackend, prefill_segment
+from tripod.layers.batch import Backend, BatchContext, ForwardBatch
 from tripod.layers.linear import onednn_supported
 from tripod.layers.lora import LoraBatch, LoraPool
 from tripod.layers.parallel import DPLayout
@@ -71,6 +70,7 @@ class ModelRunner:
         self.attention_reason = self._attention_obstacle()
         full = self.kernel_reason is None and self.attention_reason is None
         self.table = SlotTable(max_len or pool.num_slots, device) if full else None
+        self.batch_ctx = BatchContext(device, self.mirror, self.table)  # what the backends lay steps out with
         self._reference = ReferenceBackend()
         self._torch = TorchBackend()
         self._cpu: CpuBackend | CpuLinearBackend | None = None
@@ -187,7 +187,7 @@ class ModelRunner:
         if stages > 1 and len(items) > 1:
             return self._micro_batches(items, min(stages, len(items)))
         if self.dp_size == 1:
-            batch, sampling = self.backend.build_batch(items, self)
+            batch, sampling = self.backend.build_batch(items, self.batch_ctx)
             batch.lora = lora_rows(batch, self.lora_pool)
             return batch, sampling
         backend = self.backend
@@ -195,7 +195,7 @@ class ModelRunner:
         sampling: list[ScheduledItem] = []
         for rank in range(self.dp_size):
             mine = [it for it in items if it.req.dp_rank == rank]
-            batch, rows = backend.build_batch(mine, self) if mine else (self._empty_batch(backend), [])
+            batch, rows = backend.build_batch(mine, self.batch_ctx) if mine else (self._empty_batch(backend), [])
             batches.append(batch)
             sampling += rows
         return self._dp_batch(batches), sampling
@@ -212,7 +212,7 @@ class ModelRunner:
                 groups.append([])
             groups[-1].append(it)
             done += it.length
-        built = [backend.build_batch(g, self) for g in groups]
+        built = [backend.build_batch(g, self.batch_ctx) for g in groups]
         self.micro_steps += 1
         first = built[0][0]
         first.micro = [b for b, _ in built[1:]]
@@ -248,7 +248,7 @@ class ModelRunner:
         backend = self.scoring_backend() if step.scoring else self.backend
         if backend.form != step.form:
             raise RuntimeError(f"rank 0 runs {step.form} but this rank {backend.form}: the ranks must compute alike")
-        step.batch.backend = backend
+        step.batch.bind(backend)
         self.model(step.batch, self.pool)
 
     def scoring_backend(self) -> Backend:
