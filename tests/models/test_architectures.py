@@ -355,7 +355,8 @@ def test_mtp_module_forward(tmp_path: Path, hf_tokenizer: Any) -> None:
     """DeepSeek-V3's MTP module is loaded from the checkpoint (``model.layers.{L}.*``) and its
     forward — a prefill over a sequence, then a decode step (absorbed MLA) — equals the module
     assembled from transformers' own DeepSeek-V3 decoder layer with the same weights."""
-    from tripod.layers.attention import ForwardBatch, PrefillSegment
+    from tripod.layers.backends import REFERENCE
+    from tripod.layers.batch import ForwardBatch, PrefillSegment
     from tripod.models.deepseek import MTPModule
 
     target = build_hf("deepseek-v3", seed=5)
@@ -390,7 +391,8 @@ def test_mtp_module_forward(tmp_path: Path, hf_tokenizer: Any) -> None:
     pool = MTPModule.pool_spec(eng.model_config).make(64, torch.float32, torch.device("cpu"))
     prefill = ForwardBatch(
         input_ids=ids[:n], positions=torch.arange(n), out_slots=torch.arange(n), num_decode=0,
-        decode_kv_idx=None, decode_mask=None, prefills=[PrefillSegment(0, n, 0, None, None)], logits_idx=None,
+        decode_kv_idx=None, decode_mask=None, backend=REFERENCE, prefills=[PrefillSegment(0, n, 0, None, None)],
+        logits_idx=None,
     )
     logits, own = net.mtp(net, prefill, hidden[:n], pool)
     assert own.shape == (n, h)
@@ -398,6 +400,7 @@ def test_mtp_module_forward(tmp_path: Path, hf_tokenizer: Any) -> None:
     decode = ForwardBatch(
         input_ids=ids[n:], positions=torch.tensor([n]), out_slots=torch.tensor([n]), num_decode=1,
         decode_kv_idx=torch.arange(n + 1)[None], decode_mask=torch.ones(1, 1, 1, n + 1, dtype=torch.bool),
+        backend=REFERENCE,
     )
     step, _ = net.mtp(net, decode, hidden[n:], pool)
     torch.testing.assert_close(step[0], reference(n + 1)[-1], rtol=1e-4, atol=1e-4)

@@ -83,8 +83,8 @@ def test_mtp_refused_without_a_module(tmp_path: Path, hf_tokenizer: Any) -> None
 def test_mtp_first_draft_follows_the_target_hidden_states(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The proposer feeds the module the right hidden state, token and position: each first
     draft equals the module's prediction from a whole-sequence pass of the target."""
-    from tripod.layers.attention import ForwardBatch, PrefillSegment
     from tripod.layers.backends import REFERENCE
+    from tripod.layers.batch import ForwardBatch, PrefillSegment
     from tripod.models.deepseek import MTPModule
 
     seen: list[tuple[list[int], int]] = []
@@ -112,7 +112,7 @@ def test_mtp_first_draft_follows_the_target_hidden_states(folder: Path, monkeypa
     model.prepare(REFERENCE)
     batch = ForwardBatch(
         input_ids=torch.tensor(full), positions=torch.arange(n), out_slots=torch.arange(n), num_decode=0,
-        decode_kv_idx=None, decode_mask=None, prefills=[PrefillSegment(0, n, 0, None, None)],
+        decode_kv_idx=None, decode_mask=None, backend=REFERENCE, prefills=[PrefillSegment(0, n, 0, None, None)],
         logits_idx=torch.tensor([n - 1]),
     )
     model(batch, ref.pool)
@@ -121,7 +121,8 @@ def test_mtp_first_draft_follows_the_target_hidden_states(folder: Path, monkeypa
     pool = MTPModule.pool_spec(eng.model_config).make(n + 1, torch.float32, torch.device("cpu"))
     mtp_batch = ForwardBatch(
         input_ids=torch.tensor(full[1:]), positions=torch.arange(n - 1), out_slots=torch.arange(n - 1), num_decode=0,
-        decode_kv_idx=None, decode_mask=None, prefills=[PrefillSegment(0, n - 1, 0, None, None)], logits_idx=None,
+        decode_kv_idx=None, decode_mask=None, backend=REFERENCE, prefills=[PrefillSegment(0, n - 1, 0, None, None)],
+        logits_idx=None,
     )
     logits, _ = net.mtp(net, mtp_batch, hidden[: n - 1], pool)
     for ids, first in seen:

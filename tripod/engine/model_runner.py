@@ -19,10 +19,9 @@ import torch
 from tripod import kernels
 from tripod.engine.executor.group import WorkerGroup
 from tripod.engine.scheduler import ScheduledItem
-from tripod.layers.attention import ForwardBatch
 from tripod.layers.backends import CpuBackend, CpuLinearBackend, ReferenceBackend, TorchBackend
-from tripod.layers.backends.base import Backend
 from tripod.layers.backends.reference import ScoringBackend, prefill_segment
+from tripod.layers.batch import Backend, BatchContext, ForwardBatch
 from tripod.layers.linear import onednn_supported
 from tripod.layers.lora import LoraAdapter, LoraBatch, LoraPool
 from tripod.layers.parallel import DPLayout
@@ -72,6 +71,7 @@ class ModelRunner:
         self.attention_reason = self._attention_obstacle()
         full = self.kernel_reason is None and self.attention_reason is None
         self.table = SlotTable(max_len or pool.num_slots, device) if full else None
+        self.batch_ctx = BatchContext(device, self.mirror, self.table)  # what the backends lay steps out with
         self._reference = ReferenceBackend()
         self._torch = TorchBackend()
         self._cpu: CpuBackend | CpuLinearBackend | None = None
@@ -188,7 +188,7 @@ class ModelRunner:
         if stages > 1 and len(items) > 1:
             return self._micro_batches(items, min(stages, len(items)))
         if self.dp_size == 1:
-            batch, sampling = self.backend.build_batch(items, self)
+            batch, sampling = self.backend.build_batch(items, self.batch_ctx)
             batch.lora = lora_rows(batch, self.lora_pool)
             return batch, sampling
         backend = self.backend
@@ -196,7 +196,7 @@ class ModelRunner:
         sampling: list[ScheduledItem] = []
         for rank in range(self.dp_size):
             mine = [it for it in items if it.req.dp_rank == rank]
-            batch, rows = backend.build_batch(mine, self) if mine else (self._empty_batch(backend), [])
+            batch, rows = backend.build_batch(mine, self.batch_ctx) if mine else (self._empty_batch(backend), [])
             batches.append(batch)
             sampling += rows
         return self._dp_batch(batches), sampling
@@ -213,7 +213,7 @@ class ModelRunner:
                 groups.append([])
             groups[-1].append(it)
             done += it.length
-        built = [backend.build_batch(g, self) for g in groups]
+        built = [backend.build_batch(g, self.batch_ctx) for g in groups]
         self.micro_steps += 1
         first = built[0][0]
         first.micro = [b for b, _ in built[1:]]

@@ -3,7 +3,8 @@
 ``attend`` is the attention block after the QKV projection: per-head q/k RMSNorm (when the
 layer has it), then the step's compute backend (``layers/backends``) rotates Q/K, writes this
 step's K/V into the pool and attends. A layer's ``AttnSpec`` carries its heads, scale, optional
-sliding window and logit soft-cap.
+sliding window and logit soft-cap; it and the batch (``ForwardBatch``, ``PrefillSegment``,
+``KernelMeta``) live in ``layers/batch.py``, beside the ``Backend`` interface that reads them.
 
 The torch path (``paged_attention`` below; the reference and torch backends, and CUDA): a step's
 tokens are laid out flat: first one token per decoding request, then each prefill chunk's
@@ -15,91 +16,12 @@ backend) read the pool through the slot table instead (``KernelMeta``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
-from tripod.layers.parallel import DPLayout
+from tripod.layers.batch import AttnSpec, ForwardBatch, PrefillSegment
 from tripod.layers.rotary import RotaryEmbedding
 from tripod.memory.kv_pool import KVPool
-
-
-def _reference_backend() -> Any:
-    from tripod.layers.backends.reference import REFERENCE
-
-    return REFERENCE
-
-
-@dataclass(frozen=True, slots=True)
-class AttnSpec:
-    """One attention layer's shape and rules."""
-
-    num_heads: int
-    num_kv_heads: int
-    scale: float
-    window: int | None = None  # sliding window: a query at p sees keys p - window + 1 .. p
-    softcap: float | None = None  # scores -> tanh(scores / cap) * cap before the softmax
-    # Attention sinks (gpt-oss): a learned logit per head joining the softmax's denominator (a
-    # virtual key whose value is zero), so a query may attend to "nothing".
-    sinks: torch.Tensor | None = field(default=None, compare=False)
-
-
-@dataclass(slots=True)
-class PrefillSegment:
-    start: int  # first token of the chunk in the flat batch
-    length: int  # tokens in the chunk
-    prefix_len: int  # tokens before the chunk whose KV is already in the pool
-    kv_slots: torch.Tensor | None  # [prefix_len + length] slots; None when prefix_len == 0
-    mask: torch.Tensor | None  # [length, prefix_len + length] bool; None when prefix_len == 0
-
-
-@dataclass(slots=True)
-class KernelMeta:
-    """What the C++ attention needs: query ``t`` attends ``table[rows[t], :lens[t]]``."""
-
-    table: torch.Tensor  # [requests, width] int32 slot ids (memory.SlotTable)
-    rows: torch.Tensor  # [T] int32
-    lens: torch.Tensor  # [T] int32: position + 1
-
-
-@dataclass(slots=True)
-class ForwardBatch:
-    """Everything a forward pass needs, as tensors on the model's device."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    out_slots: torch.Tensor  # [T] KV slot each token's K/V is written to
-    num_decode: int  # the first num_decode tokens are single-token decodes
-    decode_kv_idx: torch.Tensor | None  # [num_decode, L] slots, padded
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, L] bool, True = attend
-    prefills: list[PrefillSegment] = field(default_factory=list)
-    # [layers, rows, len, 2, KVH, D]: decode rows in batch order (see DecodeMirror); when set,
-    # decodes read it instead of gathering decode_kv_idx from the pool.
-    decode_mirror: torch.Tensor | None = None
-    logits_idx: torch.Tensor | None = None  # [S] flat positions whose logits are wanted
-    # Jump-forward verification, right after the decodes: (flat start, first position, rows,
-    # KV slots [first position + rows]). Each row is one query position attending exactly like
-    # a lone decode at that position (same width, same kernel), so its numerics are those of
-    # plain decoding: SDPA's result depends on how far the keys are padded.
-    verifies: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
-    # Set when this step runs on tripod's CPU kernels (then the torch-path fields are unused).
-    kernel: KernelMeta | None = None
-    # What this step computes with (layers.backends.Backend): the projections' prepared form,
-    # norms, activations and attention.
-    backend: Any = field(default_factory=_reference_backend)
-    # (item, first flat row) of every scheduled item, whose tokens are contiguous rows: what a
-    # reader of per-token outputs (the MTP proposer reads hidden states) needs to find its rows.
-    item_rows: list[tuple[Any, int]] = field(default_factory=list)
-    # Data-parallel attention: this rank's rows among the group's (layers/parallel.DPLayout).
-    dp: DPLayout | None = None
-    # Pipeline parallel: the step's further micro-batches (other requests), run after this one
-    # so that the stages overlap; their logits rows follow this batch's.
-    micro: list[ForwardBatch] = field(default_factory=list)
-    # LoRA adapters (layers/lora.LoraBatch): each adapter's rows get its delta after every
-    # targeted projection; None when every row runs the base model.
-    lora: Any = None
 
 
 def attend(

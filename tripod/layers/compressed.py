@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tripod.layers.attention import ForwardBatch, sdpa, window_mask
+from tripod.layers.attention import sdpa, window_mask
+from tripod.layers.batch import ForwardBatch
 from tripod.layers.norm import rms_norm
 from tripod.layers.rotary import rope_inv_freq
 from tripod.layers.weights import WeightSource

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tripod.layers.attention import ForwardBatch, sdpa, window_mask
-from tripod.layers.backends.base import Backend
+from tripod.layers.attention import sdpa, window_mask
+from tripod.layers.batch import Backend, ForwardBatch
 from tripod.layers.linear import Fp8Scales, Linear, dequantize_fp8
 from tripod.layers.mlp import keep
 from tripod.layers.norm import rms_norm

@@ -1,25 +1,18 @@
-"""The gated MLP (SwiGLU, or GELU-tanh for Gemma): gate and up fused into one projection."""
+"""The gated MLP (SwiGLU, or GELU-tanh for Gemma): gate and up fused into one projection; its
+backend applies the activation (torch's op: ``layers/activation.py``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tripod.layers.backends.base import Backend
+from tripod.layers.batch import Backend
 from tripod.layers.linear import Fp8Scales, Linear, StoredWeight
+from tripod.layers.lora import LoraBatch
 from tripod.layers.parallel import SINGLE, ParallelGroup, columns, parameter, rows
 from tripod.layers.weights import WeightSource
-
-
-def activate(gu: torch.Tensor, inter: int, act: str) -> torch.Tensor:
-    """``act(gate) * up`` of a fused ``[T, 2 * inter]`` gate/up output, on torch's ops."""
-    g, u = gu.split([inter, inter], dim=-1)
-    if act == "silu":
-        return F.silu(g) * u
-    return F.gelu(g, approximate="tanh") * u
 
 
 class GatedMLP(nn.Module):
@@ -61,7 +54,7 @@ class GatedMLP(nn.Module):
         keep(self, "down", src.part(f"{prefix}{d}.weight"))
 
     def forward(self, h: torch.Tensor, backend: Backend, residual: torch.Tensor | None = None,
-                lora: tuple[Any, int] | None = None) -> torch.Tensor:
+                lora: tuple[LoraBatch, int] | None = None) -> torch.Tensor:
         """``lora``: (the step's ``LoraBatch``, this MLP's layer) when rows run adapters."""
         gate_up, down = self.ops[backend.form]
         if lora is None:

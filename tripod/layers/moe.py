@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tripod.layers.backends.base import Backend
+from tripod.layers.activation import activate
+from tripod.layers.batch import Backend
 from tripod.layers.linear import Fp8Scales, StoredWeight, dequantize_fp8
-from tripod.layers.mlp import GatedMLP, activate, keep
+from tripod.layers.mlp import GatedMLP, keep
 from tripod.layers.parallel import SINGLE, ParallelGroup, columns, parameter, rows
 from tripod.layers.weights import WeightSource, dequantize_mxfp4
 

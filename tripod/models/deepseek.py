@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from tripod.layers.attention import ForwardBatch
+from tripod.layers.batch import ForwardBatch
 from tripod.layers.mla import MLAttention
 from tripod.layers.norm import rms_norm
 from tripod.layers.parallel import SINGLE, ParallelGroup

@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tripod.layers.attention import ForwardBatch
-from tripod.layers.backends.base import Backend
+from tripod.layers.batch import Backend, ForwardBatch
 from tripod.layers.compressed import CompressedAttention, InterleavedRope, unweighted_rms
 from tripod.layers.moe import ExpertSet, chosen_weights, route, score
 from tripod.layers.norm import rms_norm

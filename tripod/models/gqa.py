@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tripod.layers.attention import AttnSpec, ForwardBatch, attend
-from tripod.layers.backends.base import Backend
+from tripod.layers.attention import attend
+from tripod.layers.batch import AttnSpec, Backend, ForwardBatch
 from tripod.layers.linear import Fp8Scales, Linear, StoredWeight
 from tripod.layers.mlp import keep
 from tripod.layers.parallel import SINGLE, ParallelGroup, columns, head_split, parameter, rows

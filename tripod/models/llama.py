@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tripod.layers.attention import ForwardBatch
-from tripod.layers.backends.base import Backend
+from tripod.layers.batch import Backend, ForwardBatch
 from tripod.layers.linear import Linear, StoredWeight
 from tripod.layers.mlp import GatedMLP
 from tripod.layers.moe import MoE
@@ -291,7 +290,6 @@ class LlamaForCausalLM(nn.Module):
         one; the last stage computes the logits, which stage 0 collects at the end, in order."""
         pp, sent, out = self.pp, [], []
         for b in batches:
-            b.backend = batches[0].backend
             if pp.first:
                 x = self.embed_tokens(b.input_ids)
                 if self.embed_scale is not None:

@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 
 from tripod.config import EngineConfig
-from tripod.layers.attention import ForwardBatch
+from tripod.layers.batch import ForwardBatch
 from tripod.layers.parallel import SINGLE, SINGLE_STAGE, DPLayout, ParallelGroup, PipeStage
 from tripod.protocol.stats import RankCard
 
@@ -52,7 +52,8 @@ class WorkerSpec:
 
 @dataclass(frozen=True, slots=True)
 class RankStep:
-    """One forward pass for the workers: the batch (its backend stripped) and how to run it."""
+    """One forward pass for the workers: the batch (``ForwardBatch.detached``: each worker binds
+    its own backend) and how to run it."""
 
     batch: ForwardBatch
     form: str  # the backend form rank 0 runs (the workers must run the same)
@@ -134,12 +135,8 @@ class WorkerGroup(abc.ABC):
         self.check()
         form = batch.backend.form
 
-        def bare(b: ForwardBatch) -> ForwardBatch:
-            return dataclasses.replace(b, backend=None, item_rows=[], decode_mirror=None,
-                                       micro=[bare(m) for m in b.micro])
-
         def step_of(b: ForwardBatch, dp: DPLayout | None) -> RankStep:
-            return RankStep(dataclasses.replace(bare(b), dp=dp), form, scoring)
+            return RankStep(dataclasses.replace(b.detached(), dp=dp), form, scoring)
 
         dp = batch.dp
         if dp is None:

@@ -60,5 +60,5 @@ class RankWorker:
         backend = runner.scoring_backend() if step.scoring else runner.backend
         if backend.form != step.form:
             raise RuntimeError(f"rank 0 runs {step.form} but this rank {backend.form}: the ranks must compute alike")
-        step.batch.backend = backend
+        step.batch.bind(backend)
         runner.model(step.batch, runner.pool)

@@ -31,7 +31,8 @@ from tripod.engine.sampler import Sampler
 from tripod.engine.scheduler import ScheduledItem
 from tripod.engine.speculative.draft_model import chain_drafts
 from tripod.engine.speculative.proposer import Proposal, Proposer
-from tripod.layers.attention import ForwardBatch, PrefillSegment
+from tripod.layers.backends import REFERENCE
+from tripod.layers.batch import ForwardBatch, PrefillSegment
 
 if TYPE_CHECKING:
     from tripod.engine.request import Req
@@ -123,7 +124,8 @@ class MTPProposer(Proposer):
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(pos, dtype=torch.long, device=dev),
             out_slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode=0, decode_kv_idx=None, decode_mask=None, prefills=prefills,
+            # (the module computes on the reference backend, whatever the target's steps run)
+            num_decode=0, decode_kv_idx=None, decode_mask=None, backend=REFERENCE, prefills=prefills,
             logits_idx=torch.tensor(last, dtype=torch.long, device=dev),
         )
         logits, own = self.mtp(self.target, batch, torch.stack(hid), self.pool)
@@ -156,6 +158,7 @@ class MTPProposer(Proposer):
             num_decode=len(reqs),
             decode_kv_idx=torch.tensor(kv, dtype=torch.long, device=dev),
             decode_mask=(torch.arange(width, device=dev).unsqueeze(0) < lens)[:, None, None, :],
+            backend=REFERENCE,
         )
         self._tok[[r.slots[p] for r, p in zip(reqs, pos, strict=True)]] = -1  # stand-in hidden: unstamped
         return self.mtp(self.target, batch, torch.stack(hidden), self.pool)

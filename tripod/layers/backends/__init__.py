@@ -1,11 +1,13 @@
-"""The compute backends behind one interface (``Backend``): what a forward pass computes with.
+"""The compute backends behind one interface (``layers/batch.Backend``, beside the
+``ForwardBatch`` it builds and reads): what a forward pass computes with.
 
 A layer asks its backend for each op family and knows nothing of ISAs or kernels:
 
 - ``linear(weight, bias, ...)``: a projection prepared once in the backend's own weight layout;
 - ``norm`` (RMSNorm), ``activate`` (act(gate) * up);
 - ``attend``: RoPE, the KV write and paged attention over the pool;
-- ``build_batch``: a step's work laid out with the attention metadata the backend reads.
+- ``build_batch``: a step's work laid out with the attention metadata the backend reads, from
+  the model runner's ``BatchContext`` (device, decode mirror, slot table).
 
 Backends:
 
@@ -25,8 +27,7 @@ Switching a runner to the kernels mid-serve is one object swapped: once they loa
 
 from __future__ import annotations
 
-from tripod.layers.backends.base import Backend, StepItem
 from tripod.layers.backends.cpu import CpuBackend, CpuLinearBackend
 from tripod.layers.backends.reference import REFERENCE, ReferenceBackend, TorchBackend
 
-__all__ = ["REFERENCE", "Backend", "CpuBackend", "CpuLinearBackend", "ReferenceBackend", "StepItem", "TorchBackend"]
+__all__ = ["REFERENCE", "CpuBackend", "CpuLinearBackend", "ReferenceBackend", "TorchBackend"]

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from tripod.layers.attention import AttnSpec, ForwardBatch, KernelMeta
-from tripod.layers.backends.base import Backend, StepItem
+from tripod.layers.activation import activate
 from tripod.layers.backends.reference import ReferenceBackend
+from tripod.layers.batch import AttnSpec, Backend, BatchContext, ForwardBatch, KernelMeta, StepItem
 from tripod.layers.linear import Fp8Scales, Linear, StoredWeight, make_linear
-from tripod.layers.mlp import activate
 from tripod.layers.rotary import RotaryEmbedding
+from tripod.memory.kv_pool import KVPool
 
 
 class KernelOps:
@@ -48,7 +48,7 @@ class CpuBackend(KernelOps, Backend):
         # NOTE: the form names the level too: a layer's packed weights hold that library's op.
         self.form = f"{'stored' if stored else 'kernel'}:{isa}"
 
-    def attend(self, qkv: torch.Tensor, layer: int, pool: Any, batch: ForwardBatch, rotary: RotaryEmbedding,
+    def attend(self, qkv: torch.Tensor, layer: int, pool: KVPool, batch: ForwardBatch, rotary: RotaryEmbedding,
                cos_sin: tuple[torch.Tensor, torch.Tensor] | None, spec: AttnSpec) -> torch.Tensor:
         m = batch.kernel
         assert m is not None
@@ -60,7 +60,7 @@ class CpuBackend(KernelOps, Backend):
         q = qkv.view(t, -1, d)[:, :nh]
         return self.ops.paged_attention(q, kv, m.table, m.rows, m.lens, spec.scale).view(t, nh * d)
 
-    def build_batch(self, items: list[StepItem], ctx: Any) -> tuple[ForwardBatch, list[StepItem]]:
+    def build_batch(self, items: list[StepItem], ctx: BatchContext) -> tuple[ForwardBatch, list[StepItem]]:
         """Every token of the step in item order; each attends its own request's first
         ``position + 1`` keys through the slot table (decodes, drafts and chunks alike)."""
         if ctx.mirror is not None and ctx.mirror.buf is not None:

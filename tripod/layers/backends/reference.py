@@ -3,16 +3,22 @@ packed once for oneDNN (what serves while tripod's kernels build, or where none 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from tripod.layers.attention import AttnSpec, ForwardBatch, PrefillSegment, paged_attention
-from tripod.layers.backends.base import Backend, StepItem
+from tripod.layers.activation import activate
+from tripod.layers.attention import paged_attention
+from tripod.layers.batch import (
+    AttnSpec,
+    Backend,
+    BatchContext,
+    ForwardBatch,
+    PrefillSegment,
+    StepItem,
+)
 from tripod.layers.linear import Fp8Scales, Linear, StoredWeight, make_linear
-from tripod.layers.mlp import activate
 from tripod.layers.norm import rms_norm
 from tripod.layers.rotary import RotaryEmbedding, apply_rotary
+from tripod.memory.kv_pool import KVPool
 
 
 class ReferenceBackend(Backend):
@@ -35,7 +41,7 @@ class ReferenceBackend(Backend):
     def activate(self, gu: torch.Tensor, inter: int, act: str) -> torch.Tensor:
         return activate(gu, inter, act)
 
-    def attend(self, qkv: torch.Tensor, layer: int, pool: Any, batch: ForwardBatch, rotary: RotaryEmbedding,
+    def attend(self, qkv: torch.Tensor, layer: int, pool: KVPool, batch: ForwardBatch, rotary: RotaryEmbedding,
                cos_sin: tuple[torch.Tensor, torch.Tensor] | None, spec: AttnSpec) -> torch.Tensor:
         assert cos_sin is not None
         t = qkv.shape[0]
@@ -47,7 +53,7 @@ class ReferenceBackend(Backend):
         v = heads[:, nh + nkv :]
         return paged_attention(q, k, v, layer, pool, batch, spec).view(t, nh * pool.head_dim)
 
-    def build_batch(self, items: list[StepItem], ctx: Any) -> tuple[ForwardBatch, list[StepItem]]:
+    def build_batch(self, items: list[StepItem], ctx: BatchContext) -> tuple[ForwardBatch, list[StepItem]]:
         rows = _Rows(ctx.device)
         singles = [it for it in items if it.length == 1 and not it.verify]
         mirror_buf = None
