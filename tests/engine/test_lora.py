@@ -179,3 +179,27 @@ def test_unload_while_running_keeps_the_weights_until_the_request_ends(setup: di
     assert "mlp" not in eng.loras.resident and eng.loras.free_places == 1
     eng.load_lora("mlp", str(setup["paths"]["mlp"]))  # loads again, in the freed place
     assert eng.loras.resident["mlp"].slot is not None
+
+
+def test_an_adapter_replaced_while_its_request_waits_is_refused_not_swapped(setup: dict[str, Any]) -> None:
+    """A request names its adapter once (admission resolves it into a handle). If the adapter is
+    unloaded and other files loaded under the same name before the request runs, it is refused with
+    the reason, never run on the other weights (nor cached under the old adapter's namespace); the
+    engine goes on serving."""
+    eng = _engine(setup, kernels="eager", max_running=1)
+    first, waiting = _prompts()[0], _prompts()[1]
+    (busy,) = eng.add_request(first, _params(None))
+    while not busy.output_ids:  # the only running slot is taken
+        eng.step()
+    (req,) = eng.add_request(waiting, _params("attn"))
+    assert req.lora is not None and not req.slots
+    assert eng.unload_lora("attn") == 0
+    eng.load_lora("attn", str(setup["paths"]["mlp"]))  # the same name, other weights
+    while eng.has_work or eng.pending:
+        eng.step()
+    assert req.finish_reason is not None and req.finish_reason.value == "error" and not req.output_ids
+    assert req.error is not None and "unloaded or replaced" in req.error
+    check_greedy_tokens(busy.output_ids, setup["refs"][None].greedy(first, N), "the running request")
+    (again,) = eng.generate([waiting], _params("attn"))  # sent again: the adapter loaded now
+    check_greedy_tokens(again.token_ids, setup["refs"]["mlp"].greedy(waiting, N), "attn, now mlp's files")
+    eng.assert_consistent()
