@@ -38,6 +38,15 @@ def _ask(srv: ServerProcess) -> tuple[str, int, int]:
     return r.choices[0].message.content or "", r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens or 0
 
 
+def _asked_again(srv: ServerProcess, answer: str, prompt_tokens: int) -> int:
+    """The restarted server's answer to the same question: the same, its prompt's whole blocks
+    from disk (how many tokens were cached)."""
+    again, prompt_tokens2, cached = _ask(srv)
+    assert again == answer and prompt_tokens2 == prompt_tokens
+    assert cached >= prompt_tokens - 16 - 1, "every whole block of the prompt came from disk"
+    return cached
+
+
 @pytest.mark.slow
 def test_a_restarted_server_serves_the_old_prefix_from_disk(tmp_path: Path) -> None:
     disk = tmp_path / "kv"
@@ -54,9 +63,7 @@ def test_a_restarted_server_serves_the_old_prefix_from_disk(tmp_path: Path) -> N
 
     second = ServerProcess(tmp_path, *args)
     try:
-        again, prompt_tokens2, cached2 = _ask(second)
-        assert again == answer and prompt_tokens2 == prompt_tokens
-        assert cached2 >= prompt_tokens - 16 - 1, "every whole block of the prompt came from disk"
+        cached2 = _asked_again(second, answer, prompt_tokens)
         stats = second.wait_idle()
         assert stats["kv_disk"]["hit_tokens"] == cached2 and stats["kv_disk"]["corrupt_files"] == 0
         assert stats["consistent"] is True
@@ -93,9 +100,7 @@ def test_a_signal_to_the_whole_group_drains_and_saves_the_pool(tmp_path: Path, s
 
     second = ServerProcess(tmp_path, *args)
     try:
-        again, prompt_tokens2, cached2 = _ask(second)
-        assert again == answer and prompt_tokens2 == prompt_tokens
-        assert cached2 >= prompt_tokens - 16 - 1, "every whole block of the prompt came from disk"
+        _asked_again(second, answer, prompt_tokens)
     finally:
         second.stop()
 
