@@ -27,6 +27,7 @@ def test_generate_one_prompt_streams_the_greedy_answer() -> None:
     assert "Paris" in r.stdout
 
 
+@pytest.mark.slow
 def test_interactive_chat_takes_turns_and_reuses_history() -> None:
     r = _tripod(
         "generate", "--max-tokens", "12", "--dtype", "float32",
@@ -55,6 +56,7 @@ def test_missing_embedded_model_names_the_install_command(monkeypatch: pytest.Mo
         embedded.embedded_model_path()
 
 
+@pytest.mark.slow
 def test_interactive_chat_survives_a_history_longer_than_the_context() -> None:
     # 128 KV slots cap the context: older turns are dropped instead of ending the session.
     r = _tripod(
@@ -66,6 +68,7 @@ def test_interactive_chat_survives_a_history_longer_than_the_context() -> None:
     assert len(stats) == 3, r.stderr
 
 
+@pytest.mark.slow
 def test_log_level_is_accepted_after_the_subcommand() -> None:
     r = _tripod("generate", "--log-level", "ERROR", "--raw", "2 + 2 =", "--max-tokens", "2", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
@@ -82,6 +85,7 @@ def test_chat_against_a_running_server(server: object) -> None:
     assert r.stdout.count("> ") >= 2  # two turns answered, then the empty line ends the chat
 
 
+@pytest.mark.slow
 def test_chat_in_process() -> None:
     r = _tripod("chat", "--max-tokens", "8", "--dtype", "float32", "--temperature", "0",
                 stdin="What is the capital of France?\n\n")
@@ -95,6 +99,7 @@ def test_serve_with_a_missing_model_fails_clearly() -> None:
     assert "does not exist" in r.stderr
 
 
+@pytest.mark.slow
 def test_fleet_with_a_missing_model_fails_fast_and_clearly() -> None:
     r = _tripod("serve", "--replicas", "2", "--model", "/nonexistent/model.gguf", "--port", "0")
     assert r.returncode == 2

@@ -120,6 +120,7 @@ def _metric(text: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+@pytest.mark.slow
 def test_bench_end_to_end_against_a_real_server(server: Any, tmp_path: Path) -> None:
     before = httpx.get(f"{server.url}/metrics").text
     out = tmp_path / "bench"

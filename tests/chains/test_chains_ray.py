@@ -16,6 +16,7 @@ from tests.support.server_helpers import TripodProcess
 APP = str(Path(__file__).parent / "chain_apps" / "basic.py")
 
 
+@pytest.mark.slow
 def test_chainlets_as_ray_actors(tmp_path: Path) -> None:
     pytest.importorskip("ray")
     p = TripodProcess(tmp_path, "chains", "serve", APP, "--backend", "ray", "--log-dir", str(tmp_path / "logs"),

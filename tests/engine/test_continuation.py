@@ -68,6 +68,7 @@ def test_greedy_continuation_equals_the_undisturbed_answer(engine: Any, prompt: 
     engine.assert_consistent()
 
 
+@pytest.mark.slow
 def test_seeded_sampling_with_penalties_and_n_copies_continue_exactly(engine: Any, prompt: list[int]) -> None:
     """Counter-based noise: copy i at output position k draws what it would have drawn; the
     frequency/presence/repetition penalties count the resumed tokens as output."""
@@ -82,6 +83,7 @@ def test_seeded_sampling_with_penalties_and_n_copies_continue_exactly(engine: An
     assert got[0].rid.endswith("-0") and got[2].rid.endswith("-2")
 
 
+@pytest.mark.slow
 def test_json_constraint_continues_through_the_resumed_tokens(engine: Any) -> None:
     prompt = list(engine.apply_chat_template([{"role": "user", "content": "Describe a person as JSON."}]))
     params = SamplingParams(max_tokens=80, temperature=0.0, grammar=GrammarSpec("json", json.dumps(SCHEMA)))
@@ -99,6 +101,7 @@ def test_json_constraint_continues_through_the_resumed_tokens(engine: Any) -> No
     engine.assert_consistent()
 
 
+@pytest.mark.slow
 def test_continuation_under_speculative_decoding(make_engine: Any, engine: Any) -> None:
     """A continued request speculates from its resumed output like any other (its n-gram index
     covers the resumed tokens): the tokens are still plain decoding's. (Draft models guessing

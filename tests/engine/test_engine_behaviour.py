@@ -50,6 +50,7 @@ def nocache_engine(make_engine: Any) -> Iterator[Any]:
 
 
 # ------------------------------------------------------------------------------ prefix cache
+@pytest.mark.slow
 def test_prefix_cache_is_transparent_for_a_shared_system_prompt(
     engine: Any, nocache_engine: Any, chat: Any, check_greedy: Any, greedy_from_tripod: Any
 ) -> None:
@@ -87,6 +88,7 @@ def test_prefix_cache_is_transparent_for_a_shared_system_prompt(
         check_greedy(o.token_ids, ref, f"question {i} cached, in a batch")
 
 
+@pytest.mark.slow
 def test_multi_turn_reuses_the_first_turns_output(
     engine: Any, nocache_engine: Any, chat: Any, check_greedy: Any, greedy_from_tripod: Any
 ) -> None:
@@ -108,6 +110,7 @@ def test_multi_turn_reuses_the_first_turns_output(
 
 
 # ------------------------------------------------------------------------------ memory pressure
+@pytest.mark.slow
 def test_tiny_kv_budget_evicts_waits_and_every_request_finishes(
     engine: Any, make_engine: Any, check_greedy: Any, greedy_from_tripod: Any
 ) -> None:
@@ -197,6 +200,7 @@ def _fields(p: SamplingParams) -> dict[str, Any]:
     return {name: getattr(p, name) for name in p.__dataclass_fields__}
 
 
+@pytest.mark.slow
 def test_n_copies_share_the_prompt(engine: Any, chat: Any) -> None:
     prompt = chat("Invent a name for a friendly robot.")
     engine.reset_prefix_cache()
@@ -269,6 +273,7 @@ def test_generation_stops_at_the_context_limit(make_engine: Any) -> None:
         "Tell me a fun fact about the moon.",
     ],
 )
+@pytest.mark.slow
 def test_stream_text_equals_generate_text(engine: Any, chat: Any, prompt_text: str) -> None:
     prompt = chat(prompt_text)
     params = _greedy(40)
@@ -398,6 +403,7 @@ def test_abort_takes_only_the_named_request_and_its_copies(engine: Any) -> None:
     assert a.finish_reason == "abort" and b.finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_decode_mirror_memory_stays_within_budget_and_is_freed_when_idle(make_engine: Any) -> None:
     eng = make_engine(kv_cache_tokens=2048, max_model_len=2048)
     mirror = eng.runner.mirror

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tripod import SamplingParams
 
 PREFIX = (
@@ -41,6 +43,7 @@ def _run(make_engine: Any, aging: float, stream_requests: int) -> tuple[int | No
     return done_at, stream_requests
 
 
+@pytest.mark.slow
 def test_aging_serves_the_miss_while_hits_keep_coming(make_engine: Any) -> None:
     done_at, stream = _run(make_engine, aging=16.0, stream_requests=60)
     assert done_at is not None and done_at < stream, (
@@ -48,6 +51,7 @@ def test_aging_serves_the_miss_while_hits_keep_coming(make_engine: Any) -> None:
     )
 
 
+@pytest.mark.slow
 def test_without_aging_the_stream_of_hits_starves_the_miss(make_engine: Any) -> None:
     # The control: with no aging the miss waits until the stream of hits ends.
     done_at, stream = _run(make_engine, aging=0.0, stream_requests=30)

@@ -65,6 +65,7 @@ def test_tokenization_matches_hf(base_engine: Any, hf_tokenizer: Any, chat: Any)
             assert chat(user, system=system) == want, name
 
 
+@pytest.mark.slow
 def test_greedy_parity_alone(
     engine: Any, cases: dict[str, list[int]], refs: dict[str, Any], check_greedy: Any
 ) -> None:
@@ -89,6 +90,7 @@ def test_greedy_parity_one_batch(
         check_greedy(out.token_ids, refs[name], f"{name} (batch of {len(names)})")
 
 
+@pytest.mark.slow
 def test_chunked_prefill_parity(
     make_engine: Any, cases: dict[str, list[int]], refs: dict[str, Any], check_greedy: Any
 ) -> None:

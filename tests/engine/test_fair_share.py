@@ -187,6 +187,7 @@ def test_one_tenant_is_never_preempted() -> None:
     assert sim.sched.num_fair_preemptions == 0 and sim.sched.num_retractions == 0
 
 
+@pytest.mark.slow
 def test_preempted_request_resumes_token_exact(engine: Any) -> None:
     """The real engine, greedy: A's answers retracted for B's are the answers A gets alone, token
     for token, and nothing is lost."""

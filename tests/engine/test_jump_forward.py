@@ -34,6 +34,7 @@ def _suite(engine: Any, **kw: Any) -> tuple[list[Any], list[Any]]:
     return names, engine.generate(prompts, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 5, "top_p": 0.95}],
                          ids=["greedy", "seeded"])
 def test_suite_is_token_identical_with_and_without_jump_forward(engines: tuple[Any, Any], sampling: dict[str, Any]) -> None:
@@ -97,6 +98,7 @@ def test_sampled_distribution_is_unchanged(engines: tuple[Any, Any]) -> None:
     assert len(cats) >= 2  # the test means something only if the model spreads its choice
 
 
+@pytest.mark.slow
 def test_bfloat16_requests_alone_are_token_identical(base_engine: Any) -> None:
     """In 16-bit, SDPA's result depends on how far keys are padded, so verification attends
     position by position exactly like a lone decode: a request decoded alone gives the same

@@ -127,6 +127,7 @@ def test_tp2_equals_one_process_every_family(kind: str, expert_parallel: bool, f
     _check(kind, folder(kind), expert_parallel)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "deepseek-v3"])
 def test_pp2_equals_one_process(kind: str, folder: Any) -> None:
     _check(kind, folder(kind), False, pipeline=True)
@@ -138,11 +139,13 @@ def test_pp2_equals_one_process_every_family(kind: str, folder: Any) -> None:
     _check(kind, folder(kind), False, pipeline=True)
 
 
+@pytest.mark.slow
 def test_tp2_by_pp2_equals_one_process(folder: Any) -> None:
     """Tensor parallel inside each pipeline stage: 4 ranks, two stages of two lanes."""
     _check("qwen3", folder("qwen3"), False, layout="tpxpp")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_dp_attention2_equals_one_process(expert_parallel: bool, folder: Any) -> None:
     """``--data-parallel-size 2`` on DeepSeek-V3 (MLA + MoE): each rank runs its own requests'
@@ -150,6 +153,7 @@ def test_dp_attention2_equals_one_process(expert_parallel: bool, folder: Any) ->
     _check("deepseek-v3", folder("deepseek-v3"), expert_parallel, layout="dp")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "layout"), [("llama", "tp"), ("deepseek-v3", "dp")])
 def test_tp2_prompt_logprobs_and_ngram_speculation(kind: str, layout: str, folder: Any) -> None:
     """The passes outside the plain step reach the workers too: prompt scoring's own forward, and
@@ -174,6 +178,7 @@ def test_tp2_prompt_logprobs_and_ngram_speculation(kind: str, layout: str, folde
         tp.close()
 
 
+@pytest.mark.slow
 def test_what_tensor_parallel_refuses(folder: Any) -> None:
     """Shapes T does not divide, and what does not run sharded yet, are refused with what to change."""
     with pytest.raises(ValueError, match="tensor parallel size 3 must divide the number of attention heads"):

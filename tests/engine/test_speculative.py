@@ -85,6 +85,7 @@ def counts(engine: Any) -> tuple[int, int, int]:
     return sum(x.drafts for x in c), sum(x.draft_tokens for x in c), sum(x.accepted_tokens for x in c)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 11, "top_p": 0.95}],
                          ids=["greedy", "seeded"])
 def test_token_identical_to_plain_decoding(plain: Any, reference: Reference, spec: Any,
@@ -107,6 +108,7 @@ def test_token_identical_to_plain_decoding(plain: Any, reference: Reference, spe
         assert accepted > before[2]
 
 
+@pytest.mark.slow
 def test_mixed_batch_with_plain_structured_and_opted_out_requests(plain: Any, reference: Reference,
                                                                    spec: Any) -> None:
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -144,6 +146,7 @@ def test_stop_token_inside_an_accepted_run(plain: Any, reference: Reference, spe
     assert a.finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_prefix_cache_and_chunked_prefill(make_engine: Any, plain: Any) -> None:
     """A prompt longer than a prefill chunk, twice (the second from the radix cache): the same
     tokens; a separate draft model keeps its KV in step with the chunks (it accepts as much the
@@ -165,6 +168,7 @@ def test_prefix_cache_and_chunked_prefill(make_engine: Any, plain: Any) -> None:
     eng.assert_consistent()
 
 
+@pytest.mark.slow
 def test_fully_cached_prompt_is_accounted_before_speculating(make_engine: Any, plain: Any) -> None:
     """A prompt served from the cache but for its last token: that token's one-token prefill
     step is the prompt's (prefix insertion, cached-token accounting), not a speculation round."""
@@ -296,6 +300,7 @@ def test_adaptive_policy_speculates_only_where_it_pays() -> None:
     assert expected_tokens(1.0, 3) == 4 and expected_tokens(0.5, 1) == pytest.approx(1.5)
 
 
+@pytest.mark.slow
 def test_adaptive_off_switch_keeps_random_work_from_slowing(make_engine: Any, plain: Any) -> None:
     """A draft that guesses badly for its cost (this tiny model's first 20 layers on free text)
     is measured in the first rounds, then paused: a few probes, not a draft every step."""

@@ -91,6 +91,7 @@ def _parses_arithmetic(s: str) -> bool:
     return expr() and pos == len(s)
 
 
+@pytest.mark.slow
 def test_mixed_batch_matches_each_request_alone(engine: Any) -> None:
     """Constrained and free requests in one batch give the tokens each gives alone."""
     free = engine.apply_chat_template(text_prompt("Write a sentence about the sea."))

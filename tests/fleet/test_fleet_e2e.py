@@ -98,6 +98,7 @@ def test_cache_aware_routing_finds_more_cache_than_round_robin(replicas: list[Se
     assert rr_computed > 1.3 * ca_computed, (ca, rr)
 
 
+@pytest.mark.slow
 def test_tools_and_anthropic_messages_through_the_router(replicas: list[ServerProcess], tmp_path: Path) -> None:
     """Tool calling (OpenAI) and the Anthropic Messages API through ``tripod route`` in front of two
     replicas: the same answers as a replica gives, calls that validate, a tool round trip that stays

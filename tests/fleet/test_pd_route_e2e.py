@@ -36,6 +36,7 @@ def route(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TripodProc
     decode.stop()
 
 
+@pytest.mark.slow
 def test_mismatched_identities_are_refused_and_the_answer_is_still_right(
         route: tuple[TripodProcess, ServerProcess, ServerProcess]) -> None:
     router, _prefill, decode = route

@@ -91,6 +91,7 @@ def kernels_not_ready(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, boo
     yield state
 
 
+@pytest.mark.slow
 def test_fallback_without_the_kernels_gives_the_reference_tokens(
     make_engine: Any, kernels_not_ready: dict[str, bool], prompts: dict[str, list[int]],
     reference: dict[str, Any], check_greedy: Any, greedy_from_tripod: Any,
@@ -103,6 +104,7 @@ def test_fallback_without_the_kernels_gives_the_reference_tokens(
     eng.assert_consistent()
 
 
+@pytest.mark.slow
 def test_switching_to_the_kernels_mid_request(
     make_engine: Any, kernels_not_ready: dict[str, bool], prompts: dict[str, list[int]],
     reference: dict[str, Any], check_greedy: Any, greedy_from_tripod: Any,
@@ -135,6 +137,7 @@ def bf16() -> Iterator[Any]:
     eng.assert_consistent()
 
 
+@pytest.mark.slow
 def test_bfloat16_stays_within_the_stated_bound(bf16: Any, prompts: dict[str, list[int]], reference: dict[str, Any]) -> None:
     got = _greedy(bf16, prompts)
     for name, out in got.items():

@@ -51,6 +51,7 @@ def test_mirror_gives_the_same_greedy_tokens_as_gathering(
     assert not mirrored.runner.mirror.owner, "finished requests still hold mirror rows"
 
 
+@pytest.mark.slow
 def test_mirror_survives_retraction(
     make_engine: Any, plain: Any, check_greedy: Any, greedy_from_tripod: Any
 ) -> None:
@@ -66,6 +67,7 @@ def test_mirror_survives_retraction(
     tiny.assert_consistent()
 
 
+@pytest.mark.slow
 def test_mirror_outgrowing_its_budget_falls_back_to_gathering(
     make_engine: Any, plain: Any, check_greedy: Any, greedy_from_tripod: Any
 ) -> None:

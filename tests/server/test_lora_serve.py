@@ -104,6 +104,7 @@ def test_adapters_served_live(served: Any) -> None:
     assert _complete(oai, "attn", p) == refs["attn"].greedy(p, N).tokens  # the other adapter is untouched
 
 
+@pytest.mark.slow
 def test_adapter_on_the_embedded_model_through_every_surface(tmp_path: Path) -> None:
     """A random adapter of the embedded SmolLM2 (real tokenizer and chat template): the Anthropic
     client and the OpenAI chat API answer alike on it (and unlike the base), a JSON schema

@@ -222,6 +222,7 @@ def plain(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     srv.stop()
 
 
+@pytest.mark.slow
 def test_without_a_parser_the_answer_is_unchanged(plain: ServerProcess, oai: openai.OpenAI) -> None:
     client = openai.OpenAI(base_url=f"{plain.url}/v1", api_key="unused", max_retries=0, timeout=120)
     assert client.models.list().data[0].model_extra["reasoning_parser"] is None

@@ -124,6 +124,7 @@ def check_every_cut(server: Any, path: str, body: dict[str, Any], cuts: int = 3,
     return ref
 
 
+@pytest.mark.slow
 def test_multibyte_characters_split_across_the_cut(server: Any) -> None:
     body = {"messages": CHAT, "max_tokens": 60, "temperature": 0, "logprobs": True,
             "choice": [FORCED], "speculative": False}

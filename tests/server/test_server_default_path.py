@@ -100,6 +100,7 @@ def test_structured_output_on_the_default_path(default_server: ServerProcess) ->
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
+@pytest.mark.slow
 def test_stored_weights_server(tmp_path: Path) -> None:
     srv = ServerProcess(tmp_path, "--dtype", "auto", "--weights", "stored", "--kv-cache-tokens", "4096")
     try:

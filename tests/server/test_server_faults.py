@@ -36,6 +36,7 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         srv.stop()
 
 
+@pytest.mark.slow
 def test_api_key_required_and_checked(keyed: ServerProcess) -> None:
     before = keyed.engine_stats()
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -136,6 +137,7 @@ def test_anthropic_full_server_answers_529_overloaded(keyed: ServerProcess) -> N
     assert s["consistent"] is True and s["kv_pinned"] == 0
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_then_exits_0(tmp_path: Path) -> None:
     srv = ServerProcess(tmp_path, "--drain-timeout", "60")
     try:
@@ -180,6 +182,7 @@ def test_sigterm_drains_in_flight_then_exits_0(tmp_path: Path) -> None:
         srv.stop()
 
 
+@pytest.mark.slow
 def test_engine_death_fails_health_and_requests_and_exits_nonzero(tmp_path: Path) -> None:
     srv = ServerProcess(tmp_path)
     try:

@@ -73,6 +73,7 @@ def _copy_answer(client: openai.OpenAI, model: str, **extra: Any) -> str:
     return r.choices[0].message.content or ""
 
 
+@pytest.mark.slow
 def test_speculation_does_not_change_greedy_text(client: openai.OpenAI, model: str) -> None:
     spec = _copy_answer(client, model)
     plain = _copy_answer(client, model, extra_body={"speculative": False})

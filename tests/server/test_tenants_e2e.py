@@ -119,6 +119,7 @@ def audit_lines(env: dict[str, Any], tenant: str, n: int) -> list[dict[str, Any]
     return _poll(read, f"{n} audit lines of {tenant}")  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow
 def test_output_budget_exact_at_its_boundary(env: dict[str, Any]) -> None:
     c = oai(env, "sk-acme")
 
@@ -255,6 +256,7 @@ def test_a_router_over_https_in_front(env: dict[str, Any]) -> None:
         log.close()
 
 
+@pytest.mark.slow
 def test_an_invalid_file_is_refused_at_start_up(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[[tenant]]\nname = "a"\nkeys = ["k"]\n\n[[tenant]]\nname = "a"\nkeys = ["j"]\n')
