@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 # The ISA levels of tripod's CPU kernels, best first: a level as --kernels forces it (tests,
 # comparisons); "optimized" takes the best this CPU supports.
 KERNEL_LEVELS = LEVELS
-KERNEL_MODES = ("auto", "eager", "optimized", *KERNEL_LEVELS)
+KERNEL_MODES = ("auto", "eager", "optimized", "triton", *KERNEL_LEVELS)
 WEIGHT_MODES = ("dequantized", "stored", "fp8")
 _DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
@@ -129,8 +129,18 @@ class EngineConfig:
         "auto", "compute path: auto = optimized for 16-bit dtypes (tripod's CPU kernels of the best ISA level "
         "this CPU supports, built in the background on first use), the float32 reference path for float32; "
         "eager = the reference path; optimized = tripod's kernels in any dtype; avx2 / avx512 / avx512_bf16 = "
-        "optimized on that level (every level computes the same bits)",
+        "optimized on that level (every level computes the same bits); triton = the Triton kernels (what "
+        "--device cuda runs under auto/optimized; on the CPU only in Triton's interpreter, TRITON_INTERPRET=1)",
         commands=ENGINE_COMMANDS, choices=KERNEL_MODES)
+    # CUDA graphs for decode steps (the Triton backend on a GPU): one graph per batch-size bucket
+    # up to this many rows; larger decode steps, prefill and mixed steps run eagerly.
+    cuda_graphs: bool = opt(True, "capture CUDA graphs for decode steps (--no-cuda-graphs: eager)",
+                            commands=ENGINE_COMMANDS)
+    cuda_graph_max_bs: int = opt(256, "largest decode batch captured in a CUDA graph", commands=ENGINE_COMMANDS)
+    # CUDA: the KV pool takes this fraction of the GPU's memory, less what the weights (and the
+    # activations' reserve) already hold; --kv-cache-tokens overrides it.
+    gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory for weights + KV pool (CUDA)",
+                                        commands=ENGINE_COMMANDS)
     # "dequantized": every weight dequantized to the run dtype. "stored": a GGUF's Q4_1/Q8_0/Q5_0/Q4_K/Q6_K
     # weights executed as stored by tripod's kernels (a quarter/half of bf16's bytes per token,
     # exactly the dequantized weights, float32 compute). "fp8": a block-wise FP8 checkpoint's
@@ -231,6 +241,12 @@ class EngineConfig:
             )
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)} (got {self.kernels!r})")
+        if not 0.1 <= self.gpu_memory_utilization <= 0.98:
+            raise ValueError(f"gpu_memory_utilization must be in [0.1, 0.98] (got {self.gpu_memory_utilization})")
+        if self.kernels == "triton" and self.weights == "stored":
+            raise ValueError("--weights stored runs on tripod's CPU kernels; it cannot be combined with --kernels triton")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1 (got {self.cuda_graph_max_bs})")
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)} (got {self.weights!r})")
         if self.weights == "stored":
@@ -302,8 +318,15 @@ class EngineConfig:
         if self.kernels == "auto":
             import torch
 
+            if self.device.startswith("cuda"):
+                return "optimized"  # the Triton kernels, in any dtype
             return "eager" if dtype == torch.float32 else "optimized"
         return "eager" if self.kernels == "eager" else "optimized"
+
+    @property
+    def triton(self) -> bool:
+        """Whether the Triton backend computes: asked for, or the optimized path on a GPU."""
+        return self.kernels == "triton" or (self.device.startswith("cuda") and self.kernels in ("auto", "optimized"))
 
     @property
     def kernel_level(self) -> str | None:
@@ -321,6 +344,11 @@ class EngineConfig:
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         name = _ALIASES.get(self.dtype, self.dtype)
         if name == "auto" and self.weights == "stored":
+            name = "float32"
+        if self.triton and device.type == "cpu":  # Triton's interpreter: NumPy has no bfloat16
+            if name == "bfloat16":
+                raise ValueError("Triton's interpreter (the Triton kernels on the CPU) has no bfloat16: "
+                                 "use --dtype float32 (the default there)")
             name = "float32"
         if name == "auto":
             name = "bfloat16" if fast_bf16(device) else "float32"

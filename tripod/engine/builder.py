@@ -154,7 +154,8 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     max_len = min(context_len, num_slots)
     path = config.compute_path(dtype)
     # NOTE: every rank must run the same backend at every step, so a group waits for the kernels.
-    start_kernels(config, path, device, wait=True if group is not None else None)
+    if not config.triton:
+        start_kernels(config, path, device, wait=True if group is not None else None)
     build_threads = BuildThreads()
     card = ParallelCard(tensor_parallel_size=config.tensor_parallel_size,
                         pipeline_parallel_size=config.pipeline_parallel_size, data_parallel_size=dp,
@@ -163,7 +164,7 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     loras = lora_registry(config, loaded, dtype, device)
     runner = ModelRunner(loaded.model, pool, device, use_mirror=config.decode_mirror and group is None, path=path,
                          max_len=max_len, stored=config.weights == "stored", level=config.kernel_level, group=group,
-                         parallel=card, lora_pool=loras.pool if loras is not None else None)
+                         parallel=card, lora_pool=loras.pool if loras is not None else None, triton=config.triton)
     if config.weights == "stored" and runner.kernel_reason is not None:
         raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {runner.kernel_reason}")
     sampler = Sampler(device, config.seed)

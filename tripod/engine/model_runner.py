@@ -19,8 +19,10 @@ import torch
 from tripod import kernels
 from tripod.engine.executor.group import WorkerGroup
 from tripod.engine.scheduler import ScheduledItem
+from tripod.kernels import gpu
 from tripod.layers.backends import CpuBackend, CpuLinearBackend, ReferenceBackend, TorchBackend
 from tripod.layers.backends.reference import ScoringBackend, prefill_segment
+from tripod.layers.backends.triton import TritonBackend, TritonLinearBackend
 from tripod.layers.batch import Backend, BatchContext, ForwardBatch
 from tripod.layers.linear import onednn_supported
 from tripod.layers.lora import LoraAdapter, LoraBatch, LoraPool
@@ -51,8 +53,10 @@ class ModelRunner:
         group: WorkerGroup | None = None,
         parallel: ParallelCard | None = None,
         lora_pool: LoraPool | None = None,
+        triton: bool = False,
     ) -> None:
         self.model = model
+        self.triton = triton  # the Triton kernels (the CUDA backend; on the CPU in Triton's interpreter)
         self.group = group  # tensor parallel: the other ranks, sent every forward (engine/executor)
         self.micro_steps = 0  # pipeline parallel: steps run as several micro-batches
         self.parallel = parallel  # ... and what each rank holds, for the compute card
@@ -66,20 +70,45 @@ class ModelRunner:
         # Budget: half the pool's size, at least 64 MiB (small pools still get dense decode).
         budget = max(pool_bytes // 2, 64 << 20)
         # The mirror holds K/V rows; a latent (MLA) pool's decodes read the pool itself.
-        self.mirror = DecodeMirror(pool, max_bytes=budget) if use_mirror and isinstance(pool, KVPool) else None
         self.kernel_reason = self._kernel_obstacle()
-        self.attention_reason = self._attention_obstacle()
-        full = self.kernel_reason is None and self.attention_reason is None
+        self.attention_reason = self._triton_attention_obstacle() if triton else self._attention_obstacle()
+        full = (triton or self.kernel_reason is None) and self.attention_reason is None
+        mirrored = use_mirror and isinstance(pool, KVPool) and not (triton and full)
+        self.mirror = DecodeMirror(pool, max_bytes=budget) if mirrored else None
         self.table = SlotTable(max_len or pool.num_slots, device) if full else None
         self.batch_ctx = BatchContext(device, self.mirror, self.table)  # what the backends lay steps out with
         self._reference = ReferenceBackend()
         self._torch = TorchBackend()
         self._cpu: CpuBackend | CpuLinearBackend | None = None
+        self._triton: Backend | None = self._make_triton() if triton else None
         self._backend: Backend | None = None
         self.backend  # noqa: B018 - prepare the weights of the first step's backend now, not in a step
 
+    def _make_triton(self) -> Backend:
+        why = gpu.unavailable_reason(self.device)
+        if why is not None:
+            raise ValueError(f"the Triton backend cannot run here: {why}")
+        if self.attention_reason is None:
+            cfg = self.model.cfg
+            return TritonBackend(self.device, cfg.num_heads // cfg.num_kv_heads)
+        return TritonLinearBackend(self.device, self.attention_reason)
+
+    def _triton_attention_obstacle(self) -> str | None:
+        """Why the Triton paged attention cannot run this model (its norms, activations and, for
+        MLA, the absorbed decode still run on Triton: ``TritonLinearBackend``)."""
+        cfg = self.model.cfg
+        if cfg.mla is not None:
+            return "multi-head latent attention: torch's layout, the decode rows on the Triton MLA kernel"
+        if cfg.v4 is not None:
+            return "DeepSeek-V4's compressed attention runs on torch's ops"
+        if cfg.head_dim < 16 or cfg.num_heads % cfg.num_kv_heads:
+            return f"head_dim {cfg.head_dim} / {cfg.num_heads} heads over {cfg.num_kv_heads} is not a shape it covers"
+        return None
+
     def _kernel_obstacle(self) -> str | None:
         """Why this runner can never use the CPU kernels (None: it can, once they are loaded)."""
+        if self.triton:
+            return "the Triton backend was asked for"
         if self.path != "optimized":
             return "the reference path was asked for"
         if self.device.type != "cpu":
@@ -112,6 +141,8 @@ class ModelRunner:
         return self.table is not None and kernels.ready(self.level)
 
     def _choose(self) -> Backend:
+        if self._triton is not None:
+            return self._triton
         if self.path != "optimized":
             return self._reference
         if self.kernel_reason is None and kernels.ready(self.level):
@@ -157,13 +188,15 @@ class ModelRunner:
         or a torch backend with the reason the kernels do not run."""
         be = self.backend
         out = be.card()
-        if be.name != "cpu":
+        if be.name not in ("cpu", "triton"):
             out["reason"] = self._why_not_kernels()
         if self.parallel is not None:
             out["parallel"] = self.parallel
         return out
 
     def describe(self) -> str:
+        if self._triton is not None:
+            return self._triton.describe()
         if self.path != "optimized":
             return "reference (F.linear, SDPA)"
         now = self.backend.describe()
@@ -248,7 +281,7 @@ class ModelRunner:
         """Prompt scoring's backend: the projections as the steps run them; attention, norms and
         activations on torch's path (the pass is laid out like the reference's prefill chunks)."""
         backend = self.backend
-        return ScoringBackend(backend) if isinstance(backend, CpuBackend) else backend
+        return ScoringBackend(backend) if isinstance(backend, (CpuBackend, TritonBackend)) else backend
 
     def forward(self, items: list[ScheduledItem]) -> tuple[torch.Tensor, list[ScheduledItem]]:
         """Run one step. Returns float32 logits (one row per sampling item, ``length`` rows for a

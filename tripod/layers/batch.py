@@ -62,6 +62,10 @@ class KernelMeta:
     table: torch.Tensor  # [requests, width] int32 slot ids (memory.SlotTable)
     rows: torch.Tensor  # [T] int32
     lens: torch.Tensor  # [T] int32: position + 1
+    # The Triton kernels' query blocks: [NB, 2] int32 (first token, tokens) of runs of at most
+    # ``block_m`` consecutive tokens of one request (None: the CPU kernels, which need none).
+    blocks: torch.Tensor | None = None
+    block_m: int = 1
 
 
 class StepReq(Protocol):
@@ -202,6 +206,13 @@ class Backend(ABC):
         mirror or slot table). Returns the batch and the sampling items in the order of the
         logits rows."""
         raise NotImplementedError
+
+    def latent_attention(self, q: torch.Tensor, latents: torch.Tensor, idx: torch.Tensor, lens: torch.Tensor,
+                         rank: int, scale: float) -> torch.Tensor | None:
+        """MLA's absorbed decode: rows ``q`` ``[B, H, rank + rope]`` over a layer's latent pool
+        ``latents`` ``[S, row]``, row ``b`` attending slots ``idx[b, :lens[b]]`` → ``[B, H, rank]``.
+        None: this backend has no kernel for it, and the layer runs torch's ops."""
+        return None
 
     def card(self) -> dict[str, Any]:
         """What ``/v1/models`` and the engine stats report: backend, ISA level, and why."""

@@ -237,11 +237,15 @@ class MLAttention(nn.Module):
         nd = batch.num_decode
         if nd:
             assert batch.decode_kv_idx is not None and batch.decode_mask is not None
-            lat = pool.gather(layer, batch.decode_kv_idx)  # [B, L, pool row]
-            mask = batch.decode_mask
-            if ix is not None:
-                mask = ix.select(iq[:nd], iw[:nd], lat[..., dim:], mask[:, 0, 0])[:, None, None, :]
-            out[:nd] = self._absorbed(q_nope[:nd], q_pe[:nd], lat[..., :dim], mask)
+            fused = self._absorbed_kernel(q_nope[:nd], q_pe[:nd], pool, layer, batch) if ix is None else None
+            if fused is not None:
+                out[:nd] = fused
+            else:
+                lat = pool.gather(layer, batch.decode_kv_idx)  # [B, L, pool row]
+                mask = batch.decode_mask
+                if ix is not None:
+                    mask = ix.select(iq[:nd], iw[:nd], lat[..., dim:], mask[:, 0, 0])[:, None, None, :]
+                out[:nd] = self._absorbed(q_nope[:nd], q_pe[:nd], lat[..., :dim], mask)
         for s0, p0, n, kv in batch.verifies:
             lat = pool.gather(layer, kv)  # [p0 + n, pool row]
             p = torch.arange(p0, p0 + n, device=x.device)
@@ -265,6 +269,18 @@ class MLAttention(nn.Module):
                 mask, causal = ix.select(iq[s : s + n], iw[s : s + n], rows[:, dim:], mask), False
             out[s : s + n] = self._expanded(q_nope[s : s + n], q_pe[s : s + n], rows[:, :dim], mask, causal, ops)
         return self.tp.reduce(ops["o"](out.view(t, -1), residual=self.tp.residual(residual)))
+
+    def _absorbed_kernel(self, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: LatentPool, layer: int,
+                         batch: ForwardBatch) -> torch.Tensor | None:
+        """The decode rows on the backend's absorbed-MLA kernel, reading the pool in place (None:
+        the backend has none, or this pool is one rank's range of a data-parallel group)."""
+        if pool.base or batch.decode_kv_idx is None:
+            return None
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, self.w_uk)
+        lens = (batch.positions[: q_nope.shape[0]] + 1).to(torch.int32)
+        o = batch.backend.latent_attention(torch.cat((q_lat, q_pe), dim=-1), pool.kv[layer], batch.decode_kv_idx,
+                                           lens, self.cfg.kv_lora_rank, self.scale)
+        return None if o is None else torch.einsum("bhr,hvr->bhv", o, self.w_uv)
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Rows ``[B, H, *]`` each attending its own latents ``[B, L, latent]`` (``mask``

@@ -18,6 +18,16 @@ from tripod.layers.norm import rms_norm
 from tripod.layers.rotary import RotaryEmbedding, apply_rotary
 
 ops = gpu.ops()
+F32, F16 = torch.float32, torch.float16
+
+
+def matrix(names: str, values: list[tuple], default: set[tuple]) -> pytest.MarkDecorator:  # type: ignore[type-arg]
+    """Parametrize over every combination; those outside ``default`` run with the long tests
+    (``slow``): the interpreter is slow, and the default run keeps one case per edge."""
+    return pytest.mark.parametrize(names, [v if v in default else pytest.param(*v, marks=pytest.mark.slow)
+                                           for v in values])
+
+
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 
 
@@ -113,9 +123,10 @@ def _ragged_case(nh: int, nkv: int, d: int, dtype: torch.dtype, seed: int):
     return q, kv, table, rows, lens, starts, counts
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("nh", "nkv", "d"), [(4, 4, 64), (8, 2, 128), (8, 1, 256), (4, 2, 16)])
-@pytest.mark.parametrize("splits", [1, 3])
+@matrix("dtype,nh,nkv,d,splits",
+        [(dt, *shape, sp) for dt in (F32, F16) for shape in ((4, 4, 64), (8, 2, 128), (8, 1, 256), (4, 2, 16))
+         for sp in (1, 3)],
+        {(F32, 4, 4, 64, 1), (F32, 8, 2, 128, 3), (F16, 8, 1, 256, 3), (F16, 4, 2, 16, 1)})
 def test_paged_attention_on_a_ragged_batch(dtype: torch.dtype, nh: int, nkv: int, d: int, splits: int) -> None:
     q, kv, table, rows, lens, starts, counts = _ragged_case(nh, nkv, d, dtype, seed=d + nh)
     scale = 1 / math.sqrt(d)
@@ -128,7 +139,7 @@ def test_paged_attention_on_a_ragged_batch(dtype: torch.dtype, nh: int, nkv: int
         _close(got, want, dtype, f"paged attention (blocks of {bm}, {splits} splits)")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [F32, pytest.param(F16, marks=pytest.mark.slow)])
 def test_paged_attention_window_softcap_and_sinks(dtype: torch.dtype) -> None:
     nh, nkv, d = 8, 2, 64
     q, kv, table, rows, lens, starts, counts = _ragged_case(nh, nkv, d, dtype, seed=3)
@@ -192,9 +203,10 @@ def _reference_mla(q: torch.Tensor, lat: torch.Tensor, idx: torch.Tensor, lens: 
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("heads", "rank", "rope", "row"), [(4, 16, 8, 24), (16, 512, 64, 576), (20, 512, 64, 592)])
-@pytest.mark.parametrize("splits", [1, 2])
+@matrix("dtype,heads,rank,rope,row,splits",
+        [(dt, *shape, sp) for dt in (F32, F16) for shape in ((4, 16, 8, 24), (16, 512, 64, 576), (20, 512, 64, 592))
+         for sp in (1, 2)],
+        {(F32, 4, 16, 8, 24, 2), (F16, 16, 512, 64, 576, 1), (F32, 20, 512, 64, 592, 2)})
 def test_mla_absorbed_decode(dtype: torch.dtype, heads: int, rank: int, rope: int, row: int, splits: int) -> None:
     """DeepSeek-V3's shapes (512 + 64, and with V3.2's indexer key after the latent) and a tiny one;
     20 heads: two head blocks, the second partly padded."""

@@ -1,7 +1,8 @@
 """The GPU kernels' launchers, one import for the backend (``tripod.kernels.gpu.ops()``)."""
 
-from tripod.kernels.gpu.attention import paged_attention, query_blocks, tile
+from tripod.kernels.gpu.attention import keys_per_step, paged_attention, query_blocks, tile
 from tripod.kernels.gpu.elementwise import rms_norm, rope_store_kv, silu_mul
 from tripod.kernels.gpu.mla import mla_decode
 
-__all__ = ["mla_decode", "paged_attention", "query_blocks", "rms_norm", "rope_store_kv", "silu_mul", "tile"]
+__all__ = ["keys_per_step", "mla_decode", "paged_attention", "query_blocks", "rms_norm", "rope_store_kv", "silu_mul",
+           "tile"]

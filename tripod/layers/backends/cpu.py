@@ -61,62 +61,7 @@ class CpuBackend(KernelOps, Backend):
         return self.ops.paged_attention(q, kv, m.table, m.rows, m.lens, spec.scale).view(t, nh * d)
 
     def build_batch(self, items: list[StepItem], ctx: BatchContext) -> tuple[ForwardBatch, list[StepItem]]:
-        """Every token of the step in item order; each attends its own request's first
-        ``position + 1`` keys through the slot table (decodes, drafts and chunks alike)."""
-        if ctx.mirror is not None and ctx.mirror.buf is not None:
-            ctx.mirror.drop()  # the kernels read the pool directly
-        table = ctx.table
-        assert table is not None
-        rows = table.sync([(it.req, it.start + it.length) for it in items])
-        ids: list[int] = []
-        pos: list[int] = []
-        out_slots: list[int] = []
-        tok_rows: list[int] = []
-        logits_at: list[int] = []
-        sampling: list[StepItem] = []
-        item_rows: list[tuple[StepItem, int]] = []
-        for it, row in zip(items, rows, strict=True):
-            r = it.req
-            s, n = it.start, it.length
-            np_ = len(r.prompt_ids)
-            item_rows.append((it, len(ids)))
-            if n == 1:
-                ids.append(r.prompt_ids[s] if s < np_ else r.output_ids[s - np_])
-                pos.append(s)
-                out_slots.append(r.slots[s])
-                tok_rows.append(row)
-            else:
-                ids.extend(r.all_ids[s : s + n])
-                pos.extend(range(s, s + n))
-                out_slots.extend(r.slots[s : s + n])
-                tok_rows.extend([row] * n)
-            if it.verify:  # every position predicts the next token
-                logits_at.extend(range(len(ids) - n, len(ids)))
-                sampling.append(it)
-            elif it.samples:
-                logits_at.append(len(ids) - 1)
-                sampling.append(it)
-        dev = ctx.device
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        meta = KernelMeta(
-            table=table.table,
-            rows=torch.tensor(tok_rows, dtype=torch.int32, device=dev),
-            lens=(positions + 1).to(torch.int32),
-        )
-        all_rows = len(logits_at) == len(ids)  # every token samples (a pure decode step)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=positions,
-            out_slots=torch.tensor(out_slots, dtype=torch.long, device=dev),
-            num_decode=0,
-            decode_kv_idx=None,
-            decode_mask=None,
-            logits_idx=None if all_rows else torch.tensor(logits_at, dtype=torch.long, device=dev),
-            kernel=meta,
-            backend=self,
-            item_rows=item_rows,
-        )
-        return batch, sampling
+        return slot_table_batch(self, items, ctx)
 
     def describe(self) -> str:
         if self.stored:
@@ -143,3 +88,63 @@ class CpuLinearBackend(KernelOps, ReferenceBackend):
     def describe(self) -> str:
         what = "GGUF weights executed as stored" if self.stored else "linears, norms"
         return f"tripod CPU kernels ({what}; {self.isa}), attention on torch's ops ({self.reason})"
+
+
+def slot_table_batch(backend: Backend, items: list[StepItem], ctx: BatchContext) -> tuple[ForwardBatch, list[StepItem]]:
+    """The step laid out for attention through the slot table (tripod's CPU kernels, the Triton
+    kernels): every token of the step in item order; each attends its own request's first
+    ``position + 1`` keys through the slot table (decodes, drafts and chunks alike)."""
+    if ctx.mirror is not None and ctx.mirror.buf is not None:
+        ctx.mirror.drop()  # the kernels read the pool directly
+    table = ctx.table
+    assert table is not None
+    rows = table.sync([(it.req, it.start + it.length) for it in items])
+    ids: list[int] = []
+    pos: list[int] = []
+    out_slots: list[int] = []
+    tok_rows: list[int] = []
+    logits_at: list[int] = []
+    sampling: list[StepItem] = []
+    item_rows: list[tuple[StepItem, int]] = []
+    for it, row in zip(items, rows, strict=True):
+        r = it.req
+        s, n = it.start, it.length
+        np_ = len(r.prompt_ids)
+        item_rows.append((it, len(ids)))
+        if n == 1:
+            ids.append(r.prompt_ids[s] if s < np_ else r.output_ids[s - np_])
+            pos.append(s)
+            out_slots.append(r.slots[s])
+            tok_rows.append(row)
+        else:
+            ids.extend(r.all_ids[s : s + n])
+            pos.extend(range(s, s + n))
+            out_slots.extend(r.slots[s : s + n])
+            tok_rows.extend([row] * n)
+        if it.verify:  # every position predicts the next token
+            logits_at.extend(range(len(ids) - n, len(ids)))
+            sampling.append(it)
+        elif it.samples:
+            logits_at.append(len(ids) - 1)
+            sampling.append(it)
+    dev = ctx.device
+    positions = torch.tensor(pos, dtype=torch.long, device=dev)
+    meta = KernelMeta(
+        table=table.table,
+        rows=torch.tensor(tok_rows, dtype=torch.int32, device=dev),
+        lens=(positions + 1).to(torch.int32),
+    )
+    all_rows = len(logits_at) == len(ids)  # every token samples (a pure decode step)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+        positions=positions,
+        out_slots=torch.tensor(out_slots, dtype=torch.long, device=dev),
+        num_decode=0,
+        decode_kv_idx=None,
+        decode_mask=None,
+        logits_idx=None if all_rows else torch.tensor(logits_at, dtype=torch.long, device=dev),
+        kernel=meta,
+        backend=backend,
+        item_rows=item_rows,
+    )
+    return batch, sampling

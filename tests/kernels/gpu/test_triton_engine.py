@@ -1,0 +1,91 @@
+"""The whole engine on the Triton backend (the CUDA backend's code path), run in Triton's
+interpreter on CPU tensors: tiny random Llama, Qwen3, Gemma 3 (sliding windows, per-layer RoPE),
+gpt-oss (attention sinks) and DeepSeek-V3 (MLA: the absorbed-decode kernel) checkpoints give the
+reference path's greedy tokens (which are Hugging Face's, fp32) alone, batched with prefix-cache
+hits, with chunked prefill, and with speculative verify rows; and the engine reports what runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import HFReference, check_greedy_tokens
+from tests.support.tiny_models import build_hf, save
+from tripod import Engine, SamplingParams
+
+from tests.models.test_architectures import PROMPTS, _check_engine  # noqa: I001 - one prompt set for every path
+
+slow = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> Any:
+    made: dict[str, tuple[Path, HFReference]] = {}
+
+    def get(kind: str) -> tuple[Path, HFReference]:
+        if kind not in made:
+            model = build_hf(kind)
+            made[kind] = (save(model, tmp_path_factory.mktemp(kind), hf_tokenizer), HFReference(model))
+        return made[kind]
+
+    return get
+
+
+def _engine(folder: Path, kv: int = 256, **kw: Any) -> Engine:
+    return Engine(model=str(folder), kernels="triton", kv_cache_tokens=kv, chunk_size=16, max_batch_tokens=64,
+                  max_running=8, **kw)
+
+
+def _check_card(eng: Engine, kind: str) -> None:
+    card = eng.runner.card()
+    assert card["backend"] == "triton" and card["interpret"] is True, card
+    assert ("attention" in card) == (kind == "deepseek-v3"), card  # MLA: torch's layout, the Triton decode kernel
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek-v3"])
+def test_greedy_tokens_alone_then_batched_from_the_cache(kind: str, tiny: Any) -> None:
+    """The short form (the interpreter is slow): a 38-token prompt in chunks of 16, alone, then
+    beside a 7-token one with its prefix cached."""
+    folder, ref = tiny(kind)
+    eng = _engine(folder)
+    _check_card(eng, kind)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    long, short = PROMPTS[3], PROMPTS[1]
+    (alone,) = eng.generate([long], params)
+    check_greedy_tokens(alone.token_ids, ref.greedy(long, 8), f"{kind}/triton alone, chunked")
+    both = eng.generate([long, short], params)
+    assert eng.stats.cached_prompt_tokens > 0
+    check_greedy_tokens(both[0].token_ids, ref.greedy(long, 8), f"{kind}/triton batched, cached")
+    check_greedy_tokens(both[1].token_ids, ref.greedy(short, 8), f"{kind}/triton batched")
+    eng.assert_consistent()
+
+
+@slow
+@pytest.mark.parametrize("kind", ["llama", "deepseek-v3", "qwen3", "gemma3", "gpt-oss"])
+def test_greedy_tokens_alone_batched_cached_and_chunked(kind: str, tiny: Any) -> None:
+    """The architectures suite's full check (four prompts, alone and batched), with a pool wide
+    enough for two KV splits per token."""
+    folder, ref = tiny(kind)
+    eng = _engine(folder, kv=1024)
+    _check_card(eng, kind)
+    _check_engine(eng, ref, f"{kind}/triton")
+
+
+def test_speculative_verify_rows_on_the_kernels(tiny: Any) -> None:
+    """n-gram speculation's verify rows (several query positions of one request in one block)."""
+    folder, ref = tiny("llama")
+    eng = _engine(folder, speculative="ngram")
+    prompt = PROMPTS[0] + PROMPTS[0][:20]  # a repeat, so the n-gram proposer drafts
+    (out,) = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    check_greedy_tokens(out.token_ids, ref.greedy(prompt, 12), "llama/triton with n-gram speculation")
+    drafted = sum(c.draft_tokens for k, c in eng.stats.spec.items() if k != "jump_forward")
+    assert drafted > 0, "nothing was verified"
+    eng.assert_consistent()
+
+
+def test_bfloat16_is_refused_in_the_interpreter(tiny: Any) -> None:
+    folder, _ = tiny("llama")
+    with pytest.raises(ValueError, match="no bfloat16"):
+        Engine(model=str(folder), kernels="triton", dtype="bfloat16", kv_cache_tokens=64)

@@ -1,0 +1,139 @@
+"""The Triton kernels (``tripod.kernels.gpu``): the CUDA backend, and the same code in Triton's
+interpreter on CPU tensors (``TRITON_INTERPRET=1``), where every CPU machine tests it.
+
+- ``TritonBackend``: RMSNorm, SiLU·mul, fused RoPE + KV write and paged attention over the slot
+  table (decode, chunked-prefill, prefix-hit and verify rows in one launch; sliding windows,
+  soft-capped logits and attention sinks included); linears on cuBLAS (``F.linear``).
+- ``TritonLinearBackend``: the same norms and activations with torch's attention layout, for MLA
+  models (whose decode rows run the Triton absorbed-MLA kernel through ``latent_attention``) and
+  DeepSeek-V4's compressed attention (torch's ops).
+
+Split-KV: the keys are cut at fixed multiples of ``split_keys``, so how a token's softmax is
+reduced depends on its own length only, never on the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tripod.kernels import gpu
+from tripod.layers.activation import activate
+from tripod.layers.backends.cpu import slot_table_batch
+from tripod.layers.backends.reference import ReferenceBackend
+from tripod.layers.batch import AttnSpec, Backend, BatchContext, ForwardBatch, StepItem
+from tripod.layers.linear import Fp8Scales, Linear, StoredWeight, make_linear
+from tripod.layers.rotary import RotaryEmbedding
+from tripod.memory.kv_pool import KVPool
+
+SPLIT_KEYS = 256  # keys per split-KV split (a multiple of every head dim's key block)
+
+
+class TritonOps:
+    """The op families both Triton backends take from the kernels."""
+
+    ops: Any
+    split_keys: int = SPLIT_KEYS
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, *, stored: StoredWeight | None = None,
+               fp8: Fp8Scales | None = None) -> Linear:
+        return make_linear(weight, bias, "dense", fp8=fp8)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return self.ops.rms_norm(rows, weight, eps)[0].view(shape)
+
+    def activate(self, gu: torch.Tensor, inter: int, act: str) -> torch.Tensor:
+        if act == "silu" and gu.stride(-1) == 1:
+            return self.ops.silu_mul(gu, inter)
+        return activate(gu, inter, act)  # GELU has no kernel: torch's op
+
+    def latent_attention(self, q: torch.Tensor, latents: torch.Tensor, idx: torch.Tensor, lens: torch.Tensor,
+                         rank: int, scale: float) -> torch.Tensor | None:
+        width = idx.shape[1]
+        splits = -(-width // self.split_keys)
+        keys = self.split_keys if splits > 1 else max(32, -(-width // 32) * 32)
+        return self.ops.mla_decode(q.contiguous(), latents, idx, lens, rank, scale, split_keys=keys, splits=splits)
+
+    def card(self) -> dict[str, Any]:
+        return {"backend": "triton", "isa": None, "interpret": gpu.interpreting(), "device": self.device}
+
+    device: str = "cuda"
+
+
+class TritonBackend(TritonOps, Backend):
+    """Every op but the linears on the Triton kernels, attention through the slot table."""
+
+    name = "triton"
+    form = "dense"
+    wants_rope_rows = False
+
+    def __init__(self, device: torch.device, group: int, split_keys: int = SPLIT_KEYS) -> None:
+        self.ops = gpu.ops()
+        self.device = str(device)
+        self.split_keys = split_keys
+        self.group = group  # query heads per KV head: the query tile's shape
+        self.block_m = {many: self.ops.tile(group, many)[0] for many in (False, True)}
+
+    def attend(self, qkv: torch.Tensor, layer: int, pool: KVPool, batch: ForwardBatch, rotary: RotaryEmbedding,
+               cos_sin: tuple[torch.Tensor, torch.Tensor] | None, spec: AttnSpec) -> torch.Tensor:
+        m = batch.kernel
+        assert m is not None and m.blocks is not None
+        t, d = qkv.shape[0], pool.head_dim
+        nh, nkv = spec.num_heads, spec.num_kv_heads
+        kv = pool.kv[layer]
+        if qkv.stride(1) != 1 or qkv.stride(0) != qkv.shape[1]:
+            qkv = qkv.contiguous()
+        self.ops.rope_store_kv(qkv, batch.positions, rotary.cos, rotary.sin, kv, batch.out_slots, nh, nkv)
+        q = qkv.view(t, -1, d)[:, :nh]
+        width = m.table.shape[1]
+        splits = -(-width // self.split_keys)
+        keys = self.split_keys if splits > 1 else -(-width // 32) * 32
+        sinks = spec.sinks.float().contiguous() if spec.sinks is not None else None
+        out = self.ops.paged_attention(q, kv, m.table, m.rows, m.lens, m.blocks, m.block_m, spec.scale,
+                                       split_keys=keys, splits=splits, window=spec.window, softcap=spec.softcap,
+                                       sinks=sinks)
+        return out.view(t, nh * d)
+
+    def build_batch(self, items: list[StepItem], ctx: BatchContext) -> tuple[ForwardBatch, list[StepItem]]:
+        """The slot-table layout, with the query blocks: one per decode, runs of a tile's tokens
+        for longer items (decode-only steps get the small tile)."""
+        batch, sampling = slot_table_batch(self, items, ctx)
+        m = batch.kernel
+        assert m is not None
+        bm = self.block_m[any(it.length > 1 for it in items)]
+        starts = [first for _, first in batch.item_rows]
+        counts = [it.length for it, _ in batch.item_rows]
+        m.blocks = torch.tensor(self.ops.query_blocks(starts, counts, bm), dtype=torch.int32,
+                                device=ctx.device).view(-1, 2)
+        m.block_m = bm
+        return batch, sampling
+
+    def describe(self) -> str:
+        where = "Triton's interpreter on the CPU" if gpu.interpreting() else self.device
+        return f"Triton kernels (paged attention, RoPE + KV write, RMSNorm, SiLU·mul; cuBLAS linears) on {where}"
+
+
+class TritonLinearBackend(TritonOps, ReferenceBackend):
+    """The Triton norms and activations (and MLA's absorbed decode) with torch's attention layout,
+    for the models whose attention the paged kernel does not cover (``reason`` says which)."""
+
+    name = "triton"
+    form = "dense"
+
+    def __init__(self, device: torch.device, reason: str, split_keys: int = SPLIT_KEYS) -> None:
+        super().__init__(reason)
+        self.ops = gpu.ops()
+        self.device = str(device)
+        self.split_keys = split_keys
+
+    def card(self) -> dict[str, Any]:
+        return {**TritonOps.card(self), "attention": "torch", "reason": self.reason}
+
+    def describe(self) -> str:
+        where = "Triton's interpreter on the CPU" if gpu.interpreting() else self.device
+        return f"Triton kernels (RMSNorm, SiLU·mul, MLA decode) with torch's attention on {where} ({self.reason})"
