@@ -164,7 +164,8 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     loras = lora_registry(config, loaded, dtype, device)
     runner = ModelRunner(loaded.model, pool, device, use_mirror=config.decode_mirror and group is None, path=path,
                          max_len=max_len, stored=config.weights == "stored", level=config.kernel_level, group=group,
-                         parallel=card, lora_pool=loras.pool if loras is not None else None, triton=config.triton)
+                         parallel=card, lora_pool=loras.pool if loras is not None else None, triton=config.triton,
+                         cuda_graphs=config.cuda_graphs, cuda_graph_max_bs=config.cuda_graph_max_bs)
     if config.weights == "stored" and runner.kernel_reason is not None:
         raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {runner.kernel_reason}")
     sampler = Sampler(device, config.seed)

@@ -18,6 +18,7 @@ import torch
 
 from tripod import kernels
 from tripod.engine.executor.group import WorkerGroup
+from tripod.engine.graphs import DecodeGraphs
 from tripod.engine.scheduler import ScheduledItem
 from tripod.kernels import gpu
 from tripod.layers.backends import CpuBackend, CpuLinearBackend, ReferenceBackend, TorchBackend
@@ -54,6 +55,8 @@ class ModelRunner:
         parallel: ParallelCard | None = None,
         lora_pool: LoraPool | None = None,
         triton: bool = False,
+        cuda_graphs: bool = True,
+        cuda_graph_max_bs: int = 256,
     ) -> None:
         self.model = model
         self.triton = triton  # the Triton kernels (the CUDA backend; on the CPU in Triton's interpreter)
@@ -82,6 +85,11 @@ class ModelRunner:
         self._cpu: CpuBackend | CpuLinearBackend | None = None
         self._triton: Backend | None = self._make_triton() if triton else None
         self._backend: Backend | None = None
+        self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs (Triton backend only)
+        if cuda_graphs and isinstance(self._triton, TritonBackend) and group is None and self.table is not None:
+            self.graphs = DecodeGraphs(lambda b: self.model(b, self.pool), self._triton, self.table.table,
+                                       self._triton.block_m[False], device, cuda_graph_max_bs,
+                                       fake=device.type != "cuda")
         self.backend  # noqa: B018 - prepare the weights of the first step's backend now, not in a step
 
     def _make_triton(self) -> Backend:
@@ -275,6 +283,8 @@ class ModelRunner:
         """The model's forward pass over a built batch: float32 logits for its sampling rows."""
         if self.group is not None:
             self.group.send(batch)
+        if self.graphs is not None and self.graphs.applies(batch):
+            return self.graphs.run(batch)
         return self.model(batch, self.pool)
 
     def scoring_backend(self) -> Backend:
