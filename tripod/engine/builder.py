@@ -135,7 +135,8 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
         # NOTE: the draft's K/V live at the target's slot ids: one token slot costs both.
         per_token += draft.config.pool_spec().bytes_per_token(dtype)
     num_slots = slots_from_budget(kv_cache_tokens=config.kv_cache_tokens, kv_mem_fraction=config.kv_mem_fraction,
-                                  bytes_per_token=per_token, device=device, max_tokens_cap=config.max_kv_cache_tokens)
+                                  bytes_per_token=per_token, device=device, max_tokens_cap=config.max_kv_cache_tokens,
+                                  gpu_memory_utilization=config.gpu_memory_utilization)
     ranks: tuple[RankCard, ...] = ()
     dp = config.data_parallel_size if group is not None and tp.dp_attention else 1
     if group is not None:  # every rank sized its pool: the group holds the smallest

@@ -183,8 +183,11 @@ def slots_from_budget(
     bytes_per_token: int,
     device: torch.device,
     max_tokens_cap: int,
+    gpu_memory_utilization: float = 0.9,
 ) -> int:
-    """How many token slots to preallocate: an explicit count, else a fraction of free memory."""
+    """How many token slots to preallocate: an explicit count; on a GPU, what
+    ``gpu_memory_utilization`` of its memory leaves after the weights (``gpu_kv_bytes``); on the
+    CPU, a fraction of free memory."""
     if kv_cache_tokens is not None:
         if kv_cache_tokens < 2:
             raise ValueError(f"kv_cache_tokens must be >= 2 (got {kv_cache_tokens})")
@@ -192,11 +195,27 @@ def slots_from_budget(
     if not 0.0 < kv_mem_fraction <= 0.95:
         raise ValueError(f"kv_mem_fraction must be in (0, 0.95] (got {kv_mem_fraction})")
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-    else:
-        free = _available_host_memory()
+        free, total = torch.cuda.mem_get_info(device)
+        return max(2, gpu_kv_bytes(free, total, gpu_memory_utilization) // bytes_per_token)
+    free = _available_host_memory()
     n = int(free * kv_mem_fraction) // bytes_per_token
     return max(2, min(n, max_tokens_cap))
+
+
+GPU_RESERVE = 2 << 30  # activations, the decode graphs' pool, cuBLAS workspaces, the sampler's rows
+
+
+def gpu_kv_bytes(free: int, total: int, utilization: float, reserve: int = GPU_RESERVE) -> int:
+    """The KV pool's share of a GPU, measured after the weights are loaded: ``utilization`` of
+    its memory, less what is already in use (the weights, another process), less ``reserve``."""
+    used = total - free
+    budget = int(total * utilization) - used - reserve
+    if budget <= 0:
+        raise ValueError(f"no GPU memory is left for the KV cache: {used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB "
+                         f"is in use and --gpu-memory-utilization {utilization} allows "
+                         f"{total * utilization / 2**30:.1f} GiB (less a {reserve / 2**30:.1f} GiB reserve); raise "
+                         "it, or give --kv-cache-tokens")
+    return budget
 
 
 def _available_host_memory() -> int:

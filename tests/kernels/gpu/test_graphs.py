@@ -78,3 +78,13 @@ def test_steps_that_are_not_plain_decodes_run_eagerly(tiny: Any) -> None:  # noq
     assert graphs.eager > 0 and not graphs.static  # 4 rows: above the largest bucket
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
         _engine(folder, cuda_graph_max_bs=0)
+
+
+def test_the_gpu_pool_is_what_the_utilization_leaves_after_the_weights() -> None:
+    from tripod.memory.kv_pool import gpu_kv_bytes
+
+    gib = 2**30
+    # 141 GiB, 16 GiB of weights in use: 0.9 * 141 - 16 - 2 GiB of reserve.
+    assert gpu_kv_bytes(125 * gib, 141 * gib, 0.9) == int(141 * gib * 0.9) - 16 * gib - 2 * gib
+    with pytest.raises(ValueError, match="gpu-memory-utilization"):
+        gpu_kv_bytes(10 * gib, 141 * gib, 0.5)  # 131 GiB in use already
