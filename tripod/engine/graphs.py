@@ -50,7 +50,7 @@ def bucket_for(n: int, sizes: list[int]) -> int | None:
     return None
 
 
-class Graph(Protocol):
+class DecodeGraph(Protocol):
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor: ...
 
     def replay(self) -> torch.Tensor: ...
@@ -105,7 +105,7 @@ class _Static:
     """One bucket's input buffers, the batch that reads them, and its graph."""
 
     batch: ForwardBatch
-    graph: Graph
+    graph: DecodeGraph
 
 
 class DecodeGraphs:
@@ -176,7 +176,7 @@ class DecodeGraphs:
         if st is None:
             buf = self._buffers(bs)
             self._load(buf, batch)
-            graph: Graph = FakeGraph() if self.fake else CudaGraph(self.pool)
+            graph: DecodeGraph = FakeGraph() if self.fake else CudaGraph(self.pool)
             out = graph.capture(lambda: self.forward(buf))
             self.static[bs] = _Static(buf, graph)
             log.info("captured the decode graph of %d rows", bs)

@@ -12,10 +12,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import HFReference, check_greedy_tokens
+from tests.models.test_architectures import PROMPTS, _check_engine
 from tests.support.tiny_models import build_hf, save
 from tripod import Engine, SamplingParams
-
-from tests.models.test_architectures import PROMPTS, _check_engine  # noqa: I001 - one prompt set for every path
 
 slow = pytest.mark.slow
 

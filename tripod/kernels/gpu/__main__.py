@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--target", default="sm_90", help="sm_80, sm_89, sm_90 (H100/H200), sm_100")
     c.add_argument("--only", default=None, help="compile only the variants whose name contains this")
     c.add_argument("--json", action="store_true", help="print the results as JSON")
+    c.add_argument("--max-shared", type=int, default=None,
+                   help="shared memory a block may use, in bytes (default: the architecture's opt-in maximum)")
     args = ap.parse_args(argv)
     if not args.target.startswith("sm_") or not args.target[3:].rstrip("a").isdigit():
         ap.error(f"--target must look like sm_90 (got {args.target!r})")
@@ -24,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     from tripod.kernels.gpu.compile import compile_all
 
     arch = int(args.target[3:].rstrip("a"))
-    results = compile_all(arch, args.only)
+    results = compile_all(arch, args.only, args.max_shared)
     if args.json:
         print(json.dumps([r.__dict__ for r in results], indent=2))
     else:

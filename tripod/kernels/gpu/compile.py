@@ -126,7 +126,7 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int | None, int | None, int | No
             int(spills.group(2)) if spills else None)
 
 
-def compile_all(arch: int = 90, only: str | None = None) -> list[Compiled]:
+def compile_all(arch: int = 90, only: str | None = None, max_shared: int | None = None) -> list[Compiled]:
     """Compile every kernel variant for ``sm_<arch>``. Triton's interpreter must be off."""
     if os.environ.get("TRITON_INTERPRET", "") == "1":
         raise RuntimeError("unset TRITON_INTERPRET to compile the kernels (the interpreter compiles nothing)")
@@ -136,7 +136,7 @@ def compile_all(arch: int = 90, only: str | None = None) -> list[Compiled]:
 
     from tripod.kernels.gpu.attention import NUM_WARPS, paged_attention_kernel
 
-    limit = SHARED_LIMIT.get(arch, 99 * 1024)
+    limit = max_shared if max_shared is not None else SHARED_LIMIT.get(arch, 99 * 1024)
     results = []
     for name, kernel, ptrs, consts in _variants():
         if only and only not in name:
