@@ -42,12 +42,15 @@ class ComputeCard(msgspec.Struct, kw_only=True):
     """What computes, as ``/v1/models`` reports it: ``{"backend": "cpu", "isa": "avx2"}``, or a
     torch backend with the reason tripod's kernels do not run (``reason``; present as null when
     nothing stops them but they are not in use yet). ``attention``: the kernels run the linears
-    while torch runs attention (set only then)."""
+    while torch runs attention (set only then). The Triton backend: ``interpret`` (its kernels
+    run in Triton's interpreter on the CPU) and ``device``."""
 
     backend: str
     isa: str | None = None
     reason: str | UnsetType | None = UNSET
     attention: str | UnsetType = UNSET
+    interpret: bool | UnsetType = UNSET
+    device: str | UnsetType = UNSET
     # One model over several processes: {"tensor_parallel_size": T, "expert_parallel": bool,
     # "ranks": [{"rank", "weight_bytes", "kv_bytes_per_token"}, ...]} (set only then).
     parallel: ParallelCard | UnsetType = UNSET

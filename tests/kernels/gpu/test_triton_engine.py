@@ -88,3 +88,27 @@ def test_bfloat16_is_refused_in_the_interpreter(tiny: Any) -> None:
     folder, _ = tiny("llama")
     with pytest.raises(ValueError, match="no bfloat16"):
         Engine(model=str(folder), kernels="triton", dtype="bfloat16", kv_cache_tokens=64)
+
+
+def test_serve_on_the_triton_backend_says_so(tiny: Any, tmp_path: Path, hf_tokenizer: Any) -> None:
+    """``TRITON_INTERPRET=1 tripod serve --kernels triton --device cpu``: /v1/models reports the
+    compute path, and a completion through the official client gives the engine's greedy tokens."""
+    import openai
+
+    from tests.support.server_helpers import ServerProcess
+
+    folder, ref = tiny("llama")
+    server = ServerProcess(tmp_path, "--model", str(folder), "--kernels", "triton", "--device", "cpu",
+                           "--kv-cache-tokens", "256")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        (card,) = client.models.list().model_dump()["data"]
+        assert card["compute"]["backend"] == "triton" and card["compute"]["interpret"] is True, card
+        prompt = PROMPTS[1]
+        out = client.completions.create(model=card["id"], prompt=prompt, max_tokens=6, temperature=0.0,
+                                        extra_body={"ignore_eos": True})
+        assert out.choices[0].finish_reason == "length"
+        want = ref.greedy(prompt, 6).tokens
+        assert out.choices[0].text == hf_tokenizer.decode(want, skip_special_tokens=True)
+    finally:
+        server.stop()
