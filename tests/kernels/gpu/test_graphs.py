@@ -8,10 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.kernels.gpu.test_triton_engine import tiny  # noqa: F401 - the module's tiny checkpoints
+from tests.models import test_architectures as arch
 from tests.models.test_architectures import PROMPTS
 from tripod import Engine, SamplingParams
 from tripod.engine.graphs import FakeGraph, bucket_for, buckets
+
+tiny = arch.tiny  # the architectures suite's tiny checkpoints (a module-scoped fixture)
 
 
 def test_buckets_cover_every_size_up_to_the_largest() -> None:
@@ -36,7 +38,7 @@ def _engine(folder: Any, **kw: Any) -> Engine:
     return Engine(model=str(folder), kernels="triton", kv_cache_tokens=256, max_running=8, **kw)
 
 
-def test_replays_equal_eager_bit_for_bit_and_padding_leaks_nothing(tiny: Any) -> None:  # noqa: F811
+def test_replays_equal_eager_bit_for_bit_and_padding_leaks_nothing(tiny: Any) -> None:
     """Four requests decoding, then three (one finished): the 3-row steps replay the 4-row
     bucket's graph with a padding row. Each replay's logits equal an eager forward of the same
     padded batch exactly; the tokens equal those with graphs off."""
@@ -69,7 +71,7 @@ def test_replays_equal_eager_bit_for_bit_and_padding_leaks_nothing(tiny: Any) ->
     eng.assert_consistent()
 
 
-def test_steps_that_are_not_plain_decodes_run_eagerly(tiny: Any) -> None:  # noqa: F811
+def test_steps_that_are_not_plain_decodes_run_eagerly(tiny: Any) -> None:
     folder, _ = tiny("llama")
     eng = _engine(folder, cuda_graph_max_bs=2)
     graphs = eng.runner.graphs

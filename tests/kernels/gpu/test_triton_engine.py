@@ -11,25 +11,13 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import HFReference, check_greedy_tokens
+from tests.conftest import check_greedy_tokens
+from tests.models import test_architectures as arch
 from tests.models.test_architectures import PROMPTS, _check_engine
-from tests.support.tiny_models import build_hf, save
 from tripod import Engine, SamplingParams
 
 slow = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> Any:
-    made: dict[str, tuple[Path, HFReference]] = {}
-
-    def get(kind: str) -> tuple[Path, HFReference]:
-        if kind not in made:
-            model = build_hf(kind)
-            made[kind] = (save(model, tmp_path_factory.mktemp(kind), hf_tokenizer), HFReference(model))
-        return made[kind]
-
-    return get
+tiny = arch.tiny  # the architectures suite's tiny checkpoints (a module-scoped fixture)
 
 
 def _engine(folder: Path, kv: int = 256, **kw: Any) -> Engine:
