@@ -122,11 +122,12 @@ class DecodeGraphs:
         self.static: dict[int, _Static] = {}
         self.replays = 0
         self.eager = 0  # decode steps too large for a graph
+        self.disabled = False  # a capture failed: every step runs eagerly
 
     def applies(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` is a decode-only step a graph can run."""
         m = batch.kernel
-        if m is None or m.blocks is None or batch.logits_idx is not None or batch.lora is not None:
+        if self.disabled or m is None or m.blocks is None or batch.logits_idx is not None or batch.lora is not None:
             return False
         if batch.dp is not None or batch.micro or batch.backend is not self.backend:
             return False
@@ -177,7 +178,15 @@ class DecodeGraphs:
             buf = self._buffers(bs)
             self._load(buf, batch)
             graph: DecodeGraph = FakeGraph() if self.fake else CudaGraph(self.pool)
-            out = graph.capture(lambda: self.forward(buf))
+            try:
+                out = graph.capture(lambda: self.forward(buf))
+            except Exception:
+                # A model whose forward a graph cannot hold (a host sync, a data-dependent shape):
+                # decode eagerly from now on, saying why once.
+                log.exception("capturing the decode graph of %d rows failed: decode steps run eagerly", bs)
+                self.disabled = True
+                return self.forward(batch)
+
             self.static[bs] = _Static(buf, graph)
             log.info("captured the decode graph of %d rows", bs)
             return out[:n].clone()

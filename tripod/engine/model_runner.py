@@ -86,7 +86,9 @@ class ModelRunner:
         self._triton: Backend | None = self._make_triton() if triton else None
         self._backend: Backend | None = None
         self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs (Triton backend only)
-        if cuda_graphs and isinstance(self._triton, TritonBackend) and group is None and self.table is not None:
+        # (MoE layers route with data-dependent shapes, which a graph cannot hold: they run eagerly.)
+        if (cuda_graphs and isinstance(self._triton, TritonBackend) and group is None and self.table is not None
+                and model.cfg.moe is None):
             self.graphs = DecodeGraphs(lambda b: self.model(b, self.pool), self._triton, self.table.table,
                                        self._triton.block_m[False], device, cuda_graph_max_bs,
                                        fake=device.type != "cuda")

@@ -90,3 +90,29 @@ def test_the_gpu_pool_is_what_the_utilization_leaves_after_the_weights() -> None
     assert gpu_kv_bytes(125 * gib, 141 * gib, 0.9) == int(141 * gib * 0.9) - 16 * gib - 2 * gib
     with pytest.raises(ValueError, match="gpu-memory-utilization"):
         gpu_kv_bytes(10 * gib, 141 * gib, 0.5)  # 131 GiB in use already
+
+
+def test_a_forward_a_graph_cannot_hold_falls_back_to_eager_for_good() -> None:
+    from tripod.engine.graphs import DecodeGraphs
+    from tripod.layers.backends.reference import REFERENCE
+    from tripod.layers.batch import ForwardBatch, KernelMeta
+
+    calls: list[int] = []
+
+    def forward(b: ForwardBatch) -> torch.Tensor:
+        calls.append(b.input_ids.numel())
+        if len(calls) == 1:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return b.input_ids.float()[:, None].repeat(1, 5)
+
+    table = torch.zeros(4, 8, dtype=torch.int32)
+    graphs = DecodeGraphs(forward, REFERENCE, table, 1, torch.device("cpu"), 8, fake=True)
+    ids = torch.tensor([3, 4, 5])
+    meta = KernelMeta(table=table, rows=torch.zeros(3, dtype=torch.int32), lens=torch.ones(3, dtype=torch.int32),
+                      blocks=torch.tensor([[0, 1], [1, 1], [2, 1]], dtype=torch.int32), block_m=1)
+    batch = ForwardBatch(input_ids=ids, positions=ids, out_slots=ids, num_decode=0, decode_kv_idx=None,
+                         decode_mask=None, backend=REFERENCE, kernel=meta)
+    assert graphs.applies(batch)
+    out = graphs.run(batch)  # the capture fails: this step runs eagerly, unpadded
+    assert calls == [4, 3] and torch.equal(out[:, 0], ids.float())
+    assert graphs.disabled and not graphs.applies(batch) and not graphs.static
