@@ -27,6 +27,21 @@ NEG = tl.constexpr(-1.0e30)  # the running max's start: finite, so a split with 
 
 
 @triton.jit
+def softmax_step(s, v, m_i, l_i, acc, FP32_DOT: tl.constexpr):
+    """One key block of an online softmax: rows' scores ``s`` (masked keys at -inf) over values
+    ``v``, folded into the running max ``m_i``, sum ``l_i`` and accumulator ``acc``."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if FP32_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def paged_attention_kernel(
     q_ptr, kv_ptr, table_ptr, rows_ptr, lens_ptr, blocks_ptr, out_ptr, acc_ptr, ml_ptr, sinks_ptr,
     q_stride, table_stride, scale, softcap, window, split_keys,
@@ -80,16 +95,7 @@ def paged_attention_kernel(
         if SOFTCAP:
             s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
         seen = (j[None, :] < n_keys[:, None]) & (j[None, :] >= lo[:, None]) & in_range[None, :]
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = softmax_step(tl.where(seen, s, float("-inf")), v, m_i, l_i, acc, FP32_DOT)
     dmask = live[:, None] & (d[None, :] < D)
     if SPLITS == 1:
         if HAS_SINKS:

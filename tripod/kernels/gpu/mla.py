@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tripod.kernels.gpu.attention import NEG, combine_splits_kernel
+from tripod.kernels.gpu.attention import NEG, combine_splits_kernel, softmax_step
 
 
 @triton.jit
@@ -48,16 +48,7 @@ def mla_decode_kernel(q_ptr, lat_ptr, idx_ptr, lens_ptr, out_ptr, acc_ptr, ml_pt
             s = tl.dot(q_lat, tl.trans(c), input_precision="ieee") + tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
         else:
             s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(k_pe))
-        s = tl.where(inside[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        w = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(w, axis=1)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(w.to(c.dtype), c, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(w.to(c.dtype), c)
-        m_i = m_new
+        m_i, l_i, acc = softmax_step(tl.where(inside[None, :], s * scale, float("-inf")), c, m_i, l_i, acc, FP32_DOT)
     om = hm[:, None] & (r[None, :] < R)
     if SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
