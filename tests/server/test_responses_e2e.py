@@ -196,3 +196,25 @@ def test_agents_sdk_plain_answer(server: Any) -> None:
                          model_settings=agents.ModelSettings(temperature=0.0, max_tokens=200))
     text = agents.Runner.run_sync(plain, "Say hello.").final_output
     assert isinstance(text, str) and text
+
+
+@pytest.mark.parametrize(("path", "body", "param", "code"), [
+    ("/v1/embeddings", {"input": "hello"}, "model", "model_not_embedding"),
+    ("/v1/embeddings", {"input": []}, "input", None),
+    ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, "encoding_format", None),
+    ("/v1/rerank", {"query": "q", "documents": ["a", "b"]}, "model", "model_not_embedding"),
+    ("/v2/rerank", {"query": "q", "documents": []}, "documents", None),
+    ("/v1/score", {"text_1": "a", "text_2": ["b", "c"]}, "model", "model_not_embedding"),
+    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c"]}, "text_2", None),
+])
+def test_retrieval_routes_on_a_generative_model_say_what_is_needed(server: Any, path: str, body: dict[str, Any],
+                                                                   param: str, code: str | None) -> None:
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and (code is None or err["code"] == code)
+
+
+def test_the_openai_client_gets_the_embeddings_refusal(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="embedding model"):
+        client.embeddings.create(model="default", input=["a", "b"])

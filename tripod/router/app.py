@@ -51,7 +51,7 @@ from tripod.tenants.asgi import TenantMiddleware
 log = logging.getLogger("tripod.router")
 
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-                 "/tokenize", "/detokenize")
+                 "/v1/responses", "/tokenize", "/detokenize")
 
 Handler = Callable[[Request], Awaitable[Response]]
 

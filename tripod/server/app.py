@@ -2,7 +2,8 @@
 lifespan that starts and stops the engine process.
 
 The surfaces are ``tripod.server.api``'s, one module each: ``openai`` (chat/completions),
-``anthropic`` (messages), ``admin`` (models, health, metrics, tokenize; ``lora`` within), ``pd``
+``anthropic`` (messages), ``responses`` (the Responses API and its store), ``embeddings``
+(embeddings, rerank, score), ``admin`` (models, health, metrics, tokenize; ``lora`` within), ``pd``
 (the prefill/decode hand-over, with its ASGI gate); ``openapi`` describes them. What they read is
 ``state.ServerState``; engine outputs become answers in ``tripod.server.answer``. Every error a
 caller can cause is answered with a 4xx in the shape of the API it called (``errors``: OpenAI's
@@ -27,6 +28,7 @@ from tripod.asgi import ClientGone
 from tripod.console.app import Console, is_open_path
 from tripod.server.api.admin import add_admin_routes
 from tripod.server.api.anthropic import add_anthropic_routes
+from tripod.server.api.embeddings import add_embedding_routes
 from tripod.server.api.openai import add_openai_routes
 from tripod.server.api.openapi import openapi_document
 from tripod.server.api.pd import HandOverGate, Receiving, add_pd_routes
@@ -46,6 +48,7 @@ _OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 _ROUTES = {
     "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
     "/health", "/metrics", "/tokenize", "/detokenize", "/debug/engine", "/openapi.json", "/v1/responses",
+    "/v1/embeddings", "/v1/rerank", "/v1/score",
 }
 
 
@@ -153,6 +156,7 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     add_openai_routes(app, state)
     add_anthropic_routes(app, state)
     add_responses_routes(app, state)
+    add_embedding_routes(app, state)
     add_pd_routes(app, state)
     app.router.routes.extend(console.routes())  # /ui: the console (tripod.console)
     document: dict[str, Any] = {}

@@ -1,0 +1,103 @@
+"""The retrieval surface: ``POST /v1/embeddings``, ``POST /v1/rerank`` (also ``/rerank`` and
+``/v2/rerank``: the Cohere/Jina body) and ``POST /v1/score``.
+
+Each body is parsed and checked as OpenAI's (or Cohere's) API does, so a malformed request gets a
+400 naming its parameter. A server of a generative model does not pool: embeddings need an encoder
+(``tripod.models.bert``) or a decoder served to pool, rerank and score a cross-encoder; until this
+server serves one, each route answers 400 saying what is needed (``code: model_not_embedding``)
+rather than a 404 or an answer it cannot stand behind.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from tripod.server.api.body import StrictModel, parse, read_body
+from tripod.server.errors import APIError
+from tripod.server.state import ServerState, check_model
+
+MAX_INPUTS = 2048  # OpenAI's cap on inputs per embeddings request
+
+
+class EmbeddingsRequest(StrictModel):
+    """``POST /v1/embeddings`` (OpenAI's fields)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class RerankRequest(StrictModel):
+    """``POST /v1/rerank`` (Cohere's and Jina's body)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = None
+    return_documents: bool = False
+
+
+class ScoreRequest(StrictModel):
+    """``POST /v1/score``: ``text_1`` against each of ``text_2`` (or pairwise, equal lengths)."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+def check_embeddings(req: EmbeddingsRequest) -> int:
+    """The request's checks; returns how many inputs it has."""
+    raw = req.input
+    inputs = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+    if not inputs or any(len(x) == 0 for x in inputs):
+        raise APIError(400, "'input' must not be empty (nor hold an empty string or token list)", param="input")
+    if len(inputs) > MAX_INPUTS:
+        raise APIError(400, f"'input' may hold at most {MAX_INPUTS} inputs (got {len(inputs)})", param="input")
+    if req.encoding_format not in ("float", "base64"):
+        raise APIError(400, f"'encoding_format' must be 'float' or 'base64' (got {req.encoding_format!r})",
+                       param="encoding_format")
+    if req.dimensions is not None and req.dimensions < 1:
+        raise APIError(400, f"'dimensions' must be >= 1 (got {req.dimensions})", param="dimensions")
+    return len(inputs)
+
+
+def _not_pooling(state: ServerState, what: str, needs: str) -> APIError:
+    return APIError(400, f"{what} needs {needs}; this server serves the generative model {state.model_name!r}, "
+                    "which it does not pool. Serve an embedding model for it (e.g. a second tripod serve)",
+                    param="model", code="model_not_embedding")
+
+
+def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        req: EmbeddingsRequest = parse(EmbeddingsRequest, await read_body(request, state.config.max_body_bytes))
+        check_model(state, req.model, request)
+        check_embeddings(req)
+        raise _not_pooling(state, "/v1/embeddings", "an embedding model (an encoder, or a decoder served to pool)")
+
+    async def rerank(request: Request) -> Response:
+        req: RerankRequest = parse(RerankRequest, await read_body(request, state.config.max_body_bytes))
+        check_model(state, req.model, request)
+        if not req.documents:
+            raise APIError(400, "'documents' must hold at least one document", param="documents")
+        if req.top_n is not None and req.top_n < 1:
+            raise APIError(400, f"'top_n' must be >= 1 (got {req.top_n})", param="top_n")
+        raise _not_pooling(state, request.url.path, "a cross-encoder (BertForSequenceClassification)")
+
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"])
+
+    @app.post("/v1/score")
+    async def score(request: Request) -> Response:
+        req: ScoreRequest = parse(ScoreRequest, await read_body(request, state.config.max_body_bytes))
+        check_model(state, req.model, request)
+        one, two = ([t] if isinstance(t, str) else t for t in (req.text_1, req.text_2))
+        if not one or not two:
+            raise APIError(400, "'text_1' and 'text_2' must not be empty", param="text_1" if not one else "text_2")
+        if len(one) > 1 and len(one) != len(two):
+            raise APIError(400, f"'text_1' has {len(one)} texts and 'text_2' {len(two)}: give one text_1, or as "
+                           "many as text_2", param="text_2")
+        raise _not_pooling(state, "/v1/score", "a cross-encoder (BertForSequenceClassification)")
