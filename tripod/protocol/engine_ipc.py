@@ -77,6 +77,24 @@ class LoraRequest(msgspec.Struct, tag=True):
 
 
 # ---------------------------------------------------------------------- engine → server
+ENCODER_ARCHITECTURE = "BertModel"  # Ready.architecture of an encoder engine (embeddings, no generation)
+
+
+class EmbedRequest(msgspec.Struct, tag=True):
+    """Token lists to pool into embeddings (an encoder engine; no KV is kept)."""
+
+    rid: str
+    inputs: list[list[int]]
+
+
+class Embeddings(msgspec.Struct, tag=True):
+    """The reply to an ``EmbedRequest``: one vector per input, in order, or why there are none."""
+
+    rid: str
+    vectors: list[list[float]]
+    error: str | None = None
+
+
 class KVTierCard(msgspec.Struct, kw_only=True):
     """Where and how the engine's disk tier keeps blocks (``--kv-disk``; a decode replica's), so
     that its HTTP process can publish received blocks there."""
@@ -171,8 +189,8 @@ class KVExport(msgspec.Struct, tag=True):
     error: str | None = None
 
 
-Message = (AddRequest | AbortRequest | StatsRequest | Shutdown | LoraRequest | ExportKV | Ready | Outputs | Heartbeat
-           | StatsReply | LoraReply | KVExport | Fatal)
+Message = (AddRequest | AbortRequest | StatsRequest | Shutdown | LoraRequest | ExportKV | EmbedRequest | Ready | Outputs
+           | Heartbeat | StatsReply | LoraReply | KVExport | Embeddings | Fatal)
 
 
 class ProtocolError(ValueError):

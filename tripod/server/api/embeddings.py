@@ -5,17 +5,26 @@ Each body is parsed and checked as OpenAI's (or Cohere's) API does, so a malform
 400 naming its parameter. A server of a generative model does not pool: embeddings need an encoder
 (``tripod.models.bert``) or a decoder served to pool, rerank and score a cross-encoder; until this
 server serves one, each route answers 400 saying what is needed (``code: model_not_embedding``)
-rather than a 404 or an answer it cannot stand behind.
+rather than a 404 or an answer it cannot stand behind. A server of an encoder
+(``tripod serve --model all-minilm-l6-v2``) answers ``/v1/embeddings``: its engine process pools
+(``engine/encoder_loop.py``), every request's inputs batched with the others waiting.
 """
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+import base64
+import math
+import struct
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tripod.protocol.engine_ipc import ENCODER_ARCHITECTURE
+from tripod.server.answer.generation import new_id
 from tripod.server.api.body import StrictModel, parse, read_body
+from tripod.server.engine_client import EngineDead
 from tripod.server.errors import APIError
-from tripod.server.state import ServerState, check_model
+from tripod.server.state import ServerState, check_ids, check_model
 
 MAX_INPUTS = 2048  # OpenAI's cap on inputs per embeddings request
 
@@ -48,10 +57,10 @@ class ScoreRequest(StrictModel):
     text_2: str | list[str]
 
 
-def check_embeddings(req: EmbeddingsRequest) -> int:
-    """The request's checks; returns how many inputs it has."""
+def check_embeddings(req: EmbeddingsRequest) -> list[str | list[int]]:
+    """The request's checks; returns its inputs (strings or token lists)."""
     raw = req.input
-    inputs = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+    inputs: list[str | list[int]] = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)  # type: ignore[list-item]
     if not inputs or any(len(x) == 0 for x in inputs):
         raise APIError(400, "'input' must not be empty (nor hold an empty string or token list)", param="input")
     if len(inputs) > MAX_INPUTS:
@@ -61,7 +70,49 @@ def check_embeddings(req: EmbeddingsRequest) -> int:
                        param="encoding_format")
     if req.dimensions is not None and req.dimensions < 1:
         raise APIError(400, f"'dimensions' must be >= 1 (got {req.dimensions})", param="dimensions")
-    return len(inputs)
+    return inputs
+
+
+def _vector(v: list[float], dimensions: int | None, fmt: str) -> list[float] | str:
+    """One embedding as the answer carries it: cut to ``dimensions`` and renormalised (Matryoshka),
+    as floats or as base64 of little-endian float32 (OpenAI's ``base64``)."""
+    if dimensions is not None:
+        v = v[:dimensions]
+        norm = math.sqrt(sum(x * x for x in v)) or 1.0
+        v = [x / norm for x in v]
+    if fmt == "base64":
+        return base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
+    return v
+
+
+async def _embed(state: ServerState, req: EmbeddingsRequest, inputs: list[str | list[int]]) -> JSONResponse:
+    info = state.client.info
+    assert info is not None
+    ids: list[list[int]] = []
+    for i, x in enumerate(inputs):
+        toks = state.text.encode(x) if isinstance(x, str) else list(x)
+        if not isinstance(x, str):
+            check_ids(state, toks, "input")
+        if len(toks) > info.max_request_len:
+            raise APIError(400, f"input[{i}] has {len(toks)} tokens; this model takes at most "
+                           f"{info.max_request_len}: shorten it", param="input", code="context_length_exceeded")
+        ids.append(toks)
+    try:
+        out = await state.client.embed(new_id("embd"), ids)
+    except EngineDead as e:
+        raise APIError(503, f"the engine is not running: {e}", type="server_error", code="engine_dead") from None
+    if out.error is not None:
+        raise APIError(400, out.error, param="input")
+    width = len(out.vectors[0])
+    if req.dimensions is not None and req.dimensions > width:
+        raise APIError(400, f"'dimensions' is {req.dimensions} but this model's embeddings have {width}",
+                       param="dimensions")
+    tokens = sum(len(x) for x in ids)
+    return JSONResponse({"object": "list", "model": state.model_name, "usage": {"prompt_tokens": tokens,
+                                                                                 "total_tokens": tokens},
+                         "data": [{"object": "embedding", "index": i,
+                                   "embedding": _vector(v, req.dimensions, req.encoding_format)}
+                                  for i, v in enumerate(out.vectors)]})
 
 
 def _not_pooling(state: ServerState, what: str, needs: str) -> APIError:
@@ -75,7 +126,9 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
     async def embeddings(request: Request) -> Response:
         req: EmbeddingsRequest = parse(EmbeddingsRequest, await read_body(request, state.config.max_body_bytes))
         check_model(state, req.model, request)
-        check_embeddings(req)
+        inputs = check_embeddings(req)
+        if state.architecture == ENCODER_ARCHITECTURE:
+            return await _embed(state, req, inputs)
         raise _not_pooling(state, "/v1/embeddings", "an embedding model (an encoder, or a decoder served to pool)")
 
     async def rerank(request: Request) -> Response:

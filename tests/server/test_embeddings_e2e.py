@@ -1,0 +1,104 @@
+"""``/v1/embeddings`` end to end on a real ``tripod serve --model all-minilm-l6-v2`` (the encoder
+from its wheel; the engine process pools), through the official ``openai`` client: equal to
+sentence-transformers to 1e-5 per component, alone and batched with other texts; token-id inputs,
+base64, ``dimensions`` (cut + renormalised); a generation request is refused with a 400 and the
+server keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.support.server_helpers import ServerProcess
+
+TEXTS = ["The cat sat on the mat.", "A quick brown fox jumps over the lazy dog, twice, in the rain.",
+         "Embeddings!", "tripod serves models."]
+MODEL = "all-minilm-l6-v2"
+
+
+@pytest.fixture(scope="module")
+def folder() -> str:
+    from tripod.loader.embedded import packaged_encoder_path
+
+    try:
+        return str(packaged_encoder_path(MODEL))
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def encoder_server(tmp_path_factory: pytest.TempPathFactory, folder: str) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path_factory.mktemp("embed"), "--model", MODEL)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(folder: str) -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    st = pytest.importorskip("sentence_transformers")
+    return st.SentenceTransformer(folder, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def client(encoder_server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{encoder_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_equal_to_sentence_transformers_alone_and_batched(client: openai.OpenAI, reference: Any) -> None:
+    ref = reference.encode(TEXTS, batch_size=len(TEXTS))
+    batched = client.embeddings.create(model=MODEL, input=TEXTS)
+    got = np.array([d.embedding for d in sorted(batched.data, key=lambda d: d.index)])
+    assert got.shape == ref.shape and np.abs(got - ref).max() < 1e-5
+    for text, want in zip(TEXTS, ref, strict=True):
+        alone = client.embeddings.create(model=MODEL, input=text).data[0].embedding
+        assert np.abs(np.array(alone) - want).max() < 1e-5
+    ids = [reference.tokenizer(t)["input_ids"] for t in TEXTS]
+    assert batched.usage.prompt_tokens == sum(len(x) for x in ids)
+    by_ids = client.embeddings.create(model=MODEL, input=ids)
+    assert np.abs(np.array([d.embedding for d in by_ids.data]) - ref).max() < 1e-5
+
+
+def test_base64_and_dimensions(encoder_server: ServerProcess, reference: Any) -> None:
+    ref = reference.encode(TEXTS[:2])
+    r = httpx.post(f"{encoder_server.url}/v1/embeddings", timeout=60,
+                   json={"model": MODEL, "input": TEXTS[:2], "encoding_format": "base64", "dimensions": 64})
+    assert r.status_code == 200, r.text
+    for d, want in zip(r.json()["data"], ref, strict=True):
+        raw = base64.b64decode(d["embedding"])
+        v = np.array(struct.unpack(f"<{len(raw) // 4}f", raw))
+        cut = want[:64] / np.linalg.norm(want[:64])
+        assert v.shape == (64,) and np.abs(v - cut).max() < 1e-5
+    too_wide = httpx.post(f"{encoder_server.url}/v1/embeddings", json={"input": "x", "dimensions": 1000}, timeout=60)
+    assert too_wide.status_code == 400 and too_wide.json()["error"]["param"] == "dimensions"
+
+
+def test_bad_input_and_generation_are_refused(encoder_server: ServerProcess, client: openai.OpenAI) -> None:
+    url = encoder_server.url
+    for body, param in [({"input": "word " * 600}, "input"), ({"input": [[10**7]]}, "input"),
+                        ({"input": ""}, "input"), ({"input": "x", "encoding_format": "fp16"}, "encoding_format")]:
+        r = httpx.post(f"{url}/v1/embeddings", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    with pytest.raises(openai.BadRequestError):  # (no chat template: refused before the engine)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="encoder"):  # refused by the encoder engine
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+    assert client.embeddings.create(model=MODEL, input="still serving").data[0].embedding
+
+
+def test_cli_lists_the_packaged_encoder(tmp_path: Path) -> None:
+    from tripod.loader import encoder_folder
+
+    assert encoder_folder(MODEL) is not None and encoder_folder(None) is None
+    assert encoder_folder(str(tmp_path)) is None
