@@ -102,3 +102,18 @@ def test_cli_lists_the_packaged_encoder(tmp_path: Path) -> None:
 
     assert encoder_folder(MODEL) is not None and encoder_folder(None) is None
     assert encoder_folder(str(tmp_path)) is None
+
+
+def test_bench_measures_embeddings(encoder_server: ServerProcess) -> None:
+    import asyncio
+
+    from tripod.bench.client import Target, send
+    from tripod.bench.datasets import BenchRequest
+
+    async def one() -> Any:
+        async with httpx.AsyncClient() as http:
+            return await send(http, Target(encoder_server.url, "tripod", endpoint="embeddings"),
+                              BenchRequest(max_tokens=1, prompt="a sentence to embed"), 60)
+
+    res = asyncio.run(one())
+    assert res.error is None and res.e2e is not None and res.e2e == res.ttft and res.prompt_tokens > 0

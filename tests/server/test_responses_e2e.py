@@ -218,3 +218,18 @@ def test_retrieval_routes_on_a_generative_model_say_what_is_needed(server: Any, 
 def test_the_openai_client_gets_the_embeddings_refusal(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="embedding model"):
         client.embeddings.create(model="default", input=["a", "b"])
+
+
+def test_bench_measures_the_responses_stream(server: Any) -> None:
+    import asyncio
+
+    from tripod.bench.client import Target, send
+    from tripod.bench.datasets import BenchRequest
+
+    async def one() -> Any:
+        async with httpx.AsyncClient() as http:
+            return await send(http, Target(server.url, "tripod", endpoint="responses"),
+                              BenchRequest(max_tokens=4, messages=[{"role": "user", "content": "Hi"}]), 120)
+
+    res = asyncio.run(one())
+    assert res.error is None and res.ttft is not None and res.output_tokens == 4 and res.prompt_tokens > 0

@@ -227,7 +227,7 @@ def _prepare(state: ServerState, request: Request, req: ResponsesRequest) -> _Pr
         grammar=grammar, logprobs=(req.top_logprobs or 0) if logprobs else None, lora=adapter_of(state, req.model),
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
         frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
-        repetition_penalty=req.repetition_penalty, priority=req.priority)
+        repetition_penalty=req.repetition_penalty, priority=req.priority, ignore_eos=req.ignore_eos)
     rid = new_id("resp", "_")
     tc = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     base = {

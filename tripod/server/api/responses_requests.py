@@ -59,6 +59,7 @@ class ResponsesRequest(StrictModel):
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     priority: int = 0
+    ignore_eos: bool = False
 
 
 def _bad(param: str, msg: str) -> APIError:
