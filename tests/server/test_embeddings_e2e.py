@@ -117,3 +117,38 @@ def test_bench_measures_embeddings(encoder_server: ServerProcess) -> None:
 
     res = asyncio.run(one())
     assert res.error is None and res.e2e is not None and res.e2e == res.ttft and res.prompt_tokens > 0
+
+
+@pytest.mark.slow
+def test_rerank_and_score_on_a_cross_encoder(tmp_path: Path) -> None:
+    """A served cross-encoder (a small random BertForSequenceClassification made here): /v1/rerank
+    and /v1/score equal the sigmoid of transformers' logits; /v1/embeddings is refused."""
+    import math
+
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    from tests.models.test_bert_cross_encoder import make_cross_encoder
+
+    folder = make_cross_encoder(tmp_path / "ce")
+    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    ref_model = BertForSequenceClassification.from_pretrained(str(folder), local_files_only=True).eval()
+    query, docs = "what is tripod?", ["tripod is an inference server.", "A cat.", "Paris is in France, they say."]
+    with torch.no_grad():
+        want = [1 / (1 + math.exp(-ref_model(**tok(query, d, return_tensors="pt")).logits[0, 0].item())) for d in docs]
+    srv = ServerProcess(tmp_path, "--model", str(folder))
+    try:
+        r = httpx.post(f"{srv.url}/v1/rerank", json={"query": query, "documents": docs, "top_n": 2,
+                                                     "return_documents": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        order = sorted(range(3), key=lambda i: -want[i])[:2]
+        assert [x["index"] for x in results] == order
+        assert all(abs(x["relevance_score"] - want[x["index"]]) < 1e-5 and x["document"]["text"] == docs[x["index"]]
+                   for x in results)
+        s = httpx.post(f"{srv.url}/v1/score", json={"text_1": query, "text_2": docs}, timeout=60).json()
+        assert [abs(d["score"] - w) < 1e-5 for d, w in zip(s["data"], want, strict=True)] == [True] * 3
+        e = httpx.post(f"{srv.url}/v1/embeddings", json={"input": "x"}, timeout=60)
+        assert e.status_code == 400 and e.json()["error"]["code"] == "model_not_embedding"
+    finally:
+        srv.stop()

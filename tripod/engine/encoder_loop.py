@@ -19,7 +19,6 @@ import zmq
 
 from tripod.models.bert import BertEncoder, load_encoder
 from tripod.protocol import engine_ipc
-from tripod.protocol.engine_ipc import ENCODER_ARCHITECTURE
 from tripod.protocol.stats import ComputeCard, EngineStats
 
 log = logging.getLogger("tripod.engine.encoder")
@@ -36,8 +35,8 @@ class EncoderLoop:
         t0 = time.monotonic()
         self.encoder: BertEncoder = load_encoder(folder)
         c = self.encoder.config
-        log.info("tripod encoder: %s (BERT, %d layers, hidden %d, pooling %s%s) float32, loaded in %.1fs",
-                 folder.name, c.num_layers, c.hidden_size, c.pooling, " + normalize" if c.normalize else "",
+        log.info("tripod encoder: %s (%s, %d layers, hidden %d, pooling %s%s) float32, loaded in %.1fs",
+                 folder.name, c.architecture, c.num_layers, c.hidden_size, c.pooling, " + normalize" if c.normalize else "",
                  time.monotonic() - t0)
         self.name = folder.name
         self.waiting: list[engine_ipc.EmbedRequest] = []
@@ -49,7 +48,7 @@ class EncoderLoop:
         c = self.encoder.config
         return engine_ipc.Ready(
             pid=os.getpid(), model_name=self.name, dtype="float32", quantization="f32",
-            architecture=ENCODER_ARCHITECTURE, context_len=c.max_positions, max_request_len=c.max_positions,
+            architecture=c.architecture, context_len=c.max_positions, max_request_len=c.max_positions,
             vocab_size=c.vocab_size, max_running=MAX_BATCH_INPUTS, kv_slots=0, compute=self.card())
 
     @staticmethod
@@ -88,13 +87,20 @@ class EncoderLoop:
         """One batch of the waiting requests' inputs (whole requests, up to ``MAX_BATCH_INPUTS``)."""
         batch: list[engine_ipc.EmbedRequest] = []
         n = 0
-        while self.waiting and (not batch or n + len(self.waiting[0].inputs) <= MAX_BATCH_INPUTS):
+        pairs = self.waiting[0].type_ids is not None  # NOTE: one kind per batch (pooled, or pairs scored)
+        while (self.waiting and (self.waiting[0].type_ids is not None) == pairs
+               and (not batch or n + len(self.waiting[0].inputs) <= MAX_BATCH_INPUTS)):
             req = self.waiting.pop(0)
             batch.append(req)
             n += len(req.inputs)
+        ids = [x for r in batch for x in r.inputs]
         try:
-            vectors = self.encoder.embed([x for r in batch for x in r.inputs])
-        except ValueError as e:  # (the server checks lengths first; a bad batch still gets an answer)
+            if pairs:
+                scores = self.encoder.score(ids, [t for r in batch for t in r.type_ids or []])
+                vectors = [[x] for x in scores]
+            else:
+                vectors = self.encoder.embed(ids)
+        except (ValueError, KeyError) as e:  # (the server checks first; a bad batch still gets an answer)
             for r in batch:
                 self._send(engine_ipc.Embeddings(r.rid, [], str(e)))
             return

@@ -78,7 +78,8 @@ def _encoder_tokenizer(path: Path) -> LoadedTokenizer:
     raw = json.loads((path / "config.json").read_text())
     heads = raw["num_attention_heads"]
     # NOTE: a decoder-shaped config of the encoder (the server reads its vocabulary and architecture).
-    cfg = ModelConfig(ENCODER_ARCHITECTURE, raw["vocab_size"], raw["hidden_size"], raw["intermediate_size"],
+    arch = (raw.get("architectures") or [ENCODER_ARCHITECTURE])[0]
+    cfg = ModelConfig(arch, raw["vocab_size"], raw["hidden_size"], raw["intermediate_size"],
                       raw["num_hidden_layers"], heads, heads, raw["hidden_size"] // heads,
                       raw.get("layer_norm_eps", 1e-12), 10000.0, raw["max_position_embeddings"], False)
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)

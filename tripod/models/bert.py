@@ -19,7 +19,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tripod.protocol.engine_ipc import CROSS_ENCODER_ARCHITECTURE, ENCODER_ARCHITECTURE
+
 POOLINGS = ("cls", "mean", "max", "last")
+CROSS_ENCODER = CROSS_ENCODER_ARCHITECTURE
+ENCODER_ARCHITECTURES = (ENCODER_ARCHITECTURE, CROSS_ENCODER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,8 @@ class EncoderConfig:
     eps: float
     pooling: str = "mean"
     normalize: bool = False
+    architecture: str = "BertModel"  # or BertForSequenceClassification (a cross-encoder: scores pairs)
+    num_labels: int = 1
 
     @classmethod
     def from_folder(cls, path: Path) -> EncoderConfig:
@@ -57,9 +63,15 @@ class EncoderConfig:
         modules = path / "modules.json"
         if modules.is_file():
             normalize = any(m.get("type", "").endswith("Normalize") for m in json.loads(modules.read_text()))
+        arch = (raw.get("architectures") or ["BertModel"])[0]
+        if arch not in ENCODER_ARCHITECTURES:
+            raise ValueError(f"{path}: architecture {arch!r} is not one tripod serves ({', '.join(ENCODER_ARCHITECTURES)})")
+        labels = len(raw["id2label"]) if isinstance(raw.get("id2label"), dict) else raw.get("num_labels", 1)
+        if arch == CROSS_ENCODER and labels != 1:
+            raise ValueError(f"{path}: a cross-encoder with {labels} labels; tripod scores with one (a relevance logit)")
         return cls(raw["vocab_size"], raw["hidden_size"], raw["num_hidden_layers"], raw["num_attention_heads"],
                    raw["intermediate_size"], raw["max_position_embeddings"], raw.get("type_vocab_size", 2),
-                   raw.get("layer_norm_eps", 1e-12), pooling, normalize)
+                   raw.get("layer_norm_eps", 1e-12), pooling, normalize, arch, labels)
 
 
 class BertEncoder:
@@ -69,6 +81,10 @@ class BertEncoder:
         self.config = config
         prefix = "bert." if any(k.startswith("bert.") for k in weights) else ""
         self.w = {k[len(prefix):]: v.float() for k, v in weights.items() if k.startswith(prefix)}
+        # A cross-encoder's head (outside the "bert." prefix): the classifier over the pooled CLS state.
+        self.head = {k: v.float() for k, v in weights.items() if not k.startswith(prefix) or not prefix}
+        if config.architecture == CROSS_ENCODER and "classifier.weight" not in self.head:
+            raise ValueError("a BertForSequenceClassification checkpoint without classifier.weight")
         missing = [k for k in ("embeddings.word_embeddings.weight", "encoder.layer.0.attention.self.query.weight")
                    if k not in self.w]
         if missing:
@@ -81,12 +97,13 @@ class BertEncoder:
         return F.linear(x, self.w[f"{name}.weight"], self.w[f"{name}.bias"])
 
     @torch.inference_mode()
-    def hidden(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The last layer's states ``[batch, tokens, hidden]`` of padded ``ids`` (``mask`` 1 = a token)."""
+    def hidden(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
+        """The last layer's states ``[batch, tokens, hidden]`` of padded ``ids`` (``mask`` 1 = a token;
+        ``types``: token type ids, the second text of a pair 1)."""
         c, w = self.config, self.w
         pos = torch.arange(ids.shape[1]).unsqueeze(0)
         x = (w["embeddings.word_embeddings.weight"][ids] + w["embeddings.position_embeddings.weight"][pos]
-             + w["embeddings.token_type_embeddings.weight"][torch.zeros_like(ids)])
+             + w["embeddings.token_type_embeddings.weight"][torch.zeros_like(ids) if types is None else types])
         x = self._ln(x, "embeddings.LayerNorm")
         b, t, _ = x.shape
         hd = c.hidden_size // c.num_heads
@@ -105,14 +122,26 @@ class BertEncoder:
             x = self._ln(self._lin(mid, f"{p}.output.dense") + x, f"{p}.output.LayerNorm")
         return x
 
-    def embed(self, batch: list[list[int]]) -> list[list[float]]:
-        """One pooled (and, as configured, normalised) embedding per token list."""
+    def _padded(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         if any(len(s) > self.config.max_positions for s in batch):
             raise ValueError(f"an input is longer than the model's {self.config.max_positions} positions")
         t = max(len(s) for s in batch)
-        ids = torch.tensor([s + [0] * (t - len(s)) for s in batch])
-        mask = torch.tensor([[1] * len(s) + [0] * (t - len(s)) for s in batch])
+        return (torch.tensor([s + [0] * (t - len(s)) for s in batch]),
+                torch.tensor([[1] * len(s) + [0] * (t - len(s)) for s in batch]))
+
+    def embed(self, batch: list[list[int]]) -> list[list[float]]:
+        """One pooled (and, as configured, normalised) embedding per token list."""
+        ids, mask = self._padded(batch)
         return pool(self.hidden(ids, mask), mask, self.config.pooling, self.config.normalize).tolist()
+
+    @torch.inference_mode()
+    def score(self, batch: list[list[int]], types: list[list[int]]) -> list[float]:
+        """A cross-encoder's relevance logit per pair (``batch``: each pair's ids, ``types`` its token types)."""
+        ids, mask = self._padded(batch)
+        tt, _ = self._padded(types)
+        cls_state = self.hidden(ids, mask, tt)[:, 0]
+        pooled = torch.tanh(F.linear(cls_state, self.w["pooler.dense.weight"], self.w["pooler.dense.bias"]))
+        return F.linear(pooled, self.head["classifier.weight"], self.head["classifier.bias"])[:, 0].tolist()
 
 
 def pool(h: torch.Tensor, mask: torch.Tensor, how: str, normalize: bool) -> torch.Tensor:

@@ -77,14 +77,18 @@ class LoraRequest(msgspec.Struct, tag=True):
 
 
 # ---------------------------------------------------------------------- engine → server
-ENCODER_ARCHITECTURE = "BertModel"  # Ready.architecture of an encoder engine (embeddings, no generation)
+# Ready.architecture of an encoder engine (no generation): embeddings, or a cross-encoder's scores.
+ENCODER_ARCHITECTURE = "BertModel"
+CROSS_ENCODER_ARCHITECTURE = "BertForSequenceClassification"
 
 
 class EmbedRequest(msgspec.Struct, tag=True):
-    """Token lists to pool into embeddings (an encoder engine; no KV is kept)."""
+    """Token lists for an encoder engine (no KV is kept): pooled into embeddings, or (``type_ids``
+    given, a cross-encoder) each a pair scored; the reply's vectors are then ``[logit]`` each."""
 
     rid: str
     inputs: list[list[int]]
+    type_ids: list[list[int]] | None = None
 
 
 class Embeddings(msgspec.Struct, tag=True):

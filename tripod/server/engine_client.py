@@ -440,13 +440,14 @@ class EngineClient:
         finally:
             self._lora_waiters.pop(token, None)
 
-    async def embed(self, rid: str, inputs: list[list[int]]) -> engine_ipc.Embeddings:
-        """Pool ``inputs`` in an encoder engine (``EmbedRequest``); raises ``EngineDead``."""
+    async def embed(self, rid: str, inputs: list[list[int]], type_ids: list[list[int]] | None = None,
+                    ) -> engine_ipc.Embeddings:
+        """Pool ``inputs`` (``type_ids``: score them as pairs) in an encoder engine; raises ``EngineDead``."""
         if not self.alive:
             raise EngineDead(self.dead_reason or "the engine is not running")
         fut: asyncio.Future[engine_ipc.Embeddings] = asyncio.get_running_loop().create_future()
         self._embed_waiters[rid] = fut
-        self._send(engine_ipc.EmbedRequest(rid, inputs))
+        self._send(engine_ipc.EmbedRequest(rid, inputs, type_ids))
         try:
             return await fut
         finally:

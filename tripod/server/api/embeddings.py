@@ -15,11 +15,12 @@ from __future__ import annotations
 import base64
 import math
 import struct
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tripod.protocol.engine_ipc import ENCODER_ARCHITECTURE
+from tripod.protocol.engine_ipc import CROSS_ENCODER_ARCHITECTURE, ENCODER_ARCHITECTURE
 from tripod.server.answer.generation import new_id
 from tripod.server.api.body import StrictModel, parse, read_body
 from tripod.server.engine_client import EngineDead
@@ -85,6 +86,43 @@ def _vector(v: list[float], dimensions: int | None, fmt: str) -> list[float] | s
     return v
 
 
+async def _run(state: ServerState, ids: list[list[int]], types: list[list[int]] | None = None) -> list[list[float]]:
+    """``ids`` through the encoder engine (``types``: pairs for a cross-encoder)."""
+    try:
+        out = await state.client.embed(new_id("embd"), ids, types)
+    except EngineDead as e:
+        raise APIError(503, f"the engine is not running: {e}", type="server_error", code="engine_dead") from None
+    if out.error is not None:
+        raise APIError(400, out.error, param="input")
+    return out.vectors
+
+
+def _pairs(state: ServerState, first: list[str], second: list[str], param: str) -> tuple[list[list[int]], list[list[int]]]:
+    """Text pairs → the cross-encoder's ids and token types (its tokenizer's pair encoding)."""
+    info = state.client.info
+    assert info is not None
+    ids, types = [], []
+    for i, (a, b) in enumerate(zip(first, second, strict=True)):
+        enc = state.text.tokenizer(a, b)
+        if len(enc["input_ids"]) > info.max_request_len:
+            raise APIError(400, f"{param}[{i}] with its query has {len(enc['input_ids'])} tokens; this model takes "
+                           f"at most {info.max_request_len}: shorten it", param=param, code="context_length_exceeded")
+        ids.append(list(enc["input_ids"]))
+        types.append(list(enc.get("token_type_ids") or [0] * len(enc["input_ids"])))
+    return ids, types
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+async def _scores(state: ServerState, first: list[str], second: list[str], param: str) -> tuple[list[float], int]:
+    """Relevance in [0, 1] per pair (the logit's sigmoid, as sentence-transformers' CrossEncoder
+    gives for one label), and the tokens read."""
+    ids, types = _pairs(state, first, second, param)
+    return [_sigmoid(v[0]) for v in await _run(state, ids, types)], sum(len(x) for x in ids)
+
+
 async def _embed(state: ServerState, req: EmbeddingsRequest, inputs: list[str | list[int]]) -> JSONResponse:
     info = state.client.info
     assert info is not None
@@ -97,13 +135,8 @@ async def _embed(state: ServerState, req: EmbeddingsRequest, inputs: list[str | 
             raise APIError(400, f"input[{i}] has {len(toks)} tokens; this model takes at most "
                            f"{info.max_request_len}: shorten it", param="input", code="context_length_exceeded")
         ids.append(toks)
-    try:
-        out = await state.client.embed(new_id("embd"), ids)
-    except EngineDead as e:
-        raise APIError(503, f"the engine is not running: {e}", type="server_error", code="engine_dead") from None
-    if out.error is not None:
-        raise APIError(400, out.error, param="input")
-    width = len(out.vectors[0])
+    vectors = await _run(state, ids)
+    width = len(vectors[0])
     if req.dimensions is not None and req.dimensions > width:
         raise APIError(400, f"'dimensions' is {req.dimensions} but this model's embeddings have {width}",
                        param="dimensions")
@@ -112,13 +145,14 @@ async def _embed(state: ServerState, req: EmbeddingsRequest, inputs: list[str | 
                                                                                  "total_tokens": tokens},
                          "data": [{"object": "embedding", "index": i,
                                    "embedding": _vector(v, req.dimensions, req.encoding_format)}
-                                  for i, v in enumerate(out.vectors)]})
+                                  for i, v in enumerate(vectors)]})
 
 
 def _not_pooling(state: ServerState, what: str, needs: str) -> APIError:
-    return APIError(400, f"{what} needs {needs}; this server serves the generative model {state.model_name!r}, "
-                    "which it does not pool. Serve an embedding model for it (e.g. a second tripod serve)",
-                    param="model", code="model_not_embedding")
+    kind = {ENCODER_ARCHITECTURE: "an embedding model", CROSS_ENCODER_ARCHITECTURE: "a cross-encoder"}.get(
+        state.architecture or "", "a generative model, which it does not pool")
+    return APIError(400, f"{what} needs {needs}; this server serves {state.model_name!r}, {kind}. Serve one "
+                    "for it (e.g. a second tripod serve)", param="model", code="model_not_embedding")
 
 
 def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
@@ -138,7 +172,14 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, "'documents' must hold at least one document", param="documents")
         if req.top_n is not None and req.top_n < 1:
             raise APIError(400, f"'top_n' must be >= 1 (got {req.top_n})", param="top_n")
-        raise _not_pooling(state, request.url.path, "a cross-encoder (BertForSequenceClassification)")
+        if state.architecture != CROSS_ENCODER_ARCHITECTURE:
+            raise _not_pooling(state, request.url.path, "a cross-encoder (BertForSequenceClassification)")
+        scores, tokens = await _scores(state, [req.query] * len(req.documents), req.documents, "documents")
+        order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: req.top_n or len(scores)]
+        return JSONResponse({"id": new_id("rerank"), "model": state.model_name, "usage": {"total_tokens": tokens},
+                             "results": [{"index": i, "relevance_score": scores[i],
+                                          **({"document": {"text": req.documents[i]}} if req.return_documents else {})}
+                                         for i in order]})
 
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
         app.add_api_route(path, rerank, methods=["POST"])
@@ -153,4 +194,9 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
         if len(one) > 1 and len(one) != len(two):
             raise APIError(400, f"'text_1' has {len(one)} texts and 'text_2' {len(two)}: give one text_1, or as "
                            "many as text_2", param="text_2")
-        raise _not_pooling(state, "/v1/score", "a cross-encoder (BertForSequenceClassification)")
+        if state.architecture != CROSS_ENCODER_ARCHITECTURE:
+            raise _not_pooling(state, "/v1/score", "a cross-encoder (BertForSequenceClassification)")
+        scores, tokens = await _scores(state, one * len(two) if len(one) == 1 else one, two, "text_2")
+        return JSONResponse({"id": new_id("score"), "object": "list", "created": int(time.time()),
+                             "model": state.model_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                             "data": [{"index": i, "object": "score", "score": v} for i, v in enumerate(scores)]})
