@@ -233,3 +233,14 @@ def test_bench_measures_the_responses_stream(server: Any) -> None:
 
     res = asyncio.run(one())
     assert res.error is None and res.ttft is not None and res.output_tokens == 4 and res.prompt_tokens > 0
+
+
+def test_langchain_use_responses_api(server: Any, client: openai.OpenAI) -> None:
+    lc = pytest.importorskip("langchain_openai")
+    llm = lc.ChatOpenAI(model="default", base_url=f"{server.url}/v1", api_key="unused", temperature=0,
+                        max_tokens=8, use_responses_api=True, max_retries=0)
+    msg = llm.invoke("Name a colour.")
+    direct = client.responses.create(input="Name a colour.", max_output_tokens=8, **GREEDY)
+    assert msg.text == direct.output_text and msg.response_metadata.get("id", "").startswith("resp_")
+    streamed = "".join(c.text for c in llm.stream("Name a colour."))
+    assert streamed == direct.output_text
