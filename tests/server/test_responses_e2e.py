@@ -235,6 +235,7 @@ def test_bench_measures_the_responses_stream(server: Any) -> None:
     assert res.error is None and res.ttft is not None and res.output_tokens == 4 and res.prompt_tokens > 0
 
 
+@pytest.mark.slow
 def test_langchain_use_responses_api(server: Any, client: openai.OpenAI) -> None:
     lc = pytest.importorskip("langchain_openai")
     llm = lc.ChatOpenAI(model="default", base_url=f"{server.url}/v1", api_key="unused", temperature=0,

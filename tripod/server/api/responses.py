@@ -133,6 +133,10 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         run = runs.get(rid)
         if not rec.body.get("background"):
             raise APIError(400, "only a background response can be cancelled", param="response_id")
+        if run is None and rec.body.get("status") in ("queued", "in_progress"):
+            # NOTE: its run lives in another replica (sharing this store); a router asks each in turn.
+            raise APIError(404, f"the response {rid!r} is running in another process; cancel it there",
+                           param="response_id", code="response_running_elsewhere")
         if run is not None and run.task is not None and not run.done:
             run.task.cancel()
             await asyncio.gather(run.task, return_exceptions=True)
