@@ -102,7 +102,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         finally:
             started.handle.close()
         started.gen.done()
-        _store(state, p, tenant_of(request))
+        await _store(state, p, tenant_of(request))
         return JSONResponse(p.builder.snapshot())
 
     @app.get("/v1/responses/{rid}")
@@ -267,25 +267,36 @@ async def _collect(s: Started, b: ResponseBuilder) -> None:
         pass
 
 
-def _store(state: ServerState, p: _Prepared, tenant: str) -> None:
+async def _store(state: ServerState, p: _Prepared, tenant: str) -> None:
+    """Store ``p``'s response as it is now. NOTE: in a thread: a durable put waits for the disk
+    (a few ms with sqlite's synchronous=FULL), which must not stall the other requests' streams."""
     if not p.req.store:
         return
+    rec = StoredResponse(p.rid, tenant, p.builder.snapshot(), p.items, p.req.previous_response_id, time.time(),
+                         p.history)
     try:
-        state.responses.put(StoredResponse(p.rid, tenant, p.builder.snapshot(), p.items,
-                                           p.req.previous_response_id, time.time(), p.history))
+        await asyncio.to_thread(state.responses.put, rec)
     except StoreFull as e:
         raise APIError(400, str(e), param="store") from None
 
 
+def _final(events: list[Event]) -> bool:
+    return bool(events) and events[-1]["type"] in ("response.completed", "response.incomplete")
+
+
 async def _stream(state: ServerState, request: Request, p: _Prepared, s: Started) -> AsyncIterator[bytes]:
+    tenant = tenant_of(request)
     try:
         async for evs in _events(s, p.builder):
+            if _final(evs):  # NOTE: stored before the client sees the end, so a retrieve right after finds it
+                s.gen.done()
+                await _store(state, p, tenant)
             yield events_sse(evs, sse)
-        s.gen.done()
-        _store(state, p, tenant_of(request))
     except APIError as e:
         # The status line is gone: the failure travels as the stream's last event, as OpenAI's does.
-        yield events_sse(p.builder.fail(e.code or "server_error", e.message), sse)
+        evs = p.builder.fail(e.code or "server_error", e.message)
+        await _store(state, p, tenant)
+        yield events_sse(evs, sse)
 
 
 async def _background(state: ServerState, request: Request, p: _Prepared, runs: dict[str, _Run],
@@ -298,20 +309,25 @@ async def _background(state: ServerState, request: Request, p: _Prepared, runs: 
     it = _events(started, p.builder)
     first = await anext(it)  # response.created / in_progress: the stored record says in_progress
     await run.add(first)
-    _store(state, p, tenant)
+    await _store(state, p, tenant)
 
     async def go() -> None:
         try:
             async for evs in it:
+                if _final(evs):  # (stored before a replay shows the end: see _stream)
+                    started.gen.done()
+                    await _store(state, p, tenant)
                 await run.add(evs)
-            started.gen.done()
         except asyncio.CancelledError:
-            await run.add(p.builder.fail("cancelled", "cancelled by the caller", status="cancelled"))
+            evs = p.builder.fail("cancelled", "cancelled by the caller", status="cancelled")
+            await _store(state, p, tenant)
+            await run.add(evs)
         except APIError as e:
-            await run.add(p.builder.fail(e.code or "server_error", e.message))
+            evs = p.builder.fail(e.code or "server_error", e.message)
+            await _store(state, p, tenant)
+            await run.add(evs)
         finally:
             started.handle.close()
-            _store(state, p, tenant)
             await run.end()
 
     run.task = asyncio.create_task(go())
