@@ -87,7 +87,7 @@ def test_sqlite_refuses_foreign_and_corrupt_files(tmp_path: Path) -> None:
         SqliteResponseStore(str(foreign), ttl=10)
     junk = tmp_path / "junk.db"
     junk.write_bytes(b"this is not a database at all" * 100)
-    with pytest.raises(StoreError, match="not a usable sqlite file|corrupt"):
+    with pytest.raises(StoreError, match=r"not a usable sqlite file|corrupt"):
         SqliteResponseStore(str(junk), ttl=10)
     with pytest.raises(StoreError, match="memory"):
         open_store("redis://x", max_count=1, max_bytes=1, ttl=1)

@@ -11,6 +11,7 @@ so the fan-out reaches it. Bodies are small and read whole (a replayed stream is
 
 from __future__ import annotations
 
+import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -32,7 +33,7 @@ async def find_stored(router: Router, request: Request, headers: dict[str, str])
     for rep in reps:
         try:
             r = await router.client.request(request.method, rep.url + path, content=body or None, headers=headers)
-        except Exception as e:  # noqa: BLE001 - a replica that cannot answer: ask the next
+        except httpx.HTTPError as e:  # a replica that cannot answer: ask the next
             last = RouterError(502, f"{rep.name} could not be asked: {type(e).__name__}", "replica_failed").response()
             continue
         out = Response(r.content, status_code=r.status_code,

@@ -26,7 +26,14 @@ from tripod.protocol.engine_ipc import Logprob
 from tripod.server.answer.generation import Delta, chat_logprobs, new_id
 from tripod.server.answer.reasoning import ReasoningStream, Split, Thinking
 from tripod.server.answer.text import TextSide
-from tripod.server.answer.tools import ArgsPiece, CallEnd, CallStart, TextPiece, ToolCallParser, ToolCallStream
+from tripod.server.answer.tools import (
+    ArgsPiece,
+    CallEnd,
+    CallStart,
+    TextPiece,
+    ToolCallParser,
+    ToolCallStream,
+)
 
 Event = dict[str, Any]
 

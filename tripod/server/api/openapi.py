@@ -18,8 +18,13 @@ from tripod import __version__
 from tripod.server.api.admin import DetokenizeRequest, TokenizeRequest, add_admin_routes
 from tripod.server.api.anthropic import add_anthropic_routes
 from tripod.server.api.anthropic_requests import CountTokensRequest, MessagesRequest
+from tripod.server.api.embeddings import (
+    EmbeddingsRequest,
+    RerankRequest,
+    ScoreRequest,
+    add_embedding_routes,
+)
 from tripod.server.api.openai import add_openai_routes
-from tripod.server.api.embeddings import EmbeddingsRequest, RerankRequest, ScoreRequest, add_embedding_routes
 from tripod.server.api.openai_requests import ChatCompletionRequest, CompletionRequest
 from tripod.server.api.responses import add_responses_routes
 from tripod.server.api.responses_requests import ResponsesRequest

@@ -336,12 +336,13 @@ async def _background(state: ServerState, request: Request, p: _Prepared, runs: 
 
 async def _replay(run: _Run, after: int) -> AsyncIterator[bytes]:
     """A background run's events after sequence number ``after``: those so far, then as they come."""
-    i = 0
+    seen = [0]  # events relayed so far (a cell: the predicate reads its current value)
     while True:
         async with run.cond:
-            await run.cond.wait_for(lambda: len(run.events) > i or run.done)
-            batch, done = run.events[i:], run.done
-        i += len(batch)
+            await run.cond.wait_for(lambda: len(run.events) > seen[0] or run.done)
+            batch, done = run.events[seen[0]:], run.done
+        seen[0] += len(batch)
+        i = seen[0]
         frames = [e for e in batch if e["sequence_number"] > after]
         if frames:
             yield events_sse(frames, sse)
