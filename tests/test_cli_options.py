@@ -35,6 +35,8 @@ ENGINE_SERVER = [
     "--otel-endpoint", "http://collector:4318", "--otel-file", "/tmp/spans.jsonl",
     "--reasoning-parser", "qwen3", "--kv-disk", "/var/kv", "--kv-disk-size", "2.5",
     "--lora", "a=/la,b=/lb", "--max-loras", "2", "--max-lora-rank", "32",
+    "--responses-store", "sqlite:/r.db", "--responses-ttl", "60", "--responses-max-count", "9",
+    "--responses-max-bytes", "4096",
 ]
 
 # The options of each command (as before the CLI was generated from the configs).
@@ -47,7 +49,8 @@ FLAGS = {
     "--otel-endpoint --otel-file --overload-status --parallel-backend --parallel-placement --parallel-ray-address "
     "--parallel-timeout --pipeline-parallel-size --policy --port --prefill-replicas --queue-timeout "
     "--ray-address --ray-num-cpus --ray-num-gpus --reasoning-parser --region --region-overflow-load --replica-log-dir "
-    "--replica-max-inflight --replicas --role --router-policy --served-model-name --slo-tpot-p95 --slo-ttft-p95 "
+    "--replica-max-inflight --replicas --responses-max-bytes --responses-max-count --responses-store --responses-ttl "
+    "--role --router-policy --served-model-name --slo-tpot-p95 --slo-ttft-p95 "
     "--spec-max-batch --speculative --ssl-certfile --ssl-keyfile --stall-timeout --target-inflight "
     "--tenant-limits --tenants --tensor-parallel-size --threads --upscale-delay --weights",
     ("route",): "--api-key --audit-log --audit-log-content --balance-abs --balance-rel --bench-dir --drain-timeout "

@@ -30,6 +30,7 @@ C = TypeVar("C")
 GROUP_TITLES = {
     "console": "console (GET /ui: live view, playground, benchmark history)",
     "fleet": "fleet (a router in front of replicas this process launches)",
+    "responses": "responses (the store behind /v1/responses: previous_response_id, retrieve, delete)",
     "tracing": "tracing (OpenTelemetry spans: router -> replica -> engine; off by default)",
 }
 

@@ -79,6 +79,17 @@ class ServerConfig:
         "one in /dev/shm, and generates); both = an ordinary replica", commands=(SERVE,),
         choices=PD_ROLES, forward=False)
 
+    # The Responses API's store (server/response_store.py; README "Responses API"). A fleet forwards it, so
+    # replicas given one sqlite file share their stored responses.
+    responses_store: str = opt("memory", "where /v1/responses keeps stored responses: memory (bounded, lost at exit) "
+                               "or sqlite:PATH (durable, shared by the processes that open it)", commands=(SERVE,),
+                               metavar="memory|sqlite:PATH", group="responses")
+    responses_ttl: float = opt(86400.0, "seconds a stored response is kept", commands=(SERVE,), group="responses")
+    responses_max_count: int = opt(10000, "the memory store's cap on responses (least recently used evicted)",
+                                   commands=(SERVE,), group="responses")
+    responses_max_bytes: int = opt(256 * 2**20, "the memory store's cap on bytes (least recently used evicted)",
+                                   commands=(SERVE,), group="responses")
+
     # Tenants, audit log and TLS (tripod.tenants; README "Tenants"); audit/TLS are not forwarded to replicas.
     tenants: str | None = opt(None, "a TOML file of tenants: keys, weights, limits (reloaded on SIGHUP and on change)",
                               commands=(SERVE,), metavar="FILE", group="tenants")
@@ -117,6 +128,11 @@ class ServerConfig:
         check_tls(self.ssl_certfile, self.ssl_keyfile)
         if self.role not in PD_ROLES:
             raise ValueError(f"role must be one of {', '.join(PD_ROLES)} (got {self.role!r})")
+        if self.responses_store != "memory" and not (self.responses_store.startswith("sqlite:")
+                                                     and len(self.responses_store) > len("sqlite:")):
+            raise ValueError(f"responses_store must be 'memory' or 'sqlite:PATH' (got {self.responses_store!r})")
+        if self.responses_ttl <= 0 or self.responses_max_count < 1 or self.responses_max_bytes < 1:
+            raise ValueError("responses_ttl must be > 0, responses_max_count and responses_max_bytes >= 1")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} "
                              f"(got {self.reasoning_parser!r})")

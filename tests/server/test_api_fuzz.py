@@ -5,7 +5,7 @@ server is still healthy afterwards, with no request left in its engine and its K
 
 The document is the one the server serves at ``/openapi.json`` (``tripod/server/api/openapi.py``:
 request bodies are the routes' own pydantic models). Generation is kept cheap: a valid
-``max_tokens`` above 4 (or none) becomes 4 and ``n`` at most 2, so answers take milliseconds;
+``max_tokens`` (``/v1/responses``: ``max_output_tokens``) above 4 (or none) becomes 4 and ``n`` at most 2, so answers take milliseconds;
 invalid values are sent as generated. Half the bodies name the served model (``"default"``) so
 that cases get past the model check into the deeper validation.
 
@@ -49,9 +49,9 @@ def cheap(body: Any) -> None:
     """Bound the work a valid body asks for; leave invalid values as they are."""
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         v = body.get(key)
-        if (v is None and key == "max_tokens") or (type(v) is int and v > 4):
+        if (v is None and key == ("max_output_tokens" if "input" in body else "max_tokens")) or (type(v) is int and v > 4):
             body[key] = 4
     if type(body.get("n")) is int and body["n"] > 2:
         body["n"] = 2

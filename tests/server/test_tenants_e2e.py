@@ -189,6 +189,20 @@ def test_models_and_unknown_keys(env: dict[str, Any]) -> None:
     oai(env, "sk-admin").chat.completions.create(model="default", messages=CHAT, max_tokens=1)  # type: ignore[arg-type]
 
 
+def test_stored_responses_are_their_tenants_own(env: dict[str, Any]) -> None:
+    """A stored response is found by its own tenant only: another tenant's GET and DELETE are 404s."""
+    mine = oai(env, "sk-admin")
+    r = mine.responses.create(model="default", input="Say hi.", max_output_tokens=2)
+    theirs = oai(env, "sk-hooli")
+    with pytest.raises(openai.NotFoundError):
+        theirs.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        theirs.responses.delete(r.id)
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        theirs.responses.create(model="default", input="And?", previous_response_id=r.id, max_output_tokens=2)
+    assert mine.responses.retrieve(r.id).id == r.id
+
+
 def test_key_rotation_on_sighup(env: dict[str, Any]) -> None:
     before = metric(env, "tripod:tenant_file_reloads_total", result="ok")
     env["tenants"].write_text(TENANTS.replace('"sk-hooli"', '"sk-hooli-2"'))

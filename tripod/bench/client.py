@@ -22,10 +22,38 @@ class Target:
     model: str | None = None
     api_key: str | None = None
     ignore_eos: bool = True  # send ``ignore_eos`` (tripod, vLLM and llama.cpp honour it)
+    # What is measured: "auto" (chat for conversations, completions for prompts), "responses"
+    # (/v1/responses, its typed event stream) or "embeddings" (/v1/embeddings, whole answers).
+    endpoint: str = "auto"
+
+
+ENDPOINTS = ("auto", "responses", "embeddings")
+
+
+def _responses_body(target: Target, req: BenchRequest) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {"max_output_tokens": req.max_tokens, "stream": True, "temperature": 0.0, "store": False,
+                            "input": req.messages if req.messages is not None else req.prompt}
+    if target.model:
+        body["model"] = target.model
+    if target.ignore_eos:
+        body["ignore_eos"] = True
+    return "/v1/responses", body
+
+
+def _embeddings_body(target: Target, req: BenchRequest) -> tuple[str, dict[str, Any]]:
+    text = req.prompt if req.prompt is not None else "\n".join(str(m.get("content", "")) for m in req.messages or [])
+    body: dict[str, Any] = {"input": text}
+    if target.model:
+        body["model"] = target.model
+    return "/v1/embeddings", body
 
 
 def request_body(target: Target, req: BenchRequest) -> tuple[str, dict[str, Any]]:
     """The path and the streamed, greedy body of ``req`` for ``target``."""
+    if target.endpoint == "responses":
+        return _responses_body(target, req)
+    if target.endpoint == "embeddings":
+        return _embeddings_body(target, req)
     body: dict[str, Any] = {"max_tokens": req.max_tokens, "stream": True, "temperature": 0.0,
                             "stream_options": {"include_usage": True}, **req.extra}
     if target.model:
@@ -52,6 +80,18 @@ def _record_chunk(res: RequestResult, obj: dict[str, Any], now: float, last: flo
             elif last is not None:
                 res.itl.append(now - last)
             last = now
+    if obj.get("type") == "response.output_text.delta" and obj.get("delta"):  # the Responses API's events
+        chunks += 1
+        if res.ttft is None:
+            res.ttft = now - res.start
+        elif last is not None:
+            res.itl.append(now - last)
+        last = now
+    resp = obj.get("response") if obj.get("type") in ("response.completed", "response.incomplete") else None
+    if resp and resp.get("usage"):
+        u = resp["usage"]
+        res.output_tokens, res.prompt_tokens = int(u.get("output_tokens") or 0), int(u.get("input_tokens") or 0)
+        res.cached_tokens = int((u.get("input_tokens_details") or {}).get("cached_tokens") or 0)
     usage = obj.get("usage")
     if usage:
         res.output_tokens = int(usage.get("completion_tokens") or 0)
@@ -67,6 +107,8 @@ async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest, tim
     res = RequestResult(start=time.perf_counter(), session=req.session)
     last = None
     chunks = 0
+    if target.endpoint == "embeddings":
+        return await _send_whole(client, target, path, body, headers, res, timeout)
     try:
         async with client.stream("POST", target.base_url.rstrip("/") + path, json=body, headers=headers,
                                  timeout=timeout) as r:
@@ -99,6 +141,25 @@ async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest, tim
         res.output_tokens = chunks  # a server that does not report usage: one token per chunk
     if res.ttft is None:
         res.error = "no_output"
+    return res
+
+
+async def _send_whole(client: httpx.AsyncClient, target: Target, path: str, body: dict[str, Any],
+                      headers: dict[str, str], res: RequestResult, timeout: float) -> RequestResult:
+    """A request answered whole (embeddings): its latency is both its TTFT and its end to end."""
+    try:
+        r = await client.post(target.base_url.rstrip("/") + path, json=body, headers=headers, timeout=timeout)
+    except httpx.TimeoutException:
+        res.error = "timeout"
+        return res
+    except httpx.HTTPError:
+        res.error = "connection"
+        return res
+    if r.status_code != 200:
+        res.error = f"http_{r.status_code}"
+        return res
+    res.e2e = res.ttft = time.perf_counter() - res.start
+    res.prompt_tokens = int((r.json().get("usage") or {}).get("prompt_tokens") or 0)
     return res
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from tripod.bench import machine
-from tripod.bench.client import Target, served_models
+from tripod.bench.client import ENDPOINTS, Target, served_models
 from tripod.bench.datasets import DATASETS, TRACE, BenchRequest, make_requests
 from tripod.bench.metrics import RequestResult, summarize
 from tripod.bench.report import served_text, write_all
@@ -81,16 +81,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(x --machines machines)")
     p.add_argument("--tokenizer", default=None, help="model whose tokenizer sets lengths (default: the embedded model)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--endpoint", choices=ENDPOINTS, default="auto",
+                   help="what to measure: auto (chat or completions, by dataset), responses (/v1/responses "
+                        "streams) or embeddings (/v1/embeddings: latency per request, prompt tokens/s)")
     p.add_argument("--out", default="bench-out", help="output folder")
 
 
-def parse_target(spec: str, api_key: str | None) -> Target:
+def parse_target(spec: str, api_key: str | None, endpoint: str = "auto") -> Target:
     url, *opts = spec.split(",")
     kv = dict(o.split("=", 1) for o in opts if "=" in o)
     unknown = set(kv) - {"label", "model"}
     if unknown or any("=" not in o for o in opts):
         raise ValueError(f"--base-url {spec!r}: options are label=... and model=...")
-    return Target(url.rstrip("/"), kv.get("label") or url, kv.get("model"), api_key)
+    return Target(url.rstrip("/"), kv.get("label") or url, kv.get("model"), api_key, endpoint=endpoint)
 
 
 def parse_slo(spec: str | None) -> tuple[float | None, float | None]:
@@ -134,7 +137,7 @@ class _Plan:
 
 
 def _plan(args: argparse.Namespace) -> _Plan:
-    targets = [parse_target(s, args.api_key) for s in args.base_url]
+    targets = [parse_target(s, args.api_key, args.endpoint) for s in args.base_url]
     if not targets and not args.launch:
         raise ValueError("give at least one --base-url, or --launch")
     slo_ttft, slo_tpot = parse_slo(args.slo)
@@ -166,7 +169,7 @@ def _run_config(args: argparse.Namespace, targets: list[Target]) -> dict[str, An
     """The ``config`` of results.json: the tool, the targets, the machine and every option."""
     return {
         "tool": "tripod bench", "version": _version(), "targets": [
-            {"base_url": t.base_url, "label": t.label, "model": t.model} for t in targets],
+            {"base_url": t.base_url, "label": t.label, "model": t.model, "endpoint": t.endpoint} for t in targets],
         "model": args.tokenizer or "embedded SmolLM2-135M-Instruct", "machine": machine.describe(),
         "options": {k: v for k, v in vars(args).items() if k not in ("api_key", "func")},
         "machines": args.machines, "cost_per_hour": args.cost_per_hour, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -225,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     launched = None
     if args.launch:
         launched, url = _launch(args.launch_args)
-        plan.targets.insert(0, Target(url, "tripod", None, None))
+        plan.targets.insert(0, Target(url, "tripod", None, None, endpoint=args.endpoint))
     out = Path(args.out)
     config = _run_config(args, plan.targets)
     runs: list[dict[str, Any]] = []

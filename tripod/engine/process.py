@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from tripod.engine.encoder_loop import EncoderLoop
 from tripod.engine.request import Req, StepOutput, TokenLogprob
+from tripod.loader import encoder_folder
 from tripod.memory.tiered_cache import TieredCache
 from tripod.protocol import engine_ipc
 from tripod.protocol.stats import ComputeCard, EngineStats
@@ -62,6 +64,12 @@ def engine_main(launch: engine_ipc.EngineLaunch) -> None:
     code = 0
     engine = None
     try:
+        folder = encoder_folder(launch.engine_config.model)
+        if folder is not None:  # an encoder: pooled embeddings, no generation, no KV (engine/encoder_loop.py)
+            loop = EncoderLoop(folder, pull, push, launch)
+            push.send(engine_ipc.encode(loop.ready()))
+            loop.run()
+            return
         from tripod.engine.engine import Engine
 
         engine = Engine(config=launch.engine_config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +13,10 @@ import torch
 from tripod.layers.parallel import SINGLE, SINGLE_STAGE, ParallelGroup, PipeStage
 from tripod.loader.embedded import (
     EMBEDDED_NAME,
+    PACKAGED_ENCODERS,
     PACKAGED_MODELS,
     embedded_model_path,
+    packaged_encoder_path,
     packaged_model_path,
 )
 from tripod.loader.gguf_loader import GGUFFile
@@ -21,6 +24,7 @@ from tripod.loader.hf_loader import HFFolder
 from tripod.models.config import ModelConfig
 from tripod.models.llama import LlamaForCausalLM
 from tripod.models.registry import model_class
+from tripod.protocol.engine_ipc import ENCODER_ARCHITECTURE
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +55,42 @@ class LoadedTokenizer:
     quantization: str
 
 
+
+
+def encoder_folder(model: str | None) -> Path | None:
+    """The folder of the encoder model (BERT family, for embeddings) ``model`` names: a packaged
+    one (``all-minilm-l6-v2``) or a local folder whose config says ``model_type: bert``; None for
+    a decoder."""
+    if model is None:
+        return None
+    if model in PACKAGED_ENCODERS and not Path(model).exists():
+        return packaged_encoder_path(model)
+    path = Path(model).expanduser()
+    cfg = path / "config.json"
+    if path.is_dir() and cfg.is_file() and json.loads(cfg.read_text()).get("model_type") == "bert":
+        return path
+    return None
+
+
+def _encoder_tokenizer(path: Path) -> LoadedTokenizer:
+    from transformers import AutoTokenizer
+
+    raw = json.loads((path / "config.json").read_text())
+    heads = raw["num_attention_heads"]
+    # NOTE: a decoder-shaped config of the encoder (the server reads its vocabulary and architecture).
+    arch = (raw.get("architectures") or [ENCODER_ARCHITECTURE])[0]
+    cfg = ModelConfig(arch, raw["vocab_size"], raw["hidden_size"], raw["intermediate_size"],
+                      raw["num_hidden_layers"], heads, heads, raw["hidden_size"] // heads,
+                      raw.get("layer_norm_eps", 1e-12), 10000.0, raw["max_position_embeddings"], False)
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return LoadedTokenizer(path.name, str(path), cfg, tok, "f32")
+
+
 def load_tokenizer(model: str | None) -> LoadedTokenizer:
     """The tokenizer, chat template and config of ``model``, reading no weights."""
+    enc = encoder_folder(model)
+    if enc is not None:
+        return _encoder_tokenizer(enc)
     name, path, src = _open(model)
     return LoadedTokenizer(name, str(path), src.config(), src.tokenizer(), src.quantization)
 

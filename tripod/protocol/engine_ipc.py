@@ -77,6 +77,28 @@ class LoraRequest(msgspec.Struct, tag=True):
 
 
 # ---------------------------------------------------------------------- engine → server
+# Ready.architecture of an encoder engine (no generation): embeddings, or a cross-encoder's scores.
+ENCODER_ARCHITECTURE = "BertModel"
+CROSS_ENCODER_ARCHITECTURE = "BertForSequenceClassification"
+
+
+class EmbedRequest(msgspec.Struct, tag=True):
+    """Token lists for an encoder engine (no KV is kept): pooled into embeddings, or (``type_ids``
+    given, a cross-encoder) each a pair scored; the reply's vectors are then ``[logit]`` each."""
+
+    rid: str
+    inputs: list[list[int]]
+    type_ids: list[list[int]] | None = None
+
+
+class Embeddings(msgspec.Struct, tag=True):
+    """The reply to an ``EmbedRequest``: one vector per input, in order, or why there are none."""
+
+    rid: str
+    vectors: list[list[float]]
+    error: str | None = None
+
+
 class KVTierCard(msgspec.Struct, kw_only=True):
     """Where and how the engine's disk tier keeps blocks (``--kv-disk``; a decode replica's), so
     that its HTTP process can publish received blocks there."""
@@ -171,8 +193,8 @@ class KVExport(msgspec.Struct, tag=True):
     error: str | None = None
 
 
-Message = (AddRequest | AbortRequest | StatsRequest | Shutdown | LoraRequest | ExportKV | Ready | Outputs | Heartbeat
-           | StatsReply | LoraReply | KVExport | Fatal)
+Message = (AddRequest | AbortRequest | StatsRequest | Shutdown | LoraRequest | ExportKV | EmbedRequest | Ready | Outputs
+           | Heartbeat | StatsReply | LoraReply | KVExport | Embeddings | Fatal)
 
 
 class ProtocolError(ValueError):

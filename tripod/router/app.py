@@ -36,6 +36,7 @@ from tripod.router.fairness import TENANT_HEADER
 from tripod.router.prompt import is_anthropic, render_prompt
 from tripod.router.replica import Replica
 from tripod.router.router import Router
+from tripod.router.stored import find_stored
 from tripod.router.tenant_limits import OutputCount, TenantAdmission, settle_whole
 from tripod.tenants import (
     COUNT_HEADER,
@@ -51,7 +52,7 @@ from tripod.tenants.asgi import TenantMiddleware
 log = logging.getLogger("tripod.router")
 
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-                 "/tokenize", "/detokenize")
+                 "/v1/responses", "/tokenize", "/detokenize")
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -229,7 +230,8 @@ async def _not_found(request: Request, e: Exception) -> Response:
 
 
 def _api_path(path: str) -> bool:
-    return path in PROXIED_PATHS or path in lora.LORA_PATHS or path == "/v1/models" or path.startswith("/v1/models/")
+    return (path in PROXIED_PATHS or path in lora.LORA_PATHS or path == "/v1/models" or path.startswith("/v1/models/")
+            or path.startswith("/v1/responses/"))
 
 
 def _finish_span(scope: Any, span: Any) -> None:
@@ -275,6 +277,9 @@ def build_router_app(router: Router, lifespan: Any = None,
     async def models(request: Request) -> Response:
         return await _models(router, request)
 
+    async def stored(request: Request) -> Response:  # the replicas asked in turn (router/stored.py)
+        return await find_stored(router, request, tenant_headers(request))
+
     async def lora_admin(request: Request) -> Response:  # to every replica (router/lora.py)
         raw, _ = await read_request(request, router.config.max_body_bytes)
         return await lora.broadcast(router, request.url.path, raw, dict(request.headers))
@@ -292,6 +297,9 @@ def build_router_app(router: Router, lifespan: Any = None,
     routes = [Route(p, _counted(router, p, proxied), methods=["POST"]) for p in PROXIED_PATHS]
     routes += [
         Route("/v1/models", _counted(router, "/v1/models", models), methods=["GET"]),
+        Route("/v1/responses/{rid}", _counted(router, "/v1/responses/{id}", stored), methods=["GET", "DELETE"]),
+        Route("/v1/responses/{rid}/input_items", _counted(router, "/v1/responses/{id}", stored), methods=["GET"]),
+        Route("/v1/responses/{rid}/cancel", _counted(router, "/v1/responses/{id}", stored), methods=["POST"]),
         Route("/v1/models/{model_id:path}", _counted(router, "/v1/models", models), methods=["GET"]),
         *(Route(p, _counted(router, p, lora_admin), methods=["POST"]) for p in lora.LORA_PATHS),
         Route("/health", _counted(router, "/health", health), methods=["GET"]),
@@ -302,7 +310,8 @@ def build_router_app(router: Router, lifespan: Any = None,
     traced = [Middleware(tracing.TraceMiddleware, component="router", traced=_api_path, finish=_finish_span)] \
         if tracing.ACTIVE else []  # outermost: the span covers the whole request (and the tenant's 401/429)
     guard = Middleware(TenantMiddleware, gate=tenants, refuse=_unauthorized, guarded=_api_path, attributed=_api_path,
-                       route_of=lambda p: "/v1/models" if p.startswith("/v1/models") else p,
+                       route_of=lambda p: "/v1/models" if p.startswith("/v1/models") else
+                       "/v1/responses/{id}" if p.startswith("/v1/responses/") else p,
                        limited=PROXIED_PATHS.__contains__, over_limit=_over_limit)
 
     @contextlib.asynccontextmanager

@@ -101,6 +101,35 @@ def _messages_text(body: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def _responses_text(body: dict[str, Any]) -> str:
+    """A Responses API request (``/v1/responses``) as the same text as its chat equivalent. A
+    follow-up (``previous_response_id``) is keyed by that id: the router has not seen the earlier
+    turns' text, so such follow-ups are placed by load, not by prefix."""
+    out = []
+    if isinstance(body.get("instructions"), str):
+        out.append(_turn("system", body["instructions"]))
+    out.append(_tools_text(body.get("tools")))
+    if isinstance(body.get("previous_response_id"), str):
+        out.append(f"<|previous|>{body['previous_response_id']}\n")
+    items = body.get("input")
+    if isinstance(items, str):
+        return "".join(out) + _turn("user", items)
+    for it in items if isinstance(items, list) else []:
+        if not isinstance(it, dict):
+            continue
+        kind = it.get("type", "message")
+        if kind == "message":
+            content = it.get("content")
+            parts = [{"type": "text", "text": p.get("text")} for p in content if isinstance(p, dict)] \
+                if isinstance(content, list) else content
+            out.append(_turn(str(it.get("role", "")), _text(parts)))
+        elif kind == "function_call":
+            out.append(_turn("assistant", "", [(str(it.get("name")), _args(it.get("arguments")))]))
+        elif kind == "function_call_output":
+            out.append(_turn("tool", _text(it.get("output"))))
+    return "".join(out)
+
+
 def render_prompt(path: str, body: dict[str, Any]) -> str:
     """The text a replica's prefix cache would hold for this request: every message of a chat (role
     and content, tool calls and results, in order; the same text for OpenAI chat and Anthropic
@@ -109,6 +138,8 @@ def render_prompt(path: str, body: dict[str, Any]) -> str:
         return _chat_text(body)
     if is_anthropic(path):
         return _messages_text(body)
+    if path == "/v1/responses":
+        return _responses_text(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt:
         prompt = prompt[0] if not isinstance(prompt[0], int) else prompt
@@ -127,7 +158,8 @@ def model_scope(body: dict[str, Any]) -> str:
 
 def output_budget(body: dict[str, Any]) -> float:
     """The output tokens a request may ask for (all its choices), as counted into a replica's load."""
-    limit = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_OUTPUT_TOKENS
+    limit = (body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
+             or DEFAULT_OUTPUT_TOKENS)
     n = body.get("n") or 1
     try:
         return float(min(int(limit), 4096) * min(int(n), 16))

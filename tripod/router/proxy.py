@@ -52,7 +52,7 @@ def trust_replica_ca(ca_file: str | None) -> None:
 log = logging.getLogger("tripod.router")
 
 # Requests whose prompt the replica caches (others, like count_tokens, only use it for the choice).
-_GENERATING = {"/v1/chat/completions", "/v1/completions", "/v1/messages"}
+_GENERATING = {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"}
 _HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
                 "proxy-authorization", "proxy-connection", "accept-encoding"}
 _PASS_BACK = ("content-type", "retry-after", "x-request-id", "cache-control")

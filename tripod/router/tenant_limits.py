@@ -51,7 +51,7 @@ from tripod.tenants import (
 if TYPE_CHECKING:
     from tripod.router.router import Router
 
-GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 
 
 async def count_on_replica(router: Router, path: str, raw: bytes, body: dict[str, Any],

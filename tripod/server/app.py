@@ -2,7 +2,8 @@
 lifespan that starts and stops the engine process.
 
 The surfaces are ``tripod.server.api``'s, one module each: ``openai`` (chat/completions),
-``anthropic`` (messages), ``admin`` (models, health, metrics, tokenize; ``lora`` within), ``pd``
+``anthropic`` (messages), ``responses`` (the Responses API and its store), ``embeddings``
+(embeddings, rerank, score), ``admin`` (models, health, metrics, tokenize; ``lora`` within), ``pd``
 (the prefill/decode hand-over, with its ASGI gate); ``openapi`` describes them. What they read is
 ``state.ServerState``; engine outputs become answers in ``tripod.server.answer``. Every error a
 caller can cause is answered with a 4xx in the shape of the API it called (``errors``: OpenAI's
@@ -27,9 +28,11 @@ from tripod.asgi import ClientGone
 from tripod.console.app import Console, is_open_path
 from tripod.server.api.admin import add_admin_routes
 from tripod.server.api.anthropic import add_anthropic_routes
+from tripod.server.api.embeddings import add_embedding_routes
 from tripod.server.api.openai import add_openai_routes
 from tripod.server.api.openapi import openapi_document
 from tripod.server.api.pd import HandOverGate, Receiving, add_pd_routes
+from tripod.server.api.responses import add_responses_routes
 from tripod.server.console_source import ServerConsoleSource
 from tripod.server.errors import APIError, error_response, too_large
 from tripod.server.state import ServerState
@@ -44,7 +47,8 @@ log = logging.getLogger("tripod.server")
 _OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 _ROUTES = {
     "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
-    "/health", "/metrics", "/tokenize", "/detokenize", "/debug/engine", "/openapi.json",
+    "/health", "/metrics", "/tokenize", "/detokenize", "/debug/engine", "/openapi.json", "/v1/responses",
+    "/v1/embeddings", "/v1/rerank", "/v1/score",
 }
 
 
@@ -58,7 +62,7 @@ def guarded_path(path: str) -> bool:
     return path not in _OPEN_PATHS and not is_open_path(path)
 
 
-_GENERATING = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})  # (admitted into the limits)
+_GENERATING = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"})  # (admitted into the limits)
 
 
 def _over_limit(path: str, e: OverLimit) -> ASGIApp:
@@ -140,7 +144,7 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        msg = {404: "no such route; see /v1/models, /v1/chat/completions, /v1/completions, /v1/messages, /ui",
+        msg = {404: "no such route; see /v1/models, /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /ui",
                405: "this method is not allowed on this route"}.get(e.status_code, str(e.detail))
         return error_response(APIError(e.status_code, msg), request.url.path)
 
@@ -151,6 +155,8 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     add_admin_routes(app, state)
     add_openai_routes(app, state)
     add_anthropic_routes(app, state)
+    add_responses_routes(app, state)
+    add_embedding_routes(app, state)
     add_pd_routes(app, state)
     app.router.routes.extend(console.routes())  # /ui: the console (tripod.console)
     document: dict[str, Any] = {}

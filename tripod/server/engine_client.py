@@ -181,6 +181,7 @@ class EngineClient:
         self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
         self._export_waiters: dict[int, asyncio.Future[engine_ipc.KVExport]] = {}
         self._lora_waiters: dict[int, asyncio.Future[engine_ipc.LoraReply]] = {}
+        self._embed_waiters: dict[str, asyncio.Future[engine_ipc.Embeddings]] = {}
         self.loras: dict[str, str] | None = None  # LoRA adapters the engine serves (name -> path); None: none
         self._tokens = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
@@ -315,7 +316,7 @@ class EngineClient:
         err = EngineDead(reason)
         for h in list(self._handles.values()):
             h.queue.put_nowait(err)
-        for fut in [*self._stats_waiters.values(), *self._export_waiters.values()]:
+        for fut in [*self._stats_waiters.values(), *self._export_waiters.values(), *self._embed_waiters.values()]:
             if not fut.done():
                 fut.set_exception(err)
         if self._proc is not None and self._proc.alive:
@@ -366,6 +367,10 @@ class EngineClient:
                 waiter = self._lora_waiters.pop(msg.token, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg)
+            elif isinstance(msg, engine_ipc.Embeddings):
+                efut = self._embed_waiters.pop(msg.rid, None)
+                if efut is not None and not efut.done():
+                    efut.set_result(msg)
             elif isinstance(msg, engine_ipc.Fatal):
                 self._die(f"the engine loop failed: {msg.message}")
                 return
@@ -434,6 +439,19 @@ class EngineClient:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._lora_waiters.pop(token, None)
+
+    async def embed(self, rid: str, inputs: list[list[int]], type_ids: list[list[int]] | None = None,
+                    ) -> engine_ipc.Embeddings:
+        """Pool ``inputs`` (``type_ids``: score them as pairs) in an encoder engine; raises ``EngineDead``."""
+        if not self.alive:
+            raise EngineDead(self.dead_reason or "the engine is not running")
+        fut: asyncio.Future[engine_ipc.Embeddings] = asyncio.get_running_loop().create_future()
+        self._embed_waiters[rid] = fut
+        self._send(engine_ipc.EmbedRequest(rid, inputs, type_ids))
+        try:
+            return await fut
+        finally:
+            self._embed_waiters.pop(rid, None)
 
     def _send(self, msg: engine_ipc.Message) -> None:
         if self._push is None or self.dead_reason is not None:

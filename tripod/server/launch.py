@@ -27,7 +27,8 @@ from tripod.server.answer.text import TextSide
 from tripod.server.app import build_app, lifespan_for
 from tripod.server.engine_client import EngineClient
 from tripod.server.metrics import ServerMetrics
-from tripod.server.state import ServerState, make_gate
+from tripod.server.response_store import ResponseStore, StoreError
+from tripod.server.state import ServerState, make_gate, make_store
 from tripod.tenants import TenantFileError, TenantGate
 
 log = logging.getLogger("tripod.server")
@@ -54,21 +55,23 @@ def serve(engine_config: EngineConfig, config: ServerConfig, log_level: int = lo
                  engine_config.kv_disk_size)
     try:
         gate = make_gate(config, metrics)  # a bad tenants file is refused before the engine starts
+        store = make_store(config)  # so is a foreign or corrupt --responses-store file
         # NOTE: before the engine is spawned: it reports its times only when tracing is on.
         tracing.configure("tripod-server", config.otel_endpoint, config.otel_file)
-    except (TenantFileError, OSError, tracing.TracingUnavailable) as e:
+    except (TenantFileError, StoreError, OSError, tracing.TracingUnavailable) as e:
         print(f"tripod: error: {e}", file=sys.stderr)
         return 2
     try:
-        return _serve(engine_config, config, log_level, metrics, gate)
+        return _serve(engine_config, config, log_level, metrics, gate, store)
     finally:
+        store.close()
         tracing.shutdown()  # the spans still buffered go out
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
 
 
 def _serve(engine_config: EngineConfig, config: ServerConfig, log_level: int, metrics: ServerMetrics,
-           gate: TenantGate) -> int:
+           gate: TenantGate, store: ResponseStore) -> int:
     client = EngineClient(engine_config, config, log_level)
     client.spawn()  # the engine loads the weights while we load the tokenizer
     try:
@@ -82,7 +85,7 @@ def _serve(engine_config: EngineConfig, config: ServerConfig, log_level: int, me
     state = ServerState(
         engine_config=engine_config, config=config, text=TextSide(tok.tokenizer, tok.config.vocab_size),
         client=client, model_name=name, quantization=tok.quantization, metrics=metrics, gate=gate,
-        architecture=tok.config.architecture,
+        architecture=tok.config.architecture, store=store,
     )
     if state.reasoning is not None:
         log.info("reasoning parser: %s (--reasoning-parser %s)", state.reasoning.name, config.reasoning_parser)

@@ -21,6 +21,7 @@ from tripod.server.answer.text import TextSide
 from tripod.server.engine_client import EngineClient
 from tripod.server.errors import APIError
 from tripod.server.metrics import ServerMetrics
+from tripod.server.response_store import ResponseStore, open_store
 from tripod.tenants import AuditLog, TenantGate, TenantRegistry, record_of
 
 
@@ -52,6 +53,7 @@ class ServerState:
     gate: TenantGate | None = None  # None: made from config (launch.serve makes it first, to refuse a bad file)
     architecture: str | None = None  # the model's (for --reasoning-parser auto)
     reasoning: ReasoningParser | None = field(init=False, default=None)  # None: answers are not split
+    store: ResponseStore | None = None  # /v1/responses' (None: made from config; launch.serve opens it first)
 
     def __post_init__(self) -> None:
         if self.renderer is None:
@@ -59,6 +61,8 @@ class ServerState:
         self.reasoning = choose_parser(self.config.reasoning_parser, self.text.template, self.architecture)
         if self.gate is None:
             self.gate = make_gate(self.config, self.metrics)
+        if self.store is None:
+            self.store = make_store(self.config)
 
     def thinking(self, prompt_ids: list[int], budget: int | None = None, param: str = "thinking_budget",
                  ) -> Thinking | None:
@@ -79,6 +83,11 @@ class ServerState:
     def tenants(self) -> TenantGate:
         assert self.gate is not None
         return self.gate
+
+    @property
+    def responses(self) -> ResponseStore:
+        assert self.store is not None
+        return self.store
 
     @property
     def chat(self) -> ChatRenderer:
@@ -107,6 +116,12 @@ def make_gate(config: ServerConfig, metrics: ServerMetrics) -> TenantGate:
     audit = (AuditLog(config.audit_log, content=config.audit_log_content, max_bytes=config.audit_log_max_bytes)
              if config.audit_log else None)
     return TenantGate(registry, metrics.tenants, audit, enforce=config.tenant_limits)
+
+
+def make_store(config: ServerConfig) -> ResponseStore:
+    """The Responses API's store as ``--responses-store`` says (a ``StoreError`` when it cannot be opened)."""
+    return open_store(config.responses_store, max_count=config.responses_max_count,
+                      max_bytes=config.responses_max_bytes, ttl=config.responses_ttl)
 
 
 def adapter_of(state: ServerState, name: str | None) -> str | None:

@@ -18,8 +18,16 @@ from tripod import __version__
 from tripod.server.api.admin import DetokenizeRequest, TokenizeRequest, add_admin_routes
 from tripod.server.api.anthropic import add_anthropic_routes
 from tripod.server.api.anthropic_requests import CountTokensRequest, MessagesRequest
+from tripod.server.api.embeddings import (
+    EmbeddingsRequest,
+    RerankRequest,
+    ScoreRequest,
+    add_embedding_routes,
+)
 from tripod.server.api.openai import add_openai_routes
 from tripod.server.api.openai_requests import ChatCompletionRequest, CompletionRequest
+from tripod.server.api.responses import add_responses_routes
+from tripod.server.api.responses_requests import ResponsesRequest
 
 OPENAI_ERROR: dict[str, Any] = {
     "type": "object", "required": ["error"], "additionalProperties": False,
@@ -42,6 +50,12 @@ _BODIES: dict[str, tuple[type[BaseModel], bool, str]] = {
     "/v1/completions": (CompletionRequest, True, "OpenAIError"),
     "/v1/messages": (MessagesRequest, True, "AnthropicError"),
     "/v1/messages/count_tokens": (CountTokensRequest, False, "AnthropicError"),
+    "/v1/responses": (ResponsesRequest, True, "OpenAIError"),
+    "/v1/embeddings": (EmbeddingsRequest, False, "OpenAIError"),
+    "/v1/rerank": (RerankRequest, False, "OpenAIError"),
+    "/rerank": (RerankRequest, False, "OpenAIError"),
+    "/v2/rerank": (RerankRequest, False, "OpenAIError"),
+    "/v1/score": (ScoreRequest, False, "OpenAIError"),
     "/tokenize": (TokenizeRequest, False, "OpenAIError"),
     "/detokenize": (DetokenizeRequest, False, "OpenAIError"),
 }
@@ -60,6 +74,8 @@ def api_document() -> dict[str, Any]:
     add_admin_routes(app, unused)
     add_openai_routes(app, unused)
     add_anthropic_routes(app, unused)
+    add_responses_routes(app, unused)
+    add_embedding_routes(app, unused)
     return openapi_document(app)
 
 
