@@ -222,8 +222,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None or args.min_replicas is not None or args.max_replicas is not None \
             or args.backend != "local" or args.prefill_replicas is not None:
         return cmd_fleet(args)
+    from tripod.loader.weights_mode import resolve_weights
+
     cfg = from_namespace(ServerConfig, args)
-    return serve(from_namespace(EngineConfig, args), cfg, _level(args))
+    # --weights auto resolved here, so the server reports (and the engine process runs) the same mode.
+    return serve(resolve_weights(from_namespace(EngineConfig, args)), cfg, _level(args))
 
 
 def _level(args: argparse.Namespace) -> int:

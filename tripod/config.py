@@ -25,7 +25,7 @@ from tripod.config_commands import (
     ROUTE,
     SERVE,
 )
-from tripod.kernels.build import LEVELS
+from tripod.kernels.build import LEVELS, OPT_IN_LEVELS
 
 if TYPE_CHECKING:
     import torch
@@ -34,9 +34,9 @@ log = logging.getLogger(__name__)
 
 # The ISA levels of tripod's CPU kernels, best first: a level as --kernels forces it (tests,
 # comparisons); "optimized" takes the best this CPU supports.
-KERNEL_LEVELS = LEVELS
+KERNEL_LEVELS = (*LEVELS, *OPT_IN_LEVELS)
 KERNEL_MODES = ("auto", "eager", "optimized", "triton", *KERNEL_LEVELS)
-WEIGHT_MODES = ("dequantized", "stored", "fp8")
+WEIGHT_MODES = ("auto", "dequantized", "stored", "fp8")
 _DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
@@ -141,13 +141,16 @@ class EngineConfig:
     # activations' reserve) already hold; --kv-cache-tokens overrides it.
     gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory for weights + KV pool (CUDA)",
                                         commands=ENGINE_COMMANDS)
+    # "auto" (default): "stored" for a quantized GGUF where the kernels run it (CPU, one process,
+    # --dtype auto), else "dequantized" (loader/weights_mode.py; resolved before the engine is built).
     # "dequantized": every weight dequantized to the run dtype. "stored": a GGUF's Q4_1/Q8_0/Q5_0/Q4_K/Q6_K
     # weights executed as stored by tripod's kernels (a quarter/half of bf16's bytes per token,
     # exactly the dequantized weights, float32 compute). "fp8": a block-wise FP8 checkpoint's
     # weights kept in FP8, dequantized band by band inside each matmul (w8a16, the run dtype's
     # activations). Explicit, logged, shown in /v1/models.
     weights: str = opt(
-        "dequantized", "stored: execute a GGUF's Q4_1/Q8_0/Q5_0/Q4_K/Q6_K weights as stored (a quarter/half of "
+        "auto", "auto (default): stored for a quantized GGUF on the CPU with --dtype auto, else dequantized; "
+        "stored: execute a GGUF's Q4_1/Q8_0/Q5_0/Q4_K/Q6_K weights as stored (a quarter/half of "
         "bf16's bytes per token, exactly the dequantized weights, float32 compute); fp8: keep a block-wise FP8 "
         "checkpoint's weights in FP8 (w8a16)",
         commands=ENGINE_COMMANDS, choices=WEIGHT_MODES)
@@ -358,6 +361,11 @@ class EngineConfig:
 
         dtype: torch.dtype = getattr(torch, name)
         return dtype
+
+
+def dtype_alias(name: str) -> str:
+    """``--dtype``'s canonical name (``fp32`` -> ``float32``, ...)."""
+    return _ALIASES.get(name, name)
 
 
 def fast_bf16(device: torch.device) -> bool:

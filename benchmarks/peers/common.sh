@@ -11,9 +11,12 @@ GGUF="$("$PY" -c 'from tripod.loader.embedded import embedded_model_path; print(
 # llama.cpp is built for this host's ISA (llamacpp_isa.py), one folder per level: build-avx2,
 # build-avx512_bf16-vbmi-vnni, ...; a record of the build lies beside the binary.
 LLAMACPP_ISA="$ROOT/benchmarks/peers/llamacpp_isa.py"
+# LLAMACPP_CPUINFO=FILE: build / check llama.cpp for that file's flags instead of this host's
+# (run_comparison.sh --isa LEVEL writes one naming only that level's features).
+llamacpp_isa() { "$PY" "$LLAMACPP_ISA" ${LLAMACPP_CPUINFO:+--cpuinfo "$LLAMACPP_CPUINFO"} "$@"; }
 llamacpp_bin() {  # the llama-server this host's ISA calls for (it may not be built yet)
   local dir
-  dir="$("$PY" "$LLAMACPP_ISA" build-dir)"
+  dir="$(llamacpp_isa build-dir)"
   echo "$PEERS/llamacpp/$dir/bin/llama-server"
 }
 wait_healthy() {  # URL PATH SECONDS

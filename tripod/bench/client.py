@@ -104,7 +104,7 @@ def _record_chunk(res: RequestResult, obj: dict[str, Any], now: float, last: flo
 async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest, timeout: float) -> RequestResult:
     path, body = request_body(target, req)
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
-    res = RequestResult(start=time.perf_counter(), session=req.session)
+    res = RequestResult(start=time.perf_counter(), session=req.session, turn=req.turn)
     last = None
     chunks = 0
     if target.endpoint == "embeddings":

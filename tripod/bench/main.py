@@ -25,7 +25,8 @@ from typing import Any
 
 import httpx
 
-from tripod.bench import machine
+from tripod.bench import agentic, machine
+from tripod.bench.agentic import AGENTIC_SESSIONS
 from tripod.bench.client import ENDPOINTS, Target, served_models
 from tripod.bench.datasets import DATASETS, TRACE, BenchRequest, make_requests
 from tripod.bench.metrics import RequestResult, summarize
@@ -52,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch", action="store_true", help="also start tripod serve for the run (label 'tripod')")
     p.add_argument("--launch-args", default="", help="extra arguments for the launched tripod serve")
     p.add_argument("--api-key", default=os.environ.get("TRIPOD_API_KEY"))
-    p.add_argument("--dataset", default="random", choices=[*DATASETS, TRACE],
+    p.add_argument("--dataset", default="random", choices=[*DATASETS, AGENTIC_SESSIONS, TRACE],
                    help="generated traffic, or 'trace': replay --trace FILE as recorded")
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="--dataset trace: a JSONL file of recorded requests (per line: offset s, messages or "
@@ -65,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: distinct system prompts")
     p.add_argument("--turns", type=int, default=4, help="agentic: turns per session")
     p.add_argument("--think-time", type=float, default=0.0, help="agentic: mean seconds between turns")
+    p.add_argument("--agentic-scale", type=float, default=1.0,
+                   help="agentic-sessions: multiply every length (system 2-8k, tool outputs 0.2-4k, answers 50-400)")
+    p.add_argument("--write-trace", default=None, metavar="FILE",
+                   help="agentic-sessions: also write the measured sessions as a trace (JSONL)")
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="closed loop: comma-separated levels")
     p.add_argument("--prompts-per-concurrency", type=int, default=10, help="closed loop: K x concurrency requests per level")
     p.add_argument("--request-rate", type=float, default=None, help="open loop: requests per second (Poisson)")
@@ -152,8 +157,8 @@ def _plan(args: argparse.Namespace) -> _Plan:
         from tripod.bench.trace import load_trace
 
         trace = load_trace(args.trace)
-    elif args.trace:
-        raise ValueError("--trace FILE is replayed with --dataset trace")
+    elif args.trace and args.dataset != AGENTIC_SESSIONS:
+        raise ValueError("--trace FILE is replayed with --dataset trace (or as sessions: --dataset agentic-sessions)")
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()] if args.request_rate is None else []
     if trace is None and args.request_rate is None and (not levels or min(levels) < 1):
         raise ValueError("--concurrency needs positive integers, e.g. 1,2,4,8")
@@ -192,10 +197,24 @@ def _level_requests(args: argparse.Namespace, plan: _Plan,
     if plan.trace is not None:  # the recording is the workload, cold start included: no warm-up
         return [], plan.trace
     count = conc * args.prompts_per_concurrency if conc else args.num_prompts
+    if args.dataset == AGENTIC_SESSIONS:
+        return [], _sessions(args, plan, count)
     reqs = make_requests(args.dataset, count + args.warmup, plan.tok, isl=args.isl, osl=args.osl,
                          range_ratio=args.range_ratio, seed=args.seed + (conc or 0), prefix_len=args.prefix_len,
                          num_groups=args.num_groups, turns=args.turns, think_time=args.think_time)
     return reqs[: args.warmup], reqs[args.warmup :]
+
+
+def _sessions(args: argparse.Namespace, plan: _Plan, count: int) -> list[BenchRequest]:
+    """agentic-sessions: a recorded trace replayed as sessions, or ``count`` turns generated (no
+    warm-up: a session's first turn is its cold start)."""
+    if args.trace:
+        return agentic.load_sessions(args.trace)
+    reqs = agentic.make_sessions(count, plan.tok, turns=args.turns, think_time=args.think_time, seed=args.seed,
+                                 shape=agentic.SessionShape(scale=args.agentic_scale))
+    if args.write_trace:
+        agentic.write_trace(args.write_trace, reqs)
+    return reqs
 
 
 def _sweep(args: argparse.Namespace, plan: _Plan, config: dict[str, Any], out: Path,
@@ -215,6 +234,8 @@ def _sweep(args: argparse.Namespace, plan: _Plan, config: dict[str, Any], out: P
             mode = "trace" if trace is not None else "closed" if conc else "open"
             runs.append({"target": target.label, "mode": mode, "dataset": args.dataset,
                          "concurrency": conc, "request_rate": rate, **summary})
+            if args.dataset == AGENTIC_SESSIONS:
+                runs[-1]["agentic"] = agentic.summary(level.results, level.duration, plan.slo_ttft, plan.slo_tpot)
             if spec_decode is not None:  # only servers that count speculative decoding
                 runs[-1]["spec_decode"] = spec_decode
             write_all(out, config, runs)  # after every level: an interrupted run keeps what it measured
@@ -253,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 launched.kill()
     write_all(out, config, runs)
+    agentic.plot_ttft_by_turn(out, runs)
     _print_table(runs)
     print(f"wrote {out}/results.json, results.csv, pareto.png, latency.png, report.html")
     return 130 if interrupted else 0

@@ -44,6 +44,7 @@ class RequestResult:
     cached_tokens: int = 0
     error: str | None = None  # kind: "http_429", "http_500", "timeout", "connection", "stream_error", ...
     session: str | None = None
+    turn: int = 0  # agentic sessions: the turn's index in its session
 
     @property
     def ok(self) -> bool:

@@ -25,6 +25,7 @@ from tripod.kernels.startup import BuildThreads, start_kernels
 from tripod.layers.mlp import GatedMLP
 from tripod.layers.parallel import SINGLE, SINGLE_STAGE, ParallelGroup, PipeStage
 from tripod.loader import LoadedModel, load_model, load_tokenizer
+from tripod.loader.weights_mode import resolve_weights
 from tripod.memory.kv_blocks import model_identity
 from tripod.memory.kv_pool import Pool, slots_from_budget
 from tripod.memory.prefix_cache import PrefixCache
@@ -36,8 +37,17 @@ log = logging.getLogger("tripod.engine.engine")
 
 
 def resolve_config(config: EngineConfig | None, model: str | None, dtype: str, device: str,
+                   overrides: dict[str, Any], loaded: LoadedModel | None = None) -> EngineConfig:
+    """The engine's config: the given one with the explicit arguments winning, or one built from
+    them; ``--weights auto`` resolved (to a given loaded model's weights, or for the model here)."""
+    cfg = _merged_config(config, model, dtype, device, overrides)
+    if cfg.weights == "auto" and loaded is not None:
+        return replace(cfg, weights=loaded.weights)
+    return resolve_weights(cfg)
+
+
+def _merged_config(config: EngineConfig | None, model: str | None, dtype: str, device: str,
                    overrides: dict[str, Any]) -> EngineConfig:
-    """The engine's config: the given one with the explicit arguments winning, or one built from them."""
     if config is None:
         return EngineConfig(model=model, dtype=dtype, device=device, **overrides)
     if model is not None:

@@ -97,7 +97,7 @@ class Engine(OfflineAPI):
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu", *,
                  config: EngineConfig | None = None, loaded: LoadedModel | None = None, **overrides: Any) -> None:
-        self.config = config = builder.resolve_config(config, model, dtype, device, overrides)
+        self.config = config = builder.resolve_config(config, model, dtype, device, overrides, loaded)
         t0 = time.monotonic()
         parts = builder.build(config, loaded)
         self.device, self.dtype, self.loaded, self.draft = parts.device, parts.dtype, parts.loaded, parts.draft

@@ -12,6 +12,7 @@ import torch
 from tripod.engine.model_runner import ModelRunner
 from tripod.engine.request import Req, TokenLogprob
 from tripod.layers.lora import LoraAdapter
+from tripod.layers.topk import topk_by_position
 from tripod.memory.kv_pool import SlotAllocator
 from tripod.memory.prefix_cache import PrefixCache
 
@@ -39,7 +40,7 @@ def score_prompt(req: Req, runner: ModelRunner, allocator: SlotAllocator, cache:
             chosen = lp.gather(1, target.unsqueeze(1)).squeeze(1).tolist()
             tops: list[list[tuple[int, float]]] = [[] for _ in range(m)]
             if k:
-                vals, idx = lp.topk(k, dim=-1)
+                vals, idx = topk_by_position(lp, k)
                 tops = [list(zip(i, v, strict=True)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True)]
             out.extend(TokenLogprob(ids[s + 1 + j], chosen[j], tops[j]) for j in range(m))
     finally:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tripod.engine.request import Req, TokenLogprob
+from tripod.layers.topk import topk_by_position
 
 
 @dataclass(slots=True)
@@ -88,7 +89,7 @@ class Sampler:
             k = reqs[i].params.logprobs or 0
             top: list[tuple[int, float]] = []
             if k:
-                vals, ids = row.topk(k)
+                vals, ids = topk_by_position(row, k)
                 top = list(zip(ids.tolist(), vals.tolist(), strict=True))
             lps[i] = TokenLogprob(tokens[i], float(row[tokens[i]]), top)
         return lps
@@ -103,15 +104,15 @@ class Sampler:
         top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in reqs]
         if min(top_k) < vocab:
             kmax = max(k for k in top_k if k < vocab)
-            kth = logits.topk(min(kmax, vocab), dim=-1).values  # [n, kmax] descending
-            idx = torch.tensor([min(k, kmax) - 1 for k in top_k], device=dev).unsqueeze(1)
-            thresh = kth.gather(1, idx)
-            no_k = torch.tensor([k >= vocab for k in top_k], device=dev).unsqueeze(1)
-            logits = torch.where((logits < thresh) & ~no_k, float("-inf"), logits)
+            # Exactly k tokens stay, the lowest ids winning ties at the k-th logit (by position).
+            ids = topk_by_position(logits, kmax)[1]  # [n, kmax], best first
+            ks = torch.tensor(top_k, device=dev).unsqueeze(1)
+            keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, torch.arange(kmax, device=dev) < ks)
+            logits = logits.masked_fill(~(keep | (ks >= vocab)), float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         top_p = [r.params.top_p for r in reqs]
         if min(top_p) < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
+            sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # ties by position
             cum = sorted_p.cumsum(dim=-1)
             tp = torch.tensor(top_p, device=dev).unsqueeze(1)
             # Keep the smallest head whose mass reaches top_p (the first token always stays).

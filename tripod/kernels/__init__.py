@@ -24,6 +24,7 @@ from typing import Any
 
 from tripod.kernels.build import (
     LEVELS,
+    OPT_IN_LEVELS,
     KernelBuild,
     cpu_flags,
     level_reason,
@@ -45,7 +46,7 @@ class _Level:
     thread: threading.Thread | None = None
 
 
-_levels: dict[str, _Level] = {lv: _Level() for lv in LEVELS}
+_levels: dict[str, _Level] = {lv: _Level() for lv in (*LEVELS, *OPT_IN_LEVELS)}
 
 
 def best_level() -> str | None:
@@ -58,7 +59,7 @@ def _resolve(level: str | None) -> str | None:
     if level is None:
         return best_level()
     if level not in _levels:
-        raise ValueError(f"unknown kernel level {level!r} (one of {', '.join(LEVELS)})")
+        raise ValueError(f"unknown kernel level {level!r} (one of {', '.join((*LEVELS, *OPT_IN_LEVELS))})")
     return level
 
 

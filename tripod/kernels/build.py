@@ -31,7 +31,12 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "linear.cpp")
 HEADERS = (CSRC / "simd.h",)
 
-LEVELS = ("avx512_bf16", "avx512", "avx2")  # best first
+LEVELS = ("avx512_bf16", "avx512", "avx2")  # best first: the levels chosen automatically, bit-identical
+# Levels run only when named (--kernels amx_bf16): AMX-BF16 tiles for the bf16 linears. TDPBF16PS adds
+# a pair's even product before its odd one (vdpbf16ps: odd first), so its sums are not the other
+# levels' bits (batch-invariant all the same: each output row is summed in one fixed order); and it
+# has not yet run on an AMX host (issue 37's note), so it is not picked by default.
+OPT_IN_LEVELS = ("amx_bf16",)
 _AVX2 = ("avx2", "fma", "f16c")
 _AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq")
 # The /proc/cpuinfo flags each level needs, and the compiler flags that enable exactly those.
@@ -39,11 +44,14 @@ NEEDED_FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": _AVX2,
     "avx512": _AVX512,
     "avx512_bf16": (*_AVX512, "avx512_bf16"),
+    "amx_bf16": (*_AVX512, "avx512_bf16", "amx_tile", "amx_bf16"),
 }
 _ISA_FLAGS: dict[str, list[str]] = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
     "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"],
+    "amx_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                 "-mamx-tile", "-mamx-bf16"],
 }
 # NOTE: -ffp-contract=off: no multiply-add is fused unless the source writes it as one (the
 # levels must compute the same bits, and the float32 kernels match torch's rounding order).
@@ -75,6 +83,23 @@ def level_reason(level: str, flags: set[str] | None = None) -> str | None:
     missing = [f for f in NEEDED_FLAGS[level] if f not in flags]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
+    if level == "amx_bf16":
+        return amx_permission_reason()
+    return None
+
+
+def amx_permission_reason() -> str | None:
+    """Ask Linux for AMX tile state for this process (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``: without it the first tile instruction dies with SIGILL, as llama.cpp's
+    AMX path does on these VMs); None when granted, else why not. The library asks again itself."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    sys_arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18  # x86-64 numbers (asm/prctl.h)
+    if libc.syscall(sys_arch_prctl, req_xcomp_perm, xtiledata) != 0:
+        err = ctypes.get_errno()
+        return f"Linux refuses AMX tile state to this process (arch_prctl ARCH_REQ_XCOMP_PERM: {os.strerror(err)})"
     return None
 
 

@@ -67,6 +67,10 @@ def check(lib: str, namespace: str) -> list[str]:
         err = (got.float() - want).abs().max().item()
         assert err < (1e-4 if dtype == torch.float32 else 0.15), f"linear_packed {fmt}: max error {err}"
         lines.append(f"linear_packed {fmt}: max error {err:.2e}")
+    if namespace.endswith("amx_bf16"):  # the bf16 linear above ran on AMX tiles only if granted
+        status = ops.amx_status()
+        assert "granted" in status, f"amx_bf16: {status}"
+        lines.append(status)
     return lines
 
 

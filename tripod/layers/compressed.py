@@ -42,6 +42,7 @@ from tripod.layers.attention import sdpa, window_mask
 from tripod.layers.batch import ForwardBatch
 from tripod.layers.norm import rms_norm
 from tripod.layers.rotary import rope_inv_freq
+from tripod.layers.topk import topk_by_position
 from tripod.layers.weights import WeightSource
 
 KINDS = ("sliding", "csa", "hca")
@@ -316,7 +317,7 @@ class CompressedAttention(nn.Module):
         ``sum_h w_h · relu(q_h · k) / sqrt(dim)``."""
         scores = F.relu(torch.einsum("qhd,ed->qhe", iq, ikeys)) * self.cfg.index_dim**-0.5
         scores = (scores * iw[..., None]).sum(dim=1)
-        top = scores.masked_fill(~seen, float("-inf")).topk(self.cfg.index_topk, dim=-1).indices
+        top = topk_by_position(scores.masked_fill(~seen, float("-inf")), self.cfg.index_topk)[1]
         keep = torch.zeros_like(seen).scatter_(-1, top, True) & seen
         self.selected += int(keep.sum())
         self.complete += int(seen.sum())

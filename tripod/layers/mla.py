@@ -31,6 +31,7 @@ from tripod.layers.mlp import keep
 from tripod.layers.norm import rms_norm
 from tripod.layers.parallel import SINGLE, ParallelGroup, columns, parameter, rows
 from tripod.layers.rotary import apply_rotary
+from tripod.layers.topk import topk_by_position
 from tripod.layers.weights import WeightSource
 from tripod.memory.kv_pool import LatentPool
 
@@ -114,7 +115,7 @@ class Indexer(nn.Module):
         k = keys.float()
         dots = torch.einsum("rhd,ld->rhl", q, k) if k.dim() == 2 else torch.einsum("rhd,rld->rhl", q, k)
         scores = torch.einsum("rh,rhl->rl", w, F.relu(dots * self.d**-0.5))
-        top = scores.masked_fill(~visible, float("-inf")).topk(self.topk, dim=-1).indices
+        top = topk_by_position(scores.masked_fill(~visible, float("-inf")), self.topk)[1]
         keep = torch.zeros_like(visible).scatter_(-1, top, True) & visible
         self.pruned += int((keep.sum(-1) < visible.sum(-1)).sum())
         return keep

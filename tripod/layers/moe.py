@@ -24,6 +24,7 @@ from tripod.layers.batch import Backend
 from tripod.layers.linear import Fp8Scales, StoredWeight, dequantize_fp8
 from tripod.layers.mlp import GatedMLP, keep
 from tripod.layers.parallel import SINGLE, ParallelGroup, columns, parameter, rows
+from tripod.layers.topk import topk_by_position
 from tripod.layers.weights import WeightSource, dequantize_mxfp4
 
 
@@ -60,7 +61,7 @@ class MoEConfig:
 def route(logits: torch.Tensor, spec: MoEConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits`` float32 ``[T, E]`` → (weights float32 ``[T, k]``, expert ids ``[T, k]``)."""
     if spec.scoring == "topk_softmax":  # gpt-oss: the k largest logits, softmaxed among themselves
-        top, idx = logits.topk(spec.top_k, dim=-1)
+        top, idx = topk_by_position(logits, spec.top_k)
         return top.softmax(dim=-1), idx
     scores = score(logits, spec.scoring)
     choice = scores + bias if bias is not None else scores
@@ -68,16 +69,16 @@ def route(logits: torch.Tensor, spec: MoEConfig, bias: torch.Tensor | None) -> t
         t, e = choice.shape
         grouped = choice.view(t, spec.n_group, e // spec.n_group)
         if spec.topk_method == "group_top2":
-            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # values only: ties cannot matter
         else:
             group_scores = grouped.max(dim=-1).values
-        keep = group_scores.topk(spec.topk_group, dim=-1, sorted=False)[1]
+        keep = topk_by_position(group_scores, spec.topk_group)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, keep, 1.0).bool()
         expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, e // spec.n_group).reshape(t, e)
         # V3 masks out with -inf (its scores can be any sign after the bias); V2 with 0.
         fill = float("-inf") if spec.topk_method == "group_top2" else 0.0
         choice = choice.masked_fill(~expert_mask, fill)
-    idx = choice.topk(spec.top_k, dim=-1, sorted=False)[1]
+    idx = topk_by_position(choice, spec.top_k)[1]
     return chosen_weights(scores, idx, spec), idx
 
 

@@ -91,7 +91,7 @@ def load_tokenizer(model: str | None) -> LoadedTokenizer:
     enc = encoder_folder(model)
     if enc is not None:
         return _encoder_tokenizer(enc)
-    name, path, src = _open(model)
+    name, path, src = open_source(model)
     return LoadedTokenizer(name, str(path), src.config(), src.tokenizer(), src.quantization)
 
 
@@ -103,7 +103,7 @@ def load_model(
     ``weights="stored"`` also keeps a GGUF's quantized blocks for the ``stored`` compute form.
     ``tp``: keep only this tensor-parallel rank's slices (an HF folder's tensors are then read one
     at a time, so the rank never holds the whole model); ``pp``: only this pipeline stage's layers."""
-    name, path, src = _open(model)
+    name, path, src = open_source(model)
     cfg = src.config()
     quant = src.quantization
     cls = model_class(cfg.architecture)
@@ -136,7 +136,8 @@ def load_model(
     return LoadedModel(name, str(path), cfg, net, tok, quant, dtype, weights)
 
 
-def _open(model: str | None) -> tuple[str, Path, GGUFFile | HFFolder]:
+def open_source(model: str | None) -> tuple[str, Path, GGUFFile | HFFolder]:
+    """(name, path, the open GGUF file or HF folder) of ``model``, reading no weights."""
     if model is None:
         path = embedded_model_path()
         name = EMBEDDED_NAME

@@ -34,6 +34,12 @@
 
 #include "simd.h"
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TRIPOD_AMX 1
+#endif
+
 namespace tripod_linear {
 namespace {
 
@@ -287,6 +293,76 @@ void tile_q6_k(const float* x, int64_t ldx, const uint8_t* w, int64_t kb, int64_
   }
 }
 
+// ---------------------------------------------------------------------------- decoded tiles
+// With more rows than one register tile, a column tile's codes are decoded once into float32
+// (exact small integers) in a per-thread scratch and every tile of rows reads them from there:
+// the decoding is paid once per tile of outputs, not once per tile of rows. The sums are the
+// direct tiles' (the same codes, the same fmadd order per input, the same per-block epilogue), so
+// a row's bits do not depend on which path ran it (tested: alone = batched on every format).
+
+constexpr int kDecodedBlock = 32 * 16;  // floats per 16 outputs x 32 inputs
+
+// Codes of output blocks [nb0, nb0 + cols) x input blocks [b0, b0 + nq) as float32:
+// q[(j * nq + b - b0) * 512 + i * 16 + c].
+void decode_codes(Fmt fmt, const uint8_t* w, int64_t kb, int64_t nb0, int64_t cols, int64_t b0, int64_t nq, float* q) {
+  const int block = fmt == Fmt::kQ41 ? kQ41Block : fmt == Fmt::kQ80 ? kQ80Block : fmt == Fmt::kQ4K ? kQ4KBlock : kQ6KBlock;
+  const int codes = fmt == Fmt::kQ41 ? 64 : fmt == Fmt::kQ80 ? 32 : 128;
+  for (int64_t j = 0; j < cols; ++j)
+    for (int64_t b = b0; b < b0 + nq; ++b) {
+      const uint8_t* blk = w + ((nb0 + j) * kb + b) * block + codes;
+      float* out = q + (j * nq + b - b0) * kDecodedBlock;
+      if (fmt == Fmt::kQ41 || fmt == Fmt::kQ4K) {
+        for (int p = 0; p < 16; ++p) {
+          V16 lo, hi;
+          load_nibbles(blk + 16 * p, lo, hi);
+          store(out + (2 * p) * 16, lo);
+          store(out + (2 * p + 1) * 16, hi);
+        }
+      } else {
+        for (int i = 0; i < 32; ++i) store(out + i * 16, load_i8(reinterpret_cast<const int8_t*>(blk + 16 * i)));
+      }
+    }
+}
+
+// The direct tiles' sums over input blocks [b0, b0 + nq) from decoded codes q (decode_codes').
+template <int MR, int NBT, Fmt fmt>
+void tile_decoded(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, const float* q, int64_t kb,
+                  int64_t b0, int64_t nq, int64_t nb0, int64_t j0, V16 acc[MR][NBT]) {
+  constexpr int block = fmt == Fmt::kQ41 ? kQ41Block : fmt == Fmt::kQ80 ? kQ80Block : fmt == Fmt::kQ4K ? kQ4KBlock : kQ6KBlock;
+  constexpr int group = fmt == Fmt::kQ6K ? 16 : 32;  // inputs per scale
+  for (int64_t b = b0; b < b0 + nq; ++b) {
+    for (int g0 = 0; g0 < 32; g0 += group) {
+      V16 s[MR][NBT];
+      for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < NBT; ++j) s[m][j] = zero();
+      for (int i = g0; i < g0 + group; ++i) {
+        V16 qv[NBT];
+        for (int j = 0; j < NBT; ++j) qv[j] = load(q + ((j0 + j) * nq + b - b0) * kDecodedBlock + i * 16);
+        for (int m = 0; m < MR; ++m) {
+          const V16 xv = set1(x[m * ldx + b * 32 + i]);
+          for (int j = 0; j < NBT; ++j) s[m][j] = fmadd(xv, qv[j], s[m][j]);
+        }
+      }
+      for (int j = 0; j < NBT; ++j) {
+        const uint8_t* blk = w + ((nb0 + j0 + j) * kb + b) * block;
+        if constexpr (fmt == Fmt::kQ41) {
+          const V16 d = load_fp16(blk), mn = load_fp16(blk + 32);
+          for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
+        } else if constexpr (fmt == Fmt::kQ4K) {
+          const V16 a = load(reinterpret_cast<const float*>(blk)), mn = load(reinterpret_cast<const float*>(blk + 64));
+          for (int m = 0; m < MR; ++m) acc[m][j] = fnmadd(mn, set1(xsum[m * kb + b]), fmadd(a, s[m][j], acc[m][j]));
+        } else if constexpr (fmt == Fmt::kQ80) {
+          const V16 d = load_fp16(blk);
+          for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(d, s[m][j], acc[m][j]);
+        } else {
+          const V16 a = load(reinterpret_cast<const float*>(blk + 64 * (g0 / 16)));
+          for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(a, s[m][j], acc[m][j]);
+        }
+      }
+    }
+  }
+}
+
 // The register tile: rows x 16-output blocks of sums. AVX-512 has 32 vector registers and a V16
 // takes one; AVX2 has 16 and a V16 takes two. (The tile shape never changes what is summed.)
 constexpr int kRows = 4;                                // rows per register tile
@@ -305,6 +381,9 @@ struct Problem {
   void* y;             // [M, N]
   bool bf16_io;
 };
+
+template <int MR, int NBT>
+void finish_tile(const Problem& p, int64_t m0, int64_t nb0, V16 acc[MR][NBT]);
 
 template <int MR, int NBT>
 void run_tile(const Problem& p, int64_t m0, int64_t nb0) {
@@ -331,6 +410,40 @@ void run_tile(const Problem& p, int64_t m0, int64_t nb0) {
       tile_q6_k<MR, NBT>(p.xf + m0 * p.k, p.k, static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
       break;
   }
+  finish_tile<MR, NBT>(p, m0, nb0, acc);
+}
+
+// Rows [m0, m0 + MR) x blocks [nb0 + j0, + NBT) over the input blocks [b0, b0 + nq) decoded in q.
+// The sums so far live in sums ([row][kCols * 16] floats, exact copies of the registers) between
+// chunks of inputs; after the last chunk they go out.
+template <int MR, int NBT>
+__attribute__((noinline)) void run_decoded_tile(const Problem& p, int64_t m0, int64_t nb0, int64_t j0, int64_t b0, int64_t nq, const float* q,
+                      float* sums) {
+  constexpr int ld = kCols * 16;
+  V16 acc[MR][NBT];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NBT; ++j) acc[m][j] = b0 == 0 ? zero() : load(sums + (m0 + m) * ld + (j0 + j) * 16);
+  const int64_t kb = p.k / 32;
+  const float* x = p.xf + m0 * p.k;
+  const float* xs = p.xsum ? p.xsum + m0 * kb : nullptr;
+  const uint8_t* w = static_cast<const uint8_t*>(p.w);
+  switch (p.fmt) {
+    case Fmt::kQ41: tile_decoded<MR, NBT, Fmt::kQ41>(x, p.k, xs, w, q, kb, b0, nq, nb0, j0, acc); break;
+    case Fmt::kQ80: tile_decoded<MR, NBT, Fmt::kQ80>(x, p.k, xs, w, q, kb, b0, nq, nb0, j0, acc); break;
+    case Fmt::kQ4K: tile_decoded<MR, NBT, Fmt::kQ4K>(x, p.k, xs, w, q, kb, b0, nq, nb0, j0, acc); break;
+    default: tile_decoded<MR, NBT, Fmt::kQ6K>(x, p.k, xs, w, q, kb, b0, nq, nb0, j0, acc); break;
+  }
+  if (b0 + nq < kb) {
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NBT; ++j) store(sums + (m0 + m) * ld + (j0 + j) * 16, acc[m][j]);
+    return;
+  }
+  finish_tile<MR, NBT>(p, m0, nb0 + j0, acc);
+}
+
+// acc -> y (+ residual) for rows [m0, m0 + MR) and output blocks [nb0, nb0 + NBT).
+template <int MR, int NBT>
+void finish_tile(const Problem& p, int64_t m0, int64_t nb0, V16 acc[MR][NBT]) {
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NBT; ++j) {
       const int64_t col = (nb0 + j) * 16;
@@ -389,6 +502,122 @@ void run_block_tile(const Problem& p, int64_t m0, int64_t mr, int64_t nb0, int64
   }
 }
 
+
+#if defined(TRIPOD_AMX)
+// ---------------------------------------------------------------------------- AMX-BF16 (level amx_bf16)
+// The bf16 linears on tiles: C[rows x 16 outputs] += A[rows x 16 pairs] . B[16 pairs x 16 outputs]
+// by TDPBF16PS, whose B tile is exactly 16 pairs of the "bf16" packing ([N/16][K/2][16][2]: 64
+// bytes per pair). Per output it adds, pair after pair in input order, the even product then the
+// odd one (each exact bf16 x bf16 product rounded once into the float32 sum; denormals flushed):
+// one order fixed by the row, whatever the batch. (vdpbf16ps adds the odd one first: this level's
+// bits are its own, not the other levels'.) The last pairs of K are zero-padded to a whole tile
+// (+0 products), the same for every batch.
+//
+// NOTE: Linux grants AMX tile state only to a process that asks (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without it the first tile instruction dies with SIGILL. Asked once, when
+// the library loads; refused, linear_packed runs the avx512_bf16 code and amx_status() says why.
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+const char* amx_refusal() {
+  static const char* why = [] {
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0
+               ? (const char*)nullptr
+               : "Linux refused AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)";
+  }();
+  return why;
+}
+
+// Rows [m0, m0 + mr) (mr <= 16) x output blocks [nb0, nb0 + cols) (cols <= 2): C in tiles 0-1, A in
+// tile 2, B in tiles 3-4.
+void amx_bf16_tile(const Problem& p, int64_t m0, int64_t mr, int64_t nb0, int64_t cols) {
+  const int64_t kp = p.k / 2;
+  TileConfig cfg;
+  for (int t = 0; t < 3; ++t) {
+    cfg.rows[t] = (uint8_t)mr;
+    cfg.colsb[t] = 64;
+  }
+  cfg.rows[3] = cfg.rows[4] = 16;
+  cfg.colsb[3] = cfg.colsb[4] = 64;
+  _tile_loadconfig(&cfg);
+  _tile_zero(0);
+  _tile_zero(1);
+  const bf16* x = static_cast<const bf16*>(p.x) + m0 * p.ldx;
+  const bf16* w = static_cast<const bf16*>(p.w);
+  alignas(64) bf16 apad[16 * 32];
+  alignas(64) bf16 bpad[2][16 * 32];
+  for (int64_t p0 = 0; p0 < kp; p0 += 16) {
+    const int64_t np = std::min<int64_t>(16, kp - p0);
+    if (np == 16) {
+      _tile_loadd(2, x + 2 * p0, p.ldx * 2);
+      _tile_loadd(3, w + (nb0 * kp + p0) * 32, 64);
+      if (cols > 1) _tile_loadd(4, w + ((nb0 + 1) * kp + p0) * 32, 64);
+    } else {
+      std::memset(apad, 0, sizeof apad);
+      std::memset(bpad, 0, sizeof bpad);
+      for (int64_t r = 0; r < mr; ++r) std::memcpy(apad + r * 32, x + r * p.ldx + 2 * p0, np * 4);
+      for (int64_t j = 0; j < cols; ++j) std::memcpy(bpad[j], w + ((nb0 + j) * kp + p0) * 32, np * 64);
+      _tile_loadd(2, apad, 64);
+      _tile_loadd(3, bpad[0], 64);
+      if (cols > 1) _tile_loadd(4, bpad[1], 64);
+    }
+    _tile_dpbf16ps(0, 2, 3);
+    if (cols > 1) _tile_dpbf16ps(1, 2, 4);
+  }
+  alignas(64) float c[2][16 * 16];
+  _tile_stored(0, c[0], 64);
+  if (cols > 1) _tile_stored(1, c[1], 64);
+  for (int64_t r = 0; r < mr; ++r)
+    for (int64_t j = 0; j < cols; ++j) {
+      V16 acc[1][1] = {{load(c[j] + r * 16)}};
+      finish_tile<1, 1>(p, m0 + r, nb0 + j, acc);
+    }
+}
+
+void amx_bf16_linear(const Problem& p) {
+  const int64_t pairs = (p.nb + 1) / 2;  // work items: two 16-output blocks each
+  at::parallel_for(0, pairs, p.m * p.n * p.k < (1 << 18) ? pairs : 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m0 = 0; m0 < p.m; m0 += 16)
+        amx_bf16_tile(p, m0, std::min<int64_t>(16, p.m - m0), 2 * t, std::min<int64_t>(2, p.nb - 2 * t));
+    _tile_release();
+  });
+}
+#endif
+
+std::string amx_status() {
+#if defined(TRIPOD_AMX)
+  const char* why = amx_refusal();
+  return why ? std::string(why) : std::string("amx_bf16: tiles granted");
+#else
+  return "this library was not built for AMX (level amx_bf16)";
+#endif
+}
+
+// The decoded path's register tiles: on AVX2 (16 registers) one 16-output block at a time (4 rows
+// of sums and of partial sums fill them), on AVX-512 two.
+void run_decoded_rows(const Problem& p, int64_t m0, int64_t mr, int64_t nb0, int64_t cols, int64_t b0, int64_t nq,
+                      const float* q, float* sums) {
+  constexpr int kStep = kVectorRegisters >= 32 ? 2 : 1;
+  for (int64_t j0 = 0; j0 < cols; j0 += kStep) {
+    const bool two = kStep == 2 && j0 + 1 < cols;
+#define TRIPOD_DECODED(R) two ? run_decoded_tile<R, 2>(p, m0, nb0, j0, b0, nq, q, sums) : run_decoded_tile<R, 1>(p, m0, nb0, j0, b0, nq, q, sums)
+    switch (mr) {
+      case 1: TRIPOD_DECODED(1); break;
+      case 2: TRIPOD_DECODED(2); break;
+      case 3: TRIPOD_DECODED(3); break;
+      default: TRIPOD_DECODED(4); break;
+    }
+#undef TRIPOD_DECODED
+  }
+}
+
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& w, const std::string& format, int64_t n, int64_t k,
                          const c10::optional<at::Tensor>& residual) {
   const Fmt fmt = parse_fmt(format);
@@ -417,6 +646,12 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& w, const std::st
     p.residual = r.data_ptr();
     p.ldr = r.stride(0);
   }
+#if defined(TRIPOD_AMX)
+  if (fmt == Fmt::kBf16 && amx_refusal() == nullptr) {
+    amx_bf16_linear(p);
+    return y;
+  }
+#endif
   at::Tensor xf, xsum;
   if (fmt != Fmt::kBf16) {  // float32 activations, contiguous (and block sums for Q4_1)
     xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
@@ -439,10 +674,27 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& w, const std::st
   const int64_t ntiles = (nb + kCols - 1) / kCols;
   // Threads split the outputs (whole tiles of 64): never a row's sum.
   const int64_t work = m * n * k;
+  // More rows than one register tile: quantized codes are decoded once per column tile.
+  const bool decoded = fmt != Fmt::kBf16 && fmt != Fmt::kF32 && m > kRows;
   at::parallel_for(0, ntiles, work < (1 << 18) ? ntiles : 1, [&](int64_t t0, int64_t t1) {
+    // The decoded codes of kChunk input blocks (16 KiB per 16-output block: L1 with the
+    // activations' rows) and every row's sums between chunks.
+    constexpr int64_t kChunk = 4;
+    std::vector<float> scratch(decoded ? (size_t)(kCols * kChunk * kDecodedBlock) : 0);
+    std::vector<float> sums(decoded ? (size_t)(m * kCols * 16) : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t nb0 = t * kCols;
       const int64_t cols = std::min<int64_t>(kCols, nb - nb0);
+      if (decoded) {
+        const int64_t kb = k / 32;
+        for (int64_t b0 = 0; b0 < kb; b0 += kChunk) {
+          const int64_t nq = std::min<int64_t>(kChunk, kb - b0);
+          decode_codes(fmt, static_cast<const uint8_t*>(p.w), kb, nb0, cols, b0, nq, scratch.data());
+          for (int64_t m0 = 0; m0 < m; m0 += kRows)
+            run_decoded_rows(p, m0, std::min<int64_t>(kRows, m - m0), nb0, cols, b0, nq, scratch.data(), sums.data());
+        }
+        continue;
+      }
       for (int64_t m0 = 0; m0 < m; m0 += kRows) {
         run_block_tile(p, m0, std::min<int64_t>(kRows, m - m0), nb0, cols);
       }
@@ -461,6 +713,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& w, const std::st
 TRIPOD_FRAGMENT(TRIPOD_OPS_NS, m) {
   m.def("pack_linear(Tensor w, str format, int n, int k) -> Tensor");
   m.def("linear_packed(Tensor x, Tensor w, str format, int n, int k, Tensor? residual=None) -> Tensor");
+  m.def("amx_status() -> str", &tripod_linear::amx_status);
 }
 
 TRIPOD_FRAGMENT_IMPL(TRIPOD_OPS_NS, CPU, m) {

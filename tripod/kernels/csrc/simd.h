@@ -34,7 +34,11 @@ constexpr bool kNativeBf16 = false;
 #endif
 
 #if defined(TRIPOD_AVX512)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+constexpr const char* kIsa = "amx_bf16";  // the bf16 linears on AMX tiles (linear.cpp); the rest as avx512_bf16
+#else
 constexpr const char* kIsa = kNativeBf16 ? "avx512_bf16" : "avx512";
+#endif
 constexpr int kVectorRegisters = 32;  // zmm0-31: room for 4 rows x 4 column blocks of sums
 
 struct V16 {

@@ -1,0 +1,61 @@
+"""``--weights auto`` (the default): what a model's weights run as on this machine.
+
+A quantized GGUF runs **as stored** (``stored``: exactly the file's values, float32 compute on
+tripod's kernels, a third to a half of bf16's bytes per token) where the kernels can: on the CPU,
+in one process, with the run dtype left to ``auto``, and the file's dominant type one the kernels
+execute (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K). Everything else runs dequantized, which for a 16-bit (or
+float32) checkpoint *is* its stored values. An explicit ``--dtype`` (``float32``: the reference
+path, token-exact against transformers; ``bfloat16``) keeps the dequantized weights it names.
+
+The choice is made once, before the engine is built, logged with its reason, and the resolved
+mode (never ``auto``) is what the engine, ``/v1/models`` and the KV identity see.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from tripod import kernels
+from tripod.config import EngineConfig, dtype_alias
+from tripod.loader import open_source
+from tripod.loader.gguf_loader import GGUFFile
+
+log = logging.getLogger("tripod.loader")
+
+EXECUTED_AS_STORED = frozenset({"Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"})
+
+
+def auto_weights(config: EngineConfig) -> tuple[str, str]:
+    """(``"stored"`` or ``"dequantized"``, why) for ``--weights auto``."""
+    if config.device != "cpu":
+        return "dequantized", f"the stored form runs on tripod's CPU kernels (device {config.device})"
+    if config.kernels == "eager":
+        return "dequantized", "--kernels eager runs the reference path"
+    if config.kernels == "triton":
+        return "dequantized", "the Triton kernels run dequantized weights (cuBLAS-style linears)"
+    if dtype_alias(config.dtype) != "auto":
+        return "dequantized", f"--dtype {config.dtype} names the weights' dtype"
+    if config.world_size > 1:
+        return "dequantized", "a model over several processes runs dequantized weights"
+    why = kernels.unavailable_reason(config.kernel_level)
+    if why is not None:
+        return "dequantized", f"tripod's kernels cannot run here: {why}"
+    try:
+        _name, _path, src = open_source(config.model)
+    except (ValueError, OSError) as e:
+        return "dequantized", f"the model could not be opened ({e})"  # the load reports it again
+    if not isinstance(src, GGUFFile):
+        return "dequantized", "a checkpoint folder: its 16-bit weights are its stored values"
+    if src.quantization not in EXECUTED_AS_STORED:
+        return "dequantized", f"{src.quantization} is not a type tripod's kernels execute as stored"
+    return "stored", f"{src.quantization} GGUF executed as stored"
+
+
+def resolve_weights(config: EngineConfig) -> EngineConfig:
+    """``config`` with ``weights="auto"`` replaced by what it means here (unchanged otherwise)."""
+    if config.weights != "auto":
+        return config
+    mode, why = auto_weights(config)
+    log.info("--weights auto: %s (%s)", mode, why)
+    return replace(config, weights=mode)
