@@ -36,16 +36,17 @@ ENGINE_SERVER = [
     "--reasoning-parser", "qwen3", "--kv-disk", "/var/kv", "--kv-disk-size", "2.5",
     "--lora", "a=/la,b=/lb", "--max-loras", "2", "--max-lora-rank", "32",
     "--responses-store", "sqlite:/r.db", "--responses-ttl", "60", "--responses-max-count", "9",
-    "--responses-max-bytes", "4096",
+    "--responses-max-bytes", "4096", "--no-cuda-graphs", "--cuda-graph-max-bs", "64",
+    "--gpu-memory-utilization", "0.8",
 ]
 
 # The options of each command (as before the CLI was generated from the configs).
 FLAGS = {
     ("serve",): "--lora --max-lora-rank --max-loras --api-key --audit-log --audit-log-content --backend --balance-abs --balance-rel --bench-dir "
-    "--chunk-size --data-parallel-size --device --downscale-delay --drain-timeout --dtype --enable-expert-parallel "
-    "--health-interval --host --kernels --kv-cache-tokens --kv-disk --kv-disk-size --load-weight --log-level --lookback "
+    "--chunk-size --cuda-graph-max-bs --data-parallel-size --device --downscale-delay --drain-timeout --dtype --enable-expert-parallel "
+    "--gpu-memory-utilization --health-interval --host --kernels --kv-cache-tokens --kv-disk --kv-disk-size --load-weight --log-level --lookback "
     "--max-batch-tokens --max-model-len --max-n --max-pending --max-replicas --max-retries --max-running "
-    "--max-waiting --min-replicas --model --no-jump-forward --no-prefix-cache --num-draft-tokens "
+    "--max-waiting --min-replicas --model --no-cuda-graphs --no-jump-forward --no-prefix-cache --num-draft-tokens "
     "--otel-endpoint --otel-file --overload-status --parallel-backend --parallel-placement --parallel-ray-address "
     "--parallel-timeout --pipeline-parallel-size --policy --port --prefill-replicas --queue-timeout "
     "--ray-address --ray-num-cpus --ray-num-gpus --reasoning-parser --region --region-overflow-load --replica-log-dir "
@@ -57,14 +58,16 @@ FLAGS = {
     "--health-interval --host --load-weight --log-level --max-pending --max-retries --otel-endpoint --otel-file "
     "--policy --port --queue-timeout --region --region-overflow-load --replica --replica-max-inflight --ssl-ca "
     "--ssl-certfile --ssl-keyfile --stall-timeout --tenants",
-    ("generate",): "--lora --max-lora-rank --max-loras --chunk-size --data-parallel-size --device --dtype --enable-expert-parallel --ignore-eos --kernels --kv-cache-tokens "
+    ("generate",): "--lora --max-lora-rank --max-loras --chunk-size --cuda-graph-max-bs --data-parallel-size "
+    "--device --dtype --enable-expert-parallel --gpu-memory-utilization --ignore-eos --kernels --kv-cache-tokens "
     "--kv-disk --kv-disk-size --log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p --model "
-    "--no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout --pipeline-parallel-size "
+    "--no-cuda-graphs --no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout --pipeline-parallel-size "
     "--policy --raw --repetition-penalty --seed --spec-max-batch --speculative --stats --system "
     "--temperature --tensor-parallel-size --threads --top-k --top-p --weights",
-    ("chat",): "--lora --max-lora-rank --max-loras --api-key --chunk-size --data-parallel-size --device --dtype --enable-expert-parallel --ignore-eos --kernels "
+    ("chat",): "--lora --max-lora-rank --max-loras --api-key --chunk-size --cuda-graph-max-bs "
+    "--data-parallel-size --device --dtype --enable-expert-parallel --gpu-memory-utilization --ignore-eos --kernels "
     "--kv-cache-tokens --kv-disk --kv-disk-size --log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p "
-    "--model --no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout "
+    "--model --no-cuda-graphs --no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout "
     "--pipeline-parallel-size --policy --repetition-penalty --seed --spec-max-batch --speculative "
     "--system --temperature --tensor-parallel-size --threads --top-k --top-p --url --weights",
     ("chains", "serve"): "--backend --drain-timeout --entrypoint --host --log-dir --log-level --model --model-args "

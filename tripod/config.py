@@ -134,8 +134,8 @@ class EngineConfig:
         commands=ENGINE_COMMANDS, choices=KERNEL_MODES)
     # CUDA graphs for decode steps (the Triton backend on a GPU): one graph per batch-size bucket
     # up to this many rows; larger decode steps, prefill and mixed steps run eagerly.
-    cuda_graphs: bool = opt(True, "capture CUDA graphs for decode steps (--no-cuda-graphs: eager)",
-                            commands=ENGINE_COMMANDS)
+    cuda_graphs: bool = opt(True, "decode steps eagerly, without CUDA graphs", commands=ENGINE_COMMANDS,
+                            flag="--no-cuda-graphs")
     cuda_graph_max_bs: int = opt(256, "largest decode batch captured in a CUDA graph", commands=ENGINE_COMMANDS)
     # CUDA: the KV pool takes this fraction of the GPU's memory, less what the weights (and the
     # activations' reserve) already hold; --kv-cache-tokens overrides it.
