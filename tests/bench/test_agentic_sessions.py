@@ -3,6 +3,7 @@ summary (goodput by session) and the TTFT-by-turn plot, on a stand-in tokenizer 
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 from tripod.bench import agentic
@@ -23,7 +24,7 @@ SHAPE = agentic.SessionShape(scale=0.05)
 def test_sessions_grow_turn_by_turn_and_never_share_a_prefix() -> None:
     reqs = agentic.make_sessions(12, _Words(), turns=4, think_time=2.0, seed=3, shape=SHAPE)
     assert len(reqs) == 12 and len({r.session for r in reqs}) == 3
-    for a, b in zip(reqs, reqs[1:], strict=False):
+    for a, b in pairwise(reqs):
         if a.session == b.session:
             assert b.turn == a.turn + 1 and b.messages[: len(a.messages)] == a.messages  # the whole history again
             assert b.messages[len(a.messages)]["role"] == "assistant" and b.think_time > 0

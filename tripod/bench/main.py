@@ -25,10 +25,9 @@ from typing import Any
 
 import httpx
 
-from tripod.bench import machine
-from tripod.bench.client import Target, served_models
-from tripod.bench import agentic
+from tripod.bench import agentic, machine
 from tripod.bench.agentic import AGENTIC_SESSIONS
+from tripod.bench.client import Target, served_models
 from tripod.bench.datasets import DATASETS, TRACE, BenchRequest, make_requests
 from tripod.bench.metrics import RequestResult, summarize
 from tripod.bench.report import served_text, write_all
