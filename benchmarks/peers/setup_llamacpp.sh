@@ -14,8 +14,8 @@ fi
 # NOTE: not GGML_NATIVE (these VMs report AMX in /proc/cpuinfo but the kernel does not grant it:
 # ggml's AMX path dies with "Illegal instruction"), and not a fixed AVX-512 list either (an
 # AVX2-only Zen 3 dies the same way): llamacpp_isa.py names each feature the host lists, AMX off.
-BUILD="$("$PY" "$LLAMACPP_ISA" build-dir)"  # keyed by ISA: another kind of machine builds its own
-ISA_FLAGS_TEXT="$("$PY" "$LLAMACPP_ISA" cmake-flags)"
+BUILD="$(llamacpp_isa build-dir)"  # keyed by ISA: another kind of machine builds its own
+ISA_FLAGS_TEXT="$(llamacpp_isa cmake-flags)"
 mapfile -t ISA_FLAGS <<< "$ISA_FLAGS_TEXT"
 FLAGS=(-DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
   -DLLAMA_BUILD_EXAMPLES=OFF)
@@ -24,5 +24,5 @@ mkdir -p "$BUILD"
 cmake -S src/vendor/llama.cpp -B "$BUILD" "${FLAGS[@]}" > "$BUILD/cmake.log"
 cmake --build "$BUILD" --target llama-server -j "$(nproc)" > "$BUILD/build.log"
 # Written only once the binary exists: run_comparison.sh copies it into the results folder.
-"$PY" "$LLAMACPP_ISA" record "$BUILD/bin" "${FLAGS[@]}" > /dev/null
+llamacpp_isa record "$BUILD/bin" "${FLAGS[@]}" > /dev/null
 echo "llama-server built in $((SECONDS - t0)) s: $PEERS/llamacpp/$BUILD/bin/llama-server (record: llama-server.isa.json beside it)"
