@@ -91,6 +91,7 @@ class CudaGraph:
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(self.graph, pool=self.pool):
             self.out = fn()
+        self.graph.replay()  # a capture records without running: the first step's outputs come from a replay
         return self.out
 
     def replay(self) -> torch.Tensor:
