@@ -17,18 +17,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tripod import kernels
 from tripod.kernels import reference
 from tripod.layers.rotary import RotaryEmbedding, apply_rotary
-
-
-@pytest.fixture(scope="module")
-def ops() -> Any:
-    why = kernels.unavailable_reason()
-    if why is not None:
-        pytest.skip(f"tripod's CPU kernels are unavailable here: {why}")
-    assert kernels.load(wait=True), f"the kernels should build on this machine: {kernels.unavailable_reason()}"
-    return kernels.ops()
 
 
 def _pool(slots: int, kvh: int, d: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

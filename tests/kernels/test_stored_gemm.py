@@ -10,17 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from tripod import kernels
-
-
-@pytest.fixture(scope="module")
-def ops() -> Any:
-    why = kernels.unavailable_reason()
-    if why is not None:
-        pytest.skip(f"tripod's CPU kernels are unavailable here: {why}")
-    assert kernels.load(wait=True), f"the kernels should build on this machine: {kernels.unavailable_reason()}"
-    return kernels.ops()
-
 
 def _blocks(fmt: str, n: int, k: int, seed: int) -> torch.Tensor:
     """Random blocks in the form pack_linear takes (GGUF's Q4_1 / Q8_0; the per-32 Q4_K / Q6_K)."""
