@@ -137,6 +137,11 @@ class EngineConfig:
     cuda_graphs: bool = opt(True, "decode steps eagerly, without CUDA graphs", commands=ENGINE_COMMANDS,
                             flag="--no-cuda-graphs")
     cuda_graph_max_bs: int = opt(256, "largest decode batch captured in a CUDA graph", commands=ENGINE_COMMANDS)
+    # The overlap scheduler (engine/overlap.py): a decode step laid out while the previous one
+    # computes, adopted only when the scheduler's decision is certain to be the same (outputs
+    # unchanged). auto: on for the Triton backend on CUDA, where launches return at once.
+    overlap_schedule: str = opt("auto", "lay decode steps out during the previous forward: auto (on for "
+                                "CUDA) | on | off", commands=ENGINE_COMMANDS, choices=("auto", "on", "off"))
     # CUDA: the KV pool takes this fraction of the GPU's memory, less what the weights (and the
     # activations' reserve) already hold; --kv-cache-tokens overrides it.
     gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory for weights + KV pool (CUDA)",

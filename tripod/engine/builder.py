@@ -189,6 +189,15 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
                        ranks=ranks)
 
 
+def overlaps(config: EngineConfig, runner: ModelRunner) -> bool:
+    """Whether decode steps are laid out during the previous step's forward (engine/overlap.py):
+    ``--overlap-schedule on``, or ``auto`` where a launch returns before the device is done (the
+    Triton backend on a GPU). One process only: a tensor-parallel group's ranks get host batches."""
+    if config.overlap_schedule == "off" or runner.group is not None:
+        return False
+    return config.overlap_schedule == "on" or (runner.triton and runner.device.type == "cuda")
+
+
 def make_cache(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, pool: Pool) -> PrefixCache:
     """The prefix cache over ``pool``; with ``--kv-disk``, the tiered cache (the disk tier under it,
     keyed by this model, dtype and pool layout)."""

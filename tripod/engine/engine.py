@@ -22,6 +22,7 @@ from tripod.config import EngineConfig
 from tripod.engine import builder
 from tripod.engine.admission import Admission, Prompt
 from tripod.engine.offline import OfflineAPI
+from tripod.engine.overlap import Lookahead
 from tripod.engine.prompt_logprobs import score_prompt
 from tripod.engine.request import (
     FinishReason,
@@ -31,7 +32,7 @@ from tripod.engine.request import (
     StepOutput,
     TokenLogprob,
 )
-from tripod.engine.sampler import SampleResult
+from tripod.engine.sampler import Drawn, SampleResult
 from tripod.engine.scheduler import ScheduledItem, SchedulePolicy, Scheduler
 from tripod.engine.speculative.counts import SpecCounts
 from tripod.engine.speculative.speculator import Speculator
@@ -117,6 +118,8 @@ class Engine(OfflineAPI):
             tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size, eos_ids=self.eos_ids,
             max_len=lambda: self.max_request_len, cache=self.cache, scheduler=self.scheduler,
             count_prompt=self._count_prompt, score=self._score, grammars=lambda: self.grammars, loras=self.loras)
+        self.lookahead = (Lookahead(self.scheduler, self.runner, self._drafts_possible)
+                          if builder.overlaps(config, self.runner) else None)  # engine/overlap.py
         self.inboxes: dict[str, list[StepOutput]] = {}  # rid -> undelivered stream outputs
         self._kv_layout: TierLayout | None = None  # the KV block layout, made on first use
         self._closed = False
@@ -208,22 +211,29 @@ class Engine(OfflineAPI):
         self._threads.restore_when_built()
         self.admission.poll()
         outs = self._finished_while_queued()
-        items = self.scheduler.schedule()
+        ahead = self.lookahead.take() if self.lookahead is not None else None
+        items = ahead.items if ahead is not None else self.scheduler.schedule()
         verifying = self._attach_drafts(items)
+        assert ahead is None or not verifying, "drafts on a step laid out ahead"
         if not items:
             if not outs:
                 self.admission.wait_idle()
             return self._deliver(outs)
         t0 = time.perf_counter()
         self.stats.schedule_seconds += t0 - t_start
-        batch, sampling = self.runner.build_batch(items)
+        batch, sampling = (ahead.batch, ahead.sampling) if ahead is not None else self.runner.build_batch(items)
         t1 = time.perf_counter()
         logits = self.runner.run(batch)
         self.spec.after_forward(batch, self.runner.model.last_hidden)
         t2 = time.perf_counter()
         self._count_forward(items, t0, t1, t2)
         logits, sampling, verify = self._split_verify(logits, sampling, verifying)
-        result = self._sample(logits, sampling)
+        drawn = self._draw(logits, sampling)
+        if self.lookahead is not None and drawn is not None and not verifying:
+            t = time.perf_counter()
+            self.lookahead.prepare(items, sampling, drawn.tokens)  # while the device computes this step
+            self.stats.prepare_seconds += time.perf_counter() - t
+        result = self.sampler.resolve(drawn) if drawn is not None else None
         t3 = time.perf_counter()
         self._count_sampled(items, t0, t2, t3)
         outs += self._commit(items, sampling, logits, result, verify)
@@ -280,11 +290,15 @@ class Engine(OfflineAPI):
         keep = [rows[j] for j, it in enumerate(sampling) if not it.verify]
         return logits[keep], [it for it in sampling if not it.verify], verify
 
-    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledItem]) -> SampleResult | None:
+    def _draw(self, logits: torch.Tensor, sampling: list[ScheduledItem]) -> Drawn | None:
         reqs = [it.req for it in sampling]
         if any(r.matcher is not None for r in reqs):
             self.grammars.apply_masks(logits, [r.matcher for r in reqs])
-        return self.sampler.sample(logits, reqs) if reqs else None
+        return self.sampler.sample_on_device(logits, reqs) if reqs else None
+
+    def _drafts_possible(self, req: Req) -> bool:
+        """Whether ``req`` may carry drafts in a step (so its next step cannot be laid out ahead)."""
+        return self.spec.proposer is not None or (req.matcher is not None and self.config.jump_forward)
 
     # ------------------------------------------------------------------ commit
     def _commit(self, items: list[ScheduledItem], sampling: list[ScheduledItem], logits: torch.Tensor,
@@ -384,6 +398,8 @@ class Engine(OfflineAPI):
         finds it) and stop the tensor-parallel workers. Idempotent."""
         if not self._closed:
             self._closed = True
+            if self.lookahead is not None:
+                self.lookahead.discard()  # its reserved slots back before the tree is saved
             self.cache.close()
         if self.group is not None:
             self.group.close()

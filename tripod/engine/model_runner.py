@@ -182,6 +182,11 @@ class ModelRunner:
             self._backend = be
         return be
 
+    def lays_out_slot_table(self) -> bool:
+        """Whether the next step's backend lays batches out over the slot table (tripod's CPU
+        kernels, the Triton kernels) — a layout that keeps no state between steps."""
+        return self.group is None and self.dp_size == 1 and isinstance(self._choose(), (CpuBackend, TritonBackend))
+
     @property
     def form(self) -> str:
         """The kind of the next step's projections: ``kernel``, ``stored``, ``onednn`` or ``dense``."""

@@ -30,6 +30,17 @@ class SampleResult:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass(slots=True)
+class Drawn:
+    """A step's draws still on the logits' device: ``tokens`` ``[rows]`` and the adjusted logits
+    their logprobs come from. ``Sampler.resolve`` brings them to the host (the step's one sync),
+    so work that does not need the tokens' values can run while the device computes."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    reqs: list[Req]
+
+
 class Sampler:
     """Stateless apart from the fallback generator used by unseeded sampled requests."""
 
@@ -46,6 +57,10 @@ class Sampler:
     ) -> SampleResult:
         """``logits`` float32 ``[len(reqs), V]``; ``masks`` optional bool ``[len(reqs), V]``
         (True = allowed) from the structured-outputs layer."""
+        return self.resolve(self.sample_on_device(logits, reqs, masks))
+
+    def sample_on_device(self, logits: torch.Tensor, reqs: list[Req], masks: torch.Tensor | None = None) -> Drawn:
+        """``sample`` without the device→host copy: the tokens stay where the logits are."""
         assert logits.shape[0] == len(reqs)
         logits = self.adjust(logits, reqs)
         if masks is not None:
@@ -61,8 +76,11 @@ class Sampler:
         if sampled:
             sub = [reqs[i] for i in sampled]
             tokens[sampled] = self.race(self.probs(logits[sampled], sub), sub)
-        out = tokens.tolist()
-        return SampleResult(out, self.logprobs(logits, reqs, out))
+        return Drawn(tokens, logits, reqs)
+
+    def resolve(self, drawn: Drawn) -> SampleResult:
+        out = drawn.tokens.tolist()
+        return SampleResult(out, self.logprobs(drawn.logits, drawn.reqs, out))
 
     def adjust(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         """Logit bias, then penalties (a copy when any applies; masks already in stay)."""

@@ -147,6 +147,19 @@ class Scheduler:
             self.fair.charge(it.req.tenant, it.length)
         return items
 
+    def decode_order(self) -> list[Req]:
+        """The running requests in the order a step's decodes are scheduled (most important first)."""
+        return sorted(self.running, key=self._importance, reverse=True)
+
+    def adopt(self, items: list[ScheduledItem]) -> None:
+        """Count ``items`` — a decode step laid out ahead (engine/overlap.py), their slots already
+        reserved — as this step's schedule, with the same bookkeeping ``schedule`` does."""
+        if len(self.fair.vtime) > 1:
+            self.fair.forget_idle(self.waiting + self.running)
+        self.step_count += 1
+        for it in items:
+            self.fair.charge(it.req.tenant, it.length)
+
     def _schedule(self) -> list[ScheduledItem]:
         self.step_count += 1
         items: list[ScheduledItem] = []
@@ -154,7 +167,7 @@ class Scheduler:
         self._preempt_for_fairness()  # NOTE: before any item is built: a victim is in no item
 
         # 1. Decodes. Iterate over a snapshot: retraction removes from self.running.
-        for req in sorted(self.running, key=self._importance, reverse=True):
+        for req in self.decode_order():
             if req not in self.running or req.seq_len - req.computed != 1:
                 continue
             if not self._reserve(req, 1, may_retract=True):

@@ -30,6 +30,14 @@ from tripod.memory.kv_pool import KVPool
 from tripod.memory.slot_table import SlotTable
 
 
+def upload(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device``. On a GPU through pinned memory without waiting: a
+    plain copy from pageable memory waits for the stream's queued kernels, which would make a step
+    laid out during the previous one's forward (engine/overlap.py) wait for it."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
 @dataclass(frozen=True, slots=True)
 class AttnSpec:
     """One attention layer's shape and rules."""

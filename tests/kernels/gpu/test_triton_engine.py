@@ -72,6 +72,22 @@ def test_speculative_verify_rows_on_the_kernels(tiny: Any) -> None:
     eng.assert_consistent()
 
 
+def test_the_overlap_scheduler_on_the_kernels_and_graphs(tiny: Any) -> None:
+    """Decode steps laid out during the previous forward (their input ids the previous draws,
+    gathered on the device) and replayed through the decode graphs: the same greedy tokens."""
+    folder, ref = tiny("llama")
+    eng = _engine(folder, overlap_schedule="on")
+    assert eng.lookahead is not None and eng.runner.graphs is not None
+    prompts = [PROMPTS[1], PROMPTS[2]]
+    outs = eng.generate(prompts, [SamplingParams(max_tokens=6 + 2 * i, temperature=0.0, ignore_eos=True)
+                                  for i in range(2)])
+    for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+        check_greedy_tokens(out.token_ids, ref.greedy(p, 6 + 2 * i), f"llama/triton, overlap, prompt {i}")
+    assert eng.lookahead.counts.adopted >= 3, eng.lookahead.counts
+    assert eng.runner.graphs.replays > 0
+    eng.assert_consistent()
+
+
 def test_bfloat16_is_refused_in_the_interpreter(tiny: Any) -> None:
     folder, _ = tiny("llama")
     with pytest.raises(ValueError, match="no bfloat16"):

@@ -10,7 +10,15 @@ import torch
 
 from tripod.layers.activation import activate
 from tripod.layers.backends.reference import ReferenceBackend
-from tripod.layers.batch import AttnSpec, Backend, BatchContext, ForwardBatch, KernelMeta, StepItem
+from tripod.layers.batch import (
+    AttnSpec,
+    Backend,
+    BatchContext,
+    ForwardBatch,
+    KernelMeta,
+    StepItem,
+    upload,
+)
 from tripod.layers.linear import Fp8Scales, Linear, StoredWeight, make_linear
 from tripod.layers.rotary import RotaryEmbedding
 from tripod.memory.kv_pool import KVPool
@@ -128,21 +136,21 @@ def slot_table_batch(backend: Backend, items: list[StepItem], ctx: BatchContext)
             logits_at.append(len(ids) - 1)
             sampling.append(it)
     dev = ctx.device
-    positions = torch.tensor(pos, dtype=torch.long, device=dev)
+    positions = upload(pos, torch.long, dev)
     meta = KernelMeta(
         table=table.table,
-        rows=torch.tensor(tok_rows, dtype=torch.int32, device=dev),
+        rows=upload(tok_rows, torch.int32, dev),
         lens=(positions + 1).to(torch.int32),
     )
     all_rows = len(logits_at) == len(ids)  # every token samples (a pure decode step)
     batch = ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+        input_ids=upload(ids, torch.long, dev),
         positions=positions,
-        out_slots=torch.tensor(out_slots, dtype=torch.long, device=dev),
+        out_slots=upload(out_slots, torch.long, dev),
         num_decode=0,
         decode_kv_idx=None,
         decode_mask=None,
-        logits_idx=None if all_rows else torch.tensor(logits_at, dtype=torch.long, device=dev),
+        logits_idx=None if all_rows else upload(logits_at, torch.long, dev),
         kernel=meta,
         backend=backend,
         item_rows=item_rows,

@@ -22,7 +22,7 @@ from tripod.kernels import gpu
 from tripod.layers.activation import activate
 from tripod.layers.backends.cpu import slot_table_batch
 from tripod.layers.backends.reference import ReferenceBackend
-from tripod.layers.batch import AttnSpec, Backend, BatchContext, ForwardBatch, StepItem
+from tripod.layers.batch import AttnSpec, Backend, BatchContext, ForwardBatch, StepItem, upload
 from tripod.layers.linear import Fp8Scales, Linear, StoredWeight, make_linear
 from tripod.layers.rotary import RotaryEmbedding
 from tripod.memory.kv_pool import KVPool
@@ -108,8 +108,7 @@ class TritonBackend(TritonOps, Backend):
         bm = self.block_m[any(it.length > 1 for it in items)]
         starts = [first for _, first in batch.item_rows]
         counts = [it.length for it, _ in batch.item_rows]
-        m.blocks = torch.tensor(self.ops.query_blocks(starts, counts, bm), dtype=torch.int32,
-                                device=ctx.device).view(-1, 2)
+        m.blocks = upload(self.ops.query_blocks(starts, counts, bm), torch.int32, ctx.device).view(-1, 2)
         m.block_m = bm
         return batch, sampling
 
