@@ -143,7 +143,8 @@ class Engine(OfflineAPI):
     def grammars(self) -> GrammarBackend:
         """The structured-outputs backend, created on first use (XGrammar loads lazily)."""
         if self._grammars is None:
-            self._grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+            self._grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_ids,
+                                            device_kernel=self.runner.triton)
         return self._grammars
 
     # ------------------------------------------------------------------ requests

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from tripod.engine.request import GRAMMAR_KINDS, GrammarSpec
+from tripod.kernels import gpu
+from tripod.layers.batch import upload
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +40,14 @@ class GrammarError(ValueError):
 class GrammarBackend:
     """Owns the XGrammar tokenizer info, the compiler (and its cache) and the compile thread."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: frozenset[int], compile_timeout: float = 30.0) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: frozenset[int], compile_timeout: float = 30.0,
+                 *, device_kernel: bool = False) -> None:
         import xgrammar as xgr
 
         self.xgr = xgr
+        # The Triton backend's engines mask on the device with tripod's kernel (kernels/gpu/masks.py;
+        # in Triton's interpreter on the CPU); others on the CPU with NumPy, or XGrammar's own.
+        self.device_kernel = device_kernel
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self.compile_timeout = compile_timeout
@@ -144,6 +150,9 @@ class GrammarBackend:
         if not rows:
             return
         vocab = self.vocab_size
+        if self.device_kernel:
+            self._apply_on_device(logits, matchers, rows)
+            return
         if logits.device.type != "cpu":
             bitmask = self.xgr.allocate_token_bitmask(len(matchers), vocab)
             for i in rows:
@@ -162,6 +171,17 @@ class GrammarBackend:
         else:
             idx = torch.tensor(rows)
             logits[idx] = logits[idx].masked_fill(forbid, float("-inf"))
+
+
+    def _apply_on_device(self, logits: torch.Tensor, matchers: list[Any], rows: list[int]) -> None:
+        """The constrained rows' bitmask filled on the host, uploaded (pinned, not waiting for the
+        device), and applied by one kernel launch."""
+        bitmask = self.xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for j, i in enumerate(rows):
+            matchers[i].fill_next_token_bitmask(bitmask, j)
+        dev = logits.device
+        on_dev = bitmask.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else bitmask
+        gpu.ops().apply_bitmask(logits, on_dev, upload(rows, torch.long, dev), min(self.vocab_size, logits.shape[1]))
 
 
 def choice_ebnf(choices: Any) -> str:

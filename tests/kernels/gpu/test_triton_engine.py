@@ -6,6 +6,7 @@ hits, with chunked prefill, and with speculative verify rows; and the engine rep
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from tests.conftest import check_greedy_tokens
 from tests.models import test_architectures as arch
 from tests.models.test_architectures import PROMPTS, _check_engine
 from tripod import Engine, SamplingParams
+from tripod.protocol.sampling import GrammarSpec
 
 slow = pytest.mark.slow
 tiny = arch.tiny  # the architectures suite's tiny checkpoints (a module-scoped fixture)
@@ -86,6 +88,24 @@ def test_the_overlap_scheduler_on_the_kernels_and_graphs(tiny: Any) -> None:
     assert eng.lookahead.counts.adopted >= 3, eng.lookahead.counts
     assert eng.runner.graphs.replays > 0
     eng.assert_consistent()
+
+
+def test_grammar_masks_on_the_device_kernel(tmp_path: Path, hf_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A regex-constrained request on the Triton backend masks with the device kernel (XGrammar's
+    bitmask uploaded) and gives the tokens the reference path's host masks give. (A tiny Llama
+    with the tokenizer's whole vocabulary, so the grammar's tokens exist.)"""
+    from tests.support import tiny_models
+
+    monkeypatch.setitem(tiny_models.COMMON, "vocab_size", len(hf_tokenizer))
+    folder = tiny_models.save(tiny_models.build_hf("llama"), tmp_path / "llama-full-vocab", hf_tokenizer)
+    grammar = GrammarSpec("regex", "(yes|no|maybe), [a-z]{2,6}\\.")
+    params = SamplingParams(max_tokens=12, temperature=0.0, grammar=grammar)
+    eng, ref = _engine(folder, jump_forward=False), Engine(model=str(folder), kernels="eager", kv_cache_tokens=256)
+    got = eng.generate([PROMPTS[1], PROMPTS[2]], [params, SamplingParams(max_tokens=4, temperature=0.0)])
+    want = ref.generate([PROMPTS[1], PROMPTS[2]], [params, SamplingParams(max_tokens=4, temperature=0.0)])
+    assert eng.grammars.device_kernel and not ref.grammars.device_kernel
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert re.fullmatch("(yes|no|maybe), [a-z]{2,6}\\.", got[0].text), got[0].text
 
 
 def test_bfloat16_is_refused_in_the_interpreter(tiny: Any) -> None:

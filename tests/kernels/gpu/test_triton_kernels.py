@@ -221,3 +221,26 @@ def test_mla_absorbed_decode(dtype: torch.dtype, heads: int, rank: int, rope: in
     got = ops.mla_decode(q, lat, idx, torch.tensor(lens, dtype=torch.int32), rank, scale,
                          split_keys=width // splits, splits=splits)
     _close(got, want, dtype, "MLA absorbed decode")
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_grammar_bitmask_applied_on_the_device(dtype: torch.dtype) -> None:
+    """XGrammar's packed bitmask (bit t % 32 of word t // 32, 1 = allowed) on the constrained rows
+    only: a vocabulary that is not a multiple of 32 nor of the kernel's block, rows in any order."""
+    import numpy as np
+
+    vocab, width = 2500, 2560  # logits wider than the vocabulary: the extra columns are left alone
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, width, generator=gen).to(dtype)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = 0  # a row that allows nothing
+    rows = [4, 0, 2]
+    want = logits.clone()
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+    for j, r in enumerate(rows):
+        want[r, :vocab][torch.from_numpy(~bits[j])] = float("-inf")
+    got = logits.clone()
+    ops.apply_bitmask(got, bitmask, torch.tensor(rows), vocab)
+    assert torch.equal(got, want)
+    assert torch.isinf(got[0, :vocab]).all() and torch.equal(got[1], logits[1]) and torch.equal(got[3], logits[3])

@@ -47,6 +47,8 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         rope_store_kv_kernel,
         silu_mul_kernel,
     )
+    from tripod.kernels.gpu.masks import BLOCK as MASK_BLOCK
+    from tripod.kernels.gpu.masks import apply_bitmask_kernel
     from tripod.kernels.gpu.mla import mla_decode_kernel
 
     bf = "*bf16"
@@ -67,6 +69,8 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         ("rms_norm+residual[4096]", rms_norm_kernel, {"x_ptr": bf, "res_ptr": bf, "w_ptr": bf, "out_ptr": bf,
                                                       "sum_ptr": bf}, dict(HAS_RES=True, BLOCK=4096)),
         ("silu_mul[14336]", silu_mul_kernel, {"gu_ptr": bf, "out_ptr": bf}, dict(BLOCK=1024)),
+        ("apply_bitmask[fp32 logits]", apply_bitmask_kernel, {"logits_ptr": "*fp32", "mask_ptr": "*i32",
+                                                               "rows_ptr": "*i64"}, dict(BLOCK=MASK_BLOCK)),
         ("rope_store_kv[32/8x128]", rope_store_kv_kernel,
          {"qkv_ptr": bf, "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "kv_ptr": bf, "slot_ptr": "*i64"},
          dict(NH=32, NKV=8, D=128, BLOCK_H=64, BLOCK_HALF=64, BLOCK_KV=8, BLOCK_D=128)),

@@ -2,7 +2,8 @@
 
 from tripod.kernels.gpu.attention import keys_per_step, paged_attention, query_blocks, tile
 from tripod.kernels.gpu.elementwise import rms_norm, rope_store_kv, silu_mul
+from tripod.kernels.gpu.masks import apply_bitmask
 from tripod.kernels.gpu.mla import mla_decode
 
-__all__ = ["keys_per_step", "mla_decode", "paged_attention", "query_blocks", "rms_norm", "rope_store_kv", "silu_mul",
+__all__ = ["apply_bitmask", "keys_per_step", "mla_decode", "paged_attention", "query_blocks", "rms_norm", "rope_store_kv", "silu_mul",
            "tile"]
