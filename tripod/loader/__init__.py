@@ -129,7 +129,7 @@ def load_model(
         if not net.has_stored_weights:
             raise ValueError(
                 f"--weights stored: {path.name} has no weights in a type tripod executes as stored "
-                f"(Q4_1, Q8_0; this file is {quant}); use the default dequantized weights"
+                f"(Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K; this file is {quant}); use the default dequantized weights"
             )
     net.eval()
     tok = src.tokenizer()
