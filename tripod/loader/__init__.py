@@ -38,7 +38,7 @@ class LoadedModel:
     tokenizer: Any
     quantization: str  # how the weights are stored on disk
     dtype: torch.dtype
-    # "dequantized" (every weight dequantized to ``dtype``), "stored" (the GGUF's Q4_1/Q8_0
+    # "dequantized" (every weight dequantized to ``dtype``), "stored" (the GGUF's Q4_0/Q4_1/Q8_0/...
     # blocks kept too, for kernels that execute them as stored; see layers/linear.py) or "fp8"
     # (a block-wise FP8 checkpoint's weights kept in FP8: layers/linear.py Fp8BlockLinear).
     weights: str = "dequantized"
