@@ -1,9 +1,9 @@
 """The embedded model's per-layer linears (QKV 960x576, O 576x576, gate+up 3072x576, down
-576x1536), timed on tripod's kernel for bf16 weights and for stored Q4_1 blocks (random codes,
-the GGUF's layout), at several batch sizes: ms per decode step (x 30 layers, LM head left out)
+576x1536), timed on tripod's kernel for bf16 weights and for stored Q4_1 / Q4_0 blocks (random
+codes, the GGUF's layout), at several batch sizes: ms per decode step (x 30 layers, LM head left out)
 and GFLOP/s. Best of ``--reps``.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/stored_gemm.py --rows 1,4,16,64,256
+    PYTHONPATH=. .venv/bin/python benchmarks/stored_gemm.py --rows 1,4,16,64,256 [--forms bf16,q4_1,q4_0]
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ from tripod import kernels
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
-def _q41(n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
-    raw = rng.integers(0, 256, size=(n, k // 32, 20), dtype=np.uint8)
-    raw[..., :4] = rng.uniform(0.001, 0.05, size=(n, k // 32, 2)).astype(np.float16).view(np.uint8).reshape(n, k // 32, 4)
+def _blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    """Random GGUF blocks: Q4_1 (fp16 d, m, 16 bytes of codes) or Q4_0 (fp16 d, 16 bytes)."""
+    per, scales = (20, 2) if fmt == "q4_1" else (18, 1)
+    raw = rng.integers(0, 256, size=(n, k // 32, per), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.05, size=(n, k // 32, scales)).astype(np.float16)
+    raw[..., : 2 * scales] = d.view(np.uint8).reshape(n, k // 32, 2 * scales)
     return torch.from_numpy(raw.reshape(n, -1).copy())
 
 
@@ -31,14 +34,17 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16,64,256")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--level", default=None)
+    ap.add_argument("--forms", default="bf16,q4_1,q4_0")
     a = ap.parse_args()
     assert kernels.load(a.level, wait=True), kernels.unavailable_reason()
     ops = kernels.ops(a.level)
     rng = np.random.default_rng(0)
-    forms = {
-        "bf16": [(ops.pack_linear(torch.randn(n, k).to(torch.bfloat16), "bf16", n, k), n, k) for n, k in SHAPES],
-        "q4_1": [(ops.pack_linear(_q41(n, k, rng), "q4_1", n, k), n, k) for n, k in SHAPES],
-    }
+    forms = {}
+    for name in a.forms.split(","):
+        if name == "bf16":
+            forms[name] = [(ops.pack_linear(torch.randn(n, k).to(torch.bfloat16), "bf16", n, k), n, k) for n, k in SHAPES]
+        else:
+            forms[name] = [(ops.pack_linear(_blocks(name, n, k, rng), name, n, k), n, k) for n, k in SHAPES]
     print(f"# {platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}")
     print("| rows | form | ms / step (30 layers) | GFLOP/s |")
     print("|---|---|---|---|")

@@ -148,14 +148,14 @@ class EngineConfig:
                                         commands=ENGINE_COMMANDS)
     # "auto" (default): "stored" for a quantized GGUF where the kernels run it (CPU, one process,
     # --dtype auto), else "dequantized" (loader/weights_mode.py; resolved before the engine is built).
-    # "dequantized": every weight dequantized to the run dtype. "stored": a GGUF's Q4_1/Q8_0/Q5_0/Q4_K/Q6_K
+    # "dequantized": every weight dequantized to the run dtype. "stored": a GGUF's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K
     # weights executed as stored by tripod's kernels (a quarter/half of bf16's bytes per token,
     # exactly the dequantized weights, float32 compute). "fp8": a block-wise FP8 checkpoint's
     # weights kept in FP8, dequantized band by band inside each matmul (w8a16, the run dtype's
     # activations). Explicit, logged, shown in /v1/models.
     weights: str = opt(
         "auto", "auto (default): stored for a quantized GGUF on the CPU with --dtype auto, else dequantized; "
-        "stored: execute a GGUF's Q4_1/Q8_0/Q5_0/Q4_K/Q6_K weights as stored (a quarter/half of "
+        "stored: execute a GGUF's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K weights as stored (a quarter/half of "
         "bf16's bytes per token, exactly the dequantized weights, float32 compute); fp8: keep a block-wise FP8 "
         "checkpoint's weights in FP8 (w8a16)",
         commands=ENGINE_COMMANDS, choices=WEIGHT_MODES)

@@ -98,7 +98,7 @@ def _q_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
 
 
 @needs_two
-@pytest.mark.parametrize("fmt", ["bf16", "f32", "q4_1", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["bf16", "f32", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("n,k", [(576, 576), (70, 96), (17, 64)])  # 70 and 17: not multiples of 16
 def test_linear_is_bit_identical_across_levels(levels: dict[str, Any], fmt: str, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(n + k)

@@ -135,17 +135,17 @@ def _q_blocks(kind: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch
         raw[..., 2:4] = m.view(np.uint8).reshape(n, k // block, 2)
         raw[..., 4:] = rng.integers(0, 256, (n, k // block, 16), dtype=np.uint8)
     else:
-        raw[..., 2:] = rng.integers(0, 256, (n, k // block, 32), dtype=np.uint8)
+        raw[..., 2:] = rng.integers(0, 256, (n, k // block, size - 2), dtype=np.uint8)
     raw = raw.reshape(n, -1)
     deq = gguf.quants.dequantize(raw, qt).astype(np.float32).reshape(n, k)
     return torch.from_numpy(raw), torch.from_numpy(deq)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "f32", "q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["bf16", "f32", "q4_0", "q4_1", "q8_0"])
 def test_linear_matches_reference_and_is_batch_invariant(ops: Any, fmt: str) -> None:
     n, k = 200, 576  # 200 outputs: not a multiple of the 16-output tiles
     g = torch.Generator().manual_seed(4)
-    if fmt in ("q4_1", "q8_0"):
+    if fmt in ("q4_0", "q4_1", "q8_0"):
         raw, ref_w = _q_blocks(fmt.upper(), n, k, seed=4)
         packed = ops.pack_linear(raw, fmt, n, k)
         x = torch.randn(37, k, generator=g)

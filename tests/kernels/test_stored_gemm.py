@@ -12,9 +12,9 @@ import torch
 
 
 def _blocks(fmt: str, n: int, k: int, seed: int) -> torch.Tensor:
-    """Random blocks in the form pack_linear takes (GGUF's Q4_1 / Q8_0; the per-32 Q4_K / Q6_K)."""
+    """Random blocks in the form pack_linear takes (GGUF's Q4_0 / Q4_1 / Q8_0; the per-32 Q4_K / Q6_K)."""
     rng = np.random.default_rng(seed)
-    per = {"q4_1": 20, "q8_0": 34, "q4_k": 24, "q6_k": 40}[fmt]
+    per = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q4_k": 24, "q6_k": 40}[fmt]
     raw = rng.integers(0, 256, size=(n, k // 32, per), dtype=np.uint8)
     if fmt in ("q4_k", "q6_k"):
         scales = rng.uniform(0.001, 0.05, size=(n, k // 32, 2)).astype(np.float32)
@@ -24,7 +24,7 @@ def _blocks(fmt: str, n: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(raw.reshape(n, -1).copy())
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
 def test_every_row_of_a_batch_is_the_row_alone(ops: Any, fmt: str) -> None:
     n, k = 70, 96  # 70 outputs: a partial last block; 3 blocks of 32 inputs
     packed = ops.pack_linear(_blocks(fmt, n, k, seed=len(fmt)), fmt, n, k)

@@ -10,8 +10,8 @@ wants, prepared once when the model is loaded (``Form``).
 - ``kernel``: tripod's own CPU kernel over weights packed for it (``tripod/kernels/csrc/linear.cpp``):
   bfloat16 (``vdpbf16ps``) or float32. Every output is summed in the same order whatever the number
   of rows, so a row's result never depends on the rest of the batch (see docs/architecture.md).
-- ``stored``: like ``kernel``, but GGUF Q4_1 / Q8_0 / Q5_0 / Q4_K / Q6_K weights executed as stored (``--weights
-  stored``): a quarter (Q4_1) or half (Q8_0) of bfloat16's bytes, with exactly the dequantized
+- ``stored``: like ``kernel``, but GGUF Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q6_K weights executed as stored
+  (``--weights stored``): about a quarter (Q4_0, Q4_1) or half (Q8_0) of bfloat16's bytes, with exactly the dequantized
   weights; float32 activations.
 
 Whatever the form, a weight kept in block-wise FP8 (``--weights fp8`` on a DeepSeek-format
@@ -36,13 +36,13 @@ class StoredWeight:
     """A weight as the GGUF file stores it (or rewritten with exactly its values,
     ``loader/stored.py``): ``blocks`` uint8 ``[N, K / 32 * block bytes]``."""
 
-    kind: str  # "Q4_1" | "Q8_0" | "Q4_K" | "Q6_K" (loader/stored.py: Q5_0 arrives as Q8_0)
+    kind: str  # "Q4_0" | "Q4_1" | "Q8_0" | "Q4_K" | "Q6_K" (loader/stored.py: Q5_0 arrives as Q8_0)
     blocks: torch.Tensor
     shape: tuple[int, int]  # (N, K)
 
 
 # The stored kinds tripod's kernels execute, and their packed format name.
-STORED_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
+STORED_KINDS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
 
 
 class DenseLinear:
@@ -81,7 +81,7 @@ class OneDNNLinear:
 
 
 class KernelLinear:
-    """tripod's CPU kernel over a weight packed for it (formats: bf16, f32, q4_1, q8_0)."""
+    """tripod's CPU kernel over a weight packed for it (formats: bf16, f32, q4_0, q4_1, q8_0, q4_k, q6_k)."""
 
     def __init__(self, ops: Any, packed: torch.Tensor, fmt: str, n: int, k: int, bias: torch.Tensor | None) -> None:
         self.op = ops.linear_packed.default

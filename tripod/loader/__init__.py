@@ -38,7 +38,7 @@ class LoadedModel:
     tokenizer: Any
     quantization: str  # how the weights are stored on disk
     dtype: torch.dtype
-    # "dequantized" (every weight dequantized to ``dtype``), "stored" (the GGUF's Q4_1/Q8_0
+    # "dequantized" (every weight dequantized to ``dtype``), "stored" (the GGUF's Q4_0/Q4_1/Q8_0/...
     # blocks kept too, for kernels that execute them as stored; see layers/linear.py) or "fp8"
     # (a block-wise FP8 checkpoint's weights kept in FP8: layers/linear.py Fp8BlockLinear).
     weights: str = "dequantized"
@@ -129,7 +129,7 @@ def load_model(
         if not net.has_stored_weights:
             raise ValueError(
                 f"--weights stored: {path.name} has no weights in a type tripod executes as stored "
-                f"(Q4_1, Q8_0; this file is {quant}); use the default dequantized weights"
+                f"(Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K; this file is {quant}); use the default dequantized weights"
             )
     net.eval()
     tok = src.tokenizer()

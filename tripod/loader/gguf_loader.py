@@ -162,8 +162,8 @@ class GGUFFile:
         return torch.from_numpy(w.copy() if not w.flags.writeable else w)
 
     def stored_weights(self) -> dict[str, Any]:
-        """The 2-D weights whose GGUF type tripod's kernels execute as stored (Q4_1, Q8_0, Q5_0,
-        Q4_K, Q6_K; ``loader/stored.py``), as blocks under HF names, rows in HF order (Q/K
+        """The 2-D weights whose GGUF type tripod's kernels execute as stored (Q4_0, Q4_1, Q8_0,
+        Q5_0, Q4_K, Q6_K; ``loader/stored.py``), as blocks under HF names, rows in HF order (Q/K
         un-permuted like ``weights``)."""
         from tripod.layers.linear import StoredWeight
         from tripod.loader.stored import convert

@@ -1,6 +1,6 @@
 """GGUF blocks in the forms tripod's kernels execute as stored (``--weights stored``).
 
-Q4_1 and Q8_0 go to the kernels as the file stores them. The others are rewritten once at load,
+Q4_0, Q4_1 and Q8_0 go to the kernels as the file stores them. The others are rewritten once at load,
 keeping exactly the values ``gguf``'s dequantization gives:
 
 - Q5_0 → Q8_0 blocks: the same fp16 scale ``d`` and the 5-bit code minus 16 as int8 (``d * q``).
@@ -23,7 +23,7 @@ def convert(kind: str, raw: np.ndarray) -> tuple[str, np.ndarray] | None:
     uint8 ``[rows, bytes per row]`` in that kind's form), or None when the type is not executed
     as stored (its weight runs dequantized)."""
     rows = raw.shape[0]
-    if kind in ("Q4_1", "Q8_0"):
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):
         return kind, raw
     if kind == "Q5_0":
         return "Q8_0", _q5_0_as_q8_0(raw.reshape(-1, 22)).reshape(rows, -1)
@@ -77,7 +77,7 @@ def dequantize(kind: str, blocks: np.ndarray, cols: int) -> np.ndarray:
     """float32 ``[rows, cols]`` of a weight in one of ``convert``'s output kinds (the tests'
     check that the rewrite kept gguf's values exactly)."""
     rows = blocks.shape[0]
-    if kind in ("Q4_1", "Q8_0"):
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):
         from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize as gguf_dequantize
 

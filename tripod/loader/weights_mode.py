@@ -3,7 +3,7 @@
 A quantized GGUF runs **as stored** (``stored``: exactly the file's values, float32 compute on
 tripod's kernels, a third to a half of bf16's bytes per token) where the kernels can: on the CPU,
 in one process, with the run dtype left to ``auto``, and the file's dominant type one the kernels
-execute (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K). Everything else runs dequantized, which for a 16-bit (or
+execute (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K). Everything else runs dequantized, which for a 16-bit (or
 float32) checkpoint *is* its stored values. An explicit ``--dtype`` (``float32``: the reference
 path, token-exact against transformers; ``bfloat16``) keeps the dequantized weights it names.
 
@@ -23,7 +23,7 @@ from tripod.loader.gguf_loader import GGUFFile
 
 log = logging.getLogger("tripod.loader")
 
-EXECUTED_AS_STORED = frozenset({"Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"})
+EXECUTED_AS_STORED = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"})
 
 
 def auto_weights(config: EngineConfig) -> tuple[str, str]:

@@ -6,6 +6,10 @@
 // - "f32":   [N/16][K][16] float32.
 // - "q4_1":  GGUF Q4_1 executed as stored: per 16 outputs x 32 inputs, the 16 scales d and 16
 //            minimums m (fp16, as stored) and the 4-bit codes q, two inputs per byte.
+// - "q4_0":  GGUF Q4_0 as stored: per 16 outputs x 32 inputs, 16 scales d (fp16) and the 4-bit
+//            codes q, two inputs per byte as in "q4_1". w = d*(q - 8) is "q4_1"'s d*q + m with
+//            m = -8*d (exact in float32), so it takes Q4_1's sums: d*sum(x*q) - 8*d*sum(x).
+//            (Centring the codes instead costs a subtraction per code vector: 15-20 % at one row.)
 // - "q8_0":  GGUF Q8_0 as stored: per 16 outputs x 32 inputs, 16 scales d (fp16) and int8 codes.
 //            (GGUF Q5_0 is given in this form too: d and q - 16 as int8, exactly its values.)
 // - "q4_k":  GGUF Q4_K's sub-blocks of 32: per 16 outputs x 32 inputs, the float32 scale a = d*sc
@@ -47,20 +51,22 @@ using bf16 = at::BFloat16;
 using namespace tripod_simd;
 
 constexpr int kQ41Block = 16 * 2 + 16 * 2 + 256;  // d[16], m[16] (fp16), codes 16 x 32 nibbles
+constexpr int kQ40Block = 16 * 2 + 256;           // d[16] (fp16), codes 16 x 32 nibbles
 constexpr int kQ80Block = 16 * 2 + 512;           // d[16] (fp16), codes 16 x 32 int8
 constexpr int kQ4KBlock = 16 * 4 * 2 + 256;       // a[16], b[16] (float32), codes 16 x 32 nibbles
 constexpr int kQ6KBlock = 16 * 4 * 2 + 512;       // a0[16], a1[16] (float32), codes 16 x 32 int8
 
-enum class Fmt { kBf16, kF32, kQ41, kQ80, kQ4K, kQ6K };
+enum class Fmt { kBf16, kF32, kQ40, kQ41, kQ80, kQ4K, kQ6K };
 
 Fmt parse_fmt(const std::string& s) {
   if (s == "bf16") return Fmt::kBf16;
   if (s == "f32") return Fmt::kF32;
+  if (s == "q4_0") return Fmt::kQ40;
   if (s == "q4_1") return Fmt::kQ41;
   if (s == "q8_0") return Fmt::kQ80;
   if (s == "q4_k") return Fmt::kQ4K;
   if (s == "q6_k") return Fmt::kQ6K;
-  TORCH_CHECK(false, "unknown packed weight format '", s, "' (bf16, f32, q4_1, q8_0, q4_k, q6_k)");
+  TORCH_CHECK(false, "unknown packed weight format '", s, "' (bf16, f32, q4_0, q4_1, q8_0, q4_k, q6_k)");
 }
 
 // The packed tensor pack_linear makes for (format, n, k): what linear_packed checks it is given.
@@ -69,6 +75,7 @@ std::vector<int64_t> packed_shape(Fmt fmt, int64_t n, int64_t k) {
   switch (fmt) {
     case Fmt::kBf16: return {nb, (k + 1) / 2, 16, 2};
     case Fmt::kF32: return {nb, k, 16};
+    case Fmt::kQ40: return {nb, k / 32, kQ40Block};
     case Fmt::kQ41: return {nb, k / 32, kQ41Block};
     case Fmt::kQ80: return {nb, k / 32, kQ80Block};
     case Fmt::kQ4K: return {nb, k / 32, kQ4KBlock};
@@ -110,9 +117,9 @@ at::Tensor pack_linear(const at::Tensor& w, const std::string& format, int64_t n
   TORCH_CHECK(k % 32 == 0, "pack_linear: quantized weights need K % 32 == 0");
   TORCH_CHECK(w.scalar_type() == at::kByte, "pack_linear: quantized weights are given as uint8 GGUF blocks");
   const int64_t kb = k / 32;
-  // Bytes per 32 inputs of one row as given: Q4_1 and Q8_0 as GGUF stores them; q4_k as
+  // Bytes per 32 inputs of one row as given: Q4_0, Q4_1 and Q8_0 as GGUF stores them; q4_k as
   // [a f32, b f32, 16 bytes of nibbles like Q4_1's]; q6_k as [a0 f32, a1 f32, 32 int8 codes].
-  const int64_t in_block = fmt == Fmt::kQ41 ? 20 : fmt == Fmt::kQ80 ? 34 : fmt == Fmt::kQ4K ? 24 : 40;
+  const int64_t in_block = fmt == Fmt::kQ40 ? 18 : fmt == Fmt::kQ41 ? 20 : fmt == Fmt::kQ80 ? 34 : fmt == Fmt::kQ4K ? 24 : 40;
   TORCH_CHECK(w.dim() == 2 && w.size(1) == kb * in_block, "pack_linear: expected ", kb * in_block, " bytes per row");
   const int64_t out_block = packed_shape(fmt, n, k)[2];
   const bool wide = fmt == Fmt::kQ4K || fmt == Fmt::kQ6K;  // float32 scales: 4 bytes each
@@ -132,10 +139,10 @@ at::Tensor pack_linear(const at::Tensor& w, const std::string& format, int64_t n
       }
       if (fmt == Fmt::kQ6K) {
         for (int i = 0; i < 32; ++i) ob[128 + i * 16 + c] = blk[8 + i];
-      } else if (fmt == Fmt::kQ41 || fmt == Fmt::kQ4K) {
+      } else if (fmt == Fmt::kQ40 || fmt == Fmt::kQ41 || fmt == Fmt::kQ4K) {
         if (fmt == Fmt::kQ41) std::memcpy(ob + 32 + 2 * c, blk + 2, 2);  // m
-        const int codes = fmt == Fmt::kQ41 ? 64 : 128;
-        const uint8_t* qs = blk + (fmt == Fmt::kQ41 ? 4 : 8);  // input j: low nibble of qs[j] (j < 16), high of qs[j - 16]
+        const int codes = fmt == Fmt::kQ40 ? 32 : fmt == Fmt::kQ41 ? 64 : 128;
+        const uint8_t* qs = blk + (fmt == Fmt::kQ40 ? 2 : fmt == Fmt::kQ41 ? 4 : 8);  // input j: low nibble of qs[j] (j < 16), high of qs[j - 16]
         for (int p = 0; p < 16; ++p) {
           const int i0 = 2 * p, i1 = 2 * p + 1;
           const uint8_t q0 = i0 < 16 ? (qs[i0] & 15) : (qs[i0 - 16] >> 4);
@@ -194,16 +201,18 @@ void tile_f32(const float* x, int64_t ldx, const float* w, int64_t k, int64_t nb
   }
 }
 
-// 4-bit codes with a scale and a minimum per output and 32 inputs. x is float32 here;
+// 4-bit codes with a scale (and a minimum) per output and 32 inputs. x is float32 here;
 // xsum[m * kb + b] = the sum of row m's inputs in block b (for the minimums).
-// - Q4_1 (kF32 = false): fp16 d and m, w = d*q + m;
-// - Q4_K (kF32 = true): float32 a and b, w = a*q - b.
-template <int MR, int NBT, bool kF32>
+// - Q4_0: fp16 d, w = d*q + m with m = -8*d;
+// - Q4_1: fp16 d and m, w = d*q + m;
+// - Q4_K: float32 a and b, w = a*q - b.
+template <int MR, int NBT, Fmt fmt>
 void tile_q4(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t kb, int64_t nb0,
              V16 acc[MR][NBT]) {
-  constexpr int kBlock = kF32 ? kQ4KBlock : kQ41Block;
+  constexpr bool kF32 = fmt == Fmt::kQ4K;
+  constexpr int kBlock = fmt == Fmt::kQ40 ? kQ40Block : kF32 ? kQ4KBlock : kQ41Block;
   constexpr int kMin = kF32 ? 64 : 32;     // where the minimums start
-  constexpr int kCodes = kF32 ? 128 : 64;  // where the codes start
+  constexpr int kCodes = fmt == Fmt::kQ40 ? 32 : kF32 ? 128 : 64;  // where the codes start
   for (int64_t b = 0; b < kb; ++b) {
     const uint8_t* blk[NBT];
     V16 s[MR][NBT];  // sum over the block of x * q (q exact small integers)
@@ -225,7 +234,10 @@ void tile_q4(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, i
       }
     }
     for (int j = 0; j < NBT; ++j) {
-      if constexpr (kF32) {
+      if constexpr (fmt == Fmt::kQ40) {
+        const V16 d = load_fp16(blk[j]), mn = mul(d, set1(-8.f));
+        for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
+      } else if constexpr (kF32) {
         const V16 a = load(reinterpret_cast<const float*>(blk[j])), mn = load(reinterpret_cast<const float*>(blk[j] + kMin));
         for (int m = 0; m < MR; ++m) acc[m][j] = fnmadd(mn, set1(xsum[m * kb + b]), fmadd(a, s[m][j], acc[m][j]));
       } else {
@@ -302,16 +314,21 @@ void tile_q6_k(const float* x, int64_t ldx, const uint8_t* w, int64_t kb, int64_
 
 constexpr int kDecodedBlock = 32 * 16;  // floats per 16 outputs x 32 inputs
 
+// Bytes per packed 16 outputs x 32 inputs of a quantized format.
+constexpr int block_bytes(Fmt fmt) {
+  return fmt == Fmt::kQ40 ? kQ40Block : fmt == Fmt::kQ41 ? kQ41Block : fmt == Fmt::kQ80 ? kQ80Block : fmt == Fmt::kQ4K ? kQ4KBlock : kQ6KBlock;
+}
+
 // Codes of output blocks [nb0, nb0 + cols) x input blocks [b0, b0 + nq) as float32:
 // q[(j * nq + b - b0) * 512 + i * 16 + c].
 void decode_codes(Fmt fmt, const uint8_t* w, int64_t kb, int64_t nb0, int64_t cols, int64_t b0, int64_t nq, float* q) {
-  const int block = fmt == Fmt::kQ41 ? kQ41Block : fmt == Fmt::kQ80 ? kQ80Block : fmt == Fmt::kQ4K ? kQ4KBlock : kQ6KBlock;
-  const int codes = fmt == Fmt::kQ41 ? 64 : fmt == Fmt::kQ80 ? 32 : 128;
+  const int block = block_bytes(fmt);
+  const int codes = fmt == Fmt::kQ41 ? 64 : fmt == Fmt::kQ40 || fmt == Fmt::kQ80 ? 32 : 128;
   for (int64_t j = 0; j < cols; ++j)
     for (int64_t b = b0; b < b0 + nq; ++b) {
       const uint8_t* blk = w + ((nb0 + j) * kb + b) * block + codes;
       float* out = q + (j * nq + b - b0) * kDecodedBlock;
-      if (fmt == Fmt::kQ41 || fmt == Fmt::kQ4K) {
+      if (fmt == Fmt::kQ40 || fmt == Fmt::kQ41 || fmt == Fmt::kQ4K) {
         for (int p = 0; p < 16; ++p) {
           V16 lo, hi;
           load_nibbles(blk + 16 * p, lo, hi);
@@ -328,7 +345,7 @@ void decode_codes(Fmt fmt, const uint8_t* w, int64_t kb, int64_t nb0, int64_t co
 template <int MR, int NBT, Fmt fmt>
 void tile_decoded(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, const float* q, int64_t kb,
                   int64_t b0, int64_t nq, int64_t nb0, int64_t j0, V16 acc[MR][NBT]) {
-  constexpr int block = fmt == Fmt::kQ41 ? kQ41Block : fmt == Fmt::kQ80 ? kQ80Block : fmt == Fmt::kQ4K ? kQ4KBlock : kQ6KBlock;
+  constexpr int block = block_bytes(fmt);
   constexpr int group = fmt == Fmt::kQ6K ? 16 : 32;  // inputs per scale
   for (int64_t b = b0; b < b0 + nq; ++b) {
     for (int g0 = 0; g0 < 32; g0 += group) {
@@ -351,6 +368,9 @@ void tile_decoded(const float* x, int64_t ldx, const float* xsum, const uint8_t*
         } else if constexpr (fmt == Fmt::kQ4K) {
           const V16 a = load(reinterpret_cast<const float*>(blk)), mn = load(reinterpret_cast<const float*>(blk + 64));
           for (int m = 0; m < MR; ++m) acc[m][j] = fnmadd(mn, set1(xsum[m * kb + b]), fmadd(a, s[m][j], acc[m][j]));
+        } else if constexpr (fmt == Fmt::kQ40) {
+          const V16 d = load_fp16(blk), mn = mul(d, set1(-8.f));
+          for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
         } else if constexpr (fmt == Fmt::kQ80) {
           const V16 d = load_fp16(blk);
           for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(d, s[m][j], acc[m][j]);
@@ -374,7 +394,7 @@ struct Problem {
   const void* x;       // activations as given (bf16 or f32), [M, K] with row stride ldx
   int64_t ldx;
   const float* xf;     // float32 activations (quantized/f32 formats on bf16 input), ld = k
-  const float* xsum;   // [M, K/32] block sums (q4_1)
+  const float* xsum;   // [M, K/32] block sums (q4_0, q4_1, q4_k)
   const void* w;
   const void* residual;  // [M, N] or null
   int64_t ldr;
@@ -397,14 +417,17 @@ void run_tile(const Problem& p, int64_t m0, int64_t nb0) {
     case Fmt::kF32:
       tile_f32<MR, NBT>(p.xf + m0 * p.k, p.k, static_cast<const float*>(p.w), p.k, nb0, acc);
       break;
+    case Fmt::kQ40:
+      tile_q4<MR, NBT, Fmt::kQ40>(p.xf + m0 * p.k, p.k, p.xsum + m0 * (p.k / 32), static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
+      break;
     case Fmt::kQ41:
-      tile_q4<MR, NBT, false>(p.xf + m0 * p.k, p.k, p.xsum + m0 * (p.k / 32), static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
+      tile_q4<MR, NBT, Fmt::kQ41>(p.xf + m0 * p.k, p.k, p.xsum + m0 * (p.k / 32), static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
       break;
     case Fmt::kQ80:
       tile_q8_0<MR, NBT>(p.xf + m0 * p.k, p.k, static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
       break;
     case Fmt::kQ4K:
-      tile_q4<MR, NBT, true>(p.xf + m0 * p.k, p.k, p.xsum + m0 * (p.k / 32), static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
+      tile_q4<MR, NBT, Fmt::kQ4K>(p.xf + m0 * p.k, p.k, p.xsum + m0 * (p.k / 32), static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
       break;
     case Fmt::kQ6K:
       tile_q6_k<MR, NBT>(p.xf + m0 * p.k, p.k, static_cast<const uint8_t*>(p.w), p.k / 32, nb0, acc);
@@ -428,6 +451,7 @@ __attribute__((noinline)) void run_decoded_tile(const Problem& p, int64_t m0, in
   const float* xs = p.xsum ? p.xsum + m0 * kb : nullptr;
   const uint8_t* w = static_cast<const uint8_t*>(p.w);
   switch (p.fmt) {
+    case Fmt::kQ40: tile_decoded<MR, NBT, Fmt::kQ40>(x, p.k, xs, w, q, kb, b0, nq, nb0, j0, acc); break;
     case Fmt::kQ41: tile_decoded<MR, NBT, Fmt::kQ41>(x, p.k, xs, w, q, kb, b0, nq, nb0, j0, acc); break;
     case Fmt::kQ80: tile_decoded<MR, NBT, Fmt::kQ80>(x, p.k, xs, w, q, kb, b0, nq, nb0, j0, acc); break;
     case Fmt::kQ4K: tile_decoded<MR, NBT, Fmt::kQ4K>(x, p.k, xs, w, q, kb, b0, nq, nb0, j0, acc); break;
@@ -653,10 +677,10 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& w, const std::st
   }
 #endif
   at::Tensor xf, xsum;
-  if (fmt != Fmt::kBf16) {  // float32 activations, contiguous (and block sums for Q4_1)
+  if (fmt != Fmt::kBf16) {  // float32 activations, contiguous (and block sums for Q4_0, Q4_1, Q4_K)
     xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
     p.xf = xf.data_ptr<float>();
-    if (fmt == Fmt::kQ41 || fmt == Fmt::kQ4K) {
+    if (fmt == Fmt::kQ40 || fmt == Fmt::kQ41 || fmt == Fmt::kQ4K) {
       // NOTE: summed here in a fixed order, not by torch's sum (whose order follows the CPU
       // capability ATen dispatches to): the same bits on every machine.
       xsum = at::empty({m, k / 32}, xf.options());
