@@ -27,6 +27,7 @@ from typing import Any
 if "--dry-run" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,6 +38,13 @@ from tripod import Engine, SamplingParams
 from tripod.kernels import gpu
 from tripod.layers.activation import activate
 from tripod.layers.attention import sdpa
+from tripod.layers.fp8 import (
+    Fp8BlockLinear,
+    Fp8ScaledLinear,
+    Fp8Scales,
+    dequantize_fp8,
+    unsupported_reason,
+)
 from tripod.layers.norm import rms_norm
 from tripod.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -99,6 +107,46 @@ def kernels(dev: torch.device, dry: bool) -> list[dict[str, Any]]:
     ops.rope_store_kv(qkv, pos, rot.cos, rot.sin, kv, torch.arange(17, device=dev), nh, nkv)
     rec(f"rope_store_kv[{nh}/{nkv}x{d}]", _err(qkv.view(17, -1, d)[:, : nh + nkv], want))
     out += _attention_checks(ops, dev, dt, tol, dry)
+    out += _mask_and_fp8_checks(ops, dev, dry)
+    return out
+
+
+def _mask_and_fp8_checks(ops: Any, dev: torch.device, dry: bool) -> list[dict[str, Any]]:
+    """The grammar bitmask kernel (exact), and block-wise FP8 through torch._scaled_mm (w8a8)
+    against the dequantized w8a16 product, with both timed at a decode batch on a GPU."""
+    vocab = 2500 if dry else 128256
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, vocab, generator=g)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, (vocab + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    want = logits.clone()
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+    for j, r in enumerate([5, 0, 2]):
+        want[r][torch.from_numpy(~bits[j])] = float("-inf")
+    got = logits.to(dev)
+    ops.apply_bitmask(got, bitmask.to(dev), torch.tensor([5, 0, 2], device=dev), vocab)
+    same = torch.equal(got.cpu(), want)
+    out: list[dict[str, Any]] = [{"kernel": f"apply_bitmask[{vocab}]", "rel_error": 0.0 if same else 1.0,
+                                  "tolerance": 0.0, "ok": same}]
+    n, k = (256, 512) if dry else (14336, 4096)
+    w = (torch.randn(n, k, device=dev) * 0.05)
+    scale = torch.full((n // 128, k // 128), 0.0005, device=dev)
+    wq = (w / 0.0005).clamp(-448, 448).to(torch.float8_e4m3fn)
+    sc = Fp8Scales(scale, (128, 128))
+    why = unsupported_reason(wq, sc, force=dry)
+    x = torch.randn(64, k, device=dev).to(torch.bfloat16)
+    ref = Fp8BlockLinear(wq, sc, None)(x.float())
+    row: dict[str, Any] = {"kernel": f"fp8 scaled_mm[{n}x{k}, 128x128 blocks]", "tolerance": 0.06}
+    if why is not None:
+        row.update(rel_error=None, ok=False, reason=why)
+    else:
+        lin = Fp8ScaledLinear(wq, sc, None)
+        e = _err(lin(x), ref)
+        row.update(rel_error=e, ok=e <= 0.06)
+        if not dry:
+            dense = dequantize_fp8(wq, sc, torch.bfloat16)
+            row["ms_fp8_w8a8"] = _timed(lambda: lin(x), dev, 20) * 1e3
+            row["ms_bf16_dense"] = _timed(lambda: torch.nn.functional.linear(x, dense), dev, 20) * 1e3
+    out.append(row)
     return out
 
 

@@ -28,6 +28,18 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from tripod.layers.fp8 import (
+    FP8_DTYPES,
+    Fp8BlockLinear,
+    Fp8ScaledLinear,
+    Fp8Scales,
+    dequantize_fp8,
+    report_fp8,
+)
+from tripod.layers.fp8 import unsupported_reason as fp8_unsupported_reason
+
+__all__ = ["FP8_DTYPES", "Fp8BlockLinear", "Fp8ScaledLinear", "Fp8Scales", "dequantize_fp8"]
+
 Form = Literal["dense", "onednn", "kernel", "stored"]
 
 
@@ -110,54 +122,7 @@ class KernelLinear:
         return cls(ops, ops.pack_linear(stored.blocks.contiguous(), fmt, n, k), fmt, n, k, bias)
 
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-@dataclass(frozen=True, slots=True)
-class Fp8Scales:
-    """The per-block scales of an FP8 weight: ``scale_inv`` ``[ceil(N/bn), ceil(K/bk)]`` float32."""
-
-    scale_inv: torch.Tensor
-    block: tuple[int, int]
-
-
-def dequantize_fp8(w: torch.Tensor, sc: Fp8Scales, dtype: torch.dtype, rows: slice | None = None) -> torch.Tensor:
-    """``w`` (or its rows ``rows``, starting on a block boundary) dequantized to ``dtype``."""
-    bn, bk = sc.block
-    start = 0 if rows is None else rows.start
-    part = w if rows is None else w[rows]
-    n, k = part.shape
-    s = sc.scale_inv[start // bn : start // bn + -(-n // bn)]
-    s = s.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
-    return (part.to(torch.float32) * s).to(dtype)
-
-
-class Fp8BlockLinear:
-    """w8a16: the weight stays FP8; bands of block rows are dequantized inside the call."""
-
-    MAX_BAND = 1 << 22  # dequantized values alive at once
-
-    def __init__(self, weight: torch.Tensor, scales: Fp8Scales, bias: torch.Tensor | None) -> None:
-        self.weight, self.scales, self.bias = weight, scales, bias
-        n, k = weight.shape
-        bn = scales.block[0]
-        self.band = max(bn, (self.MAX_BAND // max(k, 1)) // bn * bn)
-        self.out_features = n
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        n = self.out_features
-        if n <= self.band:
-            y = F.linear(x, dequantize_fp8(self.weight, self.scales, x.dtype), self.bias)
-        else:
-            y = x.new_empty((x.shape[0], n))
-            for i in range(0, n, self.band):
-                rows = slice(i, min(i + self.band, n))
-                b = None if self.bias is None else self.bias[rows]
-                y[:, rows] = F.linear(x, dequantize_fp8(self.weight, self.scales, x.dtype, rows), b)
-        return y if residual is None else residual + y
-
-
-Linear = DenseLinear | OneDNNLinear | KernelLinear | Fp8BlockLinear
+Linear = DenseLinear | OneDNNLinear | KernelLinear | Fp8BlockLinear | Fp8ScaledLinear
 
 
 def onednn_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -202,7 +167,9 @@ def make_linear(
     if weight.dtype in FP8_DTYPES:
         if fp8 is None:
             raise ValueError("an FP8 weight needs its block scales")
-        return Fp8BlockLinear(weight, fp8, bias)
+        why = fp8_unsupported_reason(weight, fp8)
+        report_fp8(why)
+        return Fp8BlockLinear(weight, fp8, bias) if why is not None else Fp8ScaledLinear(weight, fp8, bias)
     if form == "stored" and stored is not None and stored.kind in STORED_KINDS:
         return KernelLinear.pack_stored(ops, stored, bias)
     if form in ("kernel", "stored") and kernel_supported(weight):
