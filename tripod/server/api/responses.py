@@ -39,6 +39,7 @@ from tripod.server.api.sampling import build_sampling, stop_strings
 from tripod.server.engine_client import EnginePart
 from tripod.server.errors import APIError
 from tripod.server.response_store import StoredResponse, StoreFull
+from tripod.server.run_owner import instance_id
 from tripod.server.state import ServerState, adapter_of, check_model
 from tripod.tenants import DEFAULT_TENANT, record_of
 
@@ -273,7 +274,7 @@ async def _store(state: ServerState, p: _Prepared, tenant: str) -> None:
     if not p.req.store:
         return
     rec = StoredResponse(p.rid, tenant, p.builder.snapshot(), p.items, p.req.previous_response_id, time.time(),
-                         p.history)
+                         p.history, owner=instance_id() if p.req.background else None)
     try:
         await asyncio.to_thread(state.responses.put, rec)
     except StoreFull as e:
