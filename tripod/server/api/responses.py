@@ -214,8 +214,12 @@ def _prepare(state: ServerState, request: Request, req: ResponsesRequest) -> _Pr
     ids = state.chat.render(messages, tools, param="input")
     if req.truncation == "auto":  # drop the oldest turns (never the instructions) until it fits
         keep = 1 if req.instructions else 0
-        while len(ids) >= state.max_len and len(messages) > keep + 1:
+        # (with room for the output asked for: at least one token)
+        budget = req.max_output_tokens if isinstance(req.max_output_tokens, int) and req.max_output_tokens > 0 else 1
+        while len(ids) + budget > state.max_len and len(messages) > keep + 1:
             del messages[keep]
+            while len(messages) > keep + 1 and messages[keep].role != "user":
+                del messages[keep]  # (the rest of that turn: the conversation starts with a user turn)
             ids = state.chat.render(messages, tools, param="input")
     parser = state.chat.parser if choice.mode != "none" else None
     think = state.thinking(ids)
