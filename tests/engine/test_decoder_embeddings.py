@@ -45,13 +45,15 @@ def check(got: list[list[float]], want: list[torch.Tensor], what: str) -> None:
         assert diff < 1e-5, f"{what}: input {i} differs from transformers' by {diff}"
 
 
-@pytest.mark.parametrize(("kind", "how", "normalize"), [
-    ("qwen3", "last", True), ("qwen3", "mean", False), ("llama", "cls", False), ("llama", "mean", True)])
-def test_pooled_states_equal_transformers(kind: str, how: str, normalize: bool, folders: dict[str, Path]) -> None:
+@pytest.mark.parametrize(("kind", "how", "normalize", "kernels"), [
+    ("qwen3", "last", True, "eager"), ("qwen3", "mean", False, "eager"), ("llama", "cls", False, "eager"),
+    ("llama", "mean", True, "eager"), ("qwen3", "mean", True, "optimized")])
+def test_pooled_states_equal_transformers(kind: str, how: str, normalize: bool, kernels: str,
+                                          folders: dict[str, Path]) -> None:
     want = reference(folders[kind], how, normalize)
     # chunk 8 and 16 tokens a step: the 37-token prompt takes 5 steps, pooled across them
     eng = Engine(model=str(folders[kind]), dtype="float32", kv_cache_tokens=1024, chunk_size=8, max_batch_tokens=16,
-                 max_running=4, task="embed", pooling=how, normalize=normalize)
+                 max_running=4, task="embed", pooling=how, normalize=normalize, kernels=kernels)
     q = EmbedQueue(eng)
     for i, ids in enumerate(INPUTS):
         check(q.embed([ids]), [want[i]], f"{kind}/{how} input {i} alone")
@@ -74,3 +76,5 @@ def test_a_refused_input_answers_the_whole_request(folders: dict[str, Path]) -> 
     assert not outs and not replies
     assert not eng.pending and eng.pool.allocator.num_free == eng.pool.allocator.num_slots
     assert len(q.embed([[5, 6]])[0]) == 64
+    with pytest.raises(AssertionError, match="generates nothing"):  # (a server refuses it before: 400)
+        eng.generate([[5, 6]])

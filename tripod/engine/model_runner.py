@@ -236,8 +236,11 @@ class ModelRunner:
         if self.dp_size == 1:
             batch, sampling = self.backend.build_batch(items, self.batch_ctx)
             batch.lora = lora_rows(batch, self.lora_pool)
+            if self.pooler is None:
+                return batch, sampling
             # NOTE: an embedding engine runs pooled requests only: none samples (their logits rows are unused)
-            return batch, [] if self.pooler is not None else sampling
+            assert all(it.req.pooled is not None for it in items), "--task embed generates nothing (EmbedQueue)"
+            return batch, []
         backend = self.backend
         batches: list[ForwardBatch] = []
         sampling: list[ScheduledItem] = []
