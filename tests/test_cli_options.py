@@ -27,7 +27,7 @@ ENGINE_SERVER = [
     "--max-model-len", "1024", "--chunk-size", "64", "--max-batch-tokens", "256", "--max-running", "16",
     "--policy", "fcfs", "--no-prefix-cache", "--threads", "3", "--kernels", "eager", "--weights", "fp8",
     "--no-jump-forward", "--speculative", "draft:embedded", "--num-draft-tokens", "5", "--spec-max-batch", "0",
-    "--api-key", "k", "--served-model-name", "m", "--max-waiting", "7", "--overload-status", "503",
+    "--api-key", "k", "--task", "embed", "--pooling", "mean", "--no-normalize", "--served-model-name", "m", "--max-waiting", "7", "--overload-status", "503",
     "--drain-timeout", "2.5", "--max-n", "3", "--parallel-timeout", "30", "--tensor-parallel-size", "2",
     "--pipeline-parallel-size", "2", "--data-parallel-size", "2", "--enable-expert-parallel",
     "--parallel-backend", "ray", "--parallel-placement", "strict-spread", "--parallel-ray-address", "auto",
@@ -46,14 +46,14 @@ FLAGS = {
     "--chunk-size --cuda-graph-max-bs --data-parallel-size --device --downscale-delay --drain-timeout --dtype --enable-expert-parallel "
     "--gpu-memory-utilization --health-interval --host --kernels --kv-cache-tokens --kv-disk --kv-disk-size --load-weight --log-level --lookback "
     "--max-batch-tokens --max-model-len --max-n --max-pending --max-replicas --max-retries --max-running "
-    "--max-waiting --min-replicas --model --no-cuda-graphs --no-jump-forward --no-prefix-cache --num-draft-tokens "
+    "--max-waiting --min-replicas --model --normalize --no-cuda-graphs --no-jump-forward --no-prefix-cache --num-draft-tokens "
     "--otel-endpoint --otel-file --overload-status --parallel-backend --parallel-placement --parallel-ray-address "
-    "--parallel-timeout --pipeline-parallel-size --policy --port --prefill-replicas --queue-timeout "
+    "--parallel-timeout --pipeline-parallel-size --policy --pooling --port --prefill-replicas --queue-timeout "
     "--ray-address --ray-num-cpus --ray-num-gpus --reasoning-parser --region --region-overflow-load --replica-log-dir "
     "--replica-max-inflight --replicas --responses-max-bytes --responses-max-count --responses-store --responses-ttl "
     "--role --router-policy --served-model-name --slo-tpot-p95 --slo-ttft-p95 "
     "--spec-max-batch --speculative --ssl-certfile --ssl-keyfile --stall-timeout --target-inflight "
-    "--tenant-limits --tenants --tensor-parallel-size --threads --upscale-delay --weights",
+    "--task --tenant-limits --tenants --tensor-parallel-size --threads --upscale-delay --weights",
     ("route",): "--api-key --audit-log --audit-log-content --balance-abs --balance-rel --bench-dir --drain-timeout "
     "--health-interval --host --load-weight --log-level --max-pending --max-retries --otel-endpoint --otel-file "
     "--policy --port --queue-timeout --region --region-overflow-load --replica --replica-max-inflight --ssl-ca "

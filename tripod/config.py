@@ -38,6 +38,7 @@ KERNEL_LEVELS = (*LEVELS, *OPT_IN_LEVELS)
 KERNEL_MODES = ("auto", "eager", "optimized", "triton", *KERNEL_LEVELS)
 WEIGHT_MODES = ("auto", "dequantized", "stored", "fp8")
 _DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
+TASKS = ("generate", "embed")  # what a server of a decoder answers (--task)
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
@@ -228,7 +229,19 @@ class EngineConfig:
         60.0, "tensor parallel: seconds a collective may wait for a rank before the group is declared failed",
         commands=ENGINE_COMMANDS, metavar="S")
 
+    # A decoder served as an embedder (engine/pooling.py): its final hidden states pooled per input
+    # (/v1/embeddings) instead of tokens generated.
+    task: str = opt("generate", "generate (default) | embed: pool the model's final hidden states into embeddings "
+                    "(/v1/embeddings; no generation; see --pooling, --normalize)", commands=(SERVE,),
+                    choices=TASKS)
+    pooling: str = opt("last", "--task embed: the vector of an input is its last token's final hidden state "
+                       "(last: Qwen3-Embedding's), their mean (mean) or the first token's (cls)", commands=(SERVE,),
+                       choices=("last", "mean", "cls"))
+    normalize: bool = opt(True, "--task embed: L2-normalise each embedding (--no-normalize: the raw pooled vector)",
+                          commands=(SERVE,), negatable=True)
+
     def __post_init__(self) -> None:
+        self._check_task()
         if self.lora is not None:
             parse_loras(self.lora)  # (several processes are refused when the engine is built)
         if not 1 <= self.max_loras <= 1024:
@@ -278,6 +291,25 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (got {self.max_model_len})")
         self._check_parallel()
+
+    def _check_task(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)} (got {self.task!r})")
+        if self.pooling not in ("last", "mean", "cls"):
+            raise ValueError(f"pooling must be last, mean or cls (got {self.pooling!r})")
+
+    def check_task(self) -> None:
+        """What ``--task embed`` cannot combine with; checked when an engine is built (as
+        ``check_parallel``), so that a config naming both still round-trips through the command line."""
+        if self.task != "embed":
+            return
+        if self.world_size > 1:
+            raise ValueError("--task embed runs the model in one process: drop --tensor/pipeline/data-parallel-size "
+                             "(use --replicas)")
+        for flag, on in (("--speculative", self.speculative is not None), ("--kv-disk", self.kv_disk is not None),
+                         ("--lora", self.lora is not None)):
+            if on:
+                raise ValueError(f"--task embed generates nothing: {flag} does not apply to it")
 
     def _check_parallel(self) -> None:
         if min(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size) < 1:

@@ -60,6 +60,8 @@ class Opt:
     # Several values (``--flag A B`` and/or ``--flag A --flag B``) joined with this separator into
     # the field's one string (None: a single value).
     join: str | None = None
+    # A bool spelled both ways (``--normalize`` / ``--no-normalize``; ``flag`` is ignored).
+    negatable: bool = False
 
 
 def opt(default: Any, help: str | None = None, **kw: Any) -> Any:
@@ -165,7 +167,9 @@ class CommandParser:
     def add_field(self, f: CliField, where: ArgumentAdder) -> None:
         o, flag = f.opt, f.flag(self.command)
         kw: dict[str, Any] = {"dest": f.dest, "help": o.help}
-        if f.is_bool:  # a flag that sets the opposite of the default
+        if f.is_bool and o.negatable:  # --name / --no-name
+            kw.update(action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.is_bool:  # a flag that sets the opposite of the default
             kw["action"] = "store_false" if f.default else "store_true"
         else:
             kw["default"] = os.environ.get(o.env) if o.env else f.default
@@ -210,7 +214,9 @@ def to_argv(config: object, command: str) -> list[str]:
         if not f.opt.forward:
             continue
         value = getattr(config, f.name)
-        if f.is_bool:
+        if f.is_bool and f.opt.negatable:
+            out += [("--" if value else "--no-") + f.dest.replace("_", "-")] if value != f.default else []
+        elif f.is_bool:
             out += [f.flag(command)] if value != f.default else []
         elif value is not None and value != "":
             out += [f.flag(command), str(value)]

@@ -1,6 +1,6 @@
 """The console (``GET /ui``) in a real headless browser, on a real fleet (``tripod serve --replicas 2
 --api-key ... --bench-dir ...``) of the embedded model: the key prompt, the playground (a streamed
-answer and a schema-valid JSON answer), a live chart under load, the benchmark history with a
+answer and a schema-valid JSON answer; a conversation over the Responses API), a live chart under load, the benchmark history with a
 slower run flagged, and the fleet view showing a replica go down when it is killed.
 
 The browser is Debian's ``chromium`` driven by Playwright for Python (never a downloaded browser
@@ -161,6 +161,29 @@ def test_playground_streams_an_answer_and_a_schema_valid_json_answer(page: Any) 
     assert "valid JSON" in bubble.locator(".check").inner_text()
     assert "response_format" in page.inner_text("#pg-python") and '"json_schema"' in page.inner_text("#pg-curl")
     _shot(page, "playground")
+
+
+def test_playground_over_the_responses_api_keeps_the_conversation(page: Any) -> None:
+    """With the Responses API chosen, a second turn sends only its input and the first answer's id
+    (``previous_response_id``); the fleet's router sends it back to the replica that answered (its
+    store has the first turn, the other replica's does not; its prefix cache holds the prompt)."""
+    page.goto(page.url.split("#")[0] + "#playground")
+    page.wait_for_function("document.querySelectorAll('#pg-model option').length > 0", timeout=15_000)
+    page.select_option("#pg-api", "responses")
+    assert page.locator(".msg").count() == 0  # a new API, a new conversation
+    page.fill("#pg-schema", "")
+    page.fill("#pg-temperature", "0")
+    page.fill("#pg-max_tokens", "24")
+    first = _send(page, "My name is Ada. Say hello to me.")
+    assert first.locator(".text").inner_text().strip() and int(first.get_attribute("data-chunks")) > 3
+    assert "/v1/responses" in page.inner_text("#pg-curl") and "previous_response_id" not in page.inner_text("#pg-curl")
+    second = _send(page, "What is my name?")
+    assert second.locator(".text").inner_text().strip()
+    curl, python = page.inner_text("#pg-curl"), page.inner_text("#pg-python")
+    assert '"previous_response_id": "resp_' in curl and '"input": "What is my name?"' in curl
+    assert "client.responses.create(" in python and "max_output_tokens=24" in python
+    assert "prompt tokens cached" in page.inner_text("#pg-stats")
+    _shot(page, "playground-responses")
 
 
 def _load(url: str, n: int = 6, tokens: int = 64) -> None:

@@ -190,6 +190,7 @@ class Stub:
             Route("/v1/completions", self._post, methods=["POST"]),
             Route("/v1/messages", self._post, methods=["POST"]),
             Route("/v1/messages/count_tokens", self._post, methods=["POST"]),
+            Route("/v1/responses", self._responses, methods=["POST"]),
         ])
         self.server = ServerThread(app, lifespan="off")
         self.url = self.server.url
@@ -230,6 +231,26 @@ class Stub:
             return Response(ok_body(self.name, request.url.path, prompt_tokens(body)), media_type="application/json",
                             headers={"x-request-id": f"req-{self.name}", "x-stub-only": "1"})
         return StreamingResponse(self._stream(mode), media_type="text/event-stream")
+
+    async def _responses(self, request: Request) -> Response:
+        """A Responses API answer: ``resp_<name>_<n>``, whole or as an event stream whose first
+        event (``response.created``) arrives in two chunks."""
+        self.posts += 1
+        body = await request.json()
+        self.bodies.append(body)
+        rid = f"resp_{self.name.replace('-', '_')}_{self.posts}"
+        obj = {"id": rid, "object": "response", "status": "completed", "model": MODEL, "output": [],
+               "previous_response_id": body.get("previous_response_id")}
+        if not body.get("stream"):
+            return JSONResponse(obj)
+
+        async def events() -> AsyncIterator[bytes]:
+            created = sse({"type": "response.created", "sequence_number": 0, "response": {**obj, "status": "in_progress"}})
+            yield created[:40]
+            yield created[40:]
+            yield sse({"type": "response.completed", "sequence_number": 1, "response": obj})
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     async def _anthropic_stream(self, mode: str) -> AsyncIterator[bytes]:
         for piece in anthropic_stream_bytes(self.name, cut=mode == "cut_midstream"):

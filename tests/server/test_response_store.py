@@ -91,3 +91,49 @@ def test_sqlite_refuses_foreign_and_corrupt_files(tmp_path: Path) -> None:
         SqliteResponseStore(str(junk), ttl=10)
     with pytest.raises(StoreError, match="memory"):
         open_store("redis://x", max_count=1, max_bytes=1, ttl=1)
+
+
+def _running(i: int, owner: str) -> StoredResponse:
+    body = {"id": f"resp_{i}", "status": "in_progress", "background": True,
+            "output": [{"id": f"msg_{i}", "type": "message", "status": "in_progress", "content": []}]}
+    return StoredResponse(f"resp_{i}", "t", body, [], None, 0.0, owner=owner)
+
+
+def test_runs_of_a_dead_owner_fail_and_a_live_owners_do_not(tmp_path: Path) -> None:
+    """A background record left ``in_progress`` by a process that has exited is marked failed
+    (on a store's sweep, and when it is read); a live process's (another replica's) stays running,
+    as does a record stored as ended."""
+    from tripod.server.run_owner import instance_id, owner_gone
+
+    dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    dead_owner = instance_id(dead.pid)  # taken while it runs, then it exits
+    dead.kill()
+    dead.wait()
+    assert owner_gone(dead_owner) and not owner_gone(instance_id())
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        path = str(tmp_path / "r.db")
+        s = SqliteResponseStore(path, ttl=3600)
+        s.put(_running(1, dead_owner))
+        s.put(_running(2, instance_id(live.pid)))
+        s.put(_running(3, dead_owner))
+        s.put(StoredResponse("resp_3", "t", {"id": "resp_3", "status": "completed", "output": []}, [], None, 0.0,
+                             owner=dead_owner))  # it ended: not an orphan
+        s.put(_running(4, dead_owner))
+        again = SqliteResponseStore(path, ttl=3600)  # a restarted server on the file
+        assert sorted(again.fail_orphans()) == ["resp_1", "resp_4"]
+        one = again.get("resp_1", "t")
+        assert one is not None and one.body["status"] == "failed" and "restarted" in one.body["error"]["message"]
+        assert one.body["output"][0]["status"] == "incomplete"
+        assert s.get("resp_2", "t").body["status"] == "in_progress"  # type: ignore[union-attr]
+        assert s.get("resp_3", "t").body["status"] == "completed"  # type: ignore[union-attr]
+        assert again.fail_orphans() == []
+        live.kill()
+        live.wait()
+        got = s.get("resp_2", "t")  # read after its owner died: failed then
+        assert got is not None and got.body["status"] == "failed"
+        s.close()
+        again.close()
+    finally:
+        live.kill()
+        live.wait()

@@ -50,3 +50,40 @@ def test_stored_responses_survive_the_server(tmp_path: Path, sig: signal.Signals
         assert follow.output_text == whole.output_text
     finally:
         again.stop()
+
+
+@pytest.mark.slow
+def test_a_dead_servers_background_runs_fail_rather_than_stay_in_progress(tmp_path: Path) -> None:
+    """Two replicas on one sqlite file: the second's start-up leaves the first's running background
+    responses alone; once the first is SIGKILLed, the one read through the second is failed
+    (``server restarted``), and a restart of the first marks the other failed at start-up."""
+    store = f"sqlite:{tmp_path / 'responses.db'}"
+
+    def client(s: ServerProcess) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    a = ServerProcess(tmp_path, "--responses-store", store)
+    b: ServerProcess | None = None
+    try:
+        # (4000 tokens never to end: about a minute and a half here, far past this test's kill)
+        runs = [client(a).responses.create(model="default", input=f"Count to a thousand, {i}.", background=True,
+                                           max_output_tokens=4000, extra_body={"ignore_eos": True})
+                for i in range(2)]
+        assert all(r.status in ("queued", "in_progress") for r in runs)
+        b = ServerProcess(tmp_path, "--responses-store", store)
+        assert client(b).responses.retrieve(runs[0].id).status == "in_progress"  # A is alive: not B's to fail
+        a.signal(signal.SIGKILL)
+        a.wait_exit(60)
+        got = client(b).responses.retrieve(runs[0].id)
+        assert got.status == "failed" and got.error is not None and "restarted" in got.error.message
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+    again = ServerProcess(tmp_path, "--responses-store", store)
+    try:
+        assert f"marked failed: {runs[1].id}" in again.log()  # by the start-up sweep
+        got = client(again).responses.retrieve(runs[1].id)
+        assert got.status == "failed" and got.error is not None and "restarted" in got.error.message
+    finally:
+        again.stop()

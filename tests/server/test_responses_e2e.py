@@ -216,8 +216,9 @@ def test_retrieval_routes_on_a_generative_model_say_what_is_needed(server: Any, 
 
 
 def test_the_openai_client_gets_the_embeddings_refusal(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="embedding model"):
+    with pytest.raises(openai.BadRequestError, match="embedding model") as e:
         client.embeddings.create(model="default", input=["a", "b"])
+    assert "--task embed" in str(e.value) and e.value.code == "model_not_embedding"
 
 
 def test_bench_measures_the_responses_stream(server: Any) -> None:

@@ -18,6 +18,7 @@ from tripod.engine.executor.local import LocalWorkers
 from tripod.engine.executor.ray_group import RayWorkers
 from tripod.engine.lora import LoraRegistry
 from tripod.engine.model_runner import ModelRunner
+from tripod.engine.pooling import Pooler
 from tripod.engine.sampler import Sampler
 from tripod.engine.speculative.factory import extra_bytes_per_token, load_draft, make_proposer
 from tripod.engine.speculative.proposer import Proposer
@@ -110,6 +111,7 @@ def make_group(config: EngineConfig) -> WorkerGroup:
 def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
     """Every part of an engine, in dependency order (the pool is sized once the draft is known)."""
     config.check_parallel()
+    config.check_task()
     if config.world_size > 1 and loaded is None:  # refused before any worker starts
         mc = load_tokenizer(config.model).config
         if mc.v4 is not None:
@@ -173,10 +175,13 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
                         expert_parallel=config.enable_expert_parallel, ranks=list(ranks),
                         kv_capacity_tokens=num_slots * dp) if group is not None else None
     loras = lora_registry(config, loaded, dtype, device)
+    # --task embed: pooled, never sampled; a graph replay would not capture the hidden states it pools.
+    embed = config.task == "embed"
     runner = ModelRunner(loaded.model, pool, device, use_mirror=config.decode_mirror and group is None, path=path,
                          max_len=max_len, stored=config.weights == "stored", level=config.kernel_level, group=group,
                          parallel=card, lora_pool=loras.pool if loras is not None else None, triton=config.triton,
-                         cuda_graphs=config.cuda_graphs, cuda_graph_max_bs=config.cuda_graph_max_bs)
+                         cuda_graphs=config.cuda_graphs and not embed, cuda_graph_max_bs=config.cuda_graph_max_bs,
+                         pooler=Pooler(loaded.model, config.pooling, config.normalize) if embed else None)
     if config.weights == "stored" and runner.kernel_reason is not None:
         raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {runner.kernel_reason}")
     sampler = Sampler(device, config.seed)
@@ -202,7 +207,8 @@ def make_cache(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, po
     """The prefix cache over ``pool``; with ``--kv-disk``, the tiered cache (the disk tier under it,
     keyed by this model, dtype and pool layout)."""
     if config.kv_disk is None:
-        return RadixCache(pool.allocator, enabled=config.enable_prefix_cache)
+        # (an embedding engine pools every prompt position: a cached prefix would not be recomputed)
+        return RadixCache(pool.allocator, enabled=config.enable_prefix_cache and config.task != "embed")
     identity = kv_identity(config, loaded, dtype, pool)
     try:
         cache = TieredCache.open(config.kv_disk, int(config.kv_disk_size * 1e9), pool, identity,

@@ -19,6 +19,7 @@ import torch
 from tripod import kernels
 from tripod.engine.executor.group import WorkerGroup
 from tripod.engine.graphs import DecodeGraphs
+from tripod.engine.pooling import Pooler
 from tripod.engine.scheduler import ScheduledItem
 from tripod.kernels import gpu
 from tripod.layers.backends import CpuBackend, CpuLinearBackend, ReferenceBackend, TorchBackend
@@ -57,8 +58,10 @@ class ModelRunner:
         triton: bool = False,
         cuda_graphs: bool = True,
         cuda_graph_max_bs: int = 256,
+        pooler: Pooler | None = None,
     ) -> None:
         self.model = model
+        self.pooler = pooler  # --task embed: every forward's last-layer states pooled, nothing sampled
         self.triton = triton  # the Triton kernels (the CUDA backend; on the CPU in Triton's interpreter)
         self.group = group  # tensor parallel: the other ranks, sent every forward (engine/executor)
         self.micro_steps = 0  # pipeline parallel: steps run as several micro-batches
@@ -238,7 +241,11 @@ class ModelRunner:
         if self.dp_size == 1:
             batch, sampling = self.backend.build_batch(items, self.batch_ctx)
             batch.lora = lora_rows(batch, self.lora_pool)
-            return batch, sampling
+            if self.pooler is None:
+                return batch, sampling
+            # NOTE: an embedding engine runs pooled requests only: none samples (their logits rows are unused)
+            assert all(it.req.pooled is not None for it in items), "--task embed generates nothing (EmbedQueue)"
+            return batch, []
         backend = self.backend
         batches: list[ForwardBatch] = []
         sampling: list[ScheduledItem] = []
@@ -292,7 +299,10 @@ class ModelRunner:
             self.group.send(batch)
         if self.graphs is not None and self.graphs.applies(batch):
             return self.graphs.run(batch)
-        return self.model(batch, self.pool)
+        logits = self.model(batch, self.pool)
+        if self.pooler is not None:
+            self.pooler.collect(batch)
+        return logits
 
     def scoring_backend(self) -> Backend:
         """Prompt scoring's backend: the projections as the steps run them; attention, norms and

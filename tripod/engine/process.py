@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from tripod.engine.embed_queue import EmbedQueue
 from tripod.engine.encoder_loop import EncoderLoop
 from tripod.engine.request import Req, StepOutput, TokenLogprob
 from tripod.loader import encoder_folder
@@ -124,6 +125,8 @@ class EngineLoop:
         self.timings = timings
         self._admitted: dict[Req, float] = {}
         self._reported: set[Req] = set()  # sequences whose first output carried their times
+        # --task embed: the embedding requests being pooled (engine/pooling.py); None: a generative engine.
+        self.embeds = EmbedQueue(engine) if engine.config.task == "embed" else None
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -144,6 +147,10 @@ class EngineLoop:
             if self.engine.pending:
                 step_start = time.monotonic() if self.timings else 0.0
                 outs = self.engine.step()
+                if self.embeds is not None:
+                    outs, replies = self.embeds.collect(outs)
+                    for reply in replies:
+                        self.push.send(engine_ipc.encode(reply))
                 if self.timings:
                     self._note_admitted(step_start)
                 t2 = time.perf_counter()
@@ -166,8 +173,15 @@ class EngineLoop:
             except engine_ipc.InvalidAddRequest as e:
                 self._reject(e.rid, e.n, str(e))
                 continue
-            if isinstance(msg, engine_ipc.AddRequest):
+            if isinstance(msg, engine_ipc.AddRequest) and self.embeds is not None:
+                self._reject(msg.rid, msg.params.n, "this server pools its model into embeddings (--task embed); it "
+                             "does not generate: use /v1/embeddings, or serve it without --task embed")
+            elif isinstance(msg, engine_ipc.AddRequest):
                 self._add(msg)
+            elif isinstance(msg, engine_ipc.EmbedRequest):
+                for reply in self.embeds.add(msg) if self.embeds is not None else [
+                        engine_ipc.Embeddings(msg.rid, [], "this server does not pool: serve it with --task embed")]:
+                    self.push.send(engine_ipc.encode(reply))
             elif isinstance(msg, engine_ipc.AbortRequest):
                 self.engine.abort(msg.rid)
             elif isinstance(msg, engine_ipc.StatsRequest):

@@ -114,6 +114,8 @@ class Req:
     # tenant's weight. "" everywhere: no tenants, today's scheduling.
     tenant: str = ""
     weight: float = 1.0
+    # --task embed (engine/pooling.py): what has been pooled of the prompt; such a request samples nothing.
+    pooled: Any = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -26,12 +26,13 @@ class RouteRequest:
     text: str
     prompt_tokens: float  # estimated
     output_tokens: float  # the request's output budget, as counted into load
+    previous_response_id: str | None = None  # a Responses API follow-up (router/affinity.py)
 
 
 @dataclass(slots=True, frozen=True)
 class Decision:
     replica: Replica
-    reason: str  # round_robin | least_load | cache_hit | load | balance
+    reason: str  # round_robin | least_load | cache_hit | load | balance | affinity
     matched_chars: int  # of the request's text, in the chosen replica's tree
 
 

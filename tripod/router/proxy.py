@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,7 +199,7 @@ class Proxy:
                 f.failure = f"answered {resp.status_code}"
                 return await self._refused(rep, resp)
             if not call.stream or resp.status_code != 200:
-                return await self._whole(rep, resp, back, call.rr, answer)
+                return await self._whole(rep, resp, back, call, answer)
             it = resp.aiter_raw()
             first = b""
             while not first:
@@ -231,7 +231,7 @@ class Proxy:
         status = (resp.status_code if resp.status_code in FULL else 429) if full else resp.status_code
         return status, f"{rep.name} answered {resp.status_code}: {text}", rep.name
 
-    async def _whole(self, rep: Replica, resp: httpx.Response, back: dict[str, str], rr: RouteRequest,
+    async def _whole(self, rep: Replica, resp: httpx.Response, back: dict[str, str], call: _Call,
                      answer: AnswerProgress | None) -> Response:
         """A whole answer (or a stream's error status), read and passed back."""
         if answer is not None and resp.status_code == 200 \
@@ -243,7 +243,9 @@ class Proxy:
             content = await resp.aread()
         if resp.status_code == 200:
             self.router.record_success(rep)
-            self.router.learn(rr, content)
+            self.router.learn(call.rr, content)
+            if call.path == "/v1/responses":
+                self.router.affinity.learn_whole(content, rep.name)
         return Response(content, status_code=resp.status_code, headers=back)
 
     def _stream(self, f: Flight, resp: httpx.Response, it: AsyncIterator[bytes], first: bytes,
@@ -258,17 +260,23 @@ class Proxy:
                                    on_close=lambda: r.finish_stream(run.flight, run.resp))
             stream.answer = answer  # type: ignore[attr-defined]  # its output count (router/tenant_limits.py)
             return stream
-        return ClosingStream(self._relay(f, it, first, is_anthropic(call.path)), headers=back,
+        watch = r.affinity.stream_watcher(f.replica.name) if call.path == "/v1/responses" else None
+        return ClosingStream(self._relay(f, it, first, is_anthropic(call.path), watch), headers=back,
                              on_close=lambda: r.finish_stream(f, resp))
 
-    async def _relay(self, f: Flight, it: AsyncIterator[bytes], first: bytes,
-                     anthropic: bool = False) -> AsyncIterator[bytes]:
-        """A stream passed through chunk by chunk; a cut ends it with an error event."""
+    async def _relay(self, f: Flight, it: AsyncIterator[bytes], first: bytes, anthropic: bool = False,
+                     watch: Callable[[bytes], bool] | None = None) -> AsyncIterator[bytes]:
+        """A stream passed through chunk by chunk; a cut ends it with an error event. ``watch``:
+        fed the chunks until it has seen what it looks for (a response's id: router/affinity.py)."""
         r, rep = self.router, f.replica
+        if watch is not None and watch(first):
+            watch = None
         yield first
         sent = 1
         try:
             async for chunk in it:
+                if watch is not None and watch(chunk):
+                    watch = None
                 yield chunk
                 sent += 1
         except httpx.HTTPError as e:

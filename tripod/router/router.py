@@ -25,6 +25,7 @@ from starlette.responses import Response
 from tripod import tracing
 from tripod.asgi import ClosingStream
 from tripod.config import RouterConfig
+from tripod.router.affinity import ResponseAffinity
 from tripod.router.errors import RouterError
 from tripod.router.fairness import TENANT_HEADER, FairGate
 from tripod.router.health import HealthChecker, parse_load
@@ -82,6 +83,7 @@ class Router:
                                     self.record_failure)
         self.pd = Disaggregator(self)  # prefill/decode disaggregation (replicas with roles)
         self.proxy = Proxy(self, self.pd)
+        self.affinity = ResponseAffinity()  # response id -> the replica that answered it
         self._closing: set[asyncio.Task[None]] = set()
         # Tenants (router/fairness.py): a tenant's weight; the app that authenticates may replace it.
         self.weight_of: Callable[[str], float] = weight_of or (lambda _tenant: 1.0)
@@ -188,9 +190,11 @@ class Router:
     # ------------------------------------------------------------ routing
     def route_request(self, path: str, body: dict[str, Any]) -> RouteRequest:
         text = render_prompt(path, body)
+        prev = body.get("previous_response_id") if path == "/v1/responses" else None
         # The cache-aware tree keys the prompt under the model it runs on: a LoRA adapter's prefixes
         # (cached apart from the base's and each other's in the replicas) gather on their own replicas.
-        return RouteRequest(model_scope(body) + text, len(text) / self.chars_per_token, output_budget(body))
+        return RouteRequest(model_scope(body) + text, len(text) / self.chars_per_token, output_budget(body),
+                            prev if isinstance(prev, str) else None)
 
     async def pick(self, rr: RouteRequest, tried: set[Replica], wait: bool = True) -> Decision:
         """A decision among routable replicas not yet tried; waits (bounded) for one to appear."""
@@ -229,6 +233,11 @@ class Router:
     def _choose(self, cands: list[Replica], rr: RouteRequest) -> Decision:
         """The policy's choice among ``cands``, this router's region first (``prefer_region``)."""
         cfg = self.config
+        if rr.previous_response_id is not None:  # a follow-up: back to the replica that answered, if routable
+            name = self.affinity.replica_of(rr.previous_response_id)
+            home = next((r for r in cands if r.name == name), None) if name is not None else None
+            if home is not None:
+                return Decision(home, "affinity", 0)
         cands, why = prefer_region(cands, cfg.region, cfg.region_overflow_load)
         d = self.policy.choose(cands, rr, self.avg_request_tokens)
         if cfg.region and d.replica.region not in ("", cfg.region):

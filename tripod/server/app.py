@@ -62,7 +62,8 @@ def guarded_path(path: str) -> bool:
     return path not in _OPEN_PATHS and not is_open_path(path)
 
 
-_GENERATING = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"})  # (admitted into the limits)
+_GENERATING = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",  # (admitted into
+                         "/v1/embeddings", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score"})  # the limits)
 
 
 def _over_limit(path: str, e: OverLimit) -> ASGIApp:

@@ -11,7 +11,9 @@ Two stores behind one interface (``ResponseStore``), chosen by ``--responses-sto
 - ``sqlite:PATH``: durable (a restart, SIGKILL included, keeps every committed record: each
   ``put`` is one transaction, WAL mode), shareable by a fleet's replicas on one host (one file, a
   busy timeout). A file that is not a tripod store (corrupt, or another program's database) is
-  refused at start-up with a message (``StoreError``).
+  refused at start-up with a message (``StoreError``). A background run's record names the process
+  running it; one whose process is gone is marked ``failed`` on start-up and when asked for
+  (``fail_orphans``, ``server/run_owner.py``), never a live replica's.
 
 Records belong to a tenant: ``get``/``delete`` with another tenant's name find nothing (the route
 answers 404, as for an id that never existed).
@@ -26,6 +28,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from tripod.server.run_owner import RUNNING, failed_body, owner_gone
 
 __all__ = ["MemoryResponseStore", "ResponseStore", "SqliteResponseStore", "StoreError", "StoreFull",
            "StoredResponse", "open_store"]
@@ -53,6 +57,9 @@ class StoredResponse:
     previous_response_id: str | None
     created_at: float
     history: list[dict[str, Any]] = field(default_factory=list)  # the items of every earlier turn
+    # A background run stored while it runs: the process running it (``run_owner.instance_id``),
+    # so that a store shared past that process's life can tell the run will never end.
+    owner: str | None = None
 
     def encoded(self) -> tuple[str, str, str]:
         def enc(x: Any) -> str:
@@ -69,6 +76,8 @@ class ResponseStore(Protocol):
     def get(self, rid: str, tenant: str) -> StoredResponse | None: ...
 
     def delete(self, rid: str, tenant: str) -> bool: ...
+
+    def fail_orphans(self) -> list[str]: ...
 
     def close(self) -> None: ...
 
@@ -125,6 +134,10 @@ class MemoryResponseStore:
             self._drop(rid)
             return True
 
+    def fail_orphans(self) -> list[str]:
+        """None here: this store's records live and die with the process that runs their runs."""
+        return []
+
     def _drop(self, rid: str) -> None:
         v = self._items.pop(rid, None)
         if v is not None:
@@ -141,6 +154,7 @@ CREATE TABLE IF NOT EXISTS tripod_meta (key TEXT PRIMARY KEY, value TEXT NOT NUL
 CREATE TABLE IF NOT EXISTS tripod_responses (
   id TEXT PRIMARY KEY, tenant TEXT NOT NULL, body TEXT NOT NULL, input_items TEXT NOT NULL,
   previous_response_id TEXT, created_at REAL NOT NULL, expires_at REAL NOT NULL, history TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS tripod_runs (id TEXT PRIMARY KEY, owner TEXT NOT NULL);
 """
 
 
@@ -188,12 +202,46 @@ class SqliteResponseStore:
                 self._db.execute("INSERT OR REPLACE INTO tripod_responses VALUES (?,?,?,?,?,?,?,?)",
                                  (rec.id, rec.tenant, body, items, rec.previous_response_id, rec.created_at,
                                   now + self.ttl, history))
+                if rec.owner is not None and rec.body.get("status") in RUNNING:
+                    self._db.execute("INSERT OR REPLACE INTO tripod_runs VALUES (?,?)", (rec.id, rec.owner))
+                else:
+                    self._db.execute("DELETE FROM tripod_runs WHERE id=?", (rec.id,))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
 
     def get(self, rid: str, tenant: str) -> StoredResponse | None:
+        rec = self._get(rid, tenant)
+        if rec is not None and rec.body.get("status") in RUNNING and self.fail_orphans(rid):
+            rec = self._get(rid, tenant)  # its server is gone: failed now
+        return rec
+
+    def fail_orphans(self, rid: str | None = None) -> list[str]:
+        """Mark ``failed`` every running record (or just ``rid``) whose owner process is gone
+        (``run_owner``); returns their ids. A live owner's runs (another replica's) are left alone."""
+        with self._lock:
+            q = "SELECT id, owner FROM tripod_runs" + (" WHERE id=?" if rid is not None else "")
+            rows = self._db.execute(q, (rid,) if rid is not None else ()).fetchall()
+            gone = [r[0] for r in rows if owner_gone(r[1])]
+            if not gone:
+                return []
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for i in gone:
+                    row = self._db.execute("SELECT body FROM tripod_responses WHERE id=?", (i,)).fetchone()
+                    body = json.loads(row[0]) if row is not None else None
+                    if body is not None and body.get("status") in RUNNING:  # (not ended meanwhile)
+                        self._db.execute("UPDATE tripod_responses SET body=? WHERE id=?",
+                                         (json.dumps(failed_body(body), separators=(",", ":")), i))
+                    self._db.execute("DELETE FROM tripod_runs WHERE id=?", (i,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return gone
+
+    def _get(self, rid: str, tenant: str) -> StoredResponse | None:
         with self._lock:
             row = self._db.execute(
                 "SELECT body, input_items, previous_response_id, created_at, history FROM tripod_responses "
@@ -205,6 +253,8 @@ class SqliteResponseStore:
     def delete(self, rid: str, tenant: str) -> bool:
         with self._lock:
             cur = self._db.execute("DELETE FROM tripod_responses WHERE id=? AND tenant=?", (rid, tenant))
+            if cur.rowcount > 0:
+                self._db.execute("DELETE FROM tripod_runs WHERE id=?", (rid,))
         return cur.rowcount > 0
 
     def close(self) -> None:

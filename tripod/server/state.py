@@ -8,6 +8,7 @@ The API surfaces (``tripod.server.api``) read it; ``app.build_app`` is built on 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from tripod.server.errors import APIError
 from tripod.server.metrics import ServerMetrics
 from tripod.server.response_store import ResponseStore, open_store
 from tripod.tenants import AuditLog, TenantGate, TenantRegistry, record_of
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +123,13 @@ def make_gate(config: ServerConfig, metrics: ServerMetrics) -> TenantGate:
 
 def make_store(config: ServerConfig) -> ResponseStore:
     """The Responses API's store as ``--responses-store`` says (a ``StoreError`` when it cannot be opened)."""
-    return open_store(config.responses_store, max_count=config.responses_max_count,
-                      max_bytes=config.responses_max_bytes, ttl=config.responses_ttl)
+    store = open_store(config.responses_store, max_count=config.responses_max_count,
+                       max_bytes=config.responses_max_bytes, ttl=config.responses_ttl)
+    failed = store.fail_orphans()  # background runs of a server that died (never a live replica's)
+    if failed:
+        log.warning("%d background response(s) left in progress by a server that is gone marked failed: %s",
+                    len(failed), ", ".join(failed[:5]) + (" ..." if len(failed) > 5 else ""))
+    return store
 
 
 def adapter_of(state: ServerState, name: str | None) -> str | None:

@@ -116,25 +116,31 @@ def admit_tenant(state: ServerState, request: Request, parts: list[EnginePart]) 
     """Take the request's place in its tenant's limits: 400 past ``max_context``, 429 (with
     ``Retry-After``, naming the limit) past a rate. Output tokens are reserved as ``max_tokens``
     times ``n`` per prompt; what is not generated is refunded when the answer ends."""
+    return admit_counts(state, request, token_counts(parts), [p.prompt_ids for p in parts])
+
+
+def admit_counts(state: ServerState, request: Request, counts: TokenCounts, prompts: list[list[int]],
+                 param: str = "max_tokens") -> RequestRecord | None:
+    """``admit_tenant`` for ``counts`` (the surfaces that do not generate, such as embeddings, whose
+    input tokens count as prompt tokens); ``param``: what a ``max_context`` refusal names."""
     rec = record_of(request.scope)
     if rec is None:
         return None
     gate = state.tenants
-    counts = token_counts(parts)
     rec.model = state.model_name
     try:
         gate.check_context(rec, counts.context_tokens)
     except ValueError as e:
-        raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+        raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
     try:
         gate.admit(rec, input_tokens=counts.input_tokens, output_tokens=counts.output_tokens)
     except OverLimit as e:
         if e.never:
-            raise APIError(400, str(e), param="max_tokens", code="tenant_limit_exceeded") from None
+            raise APIError(400, str(e), param=param, code="tenant_limit_exceeded") from None
         raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
                        headers={"Retry-After": e.retry_after_header}) from None
     if gate.audit is not None and gate.audit.content:
-        rec.prompt = "\n".join(state.text.decode(p.prompt_ids) for p in parts)
+        rec.prompt = "\n".join(state.text.decode(p) for p in prompts)
     return rec
 
 

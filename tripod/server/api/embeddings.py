@@ -7,7 +7,9 @@ Each body is parsed and checked as OpenAI's (or Cohere's) API does, so a malform
 server serves one, each route answers 400 saying what is needed (``code: model_not_embedding``)
 rather than a 404 or an answer it cannot stand behind. A server of an encoder
 (``tripod serve --model all-minilm-l6-v2``) answers ``/v1/embeddings``: its engine process pools
-(``engine/encoder_loop.py``), every request's inputs batched with the others waiting.
+(``engine/encoder_loop.py``), every request's inputs batched with the others waiting; so does a
+server of a decoder started with ``--task embed`` (``engine/pooling.py``: each input a prefill of the
+decoder's scheduler, its final hidden states pooled).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from fastapi.responses import JSONResponse, Response
 
 from tripod.protocol.engine_ipc import CROSS_ENCODER_ARCHITECTURE, ENCODER_ARCHITECTURE
 from tripod.server.answer.generation import new_id
+from tripod.server.api.admission import AdmissionCounted, admit_counts
 from tripod.server.api.body import StrictModel, parse, read_body
 from tripod.server.engine_client import EngineDead
 from tripod.server.errors import APIError
 from tripod.server.state import ServerState, check_ids, check_model
+from tripod.tenants import COUNT_HEADER, RequestRecord, TokenCounts, record_of
 
 MAX_INPUTS = 2048  # OpenAI's cap on inputs per embeddings request
 
@@ -116,14 +120,38 @@ def _sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
 
 
-async def _scores(state: ServerState, first: list[str], second: list[str], param: str) -> tuple[list[float], int]:
+async def _scores(state: ServerState, request: Request, first: list[str], second: list[str],
+                  param: str) -> tuple[list[float], int]:
     """Relevance in [0, 1] per pair (the logit's sigmoid, as sentence-transformers' CrossEncoder
     gives for one label), and the tokens read."""
     ids, types = _pairs(state, first, second, param)
-    return [_sigmoid(v[0]) for v in await _run(state, ids, types)], sum(len(x) for x in ids)
+    rec = _admit(state, request, ids, param)
+    scores = [_sigmoid(v[0]) for v in await _run(state, ids, types)]
+    tokens = sum(len(x) for x in ids)
+    _served(state, rec, tokens)
+    return scores, tokens
 
 
-async def _embed(state: ServerState, req: EmbeddingsRequest, inputs: list[str | list[int]]) -> JSONResponse:
+def _admit(state: ServerState, request: Request, ids: list[list[int]], param: str) -> RequestRecord | None:
+    """The inputs' tokens against the tenant's token limits, as a chat prompt's (``input_tokens``
+    and ``max_context``; nothing is generated, so no output is reserved); a router's count
+    request (``COUNT_HEADER``) gets the counts instead."""
+    counts = TokenCounts(input_tokens=sum(len(x) for x in ids), output_tokens=0,
+                         context_tokens=max(len(x) for x in ids))
+    if request.headers.get(COUNT_HEADER) == "count":
+        raise AdmissionCounted(counts, record_of(request.scope))
+    return admit_counts(state, request, counts, ids, param=param)
+
+
+def _served(state: ServerState, rec: RequestRecord | None, tokens: int) -> None:
+    """Count a served request's input tokens as prompt tokens (``/metrics``, the tenant's record)."""
+    state.metrics.on_prompt(tokens, 0)
+    if rec is not None:
+        rec.prompt_tokens = tokens
+
+
+async def _embed(state: ServerState, request: Request, req: EmbeddingsRequest,
+                 inputs: list[str | list[int]]) -> JSONResponse:
     info = state.client.info
     assert info is not None
     ids: list[list[int]] = []
@@ -135,12 +163,14 @@ async def _embed(state: ServerState, req: EmbeddingsRequest, inputs: list[str | 
             raise APIError(400, f"input[{i}] has {len(toks)} tokens; this model takes at most "
                            f"{info.max_request_len}: shorten it", param="input", code="context_length_exceeded")
         ids.append(toks)
+    rec = _admit(state, request, ids, "input")
     vectors = await _run(state, ids)
     width = len(vectors[0])
     if req.dimensions is not None and req.dimensions > width:
         raise APIError(400, f"'dimensions' is {req.dimensions} but this model's embeddings have {width}",
                        param="dimensions")
     tokens = sum(len(x) for x in ids)
+    _served(state, rec, tokens)
     return JSONResponse({"object": "list", "model": state.model_name, "usage": {"prompt_tokens": tokens,
                                                                                  "total_tokens": tokens},
                          "data": [{"object": "embedding", "index": i,
@@ -150,7 +180,8 @@ async def _embed(state: ServerState, req: EmbeddingsRequest, inputs: list[str | 
 
 def _not_pooling(state: ServerState, what: str, needs: str) -> APIError:
     kind = {ENCODER_ARCHITECTURE: "an embedding model", CROSS_ENCODER_ARCHITECTURE: "a cross-encoder"}.get(
-        state.architecture or "", "a generative model, which it does not pool")
+        state.architecture or "", "a generative model, which it does not pool (a decoder pools when served with "
+        "--task embed)")
     return APIError(400, f"{what} needs {needs}; this server serves {state.model_name!r}, {kind}. Serve one "
                     "for it (e.g. a second tripod serve)", param="model", code="model_not_embedding")
 
@@ -161,9 +192,10 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
         req: EmbeddingsRequest = parse(EmbeddingsRequest, await read_body(request, state.config.max_body_bytes))
         check_model(state, req.model, request)
         inputs = check_embeddings(req)
-        if state.architecture == ENCODER_ARCHITECTURE:
-            return await _embed(state, req, inputs)
-        raise _not_pooling(state, "/v1/embeddings", "an embedding model (an encoder, or a decoder served to pool)")
+        if state.architecture == ENCODER_ARCHITECTURE or state.engine_config.task == "embed":
+            return await _embed(state, request, req, inputs)
+        raise _not_pooling(state, "/v1/embeddings", "an embedding model (an encoder, or a decoder served with "
+                           "--task embed, which pools its hidden states)")
 
     async def rerank(request: Request) -> Response:
         req: RerankRequest = parse(RerankRequest, await read_body(request, state.config.max_body_bytes))
@@ -174,7 +206,7 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, f"'top_n' must be >= 1 (got {req.top_n})", param="top_n")
         if state.architecture != CROSS_ENCODER_ARCHITECTURE:
             raise _not_pooling(state, request.url.path, "a cross-encoder (BertForSequenceClassification)")
-        scores, tokens = await _scores(state, [req.query] * len(req.documents), req.documents, "documents")
+        scores, tokens = await _scores(state, request, [req.query] * len(req.documents), req.documents, "documents")
         order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: req.top_n or len(scores)]
         return JSONResponse({"id": new_id("rerank"), "model": state.model_name, "usage": {"total_tokens": tokens},
                              "results": [{"index": i, "relevance_score": scores[i],
@@ -196,7 +228,7 @@ def add_embedding_routes(app: FastAPI, state: ServerState) -> None:
                            "many as text_2", param="text_2")
         if state.architecture != CROSS_ENCODER_ARCHITECTURE:
             raise _not_pooling(state, "/v1/score", "a cross-encoder (BertForSequenceClassification)")
-        scores, tokens = await _scores(state, one * len(two) if len(one) == 1 else one, two, "text_2")
+        scores, tokens = await _scores(state, request, one * len(two) if len(one) == 1 else one, two, "text_2")
         return JSONResponse({"id": new_id("score"), "object": "list", "created": int(time.time()),
                              "model": state.model_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                              "data": [{"index": i, "object": "score", "score": v} for i, v in enumerate(scores)]})

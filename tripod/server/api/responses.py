@@ -39,6 +39,7 @@ from tripod.server.api.sampling import build_sampling, stop_strings
 from tripod.server.engine_client import EnginePart
 from tripod.server.errors import APIError
 from tripod.server.response_store import StoredResponse, StoreFull
+from tripod.server.run_owner import instance_id
 from tripod.server.state import ServerState, adapter_of, check_model
 from tripod.tenants import DEFAULT_TENANT, record_of
 
@@ -213,8 +214,12 @@ def _prepare(state: ServerState, request: Request, req: ResponsesRequest) -> _Pr
     ids = state.chat.render(messages, tools, param="input")
     if req.truncation == "auto":  # drop the oldest turns (never the instructions) until it fits
         keep = 1 if req.instructions else 0
-        while len(ids) >= state.max_len and len(messages) > keep + 1:
+        # (with room for the output asked for: at least one token)
+        budget = req.max_output_tokens if isinstance(req.max_output_tokens, int) and req.max_output_tokens > 0 else 1
+        while len(ids) + budget > state.max_len and len(messages) > keep + 1:
             del messages[keep]
+            while len(messages) > keep + 1 and messages[keep].role != "user":
+                del messages[keep]  # (the rest of that turn: the conversation starts with a user turn)
             ids = state.chat.render(messages, tools, param="input")
     parser = state.chat.parser if choice.mode != "none" else None
     think = state.thinking(ids)
@@ -273,7 +278,7 @@ async def _store(state: ServerState, p: _Prepared, tenant: str) -> None:
     if not p.req.store:
         return
     rec = StoredResponse(p.rid, tenant, p.builder.snapshot(), p.items, p.req.previous_response_id, time.time(),
-                         p.history)
+                         p.history, owner=instance_id() if p.req.background else None)
     try:
         await asyncio.to_thread(state.responses.put, rec)
     except StoreFull as e:
