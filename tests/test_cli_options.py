@@ -37,7 +37,7 @@ ENGINE_SERVER = [
     "--lora", "a=/la,b=/lb", "--max-loras", "2", "--max-lora-rank", "32",
     "--responses-store", "sqlite:/r.db", "--responses-ttl", "60", "--responses-max-count", "9",
     "--responses-max-bytes", "4096", "--no-cuda-graphs", "--cuda-graph-max-bs", "64",
-    "--gpu-memory-utilization", "0.8",
+    "--gpu-memory-utilization", "0.8", "--overlap-schedule", "off",
 ]
 
 # The options of each command (as before the CLI was generated from the configs).
@@ -47,7 +47,7 @@ FLAGS = {
     "--gpu-memory-utilization --health-interval --host --kernels --kv-cache-tokens --kv-disk --kv-disk-size --load-weight --log-level --lookback "
     "--max-batch-tokens --max-model-len --max-n --max-pending --max-replicas --max-retries --max-running "
     "--max-waiting --min-replicas --model --normalize --no-cuda-graphs --no-jump-forward --no-prefix-cache --num-draft-tokens "
-    "--otel-endpoint --otel-file --overload-status --parallel-backend --parallel-placement --parallel-ray-address "
+    "--otel-endpoint --otel-file --overlap-schedule --overload-status --parallel-backend --parallel-placement --parallel-ray-address "
     "--parallel-timeout --pipeline-parallel-size --policy --pooling --port --prefill-replicas --queue-timeout "
     "--ray-address --ray-num-cpus --ray-num-gpus --reasoning-parser --region --region-overflow-load --replica-log-dir "
     "--replica-max-inflight --replicas --responses-max-bytes --responses-max-count --responses-store --responses-ttl "
@@ -61,13 +61,13 @@ FLAGS = {
     ("generate",): "--lora --max-lora-rank --max-loras --chunk-size --cuda-graph-max-bs --data-parallel-size "
     "--device --dtype --enable-expert-parallel --gpu-memory-utilization --ignore-eos --kernels --kv-cache-tokens "
     "--kv-disk --kv-disk-size --log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p --model "
-    "--no-cuda-graphs --no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout --pipeline-parallel-size "
+    "--no-cuda-graphs --no-jump-forward --no-prefix-cache --num-draft-tokens --overlap-schedule --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout --pipeline-parallel-size "
     "--policy --raw --repetition-penalty --seed --spec-max-batch --speculative --stats --system "
     "--temperature --tensor-parallel-size --threads --top-k --top-p --weights",
     ("chat",): "--lora --max-lora-rank --max-loras --api-key --chunk-size --cuda-graph-max-bs "
     "--data-parallel-size --device --dtype --enable-expert-parallel --gpu-memory-utilization --ignore-eos --kernels "
     "--kv-cache-tokens --kv-disk --kv-disk-size --log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p "
-    "--model --no-cuda-graphs --no-jump-forward --no-prefix-cache --num-draft-tokens --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout "
+    "--model --no-cuda-graphs --no-jump-forward --no-prefix-cache --num-draft-tokens --overlap-schedule --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout "
     "--pipeline-parallel-size --policy --repetition-penalty --seed --spec-max-batch --speculative "
     "--system --temperature --tensor-parallel-size --threads --top-k --top-p --url --weights",
     ("chains", "serve"): "--backend --drain-timeout --entrypoint --host --log-dir --log-level --model --model-args "
