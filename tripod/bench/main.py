@@ -125,6 +125,7 @@ def compare(dirs: list[str], out: str) -> int:
             label = name if r["target"] in name else f"{name}:{r['target']}"
             runs.append({**r, "target": label})
     write_all(Path(out), {"compare": configs}, runs)
+    agentic.plot_ttft_by_turn(Path(out), runs)  # agentic runs: TTFT by turn, one curve per target
     print(f"wrote {out}/report.html ({len(runs)} runs from {len(dirs)} folders)")
     return 0
 
