@@ -19,6 +19,16 @@ llamacpp_bin() {  # the llama-server this host's ISA calls for (it may not be bu
   dir="$(llamacpp_isa build-dir)"
   echo "$PEERS/llamacpp/$dir/bin/llama-server"
 }
+llamacpp_ready() {  # OUT: whether this host's llama-server build is usable (its build record copied to OUT)
+  local bin
+  bin="$(llamacpp_bin)"
+  if [ -x "$bin" ] && llamacpp_isa check "$(dirname "$bin")"; then
+    cp "$bin.isa.json" "$1/llama.cpp-build.json"  # what it was built for goes with the results
+    return 0
+  fi
+  echo "skipping llama.cpp: no usable $bin for this CPU (run setup_llamacpp.sh)" >&2
+  return 1
+}
 wait_healthy() {  # URL PATH SECONDS
   local deadline=$((SECONDS + $3))
   until curl -sf "$1$2" > /dev/null; do

@@ -34,14 +34,8 @@ if want tripod-kv-disk; then
     --kv-disk-size 2 ${TRIPOD_SERVE_ARGS:-}
   rm -rf "$OUT/kv-disk"
 fi
-LLAMA_BIN="$(llamacpp_bin)"
-if want llama.cpp; then
-  if [ -x "$LLAMA_BIN" ] && llamacpp_isa check "$(dirname "$LLAMA_BIN")"; then
-    cp "$LLAMA_BIN.isa.json" "$OUT/llama.cpp-build.json"
-    run_target llama.cpp http://127.0.0.1:8080 "" "$(dirname "$0")/serve_llamacpp.sh" 8080
-  else
-    echo "skipping llama.cpp: no usable $LLAMA_BIN for this CPU (run setup_llamacpp.sh)" >&2
-  fi
+if want llama.cpp && llamacpp_ready "$OUT"; then
+  run_target llama.cpp http://127.0.0.1:8080 "" "$(dirname "$0")/serve_llamacpp.sh" 8080
 fi
 if want vllm-cpu; then
   if [ -x "$PEERS/vllm-venv/bin/python" ]; then

