@@ -287,3 +287,31 @@ def test_mask_forbids_tokens() -> None:
         .token_ids
     )
     assert 0 not in draws
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46, 1e-7])
+def test_a_top_p_below_float32s_range_still_keeps_the_best_token(top_p: float) -> None:
+    """A top_p that rounds to 0 in float32 (the fuzzer sent 1.8e-256) keeps the first token, as
+    any top_p does: with the other tokens masked (a grammar), the draw is the one allowed token,
+    never an index of probability 0."""
+    logits = torch.full((4, VOCAB), float("-inf"))
+    logits[:, 3] = 0.5  # the only token a grammar allows
+    logits[1, 2] = 0.0
+    reqs = [_req(top_p=top_p), _req(top_p=top_p, seed=5), _req(top_p=top_p, repetition_penalty=2.5),
+            _req(top_p=top_p, min_p=0.5)]
+    for seed in range(20):
+        assert Sampler(CPU, seed=seed).sample(logits.clone(), reqs).token_ids == [3, 3, 3, 3]
+
+
+def test_the_race_never_picks_a_token_of_probability_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An Exp(1) draw of exactly 0 (possible in float32) made p / E NaN for p = 0, and argmax takes
+    NaN: the noise is kept above 0."""
+    probs = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
+    real = torch.Tensor.exponential_
+
+    def zero_first(t: torch.Tensor, *a: object, **k: object) -> torch.Tensor:
+        real(t, *a, **k)
+        return t.index_fill_(-1, torch.tensor([0]), 0.0)
+
+    monkeypatch.setattr(torch.Tensor, "exponential_", zero_first)
+    assert Sampler(CPU).race(probs, [_req()]).tolist() == [2]

@@ -133,8 +133,10 @@ class Sampler:
             sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # ties by position
             cum = sorted_p.cumsum(dim=-1)
             tp = torch.tensor(top_p, device=dev).unsqueeze(1)
-            # Keep the smallest head whose mass reaches top_p (the first token always stays).
+            # Keep the smallest head whose mass reaches top_p (the first token always stays, even
+            # for a top_p that rounds to 0 in float32).
             drop_sorted = (cum - sorted_p) >= tp
+            drop_sorted[:, 0] = False
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
         min_p = [r.params.min_p for r in reqs]
@@ -161,7 +163,8 @@ class Sampler:
                 noise = rows
             else:
                 noise[seeded] = rows
-        return (probs / noise).argmax(dim=-1)
+        # NOTE: an Exp(1) draw can be exactly 0 in float32; 0 / 0 would be NaN, which argmax picks.
+        return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
     def uniform(self) -> float:
         """One U(0, 1) draw from the engine's generator (speculative rejection sampling)."""
