@@ -20,6 +20,7 @@ from typing import Annotated
 import msgspec
 
 from tripod.config import EngineConfig
+from tripod.protocol.multimodal import ImageInput
 from tripod.protocol.sampling import MAX_N, Resume, SamplingParams
 from tripod.protocol.stats import ComputeCard, EngineStats
 
@@ -45,6 +46,9 @@ class AddRequest(msgspec.Struct, tag=True):
     # (no tenants) schedules exactly as before; the weight is checked on decode (> 0).
     tenant: str = ""
     weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    # Vision inputs (protocol/multimodal.py), in prompt order; each fills placeholder tokens of
+    # prompt_ids. Empty: a text-only request.
+    images: list[ImageInput] = msgspec.field(default_factory=list)
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -127,6 +131,8 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     kv_tier: KVTierCard | None = None  # with a disk tier (--kv-disk; --role decode)
     # LoRA adapters loaded at start-up (--lora): name -> path; None: this engine serves none.
     loras: dict[str, str] | None = None
+    # The input kinds the model takes: ["text"], or ["text", "image"] for a vision-language model.
+    modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
 
 
 class SeqTiming(msgspec.Struct, array_like=True, frozen=True):
