@@ -151,13 +151,15 @@ class EngineConfig:
     # --dtype auto), else "dequantized" (loader/weights_mode.py; resolved before the engine is built).
     # "dequantized": every weight dequantized to the run dtype. "stored": a GGUF's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K
     # weights executed as stored by tripod's kernels (a quarter/half of bf16's bytes per token,
-    # exactly the dequantized weights, float32 compute). "fp8": a block-wise FP8 checkpoint's
+    # exactly the dequantized weights; the run dtype's activations: bfloat16 under --dtype auto,
+    # each product of a bf16 activation and a code exact, or float32). "fp8": a block-wise FP8 checkpoint's
     # weights kept in FP8, dequantized band by band inside each matmul (w8a16, the run dtype's
     # activations). Explicit, logged, shown in /v1/models.
     weights: str = opt(
         "auto", "auto (default): stored for a quantized GGUF on the CPU with --dtype auto, else dequantized; "
         "stored: execute a GGUF's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K weights as stored (a quarter/half of "
-        "bf16's bytes per token, exactly the dequantized weights, float32 compute); fp8: keep a block-wise FP8 "
+        "bf16's bytes per token, exactly the dequantized weights; activations in the run dtype: bfloat16 under "
+        "--dtype auto, float32 with --dtype float32); fp8: keep a block-wise FP8 "
         "checkpoint's weights in FP8 (w8a16)",
         commands=ENGINE_COMMANDS, choices=WEIGHT_MODES)
     # Structured outputs: verify grammar-forced text in one forward pass (lossless; see engine).
@@ -273,10 +275,10 @@ class EngineConfig:
         if self.weights == "stored":
             if self.kernels == "eager":
                 raise ValueError("--weights stored runs on tripod's kernels; it cannot be combined with --kernels eager")
-            if _ALIASES.get(self.dtype, self.dtype) not in ("auto", "float32"):
+            if _ALIASES.get(self.dtype, self.dtype) not in ("auto", "float32", "bfloat16"):
                 raise ValueError(
-                    "--weights stored computes in float32 with exactly the dequantized weights; "
-                    f"use --dtype auto or float32 (got {self.dtype!r})"
+                    "--weights stored runs on tripod's CPU kernels with bfloat16 or float32 activations; "
+                    f"use --dtype auto, bfloat16 or float32 (got {self.dtype!r})"
                 )
         if self.speculative is not None:
             parse_speculative(self.speculative)  # raises with what to change
@@ -383,8 +385,6 @@ class EngineConfig:
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         name = _ALIASES.get(self.dtype, self.dtype)
-        if name == "auto" and self.weights == "stored":
-            name = "float32"
         if self.triton and device.type == "cpu":  # Triton's interpreter: NumPy has no bfloat16
             if name == "bfloat16":
                 raise ValueError("Triton's interpreter (the Triton kernels on the CPU) has no bfloat16: "

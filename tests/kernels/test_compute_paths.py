@@ -10,8 +10,10 @@
   10-30) moves them by hundredths to about a tenth.
 - The kernels' outputs do not depend on batching: alone, batched, chunked or served from the
   prefix cache, a request's tokens and logprobs are identical (exact, in bfloat16 too).
-- ``--weights stored``: the GGUF's Q4_1/Q8_0 weights executed as stored give the dequantized
-  float32 reference's greedy tokens, and its logprobs within 1e-3.
+- ``--weights stored --dtype float32``: the GGUF's Q4_1/Q8_0 weights executed as stored give the
+  dequantized float32 reference's greedy tokens, and its logprobs within 1e-3.
+- The default (``--weights auto`` on the Q4_1 GGUF: stored weights, bf16 activations): within the
+  bf16 bound, and alone = batched = chunked = cached.
 """
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ def test_bfloat16_jump_forward_changes_nothing_in_a_mixed_batch(bf16: Any) -> No
 
 @pytest.fixture(scope="module")
 def stored() -> Any:
-    eng = Engine(weights="stored", kv_cache_tokens=8192)
+    eng = Engine(weights="stored", dtype="float32", kv_cache_tokens=8192)
     assert eng.dtype_name == "float32" and eng.runner.form == "stored"
     assert eng.loaded.weights == "stored" and eng.loaded.model.has_stored_weights
     return eng
@@ -220,11 +222,68 @@ def test_stored_weights_match_the_dequantized_reference(
     stored.assert_consistent()
 
 
+@pytest.fixture(scope="module")
+def stored_bf16() -> Iterator[Any]:
+    """The default engine on the embedded Q4_1 GGUF: its blocks executed as stored, bf16 activations."""
+    eng = Engine(kv_cache_tokens=16384)
+    assert eng.config.weights == "stored" and eng.dtype_name == "bfloat16" and eng.runner.form == "stored"
+    yield eng
+    assert not eng.has_work
+    eng.assert_consistent()
+
+
+def test_the_default_stored_bf16_run_stays_within_the_stated_bound(
+    stored_bf16: Any, prompts: dict[str, list[int]], reference: dict[str, Any]
+) -> None:
+    """The default (stored weights, bf16 activations) against the float32 reference: the bf16 bound
+    above (its weights are the file's own; only the activations are rounded to bf16)."""
+    got = _greedy(stored_bf16, prompts)
+    for name, out in got.items():
+        ref = reference[name]
+        for i, (a, b) in enumerate(zip(out.token_ids, ref.token_ids, strict=True)):
+            if a == b:
+                continue
+            top = dict(ref.logprobs[i].top)
+            best = ref.logprobs[i].top[0][1]
+            assert a in top and best - top[a] < BF16_MARGIN, (
+                f"{name}: the default chose {a} at step {i} where float32 chose {b}; its float32 logprob is "
+                f"{top.get(a, 'not in the top 5')} vs {best} (allowed gap {BF16_MARGIN})"
+            )
+            break
+
+
+def test_the_default_stored_bf16_run_does_not_depend_on_batching_chunking_or_the_cache(
+    stored_bf16: Any, prompts: dict[str, list[int]]
+) -> None:
+    """Alone = batched = chunked = prefix-cached, tokens and logprobs bit for bit, on the default
+    path (the stored blocks' decoded tiles serve batches of more than 4 rows, the direct tiles
+    fewer: the same sums)."""
+    names = ["chat-long-notes", "raw-code", "chat-capital", "ids-capital", "chat-haiku-system"]
+    sub = {n: prompts[n] for n in names}
+    alone = {}
+    for n, ids in sub.items():
+        stored_bf16.reset_prefix_cache()
+        alone[n] = _greedy(stored_bf16, {n: ids})[n]
+    stored_bf16.reset_prefix_cache()
+    batched = _greedy(stored_bf16, sub)
+    cached = _greedy(stored_bf16, sub)
+    assert all(o.cached_tokens >= len(sub[n]) - 1 for n, o in cached.items())
+    small = Engine(config=stored_bf16.config, loaded=stored_bf16.loaded, chunk_size=48, max_batch_tokens=128,
+                   kv_cache_tokens=8192)
+    chunked = _greedy(small, sub)
+    for n in sub:
+        want = (alone[n].token_ids, [lp.logprob for lp in alone[n].logprobs])
+        for label, run in (("batched", batched), ("chunked", chunked), ("prefix-cached", cached)):
+            got = (run[n].token_ids, [lp.logprob for lp in run[n].logprobs])
+            assert got == want, f"{n}: {label} differs from alone"
+    small.assert_consistent()
+
+
 def test_stored_weights_are_refused_where_they_cannot_apply() -> None:
     from tripod.config import EngineConfig
 
-    with pytest.raises(ValueError, match="float32"):
-        EngineConfig(weights="stored", dtype="bfloat16")
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        EngineConfig(weights="stored", dtype="float16")
     with pytest.raises(ValueError, match="kernels eager"):
         EngineConfig(weights="stored", kernels="eager")
     with pytest.raises(ValueError, match="weights must be one of"):

@@ -98,16 +98,21 @@ def _q_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
 
 
 @needs_two
-@pytest.mark.parametrize("fmt", ["bf16", "f32", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["bf16", "f32", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k",
+                                 "q4_0@bf16", "q4_1@bf16", "q8_0@bf16", "q4_k@bf16", "q6_k@bf16"])
 @pytest.mark.parametrize("n,k", [(576, 576), (70, 96), (17, 64)])  # 70 and 17: not multiples of 16
 def test_linear_is_bit_identical_across_levels(levels: dict[str, Any], fmt: str, n: int, k: int) -> None:
+    """Every format, and the stored ones with bf16 activations too (``@bf16``: vdpbf16ps on the
+    exact activation x code products, its order formed with FMAs elsewhere), from one row (the
+    direct tiles) to more than a register tile (the decoded ones)."""
     g = torch.Generator().manual_seed(n + k)
+    fmt, _, act_name = fmt.partition("@")
     if fmt not in ("bf16", "f32"):
         w = _q_blocks(fmt.upper(), n, k, seed=n)
     else:
         w = torch.randn(n, k, generator=g).to(torch.bfloat16 if fmt == "bf16" else torch.float32)
-    act = torch.bfloat16 if fmt == "bf16" else torch.float32
-    for m in (1, 3, 6):
+    act = torch.bfloat16 if fmt == "bf16" or act_name == "bf16" else torch.float32
+    for m in (1, 3, 6, 13):
         x = torch.randn(m, k, generator=g).to(act)
         r = torch.randn(m, n, generator=g).to(act)
         outs = {lv: ops.linear_packed(x, ops.pack_linear(w, fmt, n, k), fmt, n, k, r) for lv, ops in levels.items()}
@@ -166,13 +171,14 @@ def test_the_embedded_model_gives_the_same_tokens_and_logprobs_on_every_level(le
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
     results: dict[str, list[Any]] = {}
-    for lv in ("avx2", SUPPORTED[0]):
-        eng = Engine(dtype="bfloat16", kernels=lv, kv_cache_tokens=2048)
-        assert eng.runner.backend.isa == lv and eng.runner.card() == {"backend": "cpu", "isa": lv}
-        outs = eng.generate(prompts, params)
-        results[lv] = [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
-        eng.assert_consistent()
-    assert results["avx2"] == results[SUPPORTED[0]]
+    for weights in ("dequantized", "stored"):  # bf16 weights; the GGUF's own blocks with bf16 activations
+        for lv in ("avx2", SUPPORTED[0]):
+            eng = Engine(dtype="bfloat16", kernels=lv, kv_cache_tokens=2048, weights=weights)
+            assert eng.runner.backend.isa == lv and eng.runner.card() == {"backend": "cpu", "isa": lv}
+            outs = eng.generate(prompts, params)
+            results[lv] = [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+            eng.assert_consistent()
+        assert results["avx2"] == results[SUPPORTED[0]], weights
 
 
 def test_a_level_this_cpu_lacks_is_refused_with_the_reason() -> None:

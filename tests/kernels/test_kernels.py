@@ -191,6 +191,37 @@ def test_linear_on_the_embedded_models_stored_weights(ops: Any, gguf_path: Any) 
         assert rel < 2e-6, f"{name}: relative error {rel:.2e} against the dequantized weights"
 
 
+@pytest.mark.parametrize("rows", [1, 3, 9])  # 9 rows: the decoded tiles
+def test_stored_weights_with_bf16_activations(ops: Any, gguf_path: Any, rows: int) -> None:
+    """The real Q4_1 and Q8_0 tensors with bf16 activations (a bf16 run over stored weights): each
+    activation x code product is exact, so the float32 sums differ from the float32-activation
+    path's on the same (bf16-valued) inputs only by summation order: the bf16 outputs are equal
+    or one bf16 step apart, and most are equal; and within rounding of the exact (float64) product."""
+    import gguf
+
+    from tripod.loader.gguf_reader import GGUFMetadataReader
+
+    reader = GGUFMetadataReader(gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+    for name, fmt in (("blk.3.ffn_gate.weight", "q4_1"), ("blk.5.attn_q.weight", "q4_1"), ("token_embd.weight", "q8_0")):
+        t = tensors[name]
+        raw = torch.from_numpy(np.ascontiguousarray(t.data).copy())
+        n, k = int(t.shape[1]), int(t.shape[0])
+        deq = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(n, k))
+        packed = ops.pack_linear(raw, fmt, n, k)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        got = ops.linear_packed(x, packed, fmt, n, k)
+        assert got.dtype == torch.bfloat16
+        f32 = ops.linear_packed(x.float(), packed, fmt, n, k).to(torch.bfloat16)
+        exact = x.double() @ deq.T
+        step = torch.ldexp(torch.ones_like(exact), torch.frexp(exact.float())[1] - 8).double()  # one bf16 step at |y|
+        assert ((got.double() - f32.double()).abs() <= step).all(), f"{name}: more than one bf16 step from the float32 path"
+        assert (got == f32).float().mean() > 0.9, f"{name}: too few outputs equal to the float32 path's"
+        # float32 summation of k terms (where the sum cancels, relative to the terms' magnitudes) + bf16 rounding.
+        sum_err = k * 2.0**-24 * (x.double().abs() @ deq.abs().T)
+        assert ((got.double() - exact).abs() <= step + sum_err).all(), f"{name}: beyond rounding of the exact product"
+
+
 def test_bad_arguments_are_clear_errors(ops: Any) -> None:
     w = torch.randn(16, 32).bfloat16()
     with pytest.raises(RuntimeError, match="unknown packed weight format"):

@@ -24,13 +24,14 @@ def _blocks(fmt: str, n: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(raw.reshape(n, -1).copy())
 
 
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
-def test_every_row_of_a_batch_is_the_row_alone(ops: Any, fmt: str) -> None:
+def test_every_row_of_a_batch_is_the_row_alone(ops: Any, fmt: str, act: torch.dtype) -> None:
     n, k = 70, 96  # 70 outputs: a partial last block; 3 blocks of 32 inputs
     packed = ops.pack_linear(_blocks(fmt, n, k, seed=len(fmt)), fmt, n, k)
     g = torch.Generator().manual_seed(9)
-    x = torch.randn(37, k, generator=g)
-    res = torch.randn(37, n, generator=g)
+    x = torch.randn(37, k, generator=g).to(act)
+    res = torch.randn(37, n, generator=g).to(act)
     full = ops.linear_packed(x, packed, fmt, n, k, res)
     for m in (1, 3, 4, 5, 16):
         part = ops.linear_packed(x[:m], packed, fmt, n, k, res[:m])

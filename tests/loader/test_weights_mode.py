@@ -25,3 +25,8 @@ def test_the_embedded_q4_1_gguf_runs_as_stored() -> None:
     cfg = resolve_weights(EngineConfig())
     assert cfg.weights == "stored" and auto_weights(EngineConfig())[1] == "Q4_1 GGUF executed as stored"
     assert cfg.compute_path(cfg.torch_dtype(cfg.torch_device())) == "optimized"
+    # --dtype auto: bf16 activations (wherever the kernels run); --dtype float32 stays float32.
+    import torch
+
+    assert cfg.torch_dtype(cfg.torch_device()) == torch.bfloat16
+    assert EngineConfig(weights="stored", dtype="float32").torch_dtype(cfg.torch_device()) == torch.float32

@@ -1,6 +1,6 @@
 """``tripod serve`` as a user starts it (the embedded Q4_1 GGUF under ``--weights auto``: executed as
-stored, float32 compute, on the best ISA level the CPU supports), and with ``--weights stored``
-named, through the official ``openai`` client.
+stored with bf16 activations, on the best ISA level the CPU supports), and with ``--weights stored
+--dtype float32`` named, through the official ``openai`` client.
 
 On the kernels a request's output does not depend on its batch, so eight greedy chats sent at
 once must each equal the same chat sent alone, token for token — through the real server's
@@ -62,8 +62,9 @@ def _best_level_from_cpuinfo() -> str:
 
 def test_default_server_runs_the_kernels_and_says_so(default_server: ServerProcess) -> None:
     card = httpx.get(f"{default_server.url}/v1/models", timeout=30).json()["data"][0]
-    # --weights auto: a quantized GGUF runs as stored (float32 compute) wherever the kernels run.
-    assert card["weights"] == "stored" and card["dtype"] == "float32" and card["quantization"] == "Q4_1"
+    # --weights auto: a quantized GGUF runs as stored wherever the kernels run, with bf16 activations
+    # (--dtype auto: bfloat16 wherever tripod's kernels run, every level computing the same bits).
+    assert card["weights"] == "stored" and card["dtype"] == "bfloat16" and card["quantization"] == "Q4_1"
     # The best level this CPU supports, reported where a user looks (make install built it).
     assert card["compute"] == {"backend": "cpu", "isa": _best_level_from_cpuinfo()}, card["compute"]
     stats = default_server.engine_stats()
@@ -100,7 +101,7 @@ def test_structured_output_on_the_default_path(default_server: ServerProcess) ->
 
 @pytest.mark.slow
 def test_stored_weights_server(tmp_path: Path) -> None:
-    srv = ServerProcess(tmp_path, "--dtype", "auto", "--weights", "stored", "--kv-cache-tokens", "4096")
+    srv = ServerProcess(tmp_path, "--dtype", "float32", "--weights", "stored", "--kv-cache-tokens", "4096")
     try:
         card = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]
         assert card["weights"] == "stored" and card["dtype"] == "float32" and card["quantization"] == "Q4_1"

@@ -12,7 +12,8 @@ wants, prepared once when the model is loaded (``Form``).
   of rows, so a row's result never depends on the rest of the batch (see docs/architecture.md).
 - ``stored``: like ``kernel``, but GGUF Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q6_K weights executed as stored
   (``--weights stored``): about a quarter (Q4_0, Q4_1) or half (Q8_0) of bfloat16's bytes, with exactly the dequantized
-  weights; float32 activations.
+  weights; the activations of the run dtype (bfloat16: each activation x code product is exact, summed by
+  ``vdpbf16ps`` or in its order; float32: float32 FMA).
 
 Whatever the form, a weight kept in block-wise FP8 (``--weights fp8`` on a DeepSeek-format
 checkpoint) runs as ``Fp8BlockLinear``: FP8 in memory, each band of block rows dequantized to the
@@ -99,8 +100,6 @@ class KernelLinear:
         self.op = ops.linear_packed.default
         self.packed, self.fmt, self.n, self.k = packed, fmt, n, k
         self.bias = bias
-        # Quantized and float32 formats compute in float32; bfloat16 activations go in as they are.
-        self.act_dtype = torch.bfloat16 if fmt == "bf16" else None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.bias is None:

@@ -1,7 +1,8 @@
 """``--weights auto`` (the default): what a model's weights run as on this machine.
 
-A quantized GGUF runs **as stored** (``stored``: exactly the file's values, float32 compute on
-tripod's kernels, a third to a half of bf16's bytes per token) where the kernels can: on the CPU,
+A quantized GGUF runs **as stored** (``stored``: exactly the file's values on tripod's kernels, a
+third to a half of bf16's bytes per token, with the run dtype's activations — bfloat16 under
+``--dtype auto``, each bf16 activation x code product exact) where the kernels can: on the CPU,
 in one process, with the run dtype left to ``auto``, and the file's dominant type one the kernels
 execute (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K). Everything else runs dequantized, which for a 16-bit (or
 float32) checkpoint *is* its stored values. An explicit ``--dtype`` (``float32``: the reference

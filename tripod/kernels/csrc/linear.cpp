@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -305,6 +306,151 @@ void tile_q6_k(const float* x, int64_t ldx, const uint8_t* w, int64_t kb, int64_
   }
 }
 
+// ---------------------------------------------------------------------------- bf16 activations
+// Stored codes times bfloat16 activations (a bf16 run over stored weights). Every code of every
+// stored format is a small integer (|q| <= 128), exact in bf16, so x * q is an exact bf16 x bf16
+// product and vdpbf16ps sums a pair of them per lane; the scales and minimums are applied per
+// block exactly as in the float32 tiles (d*s + m*sum(x)). Where vdpbf16ps is missing its order
+// is followed (dot_pair: the odd input's product first): the same bits on every level.
+//
+// A pair of inputs (2p, 2p+1) of 16 outputs: `WPair`, and a row's pair of activations: `XPair`.
+#if defined(__AVX512BF16__)
+struct WPair {
+  __m512bh v;
+};
+struct XPair {
+  __m512bh v;
+};
+using XAct = uint16_t;  // the tiles read the bf16 activations as they are
+inline XPair x_pair(const XAct* x, int64_t i) {  // inputs i, i + 1 (i even)
+  uint32_t bits;
+  std::memcpy(&bits, x + i, 4);
+  return {(__m512bh)_mm512_set1_epi32((int)bits)};
+}
+inline V16 dp(V16 acc, XPair x, WPair w) { return {_mm512_dpbf16_ps(acc.v, x.v, w.v)}; }
+// bf16 bits of the integer-valued floats lo (inputs 2p) and hi (2p + 1), as one pair vector:
+// their float bits have zero low halves (|q| <= 128), so the bf16 is the high half, exactly.
+inline WPair pair_of(__m512 lo, __m512 hi) {
+  const __m512i l = _mm512_srli_epi32(_mm512_castps_si512(lo), 16);
+  const __m512i h = _mm512_and_si512(_mm512_castps_si512(hi), _mm512_set1_epi32((int)0xffff0000u));
+  return {(__m512bh)_mm512_or_si512(l, h)};
+}
+// 16 bytes of two 4-bit codes each (input 2p low, 2p + 1 high): a table lookup of bf16(0..15).
+inline WPair nibble_pairs(const uint8_t* p) {
+  const __m512i table = _mm512_set_epi16(
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0,
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  // low 16 bits: the low nibble; high 16 bits: the high nibble (b < 256, so (b << 12) & 0xf0000).
+  const __m512i idx = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000f000f), 0xa8);  // (A | B) & C
+  return {(__m512bh)_mm512_permutexvar_epi16(idx, table)};
+}
+// 32 int8 codes: inputs 2p (16 outputs) then 2p + 1.
+inline WPair i8_pairs(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return pair_of(lo, hi);
+}
+inline void store_pairs(float* out, WPair w) { _mm512_storeu_si512(out, (__m512i)w.v); }
+inline WPair load_pairs(const float* in) { return {(__m512bh)_mm512_loadu_si512(in)}; }
+constexpr int kPairFloats = 16;  // scratch floats per decoded pair of 16 outputs (bf16 pairs)
+#else
+struct WPair {
+  V16 even, odd;
+};
+struct XPair {
+  V16 even, odd;
+};
+// The tiles read the bf16 activations widened to float32 once per call (exact): a scalar
+// conversion per broadcast would cost more than the products.
+using XAct = float;
+inline XPair x_pair(const XAct* x, int64_t i) { return {set1(x[i]), set1(x[i + 1])}; }
+inline V16 dp(V16 acc, XPair x, WPair w) { return dot_pair(acc, x.even, x.odd, w.even, w.odd); }
+inline WPair nibble_pairs(const uint8_t* p) {
+  WPair w;
+  load_nibbles(p, w.even, w.odd);
+  return w;
+}
+inline WPair i8_pairs(const int8_t* p) { return {load_i8(p), load_i8(p + 16)}; }
+inline void store_pairs(float* out, WPair w) {
+  store(out, w.even);
+  store(out + 16, w.odd);
+}
+inline WPair load_pairs(const float* in) { return {load(in), load(in + 16)}; }
+constexpr int kPairFloats = 32;
+#endif
+
+constexpr int kPairBlock = 16 * kPairFloats;  // scratch floats per decoded block (16 outputs x 32 inputs)
+
+// Where a format's codes start in its block, and how many inputs share one scale.
+constexpr int codes_at(Fmt fmt) {
+  return fmt == Fmt::kQ41 ? 64 : fmt == Fmt::kQ40 || fmt == Fmt::kQ80 ? 32 : 128;
+}
+constexpr bool nibbles(Fmt fmt) { return fmt == Fmt::kQ40 || fmt == Fmt::kQ41 || fmt == Fmt::kQ4K; }
+
+// The code pair (2p, 2p + 1) of one packed block.
+template <Fmt fmt>
+inline WPair code_pair(const uint8_t* blk, int p) {
+  if constexpr (nibbles(fmt)) return nibble_pairs(blk + codes_at(fmt) + 16 * p);
+  else return i8_pairs(reinterpret_cast<const int8_t*>(blk + codes_at(fmt) + 32 * p));
+}
+
+// The per-block epilogue shared by every tile: acc += scale * s (+ minimum * sum(x)).
+template <int MR, int NBT, Fmt fmt>
+inline void apply_scales(const uint8_t* const blk[NBT], const float* xsum, int64_t kb, int64_t b, int g0,
+                         V16 s[MR][NBT], V16 acc[MR][NBT]) {
+  for (int j = 0; j < NBT; ++j) {
+    if constexpr (fmt == Fmt::kQ41) {
+      const V16 d = load_fp16(blk[j]), mn = load_fp16(blk[j] + 32);
+      for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
+    } else if constexpr (fmt == Fmt::kQ4K) {
+      const V16 a = load(reinterpret_cast<const float*>(blk[j])), mn = load(reinterpret_cast<const float*>(blk[j] + 64));
+      for (int m = 0; m < MR; ++m) acc[m][j] = fnmadd(mn, set1(xsum[m * kb + b]), fmadd(a, s[m][j], acc[m][j]));
+    } else if constexpr (fmt == Fmt::kQ40) {
+      const V16 d = load_fp16(blk[j]), mn = mul(d, set1(-8.f));
+      for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
+    } else if constexpr (fmt == Fmt::kQ80) {
+      const V16 d = load_fp16(blk[j]);
+      for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(d, s[m][j], acc[m][j]);
+    } else {
+      const V16 a = load(reinterpret_cast<const float*>(blk[j] + 64 * (g0 / 16)));
+      for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(a, s[m][j], acc[m][j]);
+    }
+  }
+}
+
+// Rows [0, MR) of bf16 activations x (row stride ldx) over every input block, codes read from
+// the packed blocks: the direct tile of a bf16 run.
+template <int MR, int NBT, Fmt fmt>
+void tile_bf_codes(const XAct* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t kb, int64_t nb0,
+                   V16 acc[MR][NBT]) {
+  constexpr int block = fmt == Fmt::kQ40 ? kQ40Block : fmt == Fmt::kQ41 ? kQ41Block : fmt == Fmt::kQ80 ? kQ80Block
+                        : fmt == Fmt::kQ4K ? kQ4KBlock : kQ6KBlock;
+  constexpr int group = fmt == Fmt::kQ6K ? 16 : 32;  // inputs per scale
+  for (int64_t b = 0; b < kb; ++b) {
+    const uint8_t* blk[NBT];
+    for (int j = 0; j < NBT; ++j) {
+      blk[j] = w + ((nb0 + j) * kb + b) * block;
+      if (b + 4 < kb)
+        for (int off = 0; off < block; off += 64) _mm_prefetch(reinterpret_cast<const char*>(blk[j] + 4 * block + off), _MM_HINT_T0);
+    }
+    for (int g0 = 0; g0 < 32; g0 += group) {
+      V16 s[MR][NBT];
+      for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < NBT; ++j) s[m][j] = zero();
+      for (int p = g0 / 2; p < (g0 + group) / 2; ++p) {
+        WPair q[NBT];
+        for (int j = 0; j < NBT; ++j) q[j] = code_pair<fmt>(blk[j], p);
+        for (int m = 0; m < MR; ++m) {
+          const XPair xv = x_pair(x + m * ldx, b * 32 + 2 * p);
+          for (int j = 0; j < NBT; ++j) s[m][j] = dp(s[m][j], xv, q[j]);
+        }
+      }
+      apply_scales<MR, NBT, fmt>(blk, xsum, kb, b, g0, s, acc);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------- decoded tiles
 // With more rows than one register tile, a column tile's codes are decoded once into float32
 // (exact small integers) in a per-thread scratch and every tile of rows reads them from there:
@@ -383,6 +529,67 @@ void tile_decoded(const float* x, int64_t ldx, const float* xsum, const uint8_t*
   }
 }
 
+// The bf16 run's decoded tiles: codes of output blocks [nb0, nb0 + cols) x input blocks
+// [b0, b0 + nq) as code pairs, pair p of block (j, b) at q + (j * nq + b - b0) * kPairBlock + p * kPairFloats.
+void decode_pairs(Fmt fmt, const uint8_t* w, int64_t kb, int64_t nb0, int64_t cols, int64_t b0, int64_t nq, float* q) {
+  const int block = block_bytes(fmt);
+  for (int64_t j = 0; j < cols; ++j)
+    for (int64_t b = b0; b < b0 + nq; ++b) {
+      const uint8_t* blk = w + ((nb0 + j) * kb + b) * block;
+      float* out = q + (j * nq + b - b0) * kPairBlock;
+      for (int p = 0; p < 16; ++p) {
+        switch (fmt) {
+          case Fmt::kQ40: store_pairs(out + p * kPairFloats, code_pair<Fmt::kQ40>(blk, p)); break;
+          case Fmt::kQ41: store_pairs(out + p * kPairFloats, code_pair<Fmt::kQ41>(blk, p)); break;
+          case Fmt::kQ4K: store_pairs(out + p * kPairFloats, code_pair<Fmt::kQ4K>(blk, p)); break;
+          case Fmt::kQ80: store_pairs(out + p * kPairFloats, code_pair<Fmt::kQ80>(blk, p)); break;
+          default: store_pairs(out + p * kPairFloats, code_pair<Fmt::kQ6K>(blk, p)); break;
+        }
+      }
+    }
+}
+
+// The per-block epilogue with the running sums in memory (sums + row * ld + j * 16): a bf16 run's
+// decoded tiles keep only the block partials in registers, so that MR x NBT of them (16 on
+// AVX-512) are in flight: fewer would wait on vdpbf16ps' latency.
+template <int MR, int NBT, Fmt fmt>
+inline void apply_scales_mem(const uint8_t* const blk[NBT], const float* xsum, int64_t kb, int64_t b, int g0,
+                             V16 s[MR][NBT], float* sums, int64_t ld) {
+  V16 acc[MR][NBT];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NBT; ++j) acc[m][j] = load(sums + m * ld + j * 16);
+  apply_scales<MR, NBT, fmt>(blk, xsum, kb, b, g0, s, acc);
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NBT; ++j) store(sums + m * ld + j * 16, acc[m][j]);
+}
+
+// tile_bf_codes' sums over input blocks [b0, b0 + nq) from decoded code pairs (decode_pairs'),
+// added to the running sums of rows [0, MR) x blocks [j0, j0 + NBT) in `sums` (row stride ld).
+template <int MR, int NBT, Fmt fmt>
+void tile_decoded_bf(const XAct* x, int64_t ldx, const float* xsum, const uint8_t* w, const float* q, int64_t kb,
+                     int64_t b0, int64_t nq, int64_t nb0, int64_t j0, float* sums, int64_t ld) {
+  constexpr int block = block_bytes(fmt);
+  constexpr int group = fmt == Fmt::kQ6K ? 16 : 32;
+  for (int64_t b = b0; b < b0 + nq; ++b) {
+    const uint8_t* blk[NBT];
+    for (int j = 0; j < NBT; ++j) blk[j] = w + ((nb0 + j0 + j) * kb + b) * block;
+    for (int g0 = 0; g0 < 32; g0 += group) {
+      V16 s[MR][NBT];
+      for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < NBT; ++j) s[m][j] = zero();
+      for (int p = g0 / 2; p < (g0 + group) / 2; ++p) {
+        WPair qv[NBT];
+        for (int j = 0; j < NBT; ++j) qv[j] = load_pairs(q + ((j0 + j) * nq + b - b0) * kPairBlock + p * kPairFloats);
+        for (int m = 0; m < MR; ++m) {
+          const XPair xv = x_pair(x + m * ldx, b * 32 + 2 * p);
+          for (int j = 0; j < NBT; ++j) s[m][j] = dp(s[m][j], xv, qv[j]);
+        }
+      }
+      apply_scales_mem<MR, NBT, fmt>(blk, xsum, kb, b, g0, s, sums + j0 * 16, ld);
+    }
+  }
+}
+
 // The register tile: rows x 16-output blocks of sums. AVX-512 has 32 vector registers and a V16
 // takes one; AVX2 has 16 and a V16 takes two. (The tile shape never changes what is summed.)
 constexpr int kRows = 4;                                // rows per register tile
@@ -395,6 +602,7 @@ struct Problem {
   int64_t ldx;
   const float* xf;     // float32 activations (quantized/f32 formats on bf16 input), ld = k
   const float* xsum;   // [M, K/32] block sums (q4_0, q4_1, q4_k)
+  const XAct* xb;      // bf16 activations over stored codes (a bf16 run; XAct: as given or widened), row stride ldx; else null
   const void* w;
   const void* residual;  // [M, N] or null
   int64_t ldr;
@@ -404,6 +612,27 @@ struct Problem {
 
 template <int MR, int NBT>
 void finish_tile(const Problem& p, int64_t m0, int64_t nb0, V16 acc[MR][NBT]);
+
+// A bf16 run's direct tile over stored codes (its own function: sharing run_tile's body makes the
+// compiler spill the other formats' accumulators).
+template <int MR, int NBT>
+__attribute__((noinline)) void run_tile_bf(const Problem& p, int64_t m0, int64_t nb0) {
+  V16 acc[MR][NBT];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NBT; ++j) acc[m][j] = zero();
+  const XAct* x = p.xb + m0 * p.ldx;
+  const float* xs = p.xsum ? p.xsum + m0 * (p.k / 32) : nullptr;
+  const uint8_t* w = static_cast<const uint8_t*>(p.w);
+  const int64_t kb = p.k / 32;
+  switch (p.fmt) {
+    case Fmt::kQ40: tile_bf_codes<MR, NBT, Fmt::kQ40>(x, p.ldx, xs, w, kb, nb0, acc); break;
+    case Fmt::kQ41: tile_bf_codes<MR, NBT, Fmt::kQ41>(x, p.ldx, xs, w, kb, nb0, acc); break;
+    case Fmt::kQ80: tile_bf_codes<MR, NBT, Fmt::kQ80>(x, p.ldx, xs, w, kb, nb0, acc); break;
+    case Fmt::kQ4K: tile_bf_codes<MR, NBT, Fmt::kQ4K>(x, p.ldx, xs, w, kb, nb0, acc); break;
+    default: tile_bf_codes<MR, NBT, Fmt::kQ6K>(x, p.ldx, xs, w, kb, nb0, acc); break;
+  }
+  finish_tile<MR, NBT>(p, m0, nb0, acc);
+}
 
 template <int MR, int NBT>
 void run_tile(const Problem& p, int64_t m0, int64_t nb0) {
@@ -447,9 +676,9 @@ __attribute__((noinline)) void run_decoded_tile(const Problem& p, int64_t m0, in
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NBT; ++j) acc[m][j] = b0 == 0 ? zero() : load(sums + (m0 + m) * ld + (j0 + j) * 16);
   const int64_t kb = p.k / 32;
-  const float* x = p.xf + m0 * p.k;
   const float* xs = p.xsum ? p.xsum + m0 * kb : nullptr;
   const uint8_t* w = static_cast<const uint8_t*>(p.w);
+  const float* x = p.xf + m0 * p.k;
   switch (p.fmt) {
     case Fmt::kQ40: tile_decoded<MR, NBT, Fmt::kQ40>(x, p.k, xs, w, q, kb, b0, nq, nb0, j0, acc); break;
     case Fmt::kQ41: tile_decoded<MR, NBT, Fmt::kQ41>(x, p.k, xs, w, q, kb, b0, nq, nb0, j0, acc); break;
@@ -462,6 +691,35 @@ __attribute__((noinline)) void run_decoded_tile(const Problem& p, int64_t m0, in
       for (int j = 0; j < NBT; ++j) store(sums + (m0 + m) * ld + (j0 + j) * 16, acc[m][j]);
     return;
   }
+  finish_tile<MR, NBT>(p, m0, nb0 + j0, acc);
+}
+
+// A bf16 run's decoded tile: rows [m0, m0 + MR) x blocks [nb0 + j0, + NBT) over input blocks
+// [b0, b0 + nq); the running sums live in `sums` ([row][kCols * 16]) from the first chunk to the
+// last, which writes them out.
+template <int MR, int NBT>
+__attribute__((noinline)) void run_decoded_tile_bf(const Problem& p, int64_t m0, int64_t nb0, int64_t j0, int64_t b0,
+                                                   int64_t nq, const float* q, float* sums) {
+  constexpr int64_t ld = kCols * 16;
+  float* rows = sums + m0 * ld;
+  if (b0 == 0)
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NBT; ++j) store(rows + m * ld + (j0 + j) * 16, zero());
+  const int64_t kb = p.k / 32;
+  const float* xs = p.xsum ? p.xsum + m0 * kb : nullptr;
+  const uint8_t* w = static_cast<const uint8_t*>(p.w);
+  const XAct* xb = p.xb + m0 * p.ldx;
+  switch (p.fmt) {
+    case Fmt::kQ40: tile_decoded_bf<MR, NBT, Fmt::kQ40>(xb, p.ldx, xs, w, q, kb, b0, nq, nb0, j0, rows, ld); break;
+    case Fmt::kQ41: tile_decoded_bf<MR, NBT, Fmt::kQ41>(xb, p.ldx, xs, w, q, kb, b0, nq, nb0, j0, rows, ld); break;
+    case Fmt::kQ80: tile_decoded_bf<MR, NBT, Fmt::kQ80>(xb, p.ldx, xs, w, q, kb, b0, nq, nb0, j0, rows, ld); break;
+    case Fmt::kQ4K: tile_decoded_bf<MR, NBT, Fmt::kQ4K>(xb, p.ldx, xs, w, q, kb, b0, nq, nb0, j0, rows, ld); break;
+    default: tile_decoded_bf<MR, NBT, Fmt::kQ6K>(xb, p.ldx, xs, w, q, kb, b0, nq, nb0, j0, rows, ld); break;
+  }
+  if (b0 + nq < kb) return;
+  V16 acc[MR][NBT];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NBT; ++j) acc[m][j] = load(rows + m * ld + (j0 + j) * 16);
   finish_tile<MR, NBT>(p, m0, nb0 + j0, acc);
 }
 
@@ -499,6 +757,14 @@ void finish_tile(const Problem& p, int64_t m0, int64_t nb0, V16 acc[MR][NBT]) {
 
 template <int NBT>
 void run_rows(const Problem& p, int64_t m0, int64_t mr, int64_t nb0) {
+  if (p.xb != nullptr) {
+    switch (mr) {
+      case 1: return run_tile_bf<1, NBT>(p, m0, nb0);
+      case 2: return run_tile_bf<2, NBT>(p, m0, nb0);
+      case 3: return run_tile_bf<3, NBT>(p, m0, nb0);
+      default: return run_tile_bf<4, NBT>(p, m0, nb0);
+    }
+  }
   switch (mr) {
     case 1: return run_tile<1, NBT>(p, m0, nb0);
     case 2: return run_tile<2, NBT>(p, m0, nb0);
@@ -628,6 +894,27 @@ std::string amx_status() {
 // of sums and of partial sums fill them), on AVX-512 two.
 void run_decoded_rows(const Problem& p, int64_t m0, int64_t mr, int64_t nb0, int64_t cols, int64_t b0, int64_t nq,
                       const float* q, float* sums) {
+  if (p.xb != nullptr) {  // a bf16 run: 4 rows x kCols blocks of partials (16 zmm on AVX-512)
+    constexpr int kStepBf = kVectorRegisters >= 32 ? kCols : 1;
+    for (int64_t j0 = 0; j0 < cols; j0 += kStepBf) {
+      const int64_t nc = std::min<int64_t>(kStepBf, cols - j0);
+#define TRIPOD_DECODED_BF(R)                                                   \
+  switch (nc) {                                                                \
+    case 1: run_decoded_tile_bf<R, 1>(p, m0, nb0, j0, b0, nq, q, sums); break; \
+    case 2: run_decoded_tile_bf<R, 2 <= kStepBf ? 2 : 1>(p, m0, nb0, j0, b0, nq, q, sums); break; \
+    case 3: run_decoded_tile_bf<R, 3 <= kStepBf ? 3 : 1>(p, m0, nb0, j0, b0, nq, q, sums); break; \
+    default: run_decoded_tile_bf<R, kStepBf>(p, m0, nb0, j0, b0, nq, q, sums); break; \
+  }
+      switch (mr) {
+        case 1: TRIPOD_DECODED_BF(1); break;
+        case 2: TRIPOD_DECODED_BF(2); break;
+        case 3: TRIPOD_DECODED_BF(3); break;
+        default: TRIPOD_DECODED_BF(4); break;
+      }
+#undef TRIPOD_DECODED_BF
+    }
+    return;
+  }
   constexpr int kStep = kVectorRegisters >= 32 ? 2 : 1;
   for (int64_t j0 = 0; j0 < cols; j0 += kStep) {
     const bool two = kStep == 2 && j0 + 1 < cols;
@@ -661,7 +948,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& w, const std::st
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  Problem p{fmt, m, n, k, (n + 15) / 16, x.data_ptr(), x.stride(0), nullptr, nullptr, w.data_ptr(), nullptr, 0,
+  Problem p{fmt, m, n, k, (n + 15) / 16, x.data_ptr(), x.stride(0), nullptr, nullptr, nullptr, w.data_ptr(), nullptr, 0,
             y.data_ptr(), x.scalar_type() == at::kBFloat16};
   if (residual.has_value()) {
     const at::Tensor& r = *residual;
@@ -677,22 +964,48 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& w, const std::st
   }
 #endif
   at::Tensor xf, xsum;
-  if (fmt != Fmt::kBf16) {  // float32 activations, contiguous (and block sums for Q4_0, Q4_1, Q4_K)
+  const bool quant = fmt != Fmt::kBf16 && fmt != Fmt::kF32;
+  // Stored codes with bf16 activations: exact bf16 x code products (tile_bf_codes); else the
+  // quantized and f32 formats take float32 activations.
+  const bool bf_act = quant && x.scalar_type() == at::kBFloat16;
+  if (bf_act) {
+    if constexpr (kNativeBf16) {
+      p.xb = reinterpret_cast<const XAct*>(x.data_ptr());
+    } else {
+      xf = x.to(at::kFloat).contiguous();  // exact; the products are formed in vdpbf16ps' order
+      p.xb = reinterpret_cast<const XAct*>(xf.data_ptr<float>());
+      p.ldx = k;
+    }
+  } else if (fmt != Fmt::kBf16) {  // float32 activations, contiguous
     xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
     p.xf = xf.data_ptr<float>();
-    if (fmt == Fmt::kQ40 || fmt == Fmt::kQ41 || fmt == Fmt::kQ4K) {
-      // NOTE: summed here in a fixed order, not by torch's sum (whose order follows the CPU
-      // capability ATen dispatches to): the same bits on every machine.
-      xsum = at::empty({m, k / 32}, xf.options());
-      const float* xs = p.xf;
-      float* out = xsum.data_ptr<float>();
-      for (int64_t i = 0; i < m * (k / 32); ++i) {
+  }
+  if (fmt == Fmt::kQ40 || fmt == Fmt::kQ41 || fmt == Fmt::kQ4K) {  // block sums, for the minimums
+    // NOTE: summed here in a fixed order, not by torch's sum (whose order follows the CPU
+    // capability ATen dispatches to): the same bits on every machine.
+    xsum = at::empty({m, k / 32}, x.options().dtype(at::kFloat));
+    float* out = xsum.data_ptr<float>();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t b = 0; b < k / 32; ++b) {
         float acc = 0.f;
-        for (int j = 0; j < 32; ++j) acc += xs[i * 32 + j];
-        out[i] = acc;
+        if (bf_act && kNativeBf16) {
+          const uint16_t* xr = reinterpret_cast<const uint16_t*>(p.xb) + r * p.ldx + b * 32;
+          for (int j = 0; j < 32; ++j) {
+            const uint32_t bits = (uint32_t)xr[j] << 16;
+            float v;
+            std::memcpy(&v, &bits, 4);
+            acc += v;
+          }
+        } else if (bf_act) {
+          const float* xr = reinterpret_cast<const float*>(p.xb) + r * p.ldx + b * 32;
+          for (int j = 0; j < 32; ++j) acc += xr[j];
+        } else {
+          const float* xr = p.xf + (r * k + b * 32);
+          for (int j = 0; j < 32; ++j) acc += xr[j];
+        }
+        out[r * (k / 32) + b] = acc;
       }
-      p.xsum = out;
-    }
+    p.xsum = out;
   }
   const int64_t nb = p.nb;
   const int64_t ntiles = (nb + kCols - 1) / kCols;
@@ -703,9 +1016,18 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& w, const std::st
   at::parallel_for(0, ntiles, work < (1 << 18) ? ntiles : 1, [&](int64_t t0, int64_t t1) {
     // The decoded codes of kChunk input blocks (16 KiB per 16-output block: L1 with the
     // activations' rows) and every row's sums between chunks.
-    constexpr int64_t kChunk = 4;
-    std::vector<float> scratch(decoded ? (size_t)(kCols * kChunk * kDecodedBlock) : 0);
-    std::vector<float> sums(decoded ? (size_t)(m * kCols * 16) : 0);
+    // A bf16 run decodes a column tile's whole K (code pairs: 1 KiB per block, L2) so that each
+    // row tile's running sums stay in L1 from the first input to the last.
+    const int64_t kChunk = bf_act ? k / 32 : 4;
+    // NOTE: not zero-filled (every float is written before it is read): filling them cost more
+    // than the decoding at a few rows.
+    const size_t scratch_floats = decoded ? (size_t)(kCols * kChunk * (bf_act ? kPairBlock : kDecodedBlock)) : 0;
+    std::unique_ptr<float[]> scratch_mem(decoded ? new float[scratch_floats + 16] : nullptr);
+    std::unique_ptr<float[]> sums_mem(decoded ? new float[(size_t)(m * kCols * 16)] : nullptr);
+    struct {
+      float* p;
+      float* data() const { return p; }
+    } scratch{scratch_mem.get()}, sums{sums_mem.get()};
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t nb0 = t * kCols;
       const int64_t cols = std::min<int64_t>(kCols, nb - nb0);
@@ -713,7 +1035,8 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& w, const std::st
         const int64_t kb = k / 32;
         for (int64_t b0 = 0; b0 < kb; b0 += kChunk) {
           const int64_t nq = std::min<int64_t>(kChunk, kb - b0);
-          decode_codes(fmt, static_cast<const uint8_t*>(p.w), kb, nb0, cols, b0, nq, scratch.data());
+          if (bf_act) decode_pairs(fmt, static_cast<const uint8_t*>(p.w), kb, nb0, cols, b0, nq, scratch.data());
+          else decode_codes(fmt, static_cast<const uint8_t*>(p.w), kb, nb0, cols, b0, nq, scratch.data());
           for (int64_t m0 = 0; m0 < m; m0 += kRows)
             run_decoded_rows(p, m0, std::min<int64_t>(kRows, m - m0), nb0, cols, b0, nq, scratch.data(), sums.data());
         }
