@@ -577,6 +577,23 @@ void tile_decoded_bf(const XAct* x, int64_t ldx, const float* xsum, const uint8_
       V16 s[MR][NBT];
       for (int m = 0; m < MR; ++m)
         for (int j = 0; j < NBT; ++j) s[m][j] = zero();
+#if defined(__AVX512BF16__)
+      // The block's 16 activation pairs of each row in one register, each pair broadcast from
+      // there (a shuffle) instead of from memory: the loads are what bounds this loop.
+      __m512i xr[MR];
+      for (int m = 0; m < MR; ++m) xr[m] = _mm512_loadu_si512(x + m * ldx + b * 32);
+      __m512i idx = _mm512_set1_epi32(g0 / 2);
+      const __m512i one = _mm512_set1_epi32(1);
+      for (int p = g0 / 2; p < (g0 + group) / 2; ++p) {
+        WPair qv[NBT];
+        for (int j = 0; j < NBT; ++j) qv[j] = load_pairs(q + ((j0 + j) * nq + b - b0) * kPairBlock + p * kPairFloats);
+        for (int m = 0; m < MR; ++m) {
+          const XPair xv = {(__m512bh)_mm512_permutexvar_epi32(idx, xr[m])};
+          for (int j = 0; j < NBT; ++j) s[m][j] = dp(s[m][j], xv, qv[j]);
+        }
+        idx = _mm512_add_epi32(idx, one);
+      }
+#else
       for (int p = g0 / 2; p < (g0 + group) / 2; ++p) {
         WPair qv[NBT];
         for (int j = 0; j < NBT; ++j) qv[j] = load_pairs(q + ((j0 + j) * nq + b - b0) * kPairBlock + p * kPairFloats);
@@ -585,6 +602,7 @@ void tile_decoded_bf(const XAct* x, int64_t ldx, const float* xsum, const uint8_
           for (int j = 0; j < NBT; ++j) s[m][j] = dp(s[m][j], xv, qv[j]);
         }
       }
+#endif
       apply_scales_mem<MR, NBT, fmt>(blk, xsum, kb, b, g0, s, sums + j0 * 16, ld);
     }
   }
