@@ -9,6 +9,7 @@ the prefix its earlier turns left in a replica's tree (``router/prefix_tree.py``
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -30,11 +31,39 @@ def _args(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
+_TEXT_PARTS = ("text", "input_text", "output_text", "refusal")
+
+
 def _text(content: Any) -> str:
+    """A message's content as text: its text parts, and a mark for each image."""
     if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content
-                       if isinstance(p, dict) and p.get("type", "text") == "text")
+        return "".join(str(p.get("text", "")) if p.get("type", "text") in _TEXT_PARTS else _image_mark(p)
+                       for p in content if isinstance(p, dict))
     return content if isinstance(content, str) else ""
+
+
+def _image_mark(part: dict[str, Any]) -> str:
+    """An image part (OpenAI's image_url, Anthropic's image, the Responses API's input_image) as a
+    mark naming the image as sent, so that a request with the same image routes where its prefix
+    is cached and different images never look like one prefix. NOTE: a fingerprint of slices of
+    the URL or data (a few KB, however large the image): routing is a guess, and the router's event
+    loop must not hash megabytes."""
+    kind = part.get("type")
+    src: Any = None
+    if kind == "image_url":
+        src = part.get("image_url")
+        src = src.get("url") if isinstance(src, dict) else src
+    elif kind == "input_image":
+        src = part.get("image_url") or part.get("file_id")
+    elif kind == "image" and isinstance(part.get("source"), dict):
+        src = part["source"].get("data") or part["source"].get("url")
+    if not isinstance(src, str):
+        return ""
+    n, k = len(src), 4096
+    h = hashlib.blake2b(f"{n}:".encode(), digest_size=8)
+    for piece in (src[:k], src[n // 2: n // 2 + k], src[-k:]):
+        h.update(piece.encode("utf-8", "replace"))
+    return f"<|image:{h.hexdigest()}|>"
 
 
 def _turn(role: str, content: str, calls: list[tuple[str, str]] | None = None) -> str:
@@ -119,10 +148,7 @@ def _responses_text(body: dict[str, Any]) -> str:
             continue
         kind = it.get("type", "message")
         if kind == "message":
-            content = it.get("content")
-            parts = [{"type": "text", "text": p.get("text")} for p in content if isinstance(p, dict)] \
-                if isinstance(content, list) else content
-            out.append(_turn(str(it.get("role", "")), _text(parts)))
+            out.append(_turn(str(it.get("role", "")), _text(it.get("content"))))
         elif kind == "function_call":
             out.append(_turn("assistant", "", [(str(it.get("name")), _args(it.get("arguments")))]))
         elif kind == "function_call_output":

@@ -59,6 +59,7 @@ from tripod.server.api.openai_requests import (
 )
 from tripod.server.engine_client import EngineDead, EnginePart, Overloaded
 from tripod.server.errors import APIError
+from tripod.server.media.prompt import images_of
 from tripod.server.state import ServerState, adapter_of, check_model
 
 log = logging.getLogger("tripod.server.pd")
@@ -225,7 +226,12 @@ def _prompts(state: ServerState, order: pd.PrefillOrder) -> list[list[int]]:
                        "answered", code="pd_not_applicable")
     if isinstance(req, ChatCompletionRequest):
         tools, _choice = openai_tools(req, state.chat.parallel_default)
-        return [state.chat.render(chat_messages(req.messages), tools)]
+        messages = chat_messages(req.messages)
+        if images_of(messages):
+            # NOTE: the KV hand-over is by token ids (the disk tier's blocks), which do not say which
+            # image filled a placeholder: an image's prompt is prefilled where it is answered.
+            raise APIError(422, "a request with images is prefilled where it is answered", code="pd_not_applicable")
+        return [state.chat.render(messages, tools)]
     return prompt_ids(state, req.prompt)
 
 
