@@ -130,15 +130,16 @@ class FakeEngine(EngineClient):
 
 class FakeVisionServer:
     """The real app on a fake engine: a vision-language model (``modalities`` ["text", "image"]) or,
-    with ``vision=False``, a text-only one (no processor)."""
+    with ``vision=False``, a text-only one (no processor). ``processor``: a real one (a checkpoint's
+    ``VisionProcessor``, with its tokenizer) instead of ``FakeExpander``."""
 
     def __init__(self, config: ServerConfig | None = None, vision: bool = True,
-                 modalities: list[str] | None = None) -> None:
+                 modalities: list[str] | None = None, processor: Any = None) -> None:
         config = config or ServerConfig()
-        tok = tokenizer()
+        tok = tokenizer() if processor is None else processor.tokenizer
         text = TextSide(tok, len(tok))
         metrics = ServerMetrics("fake-vlm")
-        self.expander = FakeExpander(tok.convert_tokens_to_ids("<image>"))
+        self.expander = FakeExpander(tok.convert_tokens_to_ids("<image>")) if processor is None else processor
         side = VisionSide(self.expander, ImageLoader(config)) if vision else None
         self.engine = FakeEngine(config, text, modalities or (["text", "image"] if vision else ["text"]))
         self.state = state = ServerState(
