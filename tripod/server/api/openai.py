@@ -55,7 +55,7 @@ from tripod.server.api.openai_requests import (
 from tripod.server.api.sampling import build_sampling, logit_bias_ids, stop_strings
 from tripod.server.engine_client import EnginePart
 from tripod.server.errors import APIError
-from tripod.server.media.prompt import render_prompt
+from tripod.server.media.prompt import check_text, render_prompt
 from tripod.server.state import ServerState, adapter_of, check_ids, check_model
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
@@ -460,5 +460,7 @@ def prompt_ids(state: ServerState, prompt: Any) -> list[list[int]]:
                 raise APIError(400, "'prompt' token lists must not be empty", param="prompt")
             check_ids(state, p, "prompt")
             out.append(list(p))
+    for ids in out:
+        check_text(state, ids, "prompt")  # (a completion has no images)
     return out
 

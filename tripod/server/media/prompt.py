@@ -74,7 +74,9 @@ async def render_prompt(state: ServerState, messages: list[Message], tools: list
     ``pictures``: images loaded already (by an earlier render of the same conversation)."""
     refs = images_of(messages)
     if not refs:
-        return Prompt(state.chat.render(messages, tools, continue_final=continue_final, param=param))
+        ids = state.chat.render(messages, tools, continue_final=continue_final, param=param)
+        check_text(state, ids, param)
+        return Prompt(ids)
     metrics = state.metrics
     try:
         vision = vision_for(state, refs)
@@ -93,6 +95,18 @@ async def render_prompt(state: ServerState, messages: list[Message], tools: list
         raise
     metrics.image_load_seconds.labels(metrics.model_name).observe(time.perf_counter() - t0)
     return Prompt(expanded, inputs, have)
+
+
+def check_text(state: ServerState, ids: list[int], param: str) -> None:
+    """A 400 when a prompt without images holds a token that stands for an image (the text spelled
+    the placeholder, or a prompt of token ids named it): the engine would have no image for it."""
+    if state.vision is None:
+        return
+    bad = state.vision.placeholder_ids.intersection(ids)
+    if bad:
+        shown = state.text.decode([min(bad)], skip_special_tokens=False)
+        raise ImageError(f"'{param}': the prompt holds the model's image token {shown!r} (id {min(bad)}) without an "
+                         "image; remove it from the text (images go in image content parts)", param, "invalid_image")
 
 
 def _expand(processor: ImageExpander, ids: list[int], images: list[Image.Image], detail: list[str | None],

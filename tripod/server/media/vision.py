@@ -33,6 +33,13 @@ class VisionSide:
     processor: ImageExpander
     loader: ImageLoader
 
+    @property
+    def placeholder_ids(self) -> frozenset[int]:
+        """The tokens that stand for images in a prompt: the template's placeholder and (Gemma 3)
+        the token the expanded span holds. Text never holds them (``prompt.check_text``)."""
+        return frozenset({self.processor.image_token_id,
+                          getattr(self.processor, "model_image_token_id", self.processor.image_token_id)})
+
 
 def images_served(vision: VisionSide | None, modalities: Sequence[str], model: str) -> bool:
     """Whether images are served: the checkpoint has a processor and the engine reads images
