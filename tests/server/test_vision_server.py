@@ -324,3 +324,6 @@ def test_openapi_documents_image_parts(vlm: FakeVisionServer) -> None:
     assert "image_url" in schemas["ContentPart"]["properties"]
     assert "image_url" in schemas["ContentPart"]["properties"]["type"]["enum"]
     assert "image" in schemas["Block"]["properties"]["type"]["enum"] and "ImageSource" in schemas
+    models = doc["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert models == {"$ref": "#/components/schemas/ModelList"}
+    assert schemas["ModelCard"]["properties"]["modalities"]["items"]["enum"] == ["text", "image"]
