@@ -62,3 +62,23 @@ def test_images_are_marks_of_their_own_in_the_routed_prompt() -> None:
     assert "what is this?" in resp and "<|image:" in resp
     assert render_prompt("/v1/responses", responses("https://x/a.png")) != render_prompt(
         "/v1/responses", responses("https://x/b.png"))
+
+
+def test_images_neither_weigh_as_text_nor_teach_characters_per_token() -> None:
+    """The fair-share cost counts a body's text, not its base64; and a prompt with images (whose
+    tokens have no characters) leaves the learned characters-per-token ratio alone."""
+    from tripod.config import RouterConfig
+    from tripod.router.policy import RouteRequest
+    from tripod.router.prompt import image_chars
+    from tripod.router.router import Router
+
+    assert image_chars(chat(IMG_A)) == len(IMG_A)
+    assert image_chars(messages("QUFB")) == 4 and image_chars(responses("https://x/a.png")) == len("https://x/a.png")
+    assert image_chars({"messages": [{"role": "user", "content": "text only"}]}) == 0
+    router = Router(RouterConfig())
+    before = router.chars_per_token
+    usage = json.dumps({"usage": {"prompt_tokens": 700}}).encode()
+    router.learn(RouteRequest(render_prompt("/v1/chat/completions", chat(IMG_A)), 10.0, 16.0), usage)
+    assert router.chars_per_token == before
+    router.learn(RouteRequest("x" * 1400, 10.0, 16.0), usage)  # 2 characters a token: learned
+    assert router.chars_per_token < before

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 DEFAULT_OUTPUT_TOKENS = 256  # output budget counted into load when a request names none
+IMAGE_MARK = "<|image:"  # an image in the routed text: IMAGE_MARK + its fingerprint + "|>"
 
 
 def is_anthropic(path: str) -> bool:
@@ -42,12 +43,9 @@ def _text(content: Any) -> str:
     return content if isinstance(content, str) else ""
 
 
-def _image_mark(part: dict[str, Any]) -> str:
-    """An image part (OpenAI's image_url, Anthropic's image, the Responses API's input_image) as a
-    mark naming the image as sent, so that a request with the same image routes where its prefix
-    is cached and different images never look like one prefix. NOTE: a fingerprint of slices of
-    the URL or data (a few KB, however large the image): routing is a guess, and the router's event
-    loop must not hash megabytes."""
+def _image_source(part: dict[str, Any]) -> str | None:
+    """The URL or data of an image part (OpenAI's image_url, Anthropic's image, the Responses API's
+    input_image); None for another part."""
     kind = part.get("type")
     src: Any = None
     if kind == "image_url":
@@ -57,13 +55,33 @@ def _image_mark(part: dict[str, Any]) -> str:
         src = part.get("image_url") or part.get("file_id")
     elif kind == "image" and isinstance(part.get("source"), dict):
         src = part["source"].get("data") or part["source"].get("url")
-    if not isinstance(src, str):
+    return src if isinstance(src, str) else None
+
+
+def _image_mark(part: dict[str, Any]) -> str:
+    """An image part as a mark naming the image as sent, so that a request with the same image
+    routes where its prefix is cached and different images never look like one prefix. NOTE: a
+    fingerprint of slices of the URL or data (a few KB, however large the image): routing is a
+    guess, and the router's event loop must not hash megabytes."""
+    src = _image_source(part)
+    if src is None:
         return ""
     n, k = len(src), 4096
     h = hashlib.blake2b(f"{n}:".encode(), digest_size=8)
     for piece in (src[:k], src[n // 2: n // 2 + k], src[-k:]):
         h.update(piece.encode("utf-8", "replace"))
-    return f"<|image:{h.hexdigest()}|>"
+    return f"{IMAGE_MARK}{h.hexdigest()}|>"
+
+
+def image_chars(body: dict[str, Any]) -> int:
+    """Characters of the body that are images' URLs or data (a request's size less them is its text's)."""
+    total = 0
+    for m in [*(body.get("messages") or []), *(body.get("input") if isinstance(body.get("input"), list) else [])]:
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else []:
+            src = _image_source(part) if isinstance(part, dict) else None
+            total += len(src) if src is not None else 0
+    return total
 
 
 def _turn(role: str, content: str, calls: list[tuple[str, str]] | None = None) -> str:

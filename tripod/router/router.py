@@ -36,6 +36,8 @@ from tripod.router.policy import Decision, RouteRequest, RoutingPolicy, make_pol
 from tripod.router.prefix_tree import PrefixTree
 from tripod.router.prompt import (
     DEFAULT_OUTPUT_TOKENS,
+    IMAGE_MARK,
+    image_chars,
     is_anthropic,
     model_scope,
     output_budget,
@@ -300,7 +302,8 @@ class Router:
                 tokens = int(usage.get("input_tokens") or 0) + int(usage.get("cache_read_input_tokens") or 0)
         except (ValueError, AttributeError, TypeError):
             return
-        if tokens > 0 and len(rr.text) > 0:
+        # (an image's tokens have no text: a prompt with images says nothing of characters per token)
+        if tokens > 0 and len(rr.text) > 0 and IMAGE_MARK not in rr.text:
             ratio = min(max(len(rr.text) / tokens, 1.0), 16.0)
             self.chars_per_token += 0.1 * (ratio - self.chars_per_token)
 
@@ -321,7 +324,8 @@ class Router:
             if early is not None:
                 return early
         self.latency.arrived(t0)
-        cost = len(raw) / self.chars_per_token + output_budget(body)
+        # (an inline image is megabytes of base64 but a few hundred tokens: its characters are not text)
+        cost = (len(raw) - image_chars(body)) / self.chars_per_token + output_budget(body)
         self.queue_depth += 1
         # The fair-share queue (--replica-max-inflight): its own span, a child of the request's.
         span = tracing.start_span("router.queue", attributes={
