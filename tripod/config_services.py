@@ -4,6 +4,7 @@ command-line option with ``opt(...)``); ``tripod.config`` re-exports them."""
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from tripod.config_cli import opt
@@ -27,12 +28,19 @@ MAX_BODY_BYTES = 32 * 2**20
 
 def media_domains(value: str | None) -> tuple[str, ...]:
     """``--allowed-media-domains`` (hosts, comma-separated) as lower-case patterns: a host name or
-    address, or ``*.name`` for every subdomain of name; a ValueError naming a bad entry."""
+    IPv4 address, an IPv6 address in brackets, or ``*.name`` for every subdomain of name; a
+    ValueError naming a bad entry."""
     if not value:
         return ()
     out = []
     for raw in value.split(","):
         host = raw.strip().lower()
+        if host.startswith("[") and host.endswith("]"):  # an IPv6 address, as URLs write it
+            try:
+                out.append(str(ipaddress.IPv6Address(host[1:-1])))
+            except ValueError:
+                raise ValueError(f"{raw.strip()!r} is not an IPv6 address") from None
+            continue
         name = host[2:] if host.startswith("*.") else host
         if not name or any(c in name for c in "/:@?#* ") or name.startswith(".") or name.endswith("."):
             raise ValueError(f"{raw.strip()!r} is not a host name (give names such as "

@@ -145,6 +145,16 @@ def fetch(url: str, hosts: tuple[str, ...] = ("127.0.0.1",), max_bytes: int = 10
     return asyncio.run(go())
 
 
+def test_allow_list_entries() -> None:
+    from tripod.config_services import media_domains
+
+    assert media_domains(" Img.Example.COM ,*.cdn.example,[::1], 10.0.0.7") == (
+        "img.example.com", "*.cdn.example", "::1", "10.0.0.7")
+    for bad in ("http://x", "x:80", "x/y", "*.", ".x", "[zz]", "a*b"):
+        with pytest.raises(ValueError):
+            media_domains(bad)
+
+
 def test_an_allowed_host_is_fetched_and_redirects_within_it_followed(host: MediaHost) -> None:
     assert fetch(host.url("/a.png")) == PNG
     assert fetch(host.url("/relative/a.png")) == PNG
@@ -197,6 +207,7 @@ def test_an_unreachable_host_is_a_400() -> None:
     ("img.example.com.evil.org", ("img.example.com",), False),
     ("127.0.0.1", ("127.0.0.1",), True),
     ("127.0.0.1", (), False),
+    ("::1", ("::1",), True),
 ])
 def test_host_patterns(name: str, patterns: tuple[str, ...], ok: bool) -> None:
     assert host_allowed(name, patterns) is ok
