@@ -242,7 +242,10 @@ def _vision_language(d: dict[str, Any], family: str) -> ModelConfig:
         text["tie_word_embeddings"] = d["tie_word_embeddings"]
     cfg = ModelConfig.from_hf_dict(text)
     vlm_arch = str((d.get("architectures") or [MODEL_TYPES[str(d.get("model_type"))][-1]])[0])
-    return dataclasses.replace(cfg, architecture=vlm_arch, vision=VisionSpec.from_hf(d, family))
+    # NOTE: transformers' Gemma3ForConditionalGeneration soft-caps no logits (its causal LM does);
+    # Gemma 3 checkpoints set final_logit_softcapping to null anyway.
+    final = None if family == "gemma3" else cfg.final_softcap
+    return dataclasses.replace(cfg, architecture=vlm_arch, vision=VisionSpec.from_hf(d, family), final_softcap=final)
 
 
 def _rope(d: dict[str, Any]) -> tuple[dict[str, Any] | None, Any, Any]:
