@@ -82,16 +82,16 @@ def _text(kind: str, tok: Any) -> dict[str, Any]:
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    if kind == "llava-clip":
-        return dict(model_type="llama", **common)
+    if kind == "llava-clip":  # (head_dim 32: a shape tripod's CPU kernels' paged attention covers)
+        return dict(common, model_type="llama", num_attention_heads=2, num_key_value_heads=1)
     if kind == "llava-siglip":
         return dict(model_type="qwen2", **common)
-    if kind == "qwen2_5_vl":
-        return dict(common, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                          "mrope_section": [2, 3, 3]})
-    return dict(common, head_dim=16, sliding_window=12, query_pre_attn_scalar=16, num_hidden_layers=3,
-                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                final_logit_softcapping=30.0)
+    if kind == "qwen2_5_vl":  # (head_dim 32, as llava-clip's)
+        return dict(common, num_attention_heads=2, num_key_value_heads=1,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]})
+    return dict(common, head_dim=16, sliding_window=16, query_pre_attn_scalar=16, num_hidden_layers=3,
+                layer_types=["full_attention", "sliding_attention", "full_attention"],
+                final_logit_softcapping=30.0, tie_word_embeddings=False)
 
 
 def _vit(**kw: Any) -> dict[str, Any]:
@@ -128,9 +128,10 @@ def hf_config(kind: str, tok: Any) -> Any:
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
                                 video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
                                 vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=False)
-    return Gemma3Config(text_config=text, vision_config=_vit(image_size=32, patch_size=8, vision_use_head=False),
-                        mm_tokens_per_image=4, boi_token_index=ids("<start_of_image>"),
-                        eoi_token_index=ids("<end_of_image>"), image_token_index=ids("<image_soft_token>"))
+    return Gemma3Config(text_config=text, vision_config=_vit(image_size=64, patch_size=8, vision_use_head=False),
+                        mm_tokens_per_image=16, boi_token_index=ids("<start_of_image>"),
+                        eoi_token_index=ids("<end_of_image>"), image_token_index=ids("<image_soft_token>"),
+                        tie_word_embeddings=False)  # (tied, the last input token's scaled embedding wins every step)
 
 
 def hf_processor(kind: str, tok: Any) -> Any:
@@ -155,8 +156,8 @@ def hf_processor(kind: str, tok: Any) -> Any:
         ip = Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
                                       size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64})
         return _QwenProcessor(image_processor=ip, tokenizer=tok, video_processor=None, chat_template=template)
-    ip = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
-    return Gemma3Processor(image_processor=ip, tokenizer=tok, chat_template=template, image_seq_length=4)
+    ip = Gemma3ImageProcessorPil(size={"height": 64, "width": 64})
+    return Gemma3Processor(image_processor=ip, tokenizer=tok, chat_template=template, image_seq_length=16)
 
 
 def _qwen_processor_class() -> Any:
@@ -181,8 +182,9 @@ def _decisive(model: Any, gemma: bool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("mm_input_projection_weight"):  # used as x @ W: fan-in is its first dim
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[0]))
+            if name.endswith("mm_input_projection_weight"):  # x @ W (fan-in: its first dim), as large
+                # as Gemma's sqrt(hidden)-scaled text embeddings, so that the image matters
+                p.copy_(torch.randn(p.shape, generator=g) * math.sqrt(p.shape[1] / p.shape[0]))
             elif p.ndim >= 2:
                 fan_in = int(np.prod(p.shape[1:]))
                 std = 1.0 if "embed_tokens" in name else 1.0 / math.sqrt(fan_in)
@@ -236,14 +238,39 @@ def build(kind: str, folder: Path, seed: int = 0) -> TinyVLM:
 
 
 def image(seed: int, size: tuple[int, int] = (32, 32)) -> Any:
-    """A random RGB image (PIL) of ``size`` (width, height)."""
+    """A random RGB image (PIL) of ``size`` (width, height): a 4x4 grid of random colours with
+    noise on top (coarse content differs from seed to seed; iid noise alone looks alike to a tower)."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+    coarse = Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8), "RGB").resize(size, Image.NEAREST)
+    noise = rng.integers(-24, 25, (size[1], size[0], 3))
+    return Image.fromarray(np.clip(np.asarray(coarse, dtype=np.int64) + noise, 0, 255).astype(np.uint8), "RGB")
 
 
 def messages(text: str, images: int = 1) -> list[dict[str, Any]]:
     """One user turn: ``images`` image parts, then ``text``."""
     parts: list[dict[str, Any]] = [{"type": "image"} for _ in range(images)]
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def hf_greedy(vlm: TinyVLM, text: str, images: list[Any], n: int) -> Any:
+    """transformers' greedy ``generate`` (float32, never stopping at EOS) of ``text`` with ``images``:
+    a ``conftest.Greedy`` (tokens, top-2 margins, runners-up) for ``check_greedy_tokens``."""
+    from tests.conftest import Greedy
+
+    inputs = vlm.processor(text=text, images=images or None, return_tensors="pt")
+    vlm.model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = vlm.model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    margins, runner_up, logprobs = [], [], []
+    for step, logits in enumerate(out.logits):
+        row = logits[0].float()
+        top = row.topk(2)
+        assert int(top.indices[0]) == tokens[step]
+        margins.append(float(top.values[0] - top.values[1]))
+        runner_up.append(int(top.indices[1]))
+        logprobs.append(float(torch.log_softmax(row, -1)[tokens[step]]))
+    return Greedy(tokens, margins, runner_up, logprobs)

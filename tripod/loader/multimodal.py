@@ -27,29 +27,14 @@ from typing import Any
 
 import numpy as np
 
+from tripod.models.vision.spec import vlm_family
 from tripod.protocol.multimodal import ImageInput, pixel_hash
 
 log = logging.getLogger(__name__)
 
-VLM_ARCHITECTURES = {
-    "LlavaForConditionalGeneration": "llava",
-    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
-    "Gemma3ForConditionalGeneration": "gemma3",
-}
 DETAILS = ("low", "high", "auto")
 # detail="low" on a model with resolutions (Qwen2.5-VL): at most this many image tokens.
 LOW_DETAIL_TOKENS = 64
-
-
-def vlm_family(config: dict[str, Any]) -> str | None:
-    """The vision-language family of an HF ``config.json`` (None: a text-only model)."""
-    archs = config.get("architectures") or []
-    if archs and str(archs[0]) in VLM_ARCHITECTURES:
-        return VLM_ARCHITECTURES[str(archs[0])]
-    mtype = config.get("model_type")
-    if mtype in ("llava", "qwen2_5_vl") or (mtype == "gemma3" and config.get("vision_config")):
-        return str(mtype)
-    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,3 +55,12 @@ class ImageInput(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"image pixels: {len(self.pixels)} bytes do not hold shape {self.shape} of {self.dtype}")
         if self.grid_thw is not None and len(self.grid_thw) != 3:
             raise ValueError("grid_thw must be (t, h, w)")
+
+
+class ImageSpan(msgspec.Struct, array_like=True, frozen=True):
+    """Where an image's tokens are in a prompt and what it is, without its pixels: what keys its
+    tokens in the prefix cache (``ExportKV.images``: a prefill replica exports a prompt's KV)."""
+
+    hash: Annotated[str, msgspec.Meta(min_length=16, max_length=128)]
+    offset: Annotated[int, msgspec.Meta(ge=0)]
+    length: Annotated[int, msgspec.Meta(gt=0)]
