@@ -327,3 +327,26 @@ def test_openapi_documents_image_parts(vlm: FakeVisionServer) -> None:
     models = doc["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
     assert models == {"$ref": "#/components/schemas/ModelList"}
     assert schemas["ModelCard"]["properties"]["modalities"]["items"]["enum"] == ["text", "image"]
+
+
+def test_the_engines_image_counters_become_metrics() -> None:
+    """Heartbeats carry the engine's cumulative image counters; the metrics add what is new."""
+    from tripod.protocol.stats import EngineStats, VisionStats
+    from tripod.server.metrics import ServerMetrics
+
+    m = ServerMetrics("vlm")
+
+    def beat(encoded: int, seconds: float, hits: int, held: int) -> dict[str, float]:
+        m.on_heartbeat(EngineStats(running=0, waiting=0, kv_slots=8, kv_free=8, kv_cached=0, kv_pinned=0,
+                                   vision=VisionStats(images_encoded=encoded, encoder_seconds=seconds,
+                                                      encoder_cache_hits=hits, images_held=held)))
+        return {s.name: s.value for f in text_string_to_metric_families(m.render().decode()) for s in f.samples
+                if "image" in s.name}
+
+    beat(2, 0.5, 1, 2)
+    got = beat(5, 1.25, 1, 0)
+    assert got["tripod:images_encoded_total"] == 5 and got["tripod:image_encoder_seconds_total"] == 1.25
+    assert got["tripod:image_encoder_cache_hits_total"] == 1 and got["tripod:images_held"] == 0
+    plain = ServerMetrics("text")
+    plain.on_heartbeat(EngineStats(running=0, waiting=0, kv_slots=8, kv_free=8, kv_cached=0, kv_pinned=0))
+    assert "tripod:images_encoded_total{" not in plain.render().decode()  # (no series: the engine has no images)
