@@ -82,3 +82,16 @@ def test_images_neither_weigh_as_text_nor_teach_characters_per_token() -> None:
     assert router.chars_per_token == before
     router.learn(RouteRequest("x" * 1400, 10.0, 16.0), usage)  # 2 characters a token: learned
     assert router.chars_per_token < before
+
+
+def test_an_image_counts_as_tokens_in_the_routers_estimate() -> None:
+    from tripod.config import RouterConfig
+    from tripod.router.prompt import IMAGE_TOKENS
+    from tripod.router.router import Router
+
+    router = Router(RouterConfig())
+    text_only = router.route_request("/v1/chat/completions", {"messages": [{"role": "user", "content": "what is this?"}]})
+    two = chat(IMG_A)
+    two["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": "https://x/b.png"}})
+    with_images = router.route_request("/v1/chat/completions", two)
+    assert with_images.prompt_tokens - text_only.prompt_tokens >= 2 * IMAGE_TOKENS

@@ -24,7 +24,7 @@ import torch
 from tests.conftest import Greedy, check_greedy_tokens
 from tests.support import tiny_vlms
 from tests.support.media_host import MediaHost, data_url, encoded
-from tests.support.server_helpers import ServerProcess
+from tests.support.server_helpers import ServerProcess, TripodProcess
 
 N = 8  # tokens generated per answer
 QUESTION = "What is in this picture?"
@@ -182,3 +182,32 @@ def test_images_by_url_and_through_the_responses_api(served: Callable[[str], Ser
     finally:
         host.stop()
     check_greedy_tokens(tokens_of(s.chat([img])), ref, "after the refusals")
+
+
+@pytest.mark.slow
+def test_a_fleet_with_prefill_and_decode_replicas_serves_images(
+        served: Callable[[str], Served], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``tripod serve --replicas 1 --prefill-replicas 1`` on a VLM: the router forwards the image
+    request, the prefill replica loads the image and hands its prompt's KV (image tokens keyed by
+    content) to the decode replica, which answers as one replica does."""
+    s = served("qwen2_5_vl")
+    tmp = tmp_path_factory.mktemp("vision-pd")
+    fleet = TripodProcess(tmp, "serve", "--model", str(s.vlm.folder), "--replicas", "1", "--prefill-replicas", "1",
+                          "--dtype", "float32", "--kv-cache-tokens", "8192", "--max-model-len", "1024",
+                          "--health-interval", "0.2", "--replica-log-dir", str(tmp))
+    try:
+        fleet.wait_for("a healthy prefill and decode replica", lambda f: sorted(
+            r["role"] for r in f["replicas"] if r["state"] == "healthy") == ["decode", "prefill"], 60)
+        img = tiny_vlms.image(11, (64, 48))
+        question = "Tell me, in as many words as you like, what this picture shows and why it matters."
+        client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model="default", max_tokens=N, temperature=0, messages=[{"role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": data_url(img)}}, {"type": "text", "text": question}]}],
+            extra_body={"return_token_ids": True, "ignore_eos": True})
+        check_greedy_tokens(tokens_of(r), s.reference([img], question), "through a prefill/decode fleet")
+        assert fleet.fleet()["pd"]["ok"] == 1
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        # The decode replica had never seen this prompt: what it found cached is the blocks handed over.
+        assert r.usage.prompt_tokens_details.cached_tokens == (r.usage.prompt_tokens - 1) // 16 * 16 > 0
+    finally:
+        fleet.stop()

@@ -15,6 +15,9 @@ from typing import Any
 
 DEFAULT_OUTPUT_TOKENS = 256  # output budget counted into load when a request names none
 IMAGE_MARK = "<|image:"  # an image in the routed text: IMAGE_MARK + its fingerprint + "|>"
+# The prompt tokens an image is estimated at (the replica's processor decides: LLaVA-1.5 576, Gemma 3
+# 256, Qwen2.5-VL by resolution); what the router's load and prefill hand-over decisions count.
+IMAGE_TOKENS = 256
 
 
 def is_anthropic(path: str) -> bool:

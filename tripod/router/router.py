@@ -37,6 +37,7 @@ from tripod.router.prefix_tree import PrefixTree
 from tripod.router.prompt import (
     DEFAULT_OUTPUT_TOKENS,
     IMAGE_MARK,
+    IMAGE_TOKENS,
     image_chars,
     is_anthropic,
     model_scope,
@@ -195,7 +196,9 @@ class Router:
         prev = body.get("previous_response_id") if path == "/v1/responses" else None
         # The cache-aware tree keys the prompt under the model it runs on: a LoRA adapter's prefixes
         # (cached apart from the base's and each other's in the replicas) gather on their own replicas.
-        return RouteRequest(model_scope(body) + text, len(text) / self.chars_per_token, output_budget(body),
+        # (an image's tokens are the replica's processor's to count: each is estimated as IMAGE_TOKENS)
+        tokens = len(text) / self.chars_per_token + text.count(IMAGE_MARK) * IMAGE_TOKENS
+        return RouteRequest(model_scope(body) + text, tokens, output_budget(body),
                             prev if isinstance(prev, str) else None)
 
     async def pick(self, rr: RouteRequest, tried: set[Replica], wait: bool = True) -> Decision:

@@ -29,7 +29,7 @@ import zmq.asyncio
 from tripod import tracing
 from tripod.config import EngineConfig, ServerConfig
 from tripod.protocol import engine_ipc
-from tripod.protocol.multimodal import ImageInput
+from tripod.protocol.multimodal import ImageInput, ImageSpan
 from tripod.protocol.sampling import Resume, SamplingParams
 from tripod.protocol.stats import EngineStats
 
@@ -421,14 +421,17 @@ class EngineClient:
         finally:
             self._stats_waiters.pop(token, None)
 
-    async def export_kv(self, prompt_ids: list[int], timeout: float = 60.0) -> engine_ipc.KVExport:
-        """The whole blocks of ``prompt_ids`` the engine's prefix cache holds (``ExportKV``)."""
+    async def export_kv(self, prompt_ids: list[int], images: list[ImageInput] | None = None,
+                        timeout: float = 60.0) -> engine_ipc.KVExport:
+        """The whole blocks of ``prompt_ids`` the engine's prefix cache holds (``ExportKV``; its
+        ``images``' tokens are keyed by their content, as the cache keys them)."""
         if not self.alive:
             raise EngineDead(self.dead_reason or "the engine is not running")
         token = next(self._tokens)
         fut: asyncio.Future[engine_ipc.KVExport] = asyncio.get_running_loop().create_future()
         self._export_waiters[token] = fut
-        self._send(engine_ipc.ExportKV(token, prompt_ids))
+        spans = [ImageSpan(i.hash, i.offset, i.length) for i in images or ()]
+        self._send(engine_ipc.ExportKV(token, prompt_ids, spans))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
