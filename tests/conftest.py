@@ -234,3 +234,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
+    """``tiny_vlm(kind)``: a tiny random vision-language checkpoint of ``kind`` saved to a folder,
+    with its transformers model and processor (``tests/support/tiny_vlms.py``), built once per session."""
+    from tests.support import tiny_vlms
+
+    made: dict[str, Any] = {}
+
+    def get(kind: str) -> Any:
+        if kind not in made:
+            made[kind] = tiny_vlms.build(kind, tmp_path_factory.mktemp(kind.replace("_", "-")))
+        return made[kind]
+
+    return get

@@ -116,3 +116,25 @@ def test_fleet_option_errors_are_clear(args: tuple[str, ...], words: str) -> Non
     r = _tripod(*args)
     assert r.returncode == 2
     assert words in r.stderr, r.stderr
+
+
+def test_generate_with_an_image_answers_as_the_engine_does(tiny_vlm: object, tmp_path: object) -> None:
+    """``tripod generate --image PATH``: the checkpoint's template and processor, the engine's answer."""
+    from pathlib import Path
+
+    from tests.support import tiny_vlms
+    from tripod import Engine, SamplingParams
+
+    vlm = tiny_vlm("llava-clip")  # type: ignore[operator]
+    path = Path(str(tmp_path)) / "a.png"
+    img = tiny_vlms.image(5, (64, 48))
+    img.save(path)
+    r = _tripod("generate", "--model", str(vlm.folder), "--dtype", "float32", "--image", str(path),
+                "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "What is this?")
+    assert r.returncode == 0, r.stderr
+    eng = Engine(model=str(vlm.folder), dtype="float32", kv_cache_tokens=256, max_running=4, max_batch_tokens=64)
+    (out,) = eng.generate([eng.image_prompt(tiny_vlms.messages("What is this?", 1), [img])],
+                          SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert out.text.strip() and r.stdout.strip() == out.text.strip()
+    bad = _tripod("generate", "--model", str(vlm.folder), "--image", str(path) + ".missing", "What?")
+    assert bad.returncode != 0 and "not a readable image" in bad.stderr

@@ -38,6 +38,8 @@ ENGINE_SERVER = [
     "--responses-store", "sqlite:/r.db", "--responses-ttl", "60", "--responses-max-count", "9",
     "--responses-max-bytes", "4096", "--no-cuda-graphs", "--cuda-graph-max-bs", "64",
     "--gpu-memory-utilization", "0.8", "--overlap-schedule", "off",
+    "--max-body-bytes", "9000000", "--limit-mm-per-prompt", "3", "--allowed-media-domains", "a.example",
+    "*.b.example", "--media-fetch-timeout", "2.5", "--max-image-bytes", "1000000", "--max-image-pixels", "4000000",
 ]
 
 # The options of each command (as before the CLI was generated from the configs).
@@ -45,6 +47,7 @@ FLAGS = {
     ("serve",): "--lora --max-lora-rank --max-loras --api-key --audit-log --audit-log-content --backend --balance-abs --balance-rel --bench-dir "
     "--chunk-size --cuda-graph-max-bs --data-parallel-size --device --downscale-delay --drain-timeout --dtype --enable-expert-parallel "
     "--gpu-memory-utilization --health-interval --host --kernels --kv-cache-tokens --kv-disk --kv-disk-size --load-weight --log-level --lookback "
+    "--allowed-media-domains --limit-mm-per-prompt --max-body-bytes --max-image-bytes --max-image-pixels --media-fetch-timeout "
     "--max-batch-tokens --max-model-len --max-n --max-pending --max-replicas --max-retries --max-running "
     "--max-waiting --min-replicas --model --normalize --no-cuda-graphs --no-jump-forward --no-prefix-cache --num-draft-tokens "
     "--otel-endpoint --otel-file --overlap-schedule --overload-status --parallel-backend --parallel-placement --parallel-ray-address "
@@ -55,7 +58,7 @@ FLAGS = {
     "--spec-max-batch --speculative --ssl-certfile --ssl-keyfile --stall-timeout --target-inflight "
     "--task --tenant-limits --tenants --tensor-parallel-size --threads --upscale-delay --weights",
     ("route",): "--api-key --audit-log --audit-log-content --balance-abs --balance-rel --bench-dir --drain-timeout "
-    "--health-interval --host --load-weight --log-level --max-pending --max-retries --otel-endpoint --otel-file "
+    "--health-interval --host --load-weight --log-level --max-body-bytes --max-pending --max-retries --otel-endpoint --otel-file "
     "--policy --port --queue-timeout --region --region-overflow-load --replica --replica-max-inflight --ssl-ca "
     "--ssl-certfile --ssl-keyfile --stall-timeout --tenants",
     ("generate",): "--lora --max-lora-rank --max-loras --chunk-size --cuda-graph-max-bs --data-parallel-size "
@@ -168,6 +171,9 @@ def test_empty_api_key_means_none(monkeypatch: pytest.MonkeyPatch) -> None:
     (("generate", "--threads", "x"), "argument --threads: invalid int value"),
     (("serve", "--overload-status", "500"), "argument --overload-status: invalid choice: 500"),
     (("serve", "--reasoning-parser", "r2"), "argument --reasoning-parser: invalid choice: 'r2'"),
+    (("serve", "--allowed-media-domains", "https://img.example"), "argument --allowed-media-domains: "
+     "'https://img.example' is not a host name"),
+    (("serve", "--limit-mm-per-prompt", "many"), "argument --limit-mm-per-prompt: invalid int value"),
 ])
 def test_parse_errors_name_the_flag(argv: tuple[str, ...], words: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
@@ -195,3 +201,20 @@ def test_lora_takes_several_adapters_in_every_spelling(argv: list[str]) -> None:
     assert again.lora == cfg.lora
     with pytest.raises(SystemExit):
         _parse("serve", "--lora", "no-equals-sign")
+
+
+def test_media_domains_and_body_limit_reach_every_process() -> None:
+    """``--allowed-media-domains`` in any spelling gives the same hosts (lower-cased, ``*.`` kept) and
+    round-trips to replicas; ``tripod serve --max-body-bytes`` is its fleet router's limit too (the
+    router forwards image bodies unchanged, so it must admit what the replicas admit)."""
+    for argv in (["--allowed-media-domains", "A.example", "*.b.example"],
+                 ["--allowed-media-domains", "A.example,*.b.example"],
+                 ["--allowed-media-domains", "A.example", "--allowed-media-domains", "*.b.example"]):
+        cfg = from_namespace(ServerConfig, _parse("serve", *argv))
+        assert cfg.media_hosts == ("a.example", "*.b.example")
+        assert from_namespace(ServerConfig, _parse("serve", *to_argv(cfg, SERVE))) == cfg
+    assert ServerConfig().media_hosts == ()
+    serve = _parse("serve", "--replicas", "2", "--max-body-bytes", "99999999")
+    assert from_namespace(RouterConfig, serve).max_body_bytes == from_namespace(ServerConfig, serve).max_body_bytes \
+        == 99999999
+    assert ServerConfig().max_body_bytes == RouterConfig().max_body_bytes >= 32 * 2**20

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from tripod.config import SamplingOptions
-    from tripod.engine.engine import Engine
+    from tripod.engine.engine import Engine, Prompt
     from tripod.engine.request import SamplingParams
 
 
-def stream_answer(engine: Engine, prompt: str | list[int], params: SamplingParams, show_stats: bool) -> str:
+def stream_answer(engine: Engine, prompt: Prompt, params: SamplingParams, show_stats: bool) -> str:
     """Stream one answer to stdout as it is generated; with ``show_stats``, its token counts and speed
     to stderr. Returns the answer's text."""
     t0 = time.monotonic()

@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tripod.chat import LocalChat, RemoteChat, chat_loop, stream_answer
 from tripod.config import (
@@ -53,6 +53,8 @@ def _add_generate(sub: Subcommands) -> None:
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt; omit for an interactive chat")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--system", default=None, help="system message for chat mode")
+    gen.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image to ask about (a vision-language model; repeat for several, in order)")
     gen.add_argument("--stats", action="store_true", help="print token counts and speed after each answer")
     _log_level(gen)
     CommandParser(gen, GENERATE).add(EngineConfig, "engine").add(SamplingOptions, "sampling")
@@ -131,17 +133,35 @@ def _params(args: argparse.Namespace) -> SamplingParams:
 def cmd_generate(args: argparse.Namespace) -> int:
     engine = _make_engine(args)
     params = _params(args)
+    if args.image and (args.prompt is None or args.raw):
+        raise ValueError("--image asks about images in a chat prompt: give the prompt, without --raw")
     if args.prompt is not None:
         if args.raw:
-            prompt: str | list[int] = args.prompt
+            prompt: Any = args.prompt
         else:
+            parts: Any = args.prompt
+            if args.image:
+                parts = [*({"type": "image"} for _ in args.image), {"type": "text", "text": args.prompt}]
             msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
-                {"role": "user", "content": args.prompt}
+                {"role": "user", "content": parts}
             ]
-            prompt = engine.apply_chat_template(msgs)
+            prompt = engine.image_prompt(msgs, _images(args.image)) if args.image else engine.apply_chat_template(msgs)
         stream_answer(engine, prompt, params, args.stats)
         return 0
     return chat_loop(LocalChat(engine, params), args.system)
+
+
+def _images(paths: list[str]) -> list[Any]:
+    from PIL import Image, UnidentifiedImageError
+
+    out = []
+    for path in paths:
+        try:
+            with Image.open(path) as im:
+                out.append(im.convert("RGB"))
+        except (OSError, UnidentifiedImageError) as err:
+            raise ValueError(f"--image {path}: not a readable image ({err})") from err
+    return out
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

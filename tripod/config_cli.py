@@ -32,6 +32,7 @@ GROUP_TITLES = {
     "fleet": "fleet (a router in front of replicas this process launches)",
     "responses": "responses (the store behind /v1/responses: previous_response_id, retrieve, delete)",
     "tracing": "tracing (OpenTelemetry spans: router -> replica -> engine; off by default)",
+    "vision": "vision (images in requests to a vision-language model: limits, URL fetching)",
 }
 
 

@@ -4,6 +4,7 @@ command-line option with ``opt(...)``); ``tripod.config`` re-exports them."""
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from tripod.config_cli import opt
@@ -18,6 +19,34 @@ def check_tls(certfile: str | None, keyfile: str | None) -> None:
     """HTTPS needs both the certificate and its key."""
     if (certfile is None) != (keyfile is None):
         raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both for HTTPS, or neither")
+
+
+# The request body limit (--max-body-bytes) of servers and routers: room for a few inline images
+# (base64 adds a third) beside the text; 413 past it.
+MAX_BODY_BYTES = 32 * 2**20
+
+
+def media_domains(value: str | None) -> tuple[str, ...]:
+    """``--allowed-media-domains`` (hosts, comma-separated) as lower-case patterns: a host name or
+    IPv4 address, an IPv6 address in brackets, or ``*.name`` for every subdomain of name; a
+    ValueError naming a bad entry."""
+    if not value:
+        return ()
+    out = []
+    for raw in value.split(","):
+        host = raw.strip().lower()
+        if host.startswith("[") and host.endswith("]"):  # an IPv6 address, as URLs write it
+            try:
+                out.append(str(ipaddress.IPv6Address(host[1:-1])))
+            except ValueError:
+                raise ValueError(f"{raw.strip()!r} is not an IPv6 address") from None
+            continue
+        name = host[2:] if host.startswith("*.") else host
+        if not name or any(c in name for c in "/:@?#* ") or name.startswith(".") or name.endswith("."):
+            raise ValueError(f"{raw.strip()!r} is not a host name (give names such as "
+                             "images.example.com or *.example.com, without scheme, port or path)")
+        out.append(host)
+    return tuple(out)
 
 
 PD_ROLES = ("both", "prefill", "decode")  # --role: server/api/pd.py
@@ -58,7 +87,9 @@ class ServerConfig:
     retry_after: int = 1  # seconds, sent with overload and drain refusals
     drain_timeout: float = opt(  # SIGTERM: seconds in-flight requests get to finish
         30.0, "seconds in-flight requests get to finish after SIGTERM", commands=(SERVE, ROUTE, CHAINS_SERVE))
-    max_body_bytes: int = 4 * 2**20
+    max_body_bytes: int = opt(
+        MAX_BODY_BYTES, "largest request body in bytes (413 past it); images sent inline (base64) count in it",
+        commands=(SERVE,), metavar="BYTES")
     max_n: int = opt(16, "largest 'n' a request may ask for", commands=(SERVE,))
     reasoning_parser: str = opt(  # how the thinking is split from the answer (README "Reasoning output")
         "auto", "split the model's thinking out of its answer (reasoning_content, thinking blocks): auto (from "
@@ -104,6 +135,20 @@ class ServerConfig:
                                    group="tenants", forward=False)
     ssl_keyfile: str | None = opt(None, "its PEM private key", commands=(SERVE,), metavar="FILE", group="tenants",
                                   forward=False)
+    # Images in requests (server/media; README "Vision"): forwarded, so every replica takes the same.
+    limit_mm_per_prompt: int = opt(8, "images one request may hold (its whole conversation); more: 400",
+                                   commands=(SERVE,), metavar="N", group="vision")
+    allowed_media_domains: str | None = opt(
+        None, "hosts whose http(s) image URLs the server fetches (exact names; *.example.com for its subdomains; "
+        "redirects must stay among them); default: none, data: URLs only", commands=(SERVE,), metavar="HOST",
+        join=",", check=lambda v: media_domains(v), group="vision")
+    media_fetch_timeout: float = opt(10.0, "seconds an image URL fetch may take in all (redirects included)",
+                                     commands=(SERVE,), metavar="S", group="vision")
+    max_image_bytes: int = opt(20 * 2**20, "largest image in bytes (encoded, as sent or fetched)", commands=(SERVE,),
+                               metavar="BYTES", group="vision")
+    max_image_pixels: int = opt(40_000_000, "largest image in pixels (width x height; decompression bombs are "
+                                "refused before they are decoded)", commands=(SERVE,), metavar="N", group="vision")
+
     # Tracing (tripod.tracing; README "Tracing"): a fleet's replicas trace too (forwarded).
     otel_endpoint: str | None = opt(None, OTEL_ENDPOINT_HELP, commands=(SERVE, CHAINS_SERVE), metavar="URL",
                                     group="tracing")
@@ -136,6 +181,19 @@ class ServerConfig:
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} "
                              f"(got {self.reasoning_parser!r})")
+        if self.limit_mm_per_prompt < 0 or self.max_image_bytes < 1 or self.max_image_pixels < 1:
+            raise ValueError("limit_mm_per_prompt must be >= 0, max_image_bytes and max_image_pixels >= 1")
+        if self.media_fetch_timeout <= 0:
+            raise ValueError(f"media_fetch_timeout must be > 0 (got {self.media_fetch_timeout})")
+        try:
+            media_domains(self.allowed_media_domains)
+        except ValueError as e:
+            raise ValueError(f"allowed_media_domains: {e}") from None
+
+    @property
+    def media_hosts(self) -> tuple[str, ...]:
+        """``allowed_media_domains`` as checked, lower-case host patterns."""
+        return media_domains(self.allowed_media_domains)
 
 
 ROUTING_POLICIES = ("cache_aware", "least_load", "round_robin")
@@ -188,7 +246,9 @@ class RouterConfig:
     connect_timeout: float = 5.0
     request_timeout: float = 600.0  # longest silence from a replica during one request
     retry_after: int = 1
-    max_body_bytes: int = 4 * 2**20
+    max_body_bytes: int = opt(
+        MAX_BODY_BYTES, "largest request body in bytes the router forwards (413 past it); images sent inline count "
+        "in it", commands=(ROUTE,), metavar="BYTES")
     # The console (/ui): its JSON API needs this key when set (the replicas check their own on the
     # API); and where tripod bench wrote its runs, for the benchmark history.
     api_key: str | None = opt(

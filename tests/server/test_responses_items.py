@@ -47,7 +47,11 @@ def test_a_call_after_a_tool_result_is_a_new_assistant_turn() -> None:
 @pytest.mark.parametrize(("raw", "first_new", "param"), [
     ([{"type": "function_call_output", "call_id": "x", "output": "1"}], 0, "input[0].call_id"),
     ([{"type": "function_call", "call_id": "", "name": "f", "arguments": "{}"}], 0, "input[0].call_id"),
-    ([{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}], 0, "input[0].content[0]"),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}], 0, "input[0].content[0].image_url"),
+    ([{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}], 0, "input[0].content[0].file_id"),
+    ([{"role": "system", "content": [{"type": "input_image", "image_url": "data:,"}]}], 0, "input[0].content[0]"),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}, {"type": "input_file"}]}], 0,
+     "input[0].content[1]"),
     ([{"role": "user", "content": 5}], 0, "input[0].content"),
     ([], 0, "input"),
 ])

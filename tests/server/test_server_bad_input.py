@@ -37,7 +37,11 @@ CASES: list[tuple[str, str, Any, int, str | None, tuple[str, ...]]] = [
     ("message-without-role", CHAT, {"messages": [{"content": "x"}]}, 400, "messages.0.role", ("required",)),
     ("unknown-role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", ("wizard", "user")),
     ("content-wrong-type", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content", ()),
-    ("image-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages.0.content", ("text",)),
+    ("image-part", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400,
+     "messages.0.content.0.image_url.url", ("takes text only",)),
+    ("audio-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
+     "messages.0.content.0", ("input_audio", "text")),
     ("temperature-negative", CHAT, chat(temperature=-1), 400, "temperature", ("[0, 2]",)),
     ("temperature-absurd", CHAT, chat(temperature=1e9), 400, "temperature", ("[0, 2]",)),
     ("temperature-string", CHAT, chat(temperature="hot"), 400, "temperature", ("number",)),
@@ -145,11 +149,13 @@ def test_bad_input(http: httpx.Client, route: str, body: Any, status: int, param
 
 
 def test_oversized_body_is_413(http: httpx.Client) -> None:
-    big = json.dumps({"messages": [{"role": "user", "content": "x" * (5 * 2**20)}]}).encode()
-    _check_error(http.post(CHAT, content=big, headers={"Content-Type": "application/json"}), 413)
+    """Past the default --max-body-bytes (32 MiB: room for inline images); the 413 says how to raise it."""
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * (33 * 2**20)}]}).encode()
+    err = _check_error(http.post(CHAT, content=big, headers={"Content-Type": "application/json"}), 413)
+    assert "--max-body-bytes" in err["message"]
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: the server counts while reading
-        for _ in range(6):
+        for _ in range(33):
             yield b" " * 2**20
 
     _check_error(http.post(CHAT, content=chunks(), headers={"Content-Type": "application/json"}), 413)
@@ -199,7 +205,8 @@ ANTHROPIC_CASES: list[tuple[str, str, Any, int, str, tuple[str, ...]]] = [
     ("messages-empty", MSGS, am(messages=[]), 400, "invalid_request_error", ("at least one",)),
     ("system-role-in-messages", MSGS, am(messages=[{"role": "system", "content": "x"}]), 400, "invalid_request_error", ("'system'",)),
     ("content-wrong-type", MSGS, am(messages=[{"role": "user", "content": 5}]), 400, "invalid_request_error", ("content",)),
-    ("image-block", MSGS, am(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400, "invalid_request_error", ("'image'",)),
+    ("image-block", MSGS, am(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]), 400, "invalid_request_error", ("takes text only",)),
+    ("image-block-without-source", MSGS, am(messages=[{"role": "user", "content": [{"type": "image"}]}]), 400, "invalid_request_error", ("source is required",)),
     ("text-block-without-text", MSGS, am(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400, "invalid_request_error", ("text",)),
     ("tool-result-from-assistant", MSGS, am(messages=[{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]), 400, "invalid_request_error", ("user messages",)),
     ("tool-use-without-id", MSGS, am(messages=[{"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": {}}]}]), 400, "invalid_request_error", ("'id'",)),
@@ -223,7 +230,7 @@ ANTHROPIC_CASES: list[tuple[str, str, Any, int, str, tuple[str, ...]]] = [
     ("thinking-enabled", MSGS, am(thinking={"type": "enabled", "budget_tokens": 1024}), 400, "invalid_request_error", ("thinking",)),
     ("unknown-model", MSGS, am(model="claude-opus-9"), 404, "not_found_error", ("claude-opus-9",)),
     ("count-messages-missing", COUNT, {"model": "default"}, 400, "invalid_request_error", ("'messages' is required",)),
-    ("count-image-block", COUNT, {"model": "default", "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400, "invalid_request_error", ("'image'",)),
+    ("count-image-block", COUNT, {"model": "default", "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]}, 400, "invalid_request_error", ("takes text only",)),
     ("count-unknown-model", COUNT, {"model": "nope", "messages": AMSG}, 404, "not_found_error", ("nope",)),
     ("unknown-route", "/v1/messages/batches", {}, 404, "not_found_error", ("no such route",)),
 ]
@@ -254,7 +261,7 @@ def test_anthropic_bad_input(http: httpx.Client, route: str, body: Any, status: 
 
 
 def test_anthropic_oversized_body_and_bad_method(http: httpx.Client) -> None:
-    big = json.dumps(am(messages=[{"role": "user", "content": "x" * (5 * 2**20)}])).encode()
+    big = json.dumps(am(messages=[{"role": "user", "content": "x" * (33 * 2**20)}])).encode()
     _check_anthropic_error(http.post(MSGS, content=big, headers={"Content-Type": "application/json"}), 413,
                            "request_too_large")
     _check_anthropic_error(http.get(MSGS), 405, "invalid_request_error")

@@ -13,25 +13,40 @@ import concurrent.futures
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from tripod.engine.images import PromptImages
 from tripod.engine.lora import LoraHandle, LoraRegistry
 from tripod.engine.request import FinishReason, Req, Resume, SamplingParams
 from tripod.engine.sampler import noise_key
 from tripod.engine.scheduler import Scheduler
 from tripod.engine.structured import GrammarBackend, GrammarError
 from tripod.memory.prefix_cache import PrefixCache
+from tripod.protocol.multimodal import ImageInput
 
-Prompt = str | list[int]
+
+@dataclass(frozen=True, slots=True)
+class ImagePrompt:
+    """A prompt with images for the offline API: token ids with each image's placeholder span
+    expanded, and the images (``Engine.image_prompt`` makes one from chat messages)."""
+
+    ids: list[int]
+    images: list[ImageInput]
+
+
+Prompt = str | list[int] | ImagePrompt
 # A group of copies whose grammar compiles off the loop: (future, copies, submitted at).
 Compiling = tuple[concurrent.futures.Future[Any], list[Req], float]
+# Validates a prompt's images and makes their PromptImages (None: no images): engine/vision.py.
+ImageCheck = Callable[[list[int], Sequence[ImageInput], SamplingParams], PromptImages | None]
 
 
 def encode_prompt(tokenizer: Any, vocab_size: int, prompt: Prompt) -> list[int]:
     """Text through the tokenizer (with its special tokens); token ids checked against the vocabulary."""
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt, add_special_tokens=True))
-    ids = list(prompt)
+    ids = list(prompt.ids if isinstance(prompt, ImagePrompt) else prompt)
     if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
     return ids
@@ -45,7 +60,8 @@ class Admission:
     def __init__(self, *, tokenizer: Any, vocab_size: int, eos_ids: frozenset[int], max_len: Callable[[], int],
                  cache: PrefixCache, scheduler: Scheduler, count_prompt: Callable[[int], None],
                  score: Callable[[Req], bool], grammars: Callable[[], GrammarBackend],
-                 loras: LoraRegistry | None) -> None:
+                 loras: LoraRegistry | None, images: ImageCheck | None = None,
+                 hold: Callable[[list[Req]], None] | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
@@ -56,6 +72,8 @@ class Admission:
         self.score = score
         self.grammars = grammars
         self.loras = loras
+        self.images = images
+        self.hold = hold  # queued requests hold their images' encoder entries (engine/vision.py)
         self.reqs: dict[str, Req] = {}
         self.compiling: list[Compiling] = []
         self.scoring: list[list[Req]] = []  # groups waiting for their prompt logprobs, in arrival order
@@ -68,12 +86,17 @@ class Admission:
 
     # ------------------------------------------------------------------ validation
     def prepare(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                resume: Sequence[Resume] | None = None, *, tenant: str = "", weight: float = 1.0) -> list[Req]:
-        """Validate a prompt and build its copies without queueing anything."""
+                resume: Sequence[Resume] | None = None, *, tenant: str = "", weight: float = 1.0,
+                images: Sequence[ImageInput] = ()) -> list[Req]:
+        """Validate a prompt (and its images) and build its copies without queueing anything."""
         params = params or SamplingParams()
         if not weight > 0:
             raise ValueError(f"a tenant's weight must be > 0 (got {weight})")
         ids = encode_prompt(self.tokenizer, self.vocab_size, prompt)
+        if isinstance(prompt, ImagePrompt):
+            if images:
+                raise ValueError("give the images in the ImagePrompt or as images=, not both")
+            images = prompt.images
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
         vocab = self.vocab_size
@@ -92,6 +115,9 @@ class Admission:
             if self.loras is None:
                 raise ValueError(f"LoRA adapter {params.lora!r}: this engine serves no adapters (start it with --lora NAME=PATH)")
             lora = self.loras.resolve(params.lora)  # NOTE: the one lookup by name: the handle from here on
+        if images and self.images is None:
+            raise ValueError(f"this model takes text only; the request has {len(images)} image(s)")
+        pictures = self.images(ids, images, params) if self.images is not None else None
         base = request_id or f"req-{next(self._rid_counter)}"
         prior = {r.index: list(r.output_ids) for r in resume} if resume is not None else {}
         if resume is not None:
@@ -105,6 +131,7 @@ class Admission:
                 list(ids), params, rid=rid, eos_ids=self.eos_ids, max_len=limit,
                 noise_key=noise_key(params.seed, i) if params.seed is not None else None,
                 index=i, group=base, output_ids=prior.get(i, []), tenant=tenant, weight=weight, lora=lora,
+                images=pictures,
             )
             if copies and self.cache.enabled:
                 req.wait_for = copies[0]
@@ -147,6 +174,8 @@ class Admission:
         """To the scheduler, or first to prompt scoring when the request asked for prompt logprobs."""
         for req in copies:
             self.reqs[req.rid] = req
+        if self.hold is not None:
+            self.hold(copies)
         if copies and copies[0].params.prompt_logprobs is not None and copies[0].prompt_logprobs is None:
             self.scoring.append(copies)  # queued once scored (score_prompts)
             return

@@ -22,6 +22,7 @@ from tripod.engine.pooling import Pooler
 from tripod.engine.sampler import Sampler
 from tripod.engine.speculative.factory import extra_bytes_per_token, load_draft, make_proposer
 from tripod.engine.speculative.proposer import Proposer
+from tripod.engine.vision import VisionInputs, vision_obstacle
 from tripod.kernels.startup import BuildThreads, start_kernels
 from tripod.layers.mlp import GatedMLP
 from tripod.layers.parallel import SINGLE, SINGLE_STAGE, ParallelGroup, PipeStage
@@ -80,6 +81,7 @@ class EngineParts:
     sampler: Sampler
     proposer: Proposer | None
     eos_ids: frozenset[int]
+    vision: VisionInputs  # a vision-language model's images (inert for a text-only model)
     group: WorkerGroup | None = None  # tensor parallel: ranks 1..T-1
     ranks: tuple[RankCard, ...] = ()  # tensor parallel: what each rank holds, rank 0 first
 
@@ -117,6 +119,8 @@ def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
         if mc.v4 is not None:
             raise ValueError("DeepSeek-V4 runs in one process for now (no --tensor/--pipeline/--data-parallel-size): "
                              "use --replicas")
+        if vision_obstacle(config, mc) is not None:
+            raise ValueError(str(vision_obstacle(config, mc)))
         if config.data_parallel_size > 1 and mc.mla is None:
             raise ValueError("--data-parallel-size runs the attention of MLA models (DeepSeek-V2/V3) data-parallel; "
                              f"{mc.architecture} has none: use --tensor-parallel-size or --replicas")
@@ -140,6 +144,9 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
         raise ValueError("an engine over several processes loads its own shard on each rank: give no loaded model")
     loaded = load_weights(config, loaded, dtype, device, tp, pp)
     mc = loaded.config
+    if vision_obstacle(config, mc) is not None:
+        raise ValueError(str(vision_obstacle(config, mc)))
+    vision = VisionInputs(loaded.model)
     stage_layers = len(loaded.model.layers)
     draft = load_draft(config, loaded, dtype, device)
     per_token = mc.pool_spec(tp, stage_layers).bytes_per_token(dtype) + extra_bytes_per_token(config, loaded, dtype)
@@ -181,7 +188,8 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
                          max_len=max_len, stored=config.weights == "stored", level=config.kernel_level, group=group,
                          parallel=card, lora_pool=loras.pool if loras is not None else None, triton=config.triton,
                          cuda_graphs=config.cuda_graphs and not embed, cuda_graph_max_bs=config.cuda_graph_max_bs,
-                         pooler=Pooler(loaded.model, config.pooling, config.normalize) if embed else None)
+                         pooler=Pooler(loaded.model, config.pooling, config.normalize) if embed else None,
+                         vision=vision)
     if config.weights == "stored" and runner.kernel_reason is not None:
         raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {runner.kernel_reason}")
     sampler = Sampler(device, config.seed)
@@ -190,8 +198,8 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     return EngineParts(device=device, dtype=dtype, loaded=loaded, draft=draft, pool=pool, num_slots=num_slots,
                        bytes_per_slot=per_token, kv_bytes_per_token=kv_bytes, context_len=context_len,
                        threads=build_threads, cache=make_cache(config, loaded, dtype, pool), loras=loras,
-                       runner=runner, sampler=sampler, proposer=proposer, eos_ids=eos_ids_of(loaded), group=group,
-                       ranks=ranks)
+                       runner=runner, sampler=sampler, proposer=proposer, eos_ids=eos_ids_of(loaded), vision=vision,
+                       group=group, ranks=ranks)
 
 
 def overlaps(config: EngineConfig, runner: ModelRunner) -> bool:
@@ -251,6 +259,8 @@ def lora_registry(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype,
         why = "the model runs over several processes"
     elif mc.mla is not None or mc.v4 is not None:
         why = f"{mc.architecture}'s attention has no q/k/v/o projections to adapt"
+    elif mc.vision is not None:
+        why = "LoRA adapters on a vision-language model are not supported"
     if why is not None:
         if config.lora:
             raise ValueError(f"--lora: {why}")

@@ -20,7 +20,7 @@ import torch
 
 from tripod.config import EngineConfig
 from tripod.engine import builder
-from tripod.engine.admission import Admission, Prompt
+from tripod.engine.admission import Admission, ImagePrompt, Prompt
 from tripod.engine.offline import OfflineAPI
 from tripod.engine.overlap import Lookahead
 from tripod.engine.prompt_logprobs import score_prompt
@@ -40,10 +40,12 @@ from tripod.engine.structured import GrammarBackend
 from tripod.loader import LoadedModel
 from tripod.memory.kv_blocks import TierLayout, pool_layout
 from tripod.memory.kv_transfer import export_prefix
+from tripod.memory.prefix_cache import keyed_with_images
 from tripod.memory.tiered_cache import TieredCache
+from tripod.protocol.multimodal import ImageInput, ImageSpan
 from tripod.protocol.stats import ComputeCard, EngineStats, SpecDecodeCounts, StepTimes
 
-__all__ = ["Engine", "Prompt", "StepCounters", "StepOutput"]
+__all__ = ["Engine", "ImagePrompt", "Prompt", "StepCounters", "StepOutput"]
 
 
 @dataclass(slots=True)
@@ -107,6 +109,7 @@ class Engine(OfflineAPI):
         self.runner, self.sampler, self.eos_ids, self._threads = parts.runner, parts.sampler, parts.eos_ids, parts.threads
         self.group, self.ranks = parts.group, parts.ranks  # tensor parallel: the other ranks, what each holds
         self.cache, self.loras = parts.cache, parts.loras  # (loras None: this model/layout serves no adapters)
+        self.vision = parts.vision  # a vision-language model's images (engine/vision.py)
         self.scheduler = Scheduler(self.pool.allocator, self.cache, max_running=config.max_running,
                                    max_batch_tokens=config.max_batch_tokens, chunk_size=config.chunk_size,
                                    policy=SchedulePolicy(config.policy, config.aging), loras=self.loras)
@@ -117,7 +120,8 @@ class Engine(OfflineAPI):
         self.admission = Admission(
             tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size, eos_ids=self.eos_ids,
             max_len=lambda: self.max_request_len, cache=self.cache, scheduler=self.scheduler,
-            count_prompt=self._count_prompt, score=self._score, grammars=lambda: self.grammars, loras=self.loras)
+            count_prompt=self._count_prompt, score=self._score, grammars=lambda: self.grammars, loras=self.loras,
+            images=self.vision.prepare, hold=self.vision.hold)
         self.lookahead = (Lookahead(self.scheduler, self.runner, self._drafts_possible)
                           if builder.overlaps(config, self.runner) else None)  # engine/overlap.py
         self.inboxes: dict[str, list[StepOutput]] = {}  # rid -> undelivered stream outputs
@@ -149,10 +153,15 @@ class Engine(OfflineAPI):
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    resume: Sequence[Resume] | None = None, *, tenant: str = "", weight: float = 1.0) -> list[Req]:
+                    resume: Sequence[Resume] | None = None, *, tenant: str = "", weight: float = 1.0,
+                    images: Sequence[ImageInput] = ()) -> list[Req]:
         """Queue a prompt; returns its ``params.n`` copies (ids ``{id}`` or ``{id}-{i}``).
 
         ``tenant``/``weight``: the fair share it is scheduled under (``engine/fairness.py``).
+
+        ``images``: a vision-language model's images, each filling its span of the prompt's
+        placeholder tokens (``loader.multimodal.VisionProcessor.expand`` makes both); checked here
+        (``ValueError`` saying what is wrong).
 
         ``resume``: continue only the copies named, each from the tokens it had generated (see
         ``Resume``); the copies keep their ids and indices.
@@ -161,8 +170,8 @@ class Engine(OfflineAPI):
         background; an invalid grammar (or a resumed output it refuses) finishes it as
         ``rejected`` with ``Req.error`` set.
         """
-        copies = self.admission.prepare(prompt, params, request_id, resume, tenant=tenant, weight=weight)
-        self.admission.admit(copies)
+        copies = self.admission.prepare(prompt, params, request_id, resume, tenant=tenant, weight=weight, images=images)
+        self.admission.admit(copies)  # (queued copies hold their images until reported finished: _deliver)
         return copies
 
     # ------------------------------------------------------------------ LoRA adapters
@@ -377,6 +386,8 @@ class Engine(OfflineAPI):
         """File each output in its stream's inbox (if one is listening); free idle memory."""
         for o in outs:
             r = o.req
+            if o.finished and r.images is not None:
+                self.vision.release(r)
             if r.prompt_logprobs is not None and not r.prompt_logprobs_reported:
                 o.prompt_logprobs = r.prompt_logprobs
                 r.prompt_logprobs_reported = True
@@ -417,12 +428,14 @@ class Engine(OfflineAPI):
                 self.pool, builder.kv_identity(self.config, self.loaded, self.dtype, self.pool))
         return self._kv_layout
 
-    def export_kv(self, tokens: list[int]) -> list[bytes]:
+    def export_kv(self, tokens: list[int], images: Sequence[ImageSpan] = ()) -> list[bytes]:
         """The whole blocks of ``tokens`` the prefix cache holds, as disk-tier block bytes (a prefill
-        replica's hand-over to a decode replica; ``memory/kv_transfer.py``)."""
+        replica's hand-over to a decode replica; ``memory/kv_transfer.py``). ``images``: the spans of
+        the prompt's images, which the cache keys by content."""
         if self.group is not None:
             raise ValueError("a model over several processes holds its KV in shards: it cannot export it")
-        return export_prefix(self.cache, self.pool, self.kv_layout, tokens)
+        key = keyed_with_images(tokens, [(im.hash, im.offset, im.length) for im in images]) if images else tokens
+        return export_prefix(self.cache, self.pool, self.kv_layout, key)
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self, *, check: bool = False) -> EngineStats:
@@ -446,6 +459,8 @@ class Engine(OfflineAPI):
         )
         if isinstance(cache, TieredCache):
             out.kv_disk = cache.report()
+        if self.vision.enabled:
+            out.vision = self.vision.stats()
         if check:
             out.consistent = None  # NOTE: provable only when no request holds memory (aborted ones hold none)
             if not self.has_work:
@@ -459,8 +474,11 @@ class Engine(OfflineAPI):
 
     # ------------------------------------------------------------------ checks
     def assert_consistent(self) -> None:
-        """KV ownership invariant (see ``Scheduler.assert_consistent``)."""
+        """KV ownership invariant (see ``Scheduler.assert_consistent``); with no request, no image
+        features held either (``VisionInputs.assert_idle``)."""
         self.scheduler.assert_consistent()
+        if not self.has_work and not self.admission.reqs:
+            self.vision.assert_idle()
 
     def reset_prefix_cache(self) -> None:
         self.cache.reset()

@@ -21,6 +21,7 @@ from tripod.engine.executor.group import WorkerGroup
 from tripod.engine.graphs import DecodeGraphs
 from tripod.engine.pooling import Pooler
 from tripod.engine.scheduler import ScheduledItem
+from tripod.engine.vision import VisionInputs
 from tripod.kernels import gpu
 from tripod.layers.backends import CpuBackend, CpuLinearBackend, ReferenceBackend, TorchBackend
 from tripod.layers.backends.reference import ScoringBackend, prefill_segment
@@ -59,8 +60,10 @@ class ModelRunner:
         cuda_graphs: bool = True,
         cuda_graph_max_bs: int = 256,
         pooler: Pooler | None = None,
+        vision: VisionInputs | None = None,
     ) -> None:
         self.model = model
+        self.vision = vision if vision is not None and vision.enabled else None  # each step's image inputs
         self.pooler = pooler  # --task embed: every forward's last-layer states pooled, nothing sampled
         self.triton = triton  # the Triton kernels (the CUDA backend; on the CPU in Triton's interpreter)
         self.group = group  # tensor parallel: the other ranks, sent every forward (engine/executor)
@@ -89,9 +92,10 @@ class ModelRunner:
         self._triton: Backend | None = self._make_triton() if triton else None
         self._backend: Backend | None = None
         self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs (Triton backend only)
-        # (MoE layers route with data-dependent shapes, which a graph cannot hold: they run eagerly.)
+        # (MoE layers route with data-dependent shapes, which a graph cannot hold; a vision model's
+        # decode rows may carry M-RoPE tables a graph's static buffers do not: both run eagerly.)
         if (cuda_graphs and isinstance(self._triton, TritonBackend) and group is None and self.table is not None
-                and model.cfg.moe is None):
+                and model.cfg.moe is None and model.cfg.vision is None):
             self.graphs = DecodeGraphs(lambda b: self.model(b, self.pool), self._triton, self.table.table,
                                        self._triton.block_m[False], device, cuda_graph_max_bs,
                                        fake=device.type != "cuda")
@@ -110,6 +114,8 @@ class ModelRunner:
         """Why the Triton paged attention cannot run this model (its norms, activations and, for
         MLA, the absorbed decode still run on Triton: ``TritonLinearBackend``)."""
         cfg = self.model.cfg
+        if cfg.vision is not None and cfg.vision.bidirectional:
+            return "an image's tokens attend to each other both ways (Gemma 3): torch's attention with its masks"
         if cfg.mla is not None:
             return "multi-head latent attention: torch's layout, the decode rows on the Triton MLA kernel"
         if cfg.v4 is not None:
@@ -134,6 +140,8 @@ class ModelRunner:
         """Why the kernels' paged attention cannot run this model (its projections and norms
         still run on the kernels: ``CpuLinearBackend``)."""
         cfg = self.model.cfg
+        if cfg.vision is not None and cfg.vision.bidirectional:
+            return "an image's tokens attend to each other both ways (Gemma 3): torch's attention with its masks"
         if cfg.mla is not None:
             return "multi-head latent attention runs on torch's ops (latent pool, absorbed decode)"
         if cfg.v4 is not None:
@@ -241,6 +249,8 @@ class ModelRunner:
         if self.dp_size == 1:
             batch, sampling = self.backend.build_batch(items, self.batch_ctx)
             batch.lora = lora_rows(batch, self.lora_pool)
+            if self.vision is not None:
+                self.vision.attach(batch, items)  # (encodes the images the step needs first)
             if self.pooler is None:
                 return batch, sampling
             # NOTE: an embedding engine runs pooled requests only: none samples (their logits rows are unused)

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from tripod.detokenizer import IncrementalDetokenizer
-from tripod.engine.admission import Admission, Prompt, encode_prompt
+from tripod.engine.admission import Admission, ImagePrompt, Prompt, encode_prompt
 from tripod.engine.request import (
     Req,
     RequestOutput,
@@ -20,6 +20,8 @@ from tripod.engine.request import (
 )
 from tripod.engine.scheduler import Scheduler
 from tripod.engine.structured import GrammarBackend
+from tripod.engine.vision import VisionInputs
+from tripod.loader import LoadedModel
 from tripod.models.config import ModelConfig
 
 
@@ -39,7 +41,11 @@ class OfflineHost(Protocol):
     def has_work(self) -> bool: ...
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    resume: Sequence[Resume] | None = None, *, tenant: str = "", weight: float = 1.0) -> list[Req]: ...
+                    resume: Sequence[Resume] | None = None, *, tenant: str = "", weight: float = 1.0,
+                    images: Sequence[Any] = ()) -> list[Req]: ...
+
+    loaded: LoadedModel
+    vision: VisionInputs
 
     def step(self) -> list[StepOutput]: ...
 
@@ -61,6 +67,17 @@ class OfflineAPI:
 
     def decode(self: OfflineHost, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def image_prompt(self: OfflineHost, messages: list[dict[str, Any]], images: Sequence[Any],
+                     detail: Sequence[str | None] | None = None, add_generation_prompt: bool = True) -> ImagePrompt:
+        """Chat ``messages`` whose content parts include ``{"type": "image"}`` (one per image, in
+        order), rendered through the checkpoint's own chat template and processor with ``images``
+        (PIL images): a prompt ``generate`` and ``stream`` take. ``ValueError`` on a text-only model."""
+        proc = self.vision.processor(self.loaded.path)
+        if proc is None:
+            raise ValueError(f"{self.model_config.architecture} takes text only: it has no image processor")
+        ids, inputs = proc.expand(proc.render(messages, add_generation_prompt), list(images), detail)
+        return ImagePrompt(ids, inputs)
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -143,7 +160,7 @@ def _pair(prompts: Prompt | Sequence[Prompt],
           params: SamplingParams | Sequence[SamplingParams] | None) -> tuple[list[Prompt], list[SamplingParams]]:
     """One prompt or many, with one SamplingParams for all or one each."""
     plist: list[Prompt]
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    if isinstance(prompts, str | ImagePrompt) or (prompts and isinstance(prompts[0], int)):
         plist = [prompts]  # type: ignore[list-item]  # one prompt (text or token ids)
     else:
         plist = list(prompts)  # type: ignore[arg-type]

@@ -88,6 +88,7 @@ def engine_main(launch: engine_ipc.EngineLaunch) -> None:
             compute=ComputeCard(**engine.runner.card()),
             kv_tier=engine.cache.card() if isinstance(engine.cache, TieredCache) else None,
             loras=dict(engine.loras.paths) if engine.loras is not None else None,
+            modalities=["text", "image"] if engine.vision.enabled else ["text"],
         )))
         EngineLoop(engine, pull, push, launch.heartbeat_interval, launch.parent_pid, timings=launch.timings).run()
     except Exception as e:  # a crash must reach the server as a message, not only a dead pid
@@ -212,7 +213,7 @@ class EngineLoop:
     def _add(self, msg: engine_ipc.AddRequest) -> None:
         try:
             self.engine.add_request(msg.prompt_ids, msg.params, request_id=msg.rid, resume=msg.resume or None,
-                                   tenant=msg.tenant, weight=msg.weight)
+                                   tenant=msg.tenant, weight=msg.weight, images=msg.images)
         except ValueError as e:
             # The server validates first (with the same SamplingParams); this is the backstop so
             # a request is never lost.
@@ -220,7 +221,7 @@ class EngineLoop:
 
     def _export(self, msg: engine_ipc.ExportKV) -> None:
         try:
-            reply = engine_ipc.KVExport(msg.token, self.engine.export_kv(msg.prompt_ids))
+            reply = engine_ipc.KVExport(msg.token, self.engine.export_kv(msg.prompt_ids, msg.images))
         except ValueError as e:
             reply = engine_ipc.KVExport(msg.token, [], str(e))
         self.push.send(engine_ipc.encode(reply), copy=False)

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tripod.engine.images import PromptImages
 from tripod.engine.lora import LoraHandle
 from tripod.layers.lora import LoraAdapter
 from tripod.memory.prefix_cache import TreeNode, namespaced_key
@@ -116,6 +117,8 @@ class Req:
     weight: float = 1.0
     # --task embed (engine/pooling.py): what has been pooled of the prompt; such a request samples nothing.
     pooled: Any = None
+    # A vision-language model's images of the prompt (engine/images.py; shared by the n copies).
+    images: PromptImages | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -123,8 +126,13 @@ class Req:
 
     @property
     def cache_ids(self) -> list[int]:
-        """``all_ids`` as the prefix cache keys them: in its LoRA adapter's namespace."""
-        return namespaced_key(self.all_ids, self.lora.namespace if self.lora is not None else 0)
+        """``all_ids`` as the prefix cache keys them: in its LoRA adapter's namespace, each image's
+        tokens keyed by the image's content (``PromptImages.key``)."""
+        namespace = self.lora.namespace if self.lora is not None else 0
+        if self.images is None:
+            return namespaced_key(self.all_ids, namespace)
+        assert namespace == 0, "LoRA adapters are refused on vision-language models"
+        return self.images.key + self.output_ids
 
     @property
     def seq_len(self) -> int:

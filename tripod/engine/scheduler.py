@@ -182,8 +182,10 @@ class Scheduler:
             left = req.seq_len - req.computed
             if left <= 1 or any(it.req is req for it in items):
                 continue
-            n = min(left, self.chunk_size, budget)
-            n = self._fit(n, req.dp_rank)
+            n = _chunk(req, req.computed, min(left, self.chunk_size, budget))
+            fitted = self._fit(n, req.dp_rank)
+            n = _chunk(req, req.computed, fitted)
+            n = n if n <= fitted else 0  # (an image computed whole does not fit yet)
             if n <= 0:
                 if self.allocator.ranks > 1:
                     continue  # its rank is full; another rank's prefill may still fit
@@ -260,15 +262,16 @@ class Scheduler:
         # Lock before allocating: eviction below must not take the prefix we just matched.
         self.cache.lock(match.node)
         hit = len(match.slots)
-        n = min(len(tokens) - hit, self.chunk_size, budget)
+        n = _chunk(req, hit, min(len(tokens) - hit, self.chunk_size, budget))
         # Headroom: leave room for every running request's next decode token (on this rank).
         mates = self._on(rank)
         headroom = len(mates)
         if self._available(rank) < n + headroom:
             self.cache.evict(n + headroom - self._available(rank), rank)
         if self._available(rank) < n + headroom:
-            if not mates and self._available(rank) >= 1:
-                n = min(n, self._available(rank))  # alone on its rank: take what there is
+            take = _chunk(req, hit, min(n, self._available(rank))) if not mates else 0
+            if 0 < take <= self._available(rank):
+                n = take  # alone on its rank: take what there is
             else:
                 self.cache.unlock(match.node)
                 return None
@@ -430,6 +433,12 @@ class Scheduler:
         )
         if not self.running:
             assert self.cache.protected_size == 0, "idle engine with pinned cache nodes"
+
+
+def _chunk(req: Req, start: int, n: int) -> int:
+    """A prefill chunk's length: ``n``, or moved to an image boundary where the model computes an
+    image's tokens together (``PromptImages.chunk``: Gemma 3's bidirectional images)."""
+    return n if req.images is None else req.images.chunk(start, n)
 
 
 def _sibling_ready(parent: Req) -> bool:

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tripod.config_services import MAX_BODY_BYTES
 from tripod.fleet.supervisor import Supervisor
 from tripod.router.app import PROXIED_PATHS, forward_unless_gone, read_request
 from tripod.router.errors import RouterError
@@ -159,7 +160,7 @@ def multi_router_routes(multi: MultiRouter) -> list[Route]:
         return handler
 
     async def proxied(request: Request) -> tuple[Response, ModelFleet | None]:
-        limit = min((f.router.config.max_body_bytes for f in multi.fleets.values()), default=4 * 2**20)
+        limit = min((f.router.config.max_body_bytes for f in multi.fleets.values()), default=MAX_BODY_BYTES)
         raw, body = await read_request(request, limit)
         fleet = multi.fleet_for(body.get("model"))
         return await forward_unless_gone(fleet.router, request, raw, body), fleet

@@ -160,6 +160,21 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer:
     """A prefill chunk: causal over itself, or over its cached prefix (gathered from the pool) too."""
     s, n, dev, window = seg.start, seg.length, q.device, spec.window
     qs = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    if seg.bidir is not None:  # an image's tokens see each other both ways (within the window)
+        p0 = seg.prefix_len
+        if p0 == 0:
+            ks, vs = k[s : s + n], v[s : s + n]
+        else:
+            assert seg.kv_slots is not None
+            ks, vs = pool.gather(layer, seg.kv_slots)
+        q_pos, k_pos = torch.arange(p0, p0 + n, device=dev), torch.arange(p0 + n, device=dev)
+        mask = window_mask(q_pos, k_pos, None) | seg.bidir
+        if window is not None:
+            mask &= k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - window
+        o = sdpa(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), mask, spec.scale,
+                 spec.softcap, sinks=spec.sinks)
+        out[s : s + n] = o.squeeze(0).transpose(0, 1)
+        return
     if seg.prefix_len == 0:
         ks = k[s : s + n].transpose(0, 1).unsqueeze(0)
         vs = v[s : s + n].transpose(0, 1).unsqueeze(0)

@@ -61,6 +61,21 @@ class PrefillSegment:
     prefix_len: int  # tokens before the chunk whose KV is already in the pool
     kv_slots: torch.Tensor | None  # [prefix_len + length] slots; None when prefix_len == 0
     mask: torch.Tensor | None  # [length, prefix_len + length] bool; None when prefix_len == 0
+    # Keys a query sees beyond the causal rule: [length, prefix_len + length] bool, True where both
+    # are tokens of one image (Gemma 3's bidirectional image spans); None: causal only.
+    bidir: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class ImageRows:
+    """A step's image features: flat batch ``rows`` whose token embeddings are replaced by
+    ``embeds`` (``[len(rows), hidden]``, one row each) before the first layer."""
+
+    rows: torch.Tensor  # [N] long
+    embeds: torch.Tensor  # [N, hidden]
+
+    def splice(self, x: torch.Tensor) -> torch.Tensor:
+        return x.index_copy(0, self.rows, self.embeds.to(x.dtype))
 
 
 @dataclass(slots=True)
@@ -156,6 +171,11 @@ class ForwardBatch:
     # LoRA adapters: each adapter's rows get its delta after every targeted projection; None
     # when every row runs the base model.
     lora: LoraBatch | None = None
+    # Vision-language models: image features spliced over their placeholder tokens' embeddings.
+    images: ImageRows | None = None
+    # RoPE per row instead of by position (M-RoPE: Qwen2.5-VL's 3-D positions): (index [T] into the
+    # tables, cos [T, D], sin [T, D]) in float32; every backend rotates with these when set.
+    rope_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def detached(self) -> ForwardBatch:
         """A copy for another rank of the group: no backend (``UNBOUND``: the receiving rank

@@ -12,6 +12,7 @@ import torch
 
 from tripod.loader.lazy import LazyTensors
 from tripod.models.config import ModelConfig
+from tripod.models.vision.spec import vlm_family
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ class HFFolder:
         if not cfg.is_file():
             raise ValueError(f"{self.path} is not a model folder: config.json is missing")
         self.raw_config: dict[str, Any] = json.loads(cfg.read_text())
+        if vlm_family(self.raw_config) is not None:
+            self.raw_config = _completed(self.path, self.raw_config)
         self.files = sorted(self.path.glob("*.safetensors"))
         if not self.files:
             raise ValueError(
@@ -131,6 +134,18 @@ def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple
                          f"got {tuple(scale_inv.shape)}")
     s = scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
     return w.float() * s
+
+
+def _completed(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language ``config.json`` with its sub-configs' defaults filled in as transformers
+    fills them (checkpoints often store only what differs: LLaVA-1.5's text config names five keys)."""
+    from transformers import AutoConfig
+
+    try:
+        full = AutoConfig.from_pretrained(str(path), local_files_only=True).to_dict()
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"{path}: transformers cannot read this vision-language config.json ({err})") from err
+    return {**raw, **{k: full[k] for k in ("text_config", "vision_config") if isinstance(full.get(k), dict)}}
 
 
 def _replace(cfg: ModelConfig, **kw: Any) -> ModelConfig:

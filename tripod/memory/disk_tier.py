@@ -39,7 +39,15 @@ from pathlib import Path
 
 import torch
 
-from tripod.memory.kv_blocks import HEADER, KEY_BYTES, MAGIC, TierLayout, check_block, token_bytes
+from tripod.memory.kv_blocks import (
+    HEADER,
+    KEY_BYTES,
+    MAGIC,
+    TOKEN_BYTES,
+    TierLayout,
+    check_block,
+    token_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -356,7 +364,7 @@ class DiskTier:
                 self.counters.corrupt_files += 1
             self._remove(key)
             return None
-        start = HEADER.size + 4 * lay.block_tokens
+        start = HEADER.size + TOKEN_BYTES * lay.block_tokens
         block = torch.frombuffer(data, dtype=torch.uint8, offset=start, count=lay.payload_bytes)
         block = block.view(lay.dtype).view(lay.shape)
         with self._lock:

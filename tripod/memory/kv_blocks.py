@@ -7,7 +7,8 @@ tokens of block j)``, ``key[-1]`` the *identity*, so one key names the whole pre
 block, and another model, dtype or layout has other keys.
 
 Bytes: a header (magic, identity, key, token count, payload length, CRC-32 of tokens and payload),
-the block's token ids (int32), the payload. ``check_block`` is the one check of a block, whether it
+the block's token ids (int64: the prefix cache's keys, whose image tokens are 62-bit content
+hashes: ``prefix_cache.image_key``), the payload. ``check_block`` is the one check of a block, whether it
 was read from a file (``disk_tier``) or received from another process (``kv_transfer``).
 
 Identity: ``model_identity`` digests what makes KV rows interchangeable (the model's name,
@@ -34,7 +35,8 @@ from tripod.memory.kv_pool import Pool
 BLOCK_TOKENS = 16  # the tier's (and the transfer's) block size, unless a caller says otherwise
 COPY_BLOCKS = 64  # blocks copied out of a pool at once (bounded copies: never a whole prompt's rows)
 
-MAGIC = b"TPKVBLK1"
+MAGIC = b"TPKVBLK2"  # 2: int64 token keys (1 held int32; its files are refused, then replaced)
+TOKEN_BYTES = 8
 # magic, identity, key, token count, payload bytes, CRC-32 of (tokens ‖ payload)
 HEADER = struct.Struct("<8s16s16sIQI")
 KEY_BYTES = 16
@@ -53,7 +55,12 @@ def chain_keys(identity: bytes, tokens: Sequence[int], block_tokens: int, count:
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
-    return array("i", tokens).tobytes()
+    return array("q", tokens).tobytes()
+
+
+def tokens_of(data: bytes | bytearray | memoryview, start: int, count: int) -> list[int]:
+    """The ``count`` token keys stored at ``start`` of a block's bytes."""
+    return list(memoryview(data)[start : start + TOKEN_BYTES * count].cast("q"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +92,7 @@ class TierLayout:
 
     @property
     def file_bytes(self) -> int:
-        return HEADER.size + 4 * self.block_tokens + self.payload_bytes
+        return HEADER.size + TOKEN_BYTES * self.block_tokens + self.payload_bytes
 
 
 def check_block(lay: TierLayout, data: bytes | bytearray, key: bytes, tokens: Sequence[int]) -> str | None:
@@ -102,10 +109,10 @@ def check_block(lay: TierLayout, data: bytes | bytearray, key: bytes, tokens: Se
         return "another block layout"
     if len(data) != lay.file_bytes:
         return f"{len(data)} bytes, not {lay.file_bytes} (torn)"
-    toks = bytes(data[HEADER.size : HEADER.size + 4 * ntok])
+    toks = bytes(data[HEADER.size : HEADER.size + TOKEN_BYTES * ntok])
     if toks != token_bytes(tokens):
         return "other token ids than its key's"
-    if zlib.crc32(memoryview(data)[HEADER.size + 4 * ntok :], zlib.crc32(toks)) != crc:
+    if zlib.crc32(memoryview(data)[HEADER.size + TOKEN_BYTES * ntok :], zlib.crc32(toks)) != crc:
         return "checksum mismatch (torn or corrupted)"
     return None
 

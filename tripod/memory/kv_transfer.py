@@ -42,6 +42,7 @@ from tripod.memory.kv_blocks import (
     check_block,
     encode_block,
     token_bytes,
+    tokens_of,
 )
 from tripod.memory.kv_pool import Pool
 from tripod.memory.prefix_cache import PrefixCache
@@ -117,7 +118,7 @@ class BlockReceiver:
                 return
             data = bytes(self._buf[:size])
             del self._buf[:size]
-            tokens = list(memoryview(data)[HEADER.size : HEADER.size + 4 * ntok].cast("i"))
+            tokens = tokens_of(data, HEADER.size, ntok)
             toks = token_bytes(tokens)
             # NOTE: a block continues the prefix sent before it, or starts another prompt's (several
             # prompts of one request, one after another); either way its key is recomputed here.

@@ -7,6 +7,10 @@ holds one ``PrefixCache`` and never asks which: a pool-only cache has nothing to
 Keys are token ids; a LoRA adapter's requests are keyed in a namespace of their own
 (``namespaced_key``), so a base prefix is never reused for an adapter's request, nor one adapter's
 for another's. The disk tier keeps only the base namespace (its identity has no adapter in it).
+An image's placeholder tokens are keyed by the image's content (``image_key``: a negative 62-bit
+hash of the image digest and the token's place in the image), so two requests with the same image
+share its KV and different images — same placeholder ids, other pixels — never do; the disk tier
+and the KV transfer store these keys as they are (int64 block tokens).
 
 Locking rules (every implementation keeps them):
 
@@ -28,6 +32,8 @@ the tree (``slots_in_tree``); ``Scheduler.assert_consistent`` checks it with ``c
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,7 +46,8 @@ TreeNode = RadixNode[list[int]]
 
 # A namespace's token ids are shifted by this (above any vocabulary) in the cache's keys.
 NAMESPACE_STRIDE = 1 << 21
-MAX_NAMESPACES = (1 << 31) // NAMESPACE_STRIDE - 1  # (keys stay int32 for the disk tier's hashing)
+MAX_NAMESPACES = (1 << 31) // NAMESPACE_STRIDE - 1  # (text keys stay below 2^31)
+IMAGE_KEY_BITS = 62  # an image token's key: -1 - (62 bits of hash), below every text key
 
 
 def namespaced_key(ids: list[int], namespace: int) -> list[int]:
@@ -49,6 +56,25 @@ def namespaced_key(ids: list[int], namespace: int) -> list[int]:
         return ids
     shift = namespace * NAMESPACE_STRIDE
     return [t + shift for t in ids]
+
+
+def image_key(digest: str, length: int) -> list[int]:
+    """The cache keys of an image's ``length`` placeholder tokens: each token's from the image's
+    content digest and its place in the image (independent 62-bit hashes, negative so that no text
+    token id or LoRA namespace can equal one). NOTE: 62 bits, not 31: a key shared by two images'
+    tokens at one place after one prefix would hand one image's KV to the other, and with many
+    images after one system prompt a 31-bit key collides within millions of requests."""
+    raw = hashlib.shake_128(b"tripod-image\0" + digest.encode()).digest(8 * length)
+    mask = (1 << IMAGE_KEY_BITS) - 1
+    return [-1 - (v & mask) for v in array("Q", raw)]
+
+
+def keyed_with_images(ids: list[int], spans: list[tuple[str, int, int]]) -> list[int]:
+    """``ids`` with each image span (digest, offset, length) replaced by its ``image_key``."""
+    out = list(ids)
+    for digest, offset, length in spans:
+        out[offset : offset + length] = image_key(digest, length)
+    return out
 
 
 def in_base_namespace(key: list[int]) -> bool:

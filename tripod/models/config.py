@@ -16,6 +16,7 @@ from tripod.layers.mla import MLAConfig
 from tripod.layers.moe import MoEConfig
 from tripod.layers.parallel import SINGLE, ParallelGroup, head_split
 from tripod.memory.kv_pool import PoolSpec
+from tripod.models.vision.spec import VisionSpec, vlm_family
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -30,13 +31,17 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "qwen3": ("Qwen3ForCausalLM",),
     "qwen3_moe": ("Qwen3MoeForCausalLM",),
     "gemma3_text": ("Gemma3ForCausalLM",),
-    "gemma3": ("Gemma3ForCausalLM",),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
     "deepseek_v2": ("DeepseekV2ForCausalLM",),
     "deepseek_v3": ("DeepseekV3ForCausalLM",),
     "deepseek_v32": ("DeepseekV32ForCausalLM",),
     "gpt_oss": ("GptOssForCausalLM",),
     "deepseek_v4": ("DeepseekV4ForCausalLM",),
+    "llava": ("LlavaForConditionalGeneration",),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration",),
 }
+# A vision-language family's decoder, as an HF text config names it (when its own type is not one).
+VLM_DECODERS = {"qwen2_5_vl": ("qwen2", "Qwen2ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
 
 
 def architecture_of(d: dict[str, Any]) -> str:
@@ -114,6 +119,7 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0  # DeepSeek-V3's multi-token-prediction modules
     attn_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax (AttnSpec.sinks)
     v4: V4Config | None = None  # DeepSeek-V4: compressed attention, hyper-connections, hash routing
+    vision: VisionSpec | None = None  # a vision-language model: how images become decoder inputs
 
     def is_sliding(self, layer: int) -> bool:
         if self.sliding_window is None:
@@ -156,7 +162,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from an HF ``config.json`` (old ``rope_scaling`` or new ``rope_parameters``)."""
+        """Build from an HF ``config.json`` (old ``rope_scaling`` or new ``rope_parameters``). A
+        vision-language checkpoint's is its ``text_config`` with the ``VisionSpec`` beside it."""
+        family = vlm_family(d)
+        if family is not None and isinstance(d.get("text_config"), dict):
+            return _vision_language(d, family)
         arch = architecture_of(d)
         mtype = str(d.get("model_type") or "")
         heads = int(d["num_attention_heads"])
@@ -210,6 +220,32 @@ class ModelConfig:
             attn_sinks=mtype == "gpt_oss" or arch == "GptOssForCausalLM",
             v4=v4,
         )
+
+
+def _vision_language(d: dict[str, Any], family: str) -> ModelConfig:
+    """A vision-language config: its decoder from ``text_config`` (typed as the decoder family tripod
+    runs; Qwen2.5-VL's M-RoPE sections go to the ``VisionSpec``, its rotary otherwise the default)."""
+    import dataclasses
+
+    text = dict(d["text_config"])
+    mtype = str(text.get("model_type") or "llama")
+    if family in VLM_DECODERS:
+        mtype, arch = VLM_DECODERS[family]
+    else:
+        arch = str((text.get("architectures") or [MODEL_TYPES.get(mtype, ("LlamaForCausalLM",))[0]])[0])
+    text.update(model_type=mtype, architectures=[arch])
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key) or (d.get(key) if family == "qwen2_5_vl" else None)
+        if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) == "mrope":
+            text[key] = {k: v for k, v in rope.items() if k not in ("type", "rope_type", "mrope_section")}
+    if "tie_word_embeddings" in d:
+        text["tie_word_embeddings"] = d["tie_word_embeddings"]
+    cfg = ModelConfig.from_hf_dict(text)
+    vlm_arch = str((d.get("architectures") or [MODEL_TYPES[str(d.get("model_type"))][-1]])[0])
+    # NOTE: transformers' Gemma3ForConditionalGeneration soft-caps no logits (its causal LM does);
+    # Gemma 3 checkpoints set final_logit_softcapping to null anyway.
+    final = None if family == "gemma3" else cfg.final_softcap
+    return dataclasses.replace(cfg, architecture=vlm_arch, vision=VisionSpec.from_hf(d, family), final_softcap=final)
 
 
 def _rope(d: dict[str, Any]) -> tuple[dict[str, Any] | None, Any, Any]:

@@ -139,8 +139,14 @@ class StepContext:
         rotary = self.model.rotary_for(layer)
         key = id(rotary)
         if key not in self.tables:
-            wanted = self.batch.backend.wants_rope_rows
-            self.tables[key] = rotary.tables(self.batch.positions, self.model.dtype) if wanted else None
+            table = self.batch.rope_table
+            if not self.batch.backend.wants_rope_rows:
+                self.tables[key] = None
+            elif table is not None:  # RoPE by row (M-RoPE), not by position
+                dt = self.model.dtype
+                self.tables[key] = (table[1].to(dt).unsqueeze(1), table[2].to(dt).unsqueeze(1))
+            else:
+                self.tables[key] = rotary.tables(self.batch.positions, self.model.dtype)
         return rotary, self.tables[key]
 
 
@@ -294,6 +300,8 @@ class LlamaForCausalLM(nn.Module):
                 x = self.embed_tokens(b.input_ids)
                 if self.embed_scale is not None:
                     x = x * self.embed_scale
+                if b.images is not None:  # image features over their placeholders (after Gemma's scale, as HF)
+                    x = b.images.splice(x)
             else:
                 x = pp.receive((b.input_ids.numel(), self.cfg.hidden_size), self.dtype, self.device, pp.stage - 1)
             ctx = StepContext(self, b, pool, x.dtype)

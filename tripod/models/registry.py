@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from tripod.models.deepseek import DeepseekForCausalLM
 from tripod.models.deepseek_v4 import DeepseekV4ForCausalLM
+from tripod.models.gemma3_vl import Gemma3ForConditionalGeneration
 from tripod.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from tripod.models.llava import LlavaForConditionalGeneration
+from tripod.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 
 # Every family is the one decoder (models/llama.py) configured by its ModelConfig; the classes
 # differ only where the weights or the attention differ.
@@ -22,6 +25,10 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "DeepseekV32ForCausalLM": DeepseekForCausalLM,  # + the lightning indexer's sparse attention
     "GptOssForCausalLM": LlamaForCausalLM,  # sinks, alternating windows, biased clamped-SwiGLU experts
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,  # compressed attention, hyper-connections, hash routing
+    # Vision-language models (models/multimodal.py): the decoder plus a tower and a projector.
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 

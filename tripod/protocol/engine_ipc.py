@@ -20,7 +20,7 @@ from typing import Annotated
 import msgspec
 
 from tripod.config import EngineConfig
-from tripod.protocol.multimodal import ImageInput
+from tripod.protocol.multimodal import ImageInput, ImageSpan
 from tripod.protocol.sampling import MAX_N, Resume, SamplingParams
 from tripod.protocol.stats import ComputeCard, EngineStats
 
@@ -69,6 +69,8 @@ class ExportKV(msgspec.Struct, tag=True):
 
     token: int  # echoed in the reply
     prompt_ids: list[int]
+    # The prompt's images (a vision-language model keys their tokens by content): hash, offset, length.
+    images: list[ImageSpan] = msgspec.field(default_factory=list)
 
 
 class LoraRequest(msgspec.Struct, tag=True):

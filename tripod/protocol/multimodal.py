@@ -12,12 +12,23 @@ never do), and the encoder's outputs are kept under it for a request's lifetime.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
 
 # What a pixel tensor may be on the wire (its element type); the engine converts to its dtype.
 PIXEL_DTYPES = ("float32",)
+
+
+def pixel_hash(pixels: bytes, shape: Sequence[int], grid_thw: Sequence[int] | None) -> str:
+    """An image's identity: sha256 over its processed pixels, their shape and grid. The processor
+    (``loader/multimodal.py``) stamps it; the engine recomputes it before trusting it as a cache key."""
+    h = hashlib.sha256()
+    h.update(repr((tuple(int(d) for d in shape), tuple(int(d) for d in grid_thw) if grid_thw else None)).encode())
+    h.update(pixels)
+    return h.hexdigest()
 
 
 class ImageInput(msgspec.Struct, kw_only=True, frozen=True):
@@ -44,3 +55,12 @@ class ImageInput(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"image pixels: {len(self.pixels)} bytes do not hold shape {self.shape} of {self.dtype}")
         if self.grid_thw is not None and len(self.grid_thw) != 3:
             raise ValueError("grid_thw must be (t, h, w)")
+
+
+class ImageSpan(msgspec.Struct, array_like=True, frozen=True):
+    """Where an image's tokens are in a prompt and what it is, without its pixels: what keys its
+    tokens in the prefix cache (``ExportKV.images``: a prefill replica exports a prompt's KV)."""
+
+    hash: Annotated[str, msgspec.Meta(min_length=16, max_length=128)]
+    offset: Annotated[int, msgspec.Meta(ge=0)]
+    length: Annotated[int, msgspec.Meta(gt=0)]

@@ -18,7 +18,7 @@ from msgspec import UNSET, UnsetType
 
 from tripod.protocol.json_value import JSONObject
 
-STATS_VERSION = 1
+STATS_VERSION = 2  # 2: ``vision`` (vision-language models' image counters)
 
 
 class RankCard(msgspec.Struct, kw_only=True):
@@ -105,6 +105,16 @@ class DiskTierStats(msgspec.Struct, kw_only=True):
     save_seconds: float = 0.0  # engine-loop time copying evicted rows out for the writer
 
 
+class VisionStats(msgspec.Struct, kw_only=True):
+    """A vision-language engine's image counters (cumulative; ``images_held`` now)."""
+
+    images_encoded: int = 0  # tower runs, one per distinct image content (not per request or copy)
+    encoder_seconds: float = 0.0  # engine-loop time in the vision tower and projector
+    image_tokens: int = 0  # image placeholder tokens of admitted prompts (in prompt_tokens too)
+    encoder_cache_hits: int = 0  # images a request found encoded already (another copy's or request's)
+    images_held: int = 0  # distinct images whose features the live requests hold now
+
+
 class EngineStats(msgspec.Struct, kw_only=True):
     """One snapshot of an engine: queues and KV slots now, cumulative counters since start.
 
@@ -132,6 +142,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     compute_card: ComputeCard | None = None  # ... and as /v1/models reports it
     time: StepTimes = msgspec.field(default_factory=StepTimes)
     kv_disk: DiskTierStats | UnsetType = UNSET  # set only with a disk tier (--kv-disk)
+    vision: VisionStats | UnsetType = UNSET  # set only for a vision-language model
     # A reply to a stats query only: the KV ownership invariant, checked when the engine is idle
     # (None: it was busy); ``inconsistency`` says what failed.
     consistent: bool | UnsetType | None = UNSET

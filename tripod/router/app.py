@@ -75,7 +75,8 @@ async def read_request(request: Request, limit: int) -> tuple[bytes, dict[str, A
     try:
         raw = await read_body(request, limit)
     except BodyTooLarge:
-        raise RouterError(413, f"the request body is larger than {limit} bytes; send a smaller one",
+        raise RouterError(413, f"the request body is larger than {limit} bytes; send a smaller one, or start the "
+                          "router with a larger --max-body-bytes",
                           "request_too_large") from None
     return raw, json_object(raw)
 

@@ -9,10 +9,15 @@ the prefix its earlier turns left in a replica's tree (``router/prefix_tree.py``
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
 DEFAULT_OUTPUT_TOKENS = 256  # output budget counted into load when a request names none
+IMAGE_MARK = "<|image:"  # an image in the routed text: IMAGE_MARK + its fingerprint + "|>"
+# The prompt tokens an image is estimated at (the replica's processor decides: LLaVA-1.5 576, Gemma 3
+# 256, Qwen2.5-VL by resolution); what the router's load and prefill hand-over decisions count.
+IMAGE_TOKENS = 256
 
 
 def is_anthropic(path: str) -> bool:
@@ -30,11 +35,56 @@ def _args(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
+_TEXT_PARTS = ("text", "input_text", "output_text", "refusal")
+
+
 def _text(content: Any) -> str:
+    """A message's content as text: its text parts, and a mark for each image."""
     if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content
-                       if isinstance(p, dict) and p.get("type", "text") == "text")
+        return "".join(str(p.get("text", "")) if p.get("type", "text") in _TEXT_PARTS else _image_mark(p)
+                       for p in content if isinstance(p, dict))
     return content if isinstance(content, str) else ""
+
+
+def _image_source(part: dict[str, Any]) -> str | None:
+    """The URL or data of an image part (OpenAI's image_url, Anthropic's image, the Responses API's
+    input_image); None for another part."""
+    kind = part.get("type")
+    src: Any = None
+    if kind == "image_url":
+        src = part.get("image_url")
+        src = src.get("url") if isinstance(src, dict) else src
+    elif kind == "input_image":
+        src = part.get("image_url") or part.get("file_id")
+    elif kind == "image" and isinstance(part.get("source"), dict):
+        src = part["source"].get("data") or part["source"].get("url")
+    return src if isinstance(src, str) else None
+
+
+def _image_mark(part: dict[str, Any]) -> str:
+    """An image part as a mark naming the image as sent, so that a request with the same image
+    routes where its prefix is cached and different images never look like one prefix. NOTE: a
+    fingerprint of slices of the URL or data (a few KB, however large the image): routing is a
+    guess, and the router's event loop must not hash megabytes."""
+    src = _image_source(part)
+    if src is None:
+        return ""
+    n, k = len(src), 4096
+    h = hashlib.blake2b(f"{n}:".encode(), digest_size=8)
+    for piece in (src[:k], src[n // 2: n // 2 + k], src[-k:]):
+        h.update(piece.encode("utf-8", "replace"))
+    return f"{IMAGE_MARK}{h.hexdigest()}|>"
+
+
+def image_chars(body: dict[str, Any]) -> int:
+    """Characters of the body that are images' URLs or data (a request's size less them is its text's)."""
+    total = 0
+    for m in [*(body.get("messages") or []), *(body.get("input") if isinstance(body.get("input"), list) else [])]:
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else []:
+            src = _image_source(part) if isinstance(part, dict) else None
+            total += len(src) if src is not None else 0
+    return total
 
 
 def _turn(role: str, content: str, calls: list[tuple[str, str]] | None = None) -> str:
@@ -119,10 +169,7 @@ def _responses_text(body: dict[str, Any]) -> str:
             continue
         kind = it.get("type", "message")
         if kind == "message":
-            content = it.get("content")
-            parts = [{"type": "text", "text": p.get("text")} for p in content if isinstance(p, dict)] \
-                if isinstance(content, list) else content
-            out.append(_turn(str(it.get("role", "")), _text(parts)))
+            out.append(_turn(str(it.get("role", "")), _text(it.get("content"))))
         elif kind == "function_call":
             out.append(_turn("assistant", "", [(str(it.get("name")), _args(it.get("arguments")))]))
         elif kind == "function_call_output":

@@ -36,6 +36,9 @@ from tripod.router.policy import Decision, RouteRequest, RoutingPolicy, make_pol
 from tripod.router.prefix_tree import PrefixTree
 from tripod.router.prompt import (
     DEFAULT_OUTPUT_TOKENS,
+    IMAGE_MARK,
+    IMAGE_TOKENS,
+    image_chars,
     is_anthropic,
     model_scope,
     output_budget,
@@ -193,7 +196,9 @@ class Router:
         prev = body.get("previous_response_id") if path == "/v1/responses" else None
         # The cache-aware tree keys the prompt under the model it runs on: a LoRA adapter's prefixes
         # (cached apart from the base's and each other's in the replicas) gather on their own replicas.
-        return RouteRequest(model_scope(body) + text, len(text) / self.chars_per_token, output_budget(body),
+        # (an image's tokens are the replica's processor's to count: each is estimated as IMAGE_TOKENS)
+        tokens = len(text) / self.chars_per_token + text.count(IMAGE_MARK) * IMAGE_TOKENS
+        return RouteRequest(model_scope(body) + text, tokens, output_budget(body),
                             prev if isinstance(prev, str) else None)
 
     async def pick(self, rr: RouteRequest, tried: set[Replica], wait: bool = True) -> Decision:
@@ -300,7 +305,8 @@ class Router:
                 tokens = int(usage.get("input_tokens") or 0) + int(usage.get("cache_read_input_tokens") or 0)
         except (ValueError, AttributeError, TypeError):
             return
-        if tokens > 0 and len(rr.text) > 0:
+        # (an image's tokens have no text: a prompt with images says nothing of characters per token)
+        if tokens > 0 and len(rr.text) > 0 and IMAGE_MARK not in rr.text:
             ratio = min(max(len(rr.text) / tokens, 1.0), 16.0)
             self.chars_per_token += 0.1 * (ratio - self.chars_per_token)
 
@@ -321,7 +327,8 @@ class Router:
             if early is not None:
                 return early
         self.latency.arrived(t0)
-        cost = len(raw) / self.chars_per_token + output_budget(body)
+        # (an inline image is megabytes of base64 but a few hundred tokens: its characters are not text)
+        cost = (len(raw) - image_chars(body)) / self.chars_per_token + output_budget(body)
         self.queue_depth += 1
         # The fair-share queue (--replica-max-inflight): its own span, a child of the request's.
         span = tracing.start_span("router.queue", attributes={

@@ -175,6 +175,7 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
 async def lifespan_for(state: ServerState) -> AsyncIterator[None]:
     """Start the engine process before the port opens; stop it after the last answer."""
     info = await state.client.start()
+    state.engine_ready()
     log.info(
         "engine ready: %s (%s, stored as %s, weights %s, dtype %s), context %d, pid %d, compute %s",
         state.model_name, info.architecture, state.quantization, state.engine_config.weights, info.dtype,
@@ -199,3 +200,5 @@ async def lifespan_for(state: ServerState) -> AsyncIterator[None]:
     finally:
         await state.client.stop()
         state.tenants.close()
+        if state.vision is not None:
+            await state.vision.loader.close()

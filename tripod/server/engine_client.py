@@ -29,6 +29,7 @@ import zmq.asyncio
 from tripod import tracing
 from tripod.config import EngineConfig, ServerConfig
 from tripod.protocol import engine_ipc
+from tripod.protocol.multimodal import ImageInput, ImageSpan
 from tripod.protocol.sampling import Resume, SamplingParams
 from tripod.protocol.stats import EngineStats
 
@@ -53,6 +54,12 @@ class EnginePart:
     # A continuation (the router's failover): only these copies run, each from the tokens it
     # had generated elsewhere. None: all ``params.n`` copies, from the start.
     resume: list[Resume] | None = None
+    # Its images (vision-language models), in prompt order: each fills placeholder tokens of prompt_ids.
+    images: list[ImageInput] = dataclasses.field(default_factory=list)
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(i.length for i in self.images)
 
     @property
     def copies(self) -> list[int]:
@@ -398,7 +405,7 @@ class EngineClient:
         for p in parts:
             if p.copies:  # (a continuation's part whose every choice had finished runs nothing)
                 self._send(engine_ipc.AddRequest(p.rid, p.prompt_ids, p.params, list(p.resume or []),
-                                                  tenant=tenant, weight=weight))
+                                                  tenant=tenant, weight=weight, images=p.images))
         return h
 
     async def engine_stats(self, timeout: float = 10.0) -> EngineStats:
@@ -414,14 +421,17 @@ class EngineClient:
         finally:
             self._stats_waiters.pop(token, None)
 
-    async def export_kv(self, prompt_ids: list[int], timeout: float = 60.0) -> engine_ipc.KVExport:
-        """The whole blocks of ``prompt_ids`` the engine's prefix cache holds (``ExportKV``)."""
+    async def export_kv(self, prompt_ids: list[int], images: list[ImageInput] | None = None,
+                        timeout: float = 60.0) -> engine_ipc.KVExport:
+        """The whole blocks of ``prompt_ids`` the engine's prefix cache holds (``ExportKV``; its
+        ``images``' tokens are keyed by their content, as the cache keys them)."""
         if not self.alive:
             raise EngineDead(self.dead_reason or "the engine is not running")
         token = next(self._tokens)
         fut: asyncio.Future[engine_ipc.KVExport] = asyncio.get_running_loop().create_future()
         self._export_waiters[token] = fut
-        self._send(engine_ipc.ExportKV(token, prompt_ids))
+        spans = [ImageSpan(i.hash, i.offset, i.length) for i in images or ()]
+        self._send(engine_ipc.ExportKV(token, prompt_ids, spans))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:

@@ -62,4 +62,5 @@ def error_response(e: APIError, path: str) -> JSONResponse:
 
 def too_large(limit: int) -> APIError:
     """The 413 of a request body past ``limit`` bytes."""
-    return APIError(413, f"the request body is larger than {limit} bytes; send less", code="body_too_large")
+    return APIError(413, f"the request body is larger than {limit} bytes; send less (smaller or fewer images, or "
+                    "images by URL), or start the server with a larger --max-body-bytes", code="body_too_large")

@@ -15,6 +15,7 @@ import signal
 import sys
 import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import uvicorn
 
@@ -26,6 +27,8 @@ from tripod.loader import load_tokenizer
 from tripod.server.answer.text import TextSide
 from tripod.server.app import build_app, lifespan_for
 from tripod.server.engine_client import EngineClient
+from tripod.server.media.loader import ImageLoader
+from tripod.server.media.vision import VisionSide
 from tripod.server.metrics import ServerMetrics
 from tripod.server.response_store import ResponseStore, StoreError
 from tripod.server.state import ServerState, make_gate, make_store
@@ -70,12 +73,31 @@ def serve(engine_config: EngineConfig, config: ServerConfig, log_level: int = lo
             shutil.rmtree(private, ignore_errors=True)
 
 
+def load_vision(path: str, config: ServerConfig, text: TextSide) -> VisionSide | None:
+    """The image side of the checkpoint at ``path``: its own processor (``tripod.loader.multimodal``,
+    offline) and the image loader under ``config``'s limits; None for a text-only checkpoint."""
+    from tripod.loader.multimodal import VisionProcessor
+
+    folder = Path(path)
+    processor = VisionProcessor.from_folder(folder) if folder.is_dir() else None
+    if processor is None:
+        return None
+    if not text.template and processor.chat_template:  # (a processor's chat_template.json)
+        text.tokenizer.chat_template = processor.chat_template
+    hosts = ", ".join(config.media_hosts) or "none (data: URLs only)"
+    log.info("images: %s processor, up to %d per request, %d bytes and %d pixels each; image URLs fetched from: %s",
+             processor.family, config.limit_mm_per_prompt, config.max_image_bytes, config.max_image_pixels, hosts)
+    return VisionSide(processor, ImageLoader(config))
+
+
 def _serve(engine_config: EngineConfig, config: ServerConfig, log_level: int, metrics: ServerMetrics,
            gate: TenantGate, store: ResponseStore) -> int:
     client = EngineClient(engine_config, config, log_level)
     client.spawn()  # the engine loads the weights while we load the tokenizer
     try:
         tok = load_tokenizer(engine_config.model)
+        text = TextSide(tok.tokenizer, tok.config.vocab_size)
+        vision = load_vision(tok.path, config, text)
     except (ValueError, FileNotFoundError) as e:
         client.abandon()
         print(f"tripod: error: {e}", file=sys.stderr)
@@ -83,9 +105,9 @@ def _serve(engine_config: EngineConfig, config: ServerConfig, log_level: int, me
     name = config.served_model_name or tok.name
     metrics.model_name = name
     state = ServerState(
-        engine_config=engine_config, config=config, text=TextSide(tok.tokenizer, tok.config.vocab_size),
+        engine_config=engine_config, config=config, text=text,
         client=client, model_name=name, quantization=tok.quantization, metrics=metrics, gate=gate,
-        architecture=tok.config.architecture, store=store,
+        architecture=tok.config.architecture, store=store, vision=vision,
     )
     if state.reasoning is not None:
         log.info("reasoning parser: %s (--reasoning-parser %s)", state.reasoning.name, config.reasoning_parser)

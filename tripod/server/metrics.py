@@ -14,6 +14,12 @@ With a disk tier under the prefix cache (``--kv-disk``): ``tripod:prefix_cache_t
 (prompt tokens served by each tier), ``tripod:kv_disk_usage_bytes``, ``tripod:kv_disk_capacity_bytes``,
 ``tripod:kv_disk_written_bytes_total``, ``tripod:kv_disk_corrupt_files_total``, ``tripod:kv_disk_evicted_files_total``,
 ``tripod:kv_disk_dropped_blocks_total``, ``tripod:kv_disk_load_seconds_total``.
+Images (vision-language models): ``tripod:images_received_total{source=inline|url}``,
+``tripod:images_refused_total{reason}`` (the 400's code), ``tripod:image_tokens_total`` (prompt
+tokens that are images'), ``tripod:image_load_seconds`` (a request's images fetched, decoded and
+processed); from the engine (``EngineStats.vision``): ``tripod:images_encoded_total`` (vision tower
+runs: one per distinct image content), ``tripod:image_encoder_seconds_total``,
+``tripod:image_encoder_cache_hits_total`` (images found encoded already), ``tripod:images_held``.
 Per tenant (``tripod.tenants.metrics``): ``tripod:tenant_requests_total{tenant,status}``,
 ``tripod:tenant_prompt_tokens_total``, ``tripod:tenant_output_tokens_total``,
 ``tripod:tenant_rejections_total{tenant,limit}``, ``tripod:tenant_time_to_first_token_seconds``,
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tripod.protocol.stats import DiskTierStats, EngineStats
+from tripod.protocol.stats import DiskTierStats, EngineStats, VisionStats
 from tripod.tenants.metrics import TenantMetrics
 
 _LATENCY_BUCKETS = (
@@ -90,6 +96,17 @@ class ServerMetrics:
         self.disk_load_seconds = self._counter("kv_disk_load_seconds", "engine-loop seconds loading KV from disk")
         self.disk_used = self._gauge("kv_disk_usage_bytes", "bytes in the KV disk tier")
         self.disk_capacity = self._gauge("kv_disk_capacity_bytes", "capacity of the KV disk tier")
+        # Images: received and refused here, encoded by the engine's vision tower (from the heartbeat).
+        self.images_received = self._counter("images_received", "images in requests, by where their bytes were",
+                                             "source")
+        self.images_refused = self._counter("images_refused", "images refused with a 400, by its code", "reason")
+        self.image_tokens = self._counter("image_tokens", "prompt tokens that are images' (in prompt_tokens too)")
+        self.image_load_seconds = self._histogram("image_load_seconds", "a request's images fetched, decoded and "
+                                                  "processed", _LATENCY_BUCKETS)
+        self.images_encoded = self._counter("images_encoded", "images run through the engine's vision tower")
+        self.encoder_seconds = self._counter("image_encoder_seconds", "engine seconds in the vision tower")
+        self.encoder_hits = self._counter("image_encoder_cache_hits", "images a request found encoded already")
+        self.images_held = self._gauge("images_held", "distinct images whose features live requests hold")
         self._engine_counts: dict[str, float] = {}
         self.tenants = TenantMetrics(r, "tripod:tenant_")  # per tenant (tripod.tenants)
 
@@ -125,6 +142,12 @@ class ServerMetrics:
             self._add_new("disk/load", d.load_seconds, (self.disk_load_seconds,), m)
             self.disk_used.labels(m).set(d.used_bytes)
             self.disk_capacity.labels(m).set(d.capacity_bytes)
+        if isinstance(s.vision, VisionStats):  # (a vision-language model's engine)
+            v = s.vision
+            self._add_new("vision/encoded", v.images_encoded, (self.images_encoded,), m)
+            self._add_new("vision/seconds", v.encoder_seconds, (self.encoder_seconds,), m)
+            self._add_new("vision/hits", v.encoder_cache_hits, (self.encoder_hits,), m)
+            self.images_held.labels(m).set(v.images_held)
         for proposer, counts in s.spec_decode.items():
             values = (counts.drafts, counts.draft_tokens, counts.accepted_tokens)
             for i, (counter, value) in enumerate(zip(self.spec_counters, values, strict=True)):
@@ -139,9 +162,11 @@ class ServerMetrics:
                 c.labels(*labels).inc(new)
         self._engine_counts[key] = total
 
-    def on_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+    def on_prompt(self, prompt_tokens: int, cached_tokens: int, image_tokens: int = 0) -> None:
         m = self.model_name
         self.prompt_tokens.labels(m).inc(prompt_tokens)
+        if image_tokens:
+            self.image_tokens.labels(m).inc(image_tokens)
         self.prefix_cache_queries.labels(m).inc(prompt_tokens)
         self.prefix_cache_hits.labels(m).inc(cached_tokens)
 

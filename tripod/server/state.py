@@ -21,6 +21,7 @@ from tripod.server.answer.reasoning import ReasoningParser, Thinking, choose_par
 from tripod.server.answer.text import TextSide
 from tripod.server.engine_client import EngineClient
 from tripod.server.errors import APIError
+from tripod.server.media.vision import VisionSide, images_served
 from tripod.server.metrics import ServerMetrics
 from tripod.server.response_store import ResponseStore, open_store
 from tripod.tenants import AuditLog, TenantGate, TenantRegistry, record_of
@@ -56,11 +57,17 @@ class ServerState:
     gate: TenantGate | None = None  # None: made from config (launch.serve makes it first, to refuse a bad file)
     architecture: str | None = None  # the model's (for --reasoning-parser auto)
     reasoning: ReasoningParser | None = field(init=False, default=None)  # None: answers are not split
+    # Whether requests may hold images: the checkpoint's processor is here and the engine reads
+    # them (Ready.modalities); set by engine_ready().
+    takes_images: bool = field(init=False, default=False)
     store: ResponseStore | None = None  # /v1/responses' (None: made from config; launch.serve opens it first)
+    # The model's image side (its processor, the image loader); None: the checkpoint is text-only.
+    vision: VisionSide | None = None
 
     def __post_init__(self) -> None:
         if self.renderer is None:
-            self.renderer = ChatRenderer(self.text)
+            # A vision-language model's template takes content as a list of parts (answer/conversation.py).
+            self.renderer = ChatRenderer(self.text, parts=self.vision is not None)
         self.reasoning = choose_parser(self.config.reasoning_parser, self.text.template, self.architecture)
         if self.gate is None:
             self.gate = make_gate(self.config, self.metrics)
@@ -96,6 +103,17 @@ class ServerState:
     def chat(self) -> ChatRenderer:
         assert self.renderer is not None
         return self.renderer
+
+    def engine_ready(self) -> None:
+        """Called once the engine is ready (``Ready``): whether images are served is settled."""
+        info = self.client.info
+        assert info is not None
+        self.takes_images = images_served(self.vision, info.modalities, self.model_name)
+
+    @property
+    def modalities(self) -> list[str]:
+        """What the served model reads (``/v1/models``)."""
+        return ["text", "image"] if self.takes_images else ["text"]
 
     @property
     def max_len(self) -> int:

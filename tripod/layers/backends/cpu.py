@@ -64,7 +64,8 @@ class CpuBackend(KernelOps, Backend):
         nh, nkv = spec.num_heads, spec.num_kv_heads
         kv = pool.kv[layer]
         # NOTE: rotates Q and K inside qkv, in place, and copies K|V into the pool slots.
-        self.ops.rope_store_kv(qkv, batch.positions, rotary.cos, rotary.sin, kv, batch.out_slots, nh, nkv)
+        pos, cos, sin = batch.rope_table or (batch.positions, rotary.cos, rotary.sin)  # (M-RoPE: by row)
+        self.ops.rope_store_kv(qkv, pos, cos, sin, kv, batch.out_slots, nh, nkv)
         q = qkv.view(t, -1, d)[:, :nh]
         return self.ops.paged_attention(q, kv, m.table, m.rows, m.lens, spec.scale).view(t, nh * d)
 

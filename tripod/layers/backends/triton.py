@@ -88,7 +88,8 @@ class TritonBackend(TritonOps, Backend):
         kv = pool.kv[layer]
         if qkv.stride(1) != 1 or qkv.stride(0) != qkv.shape[1]:
             qkv = qkv.contiguous()
-        self.ops.rope_store_kv(qkv, batch.positions, rotary.cos, rotary.sin, kv, batch.out_slots, nh, nkv)
+        pos, cos, sin = batch.rope_table or (batch.positions, rotary.cos, rotary.sin)  # (M-RoPE: by row)
+        self.ops.rope_store_kv(qkv, pos, cos, sin, kv, batch.out_slots, nh, nkv)
         q = qkv.view(t, -1, d)[:, :nh]
         width = m.table.shape[1]
         splits = -(-width // self.split_keys)

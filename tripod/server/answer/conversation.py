@@ -6,6 +6,12 @@ model's chat template. Tools reach the template as it expects them when the temp
 tools in the parser's own syntax (e.g. Qwen's ``<tool_call>``); otherwise (the embedded SmolLM2's
 template has no tools) in the parser's generic prompt format: the tool list appended to the system
 message, earlier calls written as the model would write them, results as user messages.
+
+Images: a message that holds images keeps its content in order in ``Message.parts`` (text and
+``ImageRef``s). A vision-language model's template is given every message's content as a list of
+parts (``{"type": "text", ...}``, ``{"type": "image"}``), the shape those templates are written
+for (LLaVA's renders nothing of a plain string), so it writes one image placeholder per image;
+``server/media/prompt.py`` then has the processor expand each placeholder into the image's tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 from tripod.server.answer.text import ChatTemplateError, TextSide
 from tripod.server.answer.tools import PARSERS, ToolCallParser, ToolSpec
 from tripod.server.errors import APIError
+from tripod.server.media.sources import ImageRef
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,14 +42,28 @@ class Message:
     tool_calls: list[PastCall] = field(default_factory=list)
     tool_call_id: str | None = None  # role "tool": the call this answers
     name: str | None = None
+    # A message with images: its content in order, text and images (``content`` is its text alone).
+    parts: list[str | ImageRef] | None = None
+
+    @classmethod
+    def of_parts(cls, role: str, parts: list[str | ImageRef], name: str | None = None) -> Message:
+        """A message from its content parts (``parts`` kept only when one is an image)."""
+        text = "".join(p for p in parts if isinstance(p, str))
+        return cls(role, text, name=name, parts=parts if any(isinstance(p, ImageRef) for p in parts) else None)
+
+    @property
+    def images(self) -> list[ImageRef]:
+        return [p for p in self.parts or () if isinstance(p, ImageRef)]
 
 
 class ChatRenderer:
     """Owns how conversations and tools become prompts for one model (and says how, for
     ``/v1/models``)."""
 
-    def __init__(self, text: TextSide, parser: str = "hermes") -> None:
+    def __init__(self, text: TextSide, parser: str = "hermes", *, parts: bool = False) -> None:
+        """``parts``: the template takes content as a list of parts (a vision-language model's)."""
         self.text = text
+        self.parts = parts
         self.parser: ToolCallParser = PARSERS[parser]()
         template = text.template
         # NOTE: the template's own tool rendering is used only when it writes calls in the
@@ -69,15 +90,25 @@ class ChatRenderer:
             dicts, template_tools = self._native(messages), [t.openai() for t in tools or []]
         else:
             dicts, template_tools = self._generic(messages, tools or []), []
+        for d in dicts:
+            d["content"] = self._content(d["content"])
         try:
             return self.text.chat(dicts, tools=template_tools or None, continue_final=continue_final)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param=param) from None
 
+    def _content(self, content: str | list[str | ImageRef]) -> Any:
+        """A message's content as the template takes it: a string, or (``parts``) a list of parts."""
+        if not self.parts:
+            return content if isinstance(content, str) else "".join(p for p in content if isinstance(p, str))
+        items = [content] if isinstance(content, str) else content
+        return [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in items if p != ""] \
+            or [{"type": "text", "text": ""}]
+
     def _native(self, messages: list[Message]) -> list[dict[str, Any]]:
         out = []
         for m in messages:
-            d: dict[str, Any] = {"role": m.role, "content": m.content}
+            d: dict[str, Any] = {"role": m.role, "content": m.parts or m.content}
             if m.tool_calls:
                 d["tool_calls"] = [{"id": c.id, "type": "function",
                                     "function": {"name": c.name, "arguments": _args_obj(c.arguments)}}
@@ -108,7 +139,8 @@ class ChatRenderer:
             if m.tool_calls:
                 calls = p.render_calls([(c.name, c.arguments) for c in m.tool_calls])
                 content = f"{content}\n{calls}" if content else calls
-            d: dict[str, Any] = {"role": m.role, "content": content}
+            # (a message with images has no calls: images come in user messages only)
+            d: dict[str, Any] = {"role": m.role, "content": m.parts or content}
             if m.name is not None:
                 d["name"] = m.name
             out.append(d)

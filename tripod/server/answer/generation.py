@@ -76,16 +76,21 @@ class _Seq:
 
 @dataclass(slots=True)
 class Usage:
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # image tokens included
     completion_tokens: int = 0
     cached_tokens: int = 0
+    image_tokens: int = 0  # of prompt_tokens, those that are images'
 
     def body(self) -> dict[str, Any]:
+        details: dict[str, int] = {"cached_tokens": self.cached_tokens}
+        if self.image_tokens:  # (OpenAI's fields for a prompt's share of images and of text)
+            details["image_tokens"] = self.image_tokens
+            details["text_tokens"] = self.prompt_tokens - self.image_tokens
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": details,
         }
 
 
@@ -111,7 +116,8 @@ class Generation:
             for pi, p in enumerate(handle.parts)
             for i in p.copies
         }
-        self.usage = Usage(prompt_tokens=sum(len(p.prompt_ids) for p in handle.parts))
+        self.usage = Usage(prompt_tokens=sum(len(p.prompt_ids) for p in handle.parts),
+                           image_tokens=sum(p.image_tokens for p in handle.parts))
         self._cached_seen: set[str] = set()
         self.first_token_time: float | None = None
         # Tracing: each sequence's times in the engine (reported only when tracing is on).
@@ -209,12 +215,13 @@ class Generation:
 
     def _count_prompt(self, out: engine_ipc.SeqOutput) -> None:
         self._cached_seen.add(out.rid)
-        prompt = len(self._part(out.rid).prompt_ids)
+        part = self._part(out.rid)
+        prompt = len(part.prompt_ids)
         # NOTE: a continuation's cache hit may cover its resumed output too; that output is not
         # a prompt token of the answer, so only the prompt's share counts as cached.
         cached = min(out.cached_tokens, prompt)
         self.usage.cached_tokens += cached
-        self.metrics.on_prompt(prompt, cached)
+        self.metrics.on_prompt(prompt, cached, part.image_tokens)
 
     def _count_tokens(self, seq: _Seq, n: int) -> None:
         """Latency (time to first token, between tokens) and token counts for ``n`` new tokens."""

@@ -176,7 +176,7 @@ class ResponseBuilder:
         self._close("incomplete" if cut else "completed")
         self.body["usage"] = {
             "input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+            "input_tokens_details": usage["prompt_tokens_details"],  # cached_tokens (+ image_tokens with images)
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "total_tokens": usage["total_tokens"],

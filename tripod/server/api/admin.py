@@ -16,6 +16,7 @@ from tripod.server.api.lora import adapter_cards, add_lora_routes
 from tripod.server.api.openai_requests import ChatMessage, chat_messages
 from tripod.server.engine_client import EngineDead
 from tripod.server.errors import APIError
+from tripod.server.media.prompt import render_prompt
 from tripod.server.state import ServerState, check_ids, check_model
 
 
@@ -54,6 +55,8 @@ def model_card(state: ServerState) -> dict[str, Any]:
         # How the thinking is split from the answer (reasoning_content, thinking blocks): the
         # parser's name, or null (answers unchanged); --reasoning-parser.
         "reasoning_parser": state.reasoning.name if state.reasoning is not None else None,
+        # What the model reads: ["text"], or ["text", "image"] for a vision-language model (README "Vision").
+        "modalities": state.modalities,
     }
     # The same facts at the top level (as vLLM puts max_model_len) and under "metadata".
     created_at = datetime.fromtimestamp(state.created, UTC).isoformat().replace("+00:00", "Z")
@@ -140,7 +143,7 @@ def add_token_routes(app: FastAPI, state: ServerState) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
-            ids = state.chat.render(chat_messages(req.messages))
+            ids = (await render_prompt(state, chat_messages(req.messages))).ids  # (an image's tokens included)
         else:
             assert req.prompt is not None
             ids = state.text.encode(req.prompt, special=req.add_special_tokens)

@@ -42,6 +42,7 @@ from tripod.server.api.body import parse, read_body
 from tripod.server.api.sampling import build_sampling, stop_strings
 from tripod.server.engine_client import EnginePart
 from tripod.server.errors import APIError
+from tripod.server.media.prompt import render_prompt
 from tripod.server.state import ServerState, adapter_of, check_model
 
 OVERLOADED = 529  # Anthropic's status for a server at capacity
@@ -57,8 +58,8 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         req: CountTokensRequest = parse(CountTokensRequest, await read_body(request, state.config.max_body_bytes))
         check_model(state, req.model, request)
         msgs, tools, _, cont = conversation(req, state.chat.parallel_default)
-        ids = state.chat.render(msgs, tools, continue_final=cont)
-        return JSONResponse({"input_tokens": len(ids)})
+        prompt = await render_prompt(state, msgs, tools, continue_final=cont)  # (image tokens count)
+        return JSONResponse({"input_tokens": len(prompt.ids)})
 
 
 def _usage(u: Usage) -> dict[str, int]:
@@ -154,7 +155,6 @@ async def _messages(state: ServerState, request: Request) -> Response:
     req: MessagesRequest = parse(MessagesRequest, await read_body(request, state.config.max_body_bytes))
     check_model(state, req.model, request)
     msgs, tools, choice, cont = conversation(req, state.chat.parallel_default)
-    ids = state.chat.render(msgs, tools, continue_final=cont)
     if req.temperature is not None and req.temperature > TEMPERATURE_MAX:
         raise APIError(400, f"'temperature' must be in [0, 1] (got {req.temperature!r})", param="temperature")
     parser = state.chat.parser if choice.mode != "none" else None
@@ -167,19 +167,22 @@ async def _messages(state: ServerState, request: Request) -> Response:
     if wants_thinking and state.reasoning is None:
         raise APIError(400, "'thinking' needs a model that thinks; this server has no reasoning parser (see "
                        "--reasoning-parser); remove 'thinking' or set its type to 'disabled'", param="thinking")
+    prompt = await render_prompt(state, msgs, tools, continue_final=cont)  # (images: loaded and expanded)
+    ids = prompt.ids
     think = state.thinking(ids, budget, "thinking.budget_tokens")
     constraint = grammar or fmt
     if think is not None:  # tools and the output format apply to the answer after the thinking
         constraint = think.grammar(constraint, budget)
     params = build_sampling(
         state.limits, prompt_len=len(ids), max_tokens=req.max_tokens, default_max_tokens=state.max_len,
-        prompt_param="messages", grammar=constraint,
+        prompt_param="messages", grammar=constraint, prompt_note=prompt.note,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, ignore_eos=req.ignore_eos,
         priority=req.priority, speculative=req.speculative, lora=adapter_of(state, req.model),
     )
     stops = stop_strings(req.stop_sequences, "stop_sequences")
     rid = new_id("msg", "_")
-    started = await start_generation(state, request, [EnginePart(rid, ids, params)], stops, arrival,
+    started = await start_generation(state, request, [EnginePart(rid, ids, params, images=prompt.images)], stops,
+                                     arrival,
                                      overload_status=OVERLOADED,
                                      special=think is not None and think.parser.special_tokens)
     if req.stream:

@@ -3,7 +3,8 @@ OpenAI side) and their translation into ``Message``s, tools and a tool choice. T
 ``anthropic.py``'s.
 
 Content blocks are read as one permissive model and checked by type here, so an unsupported block
-(``image``, ``document``) is refused by name with a 400 rather than a schema dump. Earlier
+(``document``) is refused by name with a 400 rather than a schema dump. ``image`` blocks (base64 or
+url sources) in user messages become ``ImageRef``s (``server/media``). Earlier
 ``thinking`` blocks in assistant messages are accepted and left out of the prompt (as Anthropic
 does: past thinking does not count as input).
 ``cache_control`` marks are accepted and ignored: tripod's prefix cache needs no hints.
@@ -21,12 +22,20 @@ from tripod.server.answer.conversation import Message, PastCall
 from tripod.server.answer.tools import ToolChoice, ToolSpec, check_choice, check_tools
 from tripod.server.api.body import StrictModel, one_of
 from tripod.server.errors import APIError
+from tripod.server.media.sources import ImageRef, check_url
 
 TEMPERATURE_MAX = 1.0  # Anthropic's range is [0, 1] (tripod's sampler allows up to 2)
 
 
+class ImageSource(StrictModel):
+    type: str = one_of("base64", "url")
+    media_type: str | None = None  # base64: image/jpeg, image/png, image/gif or image/webp (the bytes are sniffed)
+    data: str | None = None  # base64
+    url: str | None = None  # url
+
+
 class Block(StrictModel):
-    type: str = one_of("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+    type: str = one_of("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
     text: str | None = None
     id: str | None = None  # tool_use
     name: str | None = None
@@ -34,6 +43,7 @@ class Block(StrictModel):
     tool_use_id: str | None = None  # tool_result
     content: str | list[Block] | None = None
     is_error: bool | None = None
+    source: ImageSource | None = None  # image
 
 
 class AnthropicMessage(StrictModel):
@@ -99,6 +109,9 @@ def _text_of(blocks: str | list[Block] | None, where: str) -> str:
         return blocks
     parts = []
     for j, b in enumerate(blocks):
+        if b.type == "image":
+            raise APIError(400, f"{where}.{j}: tripod takes images in user messages' content only, not here; move "
+                           "the image into a user message (beside the tool_result)", param=f"{where}.{j}.type")
         if b.type != "text" or b.text is None:
             raise APIError(400, f"{where}.{j}: content blocks of type {b.type!r} are not supported here; "
                            "send text blocks", param=f"{where}.{j}.type")
@@ -125,14 +138,16 @@ def conversation(req: _Conversation, default_parallel: bool = True,
         if isinstance(m.content, str):
             out.append(Message(m.role, m.content))
             continue
-        texts: list[str] = []
+        parts: list[str | ImageRef] = []
         calls: list[PastCall] = []
         for j, b in enumerate(m.content):
             at = f"{where}.content.{j}"
             if b.type == "text":
                 if b.text is None:
                     raise APIError(400, f"{at}.text is required", param=f"{at}.text")
-                texts.append(b.text)
+                parts.append(b.text)
+            elif b.type == "image" and m.role == "user":
+                parts.append(anthropic_image(b, at))
             elif b.type == "tool_use" and m.role == "assistant":
                 if not b.id or not b.name:
                     raise APIError(400, f"{at}: a tool_use block needs 'id' and 'name'", param=at)
@@ -140,22 +155,24 @@ def conversation(req: _Conversation, default_parallel: bool = True,
             elif b.type == "tool_result" and m.role == "user":
                 if not b.tool_use_id:
                     raise APIError(400, f"{at}: a tool_result block needs 'tool_use_id'", param=at)
-                if texts:  # text before a result: keep the order
-                    out.append(Message("user", "".join(texts)))
-                    texts = []
+                if parts:  # text (and images) before a result: keep the order
+                    out.append(Message.of_parts("user", parts))
+                    parts = []
                 content = _text_of(b.content, f"{at}.content")
                 out.append(Message("tool", f"Error: {content}" if b.is_error else content,
                                    tool_call_id=b.tool_use_id))
             elif b.type in ("thinking", "redacted_thinking") and m.role == "assistant":
                 continue  # past thinking is not part of the prompt
-            elif b.type in ("tool_use", "tool_result"):
+            elif b.type in ("tool_use", "tool_result", "image"):
                 raise APIError(400, f"{at}: {b.type} blocks belong in "
                                f"{'assistant' if b.type == 'tool_use' else 'user'} messages", param=f"{at}.type")
             else:
                 raise APIError(400, f"{at}: content blocks of type {b.type!r} are not supported by tripod; send "
-                               "text, tool_use and tool_result blocks", param=f"{at}.type")
-        if texts or calls or not m.content:
-            out.append(Message(m.role, "".join(texts), calls))
+                               "text, image, tool_use and tool_result blocks", param=f"{at}.type")
+        if parts or calls or not m.content:
+            msg = Message.of_parts(m.role, parts)
+            msg.tool_calls = calls
+            out.append(msg)
     if all(m.role == "system" for m in out):
         raise APIError(400, "'messages' hold nothing to prompt with: past thinking blocks are left out of the "
                        "prompt; add a user message", param="messages")
@@ -165,6 +182,27 @@ def conversation(req: _Conversation, default_parallel: bool = True,
     continue_final = last.role == "assistant" and out[-1].role == "assistant" and not out[-1].tool_calls
     tools, choice = _tools(req, default_parallel)
     return out, tools, choice, continue_final
+
+
+def anthropic_image(b: Block, at: str) -> ImageRef:
+    """An ``image`` block's image (not fetched: ``server/media`` loads it)."""
+    src = b.source
+    if src is None:
+        raise APIError(400, f"{at}.source is required: {{\"type\": \"base64\", \"media_type\": \"image/png\", "
+                       "\"data\": ...} or {\"type\": \"url\", \"url\": ...}", param=f"{at}.source")
+    if src.type == "base64":
+        if src.data is None:
+            raise APIError(400, f"{at}.source.data is required (the image's bytes, base64)", param=f"{at}.source.data")
+        if src.media_type is not None and not src.media_type.startswith("image/"):
+            raise APIError(400, f"{at}.source.media_type must be an image type such as image/png (got "
+                           f"{src.media_type!r})", param=f"{at}.source.media_type")
+        return ImageRef(f"{at}.source.data", b64=src.data)
+    if src.type == "url":
+        if src.url is None:
+            raise APIError(400, f"{at}.source.url is required", param=f"{at}.source.url")
+        return ImageRef(f"{at}.source.url", url=check_url(src.url, f"{at}.source.url"))
+    raise APIError(400, f"{at}.source.type {src.type!r} is not supported by tripod (file sources need the Files API, "
+                   "which tripod does not have); send 'base64' or 'url'", param=f"{at}.source.type")
 
 
 def thinking_budget(req: MessagesRequest) -> tuple[bool, int | None]:

@@ -55,6 +55,7 @@ from tripod.server.api.openai_requests import (
 from tripod.server.api.sampling import build_sampling, logit_bias_ids, stop_strings
 from tripod.server.engine_client import EnginePart
 from tripod.server.errors import APIError
+from tripod.server.media.prompt import check_text, render_prompt
 from tripod.server.state import ServerState, adapter_of, check_ids, check_model
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default for /v1/completions
@@ -92,22 +93,24 @@ async def _chat(state: ServerState, request: Request) -> Response:
     req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_body(request, state.config.max_body_bytes))
     check_model(state, req.model, request)
     tools, choice = openai_tools(req, state.chat.parallel_default)
-    ids = state.chat.render(chat_messages(req.messages), tools)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    _check_stream_options(req)
+    constraint = grammar_spec(req)  # (the request's own checks come before any image is fetched)
+    prompt = await render_prompt(state, chat_messages(req.messages), tools)  # (images: loaded and expanded)
+    ids = prompt.ids
     parser = state.chat.parser if choice.mode != "none" else None
     think = state.thinking(ids, req.thinking_budget)
-    grammar = _one_constraint(parser.grammar(tools, choice) if parser else None, grammar_spec(req))
+    grammar = _one_constraint(parser.grammar(tools, choice) if parser else None, constraint)
     if think is not None:  # the constraint (tools, response_format) applies to the answer after the thinking
         grammar = think.grammar(grammar, req.thinking_budget)
-    _check_stream_options(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     names = {"logprobs": "top_logprobs"}
     if req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
     params = build_sampling(
         state.limits, prompt_len=len(ids), max_tokens=max_tokens, default_max_tokens=state.max_len,
-        names=names, prompt_param="messages", grammar=grammar,
+        names=names, prompt_param="messages", grammar=grammar, prompt_note=prompt.note,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None, lora=adapter_of(state, req.model),
         **_sampling_fields(req),
     )
@@ -118,7 +121,7 @@ async def _chat(state: ServerState, request: Request) -> Response:
     engine_rid = new_id("chatcmpl")
     rid = cont.id if cont is not None else engine_rid
     created = cont.created if cont is not None else int(time.time())
-    parts = [EnginePart(engine_rid, ids, params)]
+    parts = [EnginePart(engine_rid, ids, params, images=prompt.images)]
     priors = resume_priors(state, req, parts, params.n)
     started = await start_generation(state, request, parts, stops, arrival, priors=priors,
                                      special=think is not None and think.parser.special_tokens)
@@ -457,5 +460,7 @@ def prompt_ids(state: ServerState, prompt: Any) -> list[list[int]]:
                 raise APIError(400, "'prompt' token lists must not be empty", param="prompt")
             check_ids(state, p, "prompt")
             out.append(list(p))
+    for ids in out:
+        check_text(state, ids, "prompt")  # (a completion has no images)
     return out
 

@@ -21,6 +21,7 @@ from tripod.server.answer.conversation import Message, PastCall
 from tripod.server.answer.tools import ToolChoice, ToolSpec, check_choice, check_tools
 from tripod.server.api.body import StrictModel, one_of
 from tripod.server.errors import APIError
+from tripod.server.media.sources import ImageRef, check_detail, check_url
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -29,9 +30,15 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class ImageURL(StrictModel):
+    url: str  # a data: URL (data:image/png;base64,...) or an http(s) URL (--allowed-media-domains)
+    detail: str | None = None  # auto, low or high: the processor decides what each means
+
+
 class ContentPart(StrictModel):
-    type: str = one_of("text")
+    type: str = one_of("text", "image_url")
     text: str | None = None
+    image_url: ImageURL | str | None = None  # (vLLM also takes the URL as a plain string)
 
 
 class CallFunction(StrictModel):
@@ -188,17 +195,10 @@ def chat_messages(messages: list[ChatMessage]) -> list[Message]:
                 400, f"messages[{i}].role {m.role!r} is unknown; use one of {', '.join(ROLES)}",
                 param=f"messages.{i}.role",
             )
-        content = m.content
+        content, parts = m.content, None
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(
-                        400, f"messages[{i}]: content parts of type {part.type!r} are not supported; "
-                        "send text parts only", param=f"messages.{i}.content",
-                    )
-                texts.append(part.text)
-            content = "".join(texts)
+            parts = _parts(content, m.role, i)
+            content = "".join(p for p in parts if isinstance(p, str))
         if content is None:
             if m.role != "assistant":
                 raise APIError(400, f"messages[{i}].content is required", param=f"messages.{i}.content")
@@ -215,8 +215,40 @@ def chat_messages(messages: list[ChatMessage]) -> list[Message]:
             raise APIError(400, f"messages[{i}]: a 'tool' message needs the 'tool_call_id' of the call it "
                            "answers", param=f"messages.{i}.tool_call_id")
         out.append(Message("system" if m.role == "developer" else m.role, content, calls,
-                           m.tool_call_id if m.role == "tool" else None, m.name))
+                           m.tool_call_id if m.role == "tool" else None, m.name,
+                           parts if parts and any(isinstance(p, ImageRef) for p in parts) else None))
     return out
+
+
+def _parts(content: list[ContentPart], role: str, i: int) -> list[str | ImageRef]:
+    """A message's content parts in order: text, and (user messages) images."""
+    out: list[str | ImageRef] = []
+    for j, part in enumerate(content):
+        at = f"messages.{i}.content.{j}"
+        if part.type == "text" and part.text is not None:
+            out.append(part.text)
+        elif part.type == "image_url":
+            if role != "user":
+                raise APIError(400, f"messages[{i}]: images go in user messages; a {role} message's content is "
+                               "text", param=at)
+            out.append(openai_image(part.image_url, at))
+        else:
+            raise APIError(400, f"messages[{i}]: content parts of type {part.type!r} are not supported (or lack "
+                           "their field); send text parts ({\"type\": \"text\", \"text\": ...}) and image_url parts",
+                           param=at)
+    return out
+
+
+def openai_image(image_url: ImageURL | str | None, at: str) -> ImageRef:
+    """An ``image_url`` content part's image (not fetched: ``server/media`` loads it)."""
+    if image_url is None:
+        raise APIError(400, f"'{at}.image_url' is required: {{\"url\": \"data:image/png;base64,...\"}} or an http(s) "
+                       "URL", param=f"{at}.image_url")
+    if isinstance(image_url, str):
+        return ImageRef(f"{at}.image_url", url=check_url(image_url, f"{at}.image_url"))
+    where = f"{at}.image_url.url"
+    return ImageRef(where, url=check_url(image_url.url, where),
+                    detail=check_detail(image_url.detail, f"{at}.image_url.detail"))
 
 
 def openai_tools(req: ChatCompletionRequest, default_parallel: bool = True) -> tuple[list[ToolSpec], ToolChoice]:

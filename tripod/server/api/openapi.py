@@ -43,6 +43,13 @@ ANTHROPIC_ERROR: dict[str, Any] = {
         "properties": {"type": {"type": "string"}, "message": {"type": "string", "minLength": 1}}}},
 }
 _OBJECT: dict[str, Any] = {"type": "object"}
+# A model card's fields a client decides on (the card has more: dtype, compute, tool calling, ...).
+MODEL_CARD: dict[str, Any] = {"type": "object", "required": ["id", "modalities"], "properties": {
+    "id": {"type": "string"}, "max_model_len": {"type": "integer"},
+    "modalities": {"type": "array", "items": {"enum": ["text", "image"]}, "description": "what the model reads: "
+                   "[\"text\"], or [\"text\", \"image\"] for a vision-language model (image content parts)"}}}
+MODEL_LIST: dict[str, Any] = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "array", "items": {"$ref": "#/components/schemas/ModelCard"}}}}
 
 # path → (request model, answers may stream, the error shape)
 _BODIES: dict[str, tuple[type[BaseModel], bool, str]] = {
@@ -87,6 +94,7 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
     schemas.pop("ValidationError", None)
     schemas["OpenAIError"] = OPENAI_ERROR
     schemas["AnthropicError"] = ANTHROPIC_ERROR
+    schemas["ModelCard"], schemas["ModelList"] = MODEL_CARD, MODEL_LIST
     for path, item in doc["paths"].items():
         for method, op in item.items():
             op.pop("requestBody", None)
@@ -94,6 +102,9 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
             ok: dict[str, Any] = {"application/json": {"schema": _OBJECT}}
             if path == "/metrics":
                 ok = {"text/plain": {"schema": {"type": "string"}}}
+            elif path.startswith("/v1/models"):
+                card = "ModelList" if path == "/v1/models" else "ModelCard"
+                ok = {"application/json": {"schema": {"$ref": f"#/components/schemas/{card}"}}}
             op["responses"] = {"200": {"description": "the answer", "content": ok}, **_errors(shape)}
             if path == "/health":  # 503 while draining or with the engine dead: a status object
                 op["responses"]["503"] = {"description": "not serving", "content": {"application/json": {

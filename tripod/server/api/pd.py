@@ -59,6 +59,7 @@ from tripod.server.api.openai_requests import (
 )
 from tripod.server.engine_client import EngineDead, EnginePart, Overloaded
 from tripod.server.errors import APIError
+from tripod.server.media.prompt import Prompt, render_prompt
 from tripod.server.state import ServerState, adapter_of, check_model
 
 log = logging.getLogger("tripod.server.pd")
@@ -213,8 +214,9 @@ def add_pd_routes(app: FastAPI, state: ServerState) -> None:
                         media_type="application/json")
 
 
-def _prompts(state: ServerState, order: pd.PrefillOrder) -> list[list[int]]:
-    """The prompt ids the API route will make of ``order.body`` (the same code, so the same ids)."""
+async def _prompts(state: ServerState, order: pd.PrefillOrder) -> list[Prompt]:
+    """The prompts the API route will make of ``order.body`` (the same code, so the same ids and
+    images: a vision-language model's prompt is loaded and expanded here as it will be there)."""
     req: ChatCompletionRequest | CompletionRequest = parse(
         ChatCompletionRequest if order.path == "/v1/chat/completions" else CompletionRequest, bytes(order.body))
     check_model(state, req.model)
@@ -225,27 +227,27 @@ def _prompts(state: ServerState, order: pd.PrefillOrder) -> list[list[int]]:
                        "answered", code="pd_not_applicable")
     if isinstance(req, ChatCompletionRequest):
         tools, _choice = openai_tools(req, state.chat.parallel_default)
-        return [state.chat.render(chat_messages(req.messages), tools)]
-    return prompt_ids(state, req.prompt)
+        return [await render_prompt(state, chat_messages(req.messages), tools)]
+    return [Prompt(ids) for ids in prompt_ids(state, req.prompt)]
 
 
 async def _prefill(state: ServerState, metrics: PDMetrics, order: pd.PrefillOrder,
                    authorization: str | None) -> pd.PrefillDone:
     if state.draining:
         raise APIError(503, "the server is shutting down", type="server_error", code="draining")
-    prompts = _prompts(state, order)
-    for ids in prompts:
-        if len(ids) >= state.max_len:
-            raise APIError(400, f"the prompt ({len(ids)} tokens) does not fit this server's context "
+    prompts = await _prompts(state, order)
+    for p in prompts:
+        if len(p.ids) >= state.max_len:
+            raise APIError(400, f"the prompt ({len(p.ids)} tokens{p.note}) does not fit this server's context "
                            f"({state.max_len})", param="messages")
     t0 = time.perf_counter()
-    for ids in prompts:
-        await _compute(state, ids)
+    for p in prompts:
+        await _compute(state, p)
     t1 = time.perf_counter()
     blocks: list[bytes] = []
-    for ids in prompts:
+    for p in prompts:
         try:
-            export = await state.client.export_kv(ids)
+            export = await state.client.export_kv(p.ids, p.images)
         except EngineDead as e:
             raise APIError(503, f"the engine is not running: {e}", type="server_error", code="engine_dead") from None
         if export.error is not None:
@@ -259,14 +261,15 @@ async def _prefill(state: ServerState, metrics: PDMetrics, order: pd.PrefillOrde
     metrics.sent_bytes.labels(m).inc(sum(len(b) for b in blocks))
     metrics.prefill_seconds.labels(m).observe(t1 - t0)
     metrics.send_seconds.labels(m).observe(t3 - t1)
-    return pd.PrefillDone(prompt_tokens=sum(len(p) for p in prompts), blocks=len(blocks), accepted=receipt.blocks,
+    return pd.PrefillDone(prompt_tokens=sum(len(p.ids) for p in prompts), blocks=len(blocks), accepted=receipt.blocks,
                           published=receipt.published, bytes=sum(len(b) for b in blocks), prefill_seconds=t1 - t0,
                           export_seconds=t2 - t1, transfer_seconds=t3 - t2)
 
 
-async def _compute(state: ServerState, ids: list[int]) -> None:
-    """Run ``ids`` through the engine for one greedy token: the prompt's KV is then in the prefix cache."""
-    part = EnginePart(f"pd-{uuid.uuid4().hex[:16]}", ids, SamplingParams(max_tokens=1, temperature=0.0))
+async def _compute(state: ServerState, prompt: Prompt) -> None:
+    """Run ``prompt`` through the engine for one greedy token: its KV is then in the prefix cache."""
+    part = EnginePart(f"pd-{uuid.uuid4().hex[:16]}", prompt.ids, SamplingParams(max_tokens=1, temperature=0.0),
+                      images=prompt.images)
     try:
         handle = state.client.open([part], 1)
     except Overloaded as e:

@@ -38,6 +38,7 @@ from tripod.server.api.responses_requests import (
 from tripod.server.api.sampling import build_sampling, stop_strings
 from tripod.server.engine_client import EnginePart
 from tripod.server.errors import APIError
+from tripod.server.media.prompt import render_prompt
 from tripod.server.response_store import StoredResponse, StoreFull
 from tripod.server.run_owner import instance_id
 from tripod.server.state import ServerState, adapter_of, check_model
@@ -90,7 +91,8 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/responses")
     async def create(request: Request) -> Response:
         arrival = time.monotonic()
-        p = _prepare(state, request, parse(ResponsesRequest, await read_body(request, state.config.max_body_bytes)))
+        p = await _prepare(state, request, parse(ResponsesRequest, await read_body(request,
+                                                                                   state.config.max_body_bytes)))
         if p.req.background:
             return await _background(state, request, p, runs, arrival)
         started = await start_generation(state, request, p.parts, p.stops, arrival, special=p.special)
@@ -203,7 +205,7 @@ def _history(state: ServerState, request: Request, prev: str | None) -> list[dic
             *[it for it in rec.body["output"] if it["type"] in ("message", "function_call", "reasoning")]]
 
 
-def _prepare(state: ServerState, request: Request, req: ResponsesRequest) -> _Prepared:
+async def _prepare(state: ServerState, request: Request, req: ResponsesRequest) -> _Prepared:
     check_model(state, req.model, request)
     logprobs = check_request(req)
     items = normal_items(req.input)
@@ -211,16 +213,18 @@ def _prepare(state: ServerState, request: Request, req: ResponsesRequest) -> _Pr
     tools, choice, echoed = responses_tools(req, state.chat.parallel_default)
     constraint, text_echo = text_grammar(req)
     messages = to_messages([*history, *items], req.instructions, len(history))
-    ids = state.chat.render(messages, tools, param="input")
+    prompt = await render_prompt(state, messages, tools, param="input")  # (images: loaded and expanded)
     if req.truncation == "auto":  # drop the oldest turns (never the instructions) until it fits
         keep = 1 if req.instructions else 0
         # (with room for the output asked for: at least one token)
         budget = req.max_output_tokens if isinstance(req.max_output_tokens, int) and req.max_output_tokens > 0 else 1
-        while len(ids) + budget > state.max_len and len(messages) > keep + 1:
+        while len(prompt.ids) + budget > state.max_len and len(messages) > keep + 1:
             del messages[keep]
             while len(messages) > keep + 1 and messages[keep].role != "user":
                 del messages[keep]  # (the rest of that turn: the conversation starts with a user turn)
-            ids = state.chat.render(messages, tools, param="input")
+            # (the images kept are not loaded again; those of the turns dropped are left out)
+            prompt = await render_prompt(state, messages, tools, param="input", pictures=prompt.pictures)
+    ids = prompt.ids
     parser = state.chat.parser if choice.mode != "none" else None
     think = state.thinking(ids)
     grammar = parser.grammar(tools, choice) if parser else None
@@ -233,7 +237,7 @@ def _prepare(state: ServerState, request: Request, req: ResponsesRequest) -> _Pr
     params = build_sampling(
         state.limits, prompt_len=len(ids), max_tokens=req.max_output_tokens, default_max_tokens=state.max_len,
         names={"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}, prompt_param="input",
-        grammar=grammar, logprobs=(req.top_logprobs or 0) if logprobs else None, lora=adapter_of(state, req.model),
+        grammar=grammar, prompt_note=prompt.note, logprobs=(req.top_logprobs or 0) if logprobs else None, lora=adapter_of(state, req.model),
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
         frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
         repetition_penalty=req.repetition_penalty, priority=req.priority, ignore_eos=req.ignore_eos)
@@ -250,7 +254,8 @@ def _prepare(state: ServerState, request: Request, req: ResponsesRequest) -> _Pr
         "metadata": req.metadata or {}, "background": req.background,
     }
     builder = ResponseBuilder(base, state.text, parser, think, logprobs)
-    return _Prepared(req, rid, items, history, [EnginePart(rid, ids, params)], stop_strings(req.stop), builder,
+    return _Prepared(req, rid, items, history, [EnginePart(rid, ids, params, images=prompt.images)],
+                     stop_strings(req.stop), builder,
                      think is not None and think.parser.special_tokens)
 
 

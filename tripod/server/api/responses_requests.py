@@ -1,6 +1,8 @@
 """The Responses surface's request model and its translations (the routes are ``responses.py``'s).
 
-``input`` is a string or a list of items: messages (text parts), ``function_call``,
+``input`` is a string or a list of items: messages (text parts; ``input_image`` parts in user
+messages, whose ``image_url`` is a data: or http(s) URL: ``file_id`` needs the Files API, which
+tripod does not have), ``function_call``,
 ``function_call_output`` and ``reasoning`` items, as OpenAI's API takes them. Items are checked
 here one by one (``normal_items``: each gets its type and an id, errors name ``input[i].field``),
 stored as checked, and a conversation of items (the stored turns before this one, then this one's)
@@ -21,6 +23,7 @@ from tripod.server.answer.generation import new_id
 from tripod.server.answer.tools import ToolChoice, ToolSpec, check_choice, check_tools
 from tripod.server.api.body import StrictModel
 from tripod.server.errors import APIError
+from tripod.server.media.sources import ImageRef, check_detail, check_url
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -75,11 +78,40 @@ def _text_of(content: Any, where: str, allowed: tuple[str, ...]) -> str:
     out = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            raise _bad(f"{where}.content[{j}]", f"'{where}.content[{j}]': images go in user messages only")
         if kind not in allowed or not isinstance(part.get("text"), str):
             raise _bad(f"{where}.content[{j}]", f"'{where}.content[{j}]' must be a text part "
                        f"({' or '.join(allowed)} with 'text'); tripod reads text only (got {kind!r})")
         out.append(part["text"])
     return "".join(out)
+
+
+def _user_parts(content: Any, where: str) -> list[dict[str, Any]]:
+    """A user message's content in normal form: one ``input_text`` part, or (with images) its
+    ``input_text`` and ``input_image`` parts in order."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        return [{"type": "input_text", "text": _text_of(content, where, ("input_text", "text"))}]
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "text") and isinstance(part.get("text"), str):
+            out.append({"type": "input_text", "text": part["text"]})
+            continue
+        if kind != "input_image":
+            raise _bad(at, f"'{at}' must be an input_text part (with 'text') or an input_image part (got {kind!r})")
+        if part.get("file_id") is not None:
+            raise _bad(f"{at}.file_id", f"'{at}.file_id': images by file_id need the Files API, which tripod does not "
+                       "have; send 'image_url' (a data: URL or an http(s) URL)")
+        url = part.get("image_url")
+        if not isinstance(url, str):
+            raise _bad(f"{at}.image_url", f"'{at}.image_url' is required: a data: URL (data:image/png;base64,...) or "
+                       "an http(s) URL")
+        check_url(url, f"{at}.image_url")
+        out.append({"type": "input_image", "image_url": url,
+                    "detail": check_detail(part.get("detail"), f"{at}.detail") or "auto"})
+    return out
 
 
 def _string(item: dict[str, Any], key: str, where: str) -> str:
@@ -108,14 +140,18 @@ def _normal_item(item: dict[str, Any], where: str) -> dict[str, Any]:
         role = item.get("role")
         if role not in INPUT_ROLES:
             raise _bad(f"{where}.role", f"'{where}.role' must be one of {', '.join(INPUT_ROLES)} (got {role!r})")
-        parts = ("output_text", "refusal") if role == "assistant" else ("input_text",)
-        text = _text_of(item.get("content"), where, (*parts, "text"))
-        part = "output_text" if role == "assistant" else "input_text"
-        body: dict[str, Any] = {"type": part, "text": text}
-        if part == "output_text":
-            body["annotations"] = []
+        if role == "user":
+            content = _user_parts(item.get("content"), where)
+        else:
+            parts = ("output_text", "refusal") if role == "assistant" else ("input_text",)
+            text = _text_of(item.get("content"), where, (*parts, "text"))
+            part = "output_text" if role == "assistant" else "input_text"
+            body: dict[str, Any] = {"type": part, "text": text}
+            if part == "output_text":
+                body["annotations"] = []
+            content = [body]
         return {"id": item.get("id") or new_id("msg", "_"), "type": "message", "role": role,
-                "status": "completed", "content": [body]}
+                "status": "completed", "content": content}
     if kind == "function_call":
         args = _string(item, "arguments", where)
         return {"id": item.get("id") or new_id("fc", "_"), "type": "function_call", "status": "completed",
@@ -147,7 +183,8 @@ def to_messages(items: list[dict[str, Any]], instructions: str | None, first_new
         kind = it["type"]
         if kind == "message":
             role = "system" if it["role"] == "developer" else it["role"]
-            out.append(Message(role, it["content"][0]["text"]))
+            where = f"input[{k - first_new}]" if k >= first_new else f"previous_response_id (item {k})"
+            out.append(Message.of_parts(role, [_part(p, f"{where}.content[{j}]") for j, p in enumerate(it["content"])]))
         elif kind == "function_call":
             calls.add(it["call_id"])
             call = PastCall(it["call_id"], it["name"], it["arguments"])
@@ -163,6 +200,13 @@ def to_messages(items: list[dict[str, Any]], instructions: str | None, first_new
                            "this output; send the call (or its previous_response_id) first")
             out.append(Message("tool", it["output"], tool_call_id=it["call_id"]))
     return out
+
+
+def _part(part: dict[str, Any], where: str) -> str | ImageRef:
+    """A normal content part: its text, or its image (``where`` names it in errors)."""
+    if part["type"] == "input_image":
+        return ImageRef(f"{where}.image_url", url=part["image_url"], detail=part.get("detail"))
+    return str(part["text"])
 
 
 def _merging(items: list[dict[str, Any]], k: int) -> bool:

@@ -31,11 +31,13 @@ def build_sampling(
     names: Mapping[str, str] | None = None,
     prompt_param: str = "prompt",
     grammar: GrammarSpec | None = None,
+    prompt_note: str = "",
     **fields: Any,
 ) -> SamplingParams:
     """``fields`` are ``SamplingParams`` fields (None: the default). ``names`` maps a field to the
     name the caller used (``{"max_tokens": "max_completion_tokens"}``), so errors name the
-    caller's parameter. Raises ``APIError`` (400) saying what to change."""
+    caller's parameter; ``prompt_note`` follows the prompt's length in them (what of it is images).
+    Raises ``APIError`` (400) saying what to change."""
     names = names or {}
 
     def bad(field: str, why: str, value: Any) -> APIError:
@@ -45,7 +47,7 @@ def build_sampling(
     given = {k: v for k, v in fields.items() if v is not None}
     _check_server_limits(limits, given, bad)
     max_tokens = _max_tokens(limits, prompt_len, max_tokens, default_max_tokens,
-                             names.get("max_tokens", "max_tokens"), prompt_param)
+                             names.get("max_tokens", "max_tokens"), prompt_param, prompt_note)
     try:
         return SamplingParams(max_tokens=max_tokens, grammar=grammar, **given)
     except SamplingParamError as e:
@@ -74,16 +76,16 @@ def _check_server_limits(limits: Limits, given: dict[str, Any], bad: Callable[[s
 
 
 def _max_tokens(limits: Limits, prompt_len: int, max_tokens: int | None, default: int, mt: str,
-                prompt_param: str) -> int:
+                prompt_param: str, note: str = "") -> int:
     """The output's token budget checked against the context the prompt leaves (``mt``: the
     caller's name for it). None given: ``default``, as far as the context allows."""
     room = limits.max_len - prompt_len
     if room < 1:
         raise APIError(
             400,
-            f"the prompt has {prompt_len} tokens but this model's context allows at most "
+            f"the prompt has {prompt_len} tokens{note} but this model's context allows at most "
             f"{limits.max_len - 1} prompt tokens ({limits.max_len} in all, with at least one generated); "
-            "shorten the prompt",
+            f"shorten the prompt{' or send fewer or smaller images' if note else ''}",
             param=prompt_param, code="context_length_exceeded",
         )
     if max_tokens is None:
@@ -93,7 +95,7 @@ def _max_tokens(limits: Limits, prompt_len: int, max_tokens: int | None, default
     if isinstance(max_tokens, int) and max_tokens > room:
         raise APIError(
             400,
-            f"'{mt}' is {max_tokens} but the prompt has {prompt_len} tokens and the context "
+            f"'{mt}' is {max_tokens} but the prompt has {prompt_len} tokens{note} and the context "
             f"is {limits.max_len}, leaving room for at most {room}; lower {mt} or shorten the prompt",
             param=mt, code="context_length_exceeded",
         )

@@ -1,0 +1,82 @@
+"""The vision towers, projectors and M-RoPE positions against transformers (float32).
+
+For each family the tiny checkpoint (``tests/support/tiny_vlms.py``) is loaded by tripod; the
+features ``encode`` makes of processed images (two at once, of different sizes for Qwen2.5-VL's
+dynamic resolution and windows) must be transformers' ``get_image_features``, and Qwen2.5-VL's
+3-D positions and decode delta must be its ``get_rope_index``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.support import tiny_vlms
+from tripod.loader import load_model
+from tripod.loader.multimodal import VisionProcessor
+from tripod.models.multimodal import MRope, mrope_positions
+
+
+def _inputs(vlm: Any, sizes: list[tuple[int, int]]) -> tuple[Any, list[Any], Any, str]:
+    proc = VisionProcessor.from_folder(vlm.folder)
+    assert proc is not None
+    images = [tiny_vlms.image(20 + i, s) for i, s in enumerate(sizes)]
+    text = vlm.template(tiny_vlms.messages("Look.", len(images)))
+    ids, inputs = proc.expand(list(proc.tokenizer(text)["input_ids"]), images)
+    return ids, inputs, vlm.processor(text=text, images=images, return_tensors="pt"), text
+
+
+@pytest.mark.parametrize("kind", tiny_vlms.KINDS)
+def test_features_equal_transformers(tiny_vlm: Any, kind: str) -> None:
+    vlm = tiny_vlm(kind)
+    model = load_model(str(vlm.folder), torch.float32, torch.device("cpu")).model
+    _, inputs, ref, _ = _inputs(vlm, [(32, 32), (64, 48), (48, 64)])
+    pixels = [torch.from_numpy(np.frombuffer(im.pixels, dtype=np.float32).reshape(im.shape).copy()) for im in inputs]
+    feats = model.encode(pixels, [im.grid_thw for im in inputs])
+    assert [f.shape[0] for f in feats] == [im.length for im in inputs]
+    assert [model.image_tokens(im.shape, im.grid_thw) for im in inputs] == [im.length for im in inputs]
+    kw = {"image_grid_thw": ref["image_grid_thw"]} if "image_grid_thw" in ref else {}
+    with torch.no_grad():
+        hf = vlm.model.model.get_image_features(pixel_values=ref["pixel_values"], **kw).pooler_output
+    hf = torch.cat(list(hf)) if isinstance(hf, list | tuple) else hf.reshape(-1, hf.shape[-1])
+    torch.testing.assert_close(torch.cat(feats), hf, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", tiny_vlms.KINDS)
+def test_pixels_the_tower_cannot_take_are_refused(tiny_vlm: Any, kind: str) -> None:
+    model = load_model(str(tiny_vlm(kind).folder), torch.float32, torch.device("cpu")).model
+    with pytest.raises(ValueError, match=r"shape|grid"):
+        model.image_tokens([3, 48, 48], None)
+    if kind == "qwen2_5_vl":
+        with pytest.raises(ValueError, match="multiple of 2"):
+            model.image_tokens([9, 384], [1, 3, 3])
+        with pytest.raises(ValueError, match="do not match the grid"):
+            model.image_tokens([16, 384], [1, 2, 4])
+
+
+def test_mrope_positions_equal_transformers_rope_index(tiny_vlm: Any) -> None:
+    vlm = tiny_vlm("qwen2_5_vl")
+    ids, inputs, ref, _ = _inputs(vlm, [(64, 48), (32, 32), (48, 80)])
+    assert ids == ref["input_ids"][0].tolist()
+    pos, delta = mrope_positions(len(ids), [(im.offset, im.length, im.grid_thw) for im in inputs], 2)
+    hf_pos, hf_delta = vlm.model.model.get_rope_index(ref["input_ids"], ref["mm_token_type_ids"],
+                                                      image_grid_thw=ref["image_grid_thw"])
+    assert torch.equal(pos, hf_pos[:, 0]) and delta == int(hf_delta[0, 0])
+    text_only, d0 = mrope_positions(5, [], 2)
+    assert torch.equal(text_only, torch.arange(5).expand(3, 5)) and d0 == 0
+
+
+def test_mrope_rows_with_equal_axes_are_plain_rope() -> None:
+    """A text token's (p, p, p) rotates like RoPE at p: text-only rows need no table of their own."""
+    from tripod.layers.rotary import RotaryEmbedding
+
+    mrope = MRope(16, 10000.0, (2, 3, 3), torch.device("cpu"))
+    plain = RotaryEmbedding(16, 10000.0, None, 64, torch.device("cpu"))
+    p = torch.arange(40)
+    cos, sin = mrope.rows(p.expand(3, -1))
+    assert torch.equal(cos, plain.cos[p]) and torch.equal(sin, plain.sin[p])
+    skew = torch.stack([p, p + 1, p]).contiguous()
+    assert not torch.equal(mrope.rows(skew)[0], cos)
