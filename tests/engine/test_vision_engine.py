@@ -111,7 +111,16 @@ def test_greedy_equals_transformers_alone_and_batched(case: Any, kind: str) -> N
         _check(out, c.ref(x), f"{kind} {x[0]!r} alone")
         eng.assert_consistent()
     eng.reset_prefix_cache()
+    calls: list[int] = []
+    encode = eng.runner.model.encode
+
+    def counted(pixels: list[Any], grids: list[Any]) -> Any:
+        calls.append(len(pixels))
+        return encode(pixels, grids)
+
+    eng.runner.model.encode = counted  # type: ignore[method-assign]
     outs = eng.generate(prompts, PARAMS)  # one step mixes the image prompts' chunks and the text prompt
+    assert sum(calls) == 3 and max(calls) >= 2, f"images of two requests were not encoded in one call: {calls}"
     for x, out in zip(cases, outs, strict=True):
         _check(out, c.ref(x), f"{kind} {x[0]!r} batched")
     eng.assert_consistent()

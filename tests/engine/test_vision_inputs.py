@@ -49,10 +49,11 @@ def test_bad_spans_are_refused(llava: tuple[Engine, Any]) -> None:
     _refused(eng, p.ids, [b, a], "inside the previous image")  # (out of prompt order)
     _refused(eng, p.ids, [a, msgspec.structs.replace(b, offset=len(p.ids) - 3)], "runs past the prompt")
     _refused(eng, p.ids, [a, msgspec.structs.replace(b, offset=b.offset - 1)], "not all the model's image token")
-    _refused(eng, p.ids, [a], "image token 260 outside its images' spans")
+    _refused(eng, p.ids, [a], "image token 260 outside its 1 image")
+    _refused(eng, p.ids, [], "image token 260 outside its 0 image")  # (a text request writing the image token)
     extra = [*p.ids[:2], 260, *p.ids[2:]]
     shifted = [msgspec.structs.replace(im, offset=im.offset + 1) for im in p.images]
-    _refused(eng, extra, shifted, "outside its images' spans")
+    _refused(eng, extra, shifted, "outside its 2 image")
 
 
 def test_bad_pixels_are_refused(llava: tuple[Engine, Any]) -> None:

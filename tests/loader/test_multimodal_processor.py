@@ -127,3 +127,13 @@ def test_the_image_token_in_the_text_is_refused(tiny_vlm: Any) -> None:
     soft = proc.model_image_token_id
     with pytest.raises(ValueError, match="outside the images' placeholders"):
         proc.expand([*prompt[:3], soft, *prompt[3:]], images[:1])
+
+
+def test_a_template_writing_the_bos_gets_no_second_one(tiny_vlm: Any) -> None:
+    """As transformers' processor: a tokenizer that adds a BOS does not add it before a rendered
+    prompt that starts with one (Gemma 3's template writes ``<bos>`` itself)."""
+    proc = VisionProcessor.from_folder(tiny_vlm("gemma3").folder)
+    assert proc is not None
+    proc.tokenizer.add_bos_token = True
+    ids = proc.render(tiny_vlms.messages("Hi", 1))
+    assert ids[0] == proc.tokenizer.bos_token_id and ids[1] != proc.tokenizer.bos_token_id

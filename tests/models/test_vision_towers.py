@@ -80,3 +80,41 @@ def test_mrope_rows_with_equal_axes_are_plain_rope() -> None:
     assert torch.equal(cos, plain.cos[p]) and torch.equal(sin, plain.sin[p])
     skew = torch.stack([p, p + 1, p]).contiguous()
     assert not torch.equal(mrope.rows(skew)[0], cos)
+
+
+def test_weight_names_of_transformers_4_and_5_layouts() -> None:
+    from tripod.models.multimodal import split_names
+
+    t = torch.zeros(1)
+    text, vision = split_names({
+        "model.language_model.layers.0.mlp.up_proj.weight": t, "language_model.model.norm.weight": t,
+        "language_model.lm_head.weight": t, "lm_head.weight": t, "model.embed_tokens.weight": t,
+        "model.vision_tower.vision_model.post_layernorm.weight": t, "vision_tower.encoder.layers.0.mlp.fc1.bias": t,
+        "model.visual.merger.ln_q.weight": t, "visual.blocks.0.norm1.weight": t,
+        "model.multi_modal_projector.linear_1.weight": t, "multi_modal_projector.mm_soft_emb_norm.weight": t,
+    })
+    assert sorted(text) == ["lm_head.weight", "model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
+                            "model.norm.weight"]
+    assert sorted(vision) == ["multi_modal_projector.linear_1.weight", "multi_modal_projector.mm_soft_emb_norm.weight",
+                              "vision_tower.encoder.layers.0.mlp.fc1.bias",
+                              "vision_tower.vision_model.post_layernorm.weight", "visual.blocks.0.norm1.weight",
+                              "visual.merger.ln_q.weight"]
+
+
+def test_a_checkpoint_in_transformers_4_names_loads_the_same(tiny_vlm: Any, tmp_path: Any) -> None:
+    """LLaVA-1.5's published layout (``vision_tower.vision_model.*``, ``language_model.model.*``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    vlm = tiny_vlm("llava-clip")
+    for f in vlm.folder.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    old = {k.replace("vision_tower.", "vision_tower.vision_model.", 1) if k.startswith("vision_tower.") else k: v
+           for k, v in load_file(str(vlm.folder / "model.safetensors")).items()}
+    assert any(k.startswith("vision_tower.vision_model.encoder") for k in old)
+    save_file(old, str(tmp_path / "model.safetensors"))
+    a = load_model(str(vlm.folder), torch.float32, torch.device("cpu")).model
+    b = load_model(str(tmp_path), torch.float32, torch.device("cpu")).model
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))

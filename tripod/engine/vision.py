@@ -39,7 +39,7 @@ from tripod.loader.multimodal import VisionProcessor
 from tripod.memory.prefix_cache import keyed_with_images
 from tripod.models.config import ModelConfig
 from tripod.models.llama import LlamaForCausalLM
-from tripod.models.multimodal import VisionLanguageModel, mrope_positions
+from tripod.models.multimodal import VisionLanguageModel
 from tripod.protocol.multimodal import ImageInput, pixel_hash
 from tripod.protocol.stats import VisionStats
 
@@ -103,28 +103,29 @@ class VisionInputs:
     # ------------------------------------------------------------------ admission
     def prepare(self, ids: list[int], images: Sequence[ImageInput], params: SamplingParams) -> PromptImages | None:
         """Validate ``images`` against the prompt ``ids``; their ``PromptImages`` (None: no images)."""
-        token = self.model.vision.image_token_id if self.model is not None else None
-        if not images:
-            return None
         model = self.model
-        if model is None or token is None:
-            raise ValueError(f"this model takes text only; the request has {len(images)} image(s): send text, or "
-                             "serve a vision-language model")
-        if params.prompt_logprobs is not None:
+        if model is None:
+            if images:
+                raise ValueError(f"this model takes text only; the request has {len(images)} image(s): send text, "
+                                 "or serve a vision-language model")
+            return None
+        if images and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs are not available for prompts with images")
         end = 0
         for i, im in enumerate(images):
             self._check(i, im, ids, end, model)
             end = im.offset + im.length
-        inside = sum(im.length for im in images)
-        if sum(1 for t in ids if t == token) != inside:
-            raise ValueError(f"the prompt has the image token {token} outside its images' spans; every run of image "
-                             "tokens must belong to one image (expand the prompt with the model's processor)")
+        token = model.vision.image_token_id
+        if sum(1 for t in ids if t == token) != sum(im.length for im in images):
+            raise ValueError(f"the prompt has the image token {token} outside its {len(images)} image(s)' spans; every "
+                             "run of image tokens must belong to one image (expand the prompt with the model's processor)")
+        if not images:
+            return None
         key = keyed_with_images(ids, [(im.hash, im.offset, im.length) for im in images])
         out = PromptImages(list(images), key, whole=model.bidirectional_images)
-        if model.mrope is not None:
-            out.positions, out.delta = mrope_positions(len(ids), [(im.offset, im.length, im.grid_thw or [1, 1, 1])
-                                                                  for im in images], model.tower.merge)
+        rope = model.rope_positions(len(ids), [(im.offset, im.length, im.grid_thw) for im in images])
+        if rope is not None:
+            out.positions, out.delta = rope
         return out
 
     @staticmethod

@@ -108,9 +108,12 @@ class VisionProcessor:
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Chat messages (content parts ``{"type": "image"}`` / ``{"type": "text", ...}``) through the
         folder's chat template, tokenized: the prompt ``expand`` takes."""
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  chat_template=self.chat_template)
-        return list(self.tokenizer(text)["input_ids"])
+        tok = self.tokenizer
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                       chat_template=self.chat_template)
+        # NOTE: as transformers' processor: a template that writes the BOS itself gets no second one.
+        bos = getattr(tok, "bos_token", None)
+        return list(tok(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"])
 
     # ------------------------------------------------------------------ expanding
     def expand(self, prompt_ids: list[int], images: Sequence[Any],

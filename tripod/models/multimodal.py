@@ -97,8 +97,11 @@ class VisionLanguageModel(LlamaForCausalLM):
         super().load_weights(text, fp8_block=fp8_block)
         self.load_vision(WeightSource(vision, self.dtype, self.device))
 
-    def describe_vision(self) -> str:
-        return f"{self.vision.family} vision tower ({self.vision.tower.get('model_type', 'vision')})"
+    def rope_positions(self, prompt_len: int, images: Sequence[tuple[int, int, Sequence[int] | None]]
+                       ) -> tuple[torch.Tensor, int] | None:
+        """M-RoPE models: the prompt's ``[3, prompt_len]`` positions and decode delta from its images'
+        (offset, length, grid); None: positions are sequence indices."""
+        return None
 
 
 class MRope:

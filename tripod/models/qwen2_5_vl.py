@@ -11,7 +11,7 @@ import torch
 
 from tripod.layers.weights import WeightSource
 from tripod.models.config import ModelConfig
-from tripod.models.multimodal import MRope, VisionLanguageModel
+from tripod.models.multimodal import MRope, VisionLanguageModel, mrope_positions
 from tripod.models.vision.qwen2_5_vl_vision import QwenVisionTower
 
 
@@ -41,6 +41,12 @@ class Qwen2_5_VLForConditionalGeneration(VisionLanguageModel):
             raise ValueError(f"pixels of shape {list(shape)} do not match the grid {list(grid_thw)}: "
                              f"[{t * h * w}, {tower.patch_dim}] expected; process images with the model's processor")
         return t * h * w // (self.merge * self.merge)
+
+    def rope_positions(self, prompt_len: int, images: Sequence[tuple[int, int, Sequence[int] | None]]
+                       ) -> tuple[torch.Tensor, int] | None:
+        spans = [(offset, length, grid) for offset, length, grid in images if grid is not None]
+        assert len(spans) == len(images), "validated: every image has its grid"
+        return mrope_positions(prompt_len, spans, self.merge)
 
     def encode(self, pixels: list[torch.Tensor], grids: list[list[int] | None]) -> list[torch.Tensor]:
         sizes = [int(g[0] * g[1] * g[2]) // (self.merge * self.merge) for g in grids if g is not None]
