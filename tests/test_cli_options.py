@@ -62,7 +62,7 @@ FLAGS = {
     "--policy --port --queue-timeout --region --region-overflow-load --replica --replica-max-inflight --ssl-ca "
     "--ssl-certfile --ssl-keyfile --stall-timeout --tenants",
     ("generate",): "--lora --max-lora-rank --max-loras --chunk-size --cuda-graph-max-bs --data-parallel-size "
-    "--device --dtype --enable-expert-parallel --gpu-memory-utilization --ignore-eos --kernels --kv-cache-tokens "
+    "--device --dtype --enable-expert-parallel --gpu-memory-utilization --ignore-eos --image --kernels --kv-cache-tokens "
     "--kv-disk --kv-disk-size --log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p --model "
     "--no-cuda-graphs --no-jump-forward --no-prefix-cache --num-draft-tokens --overlap-schedule --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout --pipeline-parallel-size "
     "--policy --raw --repetition-penalty --seed --spec-max-batch --speculative --stats --system "
