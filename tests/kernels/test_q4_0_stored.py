@@ -1,8 +1,9 @@
 """GGUF Q4_0 executed as stored (format ``q4_0``): exactly gguf's dequantized weights
 (``d * (q - 8)``) with float32 summation error only, on every kernel level this CPU runs, for
 ragged batches and output counts off the 16-output tiles; a row's bits never depend on its batch;
-and a small model written as a Q4_0 GGUF gives under ``--weights auto`` (stored) the greedy tokens
-of the same file dequantized to float32."""
+and a small model written as a Q4_0 GGUF runs as stored under ``--weights auto`` (bf16 activations;
+alone = batched), and with float32 activations gives the greedy tokens of the same file dequantized
+to float32."""
 
 from __future__ import annotations
 
@@ -131,7 +132,13 @@ def test_a_q4_0_gguf_runs_as_stored_with_the_dequantized_greedy_tokens(
     assert auto_weights(EngineConfig(model=str(path))) == ("stored", "Q4_0 GGUF executed as stored")
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 28, 94, 12, 4], list(range(100, 140))]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
-    stored = Engine(model=str(path), kv_cache_tokens=2048)  # --weights auto
+    auto = Engine(model=str(path), kv_cache_tokens=2048)  # --weights auto: stored blocks, bf16 activations
+    assert auto.loaded.weights == "stored" and auto.runner.form == "stored" and auto.dtype_name == "bfloat16"
+    batched = [o.token_ids for o in auto.generate(prompts, params)]
+    assert [auto.generate([p], params)[0].token_ids for p in prompts] == batched, "the default: alone != batched"
+    auto.assert_consistent()
+    # The same blocks with float32 activations: the float32 dequantized model, token for token.
+    stored = Engine(model=str(path), weights="stored", dtype="float32", kv_cache_tokens=2048)
     assert stored.loaded.weights == "stored" and stored.runner.form == "stored" and stored.loaded.model.has_stored_weights
     got = stored.generate(prompts, params)
     dense = Engine(model=str(path), weights="dequantized", dtype="float32", kv_cache_tokens=2048)

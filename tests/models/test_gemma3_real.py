@@ -70,7 +70,7 @@ def test_gemma3_270m_weights_executed_as_stored(gguf: Any, reference: HFReferenc
     """``--weights stored`` on the Gemma GGUF: its Q4_K / Q6_K / Q5_0 / Q8_0 weights executed by
     tripod's kernels (exactly gguf's dequantized values, float32 compute), attention on torch's
     ops (sliding window): the reference's greedy tokens, and /v1/models-style card saying so."""
-    eng = Engine(model="gemma3-270m", weights="stored", kv_cache_tokens=4096, chunk_size=256)
+    eng = Engine(model="gemma3-270m", weights="stored", dtype="float32", kv_cache_tokens=4096, chunk_size=256)
     card = eng.runner.card()
     assert card["backend"] == "cpu" and card["attention"] == "torch" and "sliding-window" in card["reason"]
     assert eng.dtype_name == "float32" and "executed as stored" in eng.runner.describe()
