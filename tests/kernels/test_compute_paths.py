@@ -139,9 +139,9 @@ def bf16() -> Iterator[Any]:
     eng.assert_consistent()
 
 
-@pytest.mark.slow
-def test_bfloat16_stays_within_the_stated_bound(bf16: Any, prompts: dict[str, list[int]], reference: dict[str, Any]) -> None:
-    got = _greedy(bf16, prompts)
+def _assert_within_bf16_bound(got: dict[str, Any], reference: dict[str, Any], label: str) -> None:
+    """Each greedy run equals the float32 reference's until its first divergence, where the token
+    chosen is within ``BF16_MARGIN`` of the reference's best (past it the continuations differ)."""
     for name, out in got.items():
         ref = reference[name]
         for i, (a, b) in enumerate(zip(out.token_ids, ref.token_ids, strict=True)):
@@ -150,10 +150,35 @@ def test_bfloat16_stays_within_the_stated_bound(bf16: Any, prompts: dict[str, li
             top = dict(ref.logprobs[i].top)
             best = ref.logprobs[i].top[0][1]
             assert a in top and best - top[a] < BF16_MARGIN, (
-                f"{name}: bf16 chose {a} at step {i} where float32 chose {b}; its float32 logprob is "
+                f"{name}: {label} chose {a} at step {i} where float32 chose {b}; its float32 logprob is "
                 f"{top.get(a, 'not in the top 5')} vs {best} (allowed gap {BF16_MARGIN})"
             )
-            break  # past a (legitimate) divergence the continuations differ
+            break
+
+
+def _assert_batch_invariant(engine: Any, sub: dict[str, list[int]]) -> None:
+    """Alone = batched = chunked = prefix-cached, tokens and logprobs bit for bit."""
+    alone = {}
+    for n, ids in sub.items():
+        engine.reset_prefix_cache()
+        alone[n] = _greedy(engine, {n: ids})[n]
+    engine.reset_prefix_cache()
+    batched = _greedy(engine, sub)
+    cached = _greedy(engine, sub)  # the prompts (and outputs) are now in the prefix cache
+    assert all(o.cached_tokens >= len(sub[n]) - 1 for n, o in cached.items())
+    small = Engine(config=engine.config, loaded=engine.loaded, chunk_size=48, max_batch_tokens=128, kv_cache_tokens=8192)
+    chunked = _greedy(small, sub)
+    for n in sub:
+        want = (alone[n].token_ids, [lp.logprob for lp in alone[n].logprobs])
+        for label, run in (("batched", batched), ("chunked", chunked), ("prefix-cached", cached)):
+            got = (run[n].token_ids, [lp.logprob for lp in run[n].logprobs])
+            assert got == want, f"{n}: {label} differs from alone"
+    small.assert_consistent()
+
+
+@pytest.mark.slow
+def test_bfloat16_stays_within_the_stated_bound(bf16: Any, prompts: dict[str, list[int]], reference: dict[str, Any]) -> None:
+    _assert_within_bf16_bound(_greedy(bf16, prompts), reference, "bf16")
 
 
 @pytest.mark.slow  # about 15 s; CI runs it on each CPU kind
@@ -161,23 +186,7 @@ def test_bfloat16_outputs_do_not_depend_on_batching_chunking_or_the_cache(
     bf16: Any, prompts: dict[str, list[int]]
 ) -> None:
     names = ["chat-long-notes", "raw-code", "chat-capital", "ids-capital"]
-    sub = {n: prompts[n] for n in names}
-    alone = {}
-    for n, ids in sub.items():
-        bf16.reset_prefix_cache()
-        alone[n] = _greedy(bf16, {n: ids})[n]
-    bf16.reset_prefix_cache()
-    batched = _greedy(bf16, sub)
-    cached = _greedy(bf16, sub)  # the prompts (and outputs) are now in the prefix cache
-    assert all(o.cached_tokens >= len(sub[n]) - 1 for n, o in cached.items())
-    small = Engine(config=bf16.config, loaded=bf16.loaded, chunk_size=48, max_batch_tokens=128, kv_cache_tokens=8192)
-    chunked = _greedy(small, sub)
-    for n in names:
-        want = (alone[n].token_ids, [lp.logprob for lp in alone[n].logprobs])
-        for label, run in (("batched", batched), ("chunked", chunked), ("prefix-cached", cached)):
-            got = (run[n].token_ids, [lp.logprob for lp in run[n].logprobs])
-            assert got == want, f"{n}: {label} differs from alone"
-    small.assert_consistent()
+    _assert_batch_invariant(bf16, {n: prompts[n] for n in names})
 
 
 @pytest.mark.slow  # about 15 s; CI runs it on each CPU kind
@@ -237,19 +246,7 @@ def test_the_default_stored_bf16_run_stays_within_the_stated_bound(
 ) -> None:
     """The default (stored weights, bf16 activations) against the float32 reference: the bf16 bound
     above (its weights are the file's own; only the activations are rounded to bf16)."""
-    got = _greedy(stored_bf16, prompts)
-    for name, out in got.items():
-        ref = reference[name]
-        for i, (a, b) in enumerate(zip(out.token_ids, ref.token_ids, strict=True)):
-            if a == b:
-                continue
-            top = dict(ref.logprobs[i].top)
-            best = ref.logprobs[i].top[0][1]
-            assert a in top and best - top[a] < BF16_MARGIN, (
-                f"{name}: the default chose {a} at step {i} where float32 chose {b}; its float32 logprob is "
-                f"{top.get(a, 'not in the top 5')} vs {best} (allowed gap {BF16_MARGIN})"
-            )
-            break
+    _assert_within_bf16_bound(_greedy(stored_bf16, prompts), reference, "the default")
 
 
 def test_the_default_stored_bf16_run_does_not_depend_on_batching_chunking_or_the_cache(
@@ -259,24 +256,7 @@ def test_the_default_stored_bf16_run_does_not_depend_on_batching_chunking_or_the
     path (the stored blocks' decoded tiles serve batches of more than 4 rows, the direct tiles
     fewer: the same sums)."""
     names = ["chat-long-notes", "raw-code", "chat-capital", "ids-capital", "chat-haiku-system"]
-    sub = {n: prompts[n] for n in names}
-    alone = {}
-    for n, ids in sub.items():
-        stored_bf16.reset_prefix_cache()
-        alone[n] = _greedy(stored_bf16, {n: ids})[n]
-    stored_bf16.reset_prefix_cache()
-    batched = _greedy(stored_bf16, sub)
-    cached = _greedy(stored_bf16, sub)
-    assert all(o.cached_tokens >= len(sub[n]) - 1 for n, o in cached.items())
-    small = Engine(config=stored_bf16.config, loaded=stored_bf16.loaded, chunk_size=48, max_batch_tokens=128,
-                   kv_cache_tokens=8192)
-    chunked = _greedy(small, sub)
-    for n in sub:
-        want = (alone[n].token_ids, [lp.logprob for lp in alone[n].logprobs])
-        for label, run in (("batched", batched), ("chunked", chunked), ("prefix-cached", cached)):
-            got = (run[n].token_ids, [lp.logprob for lp in run[n].logprobs])
-            assert got == want, f"{n}: {label} differs from alone"
-    small.assert_consistent()
+    _assert_batch_invariant(stored_bf16, {n: prompts[n] for n in names})
 
 
 def test_stored_weights_are_refused_where_they_cannot_apply() -> None:
