@@ -202,6 +202,31 @@ void tile_f32(const float* x, int64_t ldx, const float* w, int64_t k, int64_t nb
   }
 }
 
+// The per-block epilogue shared by every tile of the stored formats: acc += scale * s (+ minimum *
+// sum(x)), for input block b (and, Q6_K, its 16 inputs from g0); s = the block's sum of x * q.
+template <int MR, int NBT, Fmt fmt>
+inline void apply_scales(const uint8_t* const blk[NBT], const float* xsum, int64_t kb, int64_t b, int g0,
+                         V16 s[MR][NBT], V16 acc[MR][NBT]) {
+  for (int j = 0; j < NBT; ++j) {
+    if constexpr (fmt == Fmt::kQ41) {
+      const V16 d = load_fp16(blk[j]), mn = load_fp16(blk[j] + 32);
+      for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
+    } else if constexpr (fmt == Fmt::kQ4K) {
+      const V16 a = load(reinterpret_cast<const float*>(blk[j])), mn = load(reinterpret_cast<const float*>(blk[j] + 64));
+      for (int m = 0; m < MR; ++m) acc[m][j] = fnmadd(mn, set1(xsum[m * kb + b]), fmadd(a, s[m][j], acc[m][j]));
+    } else if constexpr (fmt == Fmt::kQ40) {
+      const V16 d = load_fp16(blk[j]), mn = mul(d, set1(-8.f));
+      for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
+    } else if constexpr (fmt == Fmt::kQ80) {
+      const V16 d = load_fp16(blk[j]);
+      for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(d, s[m][j], acc[m][j]);
+    } else {
+      const V16 a = load(reinterpret_cast<const float*>(blk[j] + 64 * (g0 / 16)));
+      for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(a, s[m][j], acc[m][j]);
+    }
+  }
+}
+
 // 4-bit codes with a scale (and a minimum) per output and 32 inputs. x is float32 here;
 // xsum[m * kb + b] = the sum of row m's inputs in block b (for the minimums).
 // - Q4_0: fp16 d, w = d*q + m with m = -8*d;
@@ -212,7 +237,6 @@ void tile_q4(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, i
              V16 acc[MR][NBT]) {
   constexpr bool kF32 = fmt == Fmt::kQ4K;
   constexpr int kBlock = fmt == Fmt::kQ40 ? kQ40Block : kF32 ? kQ4KBlock : kQ41Block;
-  constexpr int kMin = kF32 ? 64 : 32;     // where the minimums start
   constexpr int kCodes = fmt == Fmt::kQ40 ? 32 : kF32 ? 128 : 64;  // where the codes start
   for (int64_t b = 0; b < kb; ++b) {
     const uint8_t* blk[NBT];
@@ -234,18 +258,7 @@ void tile_q4(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, i
         for (int j = 0; j < NBT; ++j) s[m][j] = fmadd(x1, q1[j], fmadd(x0, q0[j], s[m][j]));
       }
     }
-    for (int j = 0; j < NBT; ++j) {
-      if constexpr (fmt == Fmt::kQ40) {
-        const V16 d = load_fp16(blk[j]), mn = mul(d, set1(-8.f));
-        for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
-      } else if constexpr (kF32) {
-        const V16 a = load(reinterpret_cast<const float*>(blk[j])), mn = load(reinterpret_cast<const float*>(blk[j] + kMin));
-        for (int m = 0; m < MR; ++m) acc[m][j] = fnmadd(mn, set1(xsum[m * kb + b]), fmadd(a, s[m][j], acc[m][j]));
-      } else {
-        const V16 d = load_fp16(blk[j]), mn = load_fp16(blk[j] + kMin);
-        for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
-      }
-    }
+    apply_scales<MR, NBT, fmt>(blk, xsum, kb, b, 0, s, acc);
   }
 }
 
@@ -269,10 +282,7 @@ void tile_q8_0(const float* x, int64_t ldx, const uint8_t* w, int64_t kb, int64_
         for (int j = 0; j < NBT; ++j) s[m][j] = fmadd(xv, q[j], s[m][j]);
       }
     }
-    for (int j = 0; j < NBT; ++j) {
-      const V16 d = load_fp16(blk[j]);
-      for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(d, s[m][j], acc[m][j]);
-    }
+    apply_scales<MR, NBT, Fmt::kQ80>(blk, nullptr, kb, b, 0, s, acc);
   }
 }
 
@@ -298,10 +308,7 @@ void tile_q6_k(const float* x, int64_t ldx, const uint8_t* w, int64_t kb, int64_
           for (int j = 0; j < NBT; ++j) s[m][j] = fmadd(xv, q[j], s[m][j]);
         }
       }
-      for (int j = 0; j < NBT; ++j) {
-        const V16 a = load(reinterpret_cast<const float*>(blk[j] + 64 * half));
-        for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(a, s[m][j], acc[m][j]);
-      }
+      apply_scales<MR, NBT, Fmt::kQ6K>(blk, nullptr, kb, b, 16 * half, s, acc);
     }
   }
 }
@@ -395,30 +402,6 @@ inline WPair code_pair(const uint8_t* blk, int p) {
   else return i8_pairs(reinterpret_cast<const int8_t*>(blk + codes_at(fmt) + 32 * p));
 }
 
-// The per-block epilogue shared by every tile: acc += scale * s (+ minimum * sum(x)).
-template <int MR, int NBT, Fmt fmt>
-inline void apply_scales(const uint8_t* const blk[NBT], const float* xsum, int64_t kb, int64_t b, int g0,
-                         V16 s[MR][NBT], V16 acc[MR][NBT]) {
-  for (int j = 0; j < NBT; ++j) {
-    if constexpr (fmt == Fmt::kQ41) {
-      const V16 d = load_fp16(blk[j]), mn = load_fp16(blk[j] + 32);
-      for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
-    } else if constexpr (fmt == Fmt::kQ4K) {
-      const V16 a = load(reinterpret_cast<const float*>(blk[j])), mn = load(reinterpret_cast<const float*>(blk[j] + 64));
-      for (int m = 0; m < MR; ++m) acc[m][j] = fnmadd(mn, set1(xsum[m * kb + b]), fmadd(a, s[m][j], acc[m][j]));
-    } else if constexpr (fmt == Fmt::kQ40) {
-      const V16 d = load_fp16(blk[j]), mn = mul(d, set1(-8.f));
-      for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
-    } else if constexpr (fmt == Fmt::kQ80) {
-      const V16 d = load_fp16(blk[j]);
-      for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(d, s[m][j], acc[m][j]);
-    } else {
-      const V16 a = load(reinterpret_cast<const float*>(blk[j] + 64 * (g0 / 16)));
-      for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(a, s[m][j], acc[m][j]);
-    }
-  }
-}
-
 // Rows [0, MR) of bf16 activations x (row stride ldx) over every input block, codes read from
 // the packed blocks: the direct tile of a bf16 run.
 template <int MR, int NBT, Fmt fmt>
@@ -506,25 +489,9 @@ void tile_decoded(const float* x, int64_t ldx, const float* xsum, const uint8_t*
           for (int j = 0; j < NBT; ++j) s[m][j] = fmadd(xv, qv[j], s[m][j]);
         }
       }
-      for (int j = 0; j < NBT; ++j) {
-        const uint8_t* blk = w + ((nb0 + j0 + j) * kb + b) * block;
-        if constexpr (fmt == Fmt::kQ41) {
-          const V16 d = load_fp16(blk), mn = load_fp16(blk + 32);
-          for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
-        } else if constexpr (fmt == Fmt::kQ4K) {
-          const V16 a = load(reinterpret_cast<const float*>(blk)), mn = load(reinterpret_cast<const float*>(blk + 64));
-          for (int m = 0; m < MR; ++m) acc[m][j] = fnmadd(mn, set1(xsum[m * kb + b]), fmadd(a, s[m][j], acc[m][j]));
-        } else if constexpr (fmt == Fmt::kQ40) {
-          const V16 d = load_fp16(blk), mn = mul(d, set1(-8.f));
-          for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(mn, set1(xsum[m * kb + b]), fmadd(d, s[m][j], acc[m][j]));
-        } else if constexpr (fmt == Fmt::kQ80) {
-          const V16 d = load_fp16(blk);
-          for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(d, s[m][j], acc[m][j]);
-        } else {
-          const V16 a = load(reinterpret_cast<const float*>(blk + 64 * (g0 / 16)));
-          for (int m = 0; m < MR; ++m) acc[m][j] = fmadd(a, s[m][j], acc[m][j]);
-        }
-      }
+      const uint8_t* blk[NBT];
+      for (int j = 0; j < NBT; ++j) blk[j] = w + ((nb0 + j0 + j) * kb + b) * block;
+      apply_scales<MR, NBT, fmt>(blk, xsum, kb, b, g0, s, acc);
     }
   }
 }
@@ -1014,11 +981,8 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& w, const std::st
             std::memcpy(&v, &bits, 4);
             acc += v;
           }
-        } else if (bf_act) {
-          const float* xr = reinterpret_cast<const float*>(p.xb) + r * p.ldx + b * 32;
-          for (int j = 0; j < 32; ++j) acc += xr[j];
-        } else {
-          const float* xr = p.xf + (r * k + b * 32);
+        } else {  // float32 activations, or bf16 ones widened (both contiguous)
+          const float* xr = (bf_act ? reinterpret_cast<const float*>(p.xb) : p.xf) + (r * k + b * 32);
           for (int j = 0; j < 32; ++j) acc += xr[j];
         }
         out[r * (k / 32) + b] = acc;
