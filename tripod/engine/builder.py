@@ -119,8 +119,8 @@ def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
         if mc.v4 is not None:
             raise ValueError("DeepSeek-V4 runs in one process for now (no --tensor/--pipeline/--data-parallel-size): "
                              "use --replicas")
-        if vision_obstacle(config, mc) is not None:
-            raise ValueError(str(vision_obstacle(config, mc)))
+        if (why := vision_obstacle(config, mc)) is not None:
+            raise ValueError(why)
         if config.data_parallel_size > 1 and mc.mla is None:
             raise ValueError("--data-parallel-size runs the attention of MLA models (DeepSeek-V2/V3) data-parallel; "
                              f"{mc.architecture} has none: use --tensor-parallel-size or --replicas")
@@ -144,8 +144,8 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
         raise ValueError("an engine over several processes loads its own shard on each rank: give no loaded model")
     loaded = load_weights(config, loaded, dtype, device, tp, pp)
     mc = loaded.config
-    if vision_obstacle(config, mc) is not None:
-        raise ValueError(str(vision_obstacle(config, mc)))
+    if (why := vision_obstacle(config, mc)) is not None:
+        raise ValueError(why)
     vision = VisionInputs(loaded.model)
     stage_layers = len(loaded.model.layers)
     draft = load_draft(config, loaded, dtype, device)

@@ -38,6 +38,9 @@ from tripod.protocol.stats import ParallelCard
 
 log = logging.getLogger(__name__)
 
+# Why neither paged-attention kernel runs Gemma 3's vision model (its projections still do).
+BIDIRECTIONAL_IMAGES = "an image's tokens attend to each other both ways (Gemma 3): torch's attention with its masks"
+
 
 class ModelRunner:
     """One forward pass per step over a flat batch laid out by the step's backend. ``level``: the
@@ -115,7 +118,7 @@ class ModelRunner:
         MLA, the absorbed decode still run on Triton: ``TritonLinearBackend``)."""
         cfg = self.model.cfg
         if cfg.vision is not None and cfg.vision.bidirectional:
-            return "an image's tokens attend to each other both ways (Gemma 3): torch's attention with its masks"
+            return BIDIRECTIONAL_IMAGES
         if cfg.mla is not None:
             return "multi-head latent attention: torch's layout, the decode rows on the Triton MLA kernel"
         if cfg.v4 is not None:
@@ -141,7 +144,7 @@ class ModelRunner:
         still run on the kernels: ``CpuLinearBackend``)."""
         cfg = self.model.cfg
         if cfg.vision is not None and cfg.vision.bidirectional:
-            return "an image's tokens attend to each other both ways (Gemma 3): torch's attention with its masks"
+            return BIDIRECTIONAL_IMAGES
         if cfg.mla is not None:
             return "multi-head latent attention runs on torch's ops (latent pool, absorbed decode)"
         if cfg.v4 is not None:
