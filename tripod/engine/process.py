@@ -8,7 +8,8 @@ It speaks token ids only. Between steps it drains every queued message (adds, ab
 queries), runs one ``Engine.step()`` when there is work, sends that step's new tokens in one
 ``Outputs`` message, and sends a ``Heartbeat`` (``Engine.snapshot()``) at least every
 ``heartbeat_interval`` seconds (busy or idle) so the server can tell a live loop from a hung or
-dead one.
+dead one, and right after the step that leaves it idle (so the load it reports drops to zero with
+the last answer, not an interval later).
 
 Shutdown belongs to the server. SIGINT and SIGTERM are ignored here: delivered to the whole
 process group (Ctrl-C in a terminal, systemd's default ``KillMode=control-group``) they are meant
@@ -145,7 +146,8 @@ class EngineLoop:
             if os.getppid() != self.parent_pid:
                 log.warning("the server process is gone; stopping")
                 return
-            if self.engine.pending:
+            stepped = self.engine.pending
+            if stepped:
                 step_start = time.monotonic() if self.timings else 0.0
                 outs = self.engine.step()
                 if self.embeds is not None:
@@ -158,7 +160,10 @@ class EngineLoop:
                 self._send_outputs(outs, step_start)
                 self.ipc_seconds += time.perf_counter() - t2
             now = time.monotonic()
-            if now - self._last_heartbeat >= self.heartbeat_interval:
+            # NOTE: also at once when the loop has just gone idle: the server's /metrics (what routers
+            # place requests by) would otherwise report the last finished request as running for up
+            # to an interval after its answer was sent.
+            if now - self._last_heartbeat >= self.heartbeat_interval or (stepped and not self.engine.pending):
                 self._last_heartbeat = now
                 self.engine.check_workers()  # a lost tensor-parallel rank ends the engine, idle or not
                 self.push.send(engine_ipc.encode(engine_ipc.Heartbeat(self.stats())))
