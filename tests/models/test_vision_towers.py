@@ -118,3 +118,21 @@ def test_a_checkpoint_in_transformers_4_names_loads_the_same(tiny_vlm: Any, tmp_
     a = load_model(str(vlm.folder), torch.float32, torch.device("cpu")).model
     b = load_model(str(tmp_path), torch.float32, torch.device("cpu")).model
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize("decoder", ["granite", "gemma2", "phi3"])
+def test_a_llava_decoder_tripod_does_not_run_is_refused_by_name(decoder: str) -> None:
+    """A LLaVA checkpoint over a decoder tripod has no family for is refused, naming it, rather than
+    run as a Llama (a Granite decoder's multipliers or Gemma 2's norms would be silently dropped)."""
+    from tripod.models.config import ModelConfig
+
+    d = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"], "image_token_index": 5,
+         "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48,
+                           "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
+         "text_config": {"model_type": decoder, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+                         "num_hidden_layers": 1, "num_attention_heads": 2}}
+    with pytest.raises(ValueError, match=f"model_type '{decoder}'.*supported decoders: .*llama"):
+        ModelConfig.from_hf_dict(d)
+    d["text_config"]["model_type"] = "mistral"
+    cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.architecture == "LlavaForConditionalGeneration" and cfg.vision is not None

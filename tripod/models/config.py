@@ -232,7 +232,11 @@ def _vision_language(d: dict[str, Any], family: str) -> ModelConfig:
     if family in VLM_DECODERS:
         mtype, arch = VLM_DECODERS[family]
     else:
-        arch = str((text.get("architectures") or [MODEL_TYPES.get(mtype, ("LlamaForCausalLM",))[0]])[0])
+        decoders = sorted(t for t in MODEL_TYPES if t not in ("llava", "qwen2_5_vl", "gemma3"))
+        if mtype not in decoders:  # (never run another family's decoder as a Llama: silently wrong)
+            raise ValueError(f"the {family} checkpoint's text_config has model_type {mtype!r}, a decoder tripod "
+                             f"does not run; supported decoders: {', '.join(decoders)}")
+        arch = architecture_of(text)
     text.update(model_type=mtype, architectures=[arch])
     for key in ("rope_parameters", "rope_scaling"):
         rope = text.get(key) or (d.get(key) if family == "qwen2_5_vl" else None)
