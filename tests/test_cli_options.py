@@ -173,13 +173,26 @@ def test_empty_api_key_means_none(monkeypatch: pytest.MonkeyPatch) -> None:
     (("serve", "--reasoning-parser", "r2"), "argument --reasoning-parser: invalid choice: 'r2'"),
     (("serve", "--allowed-media-domains", "https://img.example"), "argument --allowed-media-domains: "
      "'https://img.example' is not a host name"),
-    (("serve", "--limit-mm-per-prompt", "many"), "argument --limit-mm-per-prompt: invalid int value"),
+    (("serve", "--limit-mm-per-prompt", "many"), "argument --limit-mm-per-prompt: image: 'many' is not a whole number"),
+    (("serve", "--limit-mm-per-prompt", '{"image": 2, "video": 1}'), "argument --limit-mm-per-prompt: 'video' inputs "
+     "are not taken (images only)"),
+    (("serve", "--limit-mm-per-prompt", "-1"), "argument --limit-mm-per-prompt: the image limit must be >= 0"),
 ])
 def test_parse_errors_name_the_flag(argv: tuple[str, ...], words: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         _parse(*argv)
     assert e.value.code == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spelling", ["2", "image=2", '{"image": 2}', '{"image": 2, "video": 0}'])
+def test_the_image_limit_is_taken_as_vllm_spells_it(spelling: str) -> None:
+    """``--limit-mm-per-prompt`` as a number or as vLLM writes it: the same limit, and a fleet passes
+    it on to its replicas in a form that parses back the same."""
+    cfg = from_namespace(ServerConfig, _parse("serve", "--limit-mm-per-prompt", spelling))
+    assert cfg.limit_mm_per_prompt == 2
+    again = from_namespace(ServerConfig, _parse("serve", *to_argv(cfg, "serve")))
+    assert again.limit_mm_per_prompt == 2
 
 
 def test_config_validation_still_applies() -> None:

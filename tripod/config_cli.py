@@ -63,6 +63,9 @@ class Opt:
     join: str | None = None
     # A bool spelled both ways (``--normalize`` / ``--no-normalize``; ``flag`` is ignored).
     negatable: bool = False
+    # The value's reader when more spellings than the field type's are taken (a ValueError
+    # becomes argparse's exit 2 with the reason); it returns the field's type.
+    parse: Callable[[str], Any] | None = None
 
 
 def opt(default: Any, help: str | None = None, **kw: Any) -> Any:
@@ -127,15 +130,16 @@ def _scalar(hint: Any) -> Any:
     return None if hint is str else hint
 
 
-def _checked(check: Callable[[str], object]) -> Callable[[str], str]:
-    """argparse's ``type`` for an :attr:`Opt.check`: a ValueError becomes argparse's exit 2 with the reason."""
+def _checked(check: Callable[[str], object], keep: bool = True) -> Callable[[str], Any]:
+    """argparse's ``type`` for an :attr:`Opt.check` (the value kept as given) or an :attr:`Opt.parse`
+    (``keep=False``: what it returns): a ValueError becomes argparse's exit 2 with the reason."""
 
-    def parse(value: str) -> str:
+    def parse(value: str) -> Any:
         try:
-            check(value)
+            out = check(value)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-        return value
+        return value if keep else out
 
     return parse
 
@@ -176,6 +180,8 @@ class CommandParser:
             kw["default"] = os.environ.get(o.env) if o.env else f.default
             kind = _scalar(f.hint)
             kw["type"] = _checked(o.check) if o.check is not None else kind
+            if o.parse is not None:
+                kw["type"] = _checked(o.parse, keep=False)
             if o.join is not None:  # every value given, in order, however many flags carry them
                 kw.update(action="extend", nargs="+", default=None)
             if o.choices is not None:

@@ -5,6 +5,7 @@ command-line option with ``opt(...)``); ``tripod.config`` re-exports them."""
 from __future__ import annotations
 
 import ipaddress
+import json
 from dataclasses import dataclass
 
 from tripod.config_cli import opt
@@ -47,6 +48,38 @@ def media_domains(value: str | None) -> tuple[str, ...]:
                              "images.example.com or *.example.com, without scheme, port or path)")
         out.append(host)
     return tuple(out)
+
+
+def mm_limit(value: str) -> int:
+    """``--limit-mm-per-prompt``: images per request, as ``N``, ``image=N`` or vLLM's JSON
+    ``{"image": N}``. Other modalities are taken only at 0 (tripod takes images alone); a
+    ValueError saying what to write."""
+    text = value.strip()
+    pairs: dict[str, object]
+    if text.startswith("{"):
+        try:
+            pairs = dict(json.loads(text))
+        except (ValueError, TypeError):
+            raise ValueError(f"{value!r} is not a JSON object; write N, image=N or '{{\"image\": N}}'") from None
+    elif "=" in text:
+        pairs = {}
+        for item in text.split(","):
+            key, _, n = item.partition("=")
+            pairs[key.strip()] = n.strip()
+    else:
+        pairs = {"image": text}
+    out = 0
+    for key, n in pairs.items():
+        if isinstance(n, bool) or not str(n).strip().lstrip("-").isdigit():
+            raise ValueError(f"{key}: {n!r} is not a whole number of items; write N, image=N or '{{\"image\": N}}'")
+        count = int(str(n).strip())
+        if key == "image":
+            out = count
+        elif count:
+            raise ValueError(f"{key!r} inputs are not taken (images only): give {key} 0 or leave it out")
+    if out < 0:
+        raise ValueError(f"the image limit must be >= 0 (got {out})")
+    return out
 
 
 PD_ROLES = ("both", "prefill", "decode")  # --role: server/api/pd.py
@@ -136,8 +169,9 @@ class ServerConfig:
     ssl_keyfile: str | None = opt(None, "its PEM private key", commands=(SERVE,), metavar="FILE", group="tenants",
                                   forward=False)
     # Images in requests (server/media; README "Vision"): forwarded, so every replica takes the same.
-    limit_mm_per_prompt: int = opt(8, "images one request may hold (its whole conversation); more: 400",
-                                   commands=(SERVE,), metavar="N", group="vision")
+    limit_mm_per_prompt: int = opt(8, "images one request may hold (its whole conversation); more: 400. "
+                                   "Also taken as vLLM spells it: image=N or '{\"image\": N}'",
+                                   commands=(SERVE,), metavar="N", group="vision", parse=lambda v: mm_limit(v))
     allowed_media_domains: str | None = opt(
         None, "hosts whose http(s) image URLs the server fetches (exact names; *.example.com for its subdomains; "
         "redirects must stay among them); default: none, data: URLs only", commands=(SERVE,), metavar="HOST",
