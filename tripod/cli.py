@@ -154,11 +154,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _images(paths: list[str]) -> list[Any]:
     from PIL import Image, UnidentifiedImageError
 
+    from tripod.loader.multimodal import to_rgb
+
     out = []
     for path in paths:
         try:
             with Image.open(path) as im:
-                out.append(im.convert("RGB"))
+                out.append(to_rgb(im).copy())  # (a copy: the file closes)
         except (OSError, UnidentifiedImageError) as err:
             raise ValueError(f"--image {path}: not a readable image ({err})") from err
     return out

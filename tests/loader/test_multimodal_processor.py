@@ -137,3 +137,38 @@ def test_a_template_writing_the_bos_gets_no_second_one(tiny_vlm: Any) -> None:
     proc.tokenizer.add_bos_token = True
     ids = proc.render(tiny_vlms.messages("Hi", 1))
     assert ids[0] == proc.tokenizer.bos_token_id and ids[1] != proc.tokenizer.bos_token_id
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P-transparent", "RGB-transparent", "L"])
+def test_images_with_transparency_or_one_channel_get_transformers_pixels(tiny_vlm: Any, mode: str) -> None:
+    """An image given as it was opened (a screenshot's RGBA, a palette GIF with a transparent colour,
+    grey) is made RGB as transformers makes it: transparency composited onto white. Dropping the
+    alpha instead keeps whatever colour the transparent pixels store (here: their random RGB)."""
+    from PIL import Image
+
+    _, proc, prompt, _, _ = _case(tiny_vlm, "llava-siglip", 1)
+    vlm = tiny_vlm("llava-siglip")
+    rgb = tiny_vlms.image(3, (32, 32))
+    alpha = Image.fromarray(np.tile(np.arange(0, 256, 8, dtype=np.uint8), (32, 1)), "L")
+    if mode == "RGBA":
+        img = rgb.copy()
+        img.putalpha(alpha)
+    elif mode == "LA":
+        img = Image.merge("LA", (rgb.convert("L"), alpha))
+    elif mode == "P-transparent":
+        img = rgb.quantize(16)
+        img.info["transparency"] = int(np.bincount(np.asarray(img).ravel()).argmax())  # its commonest colour
+    elif mode == "RGB-transparent":  # (what PIL makes of such a GIF converted to RGB: a transparent colour)
+        img = rgb.quantize(16)
+        img.info["transparency"] = int(np.bincount(np.asarray(img).ravel()).argmax())
+        img = img.convert("RGB")
+        assert img.info.get("transparency") is not None
+    else:
+        img = rgb.convert("L")
+    ref = vlm.processor(text=vlm.template(tiny_vlms.messages("x", 1)), images=[img], return_tensors="np")
+    _, (got,) = proc.expand(list(vlm.processor.tokenizer(vlm.template(tiny_vlms.messages("x", 1)))["input_ids"]),
+                            [img])
+    np.testing.assert_array_equal(_pixels(got), np.asarray(ref["pixel_values"], dtype=np.float32)[0])
+    if mode != "L":
+        dropped = proc.expand(prompt, [Image.fromarray(np.asarray(img.convert("RGB")))])[1][0]
+        assert not np.array_equal(_pixels(dropped), _pixels(got))

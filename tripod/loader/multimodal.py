@@ -143,7 +143,7 @@ class VisionProcessor:
         if min(size) < 1:
             raise ValueError(f"image {index} is {size[0]}x{size[1]} pixels: it has no pixels")
         try:
-            out = self.image_processor(images=[image.convert("RGB")], return_tensors="np", **self._kwargs(detail))
+            out = self.image_processor(images=[to_rgb(image)], return_tensors="np", **self._kwargs(detail))
         except ValueError as err:
             raise ValueError(f"image {index} ({size[0]}x{size[1]} pixels) cannot be used by this model: {err}") from err
         pixels = np.ascontiguousarray(np.asarray(out["pixel_values"], dtype=np.float32))
@@ -227,6 +227,19 @@ class VisionProcessor:
                                   pixels=raw, shape=shape, grid_thw=d.grid_thw))
             k += d.tokens
         return out
+
+
+def to_rgb(img: Any) -> Any:
+    """RGB, transparency composited onto white: exactly what transformers' ``convert_to_rgb`` makes,
+    so a processor that converts again changes nothing (parity with HF), and one that does not
+    still gets the three channels its model reads."""
+    if "A" in img.getbands() or img.info.get("transparency") is not None:  # (an RGB image may have one too)
+        from PIL import Image
+
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img if img.mode == "RGB" else img.convert("RGB")
 
 
 def _splice_ids(prompt_ids: list[int], places: list[int], pieces: list[list[int]]) -> list[int]:

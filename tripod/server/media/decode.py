@@ -13,6 +13,7 @@ import io
 
 from PIL import Image, UnidentifiedImageError
 
+from tripod.loader.multimodal import to_rgb
 from tripod.server.media.sources import ImageError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
@@ -38,19 +39,6 @@ def decode_image(data: bytes, param: str, max_pixels: int) -> Image.Image:
     except (OSError, ValueError, SyntaxError, EOFError) as e:
         raise ImageError(f"'{param}': the {img.format} image could not be decoded ({e}); send a complete, "
                          "uncorrupted image", param, "invalid_image") from None
-
-
-def to_rgb(img: Image.Image) -> Image.Image:
-    """RGB, transparency composited onto white: exactly what transformers' ``convert_to_rgb`` makes,
-    so a processor that converts again changes nothing (parity with HF), and one that does not
-    still gets the three channels its model reads."""
-    if img.mode == "RGB":
-        return img
-    if "A" in img.getbands() or img.info.get("transparency") is not None:
-        rgba = img.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return img.convert("RGB")
 
 
 def _too_many_pixels(param: str, size: tuple[int, int], max_pixels: int) -> ImageError:
