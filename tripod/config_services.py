@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from dataclasses import dataclass
 
 from tripod.config_cli import opt
@@ -70,7 +71,7 @@ def mm_limit(value: str) -> int:
         pairs = {"image": text}
     out = 0
     for key, n in pairs.items():
-        if isinstance(n, bool) or not str(n).strip().lstrip("-").isdigit():
+        if isinstance(n, bool) or not re.fullmatch(r"-?[0-9]+", str(n).strip()):
             raise ValueError(f"{key}: {n!r} is not a whole number of items; write N, image=N or '{{\"image\": N}}'")
         count = int(str(n).strip())
         if key == "image":
