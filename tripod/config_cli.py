@@ -179,9 +179,10 @@ class CommandParser:
         else:
             kw["default"] = os.environ.get(o.env) if o.env else f.default
             kind = _scalar(f.hint)
-            kw["type"] = _checked(o.check) if o.check is not None else kind
             if o.parse is not None:
                 kw["type"] = _checked(o.parse, keep=False)
+            else:
+                kw["type"] = _checked(o.check) if o.check is not None else kind
             if o.join is not None:  # every value given, in order, however many flags carry them
                 kw.update(action="extend", nargs="+", default=None)
             if o.choices is not None:

@@ -71,9 +71,10 @@ def mm_limit(value: str) -> int:
         pairs = {"image": text}
     out = 0
     for key, n in pairs.items():
-        if isinstance(n, bool) or not re.fullmatch(r"-?[0-9]+", str(n).strip()):
+        digits = str(n).strip()
+        if isinstance(n, bool) or not re.fullmatch(r"-?[0-9]+", digits):
             raise ValueError(f"{key}: {n!r} is not a whole number of items; write N, image=N or '{{\"image\": N}}'")
-        count = int(str(n).strip())
+        count = int(digits)
         if key == "image":
             out = count
         elif count:
@@ -172,7 +173,7 @@ class ServerConfig:
     # Images in requests (server/media; README "Vision"): forwarded, so every replica takes the same.
     limit_mm_per_prompt: int = opt(8, "images one request may hold (its whole conversation); more: 400. "
                                    "Also taken as vLLM spells it: image=N or '{\"image\": N}'",
-                                   commands=(SERVE,), metavar="N", group="vision", parse=lambda v: mm_limit(v))
+                                   commands=(SERVE,), metavar="N", group="vision", parse=mm_limit)
     allowed_media_domains: str | None = opt(
         None, "hosts whose http(s) image URLs the server fetches (exact names; *.example.com for its subdomains; "
         "redirects must stay among them); default: none, data: URLs only", commands=(SERVE,), metavar="HOST",

@@ -16,7 +16,7 @@ from tripod.layers.mla import MLAConfig
 from tripod.layers.moe import MoEConfig
 from tripod.layers.parallel import SINGLE, ParallelGroup, head_split
 from tripod.memory.kv_pool import PoolSpec
-from tripod.models.vision.spec import VisionSpec, vlm_family
+from tripod.models.vision.spec import VLM_ARCHITECTURES, VisionSpec, vlm_family
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -232,7 +232,7 @@ def _vision_language(d: dict[str, Any], family: str) -> ModelConfig:
     if family in VLM_DECODERS:
         mtype, arch = VLM_DECODERS[family]
     else:
-        decoders = sorted(t for t in MODEL_TYPES if t not in ("llava", "qwen2_5_vl", "gemma3"))
+        decoders = sorted(set(MODEL_TYPES) - set(VLM_ARCHITECTURES.values()))
         if mtype not in decoders:  # (never run another family's decoder as a Llama: silently wrong)
             raise ValueError(f"the {family} checkpoint's text_config has model_type {mtype!r}, a decoder tripod "
                              f"does not run; supported decoders: {', '.join(decoders)}")
