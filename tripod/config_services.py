@@ -110,8 +110,9 @@ class ServerConfig:
     host: str = opt("127.0.0.1", "address to listen on (default: loopback only)", commands=(SERVE, CHAINS_SERVE),
                     forward=False)
     port: int = opt(8000, commands=(SERVE, CHAINS_SERVE), forward=False)
-    api_key: str | None = opt(  # when set, /v1/* (and /tokenize, /detokenize) need a Bearer key
-        None, "require 'Authorization: Bearer KEY' on /v1/* (default: $TRIPOD_API_KEY)", commands=(SERVE,),
+    api_key: str | None = opt(  # when set, every route but the open ones (server/app.py guarded_path) needs it
+        None, "require KEY ('Authorization: Bearer KEY', or Anthropic's 'x-api-key: KEY') on every route but "
+        "/health, /metrics, /openapi.json and the console's page shell (default: $TRIPOD_API_KEY)", commands=(SERVE,),
         env="TRIPOD_API_KEY")
     served_model_name: str | None = opt(  # None: the model's own name
         None, "the model id clients use (default: the model's name)", commands=(SERVE,))
@@ -302,8 +303,9 @@ class RouterConfig:
         "router queue)", commands=(SERVE, ROUTE), metavar="N")
 
     # Tenants, audit log and TLS (tripod.tenants; README "Tenants"); a fleet's router reads the server's options.
-    tenants: str | None = opt(None, "a TOML file of tenants: the router checks keys and enforces requests_per_second, "
-                              "max_concurrent, models", commands=(ROUTE,), metavar="FILE", group="tenants")
+    tenants: str | None = opt(None, "a TOML file of tenants: the router checks keys and enforces every limit "
+                              "across its replicas (token limits and max_context with a replica's count of the "
+                              "request; give the replicas the same file and --tenant-limits none)", commands=(ROUTE,), metavar="FILE", group="tenants")
     audit_log: str | None = opt(None, "one JSON line per authenticated request (rotated by size)", commands=(ROUTE,),
                                 metavar="FILE", group="tenants")
     audit_log_content: bool = opt(False, "put the prompt's text in the audit log", commands=(ROUTE,), group="tenants")
