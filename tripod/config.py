@@ -183,7 +183,7 @@ class EngineConfig:
     num_draft_tokens: int = opt(  # most draft tokens per request per step
         4, "speculative: most draft tokens per request per step (1-64)", commands=ENGINE_COMMANDS, metavar="K")
     # Speculate only while at most this many requests decode in a step (the measured break-even
-    # batch on 2 CPU cores; docs/architecture.md): a big batch has no compute to spare.
+    # batch on 2 CPU cores; docs/performance.md): a big batch has no compute to spare.
     spec_max_batch: int = opt(
         8, "speculative: speculate only while at most B requests decode in a step (0: never)",
         commands=ENGINE_COMMANDS, metavar="B")
