@@ -144,8 +144,8 @@ def http_page() -> str:
              "the pydantic models the routes parse them with; every error comes in the API's own shape "
              "(OpenAI's, or Anthropic's under `/v1/messages`). Beside these, a server serves the console "
              "under `/ui` and the prefill/decode hand-over routes `/v1/pd/prefill` and `/v1/pd/kv` "
-             "(internal: see [KV tiers and PD](../kv.md)); a router serves the same API plus `/fleet` "
-             "(see [Fleet](../fleet.md)).", "",
+             "(internal: see [KV tiers and PD](../kv.md)). A router's routes are listed below it "
+             "(see [Fleet](../fleet.md)).", "", "## A server (`tripod serve`)", "",
              "| method | path | summary | request body | streams |", "|---|---|---|---|---|"]
     for path in sorted(doc["paths"]):
         item = doc["paths"][path]
@@ -158,7 +158,26 @@ def http_page() -> str:
             streams = "yes" if "text/event-stream" in op["responses"]["200"]["content"] else ""
             lines.append(f"| {method.upper()} | `{path}` | {_cell(op.get('summary', ''))} | "
                          f"{_code(ref)} | {streams} |")
+    lines += ["", "## A router (`tripod route`, a fleet's router)", "",
+              "Read off the router's app (`tripod/router/app.py`, `build_router_app`): the API routes it "
+              "proxies to its replicas, what it answers itself (`/fleet`, `/health`, `/metrics`), and the "
+              "console (`/ui`), which a server serves too.", "",
+              "| methods | path |", "|---|---|"]
+    lines += [f"| {methods} | `{path}` |" for path, methods in _router_routes()]
     return HEADER + "\n".join(lines) + "\n"
+
+
+def _router_routes() -> list[tuple[str, str]]:
+    from tripod.config import RouterConfig
+    from tripod.router.app import build_router_app
+    from tripod.router.router import Router
+
+    app = build_router_app(Router(RouterConfig()))
+    out = []
+    for route in app.routes:
+        methods = sorted(set(getattr(route, "methods", None) or ()) - {"HEAD"})
+        out.append((getattr(route, "path", ""), ", ".join(methods)))
+    return out
 
 
 def _families(registry: object) -> list[tuple[str, str, str, list[str]]]:
