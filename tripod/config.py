@@ -443,14 +443,18 @@ class SamplingOptions:
     defaults (greedy, up to 256 tokens), validated where they land (``SamplingParams`` in process,
     the server's request checks with ``--url``)."""
 
-    max_tokens: int = opt(256, commands=(GENERATE, CHAT))
+    max_tokens: int = opt(256, "most tokens per answer", commands=(GENERATE, CHAT))
     temperature: float = opt(0.0, "0 = greedy (default)", commands=(GENERATE, CHAT))
-    top_p: float = opt(1.0, commands=(GENERATE, CHAT))
-    top_k: int = opt(-1, commands=(GENERATE, CHAT))
-    min_p: float = opt(0.0, commands=(GENERATE, CHAT))
-    repetition_penalty: float = opt(1.0, commands=(GENERATE, CHAT))
-    seed: int | None = opt(None, commands=(GENERATE, CHAT))
-    ignore_eos: bool = opt(False, commands=(GENERATE, CHAT))
+    top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches P (1 = off)",
+                        commands=(GENERATE, CHAT))
+    top_k: int = opt(-1, "sample among the K most likely tokens (-1 = off)", commands=(GENERATE, CHAT))
+    min_p: float = opt(0.0, "drop tokens less likely than P times the most likely one (0 = off)",
+                        commands=(GENERATE, CHAT))
+    repetition_penalty: float = opt(1.0, "penalize tokens already in the prompt or the answer (1 = off)",
+                                      commands=(GENERATE, CHAT))
+    seed: int | None = opt(None, "seed of the sampling noise: the same seed gives the same answer",
+                            commands=(GENERATE, CHAT))
+    ignore_eos: bool = opt(False, "go on past the end-of-sequence token, up to --max-tokens", commands=(GENERATE, CHAT))
 
 
 # The configs of the processes around the engine live in their own module; named here too.

@@ -109,7 +109,7 @@ class ServerConfig:
 
     host: str = opt("127.0.0.1", "address to listen on (default: loopback only)", commands=(SERVE, CHAINS_SERVE),
                     forward=False)
-    port: int = opt(8000, commands=(SERVE, CHAINS_SERVE), forward=False)
+    port: int = opt(8000, "port to listen on", commands=(SERVE, CHAINS_SERVE), forward=False)
     api_key: str | None = opt(  # when set, every route but the open ones (server/app.py guarded_path) needs it
         None, "require KEY ('Authorization: Bearer KEY', or Anthropic's 'x-api-key: KEY') on every route but "
         "/health, /metrics, /openapi.json and the console's page shell (default: $TRIPOD_API_KEY)", commands=(SERVE,),
@@ -243,7 +243,7 @@ class RouterConfig:
     # In `tripod serve` (a fleet) the router listens where the server would: --host/--port are
     # ServerConfig's options there, as are --api-key and --bench-dir (see config_cli.from_namespace).
     host: str = opt("127.0.0.1", "address to listen on (default: loopback only)", commands=(ROUTE,))
-    port: int = opt(8000, commands=(ROUTE,))
+    port: int = opt(8000, "port to listen on", commands=(ROUTE,))
     policy: str = opt(  # cache_aware | least_load | round_robin
         "cache_aware", "how a replica is picked", commands=(SERVE, ROUTE, CHAINS_SERVE), flag="--router-policy",
         flags=((ROUTE, "--policy"),), dest="router_policy", choices=ROUTING_POLICIES)
