@@ -188,3 +188,14 @@ def test_every_figure_in_a_speed_table_names_a_results_file_that_contains_it() -
                             wrong.append(f"{_page_id(page)}:{start + 1}: {figure} is in none of {sorted(named)}")
     assert checked >= 3, "the speed tables were not found: the detection above is broken"
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_cli_reference_shows_every_option_of_every_command() -> None:
+    page = (docs_gen.REFERENCE / "cli.md").read_text()
+    sections = dict(re.findall(r"^## `tripod ?([^`]*)`\n(.*?)(?=^## |\Z)", page, flags=re.M | re.S))
+    for command, options in _flags().items():
+        if not command:
+            continue  # the top level's --log-level and --version: every command repeats or lacks them
+        assert command in sections, f"tripod {command} has no section"
+        shown = set(re.findall(r"`(--?[\w-]+)`", sections[command]))
+        assert options - {"-h", "--help"} <= shown, f"tripod {command}: {sorted(options - shown - {'-h', '--help'})}"
