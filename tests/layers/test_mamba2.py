@@ -121,3 +121,33 @@ def test_rows_and_states_must_agree(pair: tuple[NemotronHMamba2Mixer, Mamba2Mixe
     conv, ssm = new_state(ours.cfg, 2)
     with pytest.raises(ValueError, match="rows"):
         ours.mix(torch.zeros(5, ours.cfg.proj_size), conv, ssm, [2, 2])
+
+
+def test_whole_layer_on_kernel_linears_is_bit_exact(pair: tuple[NemotronHMamba2Mixer, Mamba2Mixer]) -> None:
+    """The whole layer (projections on tripod's row-invariant CPU kernels): a prefill split into
+    a chunk and decode steps, and a decode batched with other sequences, give one prefill's bits."""
+    from tripod import kernels
+    from tripod.layers.backends.cpu import CpuLinearBackend
+
+    assert kernels.load(wait=True), f"the kernels should build on this machine: {kernels.unavailable_reason()}"
+    level = kernels.best_level()
+    assert level is not None
+    be = CpuLinearBackend(kernels.ops(level), level, False, "test")
+    _, ours = pair
+    ours.prepare(be)
+    torch.manual_seed(5)
+    h = torch.randn(12, HIDDEN)
+    conv, ssm = new_state(ours.cfg, 1)
+    whole = ours(h, be, conv, ssm, [12])
+    # the same sequence: 9 tokens of prefill, then 3 decode steps, each beside two other sequences
+    c2, s2 = new_state(ours.cfg, 3)
+    first = ours(h[:9], be, c2[:1], s2[:1], [9])
+    assert torch.equal(first, whole[:9])
+    for j in range(9, 12):
+        rows = torch.cat((torch.randn(1, HIDDEN), h[j : j + 1], torch.randn(1, HIDDEN)))
+        c3, s3 = torch.cat((c2[1:2], c2[:1], c2[2:])), torch.cat((s2[1:2], s2[:1], s2[2:]))
+        out = ours(rows, be, c3, s3, [1, 1, 1])
+        assert torch.equal(out[1], whole[j])
+        c2 = torch.cat((c3[1:2], c3[:1], c3[2:]))
+        s2 = torch.cat((s3[1:2], s3[:1], s3[2:]))
+    assert torch.equal(s2[:1], ssm) and torch.equal(c2[:1], conv)
