@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tripod.layers.backends.reference import ReferenceBackend
-from tripod.layers.mamba2 import Mamba2Config, Mamba2Mixer, new_state
+from tripod.layers.mamba2 import Mamba2Config, Mamba2Mixer, causal_conv, new_state
 from tripod.layers.weights import WeightSource
 
 transformers = pytest.importorskip("transformers")
@@ -151,3 +151,40 @@ def test_whole_layer_on_kernel_linears_is_bit_exact(pair: tuple[NemotronHMamba2M
         c2 = torch.cat((c3[1:2], c3[:1], c3[2:]))
         s2 = torch.cat((s3[1:2], s3[:1], s3[2:]))
     assert torch.equal(s2[:1], ssm) and torch.equal(c2[:1], conv)
+
+
+def test_short_conv_matches_transformers_and_splits_exactly() -> None:
+    """LFM2's gated short convolution (same window machinery): HF's output and window; the
+    tap-by-tap convolution split into pieces and batched with another sequence gives the same bits."""
+    from transformers import Lfm2Config
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+
+    from tripod.layers.short_conv import ShortConv, new_conv_state
+
+    torch.manual_seed(6)
+    cfg = Lfm2Config(vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["conv"], conv_L_cache=3,
+                     conv_bias=True)
+    hf = Lfm2ShortConv(cfg, 0).eval()
+    ours = ShortConv(HIDDEN, 3, True, torch.float32)
+    ours.load(WeightSource(hf.state_dict(), torch.float32, torch.device("cpu")), "")
+    be = ReferenceBackend()
+    ours.prepare(be)
+    x = torch.randn(1, 10, HIDDEN)
+    cache = DynamicCache(config=cfg)
+    with torch.no_grad():
+        ref = hf(x, cache=cache)[0]
+    window = new_conv_state(HIDDEN, 3, 1)
+    torch.testing.assert_close(ours(x[0], be, window, [10]), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(window, cache.get_conv_state(0)[:, :, 1:], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="rows"):
+        ours(x[0], be, window, [4])
+    # the convolution itself, split 3 + 1 + 6 with its window carried, beside a second sequence
+    rows, w = torch.randn(10, HIDDEN), torch.randn(HIDDEN, 3)
+    whole_win = new_conv_state(HIDDEN, 3, 1)
+    whole = causal_conv(rows, whole_win, [10], w, None)
+    win = new_conv_state(HIDDEN, 3, 2)
+    parts = []
+    for lo, hi in ((0, 3), (3, 4), (4, 10)):
+        other = torch.randn(2, HIDDEN)
+        parts.append(causal_conv(torch.cat((other, rows[lo:hi])), win, [2, hi - lo], w, None)[2:])
+    assert torch.equal(torch.cat(parts), whole) and torch.equal(win[1:], whole_win)

@@ -1,6 +1,7 @@
-"""Nemotron-H and Granite 4.0 hybrids (Mamba2 + attention + MLP/MoE) against Hugging Face
-transformers in float32, on tiny random checkpoints built from transformers' own configs: prefill
-logits, greedy tokens against ``generate``, and a chunked prefill against a whole one."""
+"""Nemotron-H and Granite 4.0 hybrids (Mamba2 + attention + MLP/MoE) and LFM2 (short convolutions
++ attention) against Hugging Face transformers in float32, on tiny checkpoints built from
+transformers' own configs with every weight random: prefill logits, greedy tokens against
+``generate``, and a chunked prefill against a whole one."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from tripod.layers.backends.reference import ReferenceBackend
 from tripod.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from tripod.models.hybrid import HybridCache, HybridForCausalLM
+from tripod.models.lfm2 import Lfm2ForCausalLM
 from tripod.models.nemotron_h import NemotronHForCausalLM, layer_kinds
 
 transformers = pytest.importorskip("transformers")
@@ -45,6 +47,13 @@ def _granite_config(rope: bool, experts: int) -> Any:
 def _pair(hf_cls: Any, ours_cls: type[HybridForCausalLM], cfg: Any) -> tuple[Any, HybridForCausalLM]:
     torch.manual_seed(0)
     hf = hf_cls(cfg).eval()
+    # every weight random (transformers' init leaves some at zero or one, which would hide a wrong
+    # name or a missing term): norms around 1, the rest around 0
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
     hf.generation_config.eos_token_id = None  # greedy for NEW tokens, whatever they are
     ours = ours_cls(cfg.to_dict())
     ours.load_weights(hf.state_dict())
@@ -86,6 +95,18 @@ def test_granite_hybrid_matches_transformers(rope: bool, experts: int) -> None:
     """With RoPE and a MoE beside the shared MLP; without either (Granite 4.0-H's own shape)."""
     hf, ours = _pair(transformers.GraniteMoeHybridForCausalLM, GraniteMoeHybridForCausalLM, _granite_config(rope, experts))
     _check_against_hf(hf, ours, seed=3)
+
+
+def test_lfm2_matches_transformers() -> None:
+    """Short-conv and attention (q/k norms, RoPE) layers, SwiGLU MLPs, tied embeddings."""
+    cfg = transformers.Lfm2Config(
+        vocab_size=128, hidden_size=32, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"],
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, block_multiple_of=16, conv_L_cache=3,
+        max_position_embeddings=256,
+    )
+    hf, ours = _pair(transformers.Lfm2ForCausalLM, Lfm2ForCausalLM, cfg)
+    _check_against_hf(hf, ours, seed=5)
+    assert ours.greedy(_prompt(5)[0].tolist(), 8, chunk=4) == ours.greedy(_prompt(5)[0].tolist(), 8)
 
 
 @pytest.mark.parametrize("chunk", [1, 5])

@@ -43,7 +43,7 @@ from tripod.layers.batch import Backend
 from tripod.layers.linear import Linear
 from tripod.layers.weights import WeightSource
 
-__all__ = ["Mamba2Config", "Mamba2Mixer", "new_state", "silu_exact", "softplus_exact"]
+__all__ = ["Mamba2Config", "Mamba2Mixer", "causal_conv", "new_state", "silu_exact", "softplus_exact"]
 
 
 def softplus_exact(x: torch.Tensor) -> torch.Tensor:
@@ -107,6 +107,26 @@ def new_state(cfg: Mamba2Config, seqs: int, device: torch.device | str = "cpu") 
     conv, ssm = cfg.state_shapes()
     return (torch.zeros(seqs, *conv, dtype=torch.float32, device=device),
             torch.zeros(seqs, *ssm, dtype=torch.float32, device=device))
+
+
+def causal_conv(x: torch.Tensor, window: torch.Tensor, lens: list[int], weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """Causal depthwise convolution of the rows ``x`` ``[T, C]`` of ``len(lens)`` sequences (laid
+    out one after another), each continuing from its window ``window[s]`` ``[C, K-1]`` (the last
+    ``K-1`` inputs, oldest first; updated in place); ``weight`` ``[C, K]``. Tap by tap: elementwise,
+    so a row's bits do not depend on how many rows come with it (``F.conv1d``'s would)."""
+    k = weight.shape[1]
+    out = torch.empty_like(x)
+    row = 0
+    for s, n in enumerate(lens):
+        seq = torch.cat((window[s].t(), x[row : row + n]))  # [K - 1 + n, C]
+        acc = seq[0:n] * weight[:, 0]
+        for j in range(1, k):
+            acc = acc + seq[j : j + n] * weight[:, j]
+        out[row : row + n] = acc if bias is None else acc + bias
+        window[s].copy_(seq[n:].t())
+        row += n
+    return out
 
 
 def _param(*shape: int, dtype: torch.dtype, fill: float | None = None) -> nn.Parameter:
@@ -181,23 +201,9 @@ class Mamba2Mixer(nn.Module):
         return self._gated_norm(y, z)
 
     def _conv(self, xbc: torch.Tensor, conv: torch.Tensor, lens: list[int]) -> torch.Tensor:
-        """Causal depthwise conv + SiLU per sequence, from and into its window; tap by tap
-        (elementwise, so a row's bits do not depend on how many rows come with it)."""
-        k = self.cfg.conv_kernel
-        w = self.conv_w.float()
-        out = torch.empty_like(xbc)
-        row = 0
-        for s, n in enumerate(lens):
-            seq = torch.cat((conv[s].t(), xbc[row : row + n]))  # [K - 1 + n, conv_dim]
-            acc = seq[0:n] * w[:, 0]
-            for j in range(1, k):
-                acc = acc + seq[j : j + n] * w[:, j]
-            if self.conv_b is not None:
-                acc = acc + self.conv_b.float()
-            out[row : row + n] = silu_exact(acc)
-            conv[s].copy_(seq[n:].t())
-            row += n
-        return out
+        """Causal depthwise conv + SiLU per sequence, from and into its window."""
+        b = self.conv_b.float() if self.conv_b is not None else None
+        return silu_exact(causal_conv(xbc, conv, lens, self.conv_w.float(), b))
 
     def _scan(self, x: torch.Tensor, b: torch.Tensor, cc: torch.Tensor, dt: torch.Tensor, ssm: torch.Tensor,
               lens: list[int]) -> torch.Tensor:

@@ -26,6 +26,7 @@ from tripod.layers.linear import Linear
 from tripod.layers.mamba2 import Mamba2Config, Mamba2Mixer, new_state
 from tripod.layers.norm import rms_norm
 from tripod.layers.rotary import RotaryEmbedding, apply_rotary
+from tripod.layers.short_conv import ShortConv, new_conv_state
 from tripod.layers.weights import WeightSource
 from tripod.models.gqa import new_param
 
@@ -35,14 +36,21 @@ class HybridCache:
     """One sequence's cache: per Mamba2 layer its (conv, ssm) state, per attention layer its K/V;
     ``length``: the tokens it has seen (the next token's position)."""
 
-    states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    states: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     length: int = 0
 
-    def state(self, layer: int, cfg: Mamba2Config, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def state(self, layer: int, cfg: Mamba2Config, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """A Mamba2 layer's (conv ``[1, conv_dim, K-1]``, ssm ``[1, H, P, N]``)."""
         if layer not in self.states:
             self.states[layer] = new_state(cfg, 1, device)
         return self.states[layer]
+
+    def window(self, layer: int, conv: ShortConv, device: torch.device) -> torch.Tensor:
+        """A short-conv layer's window ``[1, hidden, L-1]``."""
+        if layer not in self.states:
+            self.states[layer] = (new_conv_state(conv.hidden, conv.kernel, 1, device),)
+        return self.states[layer][0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +63,8 @@ class AttnShape:
     head_dim: int
     scale: float
     bias: bool = False
+    qk_norm_eps: float | None = None  # per-head RMSNorm of q and k (LFM2), before RoPE
+    o_name: str = "o_proj"
 
 
 class CachedAttention(nn.Module):
@@ -69,15 +79,22 @@ class CachedAttention(nn.Module):
         self.qkv_bias = new_param(self.q_size + 2 * self.kv_size, dtype=dtype, fill=0.0) if s.bias else None
         self.o = new_param(s.hidden, self.q_size, dtype=dtype)
         self.o_bias = new_param(s.hidden, dtype=dtype, fill=0.0) if s.bias else None
+        qk = s.qk_norm_eps is not None
+        self.q_norm = new_param(s.head_dim, dtype=dtype, fill=1.0) if qk else None
+        self.k_norm = new_param(s.head_dim, dtype=dtype, fill=1.0) if qk else None
         self.ops: dict[str, tuple[Linear, Linear]] = {}
 
-    def load(self, src: WeightSource, a: str) -> None:
+    def load(self, src: WeightSource, a: str, qk_norms: tuple[str, str] = ("q_norm", "k_norm")) -> None:
         names = [a + "q_proj.", a + "k_proj.", a + "v_proj."]
+        o = a + self.shape.o_name
         self.qkv.data = torch.cat([src.get(n + "weight") for n in names]).contiguous()
-        self.o.data = src.get(a + "o_proj.weight").contiguous()
+        self.o.data = src.get(o + ".weight").contiguous()
         if self.qkv_bias is not None and self.o_bias is not None:
             self.qkv_bias.data = torch.cat([src.get(n + "bias") for n in names])
-            self.o_bias.data = src.get(a + "o_proj.bias")
+            self.o_bias.data = src.get(o + ".bias")
+        if self.q_norm is not None and self.k_norm is not None:
+            self.q_norm.data = src.get(f"{a}{qk_norms[0]}.weight")
+            self.k_norm.data = src.get(f"{a}{qk_norms[1]}.weight")
 
     def prepare(self, backend: Backend) -> None:
         if backend.form not in self.ops:
@@ -90,6 +107,8 @@ class CachedAttention(nn.Module):
         qkv_op, o_op = self.ops[backend.form]
         q, k, v = qkv_op(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = q.view(n, s.heads, s.head_dim), k.view(n, s.kv_heads, s.head_dim), v.view(n, s.kv_heads, s.head_dim)
+        if self.q_norm is not None and self.k_norm is not None and s.qk_norm_eps is not None:
+            q, k = rms_norm(q, self.q_norm, s.qk_norm_eps), rms_norm(k, self.k_norm, s.qk_norm_eps)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if layer in cache.kv:
@@ -106,7 +125,7 @@ class CachedAttention(nn.Module):
 class HybridLayer(nn.Module):
     """A layer's mixer (Mamba2 or attention) reached through one call, whatever its kind."""
 
-    def __init__(self, index: int, mixer: Mamba2Mixer | CachedAttention | None) -> None:
+    def __init__(self, index: int, mixer: Mamba2Mixer | CachedAttention | ShortConv | None) -> None:
         super().__init__()
         self.index = index
         self.mixer = mixer
@@ -117,6 +136,8 @@ class HybridLayer(nn.Module):
         if isinstance(m, Mamba2Mixer):
             conv, ssm = cache.state(self.index, m.cfg, h.device)
             return m(h, backend, conv, ssm, [h.shape[0]])
+        if isinstance(m, ShortConv):
+            return m(h, backend, cache.window(self.index, m, h.device), [h.shape[0]])
         assert isinstance(m, CachedAttention)
         return m(h, backend, cache, self.index, rope)
 
