@@ -221,17 +221,14 @@ class Mamba2Mixer(nn.Module):
         for j in range(max(lens, default=0)):
             seqs = [s for s, m in enumerate(lens) if m > j]
             rows = torch.tensor([starts[s] + j for s in seqs], dtype=torch.long, device=x.device)
-            whole = len(seqs) == len(lens)
-            idx = None if whole else torch.tensor(seqs, dtype=torch.long, device=x.device)
-            state = ssm if idx is None else ssm.index_select(0, idx)
-            xr, dtr = x.index_select(0, rows), dt.index_select(0, rows)
-            db = dtr[:, :, None, None] * b.index_select(0, rows)  # [S, H, 1, N]
-            state = state * decay.index_select(0, rows)[:, :, None, None] + db * xr[..., None]
-            # NOTE: a row reduction, not a matmul: its bits do not depend on how many sequences step together.
+            idx = None if len(seqs) == len(lens) else torch.tensor(seqs, dtype=torch.long, device=x.device)
+            state = ssm if idx is None else ssm.index_select(0, idx)  # (all sequences: in place)
+            db = dt.index_select(0, rows)[:, :, None, None] * b.index_select(0, rows)  # [S, H, 1, N]
+            # NOTE: addcmul_ is fused (one rounding) the same way at every size, scalar tail included.
+            state.mul_(decay.index_select(0, rows)[:, :, None, None]).addcmul_(db, x.index_select(0, rows)[..., None])
+            # a row reduction, not a matmul: its bits do not depend on how many sequences step together
             y[rows] = (state * cc.index_select(0, rows)).sum(-1)  # [S, H, P]
-            if idx is None:
-                ssm.copy_(state)
-            else:
+            if idx is not None:
                 ssm.index_copy_(0, idx, state)
         return y + x * self.D.float()[:, None]
 
