@@ -14,7 +14,7 @@ from tripod.layers.backends.reference import ReferenceBackend
 from tripod.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from tripod.models.hybrid import HybridCache, HybridForCausalLM
 from tripod.models.lfm2 import Lfm2ForCausalLM
-from tripod.models.nemotron_h import NemotronHForCausalLM, layer_kinds
+from tripod.models.nemotron_h import NemotronHForCausalLM, layer_kinds, nemotron_mamba
 
 transformers = pytest.importorskip("transformers")
 
@@ -133,6 +133,11 @@ def test_layer_kinds_and_refusals() -> None:
         layer_kinds({"hybrid_override_pattern": "MX"})
     with pytest.raises(ValueError, match="layers_block_type or hybrid_override_pattern"):
         layer_kinds({})
+    nd = _nemotron_config().to_dict()
+    legacy = {k: v for k, v in nd.items() if k not in ("n_groups", "conv_kernel")} | {"mamba_n_groups": 2, "mamba_d_conv": 4}
+    assert nemotron_mamba(legacy) == nemotron_mamba(nd)
+    with pytest.raises(ValueError, match="ssm_state_size"):
+        nemotron_mamba({k: v for k, v in nd.items() if k != "ssm_state_size"})
     d = _granite_config(False, 0).to_dict()
     with pytest.raises(ValueError, match="num_hidden_layers"):
         GraniteMoeHybridForCausalLM({**d, "num_hidden_layers": 5})

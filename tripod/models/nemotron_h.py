@@ -21,7 +21,7 @@ from torch import nn
 
 from tripod.layers.batch import Backend
 from tripod.layers.linear import Linear
-from tripod.layers.mamba2 import Mamba2Mixer
+from tripod.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from tripod.layers.moe import MoEConfig, route
 from tripod.layers.norm import rms_norm
 from tripod.layers.weights import WeightSource
@@ -182,7 +182,16 @@ class NemotronHLayer(HybridLayer):
         return x + out
 
 
-def nemotron_mamba(d: Mapping[str, Any]) -> Any:
+# older Nemotron-H config.json names of the Mamba2 fields (transformers renames them the same way)
+LEGACY_KEYS = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_conv_bias": "use_conv_bias",
+               "mamba_dt_limit": "time_step_limit"}
+
+
+def nemotron_mamba(d: Mapping[str, Any]) -> Mamba2Config:
+    d = {**{new: d[old] for old, new in LEGACY_KEYS.items() if old in d and new not in d}, **d}
+    missing = [k for k in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel") if k not in d]
+    if missing:
+        raise ValueError(f"a Nemotron-H config with Mamba2 layers needs {', '.join(missing)}")
     cfg = mamba_config(d, hidden_size="hidden_size", num_heads="mamba_num_heads", head_dim="mamba_head_dim",
                        state_size="ssm_state_size", n_groups="n_groups", conv_kernel="conv_kernel",
                        eps="layer_norm_epsilon", conv_bias="use_conv_bias", proj_bias="use_bias",
