@@ -123,7 +123,7 @@ class CachedAttention(nn.Module):
 
 
 class HybridLayer(nn.Module):
-    """A layer's mixer (Mamba2 or attention) reached through one call, whatever its kind."""
+    """A layer's mixer (Mamba2, short conv or attention) reached through one call, whatever its kind."""
 
     def __init__(self, index: int, mixer: Mamba2Mixer | CachedAttention | ShortConv | None) -> None:
         super().__init__()
