@@ -208,3 +208,21 @@ def test_without_amx_the_best_avx_level_runs_and_says_why(caplog: pytest.LogCapt
     if best is not None:
         said = [r.getMessage() for r in caplog.records if "not amx_bf16" in r.getMessage()]
         assert len(said) == 1 and why in said[0]
+
+
+@pytest.mark.slow  # about a minute on 2 busy cores (the emulated tiles are slow)
+@needs_emu
+def test_the_embedded_model_on_emulated_tiles_gives_a_request_the_same_tokens_alone_and_batched(emu: Any) -> None:
+    """The embedded model's GGUF blocks executed as stored on (emulated) tiles, bf16 activations:
+    prefill chunks run on tiles, decode rows on vdpbf16ps in the tiles' order; a request's greedy
+    tokens and logprobs are the same in a batch as alone (then with its prompt cached)."""
+    from tripod import Engine, SamplingParams
+
+    prompts = ["The capital of France is Paris, and the capital of Italy is", "def fibonacci(n):\n    \"\"\"Return the"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    eng = Engine(dtype="bfloat16", kernels="amx_emu", kv_cache_tokens=1024, weights="stored")
+    assert eng.runner.backend.isa == "amx_emu" and eng.runner.card() == {"backend": "cpu", "isa": "amx_emu"}
+    batched = [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in eng.generate(prompts, params)]
+    alone = [(o.token_ids, [lp.logprob for lp in o.logprobs]) for p in prompts for o in eng.generate([p], params)]
+    assert batched == alone
+    eng.assert_consistent()

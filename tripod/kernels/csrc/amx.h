@@ -98,24 +98,28 @@ inline void emu_dpbf16ps(int c, int a, int b) {
   const int rows = t.cfg.rows[c], pairs = t.cfg.colsb[a] / 4;
   const int cols = t.cfg.colsb[c] / 4;  // <= 16 float32 columns
   const __mmask16 live = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1u);
+  // Row k of b: 16 columns of (bf16[2n], bf16[2n + 1]), widened and read as zero if denormal.
+  alignas(64) float be[16][16], bo[16][16];
+  for (int k = 0; k < pairs; ++k) {
+    const uint16_t* brow = reinterpret_cast<const uint16_t*>(t.data[b] + k * 64);
+    for (int n = 0; n < 16; ++n) {
+      be[k][n] = emu_bf16(brow[2 * n]);
+      bo[k][n] = emu_bf16(brow[2 * n + 1]);
+    }
+  }
   for (int m = 0; m < rows; ++m) {
     float* crow = reinterpret_cast<float*>(t.data[c] + m * 64);
     const uint16_t* arow = reinterpret_cast<const uint16_t*>(t.data[a] + m * 64);
     __m512 acc = _mm512_maskz_loadu_ps(live, crow);
     for (int k = 0; k < pairs; ++k) {
-      // Row k of b: 16 columns of (bf16[2n], bf16[2n + 1]), widened and read as zero if denormal.
-      alignas(64) float be[16], bo[16];
-      const uint16_t* brow = reinterpret_cast<const uint16_t*>(t.data[b] + k * 64);
-      for (int n = 0; n < 16; ++n) {
-        be[n] = emu_bf16(brow[2 * n]);
-        bo[n] = emu_bf16(brow[2 * n + 1]);
-      }
       // NOTE: each step one FMA (the bf16 x bf16 product is exact), even element first.
-      acc = emu_flush(_mm512_fmadd_ps(_mm512_set1_ps(emu_bf16(arow[2 * k])), _mm512_load_ps(be), acc));
-      acc = emu_flush(_mm512_fmadd_ps(_mm512_set1_ps(emu_bf16(arow[2 * k + 1])), _mm512_load_ps(bo), acc));
+      acc = emu_flush(_mm512_fmadd_ps(_mm512_set1_ps(emu_bf16(arow[2 * k])), _mm512_load_ps(be[k]), acc));
+      acc = emu_flush(_mm512_fmadd_ps(_mm512_set1_ps(emu_bf16(arow[2 * k + 1])), _mm512_load_ps(bo[k]), acc));
     }
     _mm512_mask_storeu_ps(crow, live, acc);
+    std::memset(t.data[c] + m * 64 + cols * 4, 0, 64 - cols * 4);  // the rest of the row zeroed
   }
+  std::memset(t.data[c] + rows * 64, 0, (16 - rows) * 64);  // and the rows below
 }
 
 inline void emu_release() {

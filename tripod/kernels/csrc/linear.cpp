@@ -897,6 +897,21 @@ void amx_bf16_linear(const Problem& p) {
 
 constexpr int kTileCols = 2;  // 16-output blocks per column tile
 
+// The block epilogue of MR rows of one 16-output block: acc (row stride ld) = apply_scales(acc, c),
+// c the C tile as stored (16 floats per row). MR = 16 for a full tile: the scales are loaded once.
+template <int MR, Fmt fmt>
+inline void tile_epilogue(const uint8_t* blk, const float* xsum, int64_t kb, int64_t b, int g0, const float* c,
+                          float* acc, int64_t ld) {
+  V16 s[MR][1], a[MR][1];
+  for (int m = 0; m < MR; ++m) {
+    s[m][0] = load(c + m * 16);
+    a[m][0] = load(acc + m * ld);
+  }
+  const uint8_t* blks[1] = {blk};
+  apply_scales<MR, 1, fmt>(blks, xsum, kb, b, g0, s, a);
+  for (int m = 0; m < MR; ++m) store(acc + m * ld, a[m][0]);
+}
+
 template <Fmt fmt>
 void amx_stored_rows(const Problem& p, int64_t m0, int64_t mr, int64_t nb0, int64_t cols, const float* q, float* acc) {
   constexpr int group = fmt == Fmt::kQ6K ? 16 : 32;  // inputs per scale: one TDPBF16PS of group / 2 pairs
@@ -929,13 +944,14 @@ void amx_stored_rows(const Problem& p, int64_t m0, int64_t mr, int64_t nb0, int6
         TRIPOD_TILE_DPBF16PS(1, 2, 4);
         TRIPOD_TILE_STORED(1, c[1], 64);
       }
+      // NOTE: the same operations per row whether 16 rows share the scales' loads or one runs.
       for (int64_t j = 0; j < cols; ++j) {
-        const uint8_t* blk[1] = {w + ((nb0 + j) * kb + b) * block};
-        for (int64_t r = 0; r < mr; ++r) {
-          V16 s[1][1] = {{load(c[j] + r * 16)}};
-          V16 a[1][1] = {{load(acc + r * ld + j * 16)}};
-          apply_scales<1, 1, fmt>(blk, xsum ? xsum + r * kb : nullptr, kb, b, g0, s, a);
-          store(acc + r * ld + j * 16, a[0][0]);
+        const uint8_t* blk = w + ((nb0 + j) * kb + b) * block;
+        if (mr == 16) {
+          tile_epilogue<16, fmt>(blk, xsum, kb, b, g0, c[j], acc + j * 16, ld);
+        } else {
+          for (int64_t r = 0; r < mr; ++r)
+            tile_epilogue<1, fmt>(blk, xsum ? xsum + r * kb : nullptr, kb, b, g0, c[j] + r * 16, acc + r * ld + j * 16, ld);
         }
       }
     }
