@@ -41,8 +41,8 @@ def _status() -> int:
         why = build.unsupported_reason()
         failed = build.failed_reason()
         state = (f"cannot build: {why}" if why else f"built: {build.library}" if build.is_built()
-                 else f"build failed: {failed.splitlines()[0] if failed else ''}" if failed else "not built yet")
-        print(f"  {lv:12s} {state}")
+                 else f"build failed: {failed.splitlines()[0]}" if failed else "not built yet")
+        print(f"  {lv:12s} {state}{' (test level: runs only when named)' if lv in OPT_IN_LEVELS else ''}")
     if not levels:
         print(f"tripod runs on torch's ops: this CPU runs no kernel level (they need {', '.join(NEEDED_FLAGS['avx2'])})")
     else:
