@@ -67,12 +67,25 @@ def _dequantized(fmt: str, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 @needs_emu
+def test_the_tiles_and_the_few_row_path_add_a_pairs_even_element_first(emu: Any) -> None:
+    """TDPBF16PS' documented order, seen in one sum (selftest.order_probe: 1, then 2^24 - 2^24 gives
+    0 even element first, 1 odd first): the emulated tiles (19 rows) and the tile level's few-row
+    vdpbf16ps path (1 row) give 0, stored and dense; the AVX levels (vdpbf16ps' order) give 1."""
+    probe = selftest.order_probe(emu)
+    assert probe == {"q8_0": [0.0] * 20, "bf16": [0.0] * 20}, probe
+    avx = AVX_LEVELS[0] if kernels.unavailable_reason(AVX_LEVELS[0]) is None else "avx2"
+    if kernels.unavailable_reason(avx) is None and kernels.load(avx):
+        probe = selftest.order_probe(kernels.ops(avx))
+        assert probe == {"q8_0": [1.0] * 20, "bf16": [1.0] * 20}, (avx, probe)
+
+
+@needs_emu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_stored_blocks_on_tiles_give_each_row_its_bits_alone(emu: Any, fmt: str) -> None:
     n, k = 70, 96  # a partial last 16-output block, an odd number of them (a half column tile)
     g = torch.Generator().manual_seed(len(fmt))
     packed = emu.pack_linear(selftest.stored_blocks(fmt, n, k, g), fmt, n, k)
-    x = torch.randn(max(ROWS), k, generator=g).to(torch.bfloat16)
+    x = selftest.wide(max(ROWS), k, g)
     res = torch.randn(max(ROWS), n, generator=g).to(torch.bfloat16)
     alone = torch.cat([emu.linear_packed(x[i : i + 1], packed, fmt, n, k, res[i : i + 1]) for i in range(max(ROWS))])
     for m in ROWS:
@@ -136,7 +149,8 @@ def test_the_emulation_gives_the_hardware_bits(emu: Any) -> None:
     g = torch.Generator().manual_seed(11)
     n, k = 70, 160
     wd = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    x = torch.randn(max(ROWS), k, generator=g).to(torch.bfloat16)
+    x = selftest.wide(max(ROWS), k, g)
+    assert selftest.order_probe(hw) == selftest.order_probe(emu)
     cases = [("bf16", wd)] + [(fmt, selftest.stored_blocks(fmt, n, k, g)) for fmt in FORMATS]
     for fmt, w in cases:
         for m in ROWS:
