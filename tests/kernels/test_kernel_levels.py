@@ -1,8 +1,8 @@
 """The kernels' ISA levels on every x86-64 host: the AVX2 build is compiled and run wherever the CPU
-has AVX2 (an AVX-512 host too), every level the CPU supports computes the same bits as the others
-(ops and the embedded model's greedy tokens and logprobs), the level tripod picks is the best this
-CPU supports, entry points refuse out-of-bounds arguments, and a build failure of a supported
-level fails loudly.
+has AVX2 (an AVX-512 host too), every AVX level the CPU supports computes the same bits as the
+others (ops and the embedded model's greedy tokens and logprobs), the level tripod picks is the best
+this CPU supports, entry points refuse out-of-bounds arguments, and a build failure of a supported
+level fails loudly. (The tile levels sum in their own order: tests/kernels/test_amx_tiles.py.)
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from tripod import Engine, SamplingParams, kernels
-from tripod.kernels.build import LEVELS, supported_levels
+from tripod.kernels.build import AVX_LEVELS, LEVELS, KernelBuild, level_reason, supported_levels
 
-SUPPORTED = supported_levels()
+SUPPORTED = [lv for lv in supported_levels() if lv in AVX_LEVELS]  # the bit-identical levels here
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason=f"no kernel level runs here: {kernels.unavailable_reason()}")
 
 
@@ -45,7 +45,8 @@ def test_the_chosen_level_is_the_best_this_cpu_supports() -> None:
     assert {"avx2", "fma", "f16c"} <= flags  # the module skips otherwise
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
     want = "avx512_bf16" if avx512 and "avx512_bf16" in flags else "avx512" if avx512 else "avx2"
-    assert kernels.best_level() == want
+    amx = level_reason("amx_bf16") is None and KernelBuild("amx_bf16").is_built()  # granted, built and checked
+    assert kernels.best_level() == ("amx_bf16" if amx else want)
     assert "avx2" in SUPPORTED and SUPPORTED[0] == want
 
 
@@ -182,7 +183,7 @@ def test_the_embedded_model_gives_the_same_tokens_and_logprobs_on_every_level(le
 
 
 def test_a_level_this_cpu_lacks_is_refused_with_the_reason() -> None:
-    missing = [lv for lv in LEVELS if lv not in SUPPORTED]
+    missing = [lv for lv in LEVELS if lv not in supported_levels()]
     if not missing:
         pytest.skip("this CPU supports every level")
     with pytest.raises(ValueError, match=f"--kernels {missing[0]} cannot run here"):
@@ -199,4 +200,4 @@ def test_a_supported_level_that_does_not_compile_fails_the_build(tmp_path: Path)
     assert "avx2" in res.stderr and "did not compile" in res.stderr
     status = subprocess.run([sys.executable, "-m", "tripod.kernels", "status"], capture_output=True, text=True,
                             env={**os.environ}, timeout=120)
-    assert status.returncode == 0 and f"tripod runs the {SUPPORTED[0]} kernels" in status.stdout
+    assert status.returncode == 0 and f"tripod runs the {kernels.best_level()} kernels" in status.stdout

@@ -55,6 +55,13 @@ def _best_level_from_cpuinfo() -> str:
             flags = set(line.split(":", 1)[1].split())
             break
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    if avx512 and {"avx512_bf16", "amx_tile", "amx_bf16"} <= flags:
+        # AMX runs by default only where Linux grants the tiles and the level is built and checked
+        # (neither is in /proc/cpuinfo).
+        from tripod.kernels.build import KernelBuild, level_reason
+
+        if level_reason("amx_bf16") is None and KernelBuild("amx_bf16").is_built():
+            return "amx_bf16"
     if avx512 and "avx512_bf16" in flags:
         return "avx512_bf16"
     return "avx512" if avx512 else "avx2"

@@ -15,18 +15,18 @@ import platform
 import sys
 from typing import Any
 
-from tripod.kernels.build import LEVELS, NEEDED_FLAGS
+from tripod.kernels.build import AVX_LEVELS, NEEDED_FLAGS
 
 # The flags that decide which kernels can run (tripod's and its peers'), in the order shown.
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
              "amx_tile", "amx_bf16", "amx_int8")
-ISA_LEVELS = (*LEVELS, "baseline")  # best first
+ISA_LEVELS = (*AVX_LEVELS, "baseline")  # best first
 
 
 def isa_level(flags: set[str]) -> str:
     """One word for the best level of tripod's kernels the flags allow (avx512_bf16, avx512, avx2),
     or baseline. AMX is not a level: these VMs list it without granting it (see benchmarks/peers)."""
-    return next((lv for lv in LEVELS if all(f in flags for f in NEEDED_FLAGS[lv])), "baseline")
+    return next((lv for lv in AVX_LEVELS if all(f in flags for f in NEEDED_FLAGS[lv])), "baseline")
 
 
 def cpu_flags(cpuinfo: str) -> set[str]:

@@ -1,10 +1,12 @@
 """tripod's own CPU kernels (C++), one library per ISA level, compiled on the machine that runs them.
 
 The sources (``csrc/``) are written once over a 16-lane vector type (``csrc/simd.h``) and
-compiled per level (``build.LEVELS``: ``avx512_bf16``, ``avx512``, ``avx2``), each checked in a
-separate process and cached on disk (``$TRIPOD_CACHE_DIR/kernels/<level>-<hash>/``). Every level
-computes the same bits; the best one the CPU supports runs (``best_level``), and a test or a
-user may force another (``--kernels avx2``). ``make install`` builds every level the CPU
+compiled per level (``build.LEVELS``: ``amx_bf16``, ``avx512_bf16``, ``avx512``, ``avx2``), each
+checked in a separate process and cached on disk (``$TRIPOD_CACHE_DIR/kernels/<level>-<hash>/``).
+The AVX levels compute the same bits; ``amx_bf16`` sums in the tiles' order (its own bits). The best
+one the CPU supports runs (``best_level``: ``amx_bf16`` where Linux grants the tiles and its build
+passed its self-test), and a test or a user may force another (``--kernels avx2``, or the test level
+``amx_emu``: the tile code on emulated tile instructions). ``make install`` builds every level the CPU
 supports; otherwise the first engine that wants one builds it in the background (about 20 s on
 2 cores) and keeps serving on torch's ops until it is ready. Without a compiler or AVX2, tripod
 runs on torch's ops only and says why.
@@ -50,9 +52,41 @@ _levels: dict[str, _Level] = {lv: _Level() for lv in (*LEVELS, *OPT_IN_LEVELS)}
 
 
 def best_level() -> str | None:
-    """The best level this CPU supports (None: none, e.g. not x86-64 or no AVX2)."""
+    """The best level this CPU supports (None: none, e.g. not x86-64 or no AVX2): ``amx_bf16`` where
+    the CPU has AMX-BF16, Linux grants the tiles and the level's build passed its self-test (``python
+    -m tripod.kernels build`` makes it; ``make install`` runs that), else the best AVX level, saying
+    once why not AMX. A level never changes under a running process (its bits are its own)."""
     levels = supported_levels()
+    if "amx_bf16" in levels:
+        why = _amx_obstacle()
+        if why is None:
+            return "amx_bf16"
+        levels.remove("amx_bf16")
+    else:
+        why = level_reason("amx_bf16")
+    if levels:
+        _say_why_not_amx(why, levels[0])
     return levels[0] if levels else None
+
+
+def _amx_obstacle() -> str | None:
+    """Why a CPU that can run amx_bf16 does not run it by default (None: it does)."""
+    state = _levels["amx_bf16"]
+    if state.failed is not None:
+        return state.failed
+    build = _build_of("amx_bf16")
+    if build.is_built():
+        return None
+    failed = build.failed_reason()
+    if failed is not None:
+        return f"its build failed: {failed.splitlines()[-1] if failed.splitlines() else failed}"
+    return build.unsupported_reason() or "it is not built yet (python -m tripod.kernels build builds it; make install does)"
+
+
+@functools.cache
+def _say_why_not_amx(why: str | None, level: str) -> None:
+    # NOTE: cached: best_level() is asked on every start-up and heartbeat; the reason is said once.
+    log.info("tripod's CPU kernels run %s, not amx_bf16: %s", level, why)
 
 
 def _resolve(level: str | None) -> str | None:

@@ -1,10 +1,15 @@
 """Compiling the kernel sources into one torch op library per ISA level, checked and cached on disk.
 
-Levels, best first (``LEVELS``): ``avx512_bf16`` (AVX-512 with ``vdpbf16ps``), ``avx512``, and
+Levels, best first (``LEVELS``): ``amx_bf16`` (AMX-BF16 tiles for the bf16 linears and stored
+blocks, the rest as ``avx512_bf16``), ``avx512_bf16`` (AVX-512 with ``vdpbf16ps``), ``avx512``, and
 ``avx2`` (AVX2 + FMA + F16C: every x86-64 CPU of the last decade). Each is compiled with its own
 explicit flags (never ``-march=native``: some VMs list AMX in cpuid without granting it, and a
-build must run on any CPU of its level), registers its ops under its own namespace
-(``torch.ops.tripod_avx2`` ...), and computes the same bits as the others (``csrc/simd.h``).
+build must run on any CPU of its level) and registers its ops under its own namespace
+(``torch.ops.tripod_avx2`` ...). The AVX levels (``AVX_LEVELS``) compute the same bits as each
+other (``csrc/simd.h``); the tile levels (``TILE_LEVELS``) sum bf16 products in TDPBF16PS' order,
+so their bits are their own. ``amx_emu`` (``OPT_IN_LEVELS``: built and run only when named) is
+``amx_bf16``'s source over an emulation of the tile instructions (``csrc/amx.h``): the tile code
+paths tested on any CPU with AVX512-BF16.
 
 One build per (level, sources, flags, torch version, compiler): the hash names the cache folder.
 Concurrent builders (a fleet's replicas starting together) take a file lock; the first builds,
@@ -29,14 +34,18 @@ from tripod import paths
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "linear.cpp")
-HEADERS = (CSRC / "simd.h",)
+HEADERS = (CSRC / "simd.h", CSRC / "amx.h")
 
-LEVELS = ("avx512_bf16", "avx512", "avx2")  # best first: the levels chosen automatically, bit-identical
-# Levels run only when named (--kernels amx_bf16): AMX-BF16 tiles for the bf16 linears. TDPBF16PS adds
-# a pair's even product before its odd one (vdpbf16ps: odd first), so its sums are not the other
-# levels' bits (batch-invariant all the same: each output row is summed in one fixed order); and it
-# has not yet run on an AMX host (issue 37's note), so it is not picked by default.
-OPT_IN_LEVELS = ("amx_bf16",)
+# Best first: the levels chosen automatically (amx_bf16 only where Linux grants the tiles and its
+# build passed its self-test: tripod.kernels.best_level).
+LEVELS = ("amx_bf16", "avx512_bf16", "avx512", "avx2")
+AVX_LEVELS = ("avx512_bf16", "avx512", "avx2")  # bit-identical to each other
+# TDPBF16PS adds a pair's even product before its odd one (vdpbf16ps: odd first), so the tile
+# levels' sums are not the AVX levels' bits (batch-invariant all the same: each output row is summed
+# in one fixed order at every row count); amx_emu computes amx_bf16's bits (tested on AMX hosts).
+TILE_LEVELS = ("amx_bf16", "amx_emu")
+# Levels run only when named (--kernels amx_emu): the tile instructions emulated, for tests.
+OPT_IN_LEVELS = ("amx_emu",)
 _AVX2 = ("avx2", "fma", "f16c")
 _AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq")
 # The /proc/cpuinfo flags each level needs, and the compiler flags that enable exactly those.
@@ -45,6 +54,7 @@ NEEDED_FLAGS: dict[str, tuple[str, ...]] = {
     "avx512": _AVX512,
     "avx512_bf16": (*_AVX512, "avx512_bf16"),
     "amx_bf16": (*_AVX512, "avx512_bf16", "amx_tile", "amx_bf16"),
+    "amx_emu": (*_AVX512, "avx512_bf16"),
 }
 _ISA_FLAGS: dict[str, list[str]] = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -52,6 +62,8 @@ _ISA_FLAGS: dict[str, list[str]] = {
     "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"],
     "amx_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                  "-mamx-tile", "-mamx-bf16"],
+    "amx_emu": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                "-DTRIPOD_AMX_EMU"],
 }
 # NOTE: -ffp-contract=off: no multiply-add is fused unless the source writes it as one (the
 # levels must compute the same bits, and the float32 kernels match torch's rounding order).
@@ -76,7 +88,7 @@ def namespace(level: str) -> str:
 def level_reason(level: str, flags: set[str] | None = None) -> str | None:
     """Why this CPU cannot run ``level`` (None: it can)."""
     if level not in NEEDED_FLAGS:
-        raise ValueError(f"unknown kernel level {level!r} (one of {', '.join(LEVELS)})")
+        raise ValueError(f"unknown kernel level {level!r} (one of {', '.join((*LEVELS, *OPT_IN_LEVELS))})")
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"tripod's CPU kernels are for x86-64 (this machine is {platform.machine()})"
     flags = cpu_flags() if flags is None else flags
@@ -119,7 +131,7 @@ class KernelBuild:
         import torch
 
         if level not in NEEDED_FLAGS:
-            raise ValueError(f"unknown kernel level {level!r} (one of {', '.join(LEVELS)})")
+            raise ValueError(f"unknown kernel level {level!r} (one of {', '.join((*LEVELS, *OPT_IN_LEVELS))})")
         self.level = level
         self.namespace = namespace(level)
         self.torch_dir = Path(torch.__file__).resolve().parent
@@ -137,6 +149,7 @@ class KernelBuild:
         self.folder = _cache_root() / f"{level}-{digest}"
         self.library = self.folder / f"{self.namespace}.so"
         self.stamp = self.folder / "checked"
+        self.failure = self.folder / "failed"  # why the last build of these sources failed, if it did
 
     def unsupported_reason(self) -> str | None:
         if not sys.platform.startswith("linux"):
@@ -155,6 +168,13 @@ class KernelBuild:
 
     def is_built(self) -> bool:
         return self.library.is_file() and self.stamp.is_file()
+
+    def failed_reason(self) -> str | None:
+        """Why the last build of these sources on this machine failed (None: none failed)."""
+        try:
+            return self.failure.read_text().strip() or "it failed"
+        except OSError:
+            return None
 
     def command(self, output: Path) -> list[str]:
         inc = self.torch_dir / "include"
@@ -179,21 +199,29 @@ class KernelBuild:
             for stale in self.folder.glob(f"{self.namespace}.*.so"):  # a builder killed mid-way
                 stale.unlink(missing_ok=True)
             tmp = self.folder / f"{self.namespace}.{os.getpid()}.so"
+            self.failure.unlink(missing_ok=True)
             try:
-                res = subprocess.run(self.command(tmp), capture_output=True, text=True, timeout=timeout)
-                if res.returncode != 0:
-                    raise RuntimeError(f"the {self.level} kernels did not compile ({res.returncode}):\n{res.stderr[-4000:]}")
-                check = subprocess.run(
-                    [sys.executable, "-m", "tripod.kernels.selftest", str(tmp), self.namespace],
-                    capture_output=True, text=True, timeout=timeout,
-                )
-                if check.returncode != 0:
-                    raise RuntimeError(
-                        f"the self-check of the {self.level} kernels failed (exit {check.returncode}):\n"
-                        f"{(check.stdout + check.stderr)[-4000:]}"
-                    )
-                os.replace(tmp, self.library)
-                self.stamp.write_text(check.stdout)
+                self._compile_and_check(tmp, timeout)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                self.failure.write_text(str(e)[-4000:])
+                raise RuntimeError(str(e)) from e
             finally:
                 tmp.unlink(missing_ok=True)
         return time.monotonic() - t0
+
+    def _compile_and_check(self, tmp: Path, timeout: float) -> None:
+        """Compile into ``tmp``, check it in a separate process, then move it into place."""
+        res = subprocess.run(self.command(tmp), capture_output=True, text=True, timeout=timeout)
+        if res.returncode != 0:
+            raise RuntimeError(f"the {self.level} kernels did not compile ({res.returncode}):\n{res.stderr[-4000:]}")
+        check = subprocess.run(
+            [sys.executable, "-m", "tripod.kernels.selftest", str(tmp), self.namespace],
+            capture_output=True, text=True, timeout=timeout,
+        )
+        if check.returncode != 0:
+            raise RuntimeError(
+                f"the self-check of the {self.level} kernels failed (exit {check.returncode}):\n"
+                f"{(check.stdout + check.stderr)[-4000:]}"
+            )
+        os.replace(tmp, self.library)
+        self.stamp.write_text(check.stdout)

@@ -67,10 +67,75 @@ def check(lib: str, namespace: str) -> list[str]:
         err = (got.float() - want).abs().max().item()
         assert err < (1e-4 if dtype == torch.float32 else 0.15), f"linear_packed {fmt}: max error {err}"
         lines.append(f"linear_packed {fmt}: max error {err:.2e}")
-    if namespace.endswith("amx_bf16"):  # the bf16 linear above ran on AMX tiles only if granted
+    if namespace.endswith(("amx_bf16", "amx_emu")):  # the bf16 linear above ran on tiles only if granted
         status = ops.amx_status()
-        assert "granted" in status, f"amx_bf16: {status}"
+        assert "granted" in status or "emulated" in status, f"{namespace}: {status}"
         lines.append(status)
+        lines += _check_stored_tiles(ops, gen)
+        for what, rows in order_probe(ops).items():
+            assert all(v == 0.0 for v in rows), f"{what}: not TDPBF16PS' documented order (even element first): {rows}"
+        lines.append("TDPBF16PS' order (a pair's even element first) on tiles and on the few-row path")
+    return lines
+
+
+def order_probe(ops: object) -> dict[str, list[float]]:
+    """A sum whose value shows the order in which a pair's two products are added: per output, the
+    pairs (1, 0) then (2^24, -2^24). A pair's even element first (TDPBF16PS): 1 + 2^24 rounds to
+    2^24, and then 0. Its odd element first (vdpbf16ps): 1 - 2^24 is exact, and then 1. Returns the
+    first output of 1 row and of each of 19 rows, stored q8_0 codes (scale 1) and dense bf16."""
+    n, k = 16, 32
+    x = torch.zeros(19, k)
+    x[:, 0], x[:, 2], x[:, 3] = 1.0, 2.0**24, -(2.0**24)
+    x = x.to(torch.bfloat16)
+    codes = torch.zeros(n, 32, dtype=torch.int8)
+    codes[:, [0, 2, 3]] = 1
+    blocks = torch.cat([torch.ones(n, 1, dtype=torch.float16).view(torch.uint8), codes.view(torch.uint8)], dim=1)
+    dense = codes.to(torch.bfloat16)
+    out = {}
+    for fmt, w in (("q8_0", blocks), ("bf16", dense)):
+        packed = ops.pack_linear(w.contiguous(), fmt, n, k)
+        rows = [ops.linear_packed(x[:1], packed, fmt, n, k, None)[0, 0].item()]
+        rows += ops.linear_packed(x, packed, fmt, n, k, None)[:, 0].float().tolist()
+        out[fmt] = rows
+    return out
+
+
+def wide(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """bf16 activations spread over 2^-12 .. 2^12: their products' sums round in float32 (randn's
+    alone mostly sum exactly, whatever the order), so a change of summation order shows in the bits."""
+    return (torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-12, 13, (m, k), generator=gen).float())).to(torch.bfloat16)
+
+
+def stored_blocks(fmt: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Random GGUF blocks of ``fmt`` as ``pack_linear`` takes them (uint8 [n, k / 32 * bytes]) with
+    sane scales: q4_0 [d fp16, 16 bytes of nibbles], q4_1 [d, m fp16, nibbles], q8_0 [d, 32 int8],
+    q4_k [a, b float32, nibbles], q6_k [a0, a1 float32, 32 int8]."""
+    kb = k // 32
+    scale_dtype, n_scales, n_codes = {
+        "q4_0": (torch.float16, 1, 16), "q4_1": (torch.float16, 2, 16), "q8_0": (torch.float16, 1, 32),
+        "q4_k": (torch.float32, 2, 16), "q6_k": (torch.float32, 2, 32),
+    }[fmt]
+    scales = (torch.rand(n, kb, n_scales, generator=gen) * 0.05 + 0.001).to(scale_dtype)
+    codes = torch.randint(0, 256, (n, kb, n_codes), generator=gen, dtype=torch.uint8)
+    if fmt == "q6_k":  # codes - 32 of 6-bit codes: [-32, 31]
+        codes = (codes % 64).to(torch.int16).sub(32).to(torch.int8).view(torch.uint8)
+    return torch.cat([scales.view(torch.uint8).reshape(n, kb, -1), codes], dim=2).reshape(n, -1).contiguous()
+
+
+def _check_stored_tiles(ops: object, gen: torch.Generator) -> list[str]:
+    """Stored blocks with bf16 activations on the tile levels: more rows than a register tile run on
+    tiles, one row on vdpbf16ps in TDPBF16PS' documented order, so each row must come out with the
+    same bits alone as in the batch. On AMX hardware this checks the hardware's order."""
+    lines = []
+    n, k = 40, 128
+    for fmt in ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k"):
+        w = ops.pack_linear(stored_blocks(fmt, n, k, gen), fmt, n, k)
+        x = wide(19, k, gen)
+        batch = ops.linear_packed(x, w, fmt, n, k, None)
+        for r in (0, 7, 16, 18):
+            alone = ops.linear_packed(x[r : r + 1], w, fmt, n, k, None)
+            assert torch.equal(alone[0], batch[r]), f"{fmt} on tiles: row {r} alone differs from the batch"
+        lines.append(f"linear_packed {fmt}@bf16 on tiles: rows alone = batched")
     return lines
 
 

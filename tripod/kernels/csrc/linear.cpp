@@ -37,12 +37,12 @@
 #include <string>
 #include <vector>
 
+#include "amx.h"
 #include "simd.h"
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#if defined(TRIPOD_AMX) && !defined(TRIPOD_AMX_EMU)
 #include <sys/syscall.h>
 #include <unistd.h>
-#define TRIPOD_AMX 1
 #endif
 
 namespace tripod_linear {
@@ -321,6 +321,16 @@ void tile_q6_k(const float* x, int64_t ldx, const uint8_t* w, int64_t kb, int64_
 // is followed (dot_pair: the odd input's product first): the same bits on every level.
 //
 // A pair of inputs (2p, 2p+1) of 16 outputs: `WPair`, and a row's pair of activations: `XPair`.
+//
+// The tile levels (amx_bf16, amx_emu) sum in TDPBF16PS' order, input 2p's product before 2p + 1's,
+// at every row count: their few-row tiles here swap both operands' pairs (Swap), so that
+// vdpbf16ps, which adds the odd element first, adds input 2p first. A row's bits are then the same
+// whether vdpbf16ps (a few rows) or the tiles (more) computed it (amx_stored_linear).
+#if defined(TRIPOD_AMX)
+constexpr bool kTileOrder = true;
+#else
+constexpr bool kTileOrder = false;
+#endif
 #if defined(__AVX512BF16__)
 struct WPair {
   __m512bh v;
@@ -329,9 +339,10 @@ struct XPair {
   __m512bh v;
 };
 using XAct = uint16_t;  // the tiles read the bf16 activations as they are
-inline XPair x_pair(const XAct* x, int64_t i) {  // inputs i, i + 1 (i even)
+inline XPair x_pair(const XAct* x, int64_t i) {  // inputs i, i + 1 (i even); swapped on the tile levels
   uint32_t bits;
   std::memcpy(&bits, x + i, 4);
+  if constexpr (kTileOrder) bits = (bits >> 16) | (bits << 16);
   return {(__m512bh)_mm512_set1_epi32((int)bits)};
 }
 inline V16 dp(V16 acc, XPair x, WPair w) { return {_mm512_dpbf16_ps(acc.v, x.v, w.v)}; }
@@ -343,20 +354,24 @@ inline WPair pair_of(__m512 lo, __m512 hi) {
   return {(__m512bh)_mm512_or_si512(l, h)};
 }
 // 16 bytes of two 4-bit codes each (input 2p low, 2p + 1 high): a table lookup of bf16(0..15).
+// Swap: input 2p + 1 in the pair's even element, 2p in its odd one.
+template <bool Swap = false>
 inline WPair nibble_pairs(const uint8_t* p) {
   const __m512i table = _mm512_set_epi16(
       0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0,
       0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   // low 16 bits: the low nibble; high 16 bits: the high nibble (b < 256, so (b << 12) & 0xf0000).
-  const __m512i idx = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000f000f), 0xa8);  // (A | B) & C
+  const __m512i idx = Swap ? _mm512_or_si512(_mm512_srli_epi32(b, 4), _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(15)), 16))
+                          : _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000f000f), 0xa8);  // (A | B) & C
   return {(__m512bh)_mm512_permutexvar_epi16(idx, table)};
 }
 // 32 int8 codes: inputs 2p (16 outputs) then 2p + 1.
+template <bool Swap = false>
 inline WPair i8_pairs(const int8_t* p) {
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  return pair_of(lo, hi);
+  return Swap ? pair_of(hi, lo) : pair_of(lo, hi);
 }
 inline void store_pairs(float* out, WPair w) { _mm512_storeu_si512(out, (__m512i)w.v); }
 inline WPair load_pairs(const float* in) { return {(__m512bh)_mm512_loadu_si512(in)}; }
@@ -373,11 +388,13 @@ struct XPair {
 using XAct = float;
 inline XPair x_pair(const XAct* x, int64_t i) { return {set1(x[i]), set1(x[i + 1])}; }
 inline V16 dp(V16 acc, XPair x, WPair w) { return dot_pair(acc, x.even, x.odd, w.even, w.odd); }
+template <bool Swap = false>  // (never swapped here: the tile levels have vdpbf16ps)
 inline WPair nibble_pairs(const uint8_t* p) {
   WPair w;
   load_nibbles(p, w.even, w.odd);
   return w;
 }
+template <bool Swap = false>
 inline WPair i8_pairs(const int8_t* p) { return {load_i8(p), load_i8(p + 16)}; }
 inline void store_pairs(float* out, WPair w) {
   store(out, w.even);
@@ -395,11 +412,11 @@ constexpr int codes_at(Fmt fmt) {
 }
 constexpr bool nibbles(Fmt fmt) { return fmt == Fmt::kQ40 || fmt == Fmt::kQ41 || fmt == Fmt::kQ4K; }
 
-// The code pair (2p, 2p + 1) of one packed block.
-template <Fmt fmt>
+// The code pair (2p, 2p + 1) of one packed block (Swap: (2p + 1, 2p), the tile levels' few-row order).
+template <Fmt fmt, bool Swap = false>
 inline WPair code_pair(const uint8_t* blk, int p) {
-  if constexpr (nibbles(fmt)) return nibble_pairs(blk + codes_at(fmt) + 16 * p);
-  else return i8_pairs(reinterpret_cast<const int8_t*>(blk + codes_at(fmt) + 32 * p));
+  if constexpr (nibbles(fmt)) return nibble_pairs<Swap>(blk + codes_at(fmt) + 16 * p);
+  else return i8_pairs<Swap>(reinterpret_cast<const int8_t*>(blk + codes_at(fmt) + 32 * p));
 }
 
 // Rows [0, MR) of bf16 activations x (row stride ldx) over every input block, codes read from
@@ -423,7 +440,7 @@ void tile_bf_codes(const XAct* x, int64_t ldx, const float* xsum, const uint8_t*
         for (int j = 0; j < NBT; ++j) s[m][j] = zero();
       for (int p = g0 / 2; p < (g0 + group) / 2; ++p) {
         WPair q[NBT];
-        for (int j = 0; j < NBT; ++j) q[j] = code_pair<fmt>(blk[j], p);
+        for (int j = 0; j < NBT; ++j) q[j] = code_pair<fmt, kTileOrder>(blk[j], p);
         for (int m = 0; m < MR; ++m) {
           const XPair xv = x_pair(x + m * ldx, b * 32 + 2 * p);
           for (int j = 0; j < NBT; ++j) s[m][j] = dp(s[m][j], xv, q[j]);
@@ -779,34 +796,33 @@ void run_block_tile(const Problem& p, int64_t m0, int64_t mr, int64_t nb0, int64
 
 
 #if defined(TRIPOD_AMX)
-// ---------------------------------------------------------------------------- AMX-BF16 (level amx_bf16)
+// ---------------------------------------------------------------------------- AMX-BF16 (levels amx_bf16, amx_emu)
 // The bf16 linears on tiles: C[rows x 16 outputs] += A[rows x 16 pairs] . B[16 pairs x 16 outputs]
 // by TDPBF16PS, whose B tile is exactly 16 pairs of the "bf16" packing ([N/16][K/2][16][2]: 64
 // bytes per pair). Per output it adds, pair after pair in input order, the even product then the
 // odd one (each exact bf16 x bf16 product rounded once into the float32 sum; denormals flushed):
 // one order fixed by the row, whatever the batch. (vdpbf16ps adds the odd one first: this level's
 // bits are its own, not the other levels'.) The last pairs of K are zero-padded to a whole tile
-// (+0 products), the same for every batch.
+// (+0 products), the same for every batch. The tile instructions are amx.h's macros: the hardware's
+// on amx_bf16, their emulation on amx_emu (the same code, so every CPU with AVX512-BF16 runs it).
 //
 // NOTE: Linux grants AMX tile state only to a process that asks (ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); without it the first tile instruction dies with SIGILL. Asked once, when
 // the library loads; refused, linear_packed runs the avx512_bf16 code and amx_status() says why.
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using tripod_amx::TileConfig;
 
 const char* amx_refusal() {
+#if defined(TRIPOD_AMX_EMU)
+  return nullptr;  // emulated tiles: nothing to ask for
+#else
   static const char* why = [] {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0
                ? (const char*)nullptr
                : "Linux refused AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)";
   }();
   return why;
+#endif
 }
 
 // Rows [m0, m0 + mr) (mr <= 16) x output blocks [nb0, nb0 + cols) (cols <= 2): C in tiles 0-1, A in
@@ -820,9 +836,9 @@ void amx_bf16_tile(const Problem& p, int64_t m0, int64_t mr, int64_t nb0, int64_
   }
   cfg.rows[3] = cfg.rows[4] = 16;
   cfg.colsb[3] = cfg.colsb[4] = 64;
-  _tile_loadconfig(&cfg);
-  _tile_zero(0);
-  _tile_zero(1);
+  TRIPOD_TILE_LOADCONFIG(&cfg);
+  TRIPOD_TILE_ZERO(0);
+  TRIPOD_TILE_ZERO(1);
   const bf16* x = static_cast<const bf16*>(p.x) + m0 * p.ldx;
   const bf16* w = static_cast<const bf16*>(p.w);
   alignas(64) bf16 apad[16 * 32];
@@ -830,24 +846,24 @@ void amx_bf16_tile(const Problem& p, int64_t m0, int64_t mr, int64_t nb0, int64_
   for (int64_t p0 = 0; p0 < kp; p0 += 16) {
     const int64_t np = std::min<int64_t>(16, kp - p0);
     if (np == 16) {
-      _tile_loadd(2, x + 2 * p0, p.ldx * 2);
-      _tile_loadd(3, w + (nb0 * kp + p0) * 32, 64);
-      if (cols > 1) _tile_loadd(4, w + ((nb0 + 1) * kp + p0) * 32, 64);
+      TRIPOD_TILE_LOADD(2, x + 2 * p0, p.ldx * 2);
+      TRIPOD_TILE_LOADD(3, w + (nb0 * kp + p0) * 32, 64);
+      if (cols > 1) TRIPOD_TILE_LOADD(4, w + ((nb0 + 1) * kp + p0) * 32, 64);
     } else {
       std::memset(apad, 0, sizeof apad);
       std::memset(bpad, 0, sizeof bpad);
       for (int64_t r = 0; r < mr; ++r) std::memcpy(apad + r * 32, x + r * p.ldx + 2 * p0, np * 4);
       for (int64_t j = 0; j < cols; ++j) std::memcpy(bpad[j], w + ((nb0 + j) * kp + p0) * 32, np * 64);
-      _tile_loadd(2, apad, 64);
-      _tile_loadd(3, bpad[0], 64);
-      if (cols > 1) _tile_loadd(4, bpad[1], 64);
+      TRIPOD_TILE_LOADD(2, apad, 64);
+      TRIPOD_TILE_LOADD(3, bpad[0], 64);
+      if (cols > 1) TRIPOD_TILE_LOADD(4, bpad[1], 64);
     }
-    _tile_dpbf16ps(0, 2, 3);
-    if (cols > 1) _tile_dpbf16ps(1, 2, 4);
+    TRIPOD_TILE_DPBF16PS(0, 2, 3);
+    if (cols > 1) TRIPOD_TILE_DPBF16PS(1, 2, 4);
   }
   alignas(64) float c[2][16 * 16];
-  _tile_stored(0, c[0], 64);
-  if (cols > 1) _tile_stored(1, c[1], 64);
+  TRIPOD_TILE_STORED(0, c[0], 64);
+  if (cols > 1) TRIPOD_TILE_STORED(1, c[1], 64);
   for (int64_t r = 0; r < mr; ++r)
     for (int64_t j = 0; j < cols; ++j) {
       V16 acc[1][1] = {{load(c[j] + r * 16)}};
@@ -861,13 +877,122 @@ void amx_bf16_linear(const Problem& p) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t m0 = 0; m0 < p.m; m0 += 16)
         amx_bf16_tile(p, m0, std::min<int64_t>(16, p.m - m0), 2 * t, std::min<int64_t>(2, p.nb - 2 * t));
-    _tile_release();
+    TRIPOD_TILE_RELEASE();
+  });
+}
+
+// ---------------------------------------------------------------------------- stored blocks on tiles
+// GGUF blocks executed as stored with bf16 activations, more rows than a register tile: per block
+// of 32 inputs (Q6_K: per 16, its scale's group) and 16 outputs, a B tile of the block's codes as
+// bf16 (small integers, exact; decode_pairs' layout is TDPBF16PS' B tile: 16 pairs x 16 outputs x
+// 2), an A tile of up to 16 rows' activations (read in place), C zeroed, one TDPBF16PS, and the
+// block's scale (and minimum) applied in float32 by apply_scales, as the few-row tiles do. Per
+// output row: s = the block's x . q in TDPBF16PS' order, acc = the epilogue of (acc, s), blocks in
+// input order. That is tile_bf_codes' order on the tile levels (kTileOrder: vdpbf16ps on swapped
+// pairs), so a row's bits are the same alone (a few rows: vdpbf16ps) as in a batch (tiles):
+// tested through the emulation, and on AMX hosts by the self-test.
+//
+// Tiles: C in 0-1, A in 2, B in 3-4; the codes of a column tile (two 16-output blocks) are decoded
+// once for the whole K (1 KiB per block) and read by every tile of rows.
+
+constexpr int kTileCols = 2;  // 16-output blocks per column tile
+
+// The block epilogue of MR rows of one 16-output block: acc (row stride ld) = apply_scales(acc, c),
+// c the C tile as stored (16 floats per row). MR = 16 for a full tile: the scales are loaded once.
+template <int MR, Fmt fmt>
+inline void tile_epilogue(const uint8_t* blk, const float* xsum, int64_t kb, int64_t b, int g0, const float* c,
+                          float* acc, int64_t ld) {
+  V16 s[MR][1], a[MR][1];
+  for (int m = 0; m < MR; ++m) {
+    s[m][0] = load(c + m * 16);
+    a[m][0] = load(acc + m * ld);
+  }
+  const uint8_t* blks[1] = {blk};
+  apply_scales<MR, 1, fmt>(blks, xsum, kb, b, g0, s, a);
+  for (int m = 0; m < MR; ++m) store(acc + m * ld, a[m][0]);
+}
+
+template <Fmt fmt>
+void amx_stored_rows(const Problem& p, int64_t m0, int64_t mr, int64_t nb0, int64_t cols, const float* q, float* acc) {
+  constexpr int group = fmt == Fmt::kQ6K ? 16 : 32;  // inputs per scale: one TDPBF16PS of group / 2 pairs
+  constexpr int block = block_bytes(fmt);
+  const int64_t kb = p.k / 32;
+  TileConfig cfg;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = (uint8_t)mr;
+  cfg.colsb[0] = cfg.colsb[1] = 64;
+  cfg.colsb[2] = group * 2;  // group bf16 per row
+  cfg.rows[3] = cfg.rows[4] = group / 2;
+  cfg.colsb[3] = cfg.colsb[4] = 64;
+  TRIPOD_TILE_LOADCONFIG(&cfg);
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(p.xb) + m0 * p.ldx;
+  const uint8_t* w = static_cast<const uint8_t*>(p.w);
+  const float* xsum = p.xsum ? p.xsum + m0 * kb : nullptr;
+  constexpr int64_t ld = kTileCols * 16;  // acc: [row][kTileCols * 16] float32
+  for (int64_t r = 0; r < mr; ++r)
+    for (int64_t j = 0; j < cols; ++j) store(acc + r * ld + j * 16, zero());
+  alignas(64) float c[kTileCols][16 * 16];
+  for (int64_t b = 0; b < kb; ++b) {
+    for (int g0 = 0; g0 < 32; g0 += group) {
+      TRIPOD_TILE_ZERO(0);
+      TRIPOD_TILE_LOADD(2, x + b * 32 + g0, p.ldx * 2);
+      TRIPOD_TILE_LOADD(3, q + (0 * kb + b) * kPairBlock + (g0 / 2) * kPairFloats, 64);
+      TRIPOD_TILE_DPBF16PS(0, 2, 3);
+      TRIPOD_TILE_STORED(0, c[0], 64);
+      if (cols > 1) {
+        TRIPOD_TILE_ZERO(1);
+        TRIPOD_TILE_LOADD(4, q + (1 * kb + b) * kPairBlock + (g0 / 2) * kPairFloats, 64);
+        TRIPOD_TILE_DPBF16PS(1, 2, 4);
+        TRIPOD_TILE_STORED(1, c[1], 64);
+      }
+      // NOTE: the same operations per row whether 16 rows share the scales' loads or one runs.
+      for (int64_t j = 0; j < cols; ++j) {
+        const uint8_t* blk = w + ((nb0 + j) * kb + b) * block;
+        if (mr == 16) {
+          tile_epilogue<16, fmt>(blk, xsum, kb, b, g0, c[j], acc + j * 16, ld);
+        } else {
+          for (int64_t r = 0; r < mr; ++r)
+            tile_epilogue<1, fmt>(blk, xsum ? xsum + r * kb : nullptr, kb, b, g0, c[j] + r * 16, acc + r * ld + j * 16, ld);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < mr; ++r)
+    for (int64_t j = 0; j < cols; ++j) {
+      V16 a[1][1] = {{load(acc + r * ld + j * 16)}};
+      finish_tile<1, 1>(p, m0 + r, nb0 + j, a);
+    }
+}
+
+void amx_stored_linear(const Problem& p) {
+  const int64_t kb = p.k / 32;
+  const int64_t ntiles = (p.nb + kTileCols - 1) / kTileCols;
+  at::parallel_for(0, ntiles, p.m * p.n * p.k < (1 << 18) ? ntiles : 1, [&](int64_t t0, int64_t t1) {
+    std::unique_ptr<float[]> q(new float[(size_t)(kTileCols * kb * kPairBlock)]);
+    std::unique_ptr<float[]> acc(new float[(size_t)(16 * kTileCols * 16)]);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nb0 = t * kTileCols;
+      const int64_t cols = std::min<int64_t>(kTileCols, p.nb - nb0);
+      decode_pairs(p.fmt, static_cast<const uint8_t*>(p.w), kb, nb0, cols, 0, kb, q.get());
+      for (int64_t m0 = 0; m0 < p.m; m0 += 16) {
+        const int64_t mr = std::min<int64_t>(16, p.m - m0);
+        switch (p.fmt) {
+          case Fmt::kQ40: amx_stored_rows<Fmt::kQ40>(p, m0, mr, nb0, cols, q.get(), acc.get()); break;
+          case Fmt::kQ41: amx_stored_rows<Fmt::kQ41>(p, m0, mr, nb0, cols, q.get(), acc.get()); break;
+          case Fmt::kQ80: amx_stored_rows<Fmt::kQ80>(p, m0, mr, nb0, cols, q.get(), acc.get()); break;
+          case Fmt::kQ4K: amx_stored_rows<Fmt::kQ4K>(p, m0, mr, nb0, cols, q.get(), acc.get()); break;
+          default: amx_stored_rows<Fmt::kQ6K>(p, m0, mr, nb0, cols, q.get(), acc.get()); break;
+        }
+      }
+    }
+    TRIPOD_TILE_RELEASE();
   });
 }
 #endif
 
 std::string amx_status() {
-#if defined(TRIPOD_AMX)
+#if defined(TRIPOD_AMX_EMU)
+  return "amx_emu: tiles emulated (no AMX instruction runs)";
+#elif defined(TRIPOD_AMX)
   const char* why = amx_refusal();
   return why ? std::string(why) : std::string("amx_bf16: tiles granted");
 #else
@@ -989,12 +1114,22 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& w, const std::st
       }
     p.xsum = out;
   }
+#if defined(TRIPOD_AMX)
+  // Stored codes on the tile levels: more rows than a register tile on tiles, fewer on vdpbf16ps
+  // in the tiles' order (kTileOrder): the same bits, so the switch is a matter of speed only.
+  if (bf_act && m > kRows && amx_refusal() == nullptr) {
+    amx_stored_linear(p);
+    return y;
+  }
+#endif
   const int64_t nb = p.nb;
   const int64_t ntiles = (nb + kCols - 1) / kCols;
   // Threads split the outputs (whole tiles of 64): never a row's sum.
   const int64_t work = m * n * k;
   // More rows than one register tile: quantized codes are decoded once per column tile.
-  const bool decoded = fmt != Fmt::kBf16 && fmt != Fmt::kF32 && m > kRows;
+  // (Not on the tile levels with bf16 activations: their few-row tiles' order is the tiles' one, the
+  // decoded tiles' is vdpbf16ps'; refused tiles, every row count takes the direct tiles.)
+  const bool decoded = fmt != Fmt::kBf16 && fmt != Fmt::kF32 && m > kRows && !(kTileOrder && bf_act);
   at::parallel_for(0, ntiles, work < (1 << 18) ? ntiles : 1, [&](int64_t t0, int64_t t1) {
     // The decoded codes of kChunk input blocks (16 KiB per 16-output block: L1 with the
     // activations' rows) and every row's sums between chunks.

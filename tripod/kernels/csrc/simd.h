@@ -36,6 +36,8 @@ constexpr bool kNativeBf16 = false;
 #if defined(TRIPOD_AVX512)
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 constexpr const char* kIsa = "amx_bf16";  // the bf16 linears on AMX tiles (linear.cpp); the rest as avx512_bf16
+#elif defined(TRIPOD_AMX_EMU)
+constexpr const char* kIsa = "amx_emu";  // amx_bf16's tile code on an emulation of the tile instructions (amx.h)
 #else
 constexpr const char* kIsa = kNativeBf16 ? "avx512_bf16" : "avx512";
 #endif
