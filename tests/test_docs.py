@@ -24,7 +24,8 @@ PACKAGE_DIRS = {p.name for p in (ROOT / "tripod").iterdir() if p.is_dir() and p.
 # Flags of commands that are not `tripod`'s, as the pages show them with those commands.
 OTHER_COMMANDS = {
     "--no-deps": "pip", "--index-url": "pip", "--dry-run": "pip / benchmarks/gpu/device_check.sh",
-    "--level": "python -m tripod.kernels build", "--target": "python -m tripod.kernels.gpu compile",
+    "--level": "python -m tripod.kernels build", "--test-levels": "python -m tripod.kernels build",
+    "--target": "python -m tripod.kernels.gpu compile",
     "--isa": "benchmarks/peers/run_comparison.sh", "--warmup": "benchmarks/peers/run_comparison.sh",
     "--strict": "mkdocs build", "--durations": "pytest", "--check": "python -m tripod.docs_gen",
 }
