@@ -21,6 +21,7 @@ from tripod import kernels
 from tripod.config import EngineConfig, dtype_alias
 from tripod.loader import open_source
 from tripod.loader.gguf_loader import GGUFFile
+from tripod.loader.hf_loader import HFFolder
 
 log = logging.getLogger("tripod.loader")
 
@@ -46,6 +47,11 @@ def auto_weights(config: EngineConfig) -> tuple[str, str]:
         _name, _path, src = open_source(config.model)
     except (ValueError, OSError) as e:
         return "dequantized", f"the model could not be opened ({e})"  # the load reports it again
+    if isinstance(src, HFFolder) and src.int_format is not None:
+        why = src.int_format.not_stored_reason()
+        if why is not None:
+            return "dequantized", f"{src.quantization}: {why}"
+        return "stored", f"{src.quantization} executed as stored (codes x activations, scales per group)"
     if not isinstance(src, GGUFFile):
         return "dequantized", "a checkpoint folder: its 16-bit weights are its stored values"
     if src.quantization not in EXECUTED_AS_STORED:
