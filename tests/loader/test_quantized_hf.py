@@ -217,3 +217,49 @@ def test_a_scheme_that_does_not_match_the_tensors_is_refused(quantized: Any, tmp
     folder = _folder_with(quantized, tmp_path, "awq-g32", config=quant_config("awq", 4, 64, False, False, ()))
     with pytest.raises(ValueError, match=r"scales has shape \(2, \d+\), expected \(1, \d+\)|not a multiple of group_size 64"):
         Engine(model=str(folder), dtype="float32", kv_cache_tokens=256, weights="dequantized")
+
+
+# ---------------------------------------------------------------------------- compressed-tensors' own code
+@pytest.mark.parametrize("bits, sym", [(4, True), (4, False), (8, True)])
+def test_compressed_tensors_packs_as_the_test_packer(bits: int, sym: bool) -> None:
+    """The package's own ``pack_to_int32`` (signed codes, zero points along the outputs) makes the
+    test packer's tensors bit for bit, and tripod unpacks them to the same codes."""
+    ct = pytest.importorskip("compressed_tensors.compressors")
+    from tests.support.int_quant import pack_ct, quantize
+    from tripod.loader.hf_quant import CompressedTensorsFormat
+
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(bits))
+    q = quantize(w, bits, 32, sym, torch.bfloat16)
+    mine = pack_ct(q, bits, sym, act_order=False)
+    offset = 1 << (bits - 1)
+    signed = (q.codes - offset).to(torch.int8)
+    assert torch.equal(ct.pack_to_int32(signed, bits), mine["weight_packed"])
+    if not sym:
+        assert torch.equal(ct.pack_to_int32((q.zeros - offset).to(torch.int8), bits, packed_dim=0),
+                           mine["weight_zero_point"])
+    from tests.support.int_quant import quant_config
+
+    fmt = CompressedTensorsFormat(quant_config("ct", bits, 32, sym, False, ()))
+    got = fmt.unpack({f"m.{k}": v for k, v in mine.items()}, "m")
+    assert torch.equal(got.codes.long(), q.codes) and torch.equal(got.dequantize(), q.dequantize())
+
+
+def test_transformers_decompression_agrees_up_to_its_bf16_rounding(quantized: Any) -> None:
+    """transformers' own loading of a compressed-tensors folder (the package decompresses it)
+    gives tripod's dequantized weights rounded to the scales' dtype (bf16): it forms ``(q - z) * s``
+    in bf16, tripod in float32, exactly."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from tripod.loader.hf_loader import HFFolder
+
+    folder, _ = quantized("ct-w4a16-asym-g32")
+    ours = HFFolder(folder).weights()
+    theirs = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                  quantization_config=CompressedTensorsConfig(dequantize=True)).state_dict()
+    quantized_names = [n for n in ours if n.endswith("proj.weight") and n.startswith("model.layers.")]
+    assert quantized_names
+    for name in quantized_names:
+        assert torch.equal(theirs[name], ours[name].bfloat16().float()), name
+        assert not torch.equal(theirs[name], ours[name])  # (so the bf16 rounding is real, and said)
