@@ -54,9 +54,9 @@ CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "ct-w8a16-channel": ("llama", "ct", dict(bits=8, group=-1, sym=True), {}),
     "ct-w4a16-actorder": ("llama", "ct", dict(bits=4, group=32, sym=True, act_order=True), {}),
 }
-# The cases whose every quantized weight runs as stored (4-bit in order; symmetric 8-bit).
-STORED = ("awq-g32", "awq-g128-ignore", "gptq-4bit-sym-g64", "gptq-8bit-sym-channel", "ct-w4a16-sym-g32-ignore",
-          "ct-w4a16-asym-g32", "ct-w8a16-channel")
+# The cases whose every quantized weight runs as stored (4-bit, act-order permuted at load; symmetric 8-bit).
+STORED = ("awq-g32", "awq-g128-ignore", "gptq-4bit-sym-g64", "gptq-4bit-asym-desc-act", "gptq-8bit-sym-channel",
+          "ct-w4a16-sym-g32-ignore", "ct-w4a16-asym-g32", "ct-w8a16-channel", "ct-w4a16-actorder")
 
 
 @pytest.fixture(scope="module")
@@ -120,28 +120,29 @@ def test_stored_codes_decode_the_reference_tokens(case: str, quantized: Any) -> 
 
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
-def test_auto_picks_stored_for_int4_groups_and_dequantized_for_act_order(quantized: Any) -> None:
+def test_auto_picks_stored_for_int4_groups_and_dequantized_for_asymmetric_int8(quantized: Any) -> None:
     from tripod.config import EngineConfig
     from tripod.loader.weights_mode import auto_weights
 
     folder, _ = quantized("awq-g32")
     mode, why = auto_weights(EngineConfig(model=str(folder)))
     assert mode == "stored" and "awq (int4, group 32, zero points)" in why, why
-    folder, _ = quantized("gptq-4bit-asym-desc-act")
+    folder, _ = quantized("gptq-8bit-asym-g32")
     mode, why = auto_weights(EngineConfig(model=str(folder)))
-    assert mode == "dequantized" and "act-order" in why, why
+    assert mode == "dequantized" and "symmetric 8-bit" in why, why
     mode, why = auto_weights(EngineConfig(model=str(folder), dtype="float32"))
     assert mode == "dequantized" and "--dtype float32" in why
 
 
 def test_stored_blocks_hold_exactly_the_dequantized_values(quantized: Any) -> None:
-    """The Q4_K / Q6_K rewrite of every stored case's weights keeps each value (a*q - b = (q - z)*s)."""
+    """The Q4_K / Q6_K rewrite of the stored cases' weights keeps each value (a*q - b = (q - z)*s),
+    act-order ones with their inputs permuted once at load."""
     import numpy as np
 
     from tripod.loader.hf_loader import HFFolder
     from tripod.loader.stored import dequantize
 
-    for case in ("awq-g32", "gptq-8bit-sym-channel", "ct-w4a16-asym-g32"):
+    for case in ("awq-g32", "gptq-8bit-sym-channel", "ct-w4a16-asym-g32", "gptq-4bit-asym-desc-act"):
         folder, _ = quantized(case)
         src = HFFolder(folder)
         deq = src.weights()
@@ -149,7 +150,9 @@ def test_stored_blocks_hold_exactly_the_dequantized_values(quantized: Any) -> No
         assert stored
         for name, sw in stored.items():
             got = dequantize(sw.kind, sw.blocks.numpy(), sw.shape[1])
-            assert np.array_equal(got, deq[name].numpy()), f"{case}: {name} ({sw.kind}) differs"
+            want = deq[name] if sw.perm is None else deq[name][:, sw.perm]  # act-order: inputs permuted at load
+            assert (sw.perm is not None) == case.endswith("desc-act")
+            assert np.array_equal(got, want.numpy()), f"{case}: {name} ({sw.kind}) differs"
 
 
 # ---------------------------------------------------------------------------- refusals

@@ -126,7 +126,6 @@ def save_quantized(model: Any, folder: Path, tokenizer: Any, method: str, *, bit
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     for f in folder.glob("*.safetensors"):
         f.unlink()
-    g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     deq = dict(state)
     for name in _quantized_names(state):
@@ -136,8 +135,10 @@ def save_quantized(model: Any, folder: Path, tokenizer: Any, method: str, *, bit
         module = name.removesuffix(".weight")
         k = w.shape[1]
         g_idx = None
-        if act_order:
+        if act_order:  # one order per layer and input width, as GPTQ's (projections of one input share it)
             size = k if group == -1 else group
+            layer = int(name.split(".")[2])
+            g = torch.Generator().manual_seed(seed * 1000 + layer * 10 + k)
             g_idx = torch.empty(k, dtype=torch.int64)
             g_idx[torch.randperm(k, generator=g)] = torch.arange(k) // size
         scale_dtype = torch.bfloat16 if method == "ct" else torch.float16

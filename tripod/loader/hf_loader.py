@@ -156,8 +156,9 @@ class HFFolder:
 
     def stored_weights(self) -> dict[str, Any]:
         """The integer-quantized weights tripod's kernels execute as stored (``hf_quant.stored_blocks``),
-        as blocks under HF names; the others (act-order, 8-bit with zero points, groups not a
-        multiple of 32) are left to their dequantized form, counted in the log."""
+        as blocks under HF names (act-order ones with the input permutation that makes their groups
+        contiguous); the others (8-bit with zero points, groups not a multiple of 32) are left to
+        their dequantized form, counted in the log."""
         from safetensors.torch import load_file
 
         from tripod.layers.linear import StoredWeight
@@ -172,10 +173,10 @@ class HFFolder:
         for module, w in found.items():
             blocks = hf_quant.stored_blocks(w)
             if blocks is not None:
-                stored[module + ".weight"] = StoredWeight(blocks[0], blocks[1], w.shape)
+                stored[module + ".weight"] = StoredWeight(blocks[0], blocks[1], w.shape, blocks[2])
         if len(stored) < len(found):
             log.info("%s: %d of %d quantized weights have no stored form the kernels execute "
-                     "(act-order, zero points on 8 bits, or groups not a multiple of 32): they run dequantized",
+                     "(zero points on 8 bits, or groups not a multiple of 32): they run dequantized",
                      self.path.name, len(found) - len(stored), len(found))
         return stored
 

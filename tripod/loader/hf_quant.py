@@ -135,8 +135,6 @@ class IntFormat:
 
     def not_stored_reason(self) -> str | None:
         """Why the config's schemes leave no weight to execute as stored (None: some are)."""
-        if self.act_order:
-            return "act-order (desc_act) groups run dequantized"
         for sc in self.schemes():
             if sc.group != -1 and sc.group % 32:
                 continue
@@ -432,7 +430,7 @@ class CompressedTensorsFormat(IntFormat):
 
 
 # ---------------------------------------------------------------------------- stored blocks
-def stored_blocks(w: GroupQuantized) -> tuple[str, torch.Tensor] | None:
+def stored_blocks(w: GroupQuantized) -> tuple[str, torch.Tensor, torch.Tensor | None] | None:
     """``w`` as blocks tripod's kernels execute as stored — (kind, uint8 ``[N, K / 32 * bytes]``) —
     with exactly its values; None where no stored kind holds them (it runs dequantized):
 
@@ -442,13 +440,21 @@ def stored_blocks(w: GroupQuantized) -> tuple[str, torch.Tensor] | None:
     - 8-bit with the zero point 128 everywhere (symmetric) → ``Q6_K``'s form: ``[a0 f32, a1 f32,
       32 int8 codes q - 128]`` with ``a0 = a1 = s``.
 
-    Needs the groups in input order (act-order checkpoints run dequantized) and a group size that is
-    a multiple of 32 (or one group per channel over K a multiple of 32)."""
+    Needs a group size that is a multiple of 32 (or one group per channel over K a multiple of 32).
+    Act-order groups (``g_idx`` not in input order) are made contiguous by permuting the inputs once
+    here: the third item is then that permutation (the linear reads ``x[:, perm]``, an exact gather),
+    else None."""
     n, k = w.shape
     gs = w.scales.shape[1]
     size = -(-k // gs)
-    if k % 32 or (gs > 1 and size % 32) or not w.in_order:
+    if k % 32 or (gs > 1 and size % 32):
         return None
+    perm = None
+    if not w.in_order:
+        perm = torch.argsort(w.g_idx, stable=True)
+        w = GroupQuantized(w.codes[:, perm].contiguous(), w.scales, w.zeros, w.g_idx[perm], w.bits)
+        if not w.in_order:  # groups of unequal sizes: no contiguous runs of `size`
+            return None
     per32 = torch.arange(0, k, 32) // size  # the group of each block of 32 inputs
     s = w.scales.index_select(1, per32)  # [N, K/32] float32
     if w.bits == 4:
@@ -460,10 +466,10 @@ def stored_blocks(w: GroupQuantized) -> tuple[str, torch.Tensor] | None:
         nib = q[:, :, :16] | (q[:, :, 16:] << np.uint8(4))
         out = np.concatenate((s.numpy().reshape(n, -1, 1).view(np.uint8), b.numpy().reshape(n, -1, 1).view(np.uint8),
                               nib), axis=2)
-        return "Q4_K", torch.from_numpy(np.ascontiguousarray(out.reshape(n, -1)))
+        return "Q4_K", torch.from_numpy(np.ascontiguousarray(out.reshape(n, -1))), perm
     if w.bits == 8 and bool((w.zeros == 128).all()):
         q = (w.codes.view(n, k // 32, 32).to(torch.int16) - 128).to(torch.int8).numpy()
         a = s.numpy().reshape(n, -1, 1).view(np.uint8)
         out = np.concatenate((a, a, q.view(np.uint8)), axis=2)
-        return "Q6_K", torch.from_numpy(np.ascontiguousarray(out.reshape(n, -1)))
+        return "Q6_K", torch.from_numpy(np.ascontiguousarray(out.reshape(n, -1))), perm
     return None
