@@ -23,6 +23,7 @@ from tests.conftest import HFReference, check_greedy_tokens
 from tests.support.int_quant import save_quantized
 from tests.support.tiny_models import VOCAB, build_hf
 from tripod import Engine, SamplingParams, kernels
+from tripod.kernels.build import supported_levels
 
 N_TOKENS = 16
 
@@ -89,7 +90,16 @@ def _check(eng: Engine, ref: HFReference, what: str) -> None:
     eng.assert_consistent()
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# One case of each test runs by default (~60 s for the file on 2 cores); the rest are slow.
+DEFAULT_DEQUANTIZED = "gptq-4bit-asym-desc-act"
+DEFAULT_STORED = "ct-w4a16-actorder"
+
+
+def _cases(names: tuple[str, ...] | list[str], default: str) -> list[Any]:
+    return [pytest.param(c, marks=() if c == default else pytest.mark.slow) for c in names]
+
+
+@pytest.mark.parametrize("case", _cases(list(CASES), DEFAULT_DEQUANTIZED))
 def test_dequantized_weights_decode_the_reference_tokens(case: str, quantized: Any) -> None:
     folder, ref = quantized(case)
     eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=2048, chunk_size=16, max_batch_tokens=64, max_running=8,
@@ -101,7 +111,7 @@ def test_dequantized_weights_decode_the_reference_tokens(case: str, quantized: A
 
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
-@pytest.mark.parametrize("case", STORED)
+@pytest.mark.parametrize("case", _cases(STORED, DEFAULT_STORED))
 def test_stored_codes_decode_the_reference_tokens(case: str, quantized: Any) -> None:
     from tripod.layers.linear import KernelLinear
 
@@ -266,3 +276,38 @@ def test_transformers_decompression_agrees_up_to_its_bf16_rounding(quantized: An
     for name in quantized_names:
         assert torch.equal(theirs[name], ours[name].bfloat16().float()), name
         assert not torch.equal(theirs[name], ours[name])  # (so the bf16 rounding is real, and said)
+
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits, act_order", [(4, True), (4, False), (8, False)])
+def test_a_stored_linear_gives_each_row_the_same_bits_at_every_row_count(dtype: torch.dtype, bits: int,
+                                                                          act_order: bool) -> None:
+    """One stored projection (act-order: inputs permuted at load) on the kernels: a row's output is
+    bit-identical alone and among 1..9 rows (the sums never depend on the batch), and equals the
+    dequantized weight's product up to float32 summation order."""
+    from tests.support.int_quant import quantize
+    from tripod.layers.linear import KernelLinear, StoredWeight
+    from tripod.loader.hf_quant import GroupQuantized, stored_blocks
+
+    g = torch.Generator().manual_seed(bits)
+    n, k = 48, 128
+    g_idx = torch.randperm(k, generator=g) // 32 if act_order else None
+    q = quantize(torch.randn(n, k, generator=g), bits, 32, bits == 8, torch.float16, g_idx)
+    w = GroupQuantized(q.codes.to(torch.uint8), q.scales.float(), q.zeros.to(torch.int32), q.g_idx, bits)
+    kind, blocks, perm = stored_blocks(w) or (None, None, None)
+    assert kind == ("Q4_K" if bits == 4 else "Q6_K") and (perm is not None) == act_order
+    x = torch.randn(9, k, generator=g).to(dtype)
+    first = None
+    for level in supported_levels():  # every ISA level: the same bits
+        assert kernels.load(level, wait=True), kernels.unavailable_reason(level)
+        lin = KernelLinear.pack_stored(kernels.ops(level), StoredWeight(kind, blocks, (n, k), perm), None)
+        alone = torch.cat([lin(x[i : i + 1]) for i in range(9)])
+        for rows in (2, 5, 9):
+            assert torch.equal(lin(x[:rows]), alone[:rows]), f"{level}: {rows} rows"
+        first = alone if first is None else first
+        assert torch.equal(alone, first), f"{level} differs from the first level"
+    assert first is not None
+    alone, ref = first, x.float() @ q.dequantize().t()
+    torch.testing.assert_close(alone.float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-4)

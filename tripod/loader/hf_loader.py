@@ -174,6 +174,11 @@ class HFFolder:
             blocks = hf_quant.stored_blocks(w)
             if blocks is not None:
                 stored[module + ".weight"] = StoredWeight(blocks[0], blocks[1], w.shape, blocks[2])
+        kinds = sorted({sw.kind for sw in stored.values()})
+        log.info("%s: %d %s weights executed as stored on tripod's CPU kernels (%s blocks: codes x activations, "
+                 "the group scales per 32 inputs%s)", self.path.name, len(stored), self.int_format.describe(),
+                 "/".join(kinds) or "no", "; act-order inputs permuted once at load" if any(
+                     sw.perm is not None for sw in stored.values()) else "")
         if len(stored) < len(found):
             log.info("%s: %d of %d quantized weights have no stored form the kernels execute "
                      "(zero points on 8 bits, or groups not a multiple of 32): they run dequantized",
