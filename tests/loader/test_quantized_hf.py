@@ -54,6 +54,7 @@ CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "ct-w4a16-asym-g32": ("llama", "ct", dict(bits=4, group=32, sym=False), {}),
     "ct-w8a16-channel": ("llama", "ct", dict(bits=8, group=-1, sym=True), {}),
     "ct-w4a16-actorder": ("llama", "ct", dict(bits=4, group=32, sym=True, act_order=True), {}),
+    "gptq-moe-experts": ("qwen3-moe", "gptq", dict(bits=4, group=32, sym=True), {}),  # quantized experts
 }
 # The cases whose every quantized weight runs as stored (4-bit, act-order permuted at load; symmetric 8-bit).
 STORED = ("awq-g32", "awq-g128-ignore", "gptq-4bit-sym-g64", "gptq-4bit-asym-desc-act", "gptq-8bit-sym-channel",

@@ -112,6 +112,23 @@ def _quantized_names(state: dict[str, torch.Tensor]) -> list[str]:
             if n.startswith("model.layers.") and n.endswith("proj.weight") and w.ndim == 2]
 
 
+def _split_experts(state: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Stacked MoE experts (transformers' ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and
+    ``down_proj`` ``[E, H, I]``) as the per-expert linears quantized checkpoints store
+    (``mlp.experts.{e}.gate_proj.weight`` …), in place; returns each prefix's expert count."""
+    found: dict[str, int] = {}
+    for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:
+        prefix = name.removesuffix("gate_up_proj")
+        gu, down = state.pop(name), state.pop(prefix + "down_proj")
+        inter = gu.shape[1] // 2
+        for e in range(gu.shape[0]):
+            state[f"{prefix}{e}.gate_proj.weight"] = gu[e, :inter].contiguous()
+            state[f"{prefix}{e}.up_proj.weight"] = gu[e, inter:].contiguous()
+            state[f"{prefix}{e}.down_proj.weight"] = down[e].contiguous()
+        found[prefix] = gu.shape[0]
+    return found
+
+
 def save_quantized(model: Any, folder: Path, tokenizer: Any, method: str, *, bits: int = 4, group: int = 32,
                    sym: bool = False, act_order: bool = False, ignore: tuple[str, ...] = (),
                    seed: int = 0) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -124,6 +141,7 @@ def save_quantized(model: Any, folder: Path, tokenizer: Any, method: str, *, bit
     model.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    stacked = _split_experts(state)
     for f in folder.glob("*.safetensors"):
         f.unlink()
     out: dict[str, torch.Tensor] = {}
@@ -152,6 +170,11 @@ def save_quantized(model: Any, folder: Path, tokenizer: Any, method: str, *, bit
             parts = pack_ct(q, bits, sym, act_order)
         for suffix, t in parts.items():
             out[f"{module}.{suffix}"] = t
+    for prefix, experts in stacked.items():  # the reference model holds the experts stacked again
+        gate_up = [torch.cat((deq.pop(f"{prefix}{e}.gate_proj.weight"), deq.pop(f"{prefix}{e}.up_proj.weight")))
+                   for e in range(experts)]
+        deq[prefix + "gate_up_proj"] = torch.stack(gate_up)
+        deq[prefix + "down_proj"] = torch.stack([deq.pop(f"{prefix}{e}.down_proj.weight") for e in range(experts)])
     # the plain tensors (embeddings, norms, the head, ignored projections) as saved
     out.update(state)
     if "lm_head.weight" in out and model.config.tie_word_embeddings:
