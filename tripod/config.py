@@ -147,8 +147,9 @@ class EngineConfig:
     # activations' reserve) already hold; --kv-cache-tokens overrides it.
     gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory for weights + KV pool (CUDA)",
                                         commands=ENGINE_COMMANDS)
-    # "auto" (default): "stored" for a quantized GGUF where the kernels run it (CPU, one process,
-    # --dtype auto), else "dequantized" (loader/weights_mode.py; resolved before the engine is built).
+    # "auto" (default): "stored" for a quantized GGUF, or an AWQ / GPTQ / compressed-tensors folder
+    # (docs/quantized.md), where the kernels run it (CPU, one process, --dtype auto), else
+    # "dequantized" (loader/weights_mode.py; resolved before the engine is built).
     # "dequantized": every weight dequantized to the run dtype. "stored": a GGUF's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K
     # weights executed as stored by tripod's kernels (a quarter/half of bf16's bytes per token,
     # exactly the dequantized weights; the run dtype's activations: bfloat16 under --dtype auto,
@@ -156,8 +157,10 @@ class EngineConfig:
     # weights kept in FP8, dequantized band by band inside each matmul (w8a16, the run dtype's
     # activations). Explicit, logged, shown in /v1/models.
     weights: str = opt(
-        "auto", "auto (default): stored for a quantized GGUF on the CPU with --dtype auto, else dequantized; "
-        "stored: execute a GGUF's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K weights as stored (a quarter/half of "
+        "auto", "auto (default): stored for a quantized GGUF or an AWQ/GPTQ/compressed-tensors folder on the CPU "
+        "with --dtype auto, else dequantized; "
+        "stored: execute a GGUF's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K weights (or an AWQ/GPTQ/compressed-tensors "
+        "folder's int4 / symmetric int8 codes) as stored (a quarter/half of "
         "bf16's bytes per token, exactly the dequantized weights; activations in the run dtype: bfloat16 under "
         "--dtype auto, float32 with --dtype float32); fp8: keep a block-wise FP8 "
         "checkpoint's weights in FP8 (w8a16)",
