@@ -107,6 +107,28 @@ def pack_ct(q: Quantized, bits: int, sym: bool, act_order: bool) -> dict[str, to
     return out
 
 
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def pack_nvfp4(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """NVFP4 (compressed-tensors ``nvfp4-pack-quantized``): a float32 global scale (448 * 6 / max|w|),
+    an E4M3 scale per 16 inputs (the block's max|w| / 6, times the global scale), FP4 E2M1 codes
+    (sign bit 3, magnitude index bits 0-2) two a byte, input 2i in the low nibble. Returns the
+    tensors and the dequantized weight ``fp4 * (scale / global)`` (float32)."""
+    n, k = w.shape
+    glob = torch.tensor([448.0 * 6.0 / float(w.abs().max())], dtype=torch.float32)
+    blocks = w.view(n, k // 16, 16)
+    scale = (blocks.abs().amax(dim=2) / 6.0 * glob).to(torch.float8_e4m3fn)
+    eff = scale.float() / glob
+    x = blocks / eff.clamp_min(1e-30).unsqueeze(-1)
+    idx = (x.abs().unsqueeze(-1) - E2M1).abs().argmin(dim=-1)  # nearest magnitude
+    codes = (idx + (x < 0).long() * 8).reshape(n, k)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    vals = E2M1[idx] * torch.where(x < 0, -1.0, 1.0)
+    deq = (vals * eff.unsqueeze(-1)).reshape(n, k)
+    return {"weight_packed": packed, "weight_scale": scale, "weight_global_scale": glob}, deq
+
+
 def _quantized_names(state: dict[str, torch.Tensor]) -> list[str]:
     return [n for n, w in state.items()
             if n.startswith("model.layers.") and n.endswith("proj.weight") and w.ndim == 2]
@@ -132,7 +154,7 @@ def _split_experts(state: dict[str, torch.Tensor]) -> dict[str, int]:
 def save_quantized(model: Any, folder: Path, tokenizer: Any, method: str, *, bits: int = 4, group: int = 32,
                    sym: bool = False, act_order: bool = False, ignore: tuple[str, ...] = (),
                    seed: int = 0) -> tuple[Path, dict[str, torch.Tensor]]:
-    """Save ``model`` with its decoder projections quantized in ``method`` ("awq", "gptq", "ct");
+    """Save ``model`` with its decoder projections quantized in ``method`` ("awq", "gptq", "ct", "nvfp4");
     returns the folder and the dequantized state dict (what an fp32 reference must hold).
     ``ignore``: name fragments of projections left unquantized (AWQ's modules_to_not_convert,
     compressed-tensors' ``ignore`` as ``re:`` patterns)."""
@@ -159,6 +181,11 @@ def save_quantized(model: Any, folder: Path, tokenizer: Any, method: str, *, bit
             g = torch.Generator().manual_seed(seed * 1000 + layer * 10 + k)
             g_idx = torch.empty(k, dtype=torch.int64)
             g_idx[torch.randperm(k, generator=g)] = torch.arange(k) // size
+        if method == "nvfp4":
+            parts, deq[name] = pack_nvfp4(w)
+            for suffix, t in parts.items():
+                out[f"{module}.{suffix}"] = t
+            continue
         scale_dtype = torch.bfloat16 if method == "ct" else torch.float16
         q = quantize(w, bits, group, sym, scale_dtype, g_idx, min_zero=1 if method == "gptq" else 0)
         deq[name] = q.dequantize()
@@ -194,6 +221,13 @@ def quant_config(method: str, bits: int, group: int, sym: bool, act_order: bool,
     if method == "gptq":
         return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": sym,
                 "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True}
+    if method == "nvfp4":
+        nv = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,
+              "dynamic": False}
+        return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+                "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": nv, "input_activations": None}},
+                "ignore": ["lm_head", *(f"re:.*{frag}" for frag in ignore)]}
     weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "channel" if group == -1 else "group",
                "group_size": None if group == -1 else group, "dynamic": False,
                "actorder": "group" if act_order else None, "observer": "minmax"}

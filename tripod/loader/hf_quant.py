@@ -43,7 +43,8 @@ import torch
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output 8c + AWQ_ORDER[i] sits in nibble i of word c
 SUPPORTED = (
     "AWQ (version gemm, 4-bit, zero points), GPTQ (4- or 8-bit, symmetric or not, desc_act, any group size), "
-    "compressed-tensors pack-quantized (int4/int8 weights, group or channel strategy, no activation quantization)"
+    "compressed-tensors pack-quantized (int4/int8 weights, group or channel strategy, no activation quantization) "
+    "and nvfp4-pack-quantized (NVFP4A16: FP4 weights, 16-bit activations)"
 )
 
 
@@ -55,8 +56,11 @@ class IntScheme:
     bits: int
     group: int
     symmetric: bool
+    kind: str = "int"  # "int", or "nvfp4": FP4 (E2M1) codes, FP8 group scales over a global scale
 
     def describe(self) -> str:
+        if self.kind == "nvfp4":
+            return f"nvfp4 (fp4 e2m1, group {self.group}, fp8 scales / global scale)"
         group = "per channel" if self.group == -1 else f"group {self.group}"
         return f"int{self.bits}, {group}, {'symmetric' if self.symmetric else 'zero points'}"
 
@@ -136,6 +140,8 @@ class IntFormat:
     def not_stored_reason(self) -> str | None:
         """Why the config's schemes leave no weight to execute as stored (None: some are)."""
         for sc in self.schemes():
+            if sc.kind == "nvfp4":
+                return None
             if sc.group != -1 and sc.group % 32:
                 continue
             if sc.bits == 4 or sc.symmetric:
@@ -336,13 +342,16 @@ class CompressedTensorsFormat(IntFormat):
 
     name = "compressed-tensors"
     marker = "weight_packed"
-    aux = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+    aux = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight_global_scale")
 
     def __init__(self, q: Mapping[str, Any]) -> None:
         top = q.get("format")
         self.groups: list[_Group] = []
         for gname, g in (q.get("config_groups") or {}).items():
             fmt = g.get("format") or top
+            if fmt == "nvfp4-pack-quantized":
+                self.groups.append(_Group(self._targets(gname, g), self._nvfp4(gname, g)))
+                continue
             if fmt != "pack-quantized":
                 raise QuantizedCheckpointError(
                     f"compressed-tensors format {fmt!r} (config group {gname}) is not supported (supported: {SUPPORTED})"
@@ -369,13 +378,32 @@ class CompressedTensorsFormat(IntFormat):
                 raise QuantizedCheckpointError("compressed-tensors dynamic weight quantization is not a stored format")
             if w.get("actorder"):
                 self.act_order = True
-            targets = tuple(g.get("targets") or ())
-            if not targets:
-                raise QuantizedCheckpointError(f"compressed-tensors config group {gname} names no targets")
-            self.groups.append(_Group(targets, IntScheme(bits, group, bool(w.get("symmetric", True)))))
+            self.groups.append(_Group(self._targets(gname, g), IntScheme(bits, group, bool(w.get("symmetric", True)))))
         if not self.groups:
             raise QuantizedCheckpointError("compressed-tensors quantization_config has no config_groups")
         self.ignore = tuple(q.get("ignore") or ())
+
+    @staticmethod
+    def _targets(gname: str, g: Mapping[str, Any]) -> tuple[str, ...]:
+        targets = tuple(g.get("targets") or ())
+        if not targets:
+            raise QuantizedCheckpointError(f"compressed-tensors config group {gname} names no targets")
+        return targets
+
+    @staticmethod
+    def _nvfp4(gname: str, g: Mapping[str, Any]) -> IntScheme:
+        """NVFP4A16 (weights only): FP4 E2M1 codes, an FP8 E4M3 scale per 16 inputs, a float32 global scale."""
+        if g.get("input_activations") or g.get("output_activations"):
+            raise QuantizedCheckpointError(
+                f"compressed-tensors config group {gname}: NVFP4 with FP4 activations (W4A4) is not supported, "
+                f"only weight-only NVFP4A16 (supported: {SUPPORTED})"
+            )
+        w = g.get("weights") or {}
+        if w.get("type") != "float" or w.get("num_bits") != 4 or w.get("group_size") != 16:
+            raise QuantizedCheckpointError(
+                f"compressed-tensors config group {gname}: nvfp4-pack-quantized needs 4-bit float weights in groups of 16"
+            )
+        return IntScheme(4, 16, True, "nvfp4")
 
     @staticmethod
     def _matches(pattern: str, module: str) -> bool:
@@ -396,7 +424,8 @@ class CompressedTensorsFormat(IntFormat):
     def describe(self) -> str:
         schemes = sorted({g.scheme.describe() for g in self.groups})
         order = ", act-order" if self.act_order else ""
-        return f"compressed-tensors pack-quantized ({'; '.join(schemes)}{order})"
+        fmt = "nvfp4-pack-quantized" if all(g.scheme.kind == "nvfp4" for g in self.groups) else "pack-quantized"
+        return f"compressed-tensors {fmt} ({'; '.join(schemes)}{order})"
 
     def schemes(self) -> list[IntScheme]:
         return [g.scheme for g in self.groups]
@@ -405,6 +434,8 @@ class CompressedTensorsFormat(IntFormat):
         f = "compressed-tensors"
         scheme = self.scheme_for(module)
         assert scheme is not None  # modules() refused the others
+        if scheme.kind == "nvfp4":
+            return self._unpack_nvfp4(tensors, module)
         bits, group = scheme.bits, scheme.group
         per = 32 // bits
         packed = _int32(_need(tensors, module + ".weight_packed", f), module + ".weight_packed", f)
@@ -429,6 +460,31 @@ class CompressedTensorsFormat(IntFormat):
         return GroupQuantized(codes, _scales(scales, module + ".weight_scale", f), zeros, g_idx, bits)
 
 
+    @staticmethod
+    def _unpack_nvfp4(tensors: Mapping[str, torch.Tensor], module: str) -> GroupQuantized:
+        """NVFP4: ``weight_packed`` uint8 ``[N, K / 2]`` (input 2i in the low nibble: sign bit 3, E2M1
+        magnitude index in bits 0-2), ``weight_scale`` float8_e4m3fn ``[N, K / 16]``,
+        ``weight_global_scale`` float32 ``[1]``; ``W = fp4 * (scale / global_scale)`` in float32.
+        Every E2M1 value is an integer over 2 (0, ±0.5 … ±6 = ±12 / 2), so this is the integer form
+        with codes ``2 * fp4 + 128`` (8-bit, zero point 128) and scales ``(scale / global) / 2``, exactly."""
+        f = "compressed-tensors nvfp4"
+        packed = _need(tensors, module + ".weight_packed", f)
+        if packed.dtype != torch.uint8:
+            raise QuantizedCheckpointError(f"{f} checkpoint: {module}.weight_packed is {packed.dtype}, expected uint8")
+        n, k = int(packed.shape[0]), int(packed.shape[1]) * 2
+        scale = _need(tensors, module + ".weight_scale", f)
+        _shape(scale, (n, k // 16), module + ".weight_scale", f, f"{n} outputs x {k} inputs / 16")
+        glob = _need(tensors, module + ".weight_global_scale", f)
+        if glob.numel() != 1:
+            raise QuantizedCheckpointError(f"{f} checkpoint: {module}.weight_global_scale must be one value")
+        half_steps = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.int32)  # E2M1 magnitudes x 2
+        nib = torch.stack(((packed & 15), (packed >> 4)), dim=-1).reshape(n, k).to(torch.int32)
+        val = torch.where(nib >= 8, -half_steps[nib & 7], half_steps[nib & 7])
+        eff = scale.to(torch.float32) / glob.to(torch.float32).reshape(())  # compressed-tensors' float32 division
+        return GroupQuantized((val + 128).to(torch.uint8), eff * 0.5, torch.full((n, k // 16), 128, dtype=torch.int32),
+                              torch.arange(k) // 16, 8)
+
+
 # ---------------------------------------------------------------------------- stored blocks
 def stored_blocks(w: GroupQuantized) -> tuple[str, torch.Tensor, torch.Tensor | None] | None:
     """``w`` as blocks tripod's kernels execute as stored — (kind, uint8 ``[N, K / 32 * bytes]``) —
@@ -437,8 +493,9 @@ def stored_blocks(w: GroupQuantized) -> tuple[str, torch.Tensor, torch.Tensor | 
     - 4-bit → ``Q4_K``'s form (``loader/stored.py``): per 32 inputs ``[a f32, b f32, 16 bytes of
       nibbles]`` with ``a = s`` and ``b = s * z`` (``w = a * q - b``), the group's scale repeated in
       each of its blocks of 32. Exact where ``s * z`` is exact in float32 (always for 16-bit scales).
-    - 8-bit with the zero point 128 everywhere (symmetric) → ``Q6_K``'s form: ``[a0 f32, a1 f32,
-      32 int8 codes q - 128]`` with ``a0 = a1 = s``.
+    - 8-bit with the zero point 128 everywhere (symmetric; NVFP4 arrives in this form) → ``Q6_K``'s
+      form: ``[a0 f32, a1 f32, 32 int8 codes q - 128]``, ``a0`` / ``a1`` the scales of inputs 0-15 /
+      16-31 (groups of a multiple of 16 inputs).
 
     Needs a group size that is a multiple of 32 (or one group per channel over K a multiple of 32).
     Act-order groups (``g_idx`` not in input order) are made contiguous by permuting the inputs once
@@ -447,7 +504,8 @@ def stored_blocks(w: GroupQuantized) -> tuple[str, torch.Tensor, torch.Tensor | 
     n, k = w.shape
     gs = w.scales.shape[1]
     size = -(-k // gs)
-    if k % 32 or (gs > 1 and size % 32):
+    sym8 = w.bits == 8 and bool((w.zeros == 128).all())
+    if k % 32 or (gs > 1 and size % (16 if sym8 else 32)):
         return None
     perm = None
     if not w.in_order:
@@ -467,9 +525,11 @@ def stored_blocks(w: GroupQuantized) -> tuple[str, torch.Tensor, torch.Tensor | 
         out = np.concatenate((s.numpy().reshape(n, -1, 1).view(np.uint8), b.numpy().reshape(n, -1, 1).view(np.uint8),
                               nib), axis=2)
         return "Q4_K", torch.from_numpy(np.ascontiguousarray(out.reshape(n, -1))), perm
-    if w.bits == 8 and bool((w.zeros == 128).all()):
+    if sym8:  # one scale per 16 inputs (the group's), as Q6_K holds them
+        s16 = w.scales.index_select(1, torch.arange(0, k, 16) // size).view(n, k // 32, 2)
         q = (w.codes.view(n, k // 32, 32).to(torch.int16) - 128).to(torch.int8).numpy()
-        a = s.numpy().reshape(n, -1, 1).view(np.uint8)
-        out = np.concatenate((a, a, q.view(np.uint8)), axis=2)
+        a0 = s16[:, :, 0].contiguous().numpy().reshape(n, -1, 1).view(np.uint8)
+        a1 = s16[:, :, 1].contiguous().numpy().reshape(n, -1, 1).view(np.uint8)
+        out = np.concatenate((a0, a1, q.view(np.uint8)), axis=2)
         return "Q6_K", torch.from_numpy(np.ascontiguousarray(out.reshape(n, -1))), perm
     return None
