@@ -299,14 +299,15 @@ def test_a_stored_linear_gives_each_row_the_same_bits_at_every_row_count(dtype: 
     dequantized weight's product up to float32 summation order."""
     from tests.support.int_quant import quantize
     from tripod.layers.linear import KernelLinear, StoredWeight
-    from tripod.loader.hf_quant import GroupQuantized, stored_blocks
+    from tripod.loader.hf_quant import GroupQuantized
+    from tripod.loader.stored import group_blocks
 
     g = torch.Generator().manual_seed(bits)
     n, k = 48, 128
     g_idx = torch.randperm(k, generator=g) // 32 if act_order else None
     q = quantize(torch.randn(n, k, generator=g), bits, 32, bits == 8, torch.float16, g_idx)
     w = GroupQuantized(q.codes.to(torch.uint8), q.scales.float(), q.zeros.to(torch.int32), q.g_idx, bits)
-    kind, blocks, perm = stored_blocks(w) or (None, None, None)
+    kind, blocks, perm = group_blocks(w) or (None, None, None)
     assert kind == ("Q4_K" if bits == 4 else "Q6_K") and (perm is not None) == act_order
     x = torch.randn(9, k, generator=g).to(dtype)
     first = None

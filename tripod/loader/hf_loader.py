@@ -155,13 +155,14 @@ class HFFolder:
         return out
 
     def stored_weights(self) -> dict[str, Any]:
-        """The integer-quantized weights tripod's kernels execute as stored (``hf_quant.stored_blocks``),
+        """The integer-quantized weights tripod's kernels execute as stored (``stored.group_blocks``),
         as blocks under HF names (act-order ones with the input permutation that makes their groups
         contiguous); the others (8-bit with zero points, groups not a multiple of 32) are left to
         their dequantized form, counted in the log."""
         from safetensors.torch import load_file
 
         from tripod.layers.linear import StoredWeight
+        from tripod.loader.stored import group_blocks
 
         if self.int_format is None:
             return {}
@@ -171,7 +172,7 @@ class HFFolder:
         found = self._unpacked(out)
         stored: dict[str, Any] = {}
         for module, w in found.items():
-            blocks = hf_quant.stored_blocks(w)
+            blocks = group_blocks(w)
             if blocks is not None:
                 stored[module + ".weight"] = StoredWeight(blocks[0], blocks[1], w.shape, blocks[2])
         kinds = sorted({sw.kind for sw in stored.values()})
