@@ -147,8 +147,9 @@ class EngineConfig:
     # activations' reserve) already hold; --kv-cache-tokens overrides it.
     gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory for weights + KV pool (CUDA)",
                                         commands=ENGINE_COMMANDS)
-    # "auto" (default): "stored" for a quantized GGUF where the kernels run it (CPU, one process,
-    # --dtype auto), else "dequantized" (loader/weights_mode.py; resolved before the engine is built).
+    # "auto" (default): "stored" for a quantized GGUF, or an AWQ / GPTQ / compressed-tensors folder
+    # (docs/quantized.md), where the kernels run it (CPU, one process, --dtype auto), else
+    # "dequantized" (loader/weights_mode.py; resolved before the engine is built).
     # "dequantized": every weight dequantized to the run dtype. "stored": a GGUF's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K
     # weights executed as stored by tripod's kernels (Q4_0 18 and Q4_1 20 bytes per 32 weights: ~0.28-0.31
     # of bf16's 64; Q8_0 and Q5_0 34: ~0.53; Q4_K 24: ~0.38; Q6_K 40: ~0.63 (kernels/csrc/linear.cpp),
@@ -157,9 +158,11 @@ class EngineConfig:
     # weights kept in FP8: w8a8 through torch._scaled_mm on FP8 tensor cores (sm_89+), else dequantized
     # band by band inside each matmul (w8a16, the run dtype's activations; layers/fp8.py). Explicit, logged, shown in /v1/models.
     weights: str = opt(
-        "auto", "auto (default): stored for a quantized GGUF on the CPU with --dtype auto, else dequantized; "
-        "stored: execute a GGUF's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K weights as stored (about 0.3 of "
-        "bf16's bytes per token for Q4_0/Q4_1, 0.53 for Q8_0, exactly the dequantized weights; activations in the run dtype: bfloat16 under "
+        "auto", "auto (default): stored for a quantized GGUF or an AWQ/GPTQ/compressed-tensors folder on the CPU "
+        "with --dtype auto, else dequantized; "
+        "stored: execute a GGUF's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K weights (or an AWQ/GPTQ/compressed-tensors "
+        "folder's int4 / symmetric int8 codes) as stored (about 0.3 of bf16's bytes per token for Q4_0/Q4_1, "
+        "0.53 for Q8_0, exactly the dequantized weights; activations in the run dtype: bfloat16 under "
         "--dtype auto, float32 with --dtype float32); fp8: keep a block-wise FP8 "
         "checkpoint's weights in FP8 (w8a8 on FP8 tensor cores, sm_89+; elsewhere w8a16, dequantized band by "
         "band; the log says which)",

@@ -78,12 +78,13 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_hf(kind: str, seed: int = 0) -> Any:
-    """The transformers model (fp32, eval) with decisive random weights."""
+def build_hf(kind: str, seed: int = 0, **overrides: Any) -> Any:
+    """The transformers model (fp32, eval) with decisive random weights (``overrides``: config
+    fields changed from the family's tiny defaults, e.g. wider layers)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     mtype, extra = ARCHS[kind]
-    cfg = AutoConfig.for_model(mtype, **{**COMMON, **extra})
+    cfg = AutoConfig.for_model(mtype, **{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed + 1)

@@ -53,6 +53,9 @@ class StoredWeight:
     kind: str  # "Q4_0" | "Q4_1" | "Q8_0" | "Q4_K" | "Q6_K" (loader/stored.py: Q5_0 arrives as Q8_0)
     blocks: torch.Tensor
     shape: tuple[int, int]  # (N, K)
+    # The blocks' input order as a permutation of the activations' (act-order GPTQ / compressed-
+    # tensors groups made contiguous at load, ``loader/hf_quant.py``): the linear reads x[:, perm].
+    perm: torch.Tensor | None = None
 
 
 # The stored kinds tripod's kernels execute, and their packed format name.
@@ -97,12 +100,16 @@ class OneDNNLinear:
 class KernelLinear:
     """tripod's CPU kernel over a weight packed for it (formats: bf16, f32, q4_0, q4_1, q8_0, q4_k, q6_k)."""
 
-    def __init__(self, ops: Any, packed: torch.Tensor, fmt: str, n: int, k: int, bias: torch.Tensor | None) -> None:
+    def __init__(self, ops: Any, packed: torch.Tensor, fmt: str, n: int, k: int, bias: torch.Tensor | None,
+                 perm: torch.Tensor | None = None) -> None:
         self.op = ops.linear_packed.default
         self.packed, self.fmt, self.n, self.k = packed, fmt, n, k
         self.bias = bias
+        self.perm = perm  # the packed inputs' order (act-order weights): an exact gather of x first
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
         if self.bias is None:
             return self.op(x, self.packed, self.fmt, self.n, self.k, residual)
         y = self.op(x, self.packed, self.fmt, self.n, self.k, None) + self.bias
@@ -119,7 +126,7 @@ class KernelLinear:
     def pack_stored(cls, ops: Any, stored: StoredWeight, bias: torch.Tensor | None) -> KernelLinear:
         n, k = stored.shape
         fmt = STORED_KINDS[stored.kind]
-        return cls(ops, ops.pack_linear(stored.blocks.contiguous(), fmt, n, k), fmt, n, k, bias)
+        return cls(ops, ops.pack_linear(stored.blocks.contiguous(), fmt, n, k), fmt, n, k, bias, stored.perm)
 
 
 Linear = DenseLinear | OneDNNLinear | KernelLinear | Fp8BlockLinear | Fp8ScaledLinear

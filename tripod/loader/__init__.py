@@ -123,13 +123,15 @@ def load_model(
         lazy = src.lazy_weights() if tp.size > 1 or pp.stages > 1 else None
         net.load_weights(lazy if lazy is not None else src.weights(), tp=tp, expert_parallel=expert_parallel)
     if weights == "stored":
-        if not isinstance(src, GGUFFile):
-            raise ValueError("--weights stored executes a GGUF file's quantized weights; this model is an HF folder")
+        if isinstance(src, HFFolder) and src.int_format is None:
+            raise ValueError("--weights stored executes a GGUF file's quantized weights or an AWQ / GPTQ / "
+                             "compressed-tensors folder's integer ones; this model is an unquantized HF folder")
         net.load_stored(src.stored_weights())
         if not net.has_stored_weights:
             raise ValueError(
                 f"--weights stored: {path.name} has no weights in a type tripod executes as stored "
-                f"(Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K; this file is {quant}); use the default dequantized weights"
+                f"(GGUF Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K; int4 groups, symmetric int8; this model is {quant}); "
+                "use the default dequantized weights"
             )
     net.eval()
     tok = src.tokenizer()

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from tripod.loader import hf_quant
 from tripod.loader.lazy import LazyTensors
 from tripod.models.config import ModelConfig
 from tripod.models.vision.spec import vlm_family
@@ -46,6 +47,9 @@ class HFFolder:
             raise ValueError(
                 f"{self.path} has no *.safetensors files (tripod loads safetensors or GGUF only)"
             )
+        # AWQ / GPTQ / compressed-tensors integer weights (None: unquantized, FP8 or MXFP4); an
+        # unsupported scheme is refused here, before anything is read.
+        self.int_format = hf_quant.parse(self.raw_config)
 
     def config(self) -> ModelConfig:
         cfg = ModelConfig.from_hf_dict(self.raw_config)
@@ -69,13 +73,16 @@ class HFFolder:
         block = q.get("weight_block_size")
         if method == "mxfp4":  # gpt-oss: MXFP4 experts, dequantized as they load (``ExpertSet``)
             return None
+        if self.int_format is not None:
+            return None
         if method == "fp8" and isinstance(block, list) and len(block) == 2:
             if q.get("fmt", "e4m3") != "e4m3":
                 raise ValueError(f"FP8 format {q.get('fmt')!r} is not supported (only e4m3)")
             return int(block[0]), int(block[1])
         raise ValueError(
             f"quantized checkpoints ({method or q}) are not supported; tripod loads unquantized "
-            "folders, DeepSeek's block-wise FP8 folders, gpt-oss's MXFP4 folders and GGUF files"
+            "folders, DeepSeek's block-wise FP8 folders, gpt-oss's MXFP4 folders, "
+            f"{hf_quant.SUPPORTED} and GGUF files"
         )
 
     @property
@@ -85,13 +92,17 @@ class HFFolder:
             return f"fp8 (block {block[0]}x{block[1]}, e4m3)"
         if (self.raw_config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
             return "mxfp4 (MoE experts; dequantized at load)"
+        if self.int_format is not None:
+            return self.int_format.describe()
         return str(self.raw_config.get("torch_dtype") or self.raw_config.get("dtype") or "none")
 
     def lazy_weights(self) -> Mapping[str, torch.Tensor] | None:
         """Every tensor, each read from its file only when asked for (a tensor-parallel rank keeps
         one layer's full tensors at a time, then its slices); None for a block-wise FP8 checkpoint,
         whose weights are dequantized as a whole."""
-        return None if self.fp8_block is not None else LazySafetensors(self.files)
+        if self.fp8_block is not None or self.int_format is not None:
+            return None
+        return LazySafetensors(self.files)
 
     def weights(self, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
         """Every tensor; block-wise FP8 weights dequantized (float32) with their
@@ -102,6 +113,8 @@ class HFFolder:
         out: dict[str, torch.Tensor] = {}
         for f in self.files:
             out.update(load_file(str(f)))
+        if self.int_format is not None:
+            return self._dequantized_ints(out)
         block = self.fp8_block
         if block is None or keep_fp8:
             return out
@@ -117,6 +130,61 @@ class HFFolder:
         log.info("%s: %d block-wise FP8 weights dequantized at load (block %dx%d)", self.path.name,
                  len(scales), *block)
         return out
+
+    def _unpacked(self, out: dict[str, torch.Tensor]) -> dict[str, hf_quant.GroupQuantized]:
+        """Every quantized linear of ``out`` unpacked (its tensors removed from ``out``), by module."""
+        fmt = self.int_format
+        assert fmt is not None
+        found: dict[str, hf_quant.GroupQuantized] = {}
+        for module in fmt.modules(list(out)):
+            if module + ".weight" in out:
+                raise hf_quant.QuantizedCheckpointError(
+                    f"{fmt.name} checkpoint: {module} has both a plain weight and quantized tensors")
+            found[module] = fmt.unpack(out, module)
+        for module in found:
+            for suffix in (fmt.marker, *fmt.aux):
+                out.pop(f"{module}.{suffix}", None)
+        return found
+
+    def _dequantized_ints(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        found = self._unpacked(out)
+        for module, w in found.items():
+            out[module + ".weight"] = w.dequantize()
+        assert self.int_format is not None
+        log.info("%s: %d %s weights dequantized at load", self.path.name, len(found), self.int_format.describe())
+        return out
+
+    def stored_weights(self) -> dict[str, Any]:
+        """The integer-quantized weights tripod's kernels execute as stored (``stored.group_blocks``),
+        as blocks under HF names (act-order ones with the input permutation that makes their groups
+        contiguous); the others (8-bit with zero points, groups not a multiple of 32) are left to
+        their dequantized form, counted in the log."""
+        from safetensors.torch import load_file
+
+        from tripod.layers.linear import StoredWeight
+        from tripod.loader.stored import group_blocks
+
+        if self.int_format is None:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for f in self.files:
+            out.update(load_file(str(f)))
+        found = self._unpacked(out)
+        stored: dict[str, Any] = {}
+        for module, w in found.items():
+            blocks = group_blocks(w)
+            if blocks is not None:
+                stored[module + ".weight"] = StoredWeight(blocks[0], blocks[1], w.shape, blocks[2])
+        kinds = sorted({sw.kind for sw in stored.values()})
+        log.info("%s: %d %s weights executed as stored on tripod's CPU kernels (%s blocks: codes x activations, "
+                 "the group scales per 32 inputs%s)", self.path.name, len(stored), self.int_format.describe(),
+                 "/".join(kinds) or "no", "; act-order inputs permuted once at load" if any(
+                     sw.perm is not None for sw in stored.values()) else "")
+        if len(stored) < len(found):
+            log.info("%s: %d of %d quantized weights have no stored form the kernels execute "
+                     "(zero points on 8 bits, or groups not a multiple of 32): they run dequantized",
+                     self.path.name, len(found) - len(stored), len(found))
+        return stored
 
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer

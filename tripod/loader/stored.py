@@ -9,11 +9,21 @@ keeping exactly the values ``gguf``'s dequantization gives:
   low nibble of byte j; j >= 16: the high nibble of byte j - 16): ``w = a * q - b``.
 - Q6_K → per 32 inputs ``[a0 f32, a1 f32, 32 int8 codes]``: ``a = d * sc`` of each 16 inputs and
   the 6-bit code minus 32: ``w = a * q``.
+
+The integer group formats of HF folders (AWQ, GPTQ, compressed-tensors; ``loader/hf_quant.py``) are
+rewritten into the Q4_K and Q6_K forms too (``group_blocks``).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
 import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from tripod.loader.hf_quant import GroupQuantized
 
 QK_K = 256
 
@@ -93,3 +103,52 @@ def dequantize(kind: str, blocks: np.ndarray, cols: int) -> np.ndarray:
     q = per[:, :, 8:40].view(np.int8).astype(np.float32)
     scale = np.concatenate((np.repeat(first, 16, axis=2), np.repeat(second, 16, axis=2)), axis=2)
     return (scale * q).reshape(rows, cols)
+
+
+def group_blocks(w: GroupQuantized) -> tuple[str, torch.Tensor, torch.Tensor | None] | None:
+    """``w`` as blocks tripod's kernels execute as stored — (kind, uint8 ``[N, K / 32 * bytes]``) —
+    with exactly its values; None where no stored kind holds them (it runs dequantized):
+
+    - 4-bit → ``Q4_K``'s form (``loader/stored.py``): per 32 inputs ``[a f32, b f32, 16 bytes of
+      nibbles]`` with ``a = s`` and ``b = s * z`` (``w = a * q - b``), the group's scale repeated in
+      each of its blocks of 32. Exact where ``s * z`` is exact in float32 (always for 16-bit scales).
+    - 8-bit with the zero point 128 everywhere (symmetric; NVFP4 arrives in this form) → ``Q6_K``'s
+      form: ``[a0 f32, a1 f32, 32 int8 codes q - 128]``, ``a0`` / ``a1`` the scales of inputs 0-15 /
+      16-31 (groups of a multiple of 16 inputs).
+
+    Needs a group size that is a multiple of 32 (or one group per channel over K a multiple of 32).
+    Act-order groups (``g_idx`` not in input order) are made contiguous by permuting the inputs once
+    here: the third item is then that permutation (the linear reads ``x[:, perm]``, an exact gather),
+    else None."""
+    n, k = w.shape
+    gs = w.scales.shape[1]
+    size = -(-k // gs)
+    sym8 = w.bits == 8 and bool((w.zeros == 128).all())
+    if k % 32 or (gs > 1 and size % (16 if sym8 else 32)):
+        return None
+    perm = None
+    if not w.in_order:
+        perm = torch.argsort(w.g_idx, stable=True)
+        w = replace(w, codes=w.codes[:, perm].contiguous(), g_idx=w.g_idx[perm])
+        if not w.in_order:  # groups of unequal sizes: no contiguous runs of `size`
+            return None
+    per32 = torch.arange(0, k, 32) // size  # the group of each block of 32 inputs
+    s = w.scales.index_select(1, per32)  # [N, K/32] float32
+    if w.bits == 4:
+        z = w.zeros.index_select(1, per32).to(torch.float64)
+        b = (s.to(torch.float64) * z).to(torch.float32)
+        if not torch.equal(b.to(torch.float64), s.to(torch.float64) * z):
+            return None  # float32 scales whose products with the zero points round
+        q = w.codes.view(n, k // 32, 32).numpy()
+        nib = q[:, :, :16] | (q[:, :, 16:] << np.uint8(4))
+        out = np.concatenate((s.numpy().reshape(n, -1, 1).view(np.uint8), b.numpy().reshape(n, -1, 1).view(np.uint8),
+                              nib), axis=2)
+        return "Q4_K", torch.from_numpy(np.ascontiguousarray(out.reshape(n, -1))), perm
+    if sym8:  # one scale per 16 inputs (the group's), as Q6_K holds them
+        s16 = w.scales.index_select(1, torch.arange(0, k, 16) // size).view(n, k // 32, 2)
+        q = (w.codes.view(n, k // 32, 32).to(torch.int16) - 128).to(torch.int8).numpy()
+        a0 = s16[:, :, 0].contiguous().numpy().reshape(n, -1, 1).view(np.uint8)
+        a1 = s16[:, :, 1].contiguous().numpy().reshape(n, -1, 1).view(np.uint8)
+        out = np.concatenate((a0, a1, q.view(np.uint8)), axis=2)
+        return "Q6_K", torch.from_numpy(np.ascontiguousarray(out.reshape(n, -1))), perm
+    return None

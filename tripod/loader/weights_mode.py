@@ -4,7 +4,9 @@ A quantized GGUF runs **as stored** (``stored``: exactly the file's values on tr
 third to a half of bf16's bytes per token, with the run dtype's activations — bfloat16 under
 ``--dtype auto``, each bf16 activation x code product exact) where the kernels can: on the CPU,
 in one process, with the run dtype left to ``auto``, and the file's dominant type one the kernels
-execute (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K). Everything else runs dequantized, which for a 16-bit (or
+execute (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K). So does an AWQ / GPTQ / compressed-tensors folder whose
+config has a scheme the kernels execute (int4 groups, symmetric int8; ``loader/hf_quant.py``). Everything
+else runs dequantized, which for a 16-bit (or
 float32) checkpoint *is* its stored values. An explicit ``--dtype`` (``float32``: the reference
 path, token-exact against transformers; ``bfloat16``) keeps the dequantized weights it names.
 
@@ -21,6 +23,7 @@ from tripod import kernels
 from tripod.config import EngineConfig, dtype_alias
 from tripod.loader import open_source
 from tripod.loader.gguf_loader import GGUFFile
+from tripod.loader.hf_loader import HFFolder
 
 log = logging.getLogger("tripod.loader")
 
@@ -46,6 +49,11 @@ def auto_weights(config: EngineConfig) -> tuple[str, str]:
         _name, _path, src = open_source(config.model)
     except (ValueError, OSError) as e:
         return "dequantized", f"the model could not be opened ({e})"  # the load reports it again
+    if isinstance(src, HFFolder) and src.int_format is not None:
+        why = src.int_format.not_stored_reason()
+        if why is not None:
+            return "dequantized", f"{src.quantization}: {why}"
+        return "stored", f"{src.quantization} executed as stored (codes x activations, scales per group)"
     if not isinstance(src, GGUFFile):
         return "dequantized", "a checkpoint folder: its 16-bit weights are its stored values"
     if src.quantization not in EXECUTED_AS_STORED:

@@ -369,8 +369,11 @@ class LlamaForCausalLM(nn.Module):
             k = ps[0].shape[1]
             if any(p.shape[1] != k for p in ps):
                 return None
+            perm = ps[0].perm  # act-order parts fuse only when they read their inputs in one order
+            if any((p.perm is None) != (perm is None) or (perm is not None and not torch.equal(p.perm, perm)) for p in ps):
+                return None
             blocks = torch.cat([p.blocks for p in ps]) if len(ps) > 1 else ps[0].blocks
-            return StoredWeight(ps[0].kind, blocks.contiguous(), (sum(p.shape[0] for p in ps), k))
+            return StoredWeight(ps[0].kind, blocks.contiguous(), (sum(p.shape[0] for p in ps), k), perm)
 
         for layer in self.layers:
             i = layer.layer

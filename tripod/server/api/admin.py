@@ -40,8 +40,10 @@ def model_card(state: ServerState) -> dict[str, Any]:
         # What computes: {"backend": "cpu", "isa": "avx2"} (tripod's kernels of that ISA level), or
         # "reference"/"torch" with the reason the kernels do not run; the latest heartbeat's.
         "compute": compute_card(state),
+        # The format as stored, e.g. "awq (int4, group 128, zero points)" (docs/quantized.md).
         "quantization": state.quantization,
-        # "dequantized" (to dtype), "stored" (GGUF Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K executed as stored) or "fp8" (a
+        # "dequantized" (to dtype), "stored" (GGUF Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K, or AWQ/GPTQ/compressed-tensors
+        # int4 / int8 codes, executed as stored) or "fp8" (a
         # block-wise FP8 checkpoint kept in FP8, w8a16); --weights.
         "weights": state.engine_config.weights,
         # Speculative decoding (lossless; --speculative): the method (null: off) and its settings.

@@ -1,0 +1,324 @@
+"""AWQ, GPTQ and compressed-tensors (pack-quantized) folders: loaded, token-exact, refused clearly.
+
+Tiny random Llama / Qwen3 checkpoints are quantized by the test-side packers (``tests/support/
+int_quant.py``, written from each format's documentation) and the fp32 reference is transformers
+holding the test's own dequantization of the same codes. tripod must decode the reference's greedy
+tokens with the weights dequantized at load (float32, the reference path: the same weights, the
+same math) and with the integer weights executed as stored on tripod's CPU kernels (float32
+activations: exact code x activation products, the scales applied per block of 32 — the same
+values summed in another order, so near ties may differ, as for the GGUF stored path), each prompt
+alone and all in one batch, the batch hitting the prefix cache.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import HFReference, check_greedy_tokens
+from tests.support.int_quant import save_quantized
+from tests.support.tiny_models import VOCAB, build_hf
+from tripod import Engine, SamplingParams, kernels
+from tripod.kernels.build import supported_levels
+
+N_TOKENS = 16
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    a = torch.randint(3, VOCAB, (37,), generator=g).tolist()
+    b = torch.randint(3, VOCAB, (6,), generator=g).tolist()
+    c = a[:29] + torch.randint(3, VOCAB, (4,), generator=g).tolist()  # shares a's first 29 tokens
+    return [a, b, c]
+
+
+PROMPTS = _prompts()
+PARAMS = SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
+NO_KERNELS = kernels.unavailable_reason()
+
+# name -> (family, method, options, config overrides)
+CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
+    "awq-g32": ("llama", "awq", dict(bits=4, group=32), {}),
+    "awq-g128-ignore": ("qwen3", "awq", dict(bits=4, group=128, ignore=("down_proj",)),
+                        dict(hidden_size=128, intermediate_size=256, head_dim=32)),
+    "gptq-4bit-sym-g64": ("llama", "gptq", dict(bits=4, group=64, sym=True),
+                          dict(hidden_size=128, intermediate_size=192)),
+    "gptq-4bit-asym-desc-act": ("qwen3", "gptq", dict(bits=4, group=32, sym=False, act_order=True), {}),
+    "gptq-8bit-sym-channel": ("llama", "gptq", dict(bits=8, group=-1, sym=True), {}),
+    "gptq-8bit-asym-g32": ("qwen3", "gptq", dict(bits=8, group=32, sym=False), {}),
+    "ct-w4a16-sym-g32-ignore": ("qwen3", "ct", dict(bits=4, group=32, sym=True, ignore=("o_proj",)), {}),
+    "ct-w4a16-asym-g32": ("llama", "ct", dict(bits=4, group=32, sym=False), {}),
+    "ct-w8a16-channel": ("llama", "ct", dict(bits=8, group=-1, sym=True), {}),
+    "ct-w4a16-actorder": ("llama", "ct", dict(bits=4, group=32, sym=True, act_order=True), {}),
+    "gptq-moe-experts": ("qwen3-moe", "gptq", dict(bits=4, group=32, sym=True), {}),  # quantized experts
+    "ct-nvfp4a16": ("qwen3", "nvfp4", dict(ignore=("down_proj",)), {}),
+}
+# The cases whose every quantized weight runs as stored (4-bit, act-order permuted at load; symmetric 8-bit).
+STORED = ("awq-g32", "awq-g128-ignore", "gptq-4bit-sym-g64", "gptq-4bit-asym-desc-act", "gptq-8bit-sym-channel",
+          "ct-w4a16-sym-g32-ignore", "ct-w4a16-asym-g32", "ct-w8a16-channel", "ct-w4a16-actorder", "ct-nvfp4a16")
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> Any:
+    made: dict[str, tuple[Path, HFReference]] = {}
+
+    def get(case: str) -> tuple[Path, HFReference]:
+        if case not in made:
+            family, method, opts, over = CASES[case]
+            model = build_hf(family, seed=5, **over)
+            folder, deq = save_quantized(model, tmp_path_factory.mktemp(case), hf_tokenizer, method, **opts)
+            missing, unexpected = model.load_state_dict(deq, strict=False)
+            assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+            made[case] = (folder, HFReference(model.eval()))
+        return made[case]
+
+    return get
+
+
+def _check(eng: Engine, ref: HFReference, what: str) -> None:
+    refs = [ref.greedy(p, N_TOKENS) for p in PROMPTS]
+    alone = [eng.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
+    for i, got in enumerate(alone):
+        check_greedy_tokens(got, refs[i], f"{what} prompt {i} alone")
+    cached = eng.stats.cached_prompt_tokens
+    batched = eng.generate(PROMPTS, PARAMS)
+    for i, out in enumerate(batched):
+        assert list(out.token_ids) == list(alone[i]), f"{what} prompt {i}: batched differs from alone"
+    assert eng.stats.cached_prompt_tokens > cached, "the batched run never hit the prefix cache"
+    eng.assert_consistent()
+
+
+# One case of each test runs by default (~60 s for the file on 2 cores); the rest are slow.
+DEFAULT_DEQUANTIZED = "gptq-4bit-asym-desc-act"
+DEFAULT_STORED = "ct-w4a16-actorder"
+
+
+def _cases(names: tuple[str, ...] | list[str], default: str) -> list[Any]:
+    return [pytest.param(c, marks=() if c == default else pytest.mark.slow) for c in names]
+
+
+@pytest.mark.parametrize("case", _cases(list(CASES), DEFAULT_DEQUANTIZED))
+def test_dequantized_weights_decode_the_reference_tokens(case: str, quantized: Any) -> None:
+    folder, ref = quantized(case)
+    eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=2048, chunk_size=16, max_batch_tokens=64, max_running=8,
+                 weights="dequantized", kernels="eager")
+    method = CASES[case][1]
+    assert eng.loaded.quantization.startswith({"ct": "compressed-tensors pack-quantized",
+                                               "nvfp4": "compressed-tensors nvfp4-pack-quantized"}.get(method, method))
+    assert eng.loaded.weights == "dequantized"
+    _check(eng, ref, f"{case} dequantized")
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
+@pytest.mark.parametrize("case", _cases(STORED, DEFAULT_STORED))
+def test_stored_codes_decode_the_reference_tokens(case: str, quantized: Any) -> None:
+    from tripod.layers.linear import KernelLinear
+
+    folder, ref = quantized(case)
+    eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=2048, chunk_size=16, max_batch_tokens=64, max_running=8,
+                 weights="stored")
+    net = eng.loaded.model
+    assert eng.loaded.weights == "stored" and net.has_stored_weights
+    layer = net.layers[0]
+    ignored = CASES[case][2].get("ignore", ())
+    want = {"qkv", "gate_up"} | ({"down"} if "down_proj" not in ignored else set()) | ({"o"} if "o_proj" not in ignored else set())
+    assert set(layer.stored) == want, set(layer.stored)
+    gate_up, _down = layer.mlp.ops[eng.runner.backend.form]
+    int4 = CASES[case][2].get("bits") == 4 and CASES[case][1] != "nvfp4"
+    assert isinstance(gate_up, KernelLinear) and gate_up.fmt == ("q4_k" if int4 else "q6_k")
+    _check(eng, ref, f"{case} stored")
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
+def test_auto_picks_stored_for_int4_groups_and_dequantized_for_asymmetric_int8(quantized: Any) -> None:
+    from tripod.config import EngineConfig
+    from tripod.loader.weights_mode import auto_weights
+
+    folder, _ = quantized("awq-g32")
+    mode, why = auto_weights(EngineConfig(model=str(folder)))
+    assert mode == "stored" and "awq (int4, group 32, zero points)" in why, why
+    folder, _ = quantized("gptq-8bit-asym-g32")
+    mode, why = auto_weights(EngineConfig(model=str(folder)))
+    assert mode == "dequantized" and "symmetric 8-bit" in why, why
+    mode, why = auto_weights(EngineConfig(model=str(folder), dtype="float32"))
+    assert mode == "dequantized" and "--dtype float32" in why
+
+
+def test_stored_blocks_hold_exactly_the_dequantized_values(quantized: Any) -> None:
+    """The Q4_K / Q6_K rewrite of the stored cases' weights keeps each value (a*q - b = (q - z)*s),
+    act-order ones with their inputs permuted once at load."""
+    import numpy as np
+
+    from tripod.loader.hf_loader import HFFolder
+    from tripod.loader.stored import dequantize
+
+    for case in ("awq-g32", "gptq-8bit-sym-channel", "ct-w4a16-asym-g32", "gptq-4bit-asym-desc-act", "ct-nvfp4a16"):
+        folder, _ = quantized(case)
+        src = HFFolder(folder)
+        deq = src.weights()
+        stored = src.stored_weights()
+        assert stored
+        for name, sw in stored.items():
+            got = dequantize(sw.kind, sw.blocks.numpy(), sw.shape[1])
+            want = deq[name] if sw.perm is None else deq[name][:, sw.perm]  # act-order: inputs permuted at load
+            assert (sw.perm is not None) == case.endswith("desc-act")
+            assert np.array_equal(got, want.numpy()), f"{case}: {name} ({sw.kind}) differs"
+
+
+# ---------------------------------------------------------------------------- refusals
+def _folder_with(quantized: Any, tmp_path: Path, case: str, *, config: dict[str, Any] | None = None,
+                 drop: str | None = None, reshape: str | None = None) -> Path:
+    """A copy of ``case``'s folder with its quantization_config replaced, or one tensor dropped or cut."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = quantized(case)
+    dst = tmp_path / "bad"
+    shutil.copytree(folder, dst)
+    if config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["quantization_config"] = config
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if drop or reshape:
+        f = dst / "model.safetensors"
+        t = load_file(str(f))
+        if drop:
+            del t[drop]
+        if reshape:
+            t[reshape] = t[reshape][:-1].contiguous()
+        save_file(t, str(f), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "not supported.*AWQ.*GPTQ.*compressed-tensors"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "AWQ version 'gemv' is not supported"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 32}, "GPTQ with 3-bit weights is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized",
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+                              "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}},
+     "format 'int-quantized'.*not supported"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}}},
+     "strategy 'tensor' is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "group_size": 16},
+                              "input_activations": {"num_bits": 4, "type": "float", "group_size": 16}}}},
+     r"NVFP4 with FP4 activations \(W4A4\) is not supported"),
+])
+def test_unsupported_schemes_are_refused_at_start(config: dict[str, Any], match: str, quantized: Any,
+                                                  tmp_path: Path) -> None:
+    folder = _folder_with(quantized, tmp_path, "awq-g32", config=config)
+    with pytest.raises(ValueError, match=match):
+        Engine(model=str(folder), dtype="float32", kv_cache_tokens=256)
+
+
+@pytest.mark.parametrize("case, drop, reshape, match", [
+    ("awq-g32", "model.layers.0.self_attn.q_proj.scales", None, "missing model.layers.0.self_attn.q_proj.scales"),
+    ("gptq-4bit-sym-g64", None, "model.layers.1.mlp.up_proj.scales", r"up_proj.scales has shape \(1, 192\), expected \(2, 192\)"),
+    ("ct-w4a16-asym-g32", "model.layers.0.mlp.down_proj.weight_zero_point", None, "missing .*down_proj.weight_zero_point"),
+    ("ct-w4a16-asym-g32", "model.layers.2.self_attn.k_proj.weight_packed", None, r"k_proj.weight_\w+ has no weight_packed"),
+])
+def test_malformed_checkpoints_are_refused(case: str, drop: str | None, reshape: str | None, match: str,
+                                           quantized: Any, tmp_path: Path) -> None:
+    folder = _folder_with(quantized, tmp_path, case, drop=drop, reshape=reshape)
+    with pytest.raises(ValueError, match=match):
+        Engine(model=str(folder), dtype="float32", kv_cache_tokens=256, weights="dequantized")
+
+
+def test_a_scheme_that_does_not_match_the_tensors_is_refused(quantized: Any, tmp_path: Path) -> None:
+    """The config says group 64 but the tensors hold groups of 32: the shapes say so."""
+    from tests.support.int_quant import quant_config
+
+    folder = _folder_with(quantized, tmp_path, "awq-g32", config=quant_config("awq", 4, 64, False, False, ()))
+    with pytest.raises(ValueError, match=r"scales has shape \(2, \d+\), expected \(1, \d+\)|not a multiple of group_size 64"):
+        Engine(model=str(folder), dtype="float32", kv_cache_tokens=256, weights="dequantized")
+
+
+# ---------------------------------------------------------------------------- compressed-tensors' own code
+@pytest.mark.parametrize("bits, sym", [(4, True), (4, False), (8, True)])
+def test_compressed_tensors_packs_as_the_test_packer(bits: int, sym: bool) -> None:
+    """The package's own ``pack_to_int32`` (signed codes, zero points along the outputs) makes the
+    test packer's tensors bit for bit, and tripod unpacks them to the same codes."""
+    ct = pytest.importorskip("compressed_tensors.compressors")
+    from tests.support.int_quant import pack_ct, quantize
+    from tripod.loader.hf_quant import CompressedTensorsFormat
+
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(bits))
+    q = quantize(w, bits, 32, sym, torch.bfloat16)
+    mine = pack_ct(q, bits, sym, act_order=False)
+    offset = 1 << (bits - 1)
+    signed = (q.codes - offset).to(torch.int8)
+    assert torch.equal(ct.pack_to_int32(signed, bits), mine["weight_packed"])
+    if not sym:
+        assert torch.equal(ct.pack_to_int32((q.zeros - offset).to(torch.int8), bits, packed_dim=0),
+                           mine["weight_zero_point"])
+    from tests.support.int_quant import quant_config
+
+    fmt = CompressedTensorsFormat(quant_config("ct", bits, 32, sym, False, ()))
+    got = fmt.unpack({f"m.{k}": v for k, v in mine.items()}, "m")
+    assert torch.equal(got.codes.long(), q.codes) and torch.equal(got.dequantize(), q.dequantize())
+
+
+@pytest.mark.parametrize("case", ["ct-w4a16-asym-g32", "ct-nvfp4a16"])
+def test_transformers_decompression_agrees_up_to_its_bf16_rounding(case: str, quantized: Any) -> None:
+    """transformers' own loading of a compressed-tensors folder (the package decompresses it)
+    gives tripod's dequantized weights rounded to the scales' dtype (bf16): it forms ``(q - z) * s``
+    in bf16, tripod in float32, exactly."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from tripod.loader.hf_loader import HFFolder
+
+    folder, _ = quantized(case)
+    ours = HFFolder(folder).weights()
+    theirs = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                  quantization_config=CompressedTensorsConfig(dequantize=True)).state_dict()
+    quantized_names = [n for n in ours if n.endswith("proj.weight") and n.startswith("model.layers.")
+                       and not (case == "ct-nvfp4a16" and "down_proj" in n)]
+    assert quantized_names
+    for name in quantized_names:
+        assert torch.equal(theirs[name], ours[name].bfloat16().float()), name
+        assert not torch.equal(theirs[name], ours[name])  # (so the bf16 rounding is real, and said)
+
+
+
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits, act_order", [(4, True), (4, False), (8, False)])
+def test_a_stored_linear_gives_each_row_the_same_bits_at_every_row_count(dtype: torch.dtype, bits: int,
+                                                                          act_order: bool) -> None:
+    """One stored projection (act-order: inputs permuted at load) on the kernels: a row's output is
+    bit-identical alone and among 1..9 rows (the sums never depend on the batch), and equals the
+    dequantized weight's product up to float32 summation order."""
+    from tests.support.int_quant import quantize
+    from tripod.layers.linear import KernelLinear, StoredWeight
+    from tripod.loader.hf_quant import GroupQuantized
+    from tripod.loader.stored import group_blocks
+
+    g = torch.Generator().manual_seed(bits)
+    n, k = 48, 128
+    g_idx = torch.randperm(k, generator=g) // 32 if act_order else None
+    q = quantize(torch.randn(n, k, generator=g), bits, 32, bits == 8, torch.float16, g_idx)
+    w = GroupQuantized(q.codes.to(torch.uint8), q.scales.float(), q.zeros.to(torch.int32), q.g_idx, bits)
+    kind, blocks, perm = group_blocks(w) or (None, None, None)
+    assert kind == ("Q4_K" if bits == 4 else "Q6_K") and (perm is not None) == act_order
+    x = torch.randn(9, k, generator=g).to(dtype)
+    first = None
+    for level in supported_levels():  # every ISA level: the same bits
+        assert kernels.load(level, wait=True), kernels.unavailable_reason(level)
+        lin = KernelLinear.pack_stored(kernels.ops(level), StoredWeight(kind, blocks, (n, k), perm), None)
+        alone = torch.cat([lin(x[i : i + 1]) for i in range(9)])
+        for rows in (2, 5, 9):
+            assert torch.equal(lin(x[:rows]), alone[:rows]), f"{level}: {rows} rows"
+        first = alone if first is None else first
+        assert torch.equal(alone, first), f"{level} differs from the first level"
+    assert first is not None
+    alone, ref = first, x.float() @ q.dequantize().t()
+    torch.testing.assert_close(alone.float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-4)
