@@ -11,6 +11,8 @@ the same ``step()`` and reports ``snapshot()``.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +46,8 @@ from tripod.memory.prefix_cache import keyed_with_images
 from tripod.memory.tiered_cache import TieredCache
 from tripod.protocol.multimodal import ImageInput, ImageSpan
 from tripod.protocol.stats import ComputeCard, EngineStats, SpecDecodeCounts, StepTimes
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "ImagePrompt", "Prompt", "StepCounters", "StepOutput"]
 
@@ -103,6 +107,13 @@ class Engine(OfflineAPI):
         self.config = config = builder.resolve_config(config, model, dtype, device, overrides, loaded)
         t0 = time.monotonic()
         parts = builder.build(config, loaded)
+        self.states = parts.states  # a hybrid model's recurrent states (None: every layer attends)
+        if self.states is not None and config.jump_forward:
+            # NOTE: a jump-forward verification advances the recurrent state over draft tokens it may
+            # reject, and a state cannot be rolled back yet: forced text is decoded token by token
+            # (the outputs are identical either way).
+            log.info("hybrid model: jump-forward off (structured outputs decode forced text token by token)")
+            self.config = config = dataclasses.replace(config, jump_forward=False)
         self.device, self.dtype, self.loaded, self.draft = parts.device, parts.dtype, parts.loaded, parts.draft
         self.model_config, self.tokenizer = parts.loaded.config, parts.loaded.tokenizer
         self.pool, self.kv_bytes_per_token, self.context_len = parts.pool, parts.kv_bytes_per_token, parts.context_len
@@ -112,7 +123,8 @@ class Engine(OfflineAPI):
         self.vision = parts.vision  # a vision-language model's images (engine/vision.py)
         self.scheduler = Scheduler(self.pool.allocator, self.cache, max_running=config.max_running,
                                    max_batch_tokens=config.max_batch_tokens, chunk_size=config.chunk_size,
-                                   policy=SchedulePolicy(config.policy, config.aging), loras=self.loras)
+                                   policy=SchedulePolicy(config.policy, config.aging), loras=self.loras,
+                                   states=self.states)
         self.stats = StepCounters()
         self.spec = Speculator(lambda: self.config, self.tokenizer, self.pool.allocator, self.sampler,
                                self.stats.spec, parts.proposer)
@@ -434,6 +446,8 @@ class Engine(OfflineAPI):
         the prompt's images, which the cache keys by content."""
         if self.group is not None:
             raise ValueError("a model over several processes holds its KV in shards: it cannot export it")
+        if self.states is not None:
+            raise ValueError(builder.hybrid_refusal("exporting KV (prefill/decode disaggregation, failover transfer)"))
         key = keyed_with_images(tokens, [(im.hash, im.offset, im.length) for im in images]) if images else tokens
         return export_prefix(self.cache, self.pool, self.kv_layout, key)
 

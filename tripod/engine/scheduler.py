@@ -28,6 +28,7 @@ from tripod.engine.lora import LoraRegistry
 from tripod.engine.request import FinishReason, Req
 from tripod.memory.kv_pool import SlotAllocator
 from tripod.memory.prefix_cache import MatchResult, PrefixCache
+from tripod.memory.state_pool import StatePool
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +97,13 @@ class Scheduler:
         chunk_size: int,
         policy: SchedulePolicy,
         loras: LoraRegistry | None = None,
+        states: StatePool | None = None,
     ) -> None:
         self.allocator = allocator
+        # Hybrid models: one recurrent-state slot per running request (taken at admission, given
+        # back with its KV). A cached prefix is never reused without its state, so their prefix
+        # lookups find nothing (``_match``): exact by construction, at the cost of recomputing.
+        self.states = states
         self.cache = cache
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
@@ -253,6 +259,8 @@ class Scheduler:
         return item
 
     def _place(self, req: Req, budget: int) -> ScheduledItem | None:
+        if self.states is not None and self.states.num_free == 0:
+            return None  # every state slot is held by a running request: wait for one
         tokens = req.cache_ids
         # What a tier below the pool has beyond the pool's match goes into the pool first.
         self.cache.load(tokens[:-1], headroom=len(self.running), chunk=min(self.chunk_size, budget),
@@ -282,6 +290,9 @@ class Scheduler:
         if req in self._promoted:
             self._promoted.remove(req)
         req.dp_rank = rank
+        if self.states is not None:
+            req.state_slot = self.states.alloc()  # zeroed: the sequence starts from the empty state
+            assert req.state_slot is not None and hit == 0
         req.slots = match.slots + new
         req.slots_version += 1
         req.cache_len = hit
@@ -296,6 +307,10 @@ class Scheduler:
         """The request's cached prefix; data-parallel attention: on the rank that holds the
         longest one, else (no hit) the rank with the fewest running requests, then the most free slots."""
         record = req.retractions == 0
+        if self.states is not None:  # (no state snapshots: a prefix's KV alone cannot resume a sequence)
+            if record:
+                self.cache.record(len(req.cache_ids) - 1, 0)
+            return self.cache.match_prefix([], record=False)
         if self.allocator.ranks == 1:
             return self.cache.match_prefix(req.cache_ids[:-1], record=record)
         found = [self.cache.match_prefix(req.cache_ids[:-1], record=False, rank=r) for r in range(self.allocator.ranks)]
@@ -397,6 +412,10 @@ class Scheduler:
             assert self.loras is not None and req.lora is not None
             self.loras.release(req.lora)
             req.adapter = None
+        if req.state_slot is not None:
+            assert self.states is not None
+            self.states.free(req.state_slot)
+            req.state_slot = None
         req.slots = []
         req.slots_version += 1
         req.cache_len = 0
@@ -433,6 +452,13 @@ class Scheduler:
         )
         if not self.running:
             assert self.cache.protected_size == 0, "idle engine with pinned cache nodes"
+        if self.states is not None:  # every state slot is free or held by exactly one running request
+            held = [r.state_slot for r in self.running]
+            assert None not in held, "a running request of a hybrid model holds no state slot"
+            assert len(set(held)) == len(held), f"a state slot is held twice: {held}"
+            assert not set(held) & self.states.free_set(), "a held state slot is also free"
+            assert len(held) + self.states.num_free == self.states.num_slots, "state slots leaked"
+            assert all(r.state_slot is None for r in self.waiting), "a waiting request holds a state slot"
 
 
 def _chunk(req: Req, start: int, n: int) -> int:

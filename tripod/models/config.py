@@ -39,7 +39,12 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "deepseek_v4": ("DeepseekV4ForCausalLM",),
     "llava": ("LlavaForConditionalGeneration",),
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration",),
+    "qwen3_5_text": ("Qwen3_5ForCausalLM",),
+    "qwen3_5": ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
 }
+# Hybrid linear-attention families whose multimodal folders tripod runs the text part of: the
+# outer ``model_type`` -> the decoder's (its ``text_config`` is the decoder's config).
+HYBRID_TEXT = {"qwen3_5": "qwen3_5_text"}
 # A vision-language family's decoder, as an HF text config names it (when its own type is not one).
 VLM_DECODERS = {"qwen2_5_vl": ("qwen2", "Qwen2ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
 
@@ -76,6 +81,23 @@ class V4Config:
     hc_iters: int  # Sinkhorn-Knopp iterations
     hc_eps: float
     hash_layers: tuple[int, ...]  # layers whose experts are chosen by token id (``tid2eid``)
+
+
+@dataclass(frozen=True, slots=True)
+class HybridConfig:
+    """A hybrid model's linear-attention layers (Gated DeltaNet, ``layers/gated_delta.py``) and its
+    attention layers' extras (an output gate, partial rotary): Qwen3.5."""
+
+    linear_layers: tuple[int, ...]  # the layers with a gated-delta-rule mixer (the others attend)
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+    rope_dim: int  # rotary channels of each attention head (the first ones; the rest pass through)
+
+    def is_linear(self, layer: int) -> bool:
+        return layer in self.linear_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +142,7 @@ class ModelConfig:
     attn_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax (AttnSpec.sinks)
     v4: V4Config | None = None  # DeepSeek-V4: compressed attention, hyper-connections, hash routing
     vision: VisionSpec | None = None  # a vision-language model: how images become decoder inputs
+    hybrid: HybridConfig | None = None  # linear-attention layers beside the attention ones (Qwen3.5)
 
     def is_sliding(self, layer: int) -> bool:
         if self.sliding_window is None:
@@ -141,6 +164,8 @@ class ModelConfig:
         """What one token costs in the KV pool: K and V per KV head (this rank's, under tensor
         parallelism), or MLA's latent; over ``num_layers`` layers (a pipeline stage's; default all)."""
         layers = self.num_layers if num_layers is None else num_layers
+        if self.hybrid is not None:  # only the attention layers keep K/V per token
+            layers = self.num_layers - len(self.hybrid.linear_layers)
         if self.mla is not None:
             return PoolSpec(layers, "latent", latent_dim=self.mla.pool_dim)
         if self.v4 is not None:
@@ -164,6 +189,8 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from an HF ``config.json`` (old ``rope_scaling`` or new ``rope_parameters``). A
         vision-language checkpoint's is its ``text_config`` with the ``VisionSpec`` beside it."""
+        if str(d.get("model_type")) in HYBRID_TEXT and isinstance(d.get("text_config"), dict):
+            return _hybrid_text_part(d)
         family = vlm_family(d)
         if family is not None and isinstance(d.get("text_config"), dict):
             return _vision_language(d, family)
@@ -184,6 +211,9 @@ class ModelConfig:
         layers = int(d["num_hidden_layers"])
         v4 = _v4(d, layers) if mtype == "deepseek_v4" or arch == "DeepseekV4ForCausalLM" else None
         window, sliding = _sliding(d, layers) if v4 is None else (None, None)  # (V4's window: its attention's)
+        hybrid = _hybrid(d, layers, int(d.get("head_dim") or hidden // heads)) if mtype == "qwen3_5_text" else None
+        if hybrid is not None:
+            window, sliding = None, None
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
@@ -203,12 +233,12 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             hidden_act=act,
-            qk_norm=mtype in ("qwen3", "qwen3_moe") or mtype.startswith("gemma3")
+            qk_norm=mtype in ("qwen3", "qwen3_moe", "qwen3_5_text") or mtype.startswith("gemma3")
             or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=window,
             sliding_layers=sliding,
             rope_local_theta=float(local_theta) if local_theta is not None and gemma else None,
-            norm_offset=gemma,
+            norm_offset=gemma or hybrid is not None,  # (Qwen3.5's norms scale by 1 + w too)
             embed_scale=gemma,
             sandwich_norms=gemma,
             query_pre_attn_scalar=float(d["query_pre_attn_scalar"]) if d.get("query_pre_attn_scalar") else None,
@@ -219,6 +249,7 @@ class ModelConfig:
             num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
             attn_sinks=mtype == "gpt_oss" or arch == "GptOssForCausalLM",
             v4=v4,
+            hybrid=hybrid,
         )
 
 
@@ -250,6 +281,44 @@ def _vision_language(d: dict[str, Any], family: str) -> ModelConfig:
     # Gemma 3 checkpoints set final_logit_softcapping to null anyway.
     final = None if family == "gemma3" else cfg.final_softcap
     return dataclasses.replace(cfg, architecture=vlm_arch, vision=VisionSpec.from_hf(d, family), final_softcap=final)
+
+
+def _hybrid(d: dict[str, Any], layers: int, head_dim: int) -> HybridConfig:
+    """Qwen3.5's linear layers (``layer_types``, or transformers' default: every fourth layer attends)."""
+    types = d.get("layer_types")
+    if types is None:
+        interval = int(d.get("full_attention_interval") or 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    bad = sorted({t for t in types if t not in ("linear_attention", "full_attention")})
+    if len(types) != layers or bad:
+        raise ValueError(f"layer_types must name each of the {layers} layers linear_attention or full_attention "
+                         f"(got {types})")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    partial = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0)
+    rope_dim = int(head_dim * partial)
+    if rope_dim % 2 or not 0 < rope_dim <= head_dim:
+        raise ValueError(f"partial_rotary_factor {partial} gives {rope_dim} rotary channels of {head_dim}: "
+                         "an even count up to head_dim is needed")
+    return HybridConfig(
+        linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+        k_heads=int(d["linear_num_key_heads"]), v_heads=int(d["linear_num_value_heads"]),
+        k_dim=int(d["linear_key_head_dim"]), v_dim=int(d["linear_value_head_dim"]),
+        conv_kernel=int(d.get("linear_conv_kernel_dim") or 4), rope_dim=rope_dim,
+    )
+
+
+def _hybrid_text_part(d: dict[str, Any]) -> ModelConfig:
+    """A hybrid family's multimodal folder: its decoder, from ``text_config`` (the vision tower is
+    not run; the architecture stays the folder's, so its weight names are read)."""
+    import dataclasses
+
+    text = dict(d["text_config"])
+    text.update(model_type=HYBRID_TEXT[str(d["model_type"])], architectures=None)
+    if "tie_word_embeddings" in d:
+        text["tie_word_embeddings"] = d["tie_word_embeddings"]
+    cfg = ModelConfig.from_hf_dict(text)
+    arch = str((d.get("architectures") or [MODEL_TYPES[str(d["model_type"])][-1]])[0])
+    return dataclasses.replace(cfg, architecture=arch)
 
 
 def _rope(d: dict[str, Any]) -> tuple[dict[str, Any] | None, Any, Any]:
