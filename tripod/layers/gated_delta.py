@@ -25,7 +25,6 @@ WY form over blocks of 64; the two agree to float32 rounding, and greedy tokens 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tripod.layers.batch import Backend, StateRows
@@ -100,13 +99,13 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
         q = _l2norm(q) * (self.k_dim**-0.5)
         k = _l2norm(k)
-        beta = b.sigmoid().float()
-        g = -self.a_log.exp() * F.softplus(a.float() + self.dt_bias)
+        beta = _sigmoid(b).float()
+        g = -self.a_log.exp() * _softplus(a.float() + self.dt_bias)
         o = self._recur(q, k, v, g.exp(), beta, states, rec_state)
         o = o.to(h.dtype).float()
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
         o = self.norm_w * o.to(h.dtype)
-        o = o * F.silu(z.float().reshape(t, nv, self.v_dim))
+        o = o * _silu(z.float().reshape(t, nv, self.v_dim))
         return out_op(o.to(h.dtype).reshape(t, vs), residual=residual)
 
     def _conv(self, mixed: torch.Tensor, states: StateRows, conv_state: torch.Tensor) -> torch.Tensor:
@@ -121,34 +120,41 @@ class GatedDeltaNet(nn.Module):
                 acc = acc + window[j : j + n] * w[:, j]
             out[first : first + n] = acc
             conv_state[slot].copy_(window[n:].t())
-        return F.silu(out)
+        return _silu(out)
 
     @staticmethod
     def _recur(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
                states: StateRows, rec_state: torch.Tensor) -> torch.Tensor:
-        """The recurrence, token by token; at step ``i`` every item with more than ``i`` tokens
-        advances together (items sorted longest first, so the active ones are a prefix)."""
-        order = sorted(states.items, key=lambda it: -it[1])
-        slots = torch.tensor([s for _, _, s in order], dtype=torch.long, device=q.device)
-        s = rec_state.index_select(0, slots)  # [B, H, Dk, Dv]
+        """The recurrence, token by token, one sequence at a time: every update is the same
+        ``[1, H, Dk, Dv]`` ops whatever else the step holds (torch's reductions may sum a row
+        differently when more rows share a call, so rows of different sequences never do)."""
         out = torch.empty_like(v)
-        longest = order[0][1] if order else 0
-        firsts = [f for f, _, _ in order]
-        lengths = [n for _, n, _ in order]
-        m = len(order)
-        for i in range(longest):
-            while m and lengths[m - 1] <= i:
-                m -= 1
-            rows = torch.tensor([firsts[j] + i for j in range(m)], dtype=torch.long, device=q.device)
-            qi, ki, vi = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows)
-            si = s[:m] * decay.index_select(0, rows)[..., None, None]
-            kv = (si * ki[..., None]).sum(-2)
-            delta = (vi - kv) * beta.index_select(0, rows)[..., None]
-            si = si + ki[..., None] * delta[..., None, :]
-            s[:m] = si
-            out.index_copy_(0, rows, (si * qi[..., None]).sum(-2))
-        rec_state.index_copy_(0, slots, s)
+        for first, n, slot in states.items:
+            s = rec_state[slot : slot + 1]  # [1, H, Dk, Dv]
+            for r in range(first, first + n):
+                s = s * decay[r : r + 1, :, None, None]
+                kr = k[r : r + 1, :, :, None]
+                kv = (s * kr).sum(-2)
+                s = s + kr * ((v[r : r + 1] - kv) * beta[r : r + 1, :, None])[:, :, None, :]
+                out[r : r + 1] = (s * q[r : r + 1, :, :, None]).sum(-2)
+            rec_state[slot : slot + 1] = s
         return out
+
+
+# NOTE: torch's CPU sigmoid, SiLU and softplus compute a tensor's last (< 16) elements on a scalar
+# path that rounds differently from the vectorized one, so a row's result would depend on where it
+# sits in the step's tensor. exp, log, +, / are the same on both paths: these spell the three out
+# with them (within 2.4e-7 of torch's).
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1.0 + torch.exp(-x))
+
+
+def _softplus(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x)))  # (torch's threshold)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
