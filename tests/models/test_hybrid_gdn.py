@@ -35,12 +35,24 @@ CONFIG: dict[str, Any] = dict(
 )
 
 
-def build_qwen3_5(seed: int = 0) -> Any:
-    """transformers' Qwen3.5 (fp32, eval) with decisive random weights: unit-variance projections,
-    (1 + w) norms off zero, the mixer's own norm around one, decays and conv taps of real size."""
+MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=48)
+# model_type -> its config beyond CONFIG: Qwen3.5-MoE (every layer MoE), Qwen3-Next (one dense layer)
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3_5_text": {},
+    "qwen3_5_moe_text": dict(MOE, intermediate_size=None),
+    "qwen3_next": dict(MOE, mlp_only_layers=[1], norm_topk_prob=True),
+}
+
+
+def build_qwen3_5(seed: int = 0, model_type: str = "qwen3_5_text") -> Any:
+    """transformers' Qwen3.5 (or a sibling family; fp32, eval) with decisive random weights:
+    unit-variance projections, (1 + w) norms off zero, the mixer's own norm around one, decays and
+    conv taps of real size."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("qwen3_5_text", **CONFIG)
+    extra = FAMILIES[model_type]
+    cfg = AutoConfig.for_model(model_type, **{k: v for k, v in {**CONFIG, **extra}.items() if v is not None})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed + 1)
@@ -109,6 +121,27 @@ def test_qwen3_5_greedy_parity_alone_batched_chunked(kernels: str, qwen3_5: tupl
             if bitwise:
                 assert out.token_ids == alone[i].token_ids
                 assert _logprobs(out) == _logprobs(alone[i]), f"prompt {i}: {what} logprobs differ from alone"
+    eng.assert_consistent()
+
+
+@pytest.mark.slow  # about 20-40 s each on 2 cores (transformers' reference dominates)
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_next"])
+def test_moe_and_next_families(model_type: str, tmp_path: Path) -> None:
+    """Qwen3.5-MoE (a MoE with a gated shared expert on every layer) and Qwen3-Next (its mixer's
+    projections grouped per key head, reordered at load; 2 value heads per key head here): greedy
+    tokens equal transformers', batched and chunked, on tripod's CPU kernels. (Not bitwise: the
+    experts run each expert's rows of the step in one matmul, as for every MoE family.)"""
+    model = build_qwen3_5(model_type=model_type)
+    model.save_pretrained(str(tmp_path))
+    ref = HFReference(model)
+    prompts = PROMPTS[1:]
+    eng = _engine(tmp_path, kernels="optimized")
+    assert eng.model_config.moe is not None and eng.model_config.hybrid is not None
+    batched = eng.generate(prompts, PARAMS)
+    chunked = _engine(tmp_path, kernels="optimized", chunk_size=5, max_batch_tokens=16).generate(prompts, PARAMS)
+    for i, p in enumerate(prompts):
+        check_greedy_tokens(batched[i].token_ids, ref.greedy(p, N_TOKENS), f"{model_type} prompt {i} batched")
+        check_greedy_tokens(chunked[i].token_ids, ref.greedy(p, N_TOKENS), f"{model_type} prompt {i} chunked")
     eng.assert_consistent()
 
 

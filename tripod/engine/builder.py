@@ -225,6 +225,16 @@ def check_hybrid(config: EngineConfig, mc: Any) -> None:
             raise ValueError(hybrid_refusal(feature))
 
 
+def without_jump_forward(config: EngineConfig) -> EngineConfig:
+    """A hybrid model's config: jump-forward off. NOTE: a verification advances the recurrent state
+    over draft tokens it may reject, and a state cannot be rolled back yet; forced text is decoded
+    token by token instead (the outputs are identical either way)."""
+    if not config.jump_forward:
+        return config
+    log.info("hybrid model: jump-forward off (structured outputs decode forced text token by token)")
+    return replace(config, jump_forward=False)
+
+
 def make_states(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> StatePool | None:
     """A hybrid model's state pool: one slot per running request (``max_state_slots`` fewer), each
     every linear layer's float32 state; refused at start when it does not fit in memory."""

@@ -11,8 +11,6 @@ the same ``step()`` and reports ``snapshot()``.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,8 +44,6 @@ from tripod.memory.prefix_cache import keyed_with_images
 from tripod.memory.tiered_cache import TieredCache
 from tripod.protocol.multimodal import ImageInput, ImageSpan
 from tripod.protocol.stats import ComputeCard, EngineStats, SpecDecodeCounts, StepTimes
-
-log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "ImagePrompt", "Prompt", "StepCounters", "StepOutput"]
 
@@ -108,12 +104,7 @@ class Engine(OfflineAPI):
         t0 = time.monotonic()
         parts = builder.build(config, loaded)
         self.states = parts.states  # a hybrid model's recurrent states (None: every layer attends)
-        if self.states is not None and config.jump_forward:
-            # NOTE: a jump-forward verification advances the recurrent state over draft tokens it may
-            # reject, and a state cannot be rolled back yet: forced text is decoded token by token
-            # (the outputs are identical either way).
-            log.info("hybrid model: jump-forward off (structured outputs decode forced text token by token)")
-            self.config = config = dataclasses.replace(config, jump_forward=False)
+        self.config = config = builder.without_jump_forward(config) if self.states is not None else config
         self.device, self.dtype, self.loaded, self.draft = parts.device, parts.dtype, parts.loaded, parts.draft
         self.model_config, self.tokenizer = parts.loaded.config, parts.loaded.tokenizer
         self.pool, self.kv_bytes_per_token, self.context_len = parts.pool, parts.kv_bytes_per_token, parts.context_len

@@ -71,13 +71,29 @@ class GatedDeltaNet(nn.Module):
         self.ops.pop(form, None)
 
     def load(self, src: WeightSource, p: str) -> None:
-        """transformers' names (``linear_attn.in_proj_qkv`` / ``_z`` / ``_b`` / ``_a``, ``conv1d``, ...)."""
-        self.in_proj.data = torch.cat([src.get(p + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]).contiguous()
+        """transformers' names: Qwen3.5's ``in_proj_qkv`` / ``_z`` / ``_b`` / ``_a``, or Qwen3-Next's
+        ``in_proj_qkvz`` / ``_ba`` (grouped per key head, reordered here); ``conv1d``, ``A_log``, ..."""
+        if src.has(p + "in_proj_qkvz.weight"):
+            self.in_proj.data = self._ungroup(src.get(p + "in_proj_qkvz.weight"), src.get(p + "in_proj_ba.weight"))
+        else:
+            self.in_proj.data = torch.cat([src.get(p + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]).contiguous()
         self.conv_w.data = src.get_f32(p + "conv1d.weight").reshape(self.conv_dim, self.kernel).contiguous()
         self.dt_bias.data = src.get_f32(p + "dt_bias")
         self.a_log.data = src.get_f32(p + "A_log")
         self.norm_w.data = src.get(p + "norm.weight").contiguous()
         self.out_proj.data = src.get(p + "out_proj.weight").contiguous()
+
+    def _ungroup(self, qkvz: torch.Tensor, ba: torch.Tensor) -> torch.Tensor:
+        """Qwen3-Next's rows, per key head ``[q, k, v (r heads), z (r heads)]`` and ``[b (r), a (r)]``
+        (r value heads per key head), as this layer's ``[Q | K | V | Z | B | A]``."""
+        nk, dk, r, dv = self.k_heads, self.k_dim, self.v_heads // self.k_heads, self.v_dim
+        hidden = qkvz.shape[1]
+        g = qkvz.view(nk, 2 * dk + 2 * r * dv, hidden)
+        q, k = g[:, :dk], g[:, dk : 2 * dk]
+        v, z = g[:, 2 * dk : 2 * dk + r * dv], g[:, 2 * dk + r * dv :]
+        gb = ba.view(nk, 2 * r, hidden)
+        parts = [q, k, v, z, gb[:, :r], gb[:, r:]]
+        return torch.cat([t.reshape(-1, hidden) for t in parts]).contiguous()
 
     def forward(self, h: torch.Tensor, states: StateRows, backend: Backend,
                 residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -41,10 +41,15 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration",),
     "qwen3_5_text": ("Qwen3_5ForCausalLM",),
     "qwen3_5": ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM",),
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+    "qwen3_next": ("Qwen3NextForCausalLM",),
 }
+# Decoders with Gated DeltaNet layers beside gated attention (``HybridConfig``).
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # Hybrid linear-attention families whose multimodal folders tripod runs the text part of: the
 # outer ``model_type`` -> the decoder's (its ``text_config`` is the decoder's config).
-HYBRID_TEXT = {"qwen3_5": "qwen3_5_text"}
+HYBRID_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # A vision-language family's decoder, as an HF text config names it (when its own type is not one).
 VLM_DECODERS = {"qwen2_5_vl": ("qwen2", "Qwen2ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
 
@@ -211,7 +216,7 @@ class ModelConfig:
         layers = int(d["num_hidden_layers"])
         v4 = _v4(d, layers) if mtype == "deepseek_v4" or arch == "DeepseekV4ForCausalLM" else None
         window, sliding = _sliding(d, layers) if v4 is None else (None, None)  # (V4's window: its attention's)
-        hybrid = _hybrid(d, layers, int(d.get("head_dim") or hidden // heads)) if mtype == "qwen3_5_text" else None
+        hybrid = _hybrid(d, layers, int(d.get("head_dim") or hidden // heads)) if mtype in HYBRID_TYPES else None
         if hybrid is not None:
             window, sliding = None, None
         return cls(
@@ -233,7 +238,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             hidden_act=act,
-            qk_norm=mtype in ("qwen3", "qwen3_moe", "qwen3_5_text") or mtype.startswith("gemma3")
+            qk_norm=mtype in ("qwen3", "qwen3_moe", *HYBRID_TYPES) or mtype.startswith("gemma3")
             or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=window,
             sliding_layers=sliding,
@@ -284,7 +289,7 @@ def _vision_language(d: dict[str, Any], family: str) -> ModelConfig:
 
 
 def _hybrid(d: dict[str, Any], layers: int, head_dim: int) -> HybridConfig:
-    """Qwen3.5's linear layers (``layer_types``, or transformers' default: every fourth layer attends)."""
+    """Qwen3.5's / Qwen3-Next's linear layers (``layer_types``, or transformers' default: every fourth layer attends)."""
     types = d.get("layer_types")
     if types is None:
         interval = int(d.get("full_attention_interval") or 4)

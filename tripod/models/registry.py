@@ -29,6 +29,9 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     # Hybrids: gated-delta-rule layers (their state in the engine's StatePool) beside attention.
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,  # (its text part)
+    "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,  # + a MoE (shared expert with its sigmoid gate) on every layer
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3NextForCausalLM": Qwen3_5ForCausalLM,  # its mixer's projections grouped per key head (reordered at load)
     # Vision-language models (models/multimodal.py): the decoder plus a tower and a projector.
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
