@@ -7,7 +7,7 @@ rows never depend on their batch) the logprobs of every token are also equal bit
 batched and chunked: the recurrent state of a sequence does not depend on how its tokens were split
 into steps. Then the state pool's accounting (slots taken
 at admission, freed at the end and on retraction; admissions wait for a slot), prefix-cache hits
-skipped on hybrids, and the features refused at start.
+that resume from state snapshots on radix nodes, and the features refused at start.
 """
 
 from __future__ import annotations
@@ -145,21 +145,47 @@ def test_moe_and_next_families(model_type: str, tmp_path: Path) -> None:
     eng.assert_consistent()
 
 
-def test_hybrid_prefix_hits_are_skipped(qwen3_5: tuple[Path, HFReference]) -> None:
-    """Without state snapshots a cached prefix's KV cannot resume the linear layers: the second run
-    of a prompt (and a prompt extending it) computes everything, with the same tokens."""
+def test_hybrid_prefix_hits_resume_from_state_snapshots(qwen3_5: tuple[Path, HFReference]) -> None:
+    """A hit resumes at the deepest cached node holding a state snapshot: the end of a prefill chunk,
+    or where a finished request stopped (prompt + output: an agent's next turn). It skips exactly
+    ``cached_tokens`` and changes nothing: tokens and logprobs as an engine that never saw it."""
     folder, _ = qwen3_5
-    eng = _engine(folder)
-    p = PROMPTS[0]
+    eng = _engine(folder, kernels="optimized", chunk_size=8, max_batch_tokens=32)
+    fresh = _engine(folder, kernels="optimized", chunk_size=8, max_batch_tokens=32, enable_prefix_cache=False)
+    assert eng.scheduler.snapshots is not None and fresh.scheduler.snapshots is None
+    p = PROMPTS[0]  # 37 tokens: chunks end at 8, 16, 24, 32
     (first,) = eng.generate([p], PARAMS)
+    assert first.cached_tokens == 0
     (again,) = eng.generate([p], PARAMS)
-    longer = p + first.token_ids
+    assert again.cached_tokens == 32  # the last chunk end before the prompt's last token
+    longer = p + first.token_ids + PROMPTS[1]  # the next turn extends prompt + answer
     (ext,) = eng.generate([longer], PARAMS)
-    assert again.cached_tokens == 0 and ext.cached_tokens == 0
-    assert again.token_ids == first.token_ids and _logprobs(again) == _logprobs(first)
-    (fresh,) = _engine(folder).generate([longer], PARAMS)  # the same prompt on an engine that never saw it
-    assert ext.token_ids == fresh.token_ids
-    assert eng.snapshot().prefix_hit_tokens == 0
+    assert ext.cached_tokens == len(p) + N_TOKENS - 1  # all but the answer's last token (never computed)
+    bitwise = eng.runner.uses_kernels
+    for got, prompt in ((again, p), (ext, longer)):
+        (want,) = fresh.generate([prompt], PARAMS)
+        assert got.token_ids == want.token_ids
+        if bitwise:
+            assert _logprobs(got) == _logprobs(want)
+    assert eng.snapshot().prefix_hit_tokens == 32 + len(p) + N_TOKENS - 1
+    eng.assert_consistent()
+
+
+def test_snapshot_store_evicts_least_recently_used(qwen3_5: tuple[Path, HFReference]) -> None:
+    """One snapshot slot: each new snapshot replaces the last; a hit still only resumes where a
+    snapshot is, and its tokens stay those of a cold run."""
+    folder, _ = qwen3_5
+    eng = _engine(folder, max_state_snapshots=1, chunk_size=8, max_batch_tokens=32)
+    snaps = eng.scheduler.snapshots
+    assert snaps is not None and snaps.store.num_slots == 1
+    a, b = PROMPTS[0], PROMPTS[2]
+    (out_a,) = eng.generate([a], PARAMS)
+    eng.generate([b], PARAMS)  # its snapshots replace a's
+    assert snaps.used == 1 and snaps.taken > 2
+    (again,) = eng.generate([a + out_a.token_ids], PARAMS)
+    assert again.cached_tokens == 0  # a's snapshot is gone: nothing to resume from
+    (cold,) = _engine(folder, chunk_size=8, max_batch_tokens=32).generate([a + out_a.token_ids], PARAMS)
+    assert again.token_ids == cold.token_ids
     eng.assert_consistent()
 
 

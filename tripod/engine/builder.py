@@ -7,6 +7,7 @@ nothing is wired across objects afterwards."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,6 +34,7 @@ from tripod.memory.kv_pool import Pool, available_memory, slots_from_budget
 from tripod.memory.prefix_cache import PrefixCache
 from tripod.memory.radix_cache import RadixCache
 from tripod.memory.state_pool import StatePool, check_fits, state_slots
+from tripod.memory.state_snapshots import StateSnapshots
 from tripod.memory.tiered_cache import TieredCache
 from tripod.protocol.stats import ParallelCard, RankCard
 
@@ -84,8 +86,9 @@ class EngineParts:
     eos_ids: frozenset[int]
     vision: VisionInputs  # a vision-language model's images (inert for a text-only model)
     group: WorkerGroup | None = None  # tensor parallel: ranks 1..T-1
-    ranks: tuple[RankCard, ...] = ()
-    states: StatePool | None = None  # a hybrid model's recurrent states (one slot per running request)  # tensor parallel: what each rank holds, rank 0 first
+    ranks: tuple[RankCard, ...] = ()  # tensor parallel: what each rank holds, rank 0 first
+    states: StatePool | None = None  # a hybrid model's recurrent states (one slot per running request)
+    snapshots: StateSnapshots | None = None  # ... and their snapshots on prefix-cache nodes
 
 
 def load_weights(config: EngineConfig, loaded: LoadedModel | None, dtype: torch.dtype,
@@ -176,7 +179,7 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     if mc.mla is not None:
         log.info("MLA latent KV: %d bytes per token (the same model with MHA: %d)", kv_bytes,
                  mc.mha_equivalent_spec().bytes_per_token(dtype))
-    states = make_states(config, loaded, device)
+    states, snapshots_of = make_states(config, loaded, device)
     context_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     max_len = min(context_len, num_slots)
     path = config.compute_path(dtype)
@@ -202,9 +205,10 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     sampler = Sampler(device, config.seed)
     proposer = make_proposer(config, loaded, draft, pool, sampler, path=path, max_len=max_len, device=device,
                               dtype=dtype)
+    cache = make_cache(config, loaded, dtype, pool)
     return EngineParts(device=device, dtype=dtype, loaded=loaded, draft=draft, pool=pool, num_slots=num_slots,
                        bytes_per_slot=per_token, kv_bytes_per_token=kv_bytes, context_len=context_len,
-                       threads=build_threads, cache=make_cache(config, loaded, dtype, pool), loras=loras,
+                       threads=build_threads, cache=cache, loras=loras, snapshots=snapshots_of(cache),
                        runner=runner, sampler=sampler, proposer=proposer, eos_ids=eos_ids_of(loaded), vision=vision,
                        group=group, ranks=ranks, states=states)
 
@@ -235,19 +239,33 @@ def without_jump_forward(config: EngineConfig) -> EngineConfig:
     return replace(config, jump_forward=False)
 
 
-def make_states(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> StatePool | None:
-    """A hybrid model's state pool: one slot per running request (``max_state_slots`` fewer), each
-    every linear layer's float32 state; refused at start when it does not fit in memory."""
+def make_states(config: EngineConfig, loaded: LoadedModel, device: torch.device
+                ) -> tuple[StatePool | None, Callable[[PrefixCache], StateSnapshots | None]]:
+    """A hybrid model's state pool — one slot per running request (``max_state_slots`` fewer), each
+    every linear layer's float32 state — and the maker of its snapshot store over the prefix cache
+    (``max_state_snapshots``, default as many); refused at start when both do not fit in memory."""
     spec_of = getattr(loaded.model, "state_spec", None)
     if spec_of is None:
-        return None
+        return None, lambda cache: None
     spec = spec_of()
     slots = state_slots(config.max_running, config.max_state_slots)
-    check_fits(spec, slots, available_memory(device), "free memory" if device.type == "cpu" else f"{device} memory")
+    snaps = slots if config.max_state_snapshots is None else config.max_state_snapshots
+    if snaps < 0:
+        raise ValueError(f"max_state_snapshots must be >= 0 (got {snaps})")
+    if not config.enable_prefix_cache:
+        snaps = 0
+    check_fits(spec, slots + snaps, available_memory(device), "free memory" if device.type == "cpu" else f"{device} memory")
     pool = StatePool(spec, slots, device)
-    log.info("state pool: %d slots x %.2f MiB (%d linear layers: conv window + recurrent state, float32) = %.1f MiB",
-             slots, spec.bytes_per_slot() / 2**20, len(spec.layers), pool.total_bytes / 2**20)
-    return pool
+    log.info("state pool: %d slots + %d prefix-cache snapshots x %.2f MiB (%d linear layers: conv window + "
+             "recurrent state, float32) = %.1f MiB", slots, snaps, spec.bytes_per_slot() / 2**20, len(spec.layers),
+             (slots + snaps) * spec.bytes_per_slot() / 2**20)
+
+    def snapshots(cache: PrefixCache) -> StateSnapshots | None:
+        if not snaps or not isinstance(cache, RadixCache) or not cache.enabled:
+            return None
+        return StateSnapshots(spec, snaps, device, root=lambda: cache.tree.root)
+
+    return pool, snapshots
 
 
 def overlaps(config: EngineConfig, runner: ModelRunner) -> bool:

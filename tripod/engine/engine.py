@@ -115,7 +115,7 @@ class Engine(OfflineAPI):
         self.scheduler = Scheduler(self.pool.allocator, self.cache, max_running=config.max_running,
                                    max_batch_tokens=config.max_batch_tokens, chunk_size=config.chunk_size,
                                    policy=SchedulePolicy(config.policy, config.aging), loras=self.loras,
-                                   states=self.states)
+                                   states=self.states, snapshots=parts.snapshots)
         self.stats = StepCounters()
         self.spec = Speculator(lambda: self.config, self.tokenizer, self.pool.allocator, self.sampler,
                                self.stats.spec, parts.proposer)

@@ -29,6 +29,7 @@ from tripod.engine.request import FinishReason, Req
 from tripod.memory.kv_pool import SlotAllocator
 from tripod.memory.prefix_cache import MatchResult, PrefixCache
 from tripod.memory.state_pool import StatePool
+from tripod.memory.state_snapshots import StateSnapshots
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +99,15 @@ class Scheduler:
         policy: SchedulePolicy,
         loras: LoraRegistry | None = None,
         states: StatePool | None = None,
+        snapshots: StateSnapshots | None = None,
     ) -> None:
         self.allocator = allocator
         # Hybrid models: one recurrent-state slot per running request (taken at admission, given
-        # back with its KV). A cached prefix is never reused without its state, so their prefix
-        # lookups find nothing (``_match``): exact by construction, at the cost of recomputing.
+        # back with its KV). A cached prefix is reused only from a node holding a state snapshot
+        # (``_match``; none without ``snapshots``): exact by construction.
         self.states = states
+        self.snapshots = snapshots
+        self._snap: int | None = None  # the snapshot slot ``_match`` found for the request being placed
         self.cache = cache
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
@@ -292,7 +296,10 @@ class Scheduler:
         req.dp_rank = rank
         if self.states is not None:
             req.state_slot = self.states.alloc()  # zeroed: the sequence starts from the empty state
-            assert req.state_slot is not None and hit == 0
+            assert req.state_slot is not None
+            if hit:  # resume from the snapshot of the node the hit ends on
+                assert self.snapshots is not None and self._snap is not None
+                self.snapshots.restore(self._snap, self.states, req.state_slot)
         req.slots = match.slots + new
         req.slots_version += 1
         req.cache_len = hit
@@ -307,10 +314,8 @@ class Scheduler:
         """The request's cached prefix; data-parallel attention: on the rank that holds the
         longest one, else (no hit) the rank with the fewest running requests, then the most free slots."""
         record = req.retractions == 0
-        if self.states is not None:  # (no state snapshots: a prefix's KV alone cannot resume a sequence)
-            if record:
-                self.cache.record(len(req.cache_ids) - 1, 0)
-            return self.cache.match_prefix([], record=False)
+        if self.states is not None:
+            return self._hybrid_match(req, record)
         if self.allocator.ranks == 1:
             return self.cache.match_prefix(req.cache_ids[:-1], record=record)
         found = [self.cache.match_prefix(req.cache_ids[:-1], record=False, rank=r) for r in range(self.allocator.ranks)]
@@ -318,6 +323,20 @@ class Scheduler:
         if record:
             self.cache.record(len(req.all_ids) - 1, len(best.slots))
         return best
+
+    def _hybrid_match(self, req: Req, record: bool) -> MatchResult:
+        """A hybrid model's hit: the deepest node of the cached prefix that holds a state snapshot
+        (a prefix's K/V alone cannot resume the recurrent layers)."""
+        query = req.cache_ids[:-1]
+        found = None
+        if self.snapshots is not None:
+            found = self.snapshots.find(self.cache.match_prefix(query, record=False).node)
+        self._snap = found[1] if found is not None else None
+        match = (MatchResult(found[0].path_value(), found[0]) if found is not None
+                 else self.cache.match_prefix([], record=False))
+        if record:
+            self.cache.record(len(query), len(match.slots))
+        return match
 
     def _on(self, rank: int) -> list[Req]:
         """The running requests whose attention runs on ``rank`` (every one with a single rank)."""
@@ -398,6 +417,9 @@ class Scheduler:
         req.slots_version += 1
         req.cache_len = k
         req.last_node = match.node
+        if self.snapshots is not None and req.state_slot is not None:
+            assert self.states is not None
+            self.snapshots.put(match.node, self.states, req.state_slot)  # the state after these k tokens
 
     def release(self, req: Req, *, keep: bool) -> None:
         """Give back ``req``'s KV. ``keep``: its computed tokens go into the prefix cache."""
