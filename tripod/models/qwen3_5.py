@@ -29,8 +29,9 @@ from tripod.layers.rotary import RotaryEmbedding
 from tripod.layers.weights import WeightSource
 from tripod.memory.kv_pool import KVPool
 from tripod.memory.state_pool import StateSpec
-from tripod.models.config import HybridConfig, ModelConfig
+from tripod.models.config import ModelConfig
 from tripod.models.gqa import GQAttention, new_param, norm_weight
+from tripod.models.hybrid_config import HybridConfig
 from tripod.models.llama import DecoderLayer, LlamaForCausalLM, StepContext
 from tripod.models.multimodal import split_names
 
