@@ -23,6 +23,7 @@ import torch
 from tests.conftest import HFReference, check_greedy_tokens
 from tripod import Engine, SamplingParams
 from tripod.memory.state_pool import StatePool, StateSpec, check_fits
+from tripod.protocol.stats import StateStats
 
 VOCAB = 256
 N_TOKENS = 16
@@ -167,7 +168,11 @@ def test_hybrid_prefix_hits_resume_from_state_snapshots(qwen3_5: tuple[Path, HFR
         assert got.token_ids == want.token_ids
         if bitwise:
             assert _logprobs(got) == _logprobs(want)
-    assert eng.snapshot().prefix_hit_tokens == 32 + len(p) + N_TOKENS - 1
+    stats = eng.snapshot()
+    assert stats.prefix_hit_tokens == 32 + len(p) + N_TOKENS - 1
+    st = stats.states  # (what /debug/engine reports)
+    assert isinstance(st, StateStats) and st.snapshots_restored == 2 and st.free == st.slots == 4
+    assert st.snapshot_bytes == st.snapshots_held * st.bytes_per_slot > 0
     eng.assert_consistent()
 
 

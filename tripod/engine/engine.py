@@ -41,6 +41,7 @@ from tripod.loader import LoadedModel
 from tripod.memory.kv_blocks import TierLayout, pool_layout
 from tripod.memory.kv_transfer import export_prefix
 from tripod.memory.prefix_cache import keyed_with_images
+from tripod.memory.state_snapshots import state_stats
 from tripod.memory.tiered_cache import TieredCache
 from tripod.protocol.multimodal import ImageInput, ImageSpan
 from tripod.protocol.stats import ComputeCard, EngineStats, SpecDecodeCounts, StepTimes
@@ -466,6 +467,8 @@ class Engine(OfflineAPI):
             out.kv_disk = cache.report()
         if self.vision.enabled:
             out.vision = self.vision.stats()
+        if self.states is not None:
+            out.states = state_stats(self.states, self.scheduler.snapshots)
         if check:
             out.consistent = None  # NOTE: provable only when no request holds memory (aborted ones hold none)
             if not self.has_work:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tripod.memory.state_pool import StatePool, StateSpec
+from tripod.protocol.stats import StateStats
 
 _tick = itertools.count()
 
@@ -102,3 +103,15 @@ def _copy(src: StatePool, s: int, dst: StatePool, d: int) -> None:
     for a, b in zip(src.tensors, dst.tensors, strict=True):
         for x, y in zip(a, b, strict=True):
             y[d].copy_(x[s])
+
+
+def state_stats(pool: StatePool, snapshots: StateSnapshots | None) -> StateStats:
+    """What ``/debug/engine`` reports of a hybrid engine's state memory."""
+    out = StateStats(slots=pool.num_slots, free=pool.num_free, bytes_per_slot=pool.bytes_per_slot)
+    if snapshots is not None:
+        out.snapshot_slots = snapshots.store.num_slots
+        out.snapshots_held = snapshots.used
+        out.snapshot_bytes = snapshots.used_bytes
+        out.snapshots_taken = snapshots.taken
+        out.snapshots_restored = snapshots.restored
+    return out
