@@ -238,6 +238,7 @@ def test_retraction_frees_the_state_and_recomputes_exactly(qwen3_5: tuple[Path, 
     ({"speculative": "ngram"}, "--speculative"),
     ({"lora": "a=/nonexistent"}, "--lora"),
     ({"kv_disk": "/nonexistent/tripod-kv"}, "--kv-disk"),
+    ({"overlap_schedule": "on"}, "--overlap-schedule on"),
 ])
 def test_hybrid_refuses_what_it_cannot_run_exactly(overrides: dict[str, Any], feature: str,
                                                    qwen3_5: tuple[Path, HFReference]) -> None:
