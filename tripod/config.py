@@ -116,6 +116,12 @@ class EngineConfig:
     kv_disk_size: float = opt(
         16.0, "--kv-disk: the tier's capacity in GB (least recently used blocks are removed beyond it)",
         commands=ENGINE_COMMANDS, metavar="GB")
+    # Hybrid (linear-attention) models: recurrent-state slots (memory/state_pool.py); None: one
+    # per --max-running request (fewer makes admissions wait for a slot).
+    max_state_slots: int | None = None
+    # ... and state snapshots on prefix-cache nodes (memory/state_snapshots.py; 0: hybrids get no
+    # prefix-cache hits); None: as many as state slots.
+    max_state_snapshots: int | None = None
     decode_mirror: bool = True  # dense copy of decoding requests' KV (see memory/decode_mirror.py)
     seed: int = 0  # for sampled requests without a seed
     # CPU: torch intra-op threads (None: torch's default; a local fleet gives each replica its share).

@@ -7,6 +7,7 @@ nothing is wired across objects afterwards."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,9 +30,11 @@ from tripod.layers.parallel import SINGLE, SINGLE_STAGE, ParallelGroup, PipeStag
 from tripod.loader import LoadedModel, load_model, load_tokenizer
 from tripod.loader.weights_mode import resolve_weights
 from tripod.memory.kv_blocks import model_identity
-from tripod.memory.kv_pool import Pool, slots_from_budget
+from tripod.memory.kv_pool import Pool, available_memory, slots_from_budget
 from tripod.memory.prefix_cache import PrefixCache
 from tripod.memory.radix_cache import RadixCache
+from tripod.memory.state_pool import StatePool, check_fits, state_slots
+from tripod.memory.state_snapshots import StateSnapshots
 from tripod.memory.tiered_cache import TieredCache
 from tripod.protocol.stats import ParallelCard, RankCard
 
@@ -84,6 +87,8 @@ class EngineParts:
     vision: VisionInputs  # a vision-language model's images (inert for a text-only model)
     group: WorkerGroup | None = None  # tensor parallel: ranks 1..T-1
     ranks: tuple[RankCard, ...] = ()  # tensor parallel: what each rank holds, rank 0 first
+    states: StatePool | None = None  # a hybrid model's recurrent states (one slot per running request)
+    snapshots: StateSnapshots | None = None  # ... and their snapshots on prefix-cache nodes
 
 
 def load_weights(config: EngineConfig, loaded: LoadedModel | None, dtype: torch.dtype,
@@ -116,6 +121,9 @@ def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
     config.check_task()
     if config.world_size > 1 and loaded is None:  # refused before any worker starts
         mc = load_tokenizer(config.model).config
+        if mc.hybrid is not None:
+            raise ValueError(hybrid_refusal(f"--tensor/--pipeline/--data-parallel-size (the {mc.architecture} "
+                                            "model over several processes)"))
         if mc.v4 is not None:
             raise ValueError("DeepSeek-V4 runs in one process for now (no --tensor/--pipeline/--data-parallel-size): "
                              "use --replicas")
@@ -147,6 +155,7 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     if (why := vision_obstacle(config, mc)) is not None:
         raise ValueError(why)
     vision = VisionInputs(loaded.model)
+    check_hybrid(config, mc)
     stage_layers = len(loaded.model.layers)
     draft = load_draft(config, loaded, dtype, device)
     per_token = mc.pool_spec(tp, stage_layers).bytes_per_token(dtype) + extra_bytes_per_token(config, loaded, dtype)
@@ -170,6 +179,7 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     if mc.mla is not None:
         log.info("MLA latent KV: %d bytes per token (the same model with MHA: %d)", kv_bytes,
                  mc.mha_equivalent_spec().bytes_per_token(dtype))
+    states, snapshots_of = make_states(config, loaded, device)
     context_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     max_len = min(context_len, num_slots)
     path = config.compute_path(dtype)
@@ -189,17 +199,74 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
                          parallel=card, lora_pool=loras.pool if loras is not None else None, triton=config.triton,
                          cuda_graphs=config.cuda_graphs and not embed, cuda_graph_max_bs=config.cuda_graph_max_bs,
                          pooler=Pooler(loaded.model, config.pooling, config.normalize) if embed else None,
-                         vision=vision)
+                         vision=vision, states=states)
     if config.weights == "stored" and runner.kernel_reason is not None:
         raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {runner.kernel_reason}")
     sampler = Sampler(device, config.seed)
     proposer = make_proposer(config, loaded, draft, pool, sampler, path=path, max_len=max_len, device=device,
                               dtype=dtype)
+    cache = make_cache(config, loaded, dtype, pool)
     return EngineParts(device=device, dtype=dtype, loaded=loaded, draft=draft, pool=pool, num_slots=num_slots,
                        bytes_per_slot=per_token, kv_bytes_per_token=kv_bytes, context_len=context_len,
-                       threads=build_threads, cache=make_cache(config, loaded, dtype, pool), loras=loras,
+                       threads=build_threads, cache=cache, loras=loras, snapshots=snapshots_of(cache),
                        runner=runner, sampler=sampler, proposer=proposer, eos_ids=eos_ids_of(loaded), vision=vision,
-                       group=group, ranks=ranks)
+                       group=group, ranks=ranks, states=states)
+
+
+def hybrid_refusal(feature: str) -> str:
+    return (f"{feature} is not supported on hybrid linear-attention models yet: their recurrent state "
+            "would not follow it exactly; drop it")
+
+
+def check_hybrid(config: EngineConfig, mc: Any) -> None:
+    """What a hybrid (linear-attention) model cannot run with yet, refused at start with the reason."""
+    if mc.hybrid is None:
+        return
+    for feature, on in (("--speculative", config.speculative is not None), ("--lora", config.lora is not None),
+                        ("--kv-disk", config.kv_disk is not None), ("--kernels triton", config.triton),
+                        ("--weights stored", config.weights == "stored"), ("--weights fp8", config.weights == "fp8"),
+                        ("--overlap-schedule on", config.overlap_schedule == "on")):
+        if on:
+            raise ValueError(hybrid_refusal(feature))
+
+
+def without_jump_forward(config: EngineConfig) -> EngineConfig:
+    """A hybrid model's config: jump-forward off. NOTE: a verification advances the recurrent state
+    over draft tokens it may reject, and a state cannot be rolled back yet; forced text is decoded
+    token by token instead (the outputs are identical either way)."""
+    if not config.jump_forward:
+        return config
+    log.info("hybrid model: jump-forward off (structured outputs decode forced text token by token)")
+    return replace(config, jump_forward=False)
+
+
+def make_states(config: EngineConfig, loaded: LoadedModel, device: torch.device
+                ) -> tuple[StatePool | None, Callable[[PrefixCache], StateSnapshots | None]]:
+    """A hybrid model's state pool — one slot per running request (``max_state_slots`` fewer), each
+    every linear layer's float32 state — and the maker of its snapshot store over the prefix cache
+    (``max_state_snapshots``, default as many); refused at start when both do not fit in memory."""
+    spec_of = getattr(loaded.model, "state_spec", None)
+    if spec_of is None:
+        return None, lambda cache: None
+    spec = spec_of()
+    slots = state_slots(config.max_running, config.max_state_slots)
+    snaps = slots if config.max_state_snapshots is None else config.max_state_snapshots
+    if snaps < 0:
+        raise ValueError(f"max_state_snapshots must be >= 0 (got {snaps})")
+    if not config.enable_prefix_cache:
+        snaps = 0
+    check_fits(spec, slots + snaps, available_memory(device), "free memory" if device.type == "cpu" else f"{device} memory")
+    pool = StatePool(spec, slots, device)
+    log.info("state pool: %d slots + %d prefix-cache snapshots x %.2f MiB (%d linear layers: conv window + "
+             "recurrent state, float32) = %.1f MiB", slots, snaps, spec.bytes_per_slot() / 2**20, len(spec.layers),
+             (slots + snaps) * spec.bytes_per_slot() / 2**20)
+
+    def snapshots(cache: PrefixCache) -> StateSnapshots | None:
+        if not snaps or not isinstance(cache, RadixCache) or not cache.enabled:
+            return None
+        return StateSnapshots(spec, snaps, device, root=lambda: cache.tree.root)
+
+    return pool, snapshots
 
 
 def overlaps(config: EngineConfig, runner: ModelRunner) -> bool:
@@ -261,6 +328,8 @@ def lora_registry(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype,
         why = f"{mc.architecture}'s attention has no q/k/v/o projections to adapt"
     elif mc.vision is not None:
         why = "LoRA adapters on a vision-language model are not supported"
+    elif mc.hybrid is not None:
+        why = hybrid_refusal("LoRA")
     if why is not None:
         if config.lora:
             raise ValueError(f"--lora: {why}")

@@ -41,6 +41,7 @@ from tripod.loader import LoadedModel
 from tripod.memory.kv_blocks import TierLayout, pool_layout
 from tripod.memory.kv_transfer import export_prefix
 from tripod.memory.prefix_cache import keyed_with_images
+from tripod.memory.state_snapshots import state_stats
 from tripod.memory.tiered_cache import TieredCache
 from tripod.protocol.multimodal import ImageInput, ImageSpan
 from tripod.protocol.stats import ComputeCard, EngineStats, SpecDecodeCounts, StepTimes
@@ -103,6 +104,8 @@ class Engine(OfflineAPI):
         self.config = config = builder.resolve_config(config, model, dtype, device, overrides, loaded)
         t0 = time.monotonic()
         parts = builder.build(config, loaded)
+        self.states = parts.states  # a hybrid model's recurrent states (None: every layer attends)
+        self.config = config = builder.without_jump_forward(config) if self.states is not None else config
         self.device, self.dtype, self.loaded, self.draft = parts.device, parts.dtype, parts.loaded, parts.draft
         self.model_config, self.tokenizer = parts.loaded.config, parts.loaded.tokenizer
         self.pool, self.kv_bytes_per_token, self.context_len = parts.pool, parts.kv_bytes_per_token, parts.context_len
@@ -112,7 +115,8 @@ class Engine(OfflineAPI):
         self.vision = parts.vision  # a vision-language model's images (engine/vision.py)
         self.scheduler = Scheduler(self.pool.allocator, self.cache, max_running=config.max_running,
                                    max_batch_tokens=config.max_batch_tokens, chunk_size=config.chunk_size,
-                                   policy=SchedulePolicy(config.policy, config.aging), loras=self.loras)
+                                   policy=SchedulePolicy(config.policy, config.aging), loras=self.loras,
+                                   states=self.states, snapshots=parts.snapshots)
         self.stats = StepCounters()
         self.spec = Speculator(lambda: self.config, self.tokenizer, self.pool.allocator, self.sampler,
                                self.stats.spec, parts.proposer)
@@ -434,6 +438,8 @@ class Engine(OfflineAPI):
         the prompt's images, which the cache keys by content."""
         if self.group is not None:
             raise ValueError("a model over several processes holds its KV in shards: it cannot export it")
+        if self.states is not None:
+            raise ValueError(builder.hybrid_refusal("exporting KV (prefill/decode disaggregation, failover transfer)"))
         key = keyed_with_images(tokens, [(im.hash, im.offset, im.length) for im in images]) if images else tokens
         return export_prefix(self.cache, self.pool, self.kv_layout, key)
 
@@ -461,6 +467,8 @@ class Engine(OfflineAPI):
             out.kv_disk = cache.report()
         if self.vision.enabled:
             out.vision = self.vision.stats()
+        if self.states is not None:
+            out.states = state_stats(self.states, self.scheduler.snapshots)
         if check:
             out.consistent = None  # NOTE: provable only when no request holds memory (aborted ones hold none)
             if not self.has_work:

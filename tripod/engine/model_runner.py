@@ -26,13 +26,14 @@ from tripod.kernels import gpu
 from tripod.layers.backends import CpuBackend, CpuLinearBackend, ReferenceBackend, TorchBackend
 from tripod.layers.backends.reference import ScoringBackend, prefill_segment
 from tripod.layers.backends.triton import TritonBackend, TritonLinearBackend
-from tripod.layers.batch import Backend, BatchContext, ForwardBatch
+from tripod.layers.batch import Backend, BatchContext, ForwardBatch, StateRows
 from tripod.layers.linear import onednn_supported
 from tripod.layers.lora import LoraAdapter, LoraBatch, LoraPool
 from tripod.layers.parallel import DPLayout
 from tripod.memory.decode_mirror import DecodeMirror
 from tripod.memory.kv_pool import KVPool, Pool
 from tripod.memory.slot_table import SlotTable
+from tripod.memory.state_pool import StatePool
 from tripod.models.llama import LlamaForCausalLM
 from tripod.protocol.stats import ParallelCard
 
@@ -64,8 +65,10 @@ class ModelRunner:
         cuda_graph_max_bs: int = 256,
         pooler: Pooler | None = None,
         vision: VisionInputs | None = None,
+        states: StatePool | None = None,
     ) -> None:
         self.model = model
+        self.states = states  # a hybrid model's recurrent states (one slot per running request)
         self.vision = vision if vision is not None and vision.enabled else None  # each step's image inputs
         self.pooler = pooler  # --task embed: every forward's last-layer states pooled, nothing sampled
         self.triton = triton  # the Triton kernels (the CUDA backend; on the CPU in Triton's interpreter)
@@ -252,6 +255,8 @@ class ModelRunner:
         if self.dp_size == 1:
             batch, sampling = self.backend.build_batch(items, self.batch_ctx)
             batch.lora = lora_rows(batch, self.lora_pool)
+            if self.states is not None:
+                batch.states = state_rows(batch, self.states)
             if self.vision is not None:
                 self.vision.attach(batch, items)  # (encodes the images the step needs first)
             if self.pooler is None:
@@ -339,6 +344,8 @@ class ModelRunner:
         # never computes (and a cached prefix is never recomputed); this separate pass keeps
         # the step path untouched.
         assert len(slots) >= len(ids)
+        if self.states is not None:  # (admission refuses prompt_logprobs on hybrids before it gets here)
+            raise ValueError("prompt_logprobs are not supported on hybrid (linear-attention) models yet")
         dev = self.device
         backend = self.scoring_backend()
         for s in range(0, len(ids), chunk):
@@ -361,6 +368,17 @@ class ModelRunner:
             if self.group is not None:
                 self.group.send(batch, scoring=True)
             yield s, self.model(batch, self.pool)
+
+
+def state_rows(batch: ForwardBatch, pool: StatePool) -> StateRows:
+    """Each item's rows and its request's state slot (a hybrid model's linear layers read them)."""
+    items = []
+    for it, first in batch.item_rows:
+        slot = it.req.state_slot
+        assert slot is not None, "a scheduled request of a hybrid model holds a state slot"
+        assert not it.verify, "verify rows (speculation, jump-forward) do not run on hybrid models"
+        items.append((first, it.length, slot))
+    return StateRows(pool, items)
 
 
 def lora_rows(batch: ForwardBatch, pool: LoraPool | None) -> LoraBatch | None:

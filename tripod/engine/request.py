@@ -79,6 +79,9 @@ class Req:
     last_node: TreeNode | None = None
     computed: int = 0  # tokens of all_ids whose KV is in slots
     dp_rank: int = 0  # data-parallel attention: the rank whose pool holds its KV (set when admitted)
+    # Hybrid models: its slot in the StatePool (every linear layer's state after ``computed``
+    # tokens), held from admission to release; None while it waits.
+    state_slot: int | None = None
     # LoRA: the adapter admission resolved (None: the base model), and its resident weights while
     # the request runs (held from the scheduler's admission to its release).
     lora: LoraHandle | None = None

@@ -28,6 +28,8 @@ from tripod.engine.lora import LoraRegistry
 from tripod.engine.request import FinishReason, Req
 from tripod.memory.kv_pool import SlotAllocator
 from tripod.memory.prefix_cache import MatchResult, PrefixCache
+from tripod.memory.state_pool import StatePool
+from tripod.memory.state_snapshots import StateSnapshots
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +98,16 @@ class Scheduler:
         chunk_size: int,
         policy: SchedulePolicy,
         loras: LoraRegistry | None = None,
+        states: StatePool | None = None,
+        snapshots: StateSnapshots | None = None,
     ) -> None:
         self.allocator = allocator
+        # Hybrid models: one recurrent-state slot per running request (taken at admission, given
+        # back with its KV). A cached prefix is reused only from a node holding a state snapshot
+        # (``_match``; none without ``snapshots``): exact by construction.
+        self.states = states
+        self.snapshots = snapshots
+        self._snap: int | None = None  # the snapshot slot ``_match`` found for the request being placed
         self.cache = cache
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
@@ -253,6 +263,8 @@ class Scheduler:
         return item
 
     def _place(self, req: Req, budget: int) -> ScheduledItem | None:
+        if self.states is not None and self.states.num_free == 0:
+            return None  # every state slot is held by a running request: wait for one
         tokens = req.cache_ids
         # What a tier below the pool has beyond the pool's match goes into the pool first.
         self.cache.load(tokens[:-1], headroom=len(self.running), chunk=min(self.chunk_size, budget),
@@ -282,6 +294,12 @@ class Scheduler:
         if req in self._promoted:
             self._promoted.remove(req)
         req.dp_rank = rank
+        if self.states is not None:
+            req.state_slot = self.states.alloc()  # zeroed: the sequence starts from the empty state
+            assert req.state_slot is not None
+            if hit:  # resume from the snapshot of the node the hit ends on
+                assert self.snapshots is not None and self._snap is not None
+                self.snapshots.restore(self._snap, self.states, req.state_slot)
         req.slots = match.slots + new
         req.slots_version += 1
         req.cache_len = hit
@@ -296,6 +314,8 @@ class Scheduler:
         """The request's cached prefix; data-parallel attention: on the rank that holds the
         longest one, else (no hit) the rank with the fewest running requests, then the most free slots."""
         record = req.retractions == 0
+        if self.states is not None:
+            return self._hybrid_match(req, record)
         if self.allocator.ranks == 1:
             return self.cache.match_prefix(req.cache_ids[:-1], record=record)
         found = [self.cache.match_prefix(req.cache_ids[:-1], record=False, rank=r) for r in range(self.allocator.ranks)]
@@ -303,6 +323,20 @@ class Scheduler:
         if record:
             self.cache.record(len(req.all_ids) - 1, len(best.slots))
         return best
+
+    def _hybrid_match(self, req: Req, record: bool) -> MatchResult:
+        """A hybrid model's hit: the deepest node of the cached prefix that holds a state snapshot
+        (a prefix's K/V alone cannot resume the recurrent layers)."""
+        query = req.cache_ids[:-1]
+        found = None
+        if self.snapshots is not None:
+            found = self.snapshots.find(self.cache.match_prefix(query, record=False).node)
+        self._snap = found[1] if found is not None else None
+        match = (MatchResult(found[0].path_value(), found[0]) if found is not None
+                 else self.cache.match_prefix([], record=False))
+        if record:
+            self.cache.record(len(query), len(match.slots))
+        return match
 
     def _on(self, rank: int) -> list[Req]:
         """The running requests whose attention runs on ``rank`` (every one with a single rank)."""
@@ -383,6 +417,9 @@ class Scheduler:
         req.slots_version += 1
         req.cache_len = k
         req.last_node = match.node
+        if self.snapshots is not None and req.state_slot is not None:
+            assert self.states is not None
+            self.snapshots.put(match.node, self.states, req.state_slot)  # the state after these k tokens
 
     def release(self, req: Req, *, keep: bool) -> None:
         """Give back ``req``'s KV. ``keep``: its computed tokens go into the prefix cache."""
@@ -397,6 +434,10 @@ class Scheduler:
             assert self.loras is not None and req.lora is not None
             self.loras.release(req.lora)
             req.adapter = None
+        if req.state_slot is not None:
+            assert self.states is not None
+            self.states.free(req.state_slot)
+            req.state_slot = None
         req.slots = []
         req.slots_version += 1
         req.cache_len = 0
@@ -433,6 +474,13 @@ class Scheduler:
         )
         if not self.running:
             assert self.cache.protected_size == 0, "idle engine with pinned cache nodes"
+        if self.states is not None:  # every state slot is free or held by exactly one running request
+            held = [r.state_slot for r in self.running]
+            assert None not in held, "a running request of a hybrid model holds no state slot"
+            assert len(set(held)) == len(held), f"a state slot is held twice: {held}"
+            assert not set(held) & self.states.free_set(), "a held state slot is also free"
+            assert len(held) + self.states.num_free == self.states.num_slots, "state slots leaked"
+            assert all(r.state_slot is None for r in self.waiting), "a waiting request holds a state slot"
 
 
 def _chunk(req: Req, start: int, n: int) -> int:

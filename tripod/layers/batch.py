@@ -28,6 +28,7 @@ from tripod.layers.rotary import RotaryEmbedding
 from tripod.memory.decode_mirror import DecodeMirror
 from tripod.memory.kv_pool import KVPool
 from tripod.memory.slot_table import SlotTable
+from tripod.memory.state_pool import StatePool
 
 
 def upload(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -79,6 +80,15 @@ class ImageRows:
 
 
 @dataclass(slots=True)
+class StateRows:
+    """A hybrid model's step over its recurrent states: the state pool and, per scheduled item,
+    ``(first flat row, tokens, state slot)``. Each item's tokens continue its sequence's state."""
+
+    pool: StatePool
+    items: list[tuple[int, int, int]]
+
+
+@dataclass(slots=True)
 class KernelMeta:
     """What the C++ attention needs: query ``t`` attends ``table[rows[t], :lens[t]]``."""
 
@@ -98,6 +108,7 @@ class StepReq(Protocol):
     output_ids: list[int]
     slots: list[int]
     slots_version: int
+    state_slot: int | None  # a hybrid model's recurrent-state slot (memory/state_pool.py)
 
     @property
     def all_ids(self) -> list[int]: ...
@@ -176,6 +187,8 @@ class ForwardBatch:
     # RoPE per row instead of by position (M-RoPE: Qwen2.5-VL's 3-D positions): (index [T] into the
     # tables, cos [T, D], sin [T, D]) in float32; every backend rotates with these when set.
     rope_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Hybrid models (linear-attention layers): each item's state slot (``layers/gated_delta.py``).
+    states: StateRows | None = None
 
     def detached(self) -> ForwardBatch:
         """A copy for another rank of the group: no backend (``UNBOUND``: the receiving rank

@@ -202,6 +202,13 @@ def slots_from_budget(
     return max(2, min(n, max_tokens_cap))
 
 
+def available_memory(device: torch.device) -> int:
+    """Bytes free for new buffers on ``device`` (a GPU's free memory; the host's available memory)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return _available_host_memory()
+
+
 GPU_RESERVE = 2 << 30  # activations, the decode graphs' pool, cuBLAS workspaces, the sampler's rows
 
 

@@ -16,6 +16,7 @@ from tripod.layers.mla import MLAConfig
 from tripod.layers.moe import MoEConfig
 from tripod.layers.parallel import SINGLE, ParallelGroup, head_split
 from tripod.memory.kv_pool import PoolSpec
+from tripod.models.hybrid_config import HybridConfig, hybrid_config
 from tripod.models.vision.spec import VLM_ARCHITECTURES, VisionSpec, vlm_family
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -39,7 +40,17 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "deepseek_v4": ("DeepseekV4ForCausalLM",),
     "llava": ("LlavaForConditionalGeneration",),
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration",),
+    "qwen3_5_text": ("Qwen3_5ForCausalLM",),
+    "qwen3_5": ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM",),
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+    "qwen3_next": ("Qwen3NextForCausalLM",),
 }
+# Decoders with Gated DeltaNet layers beside gated attention (``HybridConfig``).
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# Hybrid linear-attention families whose multimodal folders tripod runs the text part of: the
+# outer ``model_type`` -> the decoder's (its ``text_config`` is the decoder's config).
+HYBRID_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # A vision-language family's decoder, as an HF text config names it (when its own type is not one).
 VLM_DECODERS = {"qwen2_5_vl": ("qwen2", "Qwen2ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
 
@@ -120,6 +131,7 @@ class ModelConfig:
     attn_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax (AttnSpec.sinks)
     v4: V4Config | None = None  # DeepSeek-V4: compressed attention, hyper-connections, hash routing
     vision: VisionSpec | None = None  # a vision-language model: how images become decoder inputs
+    hybrid: HybridConfig | None = None  # linear-attention layers beside the attention ones (Qwen3.5)
 
     def is_sliding(self, layer: int) -> bool:
         if self.sliding_window is None:
@@ -141,6 +153,8 @@ class ModelConfig:
         """What one token costs in the KV pool: K and V per KV head (this rank's, under tensor
         parallelism), or MLA's latent; over ``num_layers`` layers (a pipeline stage's; default all)."""
         layers = self.num_layers if num_layers is None else num_layers
+        if self.hybrid is not None:  # only the attention layers keep K/V per token
+            layers = self.num_layers - len(self.hybrid.linear_layers)
         if self.mla is not None:
             return PoolSpec(layers, "latent", latent_dim=self.mla.pool_dim)
         if self.v4 is not None:
@@ -164,6 +178,8 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from an HF ``config.json`` (old ``rope_scaling`` or new ``rope_parameters``). A
         vision-language checkpoint's is its ``text_config`` with the ``VisionSpec`` beside it."""
+        if str(d.get("model_type")) in HYBRID_TEXT and isinstance(d.get("text_config"), dict):
+            return _hybrid_text_part(d)
         family = vlm_family(d)
         if family is not None and isinstance(d.get("text_config"), dict):
             return _vision_language(d, family)
@@ -184,6 +200,9 @@ class ModelConfig:
         layers = int(d["num_hidden_layers"])
         v4 = _v4(d, layers) if mtype == "deepseek_v4" or arch == "DeepseekV4ForCausalLM" else None
         window, sliding = _sliding(d, layers) if v4 is None else (None, None)  # (V4's window: its attention's)
+        hybrid = hybrid_config(d, layers, int(d.get("head_dim") or hidden // heads)) if mtype in HYBRID_TYPES else None
+        if hybrid is not None:
+            window, sliding = None, None
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
@@ -203,12 +222,12 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             hidden_act=act,
-            qk_norm=mtype in ("qwen3", "qwen3_moe") or mtype.startswith("gemma3")
+            qk_norm=mtype in ("qwen3", "qwen3_moe", *HYBRID_TYPES) or mtype.startswith("gemma3")
             or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=window,
             sliding_layers=sliding,
             rope_local_theta=float(local_theta) if local_theta is not None and gemma else None,
-            norm_offset=gemma,
+            norm_offset=gemma or hybrid is not None,  # (Qwen3.5's norms scale by 1 + w too)
             embed_scale=gemma,
             sandwich_norms=gemma,
             query_pre_attn_scalar=float(d["query_pre_attn_scalar"]) if d.get("query_pre_attn_scalar") else None,
@@ -219,6 +238,7 @@ class ModelConfig:
             num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
             attn_sinks=mtype == "gpt_oss" or arch == "GptOssForCausalLM",
             v4=v4,
+            hybrid=hybrid,
         )
 
 
@@ -250,6 +270,20 @@ def _vision_language(d: dict[str, Any], family: str) -> ModelConfig:
     # Gemma 3 checkpoints set final_logit_softcapping to null anyway.
     final = None if family == "gemma3" else cfg.final_softcap
     return dataclasses.replace(cfg, architecture=vlm_arch, vision=VisionSpec.from_hf(d, family), final_softcap=final)
+
+
+def _hybrid_text_part(d: dict[str, Any]) -> ModelConfig:
+    """A hybrid family's multimodal folder: its decoder, from ``text_config`` (the vision tower is
+    not run; the architecture stays the folder's, so its weight names are read)."""
+    import dataclasses
+
+    text = dict(d["text_config"])
+    text.update(model_type=HYBRID_TEXT[str(d["model_type"])], architectures=None)
+    if "tie_word_embeddings" in d:
+        text["tie_word_embeddings"] = d["tie_word_embeddings"]
+    cfg = ModelConfig.from_hf_dict(text)
+    arch = str((d.get("architectures") or [MODEL_TYPES[str(d["model_type"])][-1]])[0])
+    return dataclasses.replace(cfg, architecture=arch)
 
 
 def _rope(d: dict[str, Any]) -> tuple[dict[str, Any] | None, Any, Any]:

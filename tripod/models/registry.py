@@ -8,6 +8,7 @@ from tripod.models.gemma3_vl import Gemma3ForConditionalGeneration
 from tripod.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from tripod.models.llava import LlavaForConditionalGeneration
 from tripod.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from tripod.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
 # Every family is the one decoder (models/llama.py) configured by its ModelConfig; the classes
 # differ only where the weights or the attention differ.
@@ -25,6 +26,12 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "DeepseekV32ForCausalLM": DeepseekForCausalLM,  # + the lightning indexer's sparse attention
     "GptOssForCausalLM": LlamaForCausalLM,  # sinks, alternating windows, biased clamped-SwiGLU experts
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,  # compressed attention, hyper-connections, hash routing
+    # Hybrids: gated-delta-rule layers (their state in the engine's StatePool) beside attention.
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,  # (its text part)
+    "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,  # + a MoE (shared expert with its sigmoid gate) on every layer
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3NextForCausalLM": Qwen3_5ForCausalLM,  # its mixer's projections grouped per key head (reordered at load)
     # Vision-language models (models/multimodal.py): the decoder plus a tower and a projector.
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,

@@ -115,6 +115,20 @@ class VisionStats(msgspec.Struct, kw_only=True):
     images_held: int = 0  # distinct images whose features the live requests hold now
 
 
+class StateStats(msgspec.Struct, kw_only=True):
+    """A hybrid (linear-attention) engine's recurrent-state memory: the state pool's slots now and
+    the prefix cache's state snapshots (``memory/state_pool.py``, ``memory/state_snapshots.py``)."""
+
+    slots: int
+    free: int
+    bytes_per_slot: int  # every linear layer's conv window and recurrent state, float32
+    snapshot_slots: int = 0
+    snapshots_held: int = 0
+    snapshot_bytes: int = 0  # held now
+    snapshots_taken: int = 0  # cumulative
+    snapshots_restored: int = 0  # prefix-cache hits resumed from one
+
+
 class EngineStats(msgspec.Struct, kw_only=True):
     """One snapshot of an engine: queues and KV slots now, cumulative counters since start.
 
@@ -143,6 +157,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     time: StepTimes = msgspec.field(default_factory=StepTimes)
     kv_disk: DiskTierStats | UnsetType = UNSET  # set only with a disk tier (--kv-disk)
     vision: VisionStats | UnsetType = UNSET  # set only for a vision-language model
+    states: StateStats | UnsetType = UNSET  # set only for a hybrid (linear-attention) model
     # A reply to a stats query only: the KV ownership invariant, checked when the engine is idle
     # (None: it was busy); ``inconsistency`` says what failed.
     consistent: bool | UnsetType | None = UNSET
