@@ -122,10 +122,10 @@ def build(config: EngineConfig, loaded: LoadedModel | None) -> EngineParts:
     if config.world_size > 1 and loaded is None:  # refused before any worker starts
         mc = load_tokenizer(config.model).config
         if mc.hybrid is not None:
-            raise ValueError(hybrid_refusal(f"--tensor/--pipeline/--data-parallel-size (the {mc.architecture} "
+            raise ValueError(hybrid_refusal(f"--tensor-parallel-size/--pipeline-parallel-size/--data-parallel-size (the {mc.architecture} "
                                             "model over several processes)"))
         if mc.v4 is not None:
-            raise ValueError("DeepSeek-V4 runs in one process for now (no --tensor/--pipeline/--data-parallel-size): "
+            raise ValueError("DeepSeek-V4 runs in one process for now (no --tensor-parallel-size/--pipeline-parallel-size/--data-parallel-size): "
                              "use --replicas")
         if (why := vision_obstacle(config, mc)) is not None:
             raise ValueError(why)
