@@ -189,6 +189,42 @@ def test_bfloat16_outputs_do_not_depend_on_batching_chunking_or_the_cache(
     _assert_batch_invariant(bf16, {n: prompts[n] for n in names})
 
 
+@pytest.mark.slow  # about a minute on 2 cores
+def test_a_long_bfloat16_prompt_is_the_same_alone_chunked_any_size_and_cached(
+    bf16: Any, prompts: dict[str, list[int]]
+) -> None:
+    """A prompt past the kernels' 512-key split, prefilled whole (chunks of 256), in chunks of 37
+    (blocks of queries that start mid-tile), beside another request, and from the prefix cache
+    with a new tail: the same tokens and logprobs bit for bit (the prefill blocks' transposed
+    tiles and the decode rows' dot form give the same bits)."""
+    ids: list[int] = []
+    while len(ids) < 640:
+        for v in prompts.values():
+            ids += v
+    ids = ids[:640]
+    tail = prompts["ids-capital"]
+    sub = {"long": ids, "long+tail": ids + tail, "other": prompts["chat-capital"]}
+    want = {}
+    for n in sub:
+        bf16.reset_prefix_cache()
+        want[n] = _greedy(bf16, {n: sub[n]})[n]
+    bf16.reset_prefix_cache()
+    runs = {"batched": _greedy(bf16, sub)}
+    bf16.reset_prefix_cache()
+    _greedy(bf16, {"long": ids})
+    runs["cached"] = _greedy(bf16, {"long+tail": sub["long+tail"]})
+    assert runs["cached"]["long+tail"].cached_tokens >= 640 - 1
+    for chunk in (37,):
+        small = Engine(config=bf16.config, loaded=bf16.loaded, chunk_size=chunk, max_batch_tokens=chunk + 128,
+                       kv_cache_tokens=8192)
+        runs[f"chunks of {chunk}"] = _greedy(small, sub)
+        small.assert_consistent()
+    for label, run in runs.items():
+        for n, out in run.items():
+            got = (out.token_ids, [lp.logprob for lp in out.logprobs])
+            assert got == (want[n].token_ids, [lp.logprob for lp in want[n].logprobs]), f"{n}: {label} differs from alone"
+
+
 @pytest.mark.slow  # about 15 s; CI runs it on each CPU kind
 def test_bfloat16_jump_forward_changes_nothing_in_a_mixed_batch(bf16: Any) -> None:
     """With the kernels every row's arithmetic is independent of its batch, so verifying a

@@ -69,6 +69,46 @@ def test_attention_of_a_query_does_not_depend_on_its_batch(ops: Any, dtype: torc
     assert torch.equal(block, together[8:11])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "heads,kvh,d",
+    [(9, 3, 64), (8, 1, 128), pytest.param(4, 4, 32, marks=pytest.mark.slow), pytest.param(16, 2, 96, marks=pytest.mark.slow)],
+)
+def test_prefill_rows_equal_decode_rows_whatever_the_chunking(
+    ops: Any, dtype: torch.dtype, heads: int, kvh: int, d: int
+) -> None:
+    """A 600-token prompt attended chunk by chunk (its prefix read back from the pool, as a cached
+    prefix is) at chunk sizes that start blocks mid-tile and cross the 512-key split, beside a
+    second request's rows: every query row equals the same row attended alone, one query per call
+    (a decode row: the dot form), bit for bit. Prefill blocks take the transposed-tile path, so
+    this holds the two paths to the same bits."""
+    n = 600
+    q, kv, table, _, _ = _case([n, n], [0, 1], heads, kvh, d, dtype, seed=11)
+    q = torch.randn(n, heads, d, generator=torch.Generator().manual_seed(5)).to(dtype)
+    other = torch.randn(40, heads, d, generator=torch.Generator().manual_seed(6)).to(dtype)
+    scale = d**-0.5
+    zero = torch.zeros(1, dtype=torch.int32)
+    checked = [0, 1, 15, 16, 17, 255, 511, 512, 513, 599]
+    alone = {t: ops.paged_attention(q[t : t + 1], kv, table, zero, torch.tensor([t + 1], dtype=torch.int32), scale)[0]
+             for t in checked}
+    for chunk in (600, 256, 37, 16, 5):
+        rows = []
+        for start in range(0, n, chunk):
+            m = min(chunk, n - start)
+            # The other request's 40 rows (positions 300..339 of row 1) ride along in every call.
+            qs = torch.cat([other, q[start : start + m]])
+            r = torch.tensor([1] * 40 + [0] * m, dtype=torch.int32)
+            lens = torch.tensor([*range(301, 341), *range(start + 1, start + m + 1)], dtype=torch.int32)
+            rows.append(ops.paged_attention(qs, kv, table, r, lens, scale)[40:])
+        out = torch.cat(rows)
+        for t in checked:
+            assert torch.equal(out[t], alone[t]), f"row {t} in chunks of {chunk} differs from the row alone"
+    idx = torch.tensor(checked)
+    want = reference.paged_attention(q[idx], kv, table, torch.zeros(len(checked), dtype=torch.int32), (idx + 1).to(torch.int32), scale)
+    tol = 3e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out[idx].float(), want.float(), atol=tol, rtol=tol)
+
+
 @settings(max_examples=15, deadline=None)
 @given(
     lens=st.lists(st.integers(1, 700), min_size=1, max_size=6),

@@ -54,6 +54,7 @@ constexpr int kQueryBlock = 16;   // queries of one request processed together
 constexpr int kSplit = 512;       // keys per split of a long row (fixed: batch-independent)
 constexpr int kMaxHeadDim = 256;
 constexpr int kQueryFloats = 4096;  // query vectors × head_dim held by one piece (16 KiB)
+constexpr int kTransposeMin = 8;    // query vectors from which a piece transposes its key tiles
 
 // Run fn(0..n-1) over the intra-op threads, handing out indices one at a time (pieces differ
 // in cost: a prefill block next to decode rows), or inline when asked.
@@ -94,6 +95,102 @@ inline void unpermute_pairs(float* o) {
 #endif
 
 // ---------------------------------------------------------------------------- attention
+// Scores of one query vector against a tile of 16 keys held transposed (lane j = key j), with
+// the bits of the dot-product form above: x[i] is what lane i of key j's partial vector holds
+// there (the same multiplies and adds, in the same order), and the 16 partials are summed by
+// transpose_sum16's tree, ((s0 + s1) + (s2 + s3)) with s_L = (x[4L] + x[4L+2]) + (x[4L+1] + x[4L+3]),
+// as vertical adds. A tile transposed once serves every query vector of a block: no horizontal
+// sums, no shuffles per query (the dot form spends as many instructions on transpose_sum16 as on
+// the products at head_dim 64).
+inline V16 tree_sum16(const V16 x[16]) {
+  V16 s[4];
+  for (int L = 0; L < 4; ++L) s[L] = add(add(x[4 * L], x[4 * L + 2]), add(x[4 * L + 1], x[4 * L + 3]));
+  return add(add(s[0], s[1]), add(s[2], s[3]));
+}
+
+// float32: qf = the scaled query; kt = [D][16] keys transposed. Lane i of the dot form:
+// q[i] * k[i], then fma(q[16v + i], k[16v + i], .) for v = 1 .. NV-1.
+template <int NV>
+inline V16 scores_t_f32(const float* qf, const float* kt) {
+  V16 x[16];
+  for (int i = 0; i < 16; ++i) x[i] = mul(set1(qf[i]), load(kt + 16 * i));
+  for (int v = 1; v < NV; ++v)
+    for (int i = 0; i < 16; ++i) x[i] = fmadd(set1(qf[16 * v + i]), load(kt + 16 * (16 * v + i)), x[i]);
+  return tree_sum16(x);
+}
+
+// bfloat16 without vdpbf16ps: qf = the query as [even 16 | odd 16] per 32-dim chunk (split_pairs),
+// kt = [D/2 pairs][16] even elements then [D/2][16] odd ones. Lane i of chunk c: pair 16c + i.
+template <int NV>
+inline V16 scores_t_emulated(const float* qf, const float* kt) {
+  static_assert(NV % 2 == 0, "head_dim is a multiple of 32");
+  constexpr int P = NV * 8;  // pairs of dims
+  V16 x[16];
+  for (int i = 0; i < 16; ++i) x[i] = zero();
+  for (int c = 0; c < NV / 2; ++c)
+    for (int i = 0; i < 16; ++i)
+      x[i] = dot_pair(x[i], set1(qf[32 * c + i]), set1(qf[32 * c + 16 + i]), load(kt + 16 * (16 * c + i)),
+                      load(kt + 16 * (P + 16 * c + i)));
+  return tree_sum16(x);
+}
+
+#if defined(__AVX512BF16__)
+// vdpbf16ps: q2 = the query's bf16 pairs as 32-bit words, kt = [D/2 pairs][16 keys] of words.
+template <int NV>
+inline V16 scores_t_bf16(const uint32_t* q2, const uint32_t* kt) {
+  __m512 x[16];
+  for (int i = 0; i < 16; ++i) x[i] = _mm512_setzero_ps();
+  for (int c = 0; c < NV / 2; ++c)
+    for (int i = 0; i < 16; ++i)
+      x[i] = _mm512_dpbf16_ps(x[i], (__m512bh)_mm512_set1_epi32((int)q2[16 * c + i]),
+                              (__m512bh)_mm512_loadu_si512(kt + 16 * (16 * c + i)));
+  V16 v[16];
+  for (int i = 0; i < 16; ++i) v[i] = {x[i]};
+  return tree_sum16(v);
+}
+#endif
+
+#if defined(TRIPOD_AVX512)
+// Words [col, col + 16) of 16 rows -> their transpose: dst[16 * c + j] = rows[j][col + c].
+inline void transpose16x16(const uint32_t* const rows[16], int col, uint32_t* dst) {
+  __m512i r[16], t[16];
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows[j] + col);
+  for (int j = 0; j < 8; ++j) {
+    t[2 * j] = _mm512_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
+    t[2 * j + 1] = _mm512_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[4 * j] = _mm512_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
+    r[4 * j + 1] = _mm512_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
+    r[4 * j + 2] = _mm512_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
+    r[4 * j + 3] = _mm512_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
+  }
+  // r[4j + k]: 128-bit lane L holds column 4L + k of rows 4j..4j+3; a 4x4 transpose of lanes
+  // across r[k], r[4 + k], r[8 + k], r[12 + k] gives columns k, 4 + k, 8 + k, 12 + k whole.
+  for (int k = 0; k < 4; ++k) {
+    const __m512i A = r[k], B = r[4 + k], C = r[8 + k], D = r[12 + k];
+    const __m512i ab_lo = _mm512_shuffle_i64x2(A, B, 0x44), ab_hi = _mm512_shuffle_i64x2(A, B, 0xEE);
+    const __m512i cd_lo = _mm512_shuffle_i64x2(C, D, 0x44), cd_hi = _mm512_shuffle_i64x2(C, D, 0xEE);
+    t[k] = _mm512_shuffle_i64x2(ab_lo, cd_lo, 0x88);
+    t[4 + k] = _mm512_shuffle_i64x2(ab_lo, cd_lo, 0xDD);
+    t[8 + k] = _mm512_shuffle_i64x2(ab_hi, cd_hi, 0x88);
+    t[12 + k] = _mm512_shuffle_i64x2(ab_hi, cd_hi, 0xDD);
+  }
+  for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + 16 * j, t[j]);
+}
+#endif
+
+// The 32-bit words [0, words) of 16 key rows, transposed: dst[16 * w + j] = rows[j][w] (words is a
+// multiple of 16: head_dim / 2 bf16 pairs or head_dim floats).
+inline void transpose_keys(const uint32_t* const rows[16], int words, uint32_t* dst) {
+#if defined(TRIPOD_AVX512)
+  for (int c = 0; c < words; c += 16) transpose16x16(rows, c, dst + 16 * c);
+#else
+  for (int w = 0; w < words; ++w)
+    for (int j = 0; j < 16; ++j) dst[16 * w + j] = rows[j][w];
+#endif
+}
+
 struct Block {
   int32_t t0;    // first query (row of q / out)
   int32_t nq;    // queries in the block (same request, consecutive positions)
@@ -148,7 +245,13 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
   // NOTE: blocks and pieces are cut so that nqv * D <= kQueryFloats (see paged_attention_impl).
   thread_local std::vector<float> scratch;
   const size_t tile = (size_t)G * kTile * D;
-  const size_t need = (size_t)kQueryFloats * 2 + (size_t)nqv * 16 + (emulate ? 2 * tile : bf16_dot ? tile : 0) + 16;
+  // A block of queries on one KV head (a prefill chunk, a draft's verification): each tile of
+  // keys transposed once for all its query vectors, scores by the transposed form and P·V by
+  // groups of queries (the same bits as the dot form, see tree_sum16). Decode rows keep the dot
+  // form (a transpose per tile would not pay for one query).
+  const bool transposed = nqv >= kTransposeMin && G == 1;
+  const size_t need = (size_t)kQueryFloats * 2 + (size_t)nqv * 16 + (emulate ? 2 * tile : bf16_dot ? tile : 0) +
+                      (transposed ? tile : 0) + 16;
   if (scratch.size() < need) scratch.resize(need);
   float* qf = scratch.data();                 // [nqv, D] query vectors (float32 / emulated paths)
   float* acc = qf + kQueryFloats;              // [nqv, D] output accumulators
@@ -157,6 +260,8 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
   float* vf = kf + (emulate ? tile : 0);       // emulate: [G, 16, D] widened V tile
   // bf16_dot: [G, 8 key pairs, NV vectors] of interleaved bf16 (in the space vf would take).
   uint16_t* vp = reinterpret_cast<uint16_t*>(kf);
+  // transposed: [G][D words][16 keys] (bf16: D/2 pairs; emulated: D/2 even words then D/2 odd).
+  float* kt = vf + (emulate ? tile : 0) + (bf16_dot ? tile : 0);
   float m[kQueryFloats / 16];                  // running max of each query vector
   alignas(64) uint16_t qb[bf16_dot ? kQueryFloats : 1];  // query vectors as bf16 bits (dot path)
   const V16 vscale = set1(a.scale);
@@ -240,6 +345,118 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
         }
 #endif
       }
+    if (transposed)
+      for (int gl = 0; gl < G; ++gl) {
+        const uint32_t* rows[kTile];
+        for (int j = 0; j < kTile; ++j) rows[j] = reinterpret_cast<const uint32_t*>(krow[gl][j]);
+        uint32_t* dst = reinterpret_cast<uint32_t*>(kt + (size_t)gl * kTile * D);
+        if constexpr (is_bf16) {
+          transpose_keys(rows, D / 2, dst);
+          if constexpr (emulate) {  // words -> [even pairs halves | odd], widened in place
+            for (int w = D / 2 * kTile - 1; w >= 0; --w) {
+              const uint32_t x = dst[w];
+              dst[w] = x << 16;
+              dst[D / 2 * kTile + w] = x & 0xffff0000u;
+            }
+          }
+        } else {
+          transpose_keys(rows, D, dst);
+        }
+      }
+    if (transposed) {
+      // Query vectors in groups of QG: each computes its scores and softmax step on its own
+      // (exactly the dot form's operations, see tree_sum16), then the group's P·V runs together,
+      // each V vector loaded once for the group and QG independent accumulator chains in flight
+      // (one query's chain alone waits on the latency of every multiply-add).
+      constexpr int QG = std::max(1, std::min(8, 16 / NV));
+      for (int q0 = 0; q0 < nqv; q0 += QG) {
+        const int ng = std::min(QG, nqv - q0);
+        prefetch_some((q0 + ng) * kTile / nqv + 1);
+        V16 r[QG][NV];
+        int np[QG];                       // keys (bf16: key pairs) of the tile this query sums
+        alignas(64) float pe[QG][kTile];  // P (float32 / emulated paths)
+        alignas(64) uint32_t pp[QG][kTile / 2];  // P as bf16, two keys per word (dot path)
+        int most = 0;
+        for (int g = 0; g < ng; ++g) {
+          const int qv = q0 + g;
+          const int valid = std::min(n, blk.len0 + qv / per_query - k0);  // causal limit of this query
+          np[g] = 0;
+          if (valid <= 0) continue;  // the whole tile is in this query's future
+          V16 s;
+          if constexpr (bf16_dot) {
+#if defined(__AVX512BF16__)
+            s = scores_t_bf16<NV>(reinterpret_cast<const uint32_t*>(qb + qv * D), reinterpret_cast<const uint32_t*>(kt));
+#endif
+          } else if constexpr (emulate) {
+            s = scores_t_emulated<NV>(qf + qv * D, kt);
+          } else {
+            s = scores_t_f32<NV>(qf + qv * D, kt);
+          }
+          if constexpr (is_bf16) s = mul(s, vscale);
+          const float tmax = reduce_max_first(s, valid);
+          float* o = acc + qv * D;
+          for (int v = 0; v < NV; ++v) r[g][v] = load(o + 16 * v);
+          V16 l = load(lv + qv * 16);
+          if (tmax > m[qv]) {  // a new maximum: rescale what was summed so far (0 at the start)
+            const V16 alpha = set1(std::exp(m[qv] - tmax));
+            for (int v = 0; v < NV; ++v) r[g][v] = mul(r[g][v], alpha);
+            l = mul(l, alpha);
+            m[qv] = tmax;
+          }
+          const V16 e = keep_first(tripod_simd::exp(sub(s, set1(m[qv]))), valid);
+          store(lv + qv * 16, add(l, e));
+          if constexpr (bf16_dot) {
+#if defined(__AVX512BF16__)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(e.v));
+#endif
+            np[g] = (valid + 1) / 2;
+          } else if constexpr (emulate) {
+            store(pe[g], round_to_bf16(e));
+            np[g] = (valid + 1) / 2;
+          } else {
+            store(pe[g], e);
+            np[g] = valid;
+          }
+          most = std::max(most, np[g]);
+        }
+        // NOTE: each query adds exactly its own terms in the dot form's order (key pairs in
+        // order; the odd key's product first), stopping at its own causal limit.
+        for (int jp = 0; jp < most; ++jp) {
+          if constexpr (bf16_dot) {
+#if defined(__AVX512BF16__)
+            __m512bh vv[NV];
+            for (int v = 0; v < NV; ++v) vv[v] = (__m512bh)_mm512_loadu_si512(vp + ((size_t)jp * NV + v) * 32);
+            for (int g = 0; g < ng; ++g) {
+              if (jp >= np[g]) continue;
+              const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)pp[g][jp]);
+              for (int v = 0; v < NV; ++v) r[g][v].v = _mm512_dpbf16_ps(r[g][v].v, pj, vv[v]);
+            }
+#endif
+          } else if constexpr (emulate) {
+            const float* v1 = vf + (2 * jp + 1) * D;
+            const float* v0 = vf + (2 * jp) * D;
+            for (int g = 0; g < ng; ++g) {
+              if (jp >= np[g]) continue;
+              const V16 p1 = set1(pe[g][2 * jp + 1]), p0 = set1(pe[g][2 * jp]);
+              for (int v = 0; v < NV; ++v) r[g][v] = fmadd(p0, load(v0 + 16 * v), fmadd(p1, load(v1 + 16 * v), r[g][v]));
+            }
+          } else {
+            const float* vj = reinterpret_cast<const float*>(vrow[0][jp]);
+            V16 vv[NV];
+            for (int v = 0; v < NV; ++v) vv[v] = load(vj + 16 * v);
+            for (int g = 0; g < ng; ++g) {
+              if (jp >= np[g]) continue;
+              const V16 pj = set1(pe[g][jp]);
+              for (int v = 0; v < NV; ++v) r[g][v] = fmadd(pj, vv[v], r[g][v]);
+            }
+          }
+        }
+        for (int g = 0; g < ng; ++g)
+          if (np[g] > 0)
+            for (int v = 0; v < NV; ++v) store(acc + (q0 + g) * D + 16 * v, r[g][v]);
+      }
+      continue;
+    }
     for (int qv = 0; qv < nqv; ++qv) {
       prefetch_some((qv + 1) * kTile / nqv + 1);
       const int valid = std::min(n, blk.len0 + qv / per_query - k0);  // causal limit of this query
