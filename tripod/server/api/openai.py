@@ -179,7 +179,7 @@ def _chat_body(state: ServerState, req: ChatCompletionRequest, c: Collected, rid
         choices.append(choice)
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-        "choices": choices, "usage": usage, "system_fingerprint": state.fingerprint(),
+        "choices": choices, "usage": usage, "system_fingerprint": state.fingerprint(), **_version(state, c),
     }
 
 
@@ -372,8 +372,13 @@ def _completion_body(state: ServerState, req: CompletionRequest, c: Collected, r
         choices.append(choice)
     return {
         "id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-        "choices": choices, "usage": usage, "system_fingerprint": state.fingerprint(),
+        "choices": choices, "usage": usage, "system_fingerprint": state.fingerprint(), **_version(state, c),
     }
+
+
+def _version(state: ServerState, c: Collected) -> dict[str, Any]:
+    """``weight_version`` (--enable-rl-api): the weights the answer was generated with."""
+    return {"weight_version": c.weight_version} if state.config.enable_rl_api else {}
 
 
 def _usage(s: Started, score_only: bool) -> dict[str, Any]:
