@@ -159,7 +159,7 @@ def test_update_waits_for_the_request_in_flight(rl: Any, http: httpx.Client) -> 
 
 
 def test_pause_modes(rl: Any, http: httpx.Client) -> None:
-    _srv, _models, folders, refs = rl
+    srv, _models, folders, refs = rl
     p, n = _prompt(4), 120
     ref = refs["a"].greedy(p, n).tokens
     # keep: frozen in place, resumed exactly where it was.
@@ -167,9 +167,16 @@ def test_pause_modes(rl: Any, http: httpx.Client) -> None:
     _wait_running(http)
     r = http.post("/pause_generation", json={"mode": "keep"})
     assert r.status_code == 200 and r.json()["paused"] == "keep" and r.json()["in_flight"] == 1
+    steps = srv.engine_stats()["steps"]
     u = http.post("/update_weights_from_disk", json={"model_path": str(folders["b"])})
     assert u.status_code == 409 and "frozen" in u.json()["error"]["message"]  # it would mix versions
     held, held_out = _in_background(lambda: _complete(http, _prompt(5)))  # held back while paused
+    for _ in range(2000):  # (pausing again in the same mode changes nothing and reports the state)
+        if http.post("/pause_generation", json={"mode": "keep"}).json()["held"] == 1:
+            break
+    else:
+        raise AssertionError("the new request was not held back")
+    assert srv.engine_stats()["steps"] == steps  # frozen: not one step while paused
     assert http.post("/continue_generation").status_code == 200
     t.join()
     held.join()
@@ -243,9 +250,16 @@ def test_sleep_gives_the_pool_back(rl: Any, http: httpx.Client) -> None:
     assert srv.engine_stats()["kv_cached"] == 0
 
 
-def test_routes_need_the_key_and_the_flag(rl: Any, tmp_path: Path) -> None:
-    srv, _models, folders, _refs = rl
-    assert httpx.post(f"{srv.url}/pause_generation", json={"mode": "keep"}).status_code == 401
+def test_routes_need_the_key(rl: Any) -> None:
+    srv = rl[0]
+    for route in ("/pause_generation", "/update_weights_from_disk", "/sleep", "/reset_prefix_cache"):
+        assert httpx.post(f"{srv.url}{route}", json={}).status_code == 401
+    assert httpx.get(f"{srv.url}/is_sleeping").status_code == 401
+
+
+@pytest.mark.slow  # (a second server)
+def test_routes_need_the_flag(rl: Any, tmp_path: Path) -> None:
+    folders = rl[2]
     plain = ServerProcess(tmp_path, "--model", str(folders["a"]), "--threads", "1")
     try:
         for route in ("/pause_generation", "/update_weights_from_disk", "/sleep", "/wake_up"):
@@ -253,3 +267,16 @@ def test_routes_need_the_key_and_the_flag(rl: Any, tmp_path: Path) -> None:
         assert "weight_version" not in httpx.get(f"{plain.url}/v1/models").json()["data"][0]
     finally:
         plain.stop()
+
+
+@pytest.mark.slow  # (the embedded model, served as by default: its GGUF blocks executed as stored)
+def test_stored_model_refuses_updates(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path, "--weights", "stored", "--enable-rl-api")
+    try:
+        body = save_safetensors({"model.norm.weight": torch.ones(576)})
+        r = httpx.post(f"{srv.url}/update_weights_from_tensor", content=body, timeout=120,
+                       headers={"Content-Type": "application/octet-stream"})
+        assert r.status_code == 400 and "--weights stored" in r.json()["error"]["message"], r.text
+        assert httpx.get(f"{srv.url}/get_weight_version").json() == {"weight_version": 0}
+    finally:
+        srv.stop()

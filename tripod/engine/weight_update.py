@@ -181,7 +181,7 @@ class WeightUpdater:
             # them the same way) and every holder of these Parameter objects (a self-speculative
             # draft's view, LoRA) sees the new tensors.
             p.data = new[name].data
-        self.released = False
+        self.released = self.engine.runner.weights_released = False
 
     def release_forms(self) -> None:
         """Forget every packed copy of the weights (oneDNN/kernel layouts): rebuilt on the next step."""
@@ -192,6 +192,7 @@ class WeightUpdater:
     # ------------------------------------------------------------------ level-2 sleep
     def release(self) -> None:
         """Give the weights' memory back (level-2 sleep): every parameter made empty."""
+        self.engine.runner.weights_released = True
         self.release_forms()
         for p in self.engine.loaded.model.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
