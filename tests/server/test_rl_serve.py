@@ -8,6 +8,8 @@ without the flag the routes do not exist, and with --api-key they need it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +23,7 @@ from safetensors.torch import save as save_safetensors
 from tests.conftest import HFReference
 from tests.support.server_helpers import ServerProcess
 from tests.support.tiny_models import VOCAB, build_hf, save
+from tripod.fleet.process import free_port
 
 KEY = "sk-rl"
 POOL_TOKENS = 262144  # a pool large enough that its pages dominate what sleep gives back
@@ -112,6 +115,42 @@ def test_updates_from_disk_and_tensors(rl: Any, http: httpx.Client) -> None:
     r = _send(http, save_safetensors({k: models["b"].state_dict()[k].contiguous() for k in names}))
     assert r.status_code == 200 and r.json()["weight_version"] == v0 + 3
     assert _tokens(_complete(http, p)) == HFReference(mix).greedy(p, N).tokens
+    assert http.post("/update_weights_from_disk", json={"model_path": str(folders["a"])}).status_code == 200
+
+
+TRAINER = """
+import sys, torch.distributed as dist
+from safetensors.torch import load_file
+port, path, names = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+state = load_file(path)
+for name in names:
+    dist.broadcast(state[name].contiguous(), src=0)
+dist.destroy_process_group()
+"""
+
+
+def test_update_over_a_gloo_group(rl: Any, http: httpx.Client, tmp_path: Path) -> None:
+    """A trainer (rank 0, its own process) broadcasts B's tensors; tripod receives them over gloo and
+    serves B's greedy tokens."""
+    _srv, models, folders, refs = rl
+    state = {k: v.contiguous() for k, v in models["b"].state_dict().items()}
+    (tmp_path / "b.safetensors").write_bytes(save_safetensors(state))
+    port = free_port()
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), str(tmp_path / "b.safetensors"), *state])
+    try:
+        r = http.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": port,
+                                                          "rank_offset": 1, "world_size": 2, "backend": "gloo"})
+        assert r.status_code == 200, r.text
+        v = _version(http)
+        r = http.post("/update_weights_from_distributed", json={
+            "names": list(state), "dtypes": ["float32"] * len(state), "shapes": [list(t.shape) for t in state.values()]})
+        assert r.status_code == 200 and r.json()["weight_version"] == v + 1, r.text
+        assert trainer.wait(60) == 0
+    finally:
+        trainer.kill()
+    p = _prompt(8)
+    assert _tokens(_complete(http, p)) == refs["b"].greedy(p, N).tokens
     assert http.post("/update_weights_from_disk", json={"model_path": str(folders["a"])}).status_code == 200
 
 

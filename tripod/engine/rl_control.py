@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tripod.engine.sleep import PoolRelease
+from tripod.engine.weight_sync import WeightGroup
 from tripod.engine.weight_update import StagedUpdate, UpdateError, WeightUpdater
 from tripod.protocol import engine_ipc
 
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
     from tripod.engine.engine import Engine
 
 log = logging.getLogger(__name__)
+
+# Joining a weight group and receiving over it block the loop: bounded below the server's heartbeat timeout.
+GROUP_TIMEOUT_S = 20.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,6 +57,7 @@ class RLControl:
         self.send = send
         self.weights = WeightUpdater(engine)
         self.pool = PoolRelease(engine.pool)
+        self.group = WeightGroup()  # a trainer's torch.distributed group (InitWeightsGroup)
         self.paused = ""  # "" (running) or a PAUSE_MODES entry
         self.sleeping = 0  # 0 awake, else the level
         self.held: list[engine_ipc.AddRequest] = []
@@ -105,6 +110,13 @@ class RLControl:
             self._reply(t, aborted=self._abort(msg.rids))
         elif isinstance(msg, engine_ipc.UpdateWeights):
             self._update_weights(msg)
+        elif isinstance(msg, engine_ipc.InitWeightsGroup):
+            try:
+                self.group.join(msg.master_address, msg.master_port, msg.rank, msg.world_size, msg.backend,
+                                GROUP_TIMEOUT_S)
+                self._reply(t)
+            except UpdateError as e:
+                self._reply(t, error=str(e), kind=e.kind)
         elif isinstance(msg, engine_ipc.Sleep):
             self._sleep(msg)
         elif isinstance(msg, engine_ipc.WakeUp):
@@ -167,6 +179,13 @@ class RLControl:
 
     def _update_weights(self, msg: engine_ipc.UpdateWeights) -> None:
         t = msg.token
+        received = None
+        if msg.names:  # the trainer is broadcasting now: receive first, then decide
+            try:
+                received = self.group.receive(msg.names, msg.dtypes, msg.shapes)
+            except UpdateError as e:
+                self._reply(t, error=str(e), kind=e.kind)
+                return
         if self.sleeping:
             self._reply(t, error=f"the engine is asleep (level {self.sleeping}); wake it up before updating weights",
                         kind="conflict")
@@ -179,7 +198,7 @@ class RLControl:
             self._reply(t, error=self._busy("weights can be updated", frozen=True), kind="conflict")
             return
         try:
-            staged = self.weights.stage(msg.model_path, msg.safetensors)
+            staged = self.weights.stage(msg.model_path, msg.safetensors, received)
         except UpdateError as e:
             self._reply(t, error=str(e), kind=e.kind)
             return

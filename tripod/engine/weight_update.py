@@ -90,16 +90,20 @@ class WeightUpdater:
                     "serve it without --kv-disk to update weights")
         return None
 
-    def stage(self, model_path: str = "", safetensors: bytes = b"") -> StagedUpdate:
-        """Check an update (``UpdateError`` saying what is wrong; nothing applied), ready to apply."""
+    def stage(self, model_path: str = "", safetensors: bytes = b"",
+              tensors: dict[str, torch.Tensor] | None = None) -> StagedUpdate:
+        """Check an update (``UpdateError`` saying what is wrong; nothing applied), ready to apply:
+        a checkpoint path, safetensors bytes, or tensors already received (a weight group's)."""
         why = self.refusal()
         if why is not None:
             raise UpdateError(why, "unsupported")
-        if bool(model_path) == bool(safetensors):
-            raise UpdateError("give exactly one of a model path or safetensors bytes")
+        if (bool(model_path) + bool(safetensors) + (tensors is not None)) != 1:
+            raise UpdateError("give exactly one of a model path, safetensors bytes or tensors")
         if model_path:
             return StagedUpdate(self._check_source(model_path), {})
-        return StagedUpdate(None, self._check_tensors(safetensors))
+        if tensors is None:
+            tensors = self._parse(safetensors)
+        return StagedUpdate(None, self._check_tensors(tensors))
 
     def _check_source(self, model_path: str) -> str:
         try:
@@ -114,15 +118,18 @@ class WeightUpdater:
                               f"{', '.join(diff[:6])}; give a checkpoint of the same architecture and shape")
         return str(path)
 
-    def _check_tensors(self, data: bytes) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def _parse(data: bytes) -> dict[str, torch.Tensor]:
         from safetensors.torch import load as load_safetensors
 
         try:
-            sent = load_safetensors(data)
+            return load_safetensors(data)
         except Exception as e:  # safetensors raises its own SafetensorError (and others) on bad bytes
             raise UpdateError(f"the body is not a safetensors file ({type(e).__name__}: {e})") from None
+
+    def _check_tensors(self, sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not sent:
-            raise UpdateError("the safetensors file holds no tensors")
+            raise UpdateError("the update holds no tensors")
         base = self._base()
         for name, t in sent.items():
             if name not in base:

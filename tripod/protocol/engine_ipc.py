@@ -110,11 +110,27 @@ class AbortRequests(msgspec.Struct, tag=True):
 
 class UpdateWeights(msgspec.Struct, tag=True):
     """New weights, applied between steps when no request holds state of the old ones: a folder or
-    GGUF file (``model_path``), or HF-named tensors as safetensors bytes (``safetensors``)."""
+    GGUF file (``model_path``), HF-named tensors as safetensors bytes (``safetensors``), or tensors
+    broadcast over the weight group (``names``/``dtypes``/``shapes``)."""
 
     token: int
     model_path: str = ""
     safetensors: bytes = b""
+    # From the weight group (InitWeightsGroup): the tensors rank 0 broadcasts, in this order.
+    names: list[str] = msgspec.field(default_factory=list)
+    dtypes: list[str] = msgspec.field(default_factory=list)
+    shapes: list[list[int]] = msgspec.field(default_factory=list)
+
+
+class InitWeightsGroup(msgspec.Struct, tag=True):
+    """Join a trainer's torch.distributed group (it is rank 0) to receive weights over it."""
+
+    token: int
+    master_address: str
+    master_port: Annotated[int, msgspec.Meta(gt=0, lt=65536)]
+    rank: int
+    world_size: Annotated[int, msgspec.Meta(ge=2)]
+    backend: str = "gloo"
 
 
 class Sleep(msgspec.Struct, tag=True):
@@ -281,8 +297,9 @@ class KVExport(msgspec.Struct, tag=True):
 
 Message = (AddRequest | AbortRequest | StatsRequest | Shutdown | LoraRequest | ExportKV | EmbedRequest | Ready | Outputs
            | Heartbeat | StatsReply | LoraReply | KVExport | Embeddings | Fatal | PauseGeneration | ContinueGeneration
-           | AbortRequests | UpdateWeights | Sleep | WakeUp | ResetPrefixCache | ControlReply)
-Control = PauseGeneration | ContinueGeneration | AbortRequests | UpdateWeights | Sleep | WakeUp | ResetPrefixCache
+           | AbortRequests | UpdateWeights | InitWeightsGroup | Sleep | WakeUp | ResetPrefixCache | ControlReply)
+Control = (PauseGeneration | ContinueGeneration | AbortRequests | UpdateWeights | InitWeightsGroup | Sleep | WakeUp
+           | ResetPrefixCache)
 
 
 class ProtocolError(ValueError):

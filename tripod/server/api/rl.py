@@ -7,7 +7,9 @@ with ``--api-key`` they need the key like every guarded route.
   ``/abort_request``): all requests, or those whose response ids are given.
 - ``POST /update_weights_from_disk {"model_path"}``, ``POST /update_weights_from_tensor`` (the
   body a safetensors file, ``application/octet-stream``, or JSON ``{"safetensors": base64}``),
-  ``GET /get_weight_version``.
+  ``GET /get_weight_version``; ``POST /init_weights_update_group`` then
+  ``POST /update_weights_from_distributed {"names", "dtypes", "shapes"}`` (a trainer's gloo group:
+  it is rank 0 and broadcasts each tensor while the engine receives).
 - ``POST /sleep?level=1|2``, ``POST /wake_up``, ``GET /is_sleeping`` (vLLM), and SGLang's
   ``POST /release_memory_occupation`` / ``POST /resume_memory_occupation``.
 - ``POST /reset_prefix_cache`` (SGLang: ``/flush_cache``).
@@ -38,7 +40,7 @@ _STATUS = {"invalid": 400, "unsupported": 400, "conflict": 409}
 RL_ROUTES = frozenset({
     "/pause_generation", "/pause", "/continue_generation", "/resume", "/abort_requests", "/abort_request",
     "/update_weights_from_disk", "/update_weights_from_tensor", "/get_weight_version", "/sleep", "/wake_up",
-    "/is_sleeping", "/release_memory_occupation", "/resume_memory_occupation", "/reset_prefix_cache", "/flush_cache",
+    "/is_sleeping", "/init_weights_update_group", "/update_weights_from_distributed", "/release_memory_occupation", "/resume_memory_occupation", "/reset_prefix_cache", "/flush_cache",
 })
 
 
@@ -59,6 +61,23 @@ class DiskBody(StrictModel):
 
 class TensorBody(StrictModel):
     safetensors: str  # base64 of a safetensors file's bytes
+    flush_cache: bool = True
+
+
+class GroupBody(StrictModel):  # SGLang's /init_weights_update_group
+    master_address: str
+    master_port: int
+    rank_offset: int = 1  # this engine's rank (the trainer is rank 0)
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "gloo"
+
+
+class DistributedBody(StrictModel):  # SGLang's /update_weights_from_distributed
+    names: list[str]
+    dtypes: list[str]  # "float32", "bfloat16", "float16" (or with "torch.")
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
     flush_cache: bool = True
 
 
@@ -179,6 +198,20 @@ def _add_weight_routes(app: FastAPI, c: _Controls) -> None:
             raise APIError(400, "send a safetensors file as the body (application/octet-stream), or JSON "
                            "{\"safetensors\": base64}")
         return await c.answer(lambda t: engine_ipc.UpdateWeights(t, safetensors=data))
+
+    @app.post("/init_weights_update_group")
+    async def init_group(request: Request) -> JSONResponse:
+        b: GroupBody = parse(GroupBody, await c.body(request))
+        if not 0 < b.master_port < 65536 or b.world_size < 2:
+            raise APIError(400, "'master_port' must be a port (1-65535) and 'world_size' at least 2")
+        return await c.answer(lambda t: engine_ipc.InitWeightsGroup(t, b.master_address, b.master_port, b.rank_offset,
+                                                                    b.world_size, b.backend))
+
+    @app.post("/update_weights_from_distributed")
+    async def from_group(request: Request) -> JSONResponse:
+        b: DistributedBody = parse(DistributedBody, await c.body(request))
+        dtypes = [d.removeprefix("torch.") for d in b.dtypes]
+        return await c.answer(lambda t: engine_ipc.UpdateWeights(t, names=b.names, dtypes=dtypes, shapes=b.shapes))
 
     @app.get("/get_weight_version")
     async def weight_version() -> JSONResponse:
