@@ -131,7 +131,7 @@ class EngineLoop:
         # --task embed: the embedding requests being pooled (engine/pooling.py); None: a generative engine.
         self.embeds = EmbedQueue(engine) if engine.config.task == "embed" else None
         # Pause/continue, weight updates, sleep (engine/rl_control.py): what may step and be admitted.
-        self.rl = RLControl(engine, lambda msg: self.push.send(engine_ipc.encode(msg)))
+        self.rl = RLControl(engine, lambda msg: self.push.send(engine_ipc.encode(msg)), self._beat)
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -208,6 +208,14 @@ class EngineLoop:
                 self.running = False
             else:
                 raise AssertionError(f"unexpected message {msg!r}")
+
+    def _beat(self) -> None:
+        """A heartbeat if one is due: what a long control (a weight update) calls between its phases,
+        so the server does not take a loop busy with it for a hung one."""
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.heartbeat_interval:
+            self._last_heartbeat = now
+            self.push.send(engine_ipc.encode(engine_ipc.Heartbeat(self.stats())))
 
     def _lora(self, msg: engine_ipc.LoraRequest) -> engine_ipc.LoraReply:
         loras = self.engine.loras

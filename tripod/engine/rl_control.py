@@ -52,10 +52,12 @@ class RLControl:
     """Owns pause mode, held requests, the pending weight update and the sleep level of one engine
     loop (and, through ``WeightUpdater``/``PoolRelease``, the weight version and the pool's memory)."""
 
-    def __init__(self, engine: Engine, send: Callable[[engine_ipc.Message], None]) -> None:
+    def __init__(self, engine: Engine, send: Callable[[engine_ipc.Message], None],
+                 beat: Callable[[], None] = lambda: None) -> None:
         self.engine = engine
         self.send = send
-        self.weights = WeightUpdater(engine)
+        self.beat = beat  # the loop's heartbeat, when due: called inside long controls (updates)
+        self.weights = WeightUpdater(engine, beat)
         self.pool = PoolRelease(engine.pool)
         self.group = WeightGroup()  # a trainer's torch.distributed group (InitWeightsGroup)
         self.paused = ""  # "" (running) or a PAUSE_MODES entry
@@ -182,7 +184,7 @@ class RLControl:
         received = None
         if msg.names:  # the trainer is broadcasting now: receive first, then decide
             try:
-                received = self.group.receive(msg.names, msg.dtypes, msg.shapes)
+                received = self.group.receive(msg.names, msg.dtypes, msg.shapes, self.beat)
             except UpdateError as e:
                 self._reply(t, error=str(e), kind=e.kind)
                 return

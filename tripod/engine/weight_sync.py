@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -49,7 +51,8 @@ class WeightGroup:
         self.joined, self.rank = True, rank
         log.info("joined the weight group at %s:%d as rank %d of %d", address, port, rank, world_size)
 
-    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict[str, torch.Tensor]:
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                beat: Callable[[], None] = lambda: None) -> dict[str, torch.Tensor]:
         """Each tensor as rank 0 broadcasts it, in order (checked against the model by the caller)."""
         import torch.distributed as dist
 
@@ -60,13 +63,16 @@ class WeightGroup:
         bad = [d for d in dtypes if d not in DTYPES]
         if bad:
             raise UpdateError(f"dtype {bad[0]!r}: use one of {', '.join(DTYPES)}")
-        out: dict[str, torch.Tensor] = {}
         if any(n < 0 for shape in shapes for n in shape):
             raise UpdateError("'shapes' hold a negative size")
+        out: dict[str, torch.Tensor] = {}
+        t0 = time.perf_counter()
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
             t = torch.empty(shape, dtype=DTYPES[dtype])
             # NOTE: every tensor is received before any is checked: the trainer, blocked in its
             # broadcasts, is never left waiting by a refusal of a name or a shape.
             dist.broadcast(t, src=0)
             out[name] = t
+            beat()  # (the loop's heartbeat while a large model arrives)
+        log.info("received %d tensors over the weight group in %.2f s", len(out), time.perf_counter() - t0)
         return out

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import ChainMap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,13 +63,16 @@ class WeightUpdater:
     swaps the live model's parameters for a fresh model's. Keeps: nothing is applied from an
     update that fails any check."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, beat: Callable[[], None] = lambda: None) -> None:
         self.engine = engine
+        # Called between the phases of a long update: the loop's heartbeat (it runs no step meanwhile).
+        self.beat = beat
         self.version = 0
         self.path = engine.loaded.path
         self.overlay: dict[str, torch.Tensor] = {}  # HF name -> tensor sent since `path` was loaded
         self.released = False  # level-2 sleep: the parameters hold no memory until `reload`
         self._lost = False  # level-2 sleep dropped tensors sent since `path` was loaded
+        self._shape_of: tuple[str, dict[str, tuple[int, ...]]] | None = None  # (path, HF name -> shape)
 
     # ------------------------------------------------------------------ checks
     def refusal(self) -> str | None:
@@ -130,7 +134,7 @@ class WeightUpdater:
     def _check_tensors(self, sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not sent:
             raise UpdateError("the update holds no tensors")
-        base = self._base()
+        base = self._shapes()
         for name, t in sent.items():
             if name not in base:
                 raise UpdateError(f"tensor {name!r} is not a weight of this model (HF names, as in its checkpoint: "
@@ -138,18 +142,21 @@ class WeightUpdater:
             if t.dtype not in UPDATE_DTYPES:
                 raise UpdateError(f"tensor {name!r} is {str(t.dtype).removeprefix('torch.')}; send float32, "
                                   "bfloat16 or float16")
-            want = tuple(base[name].shape)
+            want = base[name]
             if tuple(t.shape) != want:
                 raise UpdateError(f"tensor {name!r} has shape {list(t.shape)}; this model's is {list(want)}")
             if not torch.isfinite(t).all():
                 raise UpdateError(f"tensor {name!r} holds NaN or infinite values")
         return sent
 
-    def _base(self) -> Mapping[str, torch.Tensor]:
-        """The current checkpoint's tensors by HF name, read only when asked for."""
-        _, _, src = open_source(self.path)
-        lazy = src.lazy_weights()
-        return lazy if lazy is not None else src.weights()
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        """The current checkpoint's tensor shapes by HF name (read once per checkpoint)."""
+        if self._shape_of is None or self._shape_of[0] != self.path:
+            _, _, src = open_source(self.path)
+            lazy = src.lazy_weights()
+            base: Mapping[str, torch.Tensor] = lazy if lazy is not None else src.weights()
+            self._shape_of = (self.path, {name: tuple(base[name].shape) for name in base})
+        return self._shape_of[1]
 
     # ------------------------------------------------------------------ applying
     def apply(self, update: StagedUpdate) -> int:
@@ -166,14 +173,18 @@ class WeightUpdater:
     def _load(self, path: str, overlay: dict[str, torch.Tensor]) -> None:
         e = self.engine
         live = e.loaded.model
+        t0 = time.perf_counter()
         _, _, src = open_source(path)
         lazy = src.lazy_weights()
         base = lazy if lazy is not None else src.weights()
         fresh = model_class(e.model_config.architecture)(e.model_config, e.dtype, e.device)
+        self.beat()
         try:
             fresh.load_weights(ChainMap(overlay, base) if overlay else base)  # type: ignore[arg-type]
         except ValueError as err:
             raise UpdateError(f"{path}: {err}") from None
+        self.beat()
+        log.info("new weights built through the loader's mapping in %.2f s", time.perf_counter() - t0)
         new = dict(fresh.named_parameters(remove_duplicate=False))
         old = dict(live.named_parameters(remove_duplicate=False))
         if new.keys() != old.keys():
