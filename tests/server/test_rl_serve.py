@@ -246,7 +246,9 @@ def test_abort_by_id(rl: Any, http: httpx.Client) -> None:
                                                      "ignore_eos": True, "stream": True}) as s:
         lines = s.iter_lines()
         first = next(x for x in lines if x.startswith("data: "))
-        rid = httpx.Response(200, content=first[6:]).json()["id"]
+        head = httpx.Response(200, content=first[6:]).json()
+        rid = head["id"]
+        assert isinstance(head["weight_version"], int)  # (streamed chunks carry it too)
         r = http.post("/abort_requests", json={"rids": [rid]})
         assert r.status_code == 200 and r.json()["aborted"] == 1
         finish = [httpx.Response(200, content=x[6:]).json()["choices"][0]["finish_reason"]
