@@ -45,7 +45,7 @@ ENGINE_SERVER = [
 # The options of each command (as before the CLI was generated from the configs).
 FLAGS = {
     ("serve",): "--lora --max-lora-rank --max-loras --api-key --audit-log --audit-log-content --backend --balance-abs --balance-rel --bench-dir "
-    "--chunk-size --cuda-graph-max-bs --data-parallel-size --device --downscale-delay --drain-timeout --dtype --enable-expert-parallel "
+    "--chunk-size --cuda-graph-max-bs --data-parallel-size --device --downscale-delay --drain-timeout --dtype --enable-expert-parallel --enable-rl-api "
     "--gpu-memory-utilization --health-interval --host --kernels --kv-cache-tokens --kv-disk --kv-disk-size --load-weight --log-level --lookback "
     "--allowed-media-domains --limit-mm-per-prompt --max-body-bytes --max-image-bytes --max-image-pixels --media-fetch-timeout "
     "--max-batch-tokens --max-model-len --max-n --max-pending --max-replicas --max-retries --max-running "

@@ -29,6 +29,8 @@ OTHER_COMMANDS = {
     "--isa": "benchmarks/peers/run_comparison.sh", "--warmup": "benchmarks/peers/run_comparison.sh",
     "--strict": "mkdocs build", "--durations": "pytest", "--check": "python -m tripod.docs_gen",
 }
+# A repository script a page shows (`python benchmarks/x.py --flag`): its flags are its own parser's.
+SCRIPT = re.compile(r"\b((?:benchmarks|examples)/[\w/.-]+\.py)\b")
 COMMAND = re.compile(r"\btripod\s+(chains\s+serve|chains\s+worker|serve|route|generate|chat|bench)\b")
 FLAG = re.compile(r"(?<![\w=-])--[a-z][a-z0-9-]*")  # not an option inside another's value (=--x)
 PATH = re.compile(r"(?<![\w/.:~$-])\.?[A-Za-z_][\w.-]*(?:/[\w.*-]+)+/?")
@@ -80,6 +82,15 @@ def test_the_generated_references_equal_a_fresh_generation() -> None:
         assert committed == text, f"docs/{name} is stale: run python -m tripod.docs_gen and commit it"
 
 
+def _script_flags(text: str) -> set[str]:
+    """The options that the repository scripts a page names define (their argparse calls)."""
+    out: set[str] = set()
+    for script in set(SCRIPT.findall(text)):
+        if (ROOT / script).is_file():
+            out |= set(re.findall(r"add_argument\(\s*\"(--[a-z][a-z0-9-]*)\"", (ROOT / script).read_text()))
+    return out
+
+
 def test_every_flag_exists_for_the_command_it_is_shown_with() -> None:
     flags = _flags()
     anywhere = set().union(*flags.values())
@@ -94,8 +105,9 @@ def test_every_flag_exists_for_the_command_it_is_shown_with() -> None:
                 for flag in FLAG.findall(parts[i + 1]):
                     if flag not in flags[command] and flag not in flags[""] and flag not in OTHER_COMMANDS:
                         wrong.append(f"{_page_id(page)}: tripod {command} has no {flag}")
+        scripts = _script_flags(text)
         for flag in set(FLAG.findall(text)):
-            if flag not in anywhere and flag not in OTHER_COMMANDS:
+            if flag not in anywhere and flag not in OTHER_COMMANDS and flag not in scripts:
                 wrong.append(f"{_page_id(page)}: no command has {flag}")
     assert not wrong, "\n".join(sorted(set(wrong)))
 

@@ -127,6 +127,9 @@ class ServerConfig:
         MAX_BODY_BYTES, "largest request body in bytes (413 past it); images sent inline (base64) count in it",
         commands=(SERVE,), metavar="BYTES")
     max_n: int = opt(16, "largest 'n' a request may ask for", commands=(SERVE,))
+    enable_rl_api: bool = opt(  # server/api/rl.py; docs/rl.md
+        False, "serve the RL control routes (weight updates, pause/continue, sleep/wake, abort, prefix-cache "
+        "reset: SGLang's and vLLM's spellings); without it they are 404", commands=(SERVE,), forward=False)
     reasoning_parser: str = opt(  # how the thinking is split from the answer (docs/serving.md "Reasoning output")
         "auto", "split the model's thinking out of its answer (reasoning_content, thinking blocks): auto (from "
         "the model's architecture and chat template), none, or a parser", commands=(SERVE,), metavar="NAME|none",

@@ -254,6 +254,11 @@ class Engine(OfflineAPI):
         self.stats.bookkeeping_seconds += time.perf_counter() - t3
         return self._deliver(outs)
 
+    def report_finished(self) -> list[StepOutput]:
+        """Report the requests that finished without a step (aborted) now, as ``step()`` would
+        first: what a loop that is not stepping (paused in place) sends for them."""
+        return self._deliver(self._finished_while_queued())
+
     # ------------------------------------------------------------------ step parts
     def _finished_while_queued(self) -> list[StepOutput]:
         """Requests aborted (or rejected) before they ran have finished without a step: report them once."""

@@ -97,6 +97,9 @@ class ModelRunner:
         self._cpu: CpuBackend | CpuLinearBackend | None = None
         self._triton: Backend | None = self._make_triton() if triton else None
         self._backend: Backend | None = None
+        # Level-2 sleep (engine/weight_update.py): the weights hold no memory, so nothing may be
+        # packed from them until they are loaded again (the engine runs no step meanwhile).
+        self.weights_released = False
         self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs (Triton backend only)
         # (MoE layers route with data-dependent shapes, which a graph cannot hold; a vision model's
         # decode rows may carry M-RoPE tables a graph's static buffers do not: both run eagerly.)
@@ -190,7 +193,8 @@ class ModelRunner:
         be = self._choose()
         # NOTE: idempotent and cheap once built; called every step because another engine
         # sharing this model may have released a form this one still runs (it is rebuilt).
-        self.model.prepare(be)
+        if not self.weights_released:
+            self.model.prepare(be)
         if self._backend is not be:
             if self._backend is not None:
                 log.info("compute path from now on: %s", be.describe())

@@ -33,6 +33,7 @@ import zmq
 from tripod.engine.embed_queue import EmbedQueue
 from tripod.engine.encoder_loop import EncoderLoop
 from tripod.engine.request import Req, StepOutput, TokenLogprob
+from tripod.engine.rl_control import RLControl
 from tripod.loader import encoder_folder
 from tripod.memory.tiered_cache import TieredCache
 from tripod.protocol import engine_ipc
@@ -129,12 +130,14 @@ class EngineLoop:
         self._reported: set[Req] = set()  # sequences whose first output carried their times
         # --task embed: the embedding requests being pooled (engine/pooling.py); None: a generative engine.
         self.embeds = EmbedQueue(engine) if engine.config.task == "embed" else None
+        # Pause/continue, weight updates, sleep (engine/rl_control.py): what may step and be admitted.
+        self.rl = RLControl(engine, lambda msg: self.push.send(engine_ipc.encode(msg)), self._beat)
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
         while self.running:
-            busy = self.engine.pending
+            busy = self.engine.pending and not self.rl.frozen
             t0 = time.perf_counter()
             ready = poller.poll(0 if busy else int(self.heartbeat_interval * 1000))
             t1 = time.perf_counter()
@@ -146,7 +149,7 @@ class EngineLoop:
             if os.getppid() != self.parent_pid:
                 log.warning("the server process is gone; stopping")
                 return
-            stepped = self.engine.pending
+            stepped = self.engine.pending and not self.rl.frozen
             if stepped:
                 step_start = time.monotonic() if self.timings else 0.0
                 outs = self.engine.step()
@@ -159,6 +162,8 @@ class EngineLoop:
                 t2 = time.perf_counter()
                 self._send_outputs(outs, step_start)
                 self.ipc_seconds += time.perf_counter() - t2
+            for held in self.rl.tick():  # (a waiting update applied once nothing is in flight)
+                self._add(held)
             now = time.monotonic()
             # NOTE: also at once when the loop has just gone idle: the server's /metrics (what routers
             # place requests by) would otherwise report the last finished request as running for up
@@ -183,7 +188,8 @@ class EngineLoop:
                 self._reject(msg.rid, msg.params.n, "this server pools its model into embeddings (--task embed); it "
                              "does not generate: use /v1/embeddings, or serve it without --task embed")
             elif isinstance(msg, engine_ipc.AddRequest):
-                self._add(msg)
+                if not self.rl.hold(msg):
+                    self._add(msg)
             elif isinstance(msg, engine_ipc.EmbedRequest):
                 for reply in self.embeds.add(msg) if self.embeds is not None else [
                         engine_ipc.Embeddings(msg.rid, [], "this server does not pool: serve it with --task embed")]:
@@ -196,10 +202,20 @@ class EngineLoop:
                 self._export(msg)
             elif isinstance(msg, engine_ipc.LoraRequest):
                 self.push.send(engine_ipc.encode(self._lora(msg)))
+            elif isinstance(msg, engine_ipc.Control):
+                self.rl.handle(msg)
             elif isinstance(msg, engine_ipc.Shutdown):
                 self.running = False
             else:
                 raise AssertionError(f"unexpected message {msg!r}")
+
+    def _beat(self) -> None:
+        """A heartbeat if one is due: what a long control (a weight update) calls between its phases,
+        so the server does not take a loop busy with it for a hung one."""
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.heartbeat_interval:
+            self._last_heartbeat = now
+            self.push.send(engine_ipc.encode(engine_ipc.Heartbeat(self.stats())))
 
     def _lora(self, msg: engine_ipc.LoraRequest) -> engine_ipc.LoraReply:
         loras = self.engine.loras
@@ -282,6 +298,7 @@ class EngineLoop:
                     for lp in o.prompt_logprobs
                 ],
                 timing=self._timing(o, step_start) if self.timings else None,
+                weight_version=self.rl.weights.version,
             ))
         if items:
             self.push.send(engine_ipc.encode(engine_ipc.Outputs(items)))

@@ -1,8 +1,9 @@
 """The messages between the HTTP process and the engine process (ZMQ), and their one codec.
 
 Two PUSH/PULL pipes: server → engine carries ``AddRequest`` / ``AbortRequest`` /
-``StatsRequest`` / ``Shutdown`` / ``ExportKV``; engine → server carries ``Ready``, ``Outputs`` (one
-message per engine step), ``Heartbeat``, ``StatsReply``, ``KVExport`` and ``Fatal``. The engine side speaks token ids only.
+``StatsRequest`` / ``Shutdown`` / ``ExportKV`` and the RL controls (pause, continue, abort,
+weight updates, sleep, wake, prefix-cache reset); engine → server carries ``Ready``, ``Outputs`` (one
+message per engine step), ``Heartbeat``, ``StatsReply``, ``KVExport``, ``ControlReply`` and ``Fatal``. The engine side speaks token ids only.
 
 Every message is a tagged ``msgspec.Struct``; on the wire it is a msgpack map with its fields by
 name and ``"type"`` naming the message. ``decode`` reads any of them into its class and validates
@@ -80,6 +81,96 @@ class LoraRequest(msgspec.Struct, tag=True):
     action: str  # "load" | "unload" | "list"
     name: str = ""
     path: str = ""
+
+
+# RL control (``engine/rl_control.py``; the server's ``--enable-rl-api`` routes): each answered by a
+# ``ControlReply`` carrying its token.
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class PauseGeneration(msgspec.Struct, tag=True):
+    """Stop generating: ``abort`` ends every request in flight (finish reason ``abort``), ``wait``
+    lets them finish, ``keep`` freezes them where they are (their KV kept). New requests are held
+    until ``ContinueGeneration`` in every mode."""
+
+    token: int
+    mode: str  # one of PAUSE_MODES; checked where it enters (the HTTP route) and by the engine
+
+
+class ContinueGeneration(msgspec.Struct, tag=True):
+    token: int
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    """End requests (finish reason ``abort``): these group ids, or every one when ``rids`` is empty."""
+
+    token: int
+    rids: list[str] = msgspec.field(default_factory=list)
+
+
+class UpdateWeights(msgspec.Struct, tag=True):
+    """New weights, applied between steps when no request holds state of the old ones: a folder or
+    GGUF file (``model_path``), HF-named tensors as safetensors bytes (``safetensors``), or tensors
+    broadcast over the weight group (``names``/``dtypes``/``shapes``)."""
+
+    token: int
+    model_path: str = ""
+    safetensors: bytes = b""
+    # From the weight group (InitWeightsGroup): the tensors rank 0 broadcasts, in this order.
+    names: list[str] = msgspec.field(default_factory=list)
+    dtypes: list[str] = msgspec.field(default_factory=list)
+    shapes: list[list[int]] = msgspec.field(default_factory=list)
+
+
+class InitWeightsGroup(msgspec.Struct, tag=True):
+    """Join a trainer's torch.distributed group (it is rank 0) to receive weights over it."""
+
+    token: int
+    master_address: str
+    master_port: Annotated[int, msgspec.Meta(gt=0, lt=65536)]
+    rank: int
+    world_size: Annotated[int, msgspec.Meta(ge=2)]
+    backend: str = "gloo"
+
+
+class Sleep(msgspec.Struct, tag=True):
+    """Give memory back: level 1 the KV pool, level 2 the weights too (reloaded from disk on wake)."""
+
+    token: int
+    level: Annotated[int, msgspec.Meta(ge=1, le=2)] = 1
+
+
+class WakeUp(msgspec.Struct, tag=True):
+    token: int
+
+
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    token: int
+
+
+class RLState(msgspec.Struct, kw_only=True):
+    """Where the engine stands: its weight version, its pause mode ("" running), its sleep level
+    (0 awake) and the requests it holds (running or frozen / held back until it continues)."""
+
+    weight_version: int
+    paused: str = ""
+    sleeping: int = 0
+    in_flight: int = 0
+    held: int = 0
+
+
+class ControlReply(msgspec.Struct, tag=True):
+    """The answer to an RL control message: ``error`` None (done), or why not, with ``kind``
+    ``invalid`` (the caller's input: 400), ``conflict`` (not in this state: 409) or ``unsupported``
+    (this model cannot: 400); ``aborted``: the sequences the message ended; ``released``: the bytes
+    a sleep gave back (the KV pool's)."""
+
+    token: int
+    state: RLState
+    error: str | None = None
+    kind: str = ""
+    aborted: int = 0
+    released: int = 0
 
 
 # ---------------------------------------------------------------------- engine → server
@@ -163,6 +254,9 @@ class SeqOutput(msgspec.Struct, kw_only=True):
     # params.prompt_logprobs, with the sequence's first output: one per prompt token.
     prompt_logprobs: list[Logprob] | None = None
     timing: SeqTiming | None = None  # EngineLaunch.timings: on a sequence's first and last output
+    # The weights it ran on (engine/rl_control.py): an update applies only when no request holds
+    # state, so every output of one sequence carries the same version.
+    weight_version: int = 0
 
 
 class Outputs(msgspec.Struct, tag=True):
@@ -202,7 +296,10 @@ class KVExport(msgspec.Struct, tag=True):
 
 
 Message = (AddRequest | AbortRequest | StatsRequest | Shutdown | LoraRequest | ExportKV | EmbedRequest | Ready | Outputs
-           | Heartbeat | StatsReply | LoraReply | KVExport | Embeddings | Fatal)
+           | Heartbeat | StatsReply | LoraReply | KVExport | Embeddings | Fatal | PauseGeneration | ContinueGeneration
+           | AbortRequests | UpdateWeights | InitWeightsGroup | Sleep | WakeUp | ResetPrefixCache | ControlReply)
+Control = (PauseGeneration | ContinueGeneration | AbortRequests | UpdateWeights | InitWeightsGroup | Sleep | WakeUp
+           | ResetPrefixCache)
 
 
 class ProtocolError(ValueError):

@@ -33,6 +33,7 @@ from tripod.server.api.openai import add_openai_routes
 from tripod.server.api.openapi import openapi_document
 from tripod.server.api.pd import HandOverGate, Receiving, add_pd_routes
 from tripod.server.api.responses import add_responses_routes
+from tripod.server.api.rl import RL_ROUTES, add_rl_routes
 from tripod.server.console_source import ServerConsoleSource
 from tripod.server.errors import APIError, error_response, too_large
 from tripod.server.state import ServerState
@@ -48,7 +49,7 @@ _OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 _ROUTES = {
     "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
     "/health", "/metrics", "/tokenize", "/detokenize", "/debug/engine", "/openapi.json", "/v1/responses",
-    "/v1/embeddings", "/v1/rerank", "/v1/score",
+    "/v1/embeddings", "/v1/rerank", "/v1/score", *RL_ROUTES,
 }
 
 
@@ -159,6 +160,8 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     add_responses_routes(app, state)
     add_embedding_routes(app, state)
     add_pd_routes(app, state)
+    if state.config.enable_rl_api:  # (without the flag the routes do not exist: 404)
+        add_rl_routes(app, state)
     app.router.routes.extend(console.routes())  # /ui: the console (tripod.console)
     document: dict[str, Any] = {}
 

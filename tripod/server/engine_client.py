@@ -189,6 +189,9 @@ class EngineClient:
         self._export_waiters: dict[int, asyncio.Future[engine_ipc.KVExport]] = {}
         self._lora_waiters: dict[int, asyncio.Future[engine_ipc.LoraReply]] = {}
         self._embed_waiters: dict[str, asyncio.Future[engine_ipc.Embeddings]] = {}
+        self._control_waiters: dict[int, asyncio.Future[engine_ipc.ControlReply]] = {}
+        # The engine's RL state (server/api/rl.py): weight version, pause mode, sleep level; from its replies.
+        self.rl = engine_ipc.RLState(weight_version=0)
         self.loras: dict[str, str] | None = None  # LoRA adapters the engine serves (name -> path); None: none
         self._tokens = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
@@ -323,7 +326,8 @@ class EngineClient:
         err = EngineDead(reason)
         for h in list(self._handles.values()):
             h.queue.put_nowait(err)
-        for fut in [*self._stats_waiters.values(), *self._export_waiters.values(), *self._embed_waiters.values()]:
+        for fut in [*self._stats_waiters.values(), *self._export_waiters.values(), *self._embed_waiters.values(),
+                    *self._control_waiters.values()]:
             if not fut.done():
                 fut.set_exception(err)
         if self._proc is not None and self._proc.alive:
@@ -374,6 +378,11 @@ class EngineClient:
                 waiter = self._lora_waiters.pop(msg.token, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg)
+            elif isinstance(msg, engine_ipc.ControlReply):
+                self.rl = msg.state
+                cfut = self._control_waiters.pop(msg.token, None)
+                if cfut is not None and not cfut.done():
+                    cfut.set_result(msg)
             elif isinstance(msg, engine_ipc.Embeddings):
                 efut = self._embed_waiters.pop(msg.rid, None)
                 if efut is not None and not efut.done():
@@ -449,6 +458,24 @@ class EngineClient:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._lora_waiters.pop(token, None)
+
+    def open_rids(self) -> list[str]:
+        """The engine request ids of the HTTP requests open now."""
+        return list(self._handles)
+
+    async def control(self, make: Callable[[int], engine_ipc.Control], timeout: float) -> engine_ipc.ControlReply:
+        """Send an RL control message (``make(token)``) and wait for its ``ControlReply``; raises
+        ``EngineDead``, or ``TimeoutError`` past ``timeout`` (the engine still carries it out)."""
+        if not self.alive:
+            raise EngineDead(self.dead_reason or "the engine is not running")
+        token = next(self._tokens)
+        fut: asyncio.Future[engine_ipc.ControlReply] = asyncio.get_running_loop().create_future()
+        self._control_waiters[token] = fut
+        self._send(make(token))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._control_waiters.pop(token, None)
 
     async def embed(self, rid: str, inputs: list[list[int]], type_ids: list[list[int]] | None = None,
                     ) -> engine_ipc.Embeddings:

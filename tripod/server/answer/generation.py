@@ -124,6 +124,8 @@ class Generation:
         self.timings: dict[tuple[str, int], engine_ipc.SeqTiming] = {}
         # A continuation: per choice index, what it had produced, and (whole answers) its text so far.
         self.priors = priors or {}
+        # The weights the engine ran it on (every output of a request carries the same version).
+        self.weight_version: int | None = None
         self.prior_text: dict[int, str] = {}
         by_index = {s.index: s for s in self.seqs.values()}
         for idx, prior in self.priors.items():
@@ -157,6 +159,7 @@ class Generation:
 
     def _apply(self, out: engine_ipc.SeqOutput) -> Delta | None:
         seq = self.seqs[(out.rid, out.index)]
+        self.weight_version = out.weight_version
         if out.timing is not None:
             self.timings[(out.rid, out.index)] = out.timing
         if out.finish_reason == "rejected":
@@ -301,6 +304,7 @@ class Collected:
     stop_sequence: dict[int, str | None] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[Logprob]] = field(default_factory=dict)
     token_ids: dict[int, list[int]] = field(default_factory=dict)
+    weight_version: int | None = None  # the weights it ran on (Generation.weight_version)
 
 
 class Collector:
@@ -339,6 +343,7 @@ async def collect(gen: Generation, it: AsyncIterator[Delta], first: Delta | None
         col.add(first)
     async for d in it:
         col.add(d)
+    col.c.weight_version = gen.weight_version
     return col.c
 
 

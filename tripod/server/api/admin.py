@@ -46,6 +46,8 @@ def model_card(state: ServerState) -> dict[str, Any]:
         # int4 / int8 codes, executed as stored) or "fp8" (a
         # block-wise FP8 checkpoint kept in FP8, w8a16); --weights.
         "weights": state.engine_config.weights,
+        # --enable-rl-api: how many times the weights were replaced in place (server/api/rl.py).
+        **({"weight_version": state.client.rl.weight_version} if state.config.enable_rl_api else {}),
         # Speculative decoding (lossless; --speculative): the method (null: off) and its settings.
         "speculative": speculative_card(state),
         "architecture": info.architecture if info else None,

@@ -17,6 +17,7 @@ from fastapi import Request
 from tripod import tracing
 from tripod.asgi import until_disconnect
 from tripod.server.answer.generation import Delta, Generation, Prior
+from tripod.server.api.rl import asleep_error
 from tripod.server.engine_client import EngineDead, EnginePart, Overloaded, RequestHandle
 from tripod.server.errors import APIError
 from tripod.server.state import ServerState
@@ -60,6 +61,9 @@ async def start_generation(
     if state.draining:
         raise APIError(503, "the server is shutting down; retry on another replica", type="server_error",
                        code="draining", headers={"Retry-After": str(cfg.retry_after)})
+    asleep = asleep_error(state)
+    if asleep is not None:
+        raise asleep
     if request.headers.get(COUNT_HEADER) == "count":
         raise AdmissionCounted(token_counts(parts), record_of(request.scope))
     rec = admit_tenant(state, request, parts)

@@ -179,7 +179,7 @@ def _chat_body(state: ServerState, req: ChatCompletionRequest, c: Collected, rid
         choices.append(choice)
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-        "choices": choices, "usage": usage, "system_fingerprint": state.fingerprint(),
+        "choices": choices, "usage": usage, "system_fingerprint": state.fingerprint(), **_version(state, c),
     }
 
 
@@ -276,6 +276,8 @@ class _ChatChunks:
 async def _chat_stream(state: ServerState, req: ChatCompletionRequest, s: Started, rid: str, created: int,
                        parser: ToolCallParser | None, think: Thinking | None) -> AsyncIterator[bytes]:
     chunks = _ChatChunks(state, req, rid, created, parser, think)
+    if state.config.enable_rl_api:  # (known: the first delta came before the stream began)
+        chunks.head["weight_version"] = s.gen.weight_version
     try:
         indices = sorted(q.index for q in s.gen.seqs.values())
         if req.tripod_continuation is None:  # a continued stream's client has its role chunk
@@ -372,8 +374,13 @@ def _completion_body(state: ServerState, req: CompletionRequest, c: Collected, r
         choices.append(choice)
     return {
         "id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-        "choices": choices, "usage": usage, "system_fingerprint": state.fingerprint(),
+        "choices": choices, "usage": usage, "system_fingerprint": state.fingerprint(), **_version(state, c),
     }
+
+
+def _version(state: ServerState, c: Collected) -> dict[str, Any]:
+    """``weight_version`` (--enable-rl-api): the weights the answer was generated with."""
+    return {"weight_version": c.weight_version} if state.config.enable_rl_api else {}
 
 
 def _usage(s: Started, score_only: bool) -> dict[str, Any]:
@@ -388,6 +395,7 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, s: Star
                              echo: list[str] | None, n: int, score_only: bool) -> AsyncIterator[bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     fp = state.fingerprint()
+    version = {"weight_version": s.gen.weight_version} if state.config.enable_rl_api else {}
     builders: dict[int, CompletionLogprobs] = {}
     echoed: set[int] = set()
     for idx, prior in s.gen.priors.items():
@@ -398,7 +406,7 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, s: Star
 
     def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
         body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
-                                "model": state.model_name, "system_fingerprint": fp, "choices": choices}
+                                "model": state.model_name, "system_fingerprint": fp, "choices": choices, **version}
         if include_usage:
             body["usage"] = usage
         return sse(body)
