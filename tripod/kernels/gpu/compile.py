@@ -51,7 +51,7 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     from tripod.kernels.gpu.masks import apply_bitmask_kernel
     from tripod.kernels.gpu.mla import mla_decode_kernel
     from tripod.kernels.gpu.w4a16 import BLOCK_M as W4_M
-    from tripod.kernels.gpu.w4a16 import BLOCK_N as W4_N
+    from tripod.kernels.gpu.w4a16 import blocks as w4_blocks
     from tripod.kernels.gpu.w4a16 import w4a16_kernel
 
     bf = "*bf16"
@@ -98,15 +98,13 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
          {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": bf, "sinks_ptr": "*fp32"},
          dict(NH=128, D=512, SPLITS=8, BLOCK_S=8, BLOCK_D=512, HAS_SINKS=False)),
     ]
-    for act, dt in (("bf16", bf), ("fp16", "*fp16"), ("fp32", "*fp32")):
-        for zeros in (True, False):
-            out.append((f"w4a16[{act}, group 128{', zero points' if zeros else ', symmetric'}]", w4a16_kernel,
-                        {"x_ptr": dt, "q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "out_ptr": dt},
-                        dict(HAS_ZEROS=zeros, FP32_DOT=act == "fp32", BLOCK_M=W4_M, BLOCK_N=W4_N,
-                             BLOCK_K=32 if act == "fp32" else 64)))
-    out.append(("w4a16[bf16, group 32]", w4a16_kernel,
-                {"x_ptr": bf, "q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "out_ptr": bf},
-                dict(HAS_ZEROS=True, FP32_DOT=False, BLOCK_M=W4_M, BLOCK_N=W4_N, BLOCK_K=32)))
+    w4_ptrs = {"q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8"}
+    for act, dt, group, zeros in (("bf16", bf, 128, True), ("bf16", bf, 128, False), ("bf16", bf, 32, True),
+                                  ("fp16", "*fp16", 128, True), ("fp32", "*fp32", 128, True)):
+        bn, bk = w4_blocks(act == "fp32", group)
+        out.append((f"w4a16[{act}, group {group}, {'zero points' if zeros else 'symmetric'}]", w4a16_kernel,
+                    {**w4_ptrs, "x_ptr": dt, "out_ptr": dt},
+                    dict(HAS_ZEROS=zeros, FP32_DOT=act == "fp32", BLOCK_M=W4_M, BLOCK_N=bn, BLOCK_K=bk)))
     return out
 
 

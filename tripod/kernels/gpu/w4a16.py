@@ -33,6 +33,15 @@ BLOCK_N = 64
 SYMMETRIC_ZERO = 8
 
 
+def blocks(fp32: bool, group: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): 64 inputs a step for 16-bit activations where the group allows (fewer loop
+    trips), else 32; float32's IEEE dot takes half the columns (at 64 x 64 it spills registers on sm_90).
+    Chosen by the weight and dtype only, never by the row count."""
+    if fp32:
+        return BLOCK_N // 2, 32
+    return BLOCK_N, 64 if group % 64 == 0 else 32
+
+
 @dataclass(frozen=True, slots=True)
 class PackedW4:
     """One int4 weight in the kernel's layout (module docstring); ``perm``: the inputs' order (act-order)."""
@@ -44,11 +53,6 @@ class PackedW4:
     n: int
     k: int
     perm: torch.Tensor | None = None
-
-    def block_k(self, dtype: torch.dtype) -> int:
-        """Inputs per step: 64 for 16-bit activations where the group allows (fewer loop trips), else 32
-        (float32's IEEE dot at 64 spills registers on sm_90)."""
-        return 64 if self.group % 64 == 0 and dtype != torch.float32 else 32
 
     def to(self, device: torch.device) -> PackedW4:
         """The same weight on ``device``."""
@@ -141,8 +145,10 @@ def w4a16_linear(x: torch.Tensor, w: PackedW4) -> torch.Tensor:
     m = x.shape[0]
     out = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
     if m:
-        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(w.n, BLOCK_N))
+        fp32 = x.dtype == torch.float32
+        block_n, block_k = blocks(fp32, w.group)
+        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(w.n, block_n))
         w4a16_kernel[grid](x, w.qweight, w.scales, w.zeros if w.zeros is not None else w.qweight, out, m, w.n, w.k,
                            w.group, x.stride(0), out.stride(0), HAS_ZEROS=w.zeros is not None,
-                           FP32_DOT=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=w.block_k(x.dtype))
+                           FP32_DOT=fp32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
     return out
