@@ -152,3 +152,30 @@ def w4a16_linear(x: torch.Tensor, w: PackedW4) -> torch.Tensor:
                            w.group, x.stride(0), out.stride(0), HAS_ZEROS=w.zeros is not None,
                            FP32_DOT=fp32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
     return out
+
+
+def from_group_blocks(blocks: torch.Tensor, n: int, k: int, perm: torch.Tensor | None) -> PackedW4 | None:
+    """The layout from an int4 weight in the CPU kernels' Q4_K form (``loader/stored.group_blocks``:
+    per 32 inputs ``[a f32, b f32, 16 bytes of nibbles]``, ``w = a q - b``, inputs 0-15 in the low
+    nibbles), where it holds ``(q - z) * s`` exactly: ``a = s``, ``b = s z`` with ``z`` an integer
+    0..15. None where it does not (a GGUF Q4_K's free minimums): that weight is not W4A16's.
+    The largest group (128, 64 or 32 inputs) over which the scales and zero points repeat is kept."""
+    if k % 32 or blocks.dtype != torch.uint8 or tuple(blocks.shape) != (n, k // 32 * 24):
+        return None
+    per = blocks.reshape(n, k // 32, 24)
+    a = per[:, :, 0:4].contiguous().view(torch.float32).reshape(n, -1)
+    b = per[:, :, 4:8].contiguous().view(torch.float32).reshape(n, -1)
+    nib = per[:, :, 8:].to(torch.int32)
+    codes = torch.cat((nib & 0xF, nib >> 4), dim=2).reshape(n, k).to(torch.uint8)
+    safe = torch.where(a == 0, torch.ones_like(a), a)
+    z = torch.where(a == 0, torch.zeros_like(b), torch.round(b / safe))
+    if not bool(torch.all((z >= 0) & (z <= 15))) or not torch.equal(a.double() * z.double(), b.double()):
+        return None
+    blocks32 = k // 32
+    for run in (4, 2, 1):  # 128, 64, 32 inputs a group
+        if blocks32 % run == 0 and bool(torch.all(a.view(n, -1, run) == a.view(n, -1, run)[:, :, :1])) and bool(
+                torch.all(z.view(n, -1, run) == z.view(n, -1, run)[:, :, :1])):
+            break
+    scales, zeros = a[:, ::run].contiguous(), z[:, ::run].to(torch.int32).contiguous()
+    packed = pack_w4(codes, scales, zeros, torch.arange(k) // (32 * run))
+    return PackedW4(packed.qweight, packed.scales, packed.zeros, packed.group, n, k, perm)
