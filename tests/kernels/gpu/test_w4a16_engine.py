@@ -15,14 +15,14 @@ from tests.support.int_quant import save_quantized
 from tests.support.tiny_models import VOCAB, build_hf
 from tripod import Engine, SamplingParams
 
-N_TOKENS = 8
+N_TOKENS = 4
 PARAMS = SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(12)
-    a = torch.randint(3, VOCAB, (21,), generator=g).tolist()
-    b = torch.randint(3, VOCAB, (5,), generator=g).tolist()
+    a = torch.randint(3, VOCAB, (11,), generator=g).tolist()
+    b = torch.randint(3, VOCAB, (3,), generator=g).tolist()
     return [a, b]
 
 
