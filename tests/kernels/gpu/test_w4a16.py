@@ -108,3 +108,21 @@ def test_w4a16_at_a_larger_shape(dtype: torch.dtype) -> None:
     packed = ops.pack_w4(codes, scales, zeros, g_idx)
     x = torch.randn(40, 1000, generator=torch.Generator().manual_seed(9)).to(dtype)
     _check(ops.w4a16_linear(x, packed), x, _reference(x, codes, scales, zeros, g_idx), codes, scales, zeros, g_idx)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_the_layout_from_the_stored_blocks_keeps_the_weight_and_its_group(group: int) -> None:
+    from tripod.loader.hf_quant import GroupQuantized
+    from tripod.loader.stored import group_blocks
+
+    codes, scales, zeros, g_idx = _weight(16, 256, group, False, seed=7, act_order=True)
+    w = GroupQuantized(codes, scales, zeros, g_idx, 4)
+    kind, blocks, perm = group_blocks(w)  # type: ignore[misc]
+    assert kind == "Q4_K" and perm is not None
+    p = ops.from_group_blocks(blocks, 16, 256, perm)
+    assert p is not None and p.group == group and p.perm is perm
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7))
+    _check(ops.w4a16_linear(x, p), x, _reference(x, codes, scales, zeros, g_idx), codes, scales, zeros, g_idx)
+    freed = blocks.clone().view(16, 8, 24)
+    freed[:, :, 4:8] = torch.tensor([0.3], dtype=torch.float32).view(torch.uint8)  # a GGUF Q4_K's free minimum
+    assert ops.from_group_blocks(freed.view(16, -1), 16, 256, None) is None
