@@ -55,3 +55,8 @@ def test_int4_linears_run_on_the_w4a16_kernel(case: str, tmp_path: Path, hf_toke
         check_greedy_tokens(got, ref.greedy(prompts[i], N_TOKENS), f"{case} prompt {i}")
     for i, out in enumerate(eng.generate(prompts, PARAMS)):
         assert list(out.token_ids) == list(alone[i]), f"{case} prompt {i}: batched differs from alone"
+
+
+def test_a_gguf_with_stored_weights_is_refused_on_the_triton_backend(gguf_path: Any) -> None:
+    with pytest.raises(ValueError, match="GGUF's stored weights run on tripod's CPU kernels only"):
+        Engine(model=str(gguf_path), kernels="triton", dtype="float32", weights="stored", kv_cache_tokens=64)
