@@ -277,8 +277,6 @@ class EngineConfig:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)} (got {self.kernels!r})")
         if not 0.1 <= self.gpu_memory_utilization <= 0.98:
             raise ValueError(f"gpu_memory_utilization must be in [0.1, 0.98] (got {self.gpu_memory_utilization})")
-        if self.kernels == "triton" and self.weights == "stored":
-            raise ValueError("--weights stored runs on tripod's CPU kernels; it cannot be combined with --kernels triton")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1 (got {self.cuda_graph_max_bs})")
         if self.weights not in WEIGHT_MODES:

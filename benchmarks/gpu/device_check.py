@@ -108,6 +108,40 @@ def kernels(dev: torch.device, dry: bool) -> list[dict[str, Any]]:
     rec(f"rope_store_kv[{nh}/{nkv}x{d}]", _err(qkv.view(17, -1, d)[:, : nh + nkv], want))
     out += _attention_checks(ops, dev, dt, tol, dry)
     out += _mask_and_fp8_checks(ops, dev, dry)
+    out += _w4a16_checks(ops, dev, dry)
+    return out
+
+
+def _w4a16_checks(ops: Any, dev: torch.device, dry: bool) -> list[dict[str, Any]]:
+    """The W4A16 linear (group 128, zero points) against the float64 dequantized product at M = 1 and
+    64, a row alone = in a batch bit for bit, and (on a GPU) its time at M = 1 and 16 beside bf16 F.linear."""
+    n, k, group = (96, 256, 128) if dry else (14336, 4096, 128)
+    dt = torch.float32 if dry else torch.bfloat16
+    g = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, k // group, generator=g) * 0.002 + 1e-4).to(torch.bfloat16).float()
+    zeros = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.int32)
+    g_idx = torch.arange(k) // group
+    packed = ops.pack_w4(codes, scales, zeros, g_idx).to(dev)
+    w64 = ((codes.double() - zeros.double()[:, g_idx]) * scales.double()[:, g_idx])
+    out: list[dict[str, Any]] = []
+    x = torch.randn(64, k, generator=g).to(dt)
+    xd = x.to(dev)
+    batched = ops.w4a16_linear(xd, packed)
+    tol = 1e-4 if dry else 1e-2  # bf16 output rounding
+    for m in (1, 64):
+        e = _err(batched[:m].cpu().double(), x[:m].double() @ w64.T)
+        row: dict[str, Any] = {"kernel": f"w4a16[{n}x{k}, group {group}, M={m}]", "rel_error": e, "tolerance": tol,
+                               "ok": e <= tol}
+        if not dry:
+            dense = w64.to(torch.bfloat16).to(dev)
+            for mm in (1, 16):
+                row[f"ms_w4a16_M{mm}"] = _timed(lambda mm=mm: ops.w4a16_linear(xd[:mm], packed), dev, 20) * 1e3
+                row[f"ms_bf16_dense_M{mm}"] = _timed(lambda mm=mm, d=dense: torch.nn.functional.linear(xd[:mm], d), dev,
+                                                     20) * 1e3
+        out.append(row)
+    same = all(torch.equal(ops.w4a16_linear(xd[r:r + 1], packed), batched[r:r + 1]) for r in (0, 17, 63))
+    out.append({"kernel": "w4a16 alone = batched", "rel_error": 0.0 if same else 1.0, "tolerance": 0.0, "ok": same})
     return out
 
 

@@ -200,7 +200,10 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
                          cuda_graphs=config.cuda_graphs and not embed, cuda_graph_max_bs=config.cuda_graph_max_bs,
                          pooler=Pooler(loaded.model, config.pooling, config.normalize) if embed else None,
                          vision=vision, states=states)
-    if config.weights == "stored" and runner.kernel_reason is not None:
+    if config.weights == "stored" and config.triton and loaded.path.endswith(".gguf"):
+        raise ValueError("--weights stored with --kernels triton runs an AWQ / GPTQ / compressed-tensors folder's int4 "
+                         "weights on the Triton W4A16 kernel; a GGUF's stored weights run on tripod's CPU kernels only")
+    if config.weights == "stored" and not config.triton and runner.kernel_reason is not None:
         raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {runner.kernel_reason}")
     sampler = Sampler(device, config.seed)
     proposer = make_proposer(config, loaded, draft, pool, sampler, path=path, max_len=max_len, device=device,

@@ -5,7 +5,7 @@ kernel that stops compiling for the H100/H200 (or outgrows a block's shared memo
 
 The kernels are compiled at the shapes they serve: Llama-3.1-8B's heads (32 over 8, head dim
 128), head dims 64 and 256 with GQA ratios 1 and 8, Gemma's soft-cap and window, gpt-oss's sinks,
-DeepSeek-V3's MLA (128 heads, 512 + 64), in bfloat16.
+DeepSeek-V3's MLA (128 heads, 512 + 64), in bfloat16; the W4A16 linear in bf16, fp16 and fp32.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     from tripod.kernels.gpu.masks import BLOCK as MASK_BLOCK
     from tripod.kernels.gpu.masks import apply_bitmask_kernel
     from tripod.kernels.gpu.mla import mla_decode_kernel
+    from tripod.kernels.gpu.w4a16 import BLOCK_M as W4_M
+    from tripod.kernels.gpu.w4a16 import blocks as w4_blocks
+    from tripod.kernels.gpu.w4a16 import w4a16_kernel
 
     bf = "*bf16"
     attn_ptrs = {"q_ptr": bf, "kv_ptr": bf, "table_ptr": "*i32", "rows_ptr": "*i32", "lens_ptr": "*i32",
@@ -95,6 +98,13 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
          {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": bf, "sinks_ptr": "*fp32"},
          dict(NH=128, D=512, SPLITS=8, BLOCK_S=8, BLOCK_D=512, HAS_SINKS=False)),
     ]
+    w4_ptrs = {"q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8"}
+    for act, dt, group, zeros in (("bf16", bf, 128, True), ("bf16", bf, 128, False), ("bf16", bf, 32, True),
+                                  ("fp16", "*fp16", 128, True), ("fp32", "*fp32", 128, True)):
+        bn, bk = w4_blocks(act == "fp32", group)
+        out.append((f"w4a16[{act}, group {group}, {'zero points' if zeros else 'symmetric'}]", w4a16_kernel,
+                    {**w4_ptrs, "x_ptr": dt, "out_ptr": dt},
+                    dict(HAS_ZEROS=zeros, FP32_DOT=act == "fp32", BLOCK_M=W4_M, BLOCK_N=bn, BLOCK_K=bk)))
     return out
 
 

@@ -4,6 +4,7 @@ from tripod.kernels.gpu.attention import keys_per_step, paged_attention, query_b
 from tripod.kernels.gpu.elementwise import rms_norm, rope_store_kv, silu_mul
 from tripod.kernels.gpu.masks import apply_bitmask
 from tripod.kernels.gpu.mla import mla_decode
+from tripod.kernels.gpu.w4a16 import PackedW4, from_group_blocks, pack_w4, w4a16_linear
 
-__all__ = ["apply_bitmask", "keys_per_step", "mla_decode", "paged_attention", "query_blocks", "rms_norm", "rope_store_kv", "silu_mul",
-           "tile"]
+__all__ = ["PackedW4", "apply_bitmask", "from_group_blocks", "keys_per_step", "mla_decode", "pack_w4", "paged_attention", "query_blocks",
+           "rms_norm", "rope_store_kv", "silu_mul", "tile", "w4a16_linear"]

@@ -30,6 +30,20 @@ from tripod.memory.kv_pool import KVPool
 SPLIT_KEYS = 256  # keys per split-KV split (a multiple of every head dim's key block)
 
 
+class W4A16Linear:
+    """An int4 linear on the Triton W4A16 kernel (``kernels/gpu/w4a16.py``): it owns the packed
+    codes, scales and zero points (made once at load) and the bias."""
+
+    def __init__(self, ops: Any, packed: Any, bias: torch.Tensor | None) -> None:
+        self.ops, self.packed, self.bias = ops, packed, bias
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.ops.w4a16_linear(x, self.packed)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if residual is None else residual + y
+
+
 class TritonOps:
     """The op families both Triton backends take from the kernels."""
 
@@ -37,7 +51,14 @@ class TritonOps:
     split_keys: int = SPLIT_KEYS
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, *, stored: StoredWeight | None = None,
-               fp8: Fp8Scales | None = None) -> Linear:
+               fp8: Fp8Scales | None = None) -> Linear | W4A16Linear:
+        # An int4 weight stored with its group scales and zero points (--weights stored on an AWQ / GPTQ /
+        # compressed-tensors folder) runs on the W4A16 kernel; every other weight on cuBLAS, dequantized.
+        if stored is not None and stored.kind == "Q4_K" and fp8 is None:
+            n, k = stored.shape
+            packed = self.ops.from_group_blocks(stored.blocks, n, k, stored.perm)
+            if packed is not None:
+                return W4A16Linear(self.ops, packed.to(weight.device), bias)
         return make_linear(weight, bias, "dense", fp8=fp8)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
