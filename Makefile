@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tripod-installed
 
-.PHONY: install browser serve test test-all lint bench clean
+.PHONY: install browser serve test test-all lint docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,12 @@ lint: install
 	$(BIN)/python -m pip install -q mypy
 	$(BIN)/ruff check .
 	$(BIN)/python -m mypy tripod --ignore-missing-imports
+
+# The docs site (docs/, mkdocs.yml): regenerate the references from the code, then build strictly
+# into site/ (tests/test_docs.py checks both in every `make test`).
+docs: install
+	$(BIN)/python -m tripod.docs_gen
+	$(BIN)/mkdocs build --strict
 
 bench: install
 	$(BIN)/python benchmarks/offline_throughput.py

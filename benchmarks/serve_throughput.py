@@ -1,4 +1,4 @@
-"""Serving throughput over HTTP, measured the way shared/PEERS.md measured the peers.
+"""Serving throughput over HTTP, measured the way the peer harness (benchmarks/peers/) measures the peers.
 
 Streams /v1/completions from a running OpenAI-compatible server, closed loop with C requests
 in flight: prompts of ~256 tokens, exactly 128 output tokens (``ignore_eos``), greedy.

@@ -1,4 +1,4 @@
-"""The package map's rules, checked on the source (``docs/architecture.md``, "Package map"):
+"""The package map's rules, checked on the source (``docs/architecture.md``, "Layers, and where to start reading"; every module: ``docs/reference/modules.md``):
 dependencies point down only, no import circle between modules (lazy and type-checking imports
 count), the server and the engine meet only through ``tripod.protocol`` (the engine process is
 spawned by name), nobody imports another module's private names, modules and functions stay short,

@@ -153,17 +153,19 @@ class EngineConfig:
     # "auto" (default): "stored" for a quantized GGUF where the kernels run it (CPU, one process,
     # --dtype auto), else "dequantized" (loader/weights_mode.py; resolved before the engine is built).
     # "dequantized": every weight dequantized to the run dtype. "stored": a GGUF's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K
-    # weights executed as stored by tripod's kernels (a quarter/half of bf16's bytes per token,
+    # weights executed as stored by tripod's kernels (Q4_0 18 and Q4_1 20 bytes per 32 weights: ~0.28-0.31
+    # of bf16's 64; Q8_0 and Q5_0 34: ~0.53; Q4_K 24: ~0.38; Q6_K 40: ~0.63 (kernels/csrc/linear.cpp),
     # exactly the dequantized weights; the run dtype's activations: bfloat16 under --dtype auto,
     # each product of a bf16 activation and a code exact, or float32). "fp8": a block-wise FP8 checkpoint's
-    # weights kept in FP8, dequantized band by band inside each matmul (w8a16, the run dtype's
-    # activations). Explicit, logged, shown in /v1/models.
+    # weights kept in FP8: w8a8 through torch._scaled_mm on FP8 tensor cores (sm_89+), else dequantized
+    # band by band inside each matmul (w8a16, the run dtype's activations; layers/fp8.py). Explicit, logged, shown in /v1/models.
     weights: str = opt(
         "auto", "auto (default): stored for a quantized GGUF on the CPU with --dtype auto, else dequantized; "
-        "stored: execute a GGUF's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K weights as stored (a quarter/half of "
-        "bf16's bytes per token, exactly the dequantized weights; activations in the run dtype: bfloat16 under "
+        "stored: execute a GGUF's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K weights as stored (about 0.3 of "
+        "bf16's bytes per token for Q4_0/Q4_1, 0.53 for Q8_0, exactly the dequantized weights; activations in the run dtype: bfloat16 under "
         "--dtype auto, float32 with --dtype float32); fp8: keep a block-wise FP8 "
-        "checkpoint's weights in FP8 (w8a16)",
+        "checkpoint's weights in FP8 (w8a8 on FP8 tensor cores, sm_89+; elsewhere w8a16, dequantized band by "
+        "band; the log says which)",
         commands=ENGINE_COMMANDS, choices=WEIGHT_MODES)
     # Structured outputs: verify grammar-forced text in one forward pass (lossless; see engine).
     jump_forward: bool = opt(
@@ -178,13 +180,13 @@ class EngineConfig:
     speculative: str | None = opt(
         None, "speculative decoding (lossless: outputs are those of plain decoding): ngram (prompt lookup) | "
         "draft:PATH (a smaller model with the same tokenizer; draft:embedded) | self:K (this model's first K "
-        "layers as its draft), mtp (the checkpoint's multi-token-prediction module: DeepSeek-V3); a request "
+        "layers as its draft) | mtp (the checkpoint's multi-token-prediction module: DeepSeek-V3, V3.2, V4); a request "
         "opts out with \"speculative\": false",
         commands=ENGINE_COMMANDS, metavar="METHOD", check=parse_speculative)
     num_draft_tokens: int = opt(  # most draft tokens per request per step
         4, "speculative: most draft tokens per request per step (1-64)", commands=ENGINE_COMMANDS, metavar="K")
     # Speculate only while at most this many requests decode in a step (the measured break-even
-    # batch on 2 CPU cores; docs/architecture.md): a big batch has no compute to spare.
+    # batch on 2 CPU cores; docs/performance.md): a big batch has no compute to spare.
     spec_max_batch: int = opt(
         8, "speculative: speculate only while at most B requests decode in a step (0: never)",
         commands=ENGINE_COMMANDS, metavar="B")
@@ -444,14 +446,18 @@ class SamplingOptions:
     defaults (greedy, up to 256 tokens), validated where they land (``SamplingParams`` in process,
     the server's request checks with ``--url``)."""
 
-    max_tokens: int = opt(256, commands=(GENERATE, CHAT))
+    max_tokens: int = opt(256, "most tokens per answer", commands=(GENERATE, CHAT))
     temperature: float = opt(0.0, "0 = greedy (default)", commands=(GENERATE, CHAT))
-    top_p: float = opt(1.0, commands=(GENERATE, CHAT))
-    top_k: int = opt(-1, commands=(GENERATE, CHAT))
-    min_p: float = opt(0.0, commands=(GENERATE, CHAT))
-    repetition_penalty: float = opt(1.0, commands=(GENERATE, CHAT))
-    seed: int | None = opt(None, commands=(GENERATE, CHAT))
-    ignore_eos: bool = opt(False, commands=(GENERATE, CHAT))
+    top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches P (1 = off)",
+                        commands=(GENERATE, CHAT))
+    top_k: int = opt(-1, "sample among the K most likely tokens (-1 = off)", commands=(GENERATE, CHAT))
+    min_p: float = opt(0.0, "drop tokens less likely than P times the most likely one (0 = off)",
+                        commands=(GENERATE, CHAT))
+    repetition_penalty: float = opt(1.0, "penalize tokens already in the prompt or the answer (1 = off)",
+                                      commands=(GENERATE, CHAT))
+    seed: int | None = opt(None, "seed of the sampling noise: the same seed gives the same answer",
+                            commands=(GENERATE, CHAT))
+    ignore_eos: bool = opt(False, "go on past the end-of-sequence token, up to --max-tokens", commands=(GENERATE, CHAT))
 
 
 # The configs of the processes around the engine live in their own module; named here too.

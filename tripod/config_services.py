@@ -109,9 +109,10 @@ class ServerConfig:
 
     host: str = opt("127.0.0.1", "address to listen on (default: loopback only)", commands=(SERVE, CHAINS_SERVE),
                     forward=False)
-    port: int = opt(8000, commands=(SERVE, CHAINS_SERVE), forward=False)
-    api_key: str | None = opt(  # when set, /v1/* (and /tokenize, /detokenize) need a Bearer key
-        None, "require 'Authorization: Bearer KEY' on /v1/* (default: $TRIPOD_API_KEY)", commands=(SERVE,),
+    port: int = opt(8000, "port to listen on", commands=(SERVE, CHAINS_SERVE), forward=False)
+    api_key: str | None = opt(  # when set, every route but the open ones (server/app.py guarded_path) needs it
+        None, "require KEY ('Authorization: Bearer KEY', or Anthropic's 'x-api-key: KEY') on every route but "
+        "/health, /metrics, /openapi.json and the console's page shell (default: $TRIPOD_API_KEY)", commands=(SERVE,),
         env="TRIPOD_API_KEY")
     served_model_name: str | None = opt(  # None: the model's own name
         None, "the model id clients use (default: the model's name)", commands=(SERVE,))
@@ -126,7 +127,7 @@ class ServerConfig:
         MAX_BODY_BYTES, "largest request body in bytes (413 past it); images sent inline (base64) count in it",
         commands=(SERVE,), metavar="BYTES")
     max_n: int = opt(16, "largest 'n' a request may ask for", commands=(SERVE,))
-    reasoning_parser: str = opt(  # how the thinking is split from the answer (README "Reasoning output")
+    reasoning_parser: str = opt(  # how the thinking is split from the answer (docs/serving.md "Reasoning output")
         "auto", "split the model's thinking out of its answer (reasoning_content, thinking blocks): auto (from "
         "the model's architecture and chat template), none, or a parser", commands=(SERVE,), metavar="NAME|none",
         choices=REASONING_PARSERS)
@@ -137,7 +138,7 @@ class ServerConfig:
     dead_grace: float = 2.0
     bench_dir: str | None = opt(  # the console's benchmark history: where tripod bench wrote its runs
         None, BENCH_DIR_HELP, commands=(SERVE,), metavar="DIR", group="console", forward=False)
-    # Prefill/decode disaggregation (server/api/pd.py; README "Prefill/decode disaggregation"). A fleet
+    # Prefill/decode disaggregation (server/api/pd.py; docs/kv.md "Prefill/decode disaggregation"). A fleet
     # gives each replica its role (--prefill-replicas), so it is not forwarded.
     role: str = opt(
         "both", "prefill/decode disaggregation: prefill (a router sends it new prompts; it computes their KV and "
@@ -145,7 +146,7 @@ class ServerConfig:
         "one in /dev/shm, and generates); both = an ordinary replica", commands=(SERVE,),
         choices=PD_ROLES, forward=False)
 
-    # The Responses API's store (server/response_store.py; README "Responses API"). A fleet forwards it, so
+    # The Responses API's store (server/response_store.py; docs/serving.md "Responses API"). A fleet forwards it, so
     # replicas given one sqlite file share their stored responses.
     responses_store: str = opt("memory", "where /v1/responses keeps stored responses: memory (bounded, lost at exit) "
                                "or sqlite:PATH (durable, shared by the processes that open it)", commands=(SERVE,),
@@ -156,7 +157,7 @@ class ServerConfig:
     responses_max_bytes: int = opt(256 * 2**20, "the memory store's cap on bytes (least recently used evicted)",
                                    commands=(SERVE,), group="responses")
 
-    # Tenants, audit log and TLS (tripod.tenants; README "Tenants"); audit/TLS are not forwarded to replicas.
+    # Tenants, audit log and TLS (tripod.tenants; docs/tenants.md); audit/TLS are not forwarded to replicas.
     tenants: str | None = opt(None, "a TOML file of tenants: keys, weights, limits (reloaded on SIGHUP and on change)",
                               commands=(SERVE,), metavar="FILE", group="tenants")
     tenant_limits: str = opt("all", "tenant limits enforced here: all; tokens (token limits and max_context only); "
@@ -170,7 +171,7 @@ class ServerConfig:
                                    group="tenants", forward=False)
     ssl_keyfile: str | None = opt(None, "its PEM private key", commands=(SERVE,), metavar="FILE", group="tenants",
                                   forward=False)
-    # Images in requests (server/media; README "Vision"): forwarded, so every replica takes the same.
+    # Images in requests (server/media; docs/serving.md "Vision"): forwarded, so every replica takes the same.
     limit_mm_per_prompt: int = opt(8, "images one request may hold (its whole conversation); more: 400. "
                                    "Also taken as vLLM spells it: image=N or '{\"image\": N}'",
                                    commands=(SERVE,), metavar="N", group="vision", parse=mm_limit)
@@ -185,7 +186,7 @@ class ServerConfig:
     max_image_pixels: int = opt(40_000_000, "largest image in pixels (width x height; decompression bombs are "
                                 "refused before they are decoded)", commands=(SERVE,), metavar="N", group="vision")
 
-    # Tracing (tripod.tracing; README "Tracing"): a fleet's replicas trace too (forwarded).
+    # Tracing (tripod.tracing; docs/console.md "Tracing"): a fleet's replicas trace too (forwarded).
     otel_endpoint: str | None = opt(None, OTEL_ENDPOINT_HELP, commands=(SERVE, CHAINS_SERVE), metavar="URL",
                                     group="tracing")
     otel_file: str | None = opt(None, OTEL_FILE_HELP, commands=(SERVE, CHAINS_SERVE), metavar="FILE", group="tracing")
@@ -242,7 +243,7 @@ class RouterConfig:
     # In `tripod serve` (a fleet) the router listens where the server would: --host/--port are
     # ServerConfig's options there, as are --api-key and --bench-dir (see config_cli.from_namespace).
     host: str = opt("127.0.0.1", "address to listen on (default: loopback only)", commands=(ROUTE,))
-    port: int = opt(8000, commands=(ROUTE,))
+    port: int = opt(8000, "port to listen on", commands=(ROUTE,))
     policy: str = opt(  # cache_aware | least_load | round_robin
         "cache_aware", "how a replica is picked", commands=(SERVE, ROUTE, CHAINS_SERVE), flag="--router-policy",
         flags=((ROUTE, "--policy"),), dest="router_policy", choices=ROUTING_POLICIES)
@@ -301,9 +302,10 @@ class RouterConfig:
         0, "requests in flight per routable replica before the router queues by tenant fair share (0: no "
         "router queue)", commands=(SERVE, ROUTE), metavar="N")
 
-    # Tenants, audit log and TLS (tripod.tenants; README "Tenants"); a fleet's router reads the server's options.
-    tenants: str | None = opt(None, "a TOML file of tenants: the router checks keys and enforces requests_per_second, "
-                              "max_concurrent, models", commands=(ROUTE,), metavar="FILE", group="tenants")
+    # Tenants, audit log and TLS (tripod.tenants; docs/tenants.md); a fleet's router reads the server's options.
+    tenants: str | None = opt(None, "a TOML file of tenants: the router checks keys and enforces every limit "
+                              "across its replicas (token limits and max_context with a replica's count of the "
+                              "request; give the replicas the same file and --tenant-limits none)", commands=(ROUTE,), metavar="FILE", group="tenants")
     audit_log: str | None = opt(None, "one JSON line per authenticated request (rotated by size)", commands=(ROUTE,),
                                 metavar="FILE", group="tenants")
     audit_log_content: bool = opt(False, "put the prompt's text in the audit log", commands=(ROUTE,), group="tenants")

@@ -11,7 +11,7 @@ between regions. Through the official ``openai`` client:
   answer continued in the us region, equal to the undisturbed one), the next requests go to us,
   counted as failover, and the us router never noticed;
 - the us router SIGKILLed: a client that sends to it and, on a connection error, to the eu router
-  (README "Regions") sees no failed request.
+  (docs/tenants.md "Regions") sees no failed request.
 
 The replicas run greedy float32, so the same request has the same answer in either region."""
 
@@ -160,7 +160,7 @@ def test_one_router_killed_the_other_serves_every_request(regions: Regions) -> N
     regions.route_us.proc.wait(10)
     refused = 0
     for _ in range(4):
-        for router in routers:  # the client's own failover (README "Regions"): the next router
+        for router in routers:  # the client's own failover (docs/tenants.md "Regions"): the next router
             try:
                 assert _chat(router)[0]
             except APIConnectionError:

@@ -1,6 +1,6 @@
 """Two ``tripod route`` processes in front of the same replicas (stubs over real HTTP): one is
 killed with SIGKILL while requests are in flight through it, and a client that sends to one router
-and, on a connection error, the same request to the other (README "Regions": how a client or a load
+and, on a connection error, the same request to the other (docs/tenants.md "Regions": how a client or a load
 balancer uses both) sees zero failed requests. Nothing is shared between the routers, so the
 survivor needs nothing from the dead one."""
 

@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a server to measure (repeatable)")
     p.add_argument("--launch", action="store_true", help="also start tripod serve for the run (label 'tripod')")
     p.add_argument("--launch-args", default="", help="extra arguments for the launched tripod serve")
-    p.add_argument("--api-key", default=os.environ.get("TRIPOD_API_KEY"))
+    p.add_argument("--api-key", default=os.environ.get("TRIPOD_API_KEY"),
+                   help="the key sent to the servers measured (default: $TRIPOD_API_KEY)")
     p.add_argument("--dataset", default="random", choices=[*DATASETS, AGENTIC_SESSIONS, TRACE],
                    help="generated traffic, or 'trace': replay --trace FILE as recorded")
     p.add_argument("--trace", default=None, metavar="FILE",
@@ -85,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="price of one machine per hour: reports cost per million output tokens "
                         "(x --machines machines)")
     p.add_argument("--tokenizer", default=None, help="model whose tokenizer sets lengths (default: the embedded model)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated datasets (the same seed, the same prompts)")
     p.add_argument("--endpoint", choices=ENDPOINTS, default="auto",
                    help="what to measure: auto (chat or completions, by dataset), responses (/v1/responses "
                         "streams) or embeddings (/v1/embeddings: latency per request, prompt tokens/s)")

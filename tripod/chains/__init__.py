@@ -15,7 +15,7 @@
     with chains.run_local(models={"judge": "http://127.0.0.1:8000"}):
         essay = await Writer().run(topic="tides")
 
-Deployed: ``tripod chains serve FILE.py`` (see ``tripod.chains.chain_server`` and docs/architecture.md).
+Deployed: ``tripod chains serve FILE.py`` (see ``tripod.chains.chain_server`` and docs/chains.md).
 """
 
 from __future__ import annotations

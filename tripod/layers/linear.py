@@ -9,9 +9,10 @@ wants, prepared once when the model is loaded (``Form``).
   where they cannot be built.
 - ``kernel``: tripod's own CPU kernel over weights packed for it (``tripod/kernels/csrc/linear.cpp``):
   bfloat16 (``vdpbf16ps``) or float32. Every output is summed in the same order whatever the number
-  of rows, so a row's result never depends on the rest of the batch (see docs/architecture.md).
+  of rows, so a row's result never depends on the rest of the batch (see docs/performance.md, "Compute paths").
 - ``stored``: like ``kernel``, but GGUF Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q6_K weights executed as stored
-  (``--weights stored``): about a quarter (Q4_0, Q4_1) or half (Q8_0) of bfloat16's bytes, with exactly the dequantized
+  (``--weights stored``): 18 / 20 / 34 bytes per 32 weights for Q4_0 / Q4_1 / Q8_0 (~0.28 / 0.31 / 0.53 of
+  bfloat16's 64; Q4_K 24, Q6_K 40 after their rewrite at load), with exactly the dequantized
   weights; the activations of the run dtype (bfloat16: each activation x code product is exact, summed by
   ``vdpbf16ps`` or in its order; float32: float32 FMA).
 

@@ -1,7 +1,7 @@
 """DeepSeek-V2/V3: multi-head latent attention over a latent KV pool, fine-grained MoE with shared
 experts (dense MLPs in the first ``first_k_dense_replace`` layers), V2's softmax and V3's sigmoid
 routing with group-limited choice, and V3's multi-token-prediction (MTP) module when the
-checkpoint carries it (``models/mtp.py``)."""
+checkpoint carries it (``engine/speculative/mtp.py``)."""
 
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def model_card(state: ServerState) -> dict[str, Any]:
         # How the thinking is split from the answer (reasoning_content, thinking blocks): the
         # parser's name, or null (answers unchanged); --reasoning-parser.
         "reasoning_parser": state.reasoning.name if state.reasoning is not None else None,
-        # What the model reads: ["text"], or ["text", "image"] for a vision-language model (README "Vision").
+        # What the model reads: ["text"], or ["text", "image"] for a vision-language model (docs/serving.md "Vision").
         "modalities": state.modalities,
     }
     # The same facts at the top level (as vLLM puts max_model_len) and under "metadata".

@@ -1,0 +1,146 @@
+"""Kimi Delta Attention (KDA), Kimi Linear's linear-attention mixer, with an explicit per-sequence
+state: a gated delta rule whose decay is per key channel (not per head, as in Gated DeltaNet).
+
+One layer: ``q, k, v`` projections → causal depthwise conv (kernel ``K``, no bias) + SiLU over
+their concatenation → per head: ``q, k`` L2-normalised, ``q`` scaled by ``1/sqrt(d)``; the forget
+gate ``g = -exp(A_log[h]) · softplus(f_b(f_a(x)) + dt_bias)`` (per channel), ``β = sigmoid(b(x))``
+(per head); then per token and head::
+
+    S     = S · exp(g)[:, None]              # S [d_k, d_v]: decay along the key channel
+    delta = (v - kᵀS) · β
+    S     = S + k ⊗ delta
+    o     = qᵀS
+
+→ RMSNorm of ``o`` per head, times ``sigmoid(g_b(g_a(x)))`` → ``o_proj``.
+
+State of one sequence (float32): ``conv`` ``[3·H·d, K - 1]`` (the last ``K - 1`` conv inputs of
+``[q | k | v]``, oldest first) and ``rec`` ``[H, d, d]`` (key channel × value channel). Batched:
+``[S, 3·H·d, K-1]`` and ``[S, H, d, d]`` (``KdaConfig.state_shapes``, ``new_kda_state``).
+
+NOTE: exactness, as the Mamba2 mixer (``layers/mamba2.py``): a float32 token recurrence of
+elementwise ops and row reductions, exp-only transcendentals, the tap-by-tap convolution; so the
+result does not depend on how a prefill is split nor on the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tripod.layers.batch import Backend
+from tripod.layers.linear import Linear
+from tripod.layers.mamba2 import causal_conv, silu_exact, softplus_exact
+from tripod.layers.weights import WeightSource
+
+# the projections, each prepared per compute form (f_a·f_b and g_a·g_b are low-rank pairs)
+PROJECTIONS = ("qkv", "f_a", "f_b", "b", "g_a", "g_b", "o")
+
+
+@dataclass(frozen=True, slots=True)
+class KdaConfig:
+    """One KDA layer's geometry."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+    eps: float
+
+    @property
+    def width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """(conv window, recurrent state) of one sequence."""
+        return (3 * self.width, self.conv_kernel - 1), (self.num_heads, self.head_dim, self.head_dim)
+
+    def state_bytes(self) -> int:
+        (c, k), (h, d, e) = self.state_shapes()
+        return 4 * (c * k + h * d * e)
+
+
+def new_kda_state(cfg: KdaConfig, seqs: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    conv, rec = cfg.state_shapes()
+    return (torch.zeros(seqs, *conv, dtype=torch.float32, device=device),
+            torch.zeros(seqs, *rec, dtype=torch.float32, device=device))
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+class KdaMixer(nn.Module):
+    """One KDA layer's weights and math; owns no state (the caller's pool does)."""
+
+    def __init__(self, cfg: KdaConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        w, d, h, hid = cfg.width, cfg.head_dim, cfg.num_heads, cfg.hidden_size
+
+        def p(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.qkv, self.f_a, self.f_b, self.b = p(3 * w, hid), p(d, hid), p(w, d), p(h, hid)
+        self.g_a, self.g_b, self.o = p(d, hid), p(w, d), p(hid, w)
+        self.conv_w = p(3 * w, cfg.conv_kernel)
+        self.dt_bias = nn.Parameter(torch.empty(w, dtype=torch.float32), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(h, dtype=torch.float32), requires_grad=False)
+        self.o_norm = p(d)
+        self.ops: dict[str, dict[str, Linear]] = {}
+
+    def load(self, src: WeightSource, a: str) -> None:
+        get = src.get
+        self.qkv.data = torch.cat([get(a + n + "_proj.weight") for n in ("q", "k", "v")]).contiguous()
+        for mine, theirs in (("f_a", "forget_gate.f_a_proj"), ("f_b", "forget_gate.f_b_proj"), ("b", "b_proj"),
+                             ("g_a", "g_a_proj"), ("g_b", "g_b_proj"), ("o", "o_proj")):
+            getattr(self, mine).data = get(f"{a}{theirs}.weight").contiguous()
+        self.conv_w.data = get(a + "conv1d.weight").reshape(self.conv_w.shape).contiguous()
+        self.dt_bias.data = src.get_f32(a + "forget_gate.dt_bias").reshape(-1)
+        self.A_log.data = src.get_f32(a + "forget_gate.A_log").reshape(-1)
+        self.o_norm.data = get(a + "o_norm.weight")
+
+    def prepare(self, backend: Backend) -> None:
+        if backend.form not in self.ops:
+            self.ops[backend.form] = {n: backend.linear(getattr(self, n), None) for n in PROJECTIONS}
+
+    def forward(self, h: torch.Tensor, backend: Backend, conv: torch.Tensor, rec: torch.Tensor,
+                lens: list[int], residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``h`` ``[T, hidden]``: the rows of ``len(lens)`` sequences one after another; ``conv`` /
+        ``rec`` their states ``[S, ...]``, updated in place. Returns ``[T, hidden]`` (``+ residual``)."""
+        c = self.cfg
+        t, nh, d = h.shape[0], c.num_heads, c.head_dim
+        if sum(lens) != t or len(lens) != conv.shape[0] or len(lens) != rec.shape[0]:
+            raise ValueError(f"KDA: {t} rows, {conv.shape[0]}/{rec.shape[0]} states for lengths {lens}")
+        op = self.ops[backend.form]
+        qkv = silu_exact(causal_conv(op["qkv"](h).float(), conv, lens, self.conv_w.float(), None))
+        q, k, v = (part.reshape(t, nh, d) for part in qkv.split(c.width, dim=-1))
+        q, k = _l2norm(q) * d**-0.5, _l2norm(k)
+        gate = op["f_b"](op["f_a"](h)).float() + self.dt_bias
+        decay = torch.exp(-torch.exp(self.A_log)[:, None] * softplus_exact(gate.view(t, nh, d)))  # [T, H, d]
+        beta = 1.0 / (1.0 + torch.exp(-op["b"](h).float()))  # [T, H]
+        o = self._scan(q, k, v, decay, beta, rec, lens)
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.eps) * self.o_norm.float()
+        g = op["g_b"](op["g_a"](h)).float().view(t, nh, d)
+        o = o / (1.0 + torch.exp(-g))
+        return op["o"](o.reshape(t, c.width).to(h.dtype), residual=residual)
+
+    def _scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+              rec: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """The delta rule, step ``j`` advancing every sequence that has a ``j``-th row at once."""
+        out = torch.empty_like(v)
+        starts = torch.tensor([0, *lens[:-1]], dtype=torch.long).cumsum(0).tolist()
+        for j in range(max(lens, default=0)):
+            seqs = [s for s, m in enumerate(lens) if m > j]
+            rows = torch.tensor([starts[s] + j for s in seqs], dtype=torch.long, device=q.device)
+            idx = None if len(seqs) == len(lens) else torch.tensor(seqs, dtype=torch.long, device=q.device)
+            state = rec if idx is None else rec.index_select(0, idx)  # (all sequences: in place)
+            kj = k.index_select(0, rows)[..., None]  # [S, H, d_k, 1]
+            state.mul_(decay.index_select(0, rows)[..., None])
+            delta = (v.index_select(0, rows) - (state * kj).sum(-2)) * beta.index_select(0, rows)[..., None]
+            state.addcmul_(kj, delta[:, :, None, :])
+            out[rows] = (state * q.index_select(0, rows)[..., None]).sum(-2)  # [S, H, d_v]
+            if idx is not None:
+                rec.index_copy_(0, idx, state)
+        return out
