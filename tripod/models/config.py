@@ -8,7 +8,7 @@ mixture of experts (``MoEConfig``: Mixtral, Qwen2/3-MoE, DeepSeek), multi-head l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tripod.layers.compressed import CompressedAttnConfig
@@ -41,7 +41,12 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration",),
     "qwen3_5_text": ("Qwen3_5ForCausalLM",),
     "qwen3_5": ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    # State-space hybrids (models/hybrid.py): Mamba2 or short-conv layers beside attention.
+    "nemotron_h": ("NemotronHForCausalLM",),
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM",),
+    "lfm2": ("Lfm2ForCausalLM",),
 }
+STATE_SPACE_ARCHITECTURES = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2ForCausalLM")
 # Hybrid linear-attention families whose multimodal folders tripod runs the text part of: the
 # outer ``model_type`` -> the decoder's (its ``text_config`` is the decoder's config).
 HYBRID_TEXT = {"qwen3_5": "qwen3_5_text"}
@@ -95,6 +100,10 @@ class HybridConfig:
     v_dim: int
     conv_kernel: int
     rope_dim: int  # rotary channels of each attention head (the first ones; the rest pass through)
+    # "gated_delta" (the fields above) or "state_space" (Nemotron-H, Granite 4.0, LFM2: the model
+    # reads its layers from ``hf``, the HF config; ``linear_layers`` are then every layer without K/V).
+    mixer: str = "gated_delta"
+    hf: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def is_linear(self, layer: int) -> bool:
         return layer in self.linear_layers
@@ -195,6 +204,10 @@ class ModelConfig:
         if family is not None and isinstance(d.get("text_config"), dict):
             return _vision_language(d, family)
         arch = architecture_of(d)
+        if arch in STATE_SPACE_ARCHITECTURES:
+            from tripod.models.hybrid_config import state_space_config
+
+            return state_space_config(d, arch)
         mtype = str(d.get("model_type") or "")
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
