@@ -1,10 +1,8 @@
-"""The architecture description every loader produces and every model consumes.
-
-One frozen ``ModelConfig`` for every family: the Llama shape (every family has it), plus optional
-parts a family adds — per-head q/k norms and sliding-window layers (Qwen3, Mistral, Gemma 3), a
-mixture of experts (``MoEConfig``: Mixtral, Qwen2/3-MoE, DeepSeek), multi-head latent attention
-(``MLAConfig``: DeepSeek-V2/V3) and Gemma's norms, embedding scale and soft-capping.
-"""
+"""The architecture description every loader produces and every model consumes: one frozen
+``ModelConfig`` for every family, the Llama shape plus optional parts a family adds — per-head q/k
+norms and sliding-window layers (Qwen3, Mistral, Gemma 3), a mixture of experts (``MoEConfig``),
+multi-head latent attention (``MLAConfig``: DeepSeek-V2/V3), Gemma's norms, embedding scale and
+soft-capping, and a hybrid's recurrent layers (``HybridConfig``: Qwen3.5, the state-space hybrids)."""
 
 from __future__ import annotations
 
@@ -16,6 +14,7 @@ from tripod.layers.mla import MLAConfig
 from tripod.layers.moe import MoEConfig
 from tripod.layers.parallel import SINGLE, ParallelGroup, head_split
 from tripod.memory.kv_pool import PoolSpec
+from tripod.models.hybrid_config import STATE_SPACE_ARCHS, STATE_SPACE_TYPES, state_space_fields
 from tripod.models.vision.spec import VLM_ARCHITECTURES, VisionSpec, vlm_family
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -41,12 +40,8 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration",),
     "qwen3_5_text": ("Qwen3_5ForCausalLM",),
     "qwen3_5": ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-    # State-space hybrids (models/hybrid.py): Mamba2 or short-conv layers beside attention.
-    "nemotron_h": ("NemotronHForCausalLM",),
-    "granitemoehybrid": ("GraniteMoeHybridForCausalLM",),
-    "lfm2": ("Lfm2ForCausalLM",),
+    **STATE_SPACE_TYPES,  # Nemotron-H, Granite 4.0, LFM2: Mamba2 / short-conv layers (models/hybrid.py)
 }
-STATE_SPACE_ARCHITECTURES = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2ForCausalLM")
 # Hybrid linear-attention families whose multimodal folders tripod runs the text part of: the
 # outer ``model_type`` -> the decoder's (its ``text_config`` is the decoder's config).
 HYBRID_TEXT = {"qwen3_5": "qwen3_5_text"}
@@ -100,10 +95,7 @@ class HybridConfig:
     v_dim: int
     conv_kernel: int
     rope_dim: int  # rotary channels of each attention head (the first ones; the rest pass through)
-    # "gated_delta" (the fields above) or "state_space" (Nemotron-H, Granite 4.0, LFM2: the model
-    # reads its layers from ``hf``, the HF config; ``linear_layers`` are then every layer without K/V).
-    mixer: str = "gated_delta"
-    hf: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    hf: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # state-space hybrids' HF config
 
     def is_linear(self, layer: int) -> bool:
         return layer in self.linear_layers
@@ -204,10 +196,8 @@ class ModelConfig:
         if family is not None and isinstance(d.get("text_config"), dict):
             return _vision_language(d, family)
         arch = architecture_of(d)
-        if arch in STATE_SPACE_ARCHITECTURES:
-            from tripod.models.hybrid_config import state_space_config
-
-            return state_space_config(d, arch)
+        if arch in STATE_SPACE_ARCHS:  # (its layers from models/hybrid_config.py)
+            return cls(**state_space_fields(d, arch, HybridConfig))
         mtype = str(d.get("model_type") or "")
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])

@@ -1,18 +1,11 @@
-"""The ``ModelConfig`` of a state-space hybrid (Nemotron-H, Granite 4.0, LFM2) from its HF config.
-
-The engine reads the Llama-shaped fields (vocabulary, the attention layers' heads for the KV pool,
-positions, EOS) and ``hybrid`` (``mixer="state_space"``): ``linear_layers`` are the layers that keep
-no K/V (Mamba2, short-conv, MLP and MoE layers), so the pool holds the attention layers only, and
-``hf`` is the HF config itself, from which the model builds its layers. Each family's layer kinds
-are read here (one place for the config and the model).
-"""
+"""The layer kinds of the state-space hybrids (Nemotron-H, Granite 4.0, LFM2) from their HF
+configs: read here, in one place, by ``ModelConfig.from_hf_dict`` (which attention layers the KV
+pool holds) and by the models (which mixer each layer builds)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
-
-from tripod.models.config import HybridConfig, ModelConfig, _rope
 
 ATTENTION = "full_attention"
 NEMOTRON_CODES = {"M": "linear_attention", "*": ATTENTION, "-": "mlp", "E": "moe"}
@@ -75,19 +68,35 @@ def granite_rope(d: Mapping[str, Any]) -> bool:
     return pos == "rope"
 
 
-def state_space_config(d: dict[str, Any], arch: str) -> ModelConfig:
-    """The engine's view of a Nemotron-H / Granite 4.0 / LFM2 config (module doc)."""
+STATE_SPACE_TYPES = {"nemotron_h": ("NemotronHForCausalLM",), "granitemoehybrid": ("GraniteMoeHybridForCausalLM",),
+                     "lfm2": ("Lfm2ForCausalLM",)}  # HF model_type -> architecture
+STATE_SPACE_ARCHS = frozenset(a for archs in STATE_SPACE_TYPES.values() for a in archs)
+
+
+def _rope(d: Mapping[str, Any]) -> tuple[dict[str, Any] | None, float]:
+    """(scaling beyond the default, base theta) from ``rope_parameters`` or the older keys."""
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    return (rope if kind != "default" else None), theta
+
+
+def state_space_fields(d: dict[str, Any], arch: str, hybrid_cls: Any) -> dict[str, Any]:
+    """``ModelConfig``'s fields for a Nemotron-H / Granite 4.0 / LFM2 config: the Llama-shaped ones
+    the engine reads (vocabulary, the attention layers' heads for the KV pool, positions, EOS) and
+    ``hybrid`` (a ``hybrid_cls``, config.py's ``HybridConfig``) whose ``linear_layers`` are the
+    layers that keep no K/V (Mamba2, short-conv, MLP and MoE layers) and ``hf`` the HF config, from
+    which the model builds its layers."""
     kinds = layer_kinds_of(d, arch)
     hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
     head_dim = int(d.get("head_dim") or hidden // heads)
-    rope, theta, _ = _rope(d)
+    scaling, theta = _rope(d)
     uses_rope = arch == "Lfm2ForCausalLM" or (arch == "GraniteMoeHybridForCausalLM" and granite_rope(d))
     eps = d.get("layer_norm_epsilon") or d.get("rms_norm_eps") or d.get("norm_eps") or 1e-5
     eos = d.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    hybrid = HybridConfig(linear_layers=tuple(i for i, k in enumerate(kinds) if k != ATTENTION), k_heads=0, v_heads=0,
-                          k_dim=0, v_dim=0, conv_kernel=0, rope_dim=head_dim, mixer="state_space", hf=dict(d))
-    return ModelConfig(
+    no_kv = tuple(i for i, k in enumerate(kinds) if k != ATTENTION)
+    return dict(
         architecture=arch,
         vocab_size=int(d["vocab_size"]),
         hidden_size=hidden,
@@ -97,13 +106,14 @@ def state_space_config(d: dict[str, Any], arch: str) -> ModelConfig:
         num_kv_heads=int(d.get("num_key_value_heads") or heads),
         head_dim=head_dim,
         rms_norm_eps=float(eps),
-        rope_theta=float(theta if theta is not None else 10000.0),
+        rope_theta=theta,
         max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", arch == "Lfm2ForCausalLM")),
-        rope_scaling=dict(rope) if rope and uses_rope else None,
+        rope_scaling=scaling if uses_rope else None,
         attention_bias=bool(d.get("attention_bias") or False),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=tuple(int(e) for e in eos_ids),
         qk_norm=arch == "Lfm2ForCausalLM",
-        hybrid=hybrid,
+        hybrid=hybrid_cls(linear_layers=no_kv, k_heads=0, v_heads=0, k_dim=0, v_dim=0, conv_kernel=0,
+                          rope_dim=head_dim, hf=dict(d)),
     )
