@@ -172,6 +172,20 @@ def test_kernels_bit_exact_alone_batched_chunked(name: str, tmp_path: Path, hf_t
     _all_free(eng)
 
 
+def test_refuses_what_its_state_cannot_follow(tmp_path: Path, hf_tokenizer: Any) -> None:
+    """As every hybrid with a state pool: speculation refused at start, prompt_logprobs and KV
+    export per request."""
+    _build("lfm2", tmp_path, hf_tokenizer)
+    with pytest.raises(ValueError, match="--speculative"):
+        _engine(tmp_path, speculative="ngram")
+    eng = _engine(tmp_path)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        eng.generate([PROMPTS[1]], SamplingParams(max_tokens=2, prompt_logprobs=0))
+    with pytest.raises(ValueError, match="hybrid"):
+        eng.export_kv(PROMPTS[0])
+    _all_free(eng)
+
+
 def test_state_spec_and_kv_layers() -> None:
     """Only the attention layers hold K/V; each Mamba2 layer's (conv, ssm) and each short-conv
     layer's window is one entry of the state pool's layout, in layer order."""

@@ -96,10 +96,15 @@ class HybridLayer(nn.Module):
             self.mixer.prepare(backend)
 
     def release(self, form: str) -> None:
+        """Forget ``form``'s packed weights in every part (a part's own ``release`` where it has one)."""
         for mod in self.modules():
-            ops = getattr(mod, "ops", None)
-            if isinstance(ops, dict):
-                ops.pop(form, None)
+            if mod is self:
+                continue
+            release = getattr(mod, "release", None)
+            if callable(release):
+                release(form)
+            elif isinstance(getattr(mod, "ops", None), dict):
+                mod.ops.pop(form, None)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         raise NotImplementedError
