@@ -104,15 +104,14 @@ class Engine(OfflineAPI):
         self.config = config = builder.resolve_config(config, model, dtype, device, overrides, loaded)
         t0 = time.monotonic()
         parts = builder.build(config, loaded)
-        self.states = parts.states  # a hybrid model's recurrent states (None: every layer attends)
-        self.config = config = builder.without_jump_forward(config) if self.states is not None else config
+        self.config = config = builder.without_jump_forward(config) if parts.states is not None else config
         self.device, self.dtype, self.loaded, self.draft = parts.device, parts.dtype, parts.loaded, parts.draft
         self.model_config, self.tokenizer = parts.loaded.config, parts.loaded.tokenizer
         self.pool, self.kv_bytes_per_token, self.context_len = parts.pool, parts.kv_bytes_per_token, parts.context_len
         self.runner, self.sampler, self.eos_ids, self._threads = parts.runner, parts.sampler, parts.eos_ids, parts.threads
         self.group, self.ranks = parts.group, parts.ranks  # tensor parallel: the other ranks, what each holds
         self.cache, self.loras = parts.cache, parts.loras  # (loras None: this model/layout serves no adapters)
-        self.vision = parts.vision  # a vision-language model's images (engine/vision.py)
+        self.vision, self.states = parts.vision, parts.states  # a VLM's images; a hybrid's recurrent states
         self.scheduler = Scheduler(self.pool.allocator, self.cache, max_running=config.max_running,
                                    max_batch_tokens=config.max_batch_tokens, chunk_size=config.chunk_size,
                                    policy=SchedulePolicy(config.policy, config.aging), loras=self.loras,
@@ -255,8 +254,7 @@ class Engine(OfflineAPI):
         return self._deliver(outs)
 
     def report_finished(self) -> list[StepOutput]:
-        """Report the requests that finished without a step (aborted) now, as ``step()`` would
-        first: what a loop that is not stepping (paused in place) sends for them."""
+        """The requests that finished without a step (aborted), for a loop paused in place."""
         return self._deliver(self._finished_while_queued())
 
     # ------------------------------------------------------------------ step parts
@@ -443,7 +441,7 @@ class Engine(OfflineAPI):
         the prompt's images, which the cache keys by content."""
         if self.group is not None:
             raise ValueError("a model over several processes holds its KV in shards: it cannot export it")
-        if self.states is not None:
+        if self.states is not None:  # (no state snapshots travel with the KV yet)
             raise ValueError(builder.hybrid_refusal("exporting KV (prefill/decode disaggregation, failover transfer)"))
         key = keyed_with_images(tokens, [(im.hash, im.offset, im.length) for im in images]) if images else tokens
         return export_prefix(self.cache, self.pool, self.kv_layout, key)

@@ -1,10 +1,8 @@
-"""The architecture description every loader produces and every model consumes.
-
-One frozen ``ModelConfig`` for every family: the Llama shape (every family has it), plus optional
-parts a family adds — per-head q/k norms and sliding-window layers (Qwen3, Mistral, Gemma 3), a
-mixture of experts (``MoEConfig``: Mixtral, Qwen2/3-MoE, DeepSeek), multi-head latent attention
-(``MLAConfig``: DeepSeek-V2/V3) and Gemma's norms, embedding scale and soft-capping.
-"""
+"""The architecture description every loader produces and every model consumes: one frozen
+``ModelConfig`` for every family, the Llama shape plus optional parts a family adds — per-head q/k
+norms and sliding-window layers (Qwen3, Mistral, Gemma 3), a mixture of experts (``MoEConfig``),
+multi-head latent attention (``MLAConfig``: DeepSeek-V2/V3), Gemma's norms, embedding scale and
+soft-capping, and a hybrid's recurrent layers (``HybridConfig``: Qwen3.5, the state-space hybrids)."""
 
 from __future__ import annotations
 
@@ -16,7 +14,13 @@ from tripod.layers.mla import MLAConfig
 from tripod.layers.moe import MoEConfig
 from tripod.layers.parallel import SINGLE, ParallelGroup, head_split
 from tripod.memory.kv_pool import PoolSpec
-from tripod.models.hybrid_config import HybridConfig, hybrid_config
+from tripod.models.hybrid_config import (
+    STATE_SPACE_ARCHS,
+    STATE_SPACE_TYPES,
+    HybridConfig,
+    hybrid_config,
+    state_space_fields,
+)
 from tripod.models.vision.spec import VLM_ARCHITECTURES, VisionSpec, vlm_family
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -45,6 +49,7 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM",),
     "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
     "qwen3_next": ("Qwen3NextForCausalLM",),
+    **STATE_SPACE_TYPES,  # Nemotron-H, Granite 4.0, LFM2: Mamba2 / short-conv layers (models/hybrid.py)
 }
 # Decoders with Gated DeltaNet layers beside gated attention (``HybridConfig``).
 HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -184,6 +189,8 @@ class ModelConfig:
         if family is not None and isinstance(d.get("text_config"), dict):
             return _vision_language(d, family)
         arch = architecture_of(d)
+        if arch in STATE_SPACE_ARCHS:  # (its layers from models/hybrid_config.py)
+            return cls(**state_space_fields(d, arch))
         mtype = str(d.get("model_type") or "")
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])

@@ -14,26 +14,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 from tripod.layers.batch import Backend
 from tripod.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from tripod.layers.mlp import GatedMLP, keep
 from tripod.layers.moe import MoE, MoEConfig
-from tripod.layers.norm import rms_norm
-from tripod.layers.rotary import RotaryEmbedding
 from tripod.layers.weights import WeightSource
-from tripod.models.gqa import new_param
-from tripod.models.hybrid import (
-    AttnShape,
-    CachedAttention,
-    HybridCache,
-    HybridForCausalLM,
-    HybridLayer,
-    mamba_config,
-)
-
-LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}  # older configs' layer names
+from tripod.models.config import ModelConfig
+from tripod.models.gqa import GQAttention, new_param
+from tripod.models.hybrid import HybridLayer, StateSpaceHybrid, load_attention, mamba_config
+from tripod.models.hybrid_config import granite_kinds, granite_rope
+from tripod.models.llama import StepContext
 
 
 def granite_mamba(d: Mapping[str, Any]) -> Mamba2Config:
@@ -52,15 +43,13 @@ def granite_mamba(d: Mapping[str, Any]) -> Mamba2Config:
 class GraniteHybridLayer(HybridLayer):
     """Mixer and FFN sublayers, each scaled by the residual multiplier before its residual add."""
 
-    def __init__(self, index: int, kind: str, d: Mapping[str, Any], dtype: torch.dtype) -> None:
+    def __init__(self, index: int, kind: str, model: GraniteMoeHybridForCausalLM) -> None:
+        d, dtype = model.hf, model.dtype
         h = d["hidden_size"]
         if kind == "linear_attention":
-            mixer: Mamba2Mixer | CachedAttention = Mamba2Mixer(granite_mamba(d), dtype)
+            mixer: Mamba2Mixer | GQAttention = Mamba2Mixer(granite_mamba(d), dtype)
         else:
-            heads = d["num_attention_heads"]
-            shape = AttnShape(h, heads, d.get("num_key_value_heads") or heads, h // heads,
-                              float(d.get("attention_multiplier", 1.0)), bool(d.get("attention_bias", False)))
-            mixer = CachedAttention(shape, dtype)
+            mixer = model.attention(index, scale=float(d.get("attention_multiplier", 1.0)))
         super().__init__(index, mixer)
         self.eps = float(d.get("rms_norm_eps", 1e-6))
         self.mult = float(d.get("residual_multiplier", 1.0))
@@ -82,54 +71,44 @@ class GraniteHybridLayer(HybridLayer):
         if self.moe is not None:
             self.moe.prepare(backend, {})
 
-    def forward(self, x: torch.Tensor, backend: Backend, cache: HybridCache,
-                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x = x + self.mix(rms_norm(x, self.input_norm, self.eps), backend, cache, rope) * self.mult
-        h = rms_norm(x, self.post_norm, self.eps)
-        out = self.shared(h, backend)
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        be = ctx.batch.backend
+        x = x + self.mix(be.norm(x, self.input_norm, self.eps), ctx) * self.mult
+        h = be.norm(x, self.post_norm, self.eps)
+        out = self.shared(h, be)
         if self.moe is not None:
-            out = self.moe(h, backend) + out
+            out = self.moe(h, be) + out
         return x + out * self.mult
 
 
-class GraniteMoeHybridForCausalLM(HybridForCausalLM):
+class GraniteMoeHybridForCausalLM(StateSpaceHybrid):
     """Granite 4.0 hybrid: Mamba2 and attention layers, MoE + shared MLP, Granite's multipliers."""
 
-    def __init__(self, d: Mapping[str, Any], dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(d["vocab_size"], d["hidden_size"], float(d.get("rms_norm_eps", 1e-6)),
-                         bool(d.get("tie_word_embeddings", False)), dtype)
-        kinds = [LEGACY.get(k, k) for k in (d.get("layer_types") or d.get("layers_block_type") or [])]
-        if len(kinds) != d["num_hidden_layers"]:
-            raise ValueError(f"Granite hybrid: layer_types names {len(kinds)} layers, num_hidden_layers is "
-                             f"{d['num_hidden_layers']}")
-        bad = set(kinds) - set(LEGACY.values())
-        if bad:
-            raise ValueError(f"Granite hybrid: unknown layer types {sorted(bad)} (mamba / attention)")
-        self.layers = nn.ModuleList(GraniteHybridLayer(i, k, d, dtype) for i, k in enumerate(kinds))
-        self.embed_scale = float(d.get("embedding_multiplier", 1.0))
-        self.logits_div = float(d.get("logits_scaling", 1.0))
-        pos = d.get("position_embedding_type")
-        if pos == "rope":
-            rope = dict(d.get("rope_parameters") or {})
-            theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
-            scaling = rope if rope.get("rope_type", "default") != "default" else None
-            heads = d["num_attention_heads"]
-            self.rotary = RotaryEmbedding(d["hidden_size"] // heads, theta, scaling, d["max_position_embeddings"],
-                                          torch.device("cpu"))
-        elif pos not in (None, "nope"):
-            raise ValueError(f"Granite hybrid: position_embedding_type {pos!r} is not supported (rope or none)")
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        assert cfg.hybrid is not None and cfg.hybrid.hf is not None
+        self.uses_rope = granite_rope(cfg.hybrid.hf)
+        super().__init__(cfg, dtype, device)
+        self.set_embed_mult(float(self.hf.get("embedding_multiplier", 1.0)))
+        self.logits_div = float(self.hf.get("logits_scaling", 1.0))
 
-    def load_layer(self, layer: Any, src: WeightSource) -> None:
-        p = f"model.layers.{layer.index}."
+    def make_layer(self, i: int) -> GraniteHybridLayer:  # type: ignore[override]
+        return GraniteHybridLayer(i, granite_kinds(self.hf)[i], self)
+
+    def load_layer(self, layer: Any, src: WeightSource, p: str) -> None:
         layer.input_norm.data = src.get(p + "input_layernorm.weight")
         layer.post_norm.data = src.get(p + "post_attention_layernorm.weight")
         if isinstance(layer.mixer, Mamba2Mixer):
             layer.mixer.load(src, p + "mamba.")
         else:
-            layer.mixer.load(src, p + "self_attn.")
+            load_attention(layer.mixer, src, p + "self_attn.")
         keep(layer.shared, "gate_up", src.part(p + "shared_mlp.input_linear.weight"))
         keep(layer.shared, "down", src.part(p + "shared_mlp.output_linear.weight"))
         if layer.moe is not None:
             m = p + "block_sparse_moe."
-            layer.moe.router.data = src.get_f32(m + "router.weight")
-            layer.moe.experts.load(src, m + "experts.", ("gate_proj", "up_proj", "down_proj"))
+            if src.has(m + "input_linear.weight"):  # the checkpoint files' stacked form: gate|up, down
+                layer.moe.router.data = src.get_f32(m + "router.layer.weight")
+                keep(layer.moe.experts, "gate_up", src.part(m + "input_linear.weight"))
+                keep(layer.moe.experts, "down", src.part(m + "output_linear.weight"))
+            else:
+                layer.moe.router.data = src.get_f32(m + "router.weight")
+                layer.moe.experts.load(src, m + "experts.", ("gate_proj", "up_proj", "down_proj"))

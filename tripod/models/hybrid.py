@@ -1,227 +1,221 @@
-"""What the Mamba2 hybrids (Nemotron-H, Granite 4.0) share: an explicit per-sequence cache, the
-attention of their few attention layers over it, and the decoder shell (embedding, layers, final
-norm, LM head) with a prefill / token-by-token forward.
+"""What the state-space hybrids (Nemotron-H, Granite 4.0, LFM2) share in the engine: a layer whose
+mixer is Mamba2, a short convolution or attention, and the decoder shell around them.
 
-This is the models' math with the simplest cache that serves one sequence: ``HybridCache`` holds,
-per layer, either the Mamba2 state (``layers/mamba2.py``: conv window ``[1, conv_dim, K-1]`` and
-ssm state ``[1, H, P, N]``, float32) or the attention layer's K/V ``[T, KVH, D]``. ``forward(ids,
-cache)`` runs any number of new tokens after what the cache holds (a whole prompt, a chunk of it,
-or one decode token) and returns their logits; ``greedy`` is the loop a test drives. The engine
-integration (state pool, paged KV) will call the same layers with its own storage.
+The shell is ``LlamaForCausalLM``'s (embedding, final norm, LM head, the step over a flat
+``ForwardBatch``); each family builds its layers from the HF config (``cfg.hybrid.hf``,
+``models/hybrid_config.py``) and loads their weights. Per layer kind:
+
+- attention: tripod's ``GQAttention`` on the paged KV pool (the attention layers are the pool's
+  layers, in order); a family without positional encoding (Nemotron-H, Granite 4.0-H) gets a
+  rotary whose table is cos = 1, sin = 0: ``x * 1 + y * 0 == x`` exactly, on every backend;
+- Mamba2 / short conv: their per-sequence state in the engine's ``StatePool`` (``state_spec``
+  lists each such layer's shapes in layer order): the step's items' slots are gathered into the
+  ``[S, ...]`` state the mixer takes (items in row order, ``lens`` their tokens), the mixer
+  advances it, and it is written back to the slots.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import dataclasses
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tripod.layers.attention import sdpa, window_mask
-from tripod.layers.batch import Backend
-from tripod.layers.linear import Linear
-from tripod.layers.mamba2 import Mamba2Config, Mamba2Mixer, new_state
-from tripod.layers.norm import rms_norm
-from tripod.layers.rotary import RotaryEmbedding, apply_rotary
-from tripod.layers.short_conv import ShortConv, new_conv_state
+from tripod.layers.batch import Backend, StateRows
+from tripod.layers.mamba2 import Mamba2Config, Mamba2Mixer
+from tripod.layers.mlp import keep
+from tripod.layers.parallel import SINGLE, ParallelGroup
+from tripod.layers.short_conv import ShortConv
 from tripod.layers.weights import WeightSource
-from tripod.models.gqa import new_param
+from tripod.memory.state_pool import StateSpec
+from tripod.models.config import ModelConfig
+from tripod.models.gqa import GQAttention
+from tripod.models.llama import LlamaForCausalLM, StepContext
 
 
-@dataclass(slots=True)
-class HybridCache:
-    """One sequence's cache: per Mamba2 layer its (conv, ssm) state, per attention layer its K/V;
-    ``length``: the tokens it has seen (the next token's position)."""
-
-    states: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
-    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    length: int = 0
-
-    def state(self, layer: int, cfg: Mamba2Config, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """A Mamba2 layer's (conv ``[1, conv_dim, K-1]``, ssm ``[1, H, P, N]``)."""
-        if layer not in self.states:
-            self.states[layer] = new_state(cfg, 1, device)
-        return self.states[layer]
-
-    def window(self, layer: int, conv: ShortConv, device: torch.device) -> torch.Tensor:
-        """A short-conv layer's window ``[1, hidden, L-1]``."""
-        if layer not in self.states:
-            self.states[layer] = (new_conv_state(conv.hidden, conv.kernel, 1, device),)
-        return self.states[layer][0]
-
-
-@dataclass(frozen=True, slots=True)
-class AttnShape:
-    """An attention layer's heads, scale and options."""
-
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    scale: float
-    bias: bool = False
-    qk_norm_eps: float | None = None  # per-head RMSNorm of q and k (LFM2), before RoPE
-    o_name: str = "o_proj"
-
-
-class CachedAttention(nn.Module):
-    """Grouped-query attention with fused Q/K/V over a ``HybridCache`` (no RoPE when ``rotary`` is None)."""
-
-    def __init__(self, shape: AttnShape, dtype: torch.dtype) -> None:
-        super().__init__()
-        s = shape
-        self.shape = s
-        self.q_size, self.kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
-        self.qkv = new_param(self.q_size + 2 * self.kv_size, s.hidden, dtype=dtype)
-        self.qkv_bias = new_param(self.q_size + 2 * self.kv_size, dtype=dtype, fill=0.0) if s.bias else None
-        self.o = new_param(s.hidden, self.q_size, dtype=dtype)
-        self.o_bias = new_param(s.hidden, dtype=dtype, fill=0.0) if s.bias else None
-        qk = s.qk_norm_eps is not None
-        self.q_norm = new_param(s.head_dim, dtype=dtype, fill=1.0) if qk else None
-        self.k_norm = new_param(s.head_dim, dtype=dtype, fill=1.0) if qk else None
-        self.ops: dict[str, tuple[Linear, Linear]] = {}
-
-    def load(self, src: WeightSource, a: str, qk_norms: tuple[str, str] = ("q_norm", "k_norm")) -> None:
-        names = [a + "q_proj.", a + "k_proj.", a + "v_proj."]
-        o = a + self.shape.o_name
-        self.qkv.data = torch.cat([src.get(n + "weight") for n in names]).contiguous()
-        self.o.data = src.get(o + ".weight").contiguous()
-        if self.qkv_bias is not None and self.o_bias is not None:
-            self.qkv_bias.data = torch.cat([src.get(n + "bias") for n in names])
-            self.o_bias.data = src.get(o + ".bias")
-        if self.q_norm is not None and self.k_norm is not None:
-            self.q_norm.data = src.get(f"{a}{qk_norms[0]}.weight")
-            self.k_norm.data = src.get(f"{a}{qk_norms[1]}.weight")
-
-    def prepare(self, backend: Backend) -> None:
-        if backend.form not in self.ops:
-            self.ops[backend.form] = (backend.linear(self.qkv, self.qkv_bias), backend.linear(self.o, self.o_bias))
-
-    def forward(self, h: torch.Tensor, backend: Backend, cache: HybridCache, layer: int,
-                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """``h`` ``[n, hidden]``, the tokens after ``cache.length``; their K/V join the cache."""
-        s, n = self.shape, h.shape[0]
-        qkv_op, o_op = self.ops[backend.form]
-        q, k, v = qkv_op(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k, v = q.view(n, s.heads, s.head_dim), k.view(n, s.kv_heads, s.head_dim), v.view(n, s.kv_heads, s.head_dim)
-        if self.q_norm is not None and self.k_norm is not None and s.qk_norm_eps is not None:
-            q, k = rms_norm(q, self.q_norm, s.qk_norm_eps), rms_norm(k, self.k_norm, s.qk_norm_eps)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        if layer in cache.kv:
-            k0, v0 = cache.kv[layer]
-            k, v = torch.cat((k0, k)), torch.cat((v0, v))
-        cache.kv[layer] = (k, v)
-        p0 = cache.length
-        mask = window_mask(torch.arange(p0, p0 + n), torch.arange(p0 + n), None)
-        o = sdpa(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                 mask, s.scale)
-        return o_op(o.squeeze(0).transpose(0, 1).reshape(n, self.q_size))
+def step_lens(states: StateRows, rows: int) -> tuple[torch.Tensor, list[int]]:
+    """The step's state slots and token counts, items in row order (the mixers' layout: each
+    item's rows follow the previous item's)."""
+    items = sorted(states.items)
+    row, slots, lens = 0, [], []
+    for first, n, slot in items:
+        assert first == row, "a step's items cover its rows one after another"
+        slots.append(slot)
+        lens.append(n)
+        row += n
+    assert row == rows, f"the step's items cover {row} of its {rows} rows"
+    return torch.tensor(slots, dtype=torch.long, device=states.pool.tensors[0][0].device), lens
 
 
 class HybridLayer(nn.Module):
-    """A layer's mixer (Mamba2, short conv or attention) reached through one call, whatever its kind."""
+    """One layer of a state-space hybrid: its mixer (Mamba2, short conv, attention, or none for
+    Nemotron-H's MLP/MoE layers) reached through ``mix``; a family adds the norms and FFN.
+    ``pool_layer``: an attention layer's K/V layer in the pool; ``state_index``: a Mamba2 /
+    short-conv layer's place in the ``StatePool``."""
 
-    def __init__(self, index: int, mixer: Mamba2Mixer | CachedAttention | ShortConv | None) -> None:
+    def __init__(self, index: int, mixer: Mamba2Mixer | ShortConv | GQAttention | None) -> None:
         super().__init__()
-        self.index = index
+        self.layer = index
+        self.pool_layer = -1
+        self.state_index = -1
         self.mixer = mixer
+        self.stored: dict[str, Any] = {}  # (no GGUF blocks: the engine's has_stored_weights reads it)
 
-    def mix(self, h: torch.Tensor, backend: Backend, cache: HybridCache,
-            rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def state_shapes(self) -> tuple[tuple[int, ...], ...] | None:
         m = self.mixer
         if isinstance(m, Mamba2Mixer):
-            conv, ssm = cache.state(self.index, m.cfg, h.device)
-            return m(h, backend, conv, ssm, [h.shape[0]])
+            return m.cfg.state_shapes()
         if isinstance(m, ShortConv):
-            return m(h, backend, cache.window(self.index, m, h.device), [h.shape[0]])
-        assert isinstance(m, CachedAttention)
-        return m(h, backend, cache, self.index, rope)
+            return (m.state_shape,)
+        return None
+
+    def mix(self, h: torch.Tensor, ctx: StepContext, residual: torch.Tensor | None = None) -> torch.Tensor:
+        m, batch = self.mixer, ctx.batch
+        if isinstance(m, GQAttention):
+            rotary, cos_sin = ctx.rope(self.layer)
+            return m(h, self.pool_layer, ctx.pool, batch, rotary, cos_sin, residual)
+        assert isinstance(m, Mamba2Mixer | ShortConv)
+        states = batch.states
+        assert states is not None, "a hybrid model's step carries its requests' state slots"
+        slots, lens = step_lens(states, h.shape[0])
+        pooled = states.pool.tensors[self.state_index]
+        # NOTE: gathered copies, advanced by the mixer, written back: the slots of a step are
+        # arbitrary, the mixer wants its sequences' states stacked.
+        held = [t.index_select(0, slots) for t in pooled]
+        out = m(h, batch.backend, *held, lens, residual=residual)
+        for t, s in zip(pooled, held, strict=True):
+            t.index_copy_(0, slots, s)
+        return out
 
     def prepare(self, backend: Backend) -> None:
-        if self.mixer is not None:
+        if isinstance(self.mixer, GQAttention):
+            self.mixer.prepare(backend, {})
+        elif self.mixer is not None:
             self.mixer.prepare(backend)
 
-    def forward(self, x: torch.Tensor, backend: Backend, cache: HybridCache,
-                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def release(self, form: str) -> None:
+        """Forget ``form``'s packed weights in every part (a part's own ``release`` where it has one)."""
+        for mod in self.modules():
+            if mod is self:
+                continue
+            release = getattr(mod, "release", None)
+            if callable(release):
+                release(form)
+            elif isinstance(getattr(mod, "ops", None), dict):
+                mod.ops.pop(form, None)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         raise NotImplementedError
 
 
-class HybridForCausalLM(nn.Module):
-    """Embedding, layers, final norm and LM head; ``forward`` over a ``HybridCache``. A family
-    sets its layers, names and multipliers (``embed_scale``, ``logits_div``)."""
+class StateSpaceHybrid(LlamaForCausalLM):
+    """The decoder shell of the state-space hybrids: ``LlamaForCausalLM``'s step over the engine's
+    batch with the family's layers (``make_layer`` from ``cfg.hybrid.hf``), its weight names
+    (``embed_name``, ``norm_name``) and multipliers (``embed_mult``, ``logits_div``)."""
 
     embed_name = "model.embed_tokens.weight"
     norm_name = "model.norm.weight"
+    uses_rope = True
+    disk_prefix: str | None = None  # what the checkpoint files name ``model.`` (Nemotron-H: ``backbone.``)
 
-    def __init__(self, vocab: int, hidden: int, eps: float, tie: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.dtype, self.eps = dtype, eps
-        self.embed = new_param(vocab, hidden, dtype=dtype)
-        self.norm = new_param(hidden, dtype=dtype, fill=1.0)
-        self.lm_head = None if tie else new_param(vocab, hidden, dtype=dtype)
-        self.layers = nn.ModuleList()
-        self.rotary: RotaryEmbedding | None = None
-        self.embed_scale = 1.0
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        if cfg.hybrid is None or cfg.hybrid.hf is None:
+            raise ValueError(f"{cfg.architecture} is built from its HF config (ModelConfig.from_hf_dict)")
+        super().__init__(cfg, dtype, device)
+        pool_layer = state_index = 0
+        for layer in self.layers:
+            if isinstance(layer.mixer, GQAttention):
+                layer.pool_layer = pool_layer
+                pool_layer += 1
+            elif layer.state_shapes() is not None:
+                layer.state_index = state_index
+                state_index += 1
+        if not self.uses_rope:  # identity rotary (module doc)
+            self.rotary.cos = torch.ones_like(self.rotary.cos)
+            self.rotary.sin = torch.zeros_like(self.rotary.sin)
         self.logits_div = 1.0
-        self.backend: Backend | None = None
-        self.head: Linear | None = None
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        src = WeightSource(weights, self.dtype, torch.device("cpu"))
+    @property
+    def hf(self) -> dict[str, Any]:
+        assert self.cfg.hybrid is not None and self.cfg.hybrid.hf is not None
+        return self.cfg.hybrid.hf
+
+    def set_embed_mult(self, mult: float) -> None:
+        self.embed_scale = torch.tensor(mult, dtype=self.dtype) if mult != 1.0 else None
+
+    def state_spec(self) -> StateSpec:
+        """Every Mamba2 / short-conv layer's per-sequence state, in layer order (the pool's layout)."""
+        return StateSpec(tuple(s for layer in self.layers if (s := layer.state_shapes()) is not None))
+
+    def attention(self, i: int, scale: float | None = None) -> GQAttention:
+        """tripod's attention for layer ``i`` (the config's heads, biases, q/k norms)."""
+        attn = GQAttention(self.cfg, i, self.cfg.attention_bias, self.dtype)
+        if scale is not None:
+            attn.spec = dataclasses.replace(attn.spec, scale=scale)
+        return attn
+
+    def _logits(self, x: torch.Tensor, batch: Any) -> torch.Tensor:
+        logits = super()._logits(x, batch)
+        return logits / self.logits_div if self.logits_div != 1.0 else logits
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], fp8_block: tuple[int, int] | None = None,
+                     tp: ParallelGroup = SINGLE, expert_parallel: bool = False) -> None:
+        if fp8_block is not None or tp.size > 1:
+            raise ValueError(f"{self.cfg.architecture} loads dequantized weights on one rank only")
+        if self.disk_prefix is not None and self.embed_name not in weights:
+            weights = Renamed(weights, "model.", self.disk_prefix)
+        src = WeightSource(weights, self.dtype, self.device)
         self.embed.data = src.get(self.embed_name).contiguous()
         self.norm.data = src.get(self.norm_name)
         if self.lm_head is not None:
             self.lm_head.data = src.get("lm_head.weight").contiguous() if src.has("lm_head.weight") else self.embed.data
         for layer in self.layers:
-            self.load_layer(layer, src)
+            self.load_layer(layer, src, f"model.layers.{layer.layer}.")
 
-    def load_layer(self, layer: Any, src: WeightSource) -> None:
+    def load_layer(self, layer: Any, src: WeightSource, p: str) -> None:
         raise NotImplementedError
 
-    def prepare(self, backend: Backend) -> None:
-        """Build every projection for ``backend`` (the reference backend: F.linear, op for op with HF)."""
-        for layer in self.layers:
-            layer.prepare(backend)
-        self.head = backend.linear(self.embed if self.lm_head is None else self.lm_head, None)
-        self.backend = backend
 
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:
-        """``ids`` ``[n]``: the tokens after ``cache.length``; returns their logits ``[n, vocab]``
-        (float32) and advances the cache."""
-        if self.backend is None or self.head is None:
-            raise ValueError("call prepare(backend) before forward")
-        n = ids.shape[0]
-        x = F.embedding(ids, self.embed)
-        if self.embed_scale != 1.0:
-            x = x * self.embed_scale
-        rope = None
-        if self.rotary is not None:
-            rope = self.rotary.tables(torch.arange(cache.length, cache.length + n), self.dtype)
-        for layer in self.layers:
-            x = layer(x, self.backend, cache, rope)
-        cache.length += n
-        logits = self.head(rms_norm(x, self.norm, self.eps)).float()
-        return logits / self.logits_div if self.logits_div != 1.0 else logits
+class Renamed(Mapping[str, torch.Tensor]):
+    """``weights`` seen with ``new`` in place of the leading ``old`` of their names (a family whose
+    files name the decoder differently from transformers' in-memory modules)."""
 
-    def greedy(self, prompt: list[int], max_new: int, chunk: int | None = None) -> list[int]:
-        """Greedy decoding: the prompt (in chunks of ``chunk`` tokens, or whole), then one token at
-        a time; returns the new tokens."""
-        cache = HybridCache()
-        ids = torch.tensor(prompt, dtype=torch.long)
-        step = chunk or len(prompt)
-        for i in range(0, len(prompt), step):
-            logits = self(ids[i : i + step], cache)
-        out: list[int] = []
-        for _ in range(max_new):
-            tok = int(logits[-1].argmax())
-            out.append(tok)
-            logits = self(torch.tensor([tok]), cache)
-        return out
+    def __init__(self, weights: Mapping[str, torch.Tensor], new: str, old: str) -> None:
+        self.weights, self.new, self.old = weights, new, old
+
+    def _name(self, key: str) -> str:
+        return self.old + key[len(self.new):] if key.startswith(self.new) else key
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.weights[self._name(key)]
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self._name(key) in self.weights
+
+    def __iter__(self) -> Iterator[str]:
+        for k in self.weights:
+            yield self.new + k[len(self.old):] if k.startswith(self.old) else k
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+def load_attention(attn: GQAttention, src: WeightSource, a: str, o_name: str = "o_proj",
+                   norms: tuple[str, str] = ("q_norm", "k_norm")) -> None:
+    """An attention layer's weights under HF names (a family may name its output projection and
+    q/k norms its own way)."""
+    names = [a + "q_proj.", a + "k_proj.", a + "v_proj."]
+    keep(attn, "qkv", src.cat([n + "weight" for n in names]))
+    keep(attn, "o", src.part(f"{a}{o_name}.weight"))
+    if attn.qkv_bias is not None:
+        attn.qkv_bias.data = torch.cat([src.get(n + "bias") for n in names])
+    if attn.o_bias is not None:
+        attn.o_bias.data = src.get(f"{a}{o_name}.bias")
+    if attn.q_norm is not None and attn.k_norm is not None:
+        attn.q_norm.data = src.get(f"{a}{norms[0]}.weight")
+        attn.k_norm.data = src.get(f"{a}{norms[1]}.weight")
 
 
 def mamba_config(d: Mapping[str, Any], **names: str) -> Mamba2Config:
@@ -229,4 +223,11 @@ def mamba_config(d: Mapping[str, Any], **names: str) -> Mamba2Config:
     that family uses for it."""
     get = {f: d[k] for f, k in names.items() if k in d}
     limit = d.get("time_step_limit") or (0.0, float("inf"))
-    return Mamba2Config(dt_limit=(float(limit[0]), float(limit[1])), **get)
+    return Mamba2Config(dt_limit=(_json_float(limit[0]), _json_float(limit[1])), **get)
+
+
+def _json_float(v: Any) -> float:
+    """A float as transformers writes it to config.json (``{"__float__": "Infinity"}`` for inf)."""
+    if isinstance(v, dict) and "__float__" in v:
+        return float(v["__float__"])
+    return float(v)

@@ -23,35 +23,13 @@ from tripod.layers.batch import Backend
 from tripod.layers.linear import Linear
 from tripod.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from tripod.layers.moe import MoEConfig, route
-from tripod.layers.norm import rms_norm
 from tripod.layers.weights import WeightSource
-from tripod.models.gqa import new_param
-from tripod.models.hybrid import (
-    AttnShape,
-    CachedAttention,
-    HybridCache,
-    HybridForCausalLM,
-    HybridLayer,
-    mamba_config,
-)
+from tripod.models.gqa import GQAttention, new_param
+from tripod.models.hybrid import HybridLayer, StateSpaceHybrid, load_attention, mamba_config
+from tripod.models.hybrid_config import nemotron_kinds
+from tripod.models.llama import StepContext
 
-PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
-
-
-def layer_kinds(d: Mapping[str, Any]) -> list[str]:
-    """Each layer's kind from the HF config: ``layers_block_type`` or ``hybrid_override_pattern``."""
-    kinds = d.get("layers_block_type") or d.get("layer_types")
-    if kinds is None and d.get("hybrid_override_pattern"):
-        bad = set(d["hybrid_override_pattern"]) - set(PATTERN)
-        if bad:
-            raise ValueError(f"hybrid_override_pattern has unknown layer codes {sorted(bad)} (known: M * - E)")
-        kinds = [PATTERN[c] for c in d["hybrid_override_pattern"]]
-    if not kinds:
-        raise ValueError("a Nemotron-H config needs layers_block_type or hybrid_override_pattern")
-    unknown = set(kinds) - set(PATTERN.values())
-    if unknown:
-        raise ValueError(f"layers_block_type has unknown kinds {sorted(unknown)} (known: {sorted(PATTERN.values())})")
-    return list(kinds)
+layer_kinds = nemotron_kinds  # (the name the mixer-level tests know)
 
 
 def activation(name: str) -> Any:
@@ -119,8 +97,13 @@ class NemotronHMoE(nn.Module):
     def load(self, src: WeightSource, p: str) -> None:
         self.router.data = src.get_f32(p + "gate.weight")
         self.bias.data = src.get_f32(p + "gate.e_score_correction_bias")
-        self.up.data = src.get(p + "experts.up_proj").contiguous()
-        self.down.data = src.get(p + "experts.down_proj").contiguous()
+        if src.has(p + "experts.up_proj"):  # stacked (transformers' in-memory form)
+            self.up.data = src.get(p + "experts.up_proj").contiguous()
+            self.down.data = src.get(p + "experts.down_proj").contiguous()
+        else:  # per expert, as the checkpoint files hold them
+            experts = range(self.up.shape[0])
+            self.up.data = torch.stack([src.get(f"{p}experts.{e}.up_proj.weight") for e in experts]).contiguous()
+            self.down.data = torch.stack([src.get(f"{p}experts.{e}.down_proj.weight") for e in experts]).contiguous()
         if self.fc1 is not None and self.fc2 is not None:
             self.fc1.data = src.get(p + "fc1_latent_proj.weight").contiguous()
             self.fc2.data = src.get(p + "fc2_latent_proj.weight").contiguous()
@@ -148,20 +131,18 @@ class NemotronHMoE(nn.Module):
 
 
 class NemotronHLayer(HybridLayer):
-    """``x + mixer(rmsnorm(x))`` with one of the four mixers."""
+    """``x + mixer(rmsnorm(x))`` with one of the four mixers (MLP / MoE: the layer's ``ffn``)."""
 
-    def __init__(self, index: int, kind: str, d: Mapping[str, Any], dtype: torch.dtype) -> None:
+    def __init__(self, index: int, kind: str, model: NemotronHForCausalLM) -> None:
+        d, dtype = model.hf, model.dtype
         h = d["hidden_size"]
-        mixer: Mamba2Mixer | CachedAttention | None = None
-        self.kind = kind
+        mixer: Mamba2Mixer | GQAttention | None = None
         if kind == "linear_attention":
             mixer = Mamba2Mixer(nemotron_mamba(d), dtype)
         elif kind == "full_attention":
-            hd = d.get("head_dim") or h // d["num_attention_heads"]
-            shape = AttnShape(h, d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"], hd,
-                              hd**-0.5)
-            mixer = CachedAttention(shape, dtype)
+            mixer = model.attention(index)
         super().__init__(index, mixer)
+        self.kind = kind
         self.eps = float(d.get("layer_norm_epsilon", 1e-5))
         self.norm = new_param(h, dtype=dtype, fill=1.0)
         self.ffn: PlainMLP | NemotronHMoE | None = None
@@ -175,11 +156,11 @@ class NemotronHLayer(HybridLayer):
         if self.ffn is not None:
             self.ffn.prepare(backend)
 
-    def forward(self, x: torch.Tensor, backend: Backend, cache: HybridCache,
-                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        h = rms_norm(x, self.norm, self.eps)
-        out = self.ffn(h, backend) if self.ffn is not None else self.mix(h, backend, cache, rope)
-        return x + out
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        h = ctx.batch.backend.norm(x, self.norm, self.eps)
+        if self.ffn is not None:
+            return x + self.ffn(h, ctx.batch.backend)
+        return self.mix(h, ctx, residual=x)
 
 
 # older Nemotron-H config.json names of the Mamba2 fields (transformers renames them the same way)
@@ -199,20 +180,22 @@ def nemotron_mamba(d: Mapping[str, Any]) -> Mamba2Config:
     return cfg
 
 
-class NemotronHForCausalLM(HybridForCausalLM):
-    """Nemotron-H: Mamba2, attention, MLP and MoE layers (``layers_block_type``); MTP layers are
-    not loaded (no speculative path for them here)."""
+class NemotronHForCausalLM(StateSpaceHybrid):
+    """Nemotron-H: Mamba2, attention (no positional encoding), MLP and MoE layers
+    (``layers_block_type``); MTP layers are not loaded (no speculative path for them here)."""
 
     embed_name = "model.embeddings.weight"
     norm_name = "model.norm_f.weight"
+    uses_rope = False
+    disk_prefix = "backbone."
 
-    def __init__(self, d: Mapping[str, Any], dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(d["vocab_size"], d["hidden_size"], float(d.get("layer_norm_epsilon", 1e-5)),
-                         bool(d.get("tie_word_embeddings", False)), dtype)
-        self.layers = nn.ModuleList(NemotronHLayer(i, k, d, dtype) for i, k in enumerate(layer_kinds(d)))
+    def make_layer(self, i: int) -> NemotronHLayer:  # type: ignore[override]
+        return NemotronHLayer(i, nemotron_kinds(self.hf)[i], self)
 
-    def load_layer(self, layer: Any, src: WeightSource) -> None:
-        p = f"model.layers.{layer.index}."
+    def load_layer(self, layer: Any, src: WeightSource, p: str) -> None:
         layer.norm.data = src.get(p + "norm.weight")
+        if isinstance(layer.mixer, GQAttention):
+            load_attention(layer.mixer, src, p + "mixer.")
+            return
         target = layer.ffn if layer.ffn is not None else layer.mixer
         target.load(src, p + "mixer.")

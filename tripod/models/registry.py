@@ -5,8 +5,11 @@ from __future__ import annotations
 from tripod.models.deepseek import DeepseekForCausalLM
 from tripod.models.deepseek_v4 import DeepseekV4ForCausalLM
 from tripod.models.gemma3_vl import Gemma3ForConditionalGeneration
+from tripod.models.granite_hybrid import GraniteMoeHybridForCausalLM
+from tripod.models.lfm2 import Lfm2ForCausalLM
 from tripod.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from tripod.models.llava import LlavaForConditionalGeneration
+from tripod.models.nemotron_h import NemotronHForCausalLM
 from tripod.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from tripod.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
@@ -32,6 +35,10 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,  # + a MoE (shared expert with its sigmoid gate) on every layer
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3_5ForCausalLM,  # its mixer's projections grouped per key head (reordered at load)
+    # State-space hybrids (models/hybrid.py): Mamba2 / short-conv layers (StatePool) beside attention.
+    "NemotronHForCausalLM": NemotronHForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
     # Vision-language models (models/multimodal.py): the decoder plus a tower and a projector.
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
