@@ -217,3 +217,30 @@ def test_layer_kinds_and_refusals() -> None:
         ModelConfig.from_hf_dict({**d, "num_hidden_layers": 5})
     with pytest.raises(ValueError, match="position_embedding_type"):
         ModelConfig.from_hf_dict({**d, "position_embedding_type": "alibi"})
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_CASES))
+def test_prefix_hits_resume_from_state_snapshots(name: str, tmp_path: Path, hf_tokenizer: Any) -> None:
+    """The state snapshots on radix nodes serve the Mamba2 / short-conv families as they serve the
+    Gated DeltaNet one: a repeated prompt resumes at its last chunk end, the next turn (prompt +
+    answer + more) at the end of the answer's computed tokens, each skipping exactly
+    ``cached_tokens`` — with the tokens and (on the kernels) the logprobs of an engine that never saw
+    them."""
+    _build(name, tmp_path, hf_tokenizer)
+    eng = _engine(tmp_path, kernels="optimized", chunk_size=8, max_batch_tokens=32)
+    fresh = _engine(tmp_path, kernels="optimized", chunk_size=8, max_batch_tokens=32, enable_prefix_cache=False)
+    assert eng.scheduler.snapshots is not None
+    p = PROMPTS[0]  # 21 tokens: chunks end at 8 and 16
+    (first,) = eng.generate([p], PARAMS)
+    assert first.cached_tokens == 0
+    (again,) = eng.generate([p], PARAMS)
+    assert again.cached_tokens == 16
+    longer = p + first.token_ids + PROMPTS[1]
+    (ext,) = eng.generate([longer], PARAMS)
+    assert ext.cached_tokens == len(p) + NEW - 1  # all but the answer's last token (never computed)
+    for got, prompt in ((again, p), (ext, longer)):
+        (want,) = fresh.generate([prompt], PARAMS)
+        assert got.token_ids == want.token_ids, f"{name}: a hit changed the tokens"
+        if eng.runner.uses_kernels:
+            assert _logprobs(got) == _logprobs(want), f"{name}: a hit changed the logprobs"
+    _all_free(eng)
