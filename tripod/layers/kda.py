@@ -31,8 +31,9 @@ from torch import nn
 
 from tripod.layers.batch import Backend
 from tripod.layers.linear import Linear
-from tripod.layers.mamba2 import causal_conv, silu_exact, softplus_exact
+from tripod.layers.mamba2 import causal_conv, silu_exact, softplus_exact, zero_states
 from tripod.layers.weights import WeightSource
+from tripod.memory.state_pool import StateSpec
 
 # the projections, each prepared per compute form (f_a·f_b and g_a·g_b are low-rank pairs)
 PROJECTIONS = ("qkv", "f_a", "f_b", "b", "g_a", "g_b", "o")
@@ -57,14 +58,11 @@ class KdaConfig:
         return (3 * self.width, self.conv_kernel - 1), (self.num_heads, self.head_dim, self.head_dim)
 
     def state_bytes(self) -> int:
-        (c, k), (h, d, e) = self.state_shapes()
-        return 4 * (c * k + h * d * e)
+        return StateSpec((self.state_shapes(),)).bytes_per_slot()
 
 
-def new_kda_state(cfg: KdaConfig, seqs: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    conv, rec = cfg.state_shapes()
-    return (torch.zeros(seqs, *conv, dtype=torch.float32, device=device),
-            torch.zeros(seqs, *rec, dtype=torch.float32, device=device))
+def new_kda_state(cfg: KdaConfig, seqs: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    return zero_states(cfg.state_shapes(), seqs, device)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

@@ -42,8 +42,9 @@ from torch import nn
 from tripod.layers.batch import Backend
 from tripod.layers.linear import Linear
 from tripod.layers.weights import WeightSource
+from tripod.memory.state_pool import StateSpec
 
-__all__ = ["Mamba2Config", "Mamba2Mixer", "causal_conv", "new_state", "silu_exact", "softplus_exact"]
+__all__ = ["Mamba2Config", "Mamba2Mixer", "causal_conv", "new_state", "silu_exact", "softplus_exact", "zero_states"]
 
 
 def softplus_exact(x: torch.Tensor) -> torch.Tensor:
@@ -98,15 +99,18 @@ class Mamba2Config:
 
     def state_bytes(self) -> int:
         """Bytes of one sequence's state in one layer (float32)."""
-        (c, k), (h, p, n) = self.state_shapes()
-        return 4 * (c * k + h * p * n)
+        return StateSpec((self.state_shapes(),)).bytes_per_slot()
 
 
-def new_state(cfg: Mamba2Config, seqs: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def zero_states(shapes: tuple[tuple[int, ...], ...], seqs: int,
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """One zero float32 tensor ``[seqs, *shape]`` per shape: ``seqs`` fresh sequences' state."""
+    return tuple(torch.zeros(seqs, *shape, dtype=torch.float32, device=device) for shape in shapes)
+
+
+def new_state(cfg: Mamba2Config, seqs: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
     """Zero states for ``seqs`` sequences: conv ``[S, conv_dim, K-1]``, ssm ``[S, H, P, N]`` (float32)."""
-    conv, ssm = cfg.state_shapes()
-    return (torch.zeros(seqs, *conv, dtype=torch.float32, device=device),
-            torch.zeros(seqs, *ssm, dtype=torch.float32, device=device))
+    return zero_states(cfg.state_shapes(), seqs, device)
 
 
 def causal_conv(x: torch.Tensor, window: torch.Tensor, lens: list[int], weight: torch.Tensor,
