@@ -164,14 +164,10 @@ class EngineLoop:
                 self.ipc_seconds += time.perf_counter() - t2
             for held in self.rl.tick():  # (a waiting update applied once nothing is in flight)
                 self._add(held)
-            now = time.monotonic()
             # NOTE: also at once when the loop has just gone idle: the server's /metrics (what routers
             # place requests by) would otherwise report the last finished request as running for up
             # to an interval after its answer was sent.
-            if now - self._last_heartbeat >= self.heartbeat_interval or (stepped and not self.engine.pending):
-                self._last_heartbeat = now
-                self.engine.check_workers()  # a lost tensor-parallel rank ends the engine, idle or not
-                self.push.send(engine_ipc.encode(engine_ipc.Heartbeat(self.stats())))
+            self._beat(now=stepped and not self.engine.pending)
 
     def _drain(self) -> None:
         while self.running:
@@ -209,12 +205,13 @@ class EngineLoop:
             else:
                 raise AssertionError(f"unexpected message {msg!r}")
 
-    def _beat(self) -> None:
-        """A heartbeat if one is due: what a long control (a weight update) calls between its phases,
-        so the server does not take a loop busy with it for a hung one."""
-        now = time.monotonic()
-        if now - self._last_heartbeat >= self.heartbeat_interval:
-            self._last_heartbeat = now
+    def _beat(self, now: bool = False) -> None:
+        """A heartbeat if one is due (or ``now``): each turn of the loop, and between the phases of a
+        long control (a weight update), so the server does not take a loop busy with it for a hung one."""
+        t = time.monotonic()
+        if now or t - self._last_heartbeat >= self.heartbeat_interval:
+            self._last_heartbeat = t
+            self.engine.check_workers()  # a lost tensor-parallel rank ends the engine, idle or not
             self.push.send(engine_ipc.encode(engine_ipc.Heartbeat(self.stats())))
 
     def _lora(self, msg: engine_ipc.LoraRequest) -> engine_ipc.LoraReply:
