@@ -25,6 +25,7 @@ from tripod.config_cli import cli_fields, from_namespace, namespace_values, to_a
 ENGINE_SERVER = [
     "--model", "/m/x.gguf", "--dtype", "float32", "--device", "cuda:1", "--kv-cache-tokens", "4096",
     "--max-model-len", "1024", "--chunk-size", "64", "--max-batch-tokens", "256", "--max-running", "16",
+    "--max-state-slots", "8", "--max-state-snapshots", "0",
     "--policy", "fcfs", "--no-prefix-cache", "--threads", "3", "--kernels", "eager", "--weights", "fp8",
     "--no-jump-forward", "--speculative", "draft:embedded", "--num-draft-tokens", "5", "--spec-max-batch", "0",
     "--api-key", "k", "--task", "embed", "--pooling", "mean", "--no-normalize", "--served-model-name", "m", "--max-waiting", "7", "--overload-status", "503",
@@ -49,6 +50,7 @@ FLAGS = {
     "--gpu-memory-utilization --health-interval --host --kernels --kv-cache-tokens --kv-disk --kv-disk-size --load-weight --log-level --lookback "
     "--allowed-media-domains --limit-mm-per-prompt --max-body-bytes --max-image-bytes --max-image-pixels --media-fetch-timeout "
     "--max-batch-tokens --max-model-len --max-n --max-pending --max-replicas --max-retries --max-running "
+    "--max-state-slots --max-state-snapshots "
     "--max-waiting --min-replicas --model --normalize --no-cuda-graphs --no-jump-forward --no-prefix-cache --num-draft-tokens "
     "--otel-endpoint --otel-file --overlap-schedule --overload-status --parallel-backend --parallel-placement --parallel-ray-address "
     "--parallel-timeout --pipeline-parallel-size --policy --pooling --port --prefill-replicas --queue-timeout "
@@ -63,13 +65,15 @@ FLAGS = {
     "--ssl-certfile --ssl-keyfile --stall-timeout --tenants",
     ("generate",): "--lora --max-lora-rank --max-loras --chunk-size --cuda-graph-max-bs --data-parallel-size "
     "--device --dtype --enable-expert-parallel --gpu-memory-utilization --ignore-eos --image --kernels --kv-cache-tokens "
-    "--kv-disk --kv-disk-size --log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p --model "
+    "--kv-disk --kv-disk-size --log-level --max-batch-tokens --max-model-len --max-running --max-state-slots "
+    "--max-state-snapshots --max-tokens --min-p --model "
     "--no-cuda-graphs --no-jump-forward --no-prefix-cache --num-draft-tokens --overlap-schedule --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout --pipeline-parallel-size "
     "--policy --raw --repetition-penalty --seed --spec-max-batch --speculative --stats --system "
     "--temperature --tensor-parallel-size --threads --top-k --top-p --weights",
     ("chat",): "--lora --max-lora-rank --max-loras --api-key --chunk-size --cuda-graph-max-bs "
     "--data-parallel-size --device --dtype --enable-expert-parallel --gpu-memory-utilization --ignore-eos --kernels "
-    "--kv-cache-tokens --kv-disk --kv-disk-size --log-level --max-batch-tokens --max-model-len --max-running --max-tokens --min-p "
+    "--kv-cache-tokens --kv-disk --kv-disk-size --log-level --max-batch-tokens --max-model-len --max-running --max-state-slots "
+    "--max-state-snapshots --max-tokens --min-p "
     "--model --no-cuda-graphs --no-jump-forward --no-prefix-cache --num-draft-tokens --overlap-schedule --parallel-backend --parallel-placement --parallel-ray-address --parallel-timeout "
     "--pipeline-parallel-size --policy --repetition-penalty --seed --spec-max-batch --speculative "
     "--system --temperature --tensor-parallel-size --threads --top-k --top-p --url --weights",
@@ -231,3 +235,14 @@ def test_media_domains_and_body_limit_reach_every_process() -> None:
     assert from_namespace(RouterConfig, serve).max_body_bytes == from_namespace(ServerConfig, serve).max_body_bytes \
         == 99999999
     assert ServerConfig().max_body_bytes == RouterConfig().max_body_bytes >= 32 * 2**20
+
+
+@pytest.mark.parametrize("argv, words", [
+    (("--max-state-slots", "0"), "max_state_slots must be >= 1"),
+    (("--max-state-snapshots", "-1"), "max_state_snapshots must be >= 0"),
+])
+def test_state_pool_sizes_are_checked(argv: tuple[str, ...], words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        from_namespace(EngineConfig, _parse("serve", *argv))
+    assert from_namespace(EngineConfig, _parse("generate", "--max-state-slots", "3", "--max-state-snapshots", "0")) \
+        == EngineConfig(max_state_slots=3, max_state_snapshots=0)

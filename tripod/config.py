@@ -118,10 +118,16 @@ class EngineConfig:
         commands=ENGINE_COMMANDS, metavar="GB")
     # Hybrid (linear-attention) models: recurrent-state slots (memory/state_pool.py); None: one
     # per --max-running request (fewer makes admissions wait for a slot).
-    max_state_slots: int | None = None
+    max_state_slots: int | None = opt(
+        None, "hybrid (linear-attention / state-space) models: how many sequences' recurrent state (every linear "
+        "layer's conv window + state, float32) the state pool holds, i.e. how many of them run at once (default: "
+        "one per --max-running request; ignored by other models)", commands=ENGINE_COMMANDS, metavar="N")
     # ... and state snapshots on prefix-cache nodes (memory/state_snapshots.py; 0: hybrids get no
     # prefix-cache hits); None: as many as state slots.
-    max_state_snapshots: int | None = None
+    max_state_snapshots: int | None = opt(
+        None, "hybrid models: how many recurrent-state snapshots the prefix cache keeps on its nodes (a hit resumes "
+        "from one; least recently used evicted first; 0 = no prefix-cache hits for hybrids; default: as many as "
+        "state slots; ignored by other models)", commands=ENGINE_COMMANDS, metavar="N")
     decode_mirror: bool = True  # dense copy of decoding requests' KV (see memory/decode_mirror.py)
     seed: int = 0  # for sampled requests without a seed
     # CPU: torch intra-op threads (None: torch's default; a local fleet gives each replica its share).
@@ -299,6 +305,10 @@ class EngineConfig:
             raise ValueError(f"policy must be 'lpm' or 'fcfs' (got {self.policy!r})")
         if self.kv_disk_size <= 0:
             raise ValueError(f"kv_disk_size must be > 0 GB (got {self.kv_disk_size})")
+        if self.max_state_slots is not None and self.max_state_slots < 1:
+            raise ValueError(f"max_state_slots must be >= 1 (got {self.max_state_slots})")
+        if self.max_state_snapshots is not None and self.max_state_snapshots < 0:
+            raise ValueError(f"max_state_snapshots must be >= 0 (got {self.max_state_snapshots})")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (got {self.max_model_len})")
         self._check_parallel()

@@ -20,6 +20,12 @@ tokens that are images'), ``tripod:image_load_seconds`` (a request's images fetc
 processed); from the engine (``EngineStats.vision``): ``tripod:images_encoded_total`` (vision tower
 runs: one per distinct image content), ``tripod:image_encoder_seconds_total``,
 ``tripod:image_encoder_cache_hits_total`` (images found encoded already), ``tripod:images_held``.
+Hybrid (linear-attention / state-space) models, from the engine (``EngineStats.states``; no series
+for other models): ``tripod:state_slots`` and ``tripod:state_slots_free`` (the state pool:
+``--max-state-slots``), ``tripod:state_slot_bytes`` (one sequence's recurrent state),
+``tripod:state_snapshot_slots`` (``--max-state-snapshots``), ``tripod:state_snapshots_held``,
+``tripod:state_snapshot_bytes`` (held now), ``tripod:state_snapshots_taken_total`` and
+``tripod:state_snapshots_restored_total`` (prefix-cache hits resumed from a snapshot).
 Per tenant (``tripod.tenants.metrics``): ``tripod:tenant_requests_total{tenant,status}``,
 ``tripod:tenant_prompt_tokens_total``, ``tripod:tenant_output_tokens_total``,
 ``tripod:tenant_rejections_total{tenant,limit}``, ``tripod:tenant_time_to_first_token_seconds``,
@@ -30,7 +36,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tripod.protocol.stats import DiskTierStats, EngineStats, VisionStats
+from tripod.protocol.stats import DiskTierStats, EngineStats, StateStats, VisionStats
 from tripod.tenants.metrics import TenantMetrics
 
 _LATENCY_BUCKETS = (
@@ -107,6 +113,17 @@ class ServerMetrics:
         self.encoder_seconds = self._counter("image_encoder_seconds", "engine seconds in the vision tower")
         self.encoder_hits = self._counter("image_encoder_cache_hits", "images a request found encoded already")
         self.images_held = self._gauge("images_held", "distinct images whose features live requests hold")
+        # A hybrid model's recurrent-state memory (from the heartbeat): the pool and the prefix cache's snapshots.
+        self.state_slots = self._gauge("state_slots", "recurrent-state slots of a hybrid model (sequences at once)")
+        self.state_free = self._gauge("state_slots_free", "recurrent-state slots free")
+        self.state_slot_bytes = self._gauge("state_slot_bytes", "bytes of one sequence's recurrent state "
+                                            "(every linear layer's conv window + state)")
+        self.snapshot_slots = self._gauge("state_snapshot_slots", "state snapshots the prefix cache may hold")
+        self.snapshots_held = self._gauge("state_snapshots_held", "state snapshots the prefix cache holds")
+        self.snapshot_bytes = self._gauge("state_snapshot_bytes", "bytes of the state snapshots held")
+        self.snapshots_taken = self._counter("state_snapshots_taken", "state snapshots taken on prefix-cache nodes")
+        self.snapshots_restored = self._counter("state_snapshots_restored",
+                                                "prefix-cache hits resumed from a state snapshot")
         self._engine_counts: dict[str, float] = {}
         self.tenants = TenantMetrics(r, "tripod:tenant_")  # per tenant (tripod.tenants)
 
@@ -148,10 +165,21 @@ class ServerMetrics:
             self._add_new("vision/seconds", v.encoder_seconds, (self.encoder_seconds,), m)
             self._add_new("vision/hits", v.encoder_cache_hits, (self.encoder_hits,), m)
             self.images_held.labels(m).set(v.images_held)
+        if isinstance(s.states, StateStats):  # (a hybrid model's engine)
+            self._on_states(s.states)
         for proposer, counts in s.spec_decode.items():
             values = (counts.drafts, counts.draft_tokens, counts.accepted_tokens)
             for i, (counter, value) in enumerate(zip(self.spec_counters, values, strict=True)):
                 self._add_new(f"spec_decode/{proposer}/{i}", value, (counter,), m, proposer)
+
+    def _on_states(self, st: StateStats) -> None:
+        m = self.model_name
+        for gauge, value in ((self.state_slots, st.slots), (self.state_free, st.free),
+                             (self.state_slot_bytes, st.bytes_per_slot), (self.snapshot_slots, st.snapshot_slots),
+                             (self.snapshots_held, st.snapshots_held), (self.snapshot_bytes, st.snapshot_bytes)):
+            gauge.labels(m).set(value)
+        self._add_new("states/taken", st.snapshots_taken, (self.snapshots_taken,), m)
+        self._add_new("states/restored", st.snapshots_restored, (self.snapshots_restored,), m)
 
     def _add_new(self, key: str, total: float, counters: tuple[Counter, ...], *labels: str) -> None:
         """Add to ``counters`` what the engine's cumulative ``total`` under ``key`` gained since
