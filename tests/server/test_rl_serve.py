@@ -15,7 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
+import openai
 import pytest
 import torch
 from safetensors.torch import save as save_safetensors
@@ -30,10 +32,16 @@ POOL_TOKENS = 262144  # a pool large enough that its pages dominate what sleep g
 N = 16
 
 
+def _model(seed: int, tokenizer: Any) -> Any:
+    """A tiny llama with the tokenizer's whole vocabulary, so chat-templated prompts (the Responses
+    and Anthropic surfaces) are in range too."""
+    return build_hf("llama", seed=seed, vocab_size=len(tokenizer))
+
+
 @pytest.fixture(scope="module")
 def rl(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> Any:
     tmp = tmp_path_factory.mktemp("rl-serve")
-    models = {k: build_hf("llama", seed=s) for k, s in (("a", 3), ("b", 4))}
+    models = {k: _model(s, hf_tokenizer) for k, s in (("a", 3), ("b", 4))}
     folders = {k: save(m, tmp / k, hf_tokenizer) for k, m in models.items()}
     refs = {k: HFReference(m) for k, m in models.items()}
     srv = ServerProcess(tmp, "--model", str(folders["a"]), "--kv-cache-tokens", str(POOL_TOKENS), "--threads", "1",
@@ -90,7 +98,7 @@ def _version(http: httpx.Client) -> int:
     return int(http.get("/v1/models").json()["data"][0]["weight_version"])
 
 
-def test_updates_from_disk_and_tensors(rl: Any, http: httpx.Client) -> None:
+def test_updates_from_disk_and_tensors(rl: Any, http: httpx.Client, hf_tokenizer: Any) -> None:
     srv, models, folders, refs = rl
     p = _prompt(1)
     before = _complete(http, p)
@@ -108,7 +116,7 @@ def test_updates_from_disk_and_tensors(rl: Any, http: httpx.Client) -> None:
     assert r.status_code == 200, r.text
     assert _tokens(_complete(http, p)) == refs["a"].greedy(p, N).tokens
     # Only some tensors (B's MLP of layer 1) over A: that mix is what runs.
-    mix = build_hf("llama", seed=3)
+    mix = _model(3, hf_tokenizer)
     names = [k for k in models["b"].state_dict() if k.startswith("model.layers.1.mlp.")]
     for k in names:
         mix.state_dict()[k].copy_(models["b"].state_dict()[k])
@@ -152,6 +160,54 @@ def test_update_over_a_gloo_group(rl: Any, http: httpx.Client, tmp_path: Path) -
     p = _prompt(8)
     assert _tokens(_complete(http, p)) == refs["b"].greedy(p, N).tokens
     assert http.post("/update_weights_from_disk", json={"model_path": str(folders["a"])}).status_code == 200
+
+
+def _surfaces(srv: ServerProcess) -> dict[str, int]:
+    """The version each answer of the Responses and Anthropic surfaces names, read through the
+    official clients (whole, streamed, background and retrieved; an extra field is in model_extra)."""
+    oai = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    claude = anthropic.Anthropic(base_url=srv.url, auth_token=KEY, max_retries=0, timeout=120)
+    kw: dict[str, Any] = {"model": "a", "input": "Hi", "max_output_tokens": 4, "temperature": 0}
+    got: dict[str, int] = {}
+    r = oai.responses.create(**kw)
+    got["responses"] = r.model_extra["weight_version"]
+    got["retrieved"] = oai.responses.retrieve(r.id).model_extra["weight_version"]
+    events = list(oai.responses.create(**kw, stream=True))
+    snapshots = [e.response.model_extra["weight_version"] for e in events if hasattr(e, "response")]
+    assert events[-1].type == "response.incomplete"  # (max_output_tokens reached)
+    assert len(set(snapshots)) == 1  # created, in_progress and completed agree
+    got["responses stream"] = snapshots[-1]
+    bg = oai.responses.create(**kw, background=True)
+    got["background"] = bg.model_extra["weight_version"]
+    for _ in range(2000):
+        done = oai.responses.retrieve(bg.id)
+        if done.status == "incomplete":
+            break
+    else:
+        raise AssertionError("the background response never finished")
+    got["background done"] = done.model_extra["weight_version"]
+    mkw: dict[str, Any] = {"model": "a", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
+                           "extra_body": {"temperature": 0}}
+    got["messages"] = claude.messages.create(**mkw).model_extra["weight_version"]
+    with claude.messages.stream(**mkw) as s:
+        evs = list(s)
+    start = next(e for e in evs if e.type == "message_start")
+    delta = next(e for e in evs if e.type == "message_delta")
+    got["message_start"] = start.message.model_extra["weight_version"]
+    got["message_delta"] = delta.model_extra["weight_version"]
+    return got
+
+
+def test_responses_and_messages_name_the_version(rl: Any, http: httpx.Client) -> None:
+    """After an update (from disk, then from tensors) every Responses and Anthropic answer names
+    the new version, as chat/completions answers do."""
+    srv, models, folders, _refs = rl
+    v = _version(http)
+    assert set(_surfaces(srv).values()) == {v}
+    assert http.post("/update_weights_from_disk", json={"model_path": str(folders["b"])}).status_code == 200
+    assert set(_surfaces(srv).values()) == {v + 1}
+    assert _send(http, _tensors(models["a"])).status_code == 200
+    assert set(_surfaces(srv).values()) == {v + 2} == {_version(http)}
 
 
 def test_bad_tensors_apply_nothing(rl: Any, http: httpx.Client) -> None:
@@ -306,6 +362,10 @@ def test_routes_need_the_flag(rl: Any, tmp_path: Path) -> None:
         for route in ("/pause_generation", "/update_weights_from_disk", "/sleep", "/wake_up"):
             assert httpx.post(f"{plain.url}{route}", json={}).status_code == 404
         assert "weight_version" not in httpx.get(f"{plain.url}/v1/models").json()["data"][0]
+        for route, body in (("/v1/responses", {"model": "a", "input": "Hi", "max_output_tokens": 2}),
+                            ("/v1/messages", {"model": "a", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})):
+            r = httpx.post(f"{plain.url}{route}", json=body, timeout=120)
+            assert r.status_code == 200 and "weight_version" not in r.json(), r.text
     finally:
         plain.stop()
 

@@ -204,8 +204,13 @@ async def _messages(state: ServerState, request: Request) -> Response:
     return JSONResponse({
         "id": rid, "type": "message", "role": "assistant", "model": state.model_name, "content": blocks.content,
         "stop_reason": _stop_reason(c.finish[0], c.stop_sequence.get(0), blocks.calls),
-        "stop_sequence": c.stop_sequence.get(0), "usage": _usage(started.gen.usage),
+        "stop_sequence": c.stop_sequence.get(0), "usage": _usage(started.gen.usage), **_version(state, c.weight_version),
     })
+
+
+def _version(state: ServerState, version: int | None) -> dict[str, Any]:
+    """``weight_version`` (--enable-rl-api): the weights the message was generated with."""
+    return {"weight_version": version} if state.config.enable_rl_api else {}
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
@@ -235,7 +240,9 @@ async def _stream(state: ServerState, s: Started, rid: str, parser: ToolCallPars
     try:
         yield _event("message_start", {"type": "message_start", "message": {
             "id": rid, "type": "message", "role": "assistant", "model": state.model_name, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": _usage(s.gen.usage)}})
+            "stop_reason": None, "stop_sequence": None, "usage": _usage(s.gen.usage),
+            # (known: the first delta came before the stream began)
+            **_version(state, s.gen.weight_version)}})
         yield _event("ping", {"type": "ping"})
         finish: Delta | None = None
         if s.first is not None:
@@ -257,7 +264,7 @@ async def _stream(state: ServerState, s: Started, rid: str, parser: ToolCallPars
             "type": "message_delta",
             "delta": {"stop_reason": _stop_reason(finish.finish_reason if finish else None, stop_seq, blocks.calls),
                       "stop_sequence": stop_seq},
-            "usage": _usage(s.gen.usage)})
+            "usage": _usage(s.gen.usage), **_version(state, s.gen.weight_version)})
         yield _event("message_stop", {"type": "message_stop"})
     except APIError as e:
         # The status line is gone already: the error travels as an event, as Anthropic does.

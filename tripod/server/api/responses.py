@@ -96,6 +96,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         if p.req.background:
             return await _background(state, request, p, runs, arrival)
         started = await start_generation(state, request, p.parts, p.stops, arrival, special=p.special)
+        _stamp_version(state, p, started)
         if p.req.stream:
             body = _stream(state, request, p, started)
             return ClosingStream(body, on_close=started.handle.close, media_type="text/event-stream",
@@ -259,6 +260,14 @@ async def _prepare(state: ServerState, request: Request, req: ResponsesRequest) 
                      think is not None and think.parser.special_tokens)
 
 
+def _stamp_version(state: ServerState, p: _Prepared, s: Started) -> None:
+    """``weight_version`` (--enable-rl-api) in the response object: every snapshot of it (the
+    events' ``response``, the whole answer, the stored record) then names the weights it ran on.
+    Known before the first event: ``start_generation`` waited for the first delta, which carries it."""
+    if state.config.enable_rl_api:
+        p.builder.body["weight_version"] = s.gen.weight_version
+
+
 async def _events(s: Started, b: ResponseBuilder) -> AsyncIterator[list[Event]]:
     """Every delta of ``s`` fed to ``b``: its events, batch by batch, the whole response last."""
     yield b.start()
@@ -314,6 +323,7 @@ async def _background(state: ServerState, request: Request, p: _Prepared, runs: 
     """Admit and start ``p``, store it in progress and answer at once; the run goes on detached
     (the client leaving does not stop it; ``/cancel`` does) and stores its end."""
     started = await start_generation(state, request, p.parts, p.stops, arrival, special=p.special)
+    _stamp_version(state, p, started)
     tenant = tenant_of(request)
     run = runs[p.rid] = _Run()
     it = _events(started, p.builder)
