@@ -31,7 +31,7 @@ from torch import nn
 
 from tripod.layers.batch import Backend
 from tripod.layers.linear import Linear
-from tripod.layers.mamba2 import causal_conv, silu_exact, softplus_exact, zero_states
+from tripod.layers.mamba2 import causal_conv, silu_exact, softplus_exact, token_steps, zero_states
 from tripod.layers.weights import WeightSource
 from tripod.memory.state_pool import StateSpec
 
@@ -128,11 +128,7 @@ class KdaMixer(nn.Module):
               rec: torch.Tensor, lens: list[int]) -> torch.Tensor:
         """The delta rule, step ``j`` advancing every sequence that has a ``j``-th row at once."""
         out = torch.empty_like(v)
-        starts = torch.tensor([0, *lens[:-1]], dtype=torch.long).cumsum(0).tolist()
-        for j in range(max(lens, default=0)):
-            seqs = [s for s, m in enumerate(lens) if m > j]
-            rows = torch.tensor([starts[s] + j for s in seqs], dtype=torch.long, device=q.device)
-            idx = None if len(seqs) == len(lens) else torch.tensor(seqs, dtype=torch.long, device=q.device)
+        for rows, idx in token_steps(lens, q.device):
             state = rec if idx is None else rec.index_select(0, idx)  # (all sequences: in place)
             kj = k.index_select(0, rows)[..., None]  # [S, H, d_k, 1]
             state.mul_(decay.index_select(0, rows)[..., None])

@@ -34,6 +34,7 @@ agree to float32 rounding (tested at ~1e-5), not bit for bit.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,7 @@ from tripod.layers.linear import Linear
 from tripod.layers.weights import WeightSource
 from tripod.memory.state_pool import StateSpec
 
-__all__ = ["Mamba2Config", "Mamba2Mixer", "causal_conv", "new_state", "silu_exact", "softplus_exact", "zero_states"]
+__all__ = ["Mamba2Config", "Mamba2Mixer", "causal_conv", "new_state", "silu_exact", "softplus_exact", "token_steps", "zero_states"]
 
 
 def softplus_exact(x: torch.Tensor) -> torch.Tensor:
@@ -100,6 +101,17 @@ class Mamba2Config:
     def state_bytes(self) -> int:
         """Bytes of one sequence's state in one layer (float32)."""
         return StateSpec((self.state_shapes(),)).bytes_per_slot()
+
+
+def token_steps(lens: list[int], device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    """A token recurrence's schedule over a flat batch (sequence ``s`` owns ``lens[s]`` consecutive
+    rows): step ``j`` gives the rows of every sequence's ``j``-th token and the indices of those
+    sequences in the state (None: all of them, so the state is updated in place)."""
+    starts = torch.tensor([0, *lens[:-1]], dtype=torch.long).cumsum(0).tolist()
+    for j in range(max(lens, default=0)):
+        seqs = [s for s, m in enumerate(lens) if m > j]
+        rows = torch.tensor([starts[s] + j for s in seqs], dtype=torch.long, device=device)
+        yield rows, (None if len(seqs) == len(lens) else torch.tensor(seqs, dtype=torch.long, device=device))
 
 
 def zero_states(shapes: tuple[tuple[int, ...], ...], seqs: int,
@@ -221,11 +233,7 @@ class Mamba2Mixer(nn.Module):
         b = b.view(t, c.n_groups, 1, n).expand(t, c.n_groups, rep, n).reshape(t, nh, 1, n)
         cc = cc.view(t, c.n_groups, 1, n).expand(t, c.n_groups, rep, n).reshape(t, nh, 1, n)
         y = torch.empty_like(x)
-        starts = torch.tensor([0, *lens[:-1]], dtype=torch.long).cumsum(0).tolist()
-        for j in range(max(lens, default=0)):
-            seqs = [s for s, m in enumerate(lens) if m > j]
-            rows = torch.tensor([starts[s] + j for s in seqs], dtype=torch.long, device=x.device)
-            idx = None if len(seqs) == len(lens) else torch.tensor(seqs, dtype=torch.long, device=x.device)
+        for rows, idx in token_steps(lens, x.device):
             state = ssm if idx is None else ssm.index_select(0, idx)  # (all sequences: in place)
             db = dt.index_select(0, rows)[:, :, None, None] * b.index_select(0, rows)  # [S, H, 1, N]
             # NOTE: addcmul_ is fused (one rounding) the same way at every size, scalar tail included.
