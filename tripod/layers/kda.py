@@ -89,19 +89,30 @@ class KdaMixer(nn.Module):
         self.ops: dict[str, dict[str, Linear]] = {}
 
     def load(self, src: WeightSource, a: str) -> None:
+        """transformers' in-memory names under ``a`` (``q_proj``, ``forget_gate.f_a_proj``, one
+        ``conv1d`` over ``[q | k | v]``, ...) or the checkpoint files' (Moonshot's: the forget gate's
+        tensors directly under ``a``, one ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` each)."""
         get = src.get
+        fg = a + "forget_gate." if src.has(a + "forget_gate.dt_bias") else a
         self.qkv.data = torch.cat([get(a + n + "_proj.weight") for n in ("q", "k", "v")]).contiguous()
-        for mine, theirs in (("f_a", "forget_gate.f_a_proj"), ("f_b", "forget_gate.f_b_proj"), ("b", "b_proj"),
-                             ("g_a", "g_a_proj"), ("g_b", "g_b_proj"), ("o", "o_proj")):
-            getattr(self, mine).data = get(f"{a}{theirs}.weight").contiguous()
-        self.conv_w.data = get(a + "conv1d.weight").reshape(self.conv_w.shape).contiguous()
-        self.dt_bias.data = src.get_f32(a + "forget_gate.dt_bias").reshape(-1)
-        self.A_log.data = src.get_f32(a + "forget_gate.A_log").reshape(-1)
+        for mine, theirs in (("f_a", fg + "f_a_proj"), ("f_b", fg + "f_b_proj"), ("b", a + "b_proj"),
+                             ("g_a", a + "g_a_proj"), ("g_b", a + "g_b_proj"), ("o", a + "o_proj")):
+            getattr(self, mine).data = get(theirs + ".weight").contiguous()
+        if src.has(a + "conv1d.weight"):
+            conv = get(a + "conv1d.weight")
+        else:
+            conv = torch.cat([get(f"{a}{n}_conv1d.weight") for n in ("q", "k", "v")])
+        self.conv_w.data = conv.reshape(self.conv_w.shape).contiguous()
+        self.dt_bias.data = src.get_f32(fg + "dt_bias").reshape(-1)
+        self.A_log.data = src.get_f32(fg + "A_log").reshape(-1)
         self.o_norm.data = get(a + "o_norm.weight")
 
     def prepare(self, backend: Backend) -> None:
         if backend.form not in self.ops:
             self.ops[backend.form] = {n: backend.linear(getattr(self, n), None) for n in PROJECTIONS}
+
+    def release(self, form: str) -> None:
+        self.ops.pop(form, None)
 
     def forward(self, h: torch.Tensor, backend: Backend, conv: torch.Tensor, rec: torch.Tensor,
                 lens: list[int], residual: torch.Tensor | None = None) -> torch.Tensor:

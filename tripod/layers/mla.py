@@ -47,6 +47,9 @@ class MLAConfig:
     v_head_dim: int
     q_lora_rank: int | None = None  # None: Q is one projection (DeepSeek-V2-Lite)
     rope_interleave: bool = True  # the rope dims come in (even, odd) pairs in the checkpoint
+    # No positional encoding (Kimi Linear): the "rope" key channels stay shared across heads but
+    # are never rotated (the step then needs no cos/sin tables).
+    nope: bool = False
     # DeepSeek-V3.2's sparse attention: a lightning indexer (``index_n_heads`` small heads of
     # ``index_head_dim``, one key per token) picks each query's ``index_topk`` past tokens.
     index_n_heads: int = 0
@@ -209,10 +212,17 @@ class MLAttention(nn.Module):
         layer: int,
         pool: LatentPool,
         batch: ForwardBatch,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
         residual: torch.Tensor,
     ) -> torch.Tensor:
         c, ops = self.cfg, self.ops[batch.backend.form]
+
+        def rotate(t: torch.Tensor) -> torch.Tensor:
+            if c.nope:
+                return t
+            assert cos_sin is not None, "MLA with RoPE needs the step's cos/sin tables"
+            return apply_rotary(t, *cos_sin)
+
         t = x.shape[0]
         q_low = None
         if self.q_a is not None:
@@ -222,13 +232,13 @@ class MLAttention(nn.Module):
         else:
             q = ops["q"](x)
         q = q.view(t, self.h, c.qk_head_dim)
-        q_nope, q_pe = q[..., : c.qk_nope_head_dim], apply_rotary(q[..., c.qk_nope_head_dim :], *cos_sin)
+        q_nope, q_pe = q[..., : c.qk_nope_head_dim], rotate(q[..., c.qk_nope_head_dim :])
         ckv = ops["kv_a"](x)
         parts = [rms_norm(ckv[:, : c.kv_lora_rank], self.kv_a_norm, self.eps),
-                 apply_rotary(ckv[:, None, c.kv_lora_rank :], *cos_sin)[:, 0]]
+                 rotate(ckv[:, None, c.kv_lora_rank :])[:, 0]]
         ix = self.indexer
         if ix is not None:  # V3.2: the indexer's key joins the latent in the pool; its queries for this step
-            assert q_low is not None
+            assert q_low is not None and cos_sin is not None
             parts.append(ix.keys(x, cos_sin).to(x.dtype))
             iq, iw = ix.queries(x, q_low, cos_sin)
         row = torch.cat(parts, dim=-1)

@@ -19,6 +19,8 @@ from tripod.models.hybrid_config import (
     STATE_SPACE_TYPES,
     HybridConfig,
     hybrid_config,
+    kimi_hybrid,
+    kimi_linear_dict,
     state_space_fields,
 )
 from tripod.models.vision.spec import VLM_ARCHITECTURES, VisionSpec, vlm_family
@@ -49,6 +51,7 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM",),
     "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
     "qwen3_next": ("Qwen3NextForCausalLM",),
+    "kimi_linear": ("KimiLinearForCausalLM",),  # KDA layers beside MLA layers (models/kimi_linear.py)
     **STATE_SPACE_TYPES,  # Nemotron-H, Granite 4.0, LFM2: Mamba2 / short-conv layers (models/hybrid.py)
 }
 # Decoders with Gated DeltaNet layers beside gated attention (``HybridConfig``).
@@ -192,6 +195,9 @@ class ModelConfig:
         if arch in STATE_SPACE_ARCHS:  # (its layers from models/hybrid_config.py)
             return cls(**state_space_fields(d, arch))
         mtype = str(d.get("model_type") or "")
+        kimi = mtype == "kimi_linear" or arch == "KimiLinearForCausalLM"
+        if kimi:  # (DeepSeek-V3's MLA and MoE under other names)
+            d, mtype = kimi_linear_dict(d), "kimi_linear"
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         rope, theta, local_theta = _rope(d)
@@ -208,6 +214,8 @@ class ModelConfig:
         v4 = _v4(d, layers) if mtype == "deepseek_v4" or arch == "DeepseekV4ForCausalLM" else None
         window, sliding = _sliding(d, layers) if v4 is None else (None, None)  # (V4's window: its attention's)
         hybrid = hybrid_config(d, layers, int(d.get("head_dim") or hidden // heads)) if mtype in HYBRID_TYPES else None
+        if kimi:
+            hybrid = kimi_hybrid(d)
         if hybrid is not None:
             window, sliding = None, None
         return cls(
@@ -234,7 +242,7 @@ class ModelConfig:
             sliding_window=window,
             sliding_layers=sliding,
             rope_local_theta=float(local_theta) if local_theta is not None and gemma else None,
-            norm_offset=gemma or hybrid is not None,  # (Qwen3.5's norms scale by 1 + w too)
+            norm_offset=gemma or mtype in HYBRID_TYPES,  # (Qwen3.5's norms scale by 1 + w too)
             embed_scale=gemma,
             sandwich_norms=gemma,
             query_pre_attn_scalar=float(d["query_pre_attn_scalar"]) if d.get("query_pre_attn_scalar") else None,
@@ -350,14 +358,14 @@ def _moe(d: dict[str, Any], layers: int) -> MoEConfig | None:
             correction_bias=True, shared_intermediate_size=inter * int(d.get("n_shared_experts") or 0),
             swiglu_limit=float(d.get("swiglu_limit") or 10.0), swiglu_style="clamp",
         )
-    if mtype.startswith("deepseek"):
+    if mtype.startswith("deepseek") or mtype == "kimi_linear":
         first_dense = int(d.get("first_k_dense_replace") or 0)
         freq = int(d.get("moe_layer_freq") or 1)
         dense = tuple(i for i in range(layers) if i < first_dense or i % freq)
         kinds = d.get("mlp_layer_types")
         if isinstance(kinds, list) and len(kinds) == layers:  # V3.2 names each layer's MLP
             dense = tuple(i for i, k in enumerate(kinds) if k != "sparse")
-        v3 = mtype in ("deepseek_v3", "deepseek_v32") or d.get("topk_method") == "noaux_tc"
+        v3 = mtype in ("deepseek_v3", "deepseek_v32", "kimi_linear") or d.get("topk_method") == "noaux_tc"
         method = d.get("topk_method") or ("noaux_tc" if v3 else "greedy")
         topk_method = {"noaux_tc": "group_top2", "group_limited_greedy": "group_max", "greedy": "greedy"}.get(method)
         if topk_method is None:
@@ -398,7 +406,8 @@ def _mla(d: dict[str, Any]) -> MLAConfig | None:
         v_head_dim=int(d["v_head_dim"]),
         q_lora_rank=int(d["q_lora_rank"]) if d.get("q_lora_rank") else None,
         # V2 rotates (even, odd) pairs as complex numbers; V3 says so in rope_interleave.
-        rope_interleave=True if mtype == "deepseek_v2" else bool(d.get("rope_interleave", True)),
+        rope_interleave=True if mtype == "deepseek_v2" else (mtype != "kimi_linear" and bool(d.get("rope_interleave", True))),
+        nope=mtype == "kimi_linear",  # Kimi Linear's MLA has no positional encoding (its KDA layers order tokens)
         index_n_heads=int(d.get("index_n_heads") or 0) if d.get("index_topk") else 0,
         index_head_dim=int(d.get("index_head_dim") or 0) if d.get("index_topk") else 0,
         index_topk=int(d.get("index_topk") or 0),

@@ -163,3 +163,60 @@ def state_space_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
         hybrid=HybridConfig(linear_layers=no_kv, k_heads=0, v_heads=0, k_dim=0, v_dim=0, conv_kernel=0,
                           rope_dim=head_dim, hf=dict(d)),
     )
+
+
+KIMI_ALIASES = {  # Kimi Linear's config.json keys -> the DeepSeek-V3 names the MLA / MoE readers use
+    "num_experts_per_token": "num_experts_per_tok", "moe_renormalize": "norm_topk_prob",
+    "num_expert_group": "n_group", "num_shared_experts": "n_shared_experts",
+    "model_max_length": "max_position_embeddings", "num_local_experts": "num_experts",
+}
+
+
+def kimi_layer_types(d: Mapping[str, Any]) -> list[str]:
+    """Each layer's mixer as transformers decides it: ``layer_types``, else ``linear_attn_config``'s
+    1-indexed ``kda_layers`` / ``full_attn_layers`` (Moonshot's own configs), else every fourth
+    layer from layer 4 on attends."""
+    layers = int(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    lac = d.get("linear_attn_config") or {}
+    if types is None and "full_attn_layers" in lac and "kda_layers" in lac:
+        named = {int(i) - 1: ATTENTION for i in lac["full_attn_layers"]} | {
+            int(i) - 1: "linear_attention" for i in lac["kda_layers"]}
+        types = [named.get(i, "") for i in range(layers)]
+    if types is None:
+        types = [ATTENTION if i and i % 4 == 0 else "linear_attention" for i in range(layers)]
+    bad = sorted({t for t in types if t not in ("linear_attention", ATTENTION)})
+    if len(types) != layers or bad:
+        raise ValueError(f"Kimi Linear: layer_types must name each of the {layers} layers linear_attention or "
+                         f"full_attention (got {types})")
+    return list(types)
+
+
+def kimi_linear_dict(d: Mapping[str, Any]) -> dict[str, Any]:
+    """A Kimi Linear config in DeepSeek-V3's words (its attention is MLA, its MoE V3's: sigmoid
+    scores, a correction bias, group-limited top-k), with ``layer_types`` and ``mlp_layer_types``
+    filled in as transformers fills them (``first_k_dense_replace`` dense layers first, default 1)."""
+    out = dict(d, model_type="kimi_linear")
+    for theirs, ours in KIMI_ALIASES.items():
+        if theirs in d and ours not in d:
+            out[ours] = d[theirs]
+    out["layer_types"] = kimi_layer_types(d)
+    layers = int(d["num_hidden_layers"])
+    if not isinstance(d.get("mlp_layer_types"), list):
+        first = int(d.get("first_k_dense_replace", 1))
+        out["mlp_layer_types"] = ["dense" if i < first else "sparse" for i in range(layers)]
+    out.setdefault("topk_method", "noaux_tc")
+    out.setdefault("scoring_func", "sigmoid")
+    return out
+
+
+def kimi_hybrid(d: Mapping[str, Any]) -> HybridConfig:
+    """Kimi Linear's KDA layers (``layers/kda.py``): their heads, head size and short-conv kernel
+    (``linear_attn_config`` or the flat keys transformers writes)."""
+    lac = d.get("linear_attn_config") or {}
+    heads = int(lac.get("num_heads") or d.get("linear_num_heads") or 32)
+    dim = int(lac.get("head_dim") or d.get("linear_head_dim") or 128)
+    kernel = int(lac.get("short_conv_kernel_size") or d.get("linear_conv_kernel_dim") or 4)
+    types = kimi_layer_types(d)
+    return HybridConfig(linear_layers=tuple(i for i, t in enumerate(types) if t != ATTENTION), k_heads=heads,
+                        v_heads=heads, k_dim=dim, v_dim=dim, conv_kernel=kernel, rope_dim=0)

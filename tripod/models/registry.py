@@ -6,6 +6,7 @@ from tripod.models.deepseek import DeepseekForCausalLM
 from tripod.models.deepseek_v4 import DeepseekV4ForCausalLM
 from tripod.models.gemma3_vl import Gemma3ForConditionalGeneration
 from tripod.models.granite_hybrid import GraniteMoeHybridForCausalLM
+from tripod.models.kimi_linear import KimiLinearForCausalLM
 from tripod.models.lfm2 import Lfm2ForCausalLM
 from tripod.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from tripod.models.llava import LlavaForConditionalGeneration
@@ -35,6 +36,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,  # + a MoE (shared expert with its sigmoid gate) on every layer
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3_5ForCausalLM,  # its mixer's projections grouped per key head (reordered at load)
+    "KimiLinearForCausalLM": KimiLinearForCausalLM,  # KDA layers (StatePool) beside NoPE MLA layers, V3 MoE
     # State-space hybrids (models/hybrid.py): Mamba2 / short-conv layers (StatePool) beside attention.
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,

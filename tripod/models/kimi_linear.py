@@ -1,0 +1,129 @@
+"""Kimi Linear (``KimiLinearForCausalLM``): Kimi Delta Attention layers beside multi-head latent
+attention layers, DeepSeek-V3's MoE.
+
+Most layers mix tokens with KDA (``layers/kda.py``: a gated delta rule with a per-channel decay,
+short convolutions over Q, K and V; its state per sequence in the engine's ``StatePool``); every
+few layers (``layer_types``) attend with MLA (``layers/mla.py``) over the latent KV pool, whose
+layers are those attention layers in order. The MLA has **no positional encoding** (NoPE): the
+shared "rope" key channels are stored and attended as they come, never rotated, so the model's
+rotary is ``NoRotary`` and a step computes no cos/sin tables. The MLP is dense in the first
+``first_k_dense_replace`` layers (``mlp_layer_types``) and V3's MoE elsewhere (sigmoid scores
+with a correction bias, group-limited top-k, shared experts, ``routed_scaling_factor``).
+
+Weight names: the files name the MLP ``block_sparse_moe`` (experts ``w1``/``w3``/``w2``, as
+Mixtral) and the KDA short conv per part (``q_conv1d``, ``k_conv1d``, ``v_conv1d``); transformers'
+in-memory names (``mlp``, one ``conv1d``) are read too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tripod.layers.batch import Backend
+from tripod.layers.kda import KdaConfig, KdaMixer
+from tripod.layers.mla import MLAttention
+from tripod.layers.mlp import GatedMLP
+from tripod.layers.rotary import RotaryEmbedding
+from tripod.layers.weights import WeightSource
+from tripod.memory.state_pool import StateSpec
+from tripod.models.config import ModelConfig
+from tripod.models.deepseek import DeepseekForCausalLM
+from tripod.models.hybrid import step_lens
+from tripod.models.hybrid_config import HybridConfig
+from tripod.models.llama import DecoderLayer, StepContext
+
+
+class NoRotary(RotaryEmbedding):
+    """The rotary of a model without positional encoding: no tables (a step's ``cos_sin`` is None)."""
+
+    def __init__(self) -> None:  # (no tables to build: nothing rotates)
+        self.cos = self.sin = torch.empty(0)
+        self.max_position = 0
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> None:  # type: ignore[override]
+        return None
+
+
+class KimiLayer(DecoderLayer):
+    """One Kimi Linear layer: its mixer (KDA, its state in the step's ``StateRows`` at
+    ``state_index``; or MLA, its latents at ``pool_layer``), then the dense MLP or the MoE."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, attn: KdaMixer | MLAttention, dtype: torch.dtype) -> None:
+        super().__init__(cfg, layer, attn, dtype)
+        self.state_index = -1
+
+    def prepare(self, backend: Backend) -> None:
+        if isinstance(self.attn, KdaMixer):
+            self.attn.prepare(backend)
+        else:
+            self.attn.prepare(backend, self.stored)
+        self.mlp.prepare(backend, self.stored)
+
+    def _attend(self, h: torch.Tensor, ctx: StepContext, rotary: RotaryEmbedding,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None, residual: torch.Tensor | None) -> torch.Tensor:
+        batch = ctx.batch
+        if isinstance(self.attn, MLAttention):
+            assert residual is not None
+            return self.attn(h, self.pool_layer, ctx.pool, batch, cos_sin, residual)
+        states = batch.states
+        assert states is not None, "a hybrid model's step carries its requests' state slots"
+        slots, lens = step_lens(states, h.shape[0])
+        pooled = states.pool.tensors[self.state_index]
+        # NOTE: gathered copies, advanced by the mixer, written back: the slots of a step are
+        # arbitrary, the mixer wants its sequences' states stacked (models/hybrid.py does the same).
+        held = [t.index_select(0, slots) for t in pooled]
+        out = self.attn(h, batch.backend, held[0], held[1], lens, residual=residual)
+        for t, s in zip(pooled, held, strict=True):
+            t.index_copy_(0, slots, s)
+        return out
+
+
+class KimiLinearForCausalLM(DeepseekForCausalLM):
+    """Kimi Linear: DeepSeek's decoder (MLA, V3 MoE) with KDA layers in place of attention on the
+    config's ``linear_attention`` layers; the MLA layers' latents are the pool's layers, in order."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        if cfg.hybrid is None or cfg.mla is None or not cfg.mla.nope:
+            raise ValueError("KimiLinearForCausalLM is built from its HF config (model_type kimi_linear)")
+        super().__init__(cfg, dtype, device)
+        self.rotary = NoRotary()  # (NoPE: the table the base class built is dropped)
+        pool_layer = state_index = 0
+        for layer in self.layers:
+            assert isinstance(layer, KimiLayer)
+            if isinstance(layer.attn, MLAttention):
+                layer.pool_layer = pool_layer
+                pool_layer += 1
+            else:
+                layer.state_index = state_index
+                state_index += 1
+
+    @property
+    def hybrid(self) -> HybridConfig:
+        assert self.cfg.hybrid is not None
+        return self.cfg.hybrid
+
+    def make_layer(self, i: int) -> DecoderLayer:
+        cfg, hy = self.cfg, self.hybrid
+        if hy.is_linear(i):
+            kda = KdaMixer(KdaConfig(cfg.hidden_size, hy.k_heads, hy.k_dim, hy.conv_kernel, cfg.rms_norm_eps), self.dtype)
+            return KimiLayer(cfg, i, kda, self.dtype)
+        attn = super().make_layer(i).attn
+        assert isinstance(attn, MLAttention)
+        return KimiLayer(cfg, i, attn, self.dtype)
+
+    def state_spec(self) -> StateSpec:
+        """Every KDA layer's per-sequence state (conv window, recurrent state), in layer order."""
+        return StateSpec(tuple(layer.attn.cfg.state_shapes() for layer in self.layers
+                               if isinstance(layer.attn, KdaMixer)))
+
+    def load_attention(self, layer: DecoderLayer, src: WeightSource, p: str) -> None:
+        if isinstance(layer.attn, KdaMixer):
+            layer.attn.load(src, p + "self_attn.")
+            return
+        super().load_attention(layer, src, p)
+
+    def load_mlp(self, layer: DecoderLayer, src: WeightSource, p: str) -> None:
+        if isinstance(layer.mlp, GatedMLP) and src.has(p + "block_sparse_moe.gate_proj.weight"):
+            layer.mlp.load(src, p + "block_sparse_moe.")  # (the files' name for a dense layer's MLP too)
+            return
+        super().load_mlp(layer, src, p)
