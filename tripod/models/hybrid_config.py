@@ -1,7 +1,7 @@
 """A hybrid model's layers as its HF config describes them: Qwen3.5, Qwen3.5-MoE and Qwen3-Next
 (Gated DeltaNet layers beside gated attention layers; ``hybrid_config``), and the state-space hybrids
-Nemotron-H, Granite 4.0 and LFM2 (Mamba2 / short-conv layers; ``state_space_fields``): read here, in
-one place, by ``ModelConfig.from_hf_dict`` (which attention layers the KV pool holds) and by the models
+Nemotron-H, Granite 4.0 and LFM2 (Mamba2 / short-conv layers; ``state_space_fields``), and Kimi
+Linear (KDA layers beside MLA; ``kimi_linear_dict``, ``kimi_hybrid``): read here, in one place, by ``ModelConfig.from_hf_dict`` (which attention layers the KV pool holds) and by the models
 (which mixer each layer builds)."""
 
 from __future__ import annotations
