@@ -21,6 +21,7 @@ from tripod.models.hybrid_config import (
     hybrid_config,
     kimi_hybrid,
     kimi_linear_dict,
+    minimax_hybrid,
     state_space_fields,
 )
 from tripod.models.vision.spec import VLM_ARCHITECTURES, VisionSpec, vlm_family
@@ -52,6 +53,7 @@ MODEL_TYPES: dict[str, tuple[str, ...]] = {
     "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
     "qwen3_next": ("Qwen3NextForCausalLM",),
     "kimi_linear": ("KimiLinearForCausalLM",),  # KDA layers beside MLA layers (models/kimi_linear.py)
+    "minimax": ("MiniMaxForCausalLM",),  # lightning attention beside GQA layers (models/minimax.py)
     **STATE_SPACE_TYPES,  # Nemotron-H, Granite 4.0, LFM2: Mamba2 / short-conv layers (models/hybrid.py)
 }
 # Decoders with Gated DeltaNet layers beside gated attention (``HybridConfig``).
@@ -216,6 +218,9 @@ class ModelConfig:
         hybrid = hybrid_config(d, layers, int(d.get("head_dim") or hidden // heads)) if mtype in HYBRID_TYPES else None
         if kimi:
             hybrid = kimi_hybrid(d)
+        if mtype == "minimax" or arch == "MiniMaxForCausalLM":
+            hybrid = minimax_hybrid(d, layers, heads, int(d.get("head_dim") or hidden // heads))
+            window, sliding = None, None
         if hybrid is not None:
             window, sliding = None, None
         return cls(

@@ -220,3 +220,18 @@ def kimi_hybrid(d: Mapping[str, Any]) -> HybridConfig:
     types = kimi_layer_types(d)
     return HybridConfig(linear_layers=tuple(i for i, t in enumerate(types) if t != ATTENTION), k_heads=heads,
                         v_heads=heads, k_dim=dim, v_dim=dim, conv_kernel=kernel, rope_dim=0)
+
+
+def minimax_hybrid(d: Mapping[str, Any], layers: int, heads: int, head_dim: int) -> HybridConfig:
+    """MiniMax's lightning-attention layers (``layer_types``; transformers' default: odd layers),
+    with the HF config in ``hf`` (the residual factors); a sliding window is refused (transformers
+    would apply it to every attention layer; tripod does not read it for MiniMax yet)."""
+    types = d.get("layer_types") or [ATTENTION if (i + 1) % 2 else "linear_attention" for i in range(layers)]
+    bad = sorted({t for t in types if t not in ("linear_attention", ATTENTION)})
+    if len(types) != layers or bad:
+        raise ValueError(f"MiniMax: layer_types must name each of the {layers} layers linear_attention or "
+                         f"full_attention (got {types})")
+    if d.get("sliding_window"):
+        raise ValueError("MiniMax with a sliding_window is not supported yet (set it to null for full attention)")
+    return HybridConfig(linear_layers=tuple(i for i, t in enumerate(types) if t != ATTENTION), k_heads=heads,
+                        v_heads=heads, k_dim=head_dim, v_dim=head_dim, conv_kernel=0, rope_dim=head_dim, hf=dict(d))

@@ -10,6 +10,7 @@ from tripod.models.kimi_linear import KimiLinearForCausalLM
 from tripod.models.lfm2 import Lfm2ForCausalLM
 from tripod.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from tripod.models.llava import LlavaForConditionalGeneration
+from tripod.models.minimax import MiniMaxForCausalLM
 from tripod.models.nemotron_h import NemotronHForCausalLM
 from tripod.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from tripod.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
@@ -37,6 +38,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3_5ForCausalLM,  # its mixer's projections grouped per key head (reordered at load)
     "KimiLinearForCausalLM": KimiLinearForCausalLM,  # KDA layers (StatePool) beside NoPE MLA layers, V3 MoE
+    "MiniMaxForCausalLM": MiniMaxForCausalLM,  # lightning attention (StatePool) beside GQA, Mixtral MoE
     # State-space hybrids (models/hybrid.py): Mamba2 / short-conv layers (StatePool) beside attention.
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
