@@ -181,9 +181,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_agentic(folder: Path, out: Path, *, cache: bool, sessions: int, turns: int, scale: float, threads: int,
+def run_agentic(folder: Path, work: Path, *, cache: bool, sessions: int, turns: int, scale: float, threads: int,
                 chunk: int, seed: int, kernels: str) -> dict[str, Any]:
-    """``tripod serve`` on ``folder`` (prefix cache on or off) measured by ``tripod bench``."""
+    """``tripod serve`` on ``folder`` (prefix cache on or off) measured by ``tripod bench``; the
+    server's log and the bench's own output go to ``work`` (their summary to the results)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -193,9 +194,9 @@ def run_agentic(folder: Path, out: Path, *, cache: bool, sessions: int, turns: i
     if not cache:
         serve.append("--no-prefix-cache")
     label = "cache-on" if cache else "cache-off"
-    log = open(out / f"serve-{label}.log", "wb")  # noqa: SIM115 (closed below, after the process)
+    log = open(work / f"serve-{label}.log", "wb")  # closed below, after the process
     proc = subprocess.Popen(serve, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    bench_out = out / f"agentic-{label}"
+    bench_out = work / f"agentic-{label}"
     bench = [sys.executable, "-m", "tripod.cli", "bench", "--base-url", f"{url},label={label}", "--dataset",
              "agentic-sessions", "--agentic-echo", "--tokenizer", str(folder), "--concurrency", "1",
              "--prompts-per-concurrency", str(sessions * turns), "--turns", str(turns), "--agentic-scale", str(scale),
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                                         args.kernels)
         if args.sessions:
             for cache in (True, False):
-                data["agentic"].append(run_agentic(folders["hybrid"], out, cache=cache, sessions=args.sessions,
+                data["agentic"].append(run_agentic(folders["hybrid"], Path(tmp), cache=cache, sessions=args.sessions,
                                                    turns=args.turns, scale=args.agentic_scale, threads=args.threads,
                                                    chunk=min(args.chunk_size, 512), seed=1, kernels=args.kernels))
     data["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

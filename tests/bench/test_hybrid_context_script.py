@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import hybrid_context  # noqa: E402
+import hybrid_context
 
 TINY = ["--hidden", "32", "--layers", "4", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
         "--decode", "3", "--reps", "1", "--chunk-size", "64"]
