@@ -245,10 +245,10 @@ def render(data: dict[str, Any]) -> str:
              f"- models (random weights, float32): {data['models_text']}", ""]
     if data.get("decode"):
         lines += ["## Decode TPOT and memory per sequence", "",
-                  f"One request, {data['decode_tokens']} decoded tokens after a prompt of the context length; "
                   *([f"Measured by an earlier run: {data['decode_run']['date']}, `{data['decode_run']['command']}`, "
                      f"load average before / after {data['decode_run']['load_before']} / "
                      f"{data['decode_run']['load_after']}.", ""] if data.get("decode_run") else []),
+                  f"One request, {data['decode_tokens']} decoded tokens after a prompt of the context length; "
                   f"TPOT = median step time, median of {data['reps']} runs (models alternating). Memory = KV bytes "
                   "per token × (context + decoded) + state bytes per slot (the engine's own accounting).", "",
                   "Wall-clock TPOT includes waiting for the core behind the neighbours; CPU TPOT is this "
