@@ -60,3 +60,68 @@ def test_summary_by_turn_hit_rate_goodput_and_plot(tmp_path: Path) -> None:
     assert s["session_goodput_per_min"] == 1.0
     svg = agentic.plot_ttft_by_turn(tmp_path, [{"target": "tripod", "concurrency": 2, "agentic": s}])
     assert svg is not None and "<polyline" in svg.read_text()
+
+
+class _Ids:
+    """A stand-in tokenizer with integer ids: one id per word (its index of first appearance)."""
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        words = {i: w for w, i in self.vocab.items()}
+        return " ".join(words[i] for i in ids)
+
+
+def test_echo_sessions_extend_the_servers_own_conversation_token_for_token() -> None:
+    from tripod.bench.client import Target, request_body
+    from tripod.bench.runner import extend_turn
+
+    tok = _Ids()
+    reqs = agentic.make_sessions(6, tok, turns=3, think_time=0.0, seed=2, shape=SHAPE, echo=True)
+    assert [r.turn for r in reqs] == [0, 1, 2, 0, 1, 2] and all(r.messages is None for r in reqs)
+    assert [r.extends for r in reqs] == [False, True, True, False, True, True]
+    assert "Tools:" in tok.decode(reqs[0].prompt_ids) and tok.decode(reqs[1].prompt_ids).startswith("Tool result 1:")
+    # turn 0 goes as it is; turn 1 carries turn 0's ids, the server's answer, then its own message
+    first = extend_turn(reqs[0], None)
+    assert first is reqs[0]
+    answer = RequestResult(start=0.0, ttft=0.1, e2e=0.2, output_tokens=3, output_ids=[901, 902, 903], session="x")
+    sent = extend_turn(reqs[1], (first, answer))
+    assert not isinstance(sent, str) and not sent.extends
+    assert sent.prompt_ids == [*reqs[0].prompt_ids, 901, 902, 903, *reqs[1].prompt_ids]
+    path, body = request_body(Target("http://x", "t"), sent)
+    assert path == "/v1/completions" and body["prompt"] == sent.prompt_ids and body["return_token_ids"] is True
+    assert body["max_tokens"] == sent.max_tokens and body["ignore_eos"] is True
+    # an answer without its ids (a server without return_token_ids), or a failed turn: not sent
+    assert extend_turn(reqs[1], (first, RequestResult(start=0.0, ttft=0.1, output_tokens=3))) == "no_token_ids"
+    assert extend_turn(reqs[1], (first, RequestResult(start=0.0, error="http_500"))) == "previous_turn_failed"
+    assert extend_turn(reqs[1], None) == "previous_turn_failed"
+
+
+def test_stream_chunks_collect_the_answers_token_ids() -> None:
+    from tripod.bench.client import _record_chunk
+
+    res = RequestResult(start=0.0)
+    last, n = _record_chunk(res, {"choices": [{"text": "a", "token_ids": [5, 6]}]}, 1.0, None, 0)
+    last, n = _record_chunk(res, {"choices": [{"text": "b", "token_ids": [7]}]}, 2.0, last, n)
+    assert res.output_ids == [5, 6, 7] and n == 2
+
+
+def test_reuse_counts_later_turns_cached_whole() -> None:
+    def res(session: str, turn: int, prompt: int, out: int, cached: int) -> RequestResult:
+        return RequestResult(start=0.0, ttft=0.1, e2e=1.0, output_tokens=out, prompt_tokens=prompt,
+                             cached_tokens=cached, session=session, turn=turn)
+
+    # a: turn 1 has all of turn 0's 100 + 10 tokens but the last sampled one; turn 2 only 50 of 130
+    # b: turn 1 cached whole; c: its turn 0 failed, so its turn 1 is not counted
+    failed = RequestResult(start=0.0, error="timeout", session="c", turn=0)
+    results = [res("a", 0, 100, 10, 0), res("a", 1, 120, 10, 109), res("a", 2, 150, 10, 50),
+               res("b", 0, 40, 5, 0), res("b", 1, 60, 5, 45), failed, res("c", 1, 30, 5, 0)]
+    s = agentic.summary(results, duration=10.0, slo_ttft=None, slo_tpot=None)
+    assert s["reuse"]["later_turns"] == 3 and s["reuse"]["whole_previous"] == 2
+    assert s["reuse"]["cached_share_of_previous"] == (109 + 50 + 45) / (110 + 130 + 45)
+    assert s["reuse_by_turn"]["1"] == {"n": 2, "cached_mean": 77.0, "previous_mean": 77.5, "whole_previous": 2}
+    assert s["reuse_by_turn"]["2"]["whole_previous"] == 0 and s["cached_tokens_by_turn"]["2"] == 50.0

@@ -55,8 +55,12 @@ _TOOLS = ("read_file(path)", "write_file(path, text)", "run_tests(pattern)", "gr
 
 
 def make_sessions(count: int, tokenizer: Any, *, turns: int, think_time: float, seed: int,
-                  shape: SessionShape = SessionShape()) -> list[BenchRequest]:
-    """``count`` turns of ⌈count / turns⌉ sessions, in session order."""
+                  shape: SessionShape = SessionShape(), echo: bool = False) -> list[BenchRequest]:
+    """``count`` turns of ⌈count / turns⌉ sessions, in session order.
+
+    ``echo``: each turn as token ids (the system prompt and first message on turn 0, the new
+    message alone later) that ``extends`` its previous turn: the runner prepends the previous
+    prompt and the server's answer (``runner.extend_turn``), so no generated answer is used."""
     rng = random.Random(seed)
     mk = TextMaker(tokenizer, rng)
     out: list[BenchRequest] = []
@@ -73,6 +77,12 @@ def make_sessions(count: int, tokenizer: Any, *, turns: int, think_time: float, 
                 msg = f"User {t}: " + mk.text(shape.draw(rng, shape.user))
             history = [*history, {"role": "user", "content": msg}]
             think = rng.expovariate(1 / think_time) if think_time > 0 and t else 0.0
+            if echo:
+                text = (history[0]["content"] + "\n" if t == 0 else "\n") + msg + "\n"
+                out.append(BenchRequest(shape.draw(rng, shape.answer), prompt_ids=tokenizer.encode(
+                    text, add_special_tokens=False), extends=t > 0, session=f"a{seed}-{s}", turn=t,
+                    think_time=think, extra={"ignore_eos": True}))
+                continue
             out.append(BenchRequest(shape.draw(rng, shape.answer), messages=history, session=f"a{seed}-{s}", turn=t,
                                     think_time=think, extra={"ignore_eos": True}))
             history = [*history, {"role": "assistant", "content": mk.text(shape.draw(rng, shape.answer))}]
@@ -116,16 +126,42 @@ def summary(results: list[RequestResult], duration: float, slo_ttft: float | Non
             by_turn.setdefault(r.turn, []).append(r.ttft)
     ok = [r for r in results if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
+    by_turn_reuse, reuse = _reuse(sessions)
     good = [s for s, turns in sessions.items() if all(t.ok and meets_slo(t, slo_ttft, slo_tpot) for t in turns)]
     return {
         "sessions": len(sessions),
         "ttft_ms_by_turn": {str(t): {**_ms(v), "n": len(v)} for t, v in sorted(by_turn.items())},
         "tpot_ms": _ms([t for r in ok if (t := r.tpot) is not None]),
         "cache_hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "cached_tokens_by_turn": {str(t): v["cached_mean"] for t, v in by_turn_reuse.items()},
+        "reuse_by_turn": by_turn_reuse,
+        "reuse": reuse,
         "sessions_within_slo": len(good),
         "session_goodput_share": len(good) / len(sessions) if sessions else 0.0,
         "session_goodput_per_min": len(good) / max(duration, 1e-9) * 60.0,
     }
+
+
+def _reuse(sessions: dict[str, list[RequestResult]]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """How much of the previous conversation each later turn found cached: per turn index, the mean
+    ``cached_tokens`` and the mean previous prompt + answer, and over all later turns how many were
+    cached whole. "Whole" allows one token short: the answer's last token was sampled, never run
+    through the model, so no server has its KV or state (meaningful where a turn extends the
+    previous one exactly: ``--agentic-echo``)."""
+    rows: dict[int, list[tuple[int, int]]] = {}
+    for turns in sessions.values():
+        done = {r.turn: r for r in turns}
+        for r in turns:
+            prev = done.get(r.turn - 1)
+            if r.turn > 0 and r.ok and prev is not None and prev.ok:
+                rows.setdefault(r.turn, []).append((r.cached_tokens, prev.prompt_tokens + prev.output_tokens))
+    by_turn = {str(t): {"n": len(v), "cached_mean": round(sum(c for c, _ in v) / len(v), 1),
+                        "previous_mean": round(sum(p for _, p in v) / len(v), 1),
+                        "whole_previous": sum(c >= p - 1 for c, p in v)} for t, v in sorted(rows.items())}
+    flat = [x for v in rows.values() for x in v]
+    total_prev = sum(p for _, p in flat)
+    return by_turn, {"later_turns": len(flat), "whole_previous": sum(c >= p - 1 for c, p in flat),
+                     "cached_share_of_previous": sum(c for c, _ in flat) / total_prev if total_prev else 0.0}
 
 
 def plot_ttft_by_turn(out: Path, runs: list[dict[str, Any]]) -> Path | None:

@@ -61,7 +61,9 @@ def request_body(target: Target, req: BenchRequest) -> tuple[str, dict[str, Any]
     # A dataset whose answers end by themselves (copy, structured) says so in ``extra``.
     if target.ignore_eos and "response_format" not in req.extra and "ignore_eos" not in req.extra:
         body["ignore_eos"] = True
-    if req.messages is not None:
+    if req.prompt_ids is not None:  # a conversation kept as tokens: ask for the answer's ids too
+        path, body["prompt"], body["return_token_ids"] = "/v1/completions", req.prompt_ids, True
+    elif req.messages is not None:
         path, body["messages"] = "/v1/chat/completions", req.messages
     else:
         path, body["prompt"] = "/v1/completions", req.prompt
@@ -72,6 +74,8 @@ def _record_chunk(res: RequestResult, obj: dict[str, Any], now: float, last: flo
                   chunks: int) -> tuple[float | None, int]:
     """Time the text pieces of one streamed chunk and take its usage; (last piece's time, pieces so far)."""
     for ch in obj.get("choices") or []:
+        if ch.get("token_ids"):
+            res.output_ids.extend(int(t) for t in ch["token_ids"])
         piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
         if piece:
             chunks += 1

@@ -29,6 +29,10 @@ _WORDS = (
 class BenchRequest:
     max_tokens: int
     prompt: str | None = None  # /v1/completions
+    # /v1/completions with token ids (agentic --agentic-echo); with ``extends``, the runner sends
+    # the previous turn's ids + the server's answer ids + these (bench/runner.py: extend_turn)
+    prompt_ids: list[int] | None = None
+    extends: bool = False
     messages: list[dict[str, Any]] | None = None  # /v1/chat/completions
     session: str | None = None
     turn: int = 0

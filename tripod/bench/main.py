@@ -69,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think-time", type=float, default=0.0, help="agentic: mean seconds between turns")
     p.add_argument("--agentic-scale", type=float, default=1.0,
                    help="agentic-sessions: multiply every length (system 2-8k, tool outputs 0.2-4k, answers 50-400)")
+    p.add_argument("--agentic-echo", action="store_true",
+                   help="agentic-sessions: keep each conversation as tokens (/v1/completions with token ids): every "
+                        "later turn sends the previous prompt + the server's own answer (its return_token_ids) + "
+                        "the new message, as an agent that extends its conversation exactly (a tripod server)")
     p.add_argument("--write-trace", default=None, metavar="FILE",
                    help="agentic-sessions: also write the measured sessions as a trace (JSONL)")
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="closed loop: comma-separated levels")
@@ -161,6 +165,9 @@ def _plan(args: argparse.Namespace) -> _Plan:
         trace = load_trace(args.trace)
     elif args.trace and args.dataset != AGENTIC_SESSIONS:
         raise ValueError("--trace FILE is replayed with --dataset trace (or as sessions: --dataset agentic-sessions)")
+    if args.agentic_echo and (args.dataset != AGENTIC_SESSIONS or args.trace or args.write_trace):
+        raise ValueError("--agentic-echo generates --dataset agentic-sessions as tokens: drop --trace/--write-trace "
+                         "(a trace holds chat messages), or use --dataset agentic-sessions")
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()] if args.request_rate is None else []
     if trace is None and args.request_rate is None and (not levels or min(levels) < 1):
         raise ValueError("--concurrency needs positive integers, e.g. 1,2,4,8")
@@ -213,7 +220,7 @@ def _sessions(args: argparse.Namespace, plan: _Plan, count: int) -> list[BenchRe
     if args.trace:
         return agentic.load_sessions(args.trace)
     reqs = agentic.make_sessions(count, plan.tok, turns=args.turns, think_time=args.think_time, seed=args.seed,
-                                 shape=agentic.SessionShape(scale=args.agentic_scale))
+                                 shape=agentic.SessionShape(scale=args.agentic_scale), echo=args.agentic_echo)
     if args.write_trace:
         agentic.write_trace(args.write_trace, reqs)
     return reqs

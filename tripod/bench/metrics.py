@@ -45,6 +45,7 @@ class RequestResult:
     error: str | None = None  # kind: "http_429", "http_500", "timeout", "connection", "stream_error", ...
     session: str | None = None
     turn: int = 0  # agentic sessions: the turn's index in its session
+    output_ids: list[int] = field(default_factory=list)  # the answer's token ids, where the server sends them
 
     @property
     def ok(self) -> bool:

@@ -10,7 +10,7 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -45,6 +45,30 @@ def _units(requests: list[BenchRequest]) -> list[list[BenchRequest]]:
     return units
 
 
+def extend_turn(req: BenchRequest, prev: tuple[BenchRequest, RequestResult] | None) -> BenchRequest | str:
+    """``req`` as sent: a turn that ``extends`` its session's previous one (``--agentic-echo``)
+    carries the previous prompt's ids, the server's answer ids, then its own new ids, so the server
+    sees exactly the conversation it produced. A string says why it cannot be sent (the previous
+    turn failed, or the server sent no answer ids: ``return_token_ids`` is tripod's extension)."""
+    if not req.extends:
+        return req
+    if prev is None or not prev[1].ok:
+        return "previous_turn_failed"
+    sent, res = prev
+    if not res.output_ids or len(res.output_ids) != res.output_tokens:
+        return "no_token_ids"
+    return replace(req, prompt_ids=[*(sent.prompt_ids or []), *res.output_ids, *(req.prompt_ids or [])], extends=False)
+
+
+async def _send_turn(client: httpx.AsyncClient, target: Target, req: BenchRequest, timeout: float,
+                     prev: tuple[BenchRequest, RequestResult] | None) -> tuple[BenchRequest, RequestResult]:
+    """Send one turn of a unit (extended from ``prev`` where it says so): what was sent, and its result."""
+    sent = extend_turn(req, prev)
+    if isinstance(sent, str):
+        return req, RequestResult(start=time.perf_counter(), session=req.session, turn=req.turn, error=sent)
+    return sent, await send(client, target, sent, timeout)
+
+
 async def closed_loop(
     target: Target,
     requests: list[BenchRequest],
@@ -65,12 +89,14 @@ async def closed_loop(
 
         async def worker() -> None:
             for unit in queue:
+                prev: tuple[BenchRequest, RequestResult] | None = None
                 for req in unit:
                     if time.perf_counter() >= deadline:
                         return
                     if req.think_time:
                         await asyncio.sleep(req.think_time)  # the user reading / the tool running
-                    res = await send(client, target, req, timeout)
+                    prev = await _send_turn(client, target, req, timeout, prev)
+                    res = prev[1]
                     results.append(res)
                     if on_done is not None:
                         on_done(res)
@@ -111,14 +137,16 @@ async def open_loop(
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
 
         async def run(unit: list[BenchRequest]) -> None:
+            prev: tuple[BenchRequest, RequestResult] | None = None
             for req in unit:
                 if req.think_time:
                     await asyncio.sleep(req.think_time)
                 if sem is not None:
                     async with sem:
-                        res = await send(client, target, req, timeout)
+                        prev = await _send_turn(client, target, req, timeout, prev)
                 else:
-                    res = await send(client, target, req, timeout)
+                    prev = await _send_turn(client, target, req, timeout, prev)
+                res = prev[1]
                 results.append(res)
                 if on_done is not None:
                     on_done(res)
