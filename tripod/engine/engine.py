@@ -39,7 +39,7 @@ from tripod.engine.speculative.speculator import Speculator
 from tripod.engine.structured import GrammarBackend
 from tripod.loader import LoadedModel
 from tripod.memory.kv_blocks import TierLayout, pool_layout
-from tripod.memory.kv_transfer import export_prefix
+from tripod.memory.kv_transfer import export_prefix, export_snapshot
 from tripod.memory.prefix_cache import keyed_with_images
 from tripod.memory.state_snapshots import state_stats
 from tripod.memory.tiered_cache import TieredCache
@@ -432,7 +432,8 @@ class Engine(OfflineAPI):
         if self._kv_layout is None:
             cache = self.cache
             self._kv_layout = cache.layout if isinstance(cache, TieredCache) else pool_layout(
-                self.pool, builder.kv_identity(self.config, self.loaded, self.dtype, self.pool))
+                self.pool, builder.kv_identity(self.config, self.loaded, self.dtype, self.pool),
+                state_bytes=self.states.bytes_per_slot if self.states is not None else 0)
         return self._kv_layout
 
     def export_kv(self, tokens: list[int], images: Sequence[ImageSpan] = ()) -> list[bytes]:
@@ -441,10 +442,24 @@ class Engine(OfflineAPI):
         the prompt's images, which the cache keys by content."""
         if self.group is not None:
             raise ValueError("a model over several processes holds its KV in shards: it cannot export it")
-        if self.states is not None:  # (no state snapshots travel with the KV yet)
-            raise ValueError(builder.hybrid_refusal("exporting KV (prefill/decode disaggregation, failover transfer)"))
         key = keyed_with_images(tokens, [(im.hash, im.offset, im.length) for im in images]) if images else tokens
+        if self.states is not None:
+            return self._export_hybrid(key)
         return export_prefix(self.cache, self.pool, self.kv_layout, key)
+
+    def _export_hybrid(self, key: list[int]) -> list[bytes]:
+        """A hybrid model's hand-over: the prefix of ``key`` up to the deepest node holding a state
+        snapshot (its whole blocks, then the snapshot block); nothing without a snapshot (the blocks
+        alone could not resume it)."""
+        snaps = self.scheduler.snapshots
+        if snaps is None:
+            return []
+        found = snaps.find(self.cache.match_prefix(key, record=False).node)
+        if found is None:
+            return []
+        node, slot = found
+        depth = len(node.path_value())
+        return export_snapshot(self.cache, self.pool, self.kv_layout, key[:depth], snaps.values(slot))
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self, *, check: bool = False) -> EngineStats:
