@@ -39,7 +39,7 @@ from tripod.engine.speculative.speculator import Speculator
 from tripod.engine.structured import GrammarBackend
 from tripod.loader import LoadedModel
 from tripod.memory.kv_blocks import TierLayout, pool_layout
-from tripod.memory.kv_transfer import export_prefix, export_snapshot
+from tripod.memory.kv_transfer import export_hybrid, export_prefix
 from tripod.memory.prefix_cache import keyed_with_images
 from tripod.memory.state_snapshots import state_stats
 from tripod.memory.tiered_cache import TieredCache
@@ -437,29 +437,14 @@ class Engine(OfflineAPI):
         return self._kv_layout
 
     def export_kv(self, tokens: list[int], images: Sequence[ImageSpan] = ()) -> list[bytes]:
-        """The whole blocks of ``tokens`` the prefix cache holds, as disk-tier block bytes (a prefill
-        replica's hand-over to a decode replica; ``memory/kv_transfer.py``). ``images``: the spans of
-        the prompt's images, which the cache keys by content."""
+        """The whole blocks of ``tokens`` the prefix cache holds, as disk-tier block bytes (a prefill replica's
+        hand-over; ``memory/kv_transfer.py``). ``images``: the prompt's images' spans (keyed by content)."""
         if self.group is not None:
             raise ValueError("a model over several processes holds its KV in shards: it cannot export it")
         key = keyed_with_images(tokens, [(im.hash, im.offset, im.length) for im in images]) if images else tokens
-        if self.states is not None:
-            return self._export_hybrid(key)
+        if self.states is not None:  # (a hybrid's: up to its deepest state snapshot, which travels too)
+            return export_hybrid(self.cache, self.pool, self.kv_layout, self.scheduler.snapshots, key)
         return export_prefix(self.cache, self.pool, self.kv_layout, key)
-
-    def _export_hybrid(self, key: list[int]) -> list[bytes]:
-        """A hybrid model's hand-over: the prefix of ``key`` up to the deepest node holding a state
-        snapshot (its whole blocks, then the snapshot block); nothing without a snapshot (the blocks
-        alone could not resume it)."""
-        snaps = self.scheduler.snapshots
-        if snaps is None:
-            return []
-        found = snaps.find(self.cache.match_prefix(key, record=False).node)
-        if found is None:
-            return []
-        node, slot = found
-        depth = len(node.path_value())
-        return export_snapshot(self.cache, self.pool, self.kv_layout, key[:depth], snaps.values(slot))
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self, *, check: bool = False) -> EngineStats:

@@ -40,17 +40,15 @@ from pathlib import Path
 import torch
 
 from tripod.memory.kv_blocks import (
-    KEY_BYTES,
     TierLayout,
     block_format,
     block_parts,
     check_block,
     split_block,
 )
+from tripod.memory.tier_files import block_path, clean_tmp, scan_files
 
 log = logging.getLogger(__name__)
-
-STALE_TMP_SECONDS = 600.0  # a temp file this old whose writer cannot be told alive is removed
 
 
 @dataclass(slots=True)
@@ -118,7 +116,7 @@ class DiskTier:
         self._reads: queue.Queue[list[tuple[bytes, list[int]]] | None] = queue.Queue()
         self._idle = threading.Condition(self._lock)
         self._closed = False
-        self._clean_tmp()
+        clean_tmp(self.tmp)
         self.rescan()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._reader = threading.Thread(target=self._read_loop, name="kv-disk-reader", daemon=True)
@@ -145,10 +143,7 @@ class DiskTier:
         return len(self._snapshots)
 
     def path(self, key: bytes, snapshot: bool | None = None) -> Path:
-        h = key.hex()
-        if snapshot is None:
-            snapshot = key in self._snapshots
-        return self.dir / h[:2] / f"{h}.{'st' if snapshot else 'kv'}"
+        return block_path(self.dir, key, key in self._snapshots if snapshot is None else snapshot)
 
     # ------------------------------------------------------------------ lookups
     def known(self, key: bytes) -> bool:
@@ -473,52 +468,9 @@ class DiskTier:
 
     def rescan(self) -> None:
         """Rebuild the index from the directory (every engine's files), least recently used first."""
-        found: list[tuple[float, bytes, int]] = []
-        snapshots: set[bytes] = set()
-        for sub in self.dir.iterdir() if self.dir.exists() else ():
-            if not sub.is_dir() or len(sub.name) != 2:
-                continue
-            for entry in os.scandir(sub):
-                name = entry.name
-                if name[-3:] not in (".kv", ".st") or len(name) != 2 * KEY_BYTES + 3:
-                    continue
-                try:
-                    st = entry.stat()
-                    key = bytes.fromhex(name[:-3])
-                except (OSError, ValueError):
-                    continue
-                found.append((st.st_mtime, key, st.st_size))
-                if name.endswith(".st"):
-                    snapshots.add(key)
-        found.sort(key=lambda x: x[0])
+        found, snapshots = scan_files(self.dir)
         with self._lock:
             self._snapshots = snapshots | {k for k, w in self._pending.items() if w.state is not None}
             self._index = OrderedDict((k, s) for _, k, s in found)
             self._used = sum(s for _, _, s in found)
             self._since_scan = 0
-
-    def _clean_tmp(self) -> None:
-        """Remove temp files left by writers that died mid-write (never published, never read)."""
-        now = time.time()
-        for entry in os.scandir(self.tmp):
-            parts = entry.name.split(".")
-            pid = int(parts[1]) if len(parts) == 4 and parts[1].isdigit() else None
-            try:
-                stale = now - entry.stat().st_mtime > STALE_TMP_SECONDS
-            except OSError:
-                continue
-            if stale or (pid is not None and not _alive(pid)):
-                try:
-                    os.unlink(entry.path)
-                except OSError:
-                    pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

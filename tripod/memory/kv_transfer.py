@@ -50,6 +50,8 @@ from tripod.memory.kv_blocks import (
 )
 from tripod.memory.kv_pool import Pool
 from tripod.memory.prefix_cache import PrefixCache
+from tripod.memory.state_snapshots import StateSnapshots
+from tripod.memory.tier_files import block_path
 
 CONTENT_TYPE = "application/x-tripod-kv-blocks"
 
@@ -57,7 +59,7 @@ CONTENT_TYPE = "application/x-tripod-kv-blocks"
 def publish_block(directory: Path, key: bytes, data: bytes | bytearray, *, snapshot: bool = False) -> bool:
     """Write one verified block into a disk tier's directory (atomically); False when it was there."""
     h = key.hex()
-    final = directory / h[:2] / f"{h}.{'st' if snapshot else 'kv'}"
+    final = block_path(directory, key, snapshot)
     if final.exists():
         return False
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -195,11 +197,19 @@ def export_prefix(cache: PrefixCache, pool: Pool, layout: TierLayout, tokens: li
     return out
 
 
-def export_snapshot(cache: PrefixCache, pool: Pool, layout: TierLayout, tokens: list[int],
-                    state: torch.Tensor) -> list[bytes]:
-    """A hybrid model's hand-over of ``tokens`` (a prefix the tree holds, ``state`` the flat float32
-    recurrent state after its last token): its whole blocks, then its snapshot block (the tail of
-    tokens after them, their rows, the state). Runs on the engine loop, like ``export_prefix``."""
+def export_hybrid(cache: PrefixCache, pool: Pool, layout: TierLayout, snapshots: StateSnapshots | None,
+                  tokens: list[int]) -> list[bytes]:
+    """A hybrid model's hand-over of ``tokens``: the prefix up to the deepest node holding a state
+    snapshot, as its whole blocks and then its snapshot block (the tail of tokens after them, their
+    rows, the state after its last token); nothing without a snapshot (blocks alone could not resume
+    it). Runs on the engine loop, like ``export_prefix``."""
+    found = snapshots.find(cache.match_prefix(tokens, record=False).node) if snapshots is not None else None
+    if found is None:
+        return []
+    assert snapshots is not None
+    node, snap = found
+    tokens = tokens[: len(node.path_value())]
+    state = snapshots.values(snap)
     b = layout.block_tokens
     slots = cache.match_prefix(tokens, record=False).slots
     assert len(slots) == len(tokens), "a snapshot's prefix is in the tree"
