@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tripod.memory.disk_tier import DiskTier
-from tripod.memory.kv_blocks import HEADER, TierLayout, chain_keys
+from tripod.memory.kv_blocks import OLD_HEADER, TierLayout, chain_keys
 
 B = 4
 IDENT = bytes(range(16))
@@ -129,7 +129,7 @@ def test_a_dead_writers_temp_file_is_removed_and_never_read(tmp_path: Path) -> N
     key = chain_keys(IDENT, TOKENS, B)[0]
     # A writer killed mid-write leaves its temp file (pid 2**22 + 1 is above any live pid here).
     torn = t.tmp / f"{key.hex()}.{2**22 + 1}.1.tmp"
-    torn.write_bytes(HEADER.pack(b"TPKVBLK1", IDENT, key, B, 999, 0) + b"\0" * 10)
+    torn.write_bytes(OLD_HEADER.pack(b"TPKVBLK1", IDENT, key, B, 999, 0) + b"\0" * 10)
     mine = t.tmp / f"{key.hex()}.{os.getpid()}.1.tmp"  # a live writer's (this process): kept
     mine.write_bytes(b"x")
     t = _tier(tmp_path)

@@ -4,13 +4,22 @@ layout, and a stream cut part-way publishes only whole blocks of a prefix."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from tripod.memory.disk_tier import DiskTier
-from tripod.memory.kv_blocks import TierLayout, chain_keys, encode_block
+from tripod.memory.kv_blocks import (
+    HEADER,
+    OLD_HEADER,
+    TierLayout,
+    chain_keys,
+    check_block,
+    encode_block,
+    snapshot_key,
+)
 from tripod.memory.kv_transfer import BlockReceiver, TransferRefused
 
 B = 4
@@ -112,4 +121,54 @@ def test_received_blocks_count_against_the_tiers_capacity(tmp_path: Path) -> Non
     keys = chain_keys(IDENT, TOKENS, B)
     assert tier.count_present(keys) == 5  # all there when looked for ...
     assert tier.used_bytes <= tier.capacity_bytes and len(list(tier.dir.glob("??/*.kv"))) <= 3  # ... then trimmed
+    tier.close()
+
+
+def _snapshot(lay: TierLayout, tokens: list[int], seed: int = 9) -> tuple[bytes, list[int], torch.Tensor, torch.Tensor]:
+    """The snapshot block after ``tokens`` (its tail: the tokens past the last whole block)."""
+    j = len(tokens) // B
+    tail = tokens[j * B :]
+    prev = chain_keys(lay.identity, tokens, B)[-1] if j else lay.identity
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(lay.tail_shape(len(tail)), generator=g)
+    state = torch.randn(lay.state_bytes // 4, generator=g)
+    return snapshot_key(prev, tail), tail, rows, state
+
+
+def test_a_snapshot_block_travels_after_its_blocks_and_reads_back(tmp_path: Path) -> None:
+    lay = replace(_layout(), state_bytes=4 * 24)
+    key, tail, rows, state = _snapshot(lay, TOKENS)
+    snap = encode_block(lay, key, tail, rows, state)
+    assert len(snap) == lay.snapshot_file_bytes(len(tail)) and check_block(lay, snap, key, tail, snapshot=True) is None
+    assert check_block(lay, snap, key, tail) is not None, "a snapshot block never answers as a KV block"
+    tier = DiskTier(tmp_path, 100 * lay.file_bytes, lay)
+    rx = BlockReceiver(lay, tier.dir)
+    rx.feed(b"".join([*_stream(lay), snap]))
+    assert rx.counts.blocks == 6 and rx.leftover == 0
+    assert tier.has_snapshot(key, probe=True) and tier.path(key).suffix == ".st"
+    got = tier.read_snapshot(key, tail)
+    assert got is not None and torch.equal(got[0], rows) and torch.equal(got[1], state)
+    assert tier.read_snapshot(key, [t + 1 for t in tail]) is None  # other tokens: refused (and removed)
+    with pytest.raises(TransferRefused, match="does not follow"):
+        BlockReceiver(lay, tier.dir).feed(b"".join([*_stream(lay)[:2], snap]))
+    tier.close()
+
+
+def test_an_older_format_is_refused_by_the_tier_and_the_receiver(tmp_path: Path) -> None:
+    lay = _layout()
+    tier = DiskTier(tmp_path, 100 * lay.file_bytes, lay)
+    keys = chain_keys(IDENT, TOKENS, B)
+    new = _stream(lay)[0]
+    _, ident, key, ntok, nbytes, _, crc = HEADER.unpack_from(new)
+    old = OLD_HEADER.pack(b"TPKVBLK2", ident, key, ntok, nbytes, crc) + new[HEADER.size :]  # version 2's file
+    with pytest.raises(TransferRefused, match="older block format") as err:
+        BlockReceiver(lay, tier.dir).feed(old + b"\0" * HEADER.size)
+    assert err.value.status == 409
+    tier.path(keys[0]).parent.mkdir(parents=True, exist_ok=True)
+    tier.path(keys[0]).write_bytes(old)
+    tier.rescan()
+    assert tier.read([keys[0]], [TOKENS[:B]]) == [] and tier.counters.old_format_files == 1
+    assert not tier.path(keys[0]).exists(), "refused and removed: the next save writes it again"
+    assert tier.submit(keys[0], TOKENS[:B], _rows(0, lay)) and tier.flush(10)
+    assert tier.path(keys[0]).read_bytes() == new
     tier.close()

@@ -31,11 +31,11 @@ from tripod.loader import LoadedModel, load_model, load_tokenizer
 from tripod.loader.weights_mode import resolve_weights
 from tripod.memory.kv_blocks import model_identity
 from tripod.memory.kv_pool import Pool, available_memory, slots_from_budget
-from tripod.memory.prefix_cache import PrefixCache
+from tripod.memory.prefix_cache import PrefixCache, TreeNode
 from tripod.memory.radix_cache import RadixCache
 from tripod.memory.state_pool import StatePool, check_fits, state_slots
 from tripod.memory.state_snapshots import StateSnapshots
-from tripod.memory.tiered_cache import TieredCache
+from tripod.memory.tiered_cache import SnapshotMaker, TieredCache
 from tripod.protocol.stats import ParallelCard, RankCard
 
 log = logging.getLogger("tripod.engine.engine")
@@ -208,10 +208,12 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     sampler = Sampler(device, config.seed)
     proposer = make_proposer(config, loaded, draft, pool, sampler, path=path, max_len=max_len, device=device,
                               dtype=dtype)
-    cache = make_cache(config, loaded, dtype, pool)
+    cache = make_cache(config, loaded, dtype, pool, states, snapshots_of)
+    snapshots = cache.snapshots if isinstance(cache, TieredCache) else (
+        snapshots_of(lambda: cache.tree.root) if isinstance(cache, RadixCache) and cache.enabled else None)
     return EngineParts(device=device, dtype=dtype, loaded=loaded, draft=draft, pool=pool, num_slots=num_slots,
                        bytes_per_slot=per_token, kv_bytes_per_token=kv_bytes, context_len=context_len,
-                       threads=build_threads, cache=cache, loras=loras, snapshots=snapshots_of(cache),
+                       threads=build_threads, cache=cache, loras=loras, snapshots=snapshots,
                        runner=runner, sampler=sampler, proposer=proposer, eos_ids=eos_ids_of(loaded), vision=vision,
                        group=group, ranks=ranks, states=states)
 
@@ -226,7 +228,7 @@ def check_hybrid(config: EngineConfig, mc: Any) -> None:
     if mc.hybrid is None:
         return
     for feature, on in (("--speculative", config.speculative is not None), ("--lora", config.lora is not None),
-                        ("--kv-disk", config.kv_disk is not None), ("--kernels triton", config.triton),
+                        ("--kernels triton", config.triton),
                         ("--weights stored", config.weights == "stored"), ("--weights fp8", config.weights == "fp8"),
                         ("--overlap-schedule on", config.overlap_schedule == "on")):
         if on:
@@ -244,13 +246,13 @@ def without_jump_forward(config: EngineConfig) -> EngineConfig:
 
 
 def make_states(config: EngineConfig, loaded: LoadedModel, device: torch.device
-                ) -> tuple[StatePool | None, Callable[[PrefixCache], StateSnapshots | None]]:
+                ) -> tuple[StatePool | None, SnapshotMaker]:
     """A hybrid model's state pool — one slot per running request (``max_state_slots`` fewer), each
     every linear layer's float32 state — and the maker of its snapshot store over the prefix cache
     (``max_state_snapshots``, default as many); refused at start when both do not fit in memory."""
     spec_of = getattr(loaded.model, "state_spec", None)
     if spec_of is None:
-        return None, lambda cache: None
+        return None, lambda root: None
     spec = spec_of()
     slots = state_slots(config.max_running, config.max_state_slots)
     snaps = slots if config.max_state_snapshots is None else config.max_state_snapshots
@@ -264,10 +266,9 @@ def make_states(config: EngineConfig, loaded: LoadedModel, device: torch.device
              "recurrent state, float32) = %.1f MiB", slots, snaps, spec.bytes_per_slot() / 2**20, len(spec.layers),
              (slots + snaps) * spec.bytes_per_slot() / 2**20)
 
-    def snapshots(cache: PrefixCache) -> StateSnapshots | None:
-        if not snaps or not isinstance(cache, RadixCache) or not cache.enabled:
-            return None
-        return StateSnapshots(spec, snaps, device, root=lambda: cache.tree.root)
+    def snapshots(root: Callable[[], TreeNode]) -> StateSnapshots | None:
+        """The snapshot store over the tree whose current root ``root`` gives (None: none kept)."""
+        return StateSnapshots(spec, snaps, device, root=root) if snaps else None
 
     return pool, snapshots
 
@@ -281,16 +282,19 @@ def overlaps(config: EngineConfig, runner: ModelRunner) -> bool:
     return config.overlap_schedule == "on" or (runner.triton and runner.device.type == "cuda")
 
 
-def make_cache(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, pool: Pool) -> PrefixCache:
+def make_cache(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, pool: Pool,
+               states: StatePool | None = None, snapshots: SnapshotMaker | None = None) -> PrefixCache:
     """The prefix cache over ``pool``; with ``--kv-disk``, the tiered cache (the disk tier under it,
-    keyed by this model, dtype and pool layout)."""
+    keyed by this model, dtype and pool layout; a hybrid model's snapshots beside its blocks)."""
     if config.kv_disk is None:
         # (an embedding engine pools every prompt position: a cached prefix would not be recomputed)
         return RadixCache(pool.allocator, enabled=config.enable_prefix_cache and config.task != "embed")
     identity = kv_identity(config, loaded, dtype, pool)
     try:
         cache = TieredCache.open(config.kv_disk, int(config.kv_disk_size * 1e9), pool, identity,
-                                 enabled=config.enable_prefix_cache)
+                                 enabled=config.enable_prefix_cache,
+                                 state_bytes=states.bytes_per_slot if states is not None else 0,
+                                 snapshots=snapshots if states is not None else None)
     except OSError as e:
         raise ValueError(f"--kv-disk {config.kv_disk}: the directory cannot be used ({e})") from e
     tier = cache.tier

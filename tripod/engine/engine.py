@@ -39,7 +39,7 @@ from tripod.engine.speculative.speculator import Speculator
 from tripod.engine.structured import GrammarBackend
 from tripod.loader import LoadedModel
 from tripod.memory.kv_blocks import TierLayout, pool_layout
-from tripod.memory.kv_transfer import export_prefix
+from tripod.memory.kv_transfer import export_hybrid, export_prefix
 from tripod.memory.prefix_cache import keyed_with_images
 from tripod.memory.state_snapshots import state_stats
 from tripod.memory.tiered_cache import TieredCache
@@ -432,18 +432,18 @@ class Engine(OfflineAPI):
         if self._kv_layout is None:
             cache = self.cache
             self._kv_layout = cache.layout if isinstance(cache, TieredCache) else pool_layout(
-                self.pool, builder.kv_identity(self.config, self.loaded, self.dtype, self.pool))
+                self.pool, builder.kv_identity(self.config, self.loaded, self.dtype, self.pool),
+                state_bytes=self.states.bytes_per_slot if self.states is not None else 0)
         return self._kv_layout
 
     def export_kv(self, tokens: list[int], images: Sequence[ImageSpan] = ()) -> list[bytes]:
-        """The whole blocks of ``tokens`` the prefix cache holds, as disk-tier block bytes (a prefill
-        replica's hand-over to a decode replica; ``memory/kv_transfer.py``). ``images``: the spans of
-        the prompt's images, which the cache keys by content."""
+        """The whole blocks of ``tokens`` the prefix cache holds, as disk-tier block bytes (a prefill replica's
+        hand-over; ``memory/kv_transfer.py``). ``images``: the prompt's images' spans (keyed by content)."""
         if self.group is not None:
             raise ValueError("a model over several processes holds its KV in shards: it cannot export it")
-        if self.states is not None:  # (no state snapshots travel with the KV yet)
-            raise ValueError(builder.hybrid_refusal("exporting KV (prefill/decode disaggregation, failover transfer)"))
         key = keyed_with_images(tokens, [(im.hash, im.offset, im.length) for im in images]) if images else tokens
+        if self.states is not None:  # (a hybrid's: up to its deepest state snapshot, which travels too)
+            return export_hybrid(self.cache, self.pool, self.kv_layout, self.scheduler.snapshots, key)
         return export_prefix(self.cache, self.pool, self.kv_layout, key)
 
     # ------------------------------------------------------------------ reporting

@@ -91,6 +91,7 @@ def engine_main(launch: engine_ipc.EngineLaunch) -> None:
             kv_tier=engine.cache.card() if isinstance(engine.cache, TieredCache) else None,
             loras=dict(engine.loras.paths) if engine.loras is not None else None,
             modalities=["text", "image"] if engine.vision.enabled else ["text"],
+            state_bytes=engine.states.bytes_per_slot if engine.states is not None else 0,
         )))
         EngineLoop(engine, pull, push, launch.heartbeat_interval, launch.parent_pid, timings=launch.timings).run()
     except Exception as e:  # a crash must reach the server as a message, not only a dead pid

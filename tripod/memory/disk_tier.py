@@ -5,7 +5,8 @@ with their rows of every layer, keyed by a hash chain from the *identity*, the c
 model, dtype and pool layout), so a different model or dtype has other keys and another directory
 (``DIR/<identity>``) and never reads another's entries.
 
-Files. ``DIR/<identity>/<kk>/<key>.kv``: the block's bytes (``kv_blocks``). A block is written to
+Files. ``DIR/<identity>/<kk>/<key>.kv``: the block's bytes (``kv_blocks``); ``<key>.st``: a hybrid
+model's snapshot block (a state and the tail of tokens since the last whole block). A block is written to
 ``DIR/<identity>/tmp/`` and published by ``os.replace`` (atomic): a reader sees a whole file or
 none. A torn or corrupted file (a crash of the disk, a file cut by hand) fails the header, size,
 token or checksum check on read: it is counted, removed, and treated as absent, never served. Temp
@@ -31,7 +32,6 @@ import os
 import queue
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,18 +40,15 @@ from pathlib import Path
 import torch
 
 from tripod.memory.kv_blocks import (
-    HEADER,
-    KEY_BYTES,
-    MAGIC,
-    TOKEN_BYTES,
     TierLayout,
+    block_format,
+    block_parts,
     check_block,
-    token_bytes,
+    split_block,
 )
+from tripod.memory.tier_files import block_path, clean_tmp, scan_files
 
 log = logging.getLogger(__name__)
-
-STALE_TMP_SECONDS = 600.0  # a temp file this old whose writer cannot be told alive is removed
 
 
 @dataclass(slots=True)
@@ -66,6 +63,9 @@ class TierCounters:
     read_bytes: int = 0
     prefetched_blocks: int = 0
     corrupt_files: int = 0  # failed a check on read: removed, never served
+    old_format_files: int = 0  # of them, an older block format's (written again when next saved)
+    written_snapshots: int = 0  # snapshot blocks (hybrid models) among written_blocks
+    read_snapshots: int = 0
     evicted_files: int = 0
     write_seconds: float = 0.0
     read_seconds: float = 0.0
@@ -75,11 +75,14 @@ class TierCounters:
 class _Write:
     key: bytes
     tokens: list[int]
-    rows: torch.Tensor  # [layers, block_tokens, *row]: a copy, owned by the queue
+    rows: torch.Tensor  # [layers, block_tokens (a snapshot's tail), *row]: a copy, owned by the queue
+    state: torch.Tensor | None = None  # a snapshot block's flat float32 state (a copy)
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.nbytes = self.rows.numel() * self.rows.element_size()
+        if self.state is not None:
+            self.nbytes += self.state.numel() * 4
 
 
 class DiskTier:
@@ -108,11 +111,12 @@ class DiskTier:
         self._staged: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # prefetched, verified
         self._staged_bytes = 0
         self._reading: set[bytes] = set()
+        self._snapshots: set[bytes] = set()  # keys of the index (or queue) that are snapshot blocks
         self._writes: queue.Queue[_Write | None] = queue.Queue()
         self._reads: queue.Queue[list[tuple[bytes, list[int]]] | None] = queue.Queue()
         self._idle = threading.Condition(self._lock)
         self._closed = False
-        self._clean_tmp()
+        clean_tmp(self.tmp)
         self.rescan()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._reader = threading.Thread(target=self._read_loop, name="kv-disk-reader", daemon=True)
@@ -133,9 +137,13 @@ class DiskTier:
         """Bytes of blocks queued and not yet published."""
         return self._pending_bytes
 
-    def path(self, key: bytes) -> Path:
-        h = key.hex()
-        return self.dir / h[:2] / f"{h}.kv"
+    @property
+    def snapshot_entries(self) -> int:
+        """Snapshot blocks on disk or queued, as far as this process knows."""
+        return len(self._snapshots)
+
+    def path(self, key: bytes, snapshot: bool | None = None) -> Path:
+        return block_path(self.dir, key, key in self._snapshots if snapshot is None else snapshot)
 
     # ------------------------------------------------------------------ lookups
     def known(self, key: bytes) -> bool:
@@ -188,7 +196,8 @@ class DiskTier:
                 block = staged
                 self._touch(key)
             else:
-                block = self._load(key, toks)
+                loaded = self._load(key, toks)
+                block = loaded if isinstance(loaded, torch.Tensor) else None
                 if block is not None:
                     self._touch(key)
             if block is None:
@@ -207,6 +216,44 @@ class DiskTier:
                 todo.append((key, list(toks)))
         if todo:
             self._reads.put(todo)
+
+    def has_snapshot(self, key: bytes, *, probe: bool = False) -> bool:
+        """Whether snapshot block ``key`` is on disk or queued as far as this process knows; ``probe``:
+        look on disk too (a file another process published: a KV transfer's receiver)."""
+        with self._lock:
+            if key in self._snapshots:
+                return True
+        if not probe:
+            return False
+        try:
+            size = self.path(key, True).stat().st_size
+        except OSError:
+            return False
+        with self._lock:
+            if key not in self._index:
+                self._index[key] = size
+                self._used += size
+                self._since_scan += size
+            self._snapshots.add(key)
+        self._enforce_capacity()
+        return True
+
+    def read_snapshot(self, key: bytes, tail: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Snapshot block ``key`` (``tail``: its tokens, checked against the file): its tail's rows
+        ``[layers, len(tail), *row]`` and its flat float32 state; None when absent or bad."""
+        with self._lock:
+            w = self._pending.get(key)
+        if w is not None and w.state is not None:
+            return w.rows, w.state
+        got = self._load(key, tail, snapshot=True)
+        if got is None:
+            return None
+        self._touch(key)
+        rows, state = split_block(self.layout, got)
+        assert state is not None
+        with self._lock:
+            self.counters.read_snapshots += 1
+        return rows, state
 
     # ------------------------------------------------------------------ writes
     def has_room(self, nbytes: int) -> bool:
@@ -228,11 +275,15 @@ class DiskTier:
         with self._lock:
             self.counters.dropped_blocks += blocks
 
-    def submit(self, key: bytes, tokens: Sequence[int], rows: torch.Tensor) -> bool:
-        """Queue one block (``rows``: a copy the tier may keep) for writing; False when it is known
-        already or the queue is full (counted as dropped)."""
-        assert len(tokens) == self.layout.block_tokens and tuple(rows.shape) == self.layout.shape
-        w = _Write(key, list(tokens), rows)
+    def submit(self, key: bytes, tokens: Sequence[int], rows: torch.Tensor, state: torch.Tensor | None = None) -> bool:
+        """Queue one block (``rows``: a copy the tier may keep; with ``state``, a snapshot block whose
+        ``tokens`` are its tail) for writing; False when it is known already or the queue is full
+        (counted as dropped)."""
+        if state is None:
+            assert len(tokens) == self.layout.block_tokens and tuple(rows.shape) == self.layout.shape
+        else:
+            assert tuple(rows.shape) == self.layout.tail_shape(len(tokens))
+        w = _Write(key, list(tokens), rows, state)
         with self._lock:
             if self._closed or key in self._index or key in self._pending:
                 return False
@@ -240,6 +291,8 @@ class DiskTier:
                 self.counters.dropped_blocks += 1
                 return False
             self._pending[key] = w
+            if state is not None:
+                self._snapshots.add(key)
             self._pending_bytes += w.nbytes
         self._writes.put(w)
         return True
@@ -286,41 +339,36 @@ class DiskTier:
             self._enforce_capacity()
             with self._lock:
                 del self._pending[w.key]
+                if size is None and w.state is not None and w.key not in self._index:
+                    self._snapshots.discard(w.key)
                 self._pending_bytes -= w.nbytes
                 self._idle.notify_all()
 
     def _publish(self, w: _Write) -> int | None:
-        final = self.path(w.key)
+        final = self.path(w.key, w.state is not None)
         if final.exists():  # another engine wrote it (the same bytes)
             with self._lock:
                 self.counters.skipped_blocks += 1
             return final.stat().st_size
-        toks = token_bytes(w.tokens)
         # NOTE: layer by layer, each a contiguous run of the engine's copy: no torch op (and no
         # intra-op thread pool) on this thread.
-        rows = w.rows.detach().to("cpu")
-        parts = [rows[layer].contiguous().view(torch.uint8).numpy() for layer in range(rows.shape[0])]
-        crc = zlib.crc32(toks)
-        for part in parts:
-            crc = zlib.crc32(part, crc)
-        nbytes = sum(part.nbytes for part in parts)
-        head = HEADER.pack(MAGIC, self.layout.identity, w.key, len(w.tokens), nbytes, crc)
+        parts = block_parts(self.layout, w.key, w.tokens, w.rows, w.state)
         final.parent.mkdir(exist_ok=True)
         tmp = self.tmp / f"{w.key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             with open(tmp, "wb") as f:
-                f.write(head)
-                f.write(toks)
                 for part in parts:
-                    f.write(memoryview(part))
+                    f.write(part)
             os.replace(tmp, final)  # atomic publish: readers see the whole file or none
         except BaseException:
             tmp.unlink(missing_ok=True)  # a full disk, say: leave no half-written file behind
             raise
-        size = len(head) + len(toks) + nbytes
+        size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
         with self._lock:
             self.counters.written_blocks += 1
             self.counters.written_bytes += size
+            if w.state is not None:
+                self.counters.written_snapshots += 1
         return size
 
     # ------------------------------------------------------------------ reads
@@ -331,7 +379,8 @@ class DiskTier:
                 return
             for key, toks in todo:
                 try:
-                    block = self._load(key, toks)
+                    loaded = self._load(key, toks)
+                    block = loaded if isinstance(loaded, torch.Tensor) else None
                 except Exception:  # never leave a key marked in flight: read() waits on it
                     log.exception("kv disk tier: prefetching a block failed")
                     block = None
@@ -346,10 +395,10 @@ class DiskTier:
                             self._staged_bytes -= old.numel() * old.element_size()
                     self._idle.notify_all()
 
-    def _load(self, key: bytes, tokens: Sequence[int]) -> torch.Tensor | None:
-        """One block from its file, verified; None when absent, and (counted, removed) when bad."""
-        lay = self.layout
-        path = self.path(key)
+    def _load(self, key: bytes, tokens: Sequence[int], *, snapshot: bool = False) -> torch.Tensor | bytearray | None:
+        """One block from its file, verified (a KV block's rows; a snapshot block's bytes); None when
+        absent, and (counted, removed) when bad."""
+        path = self.path(key, snapshot)
         t0 = time.perf_counter()
         try:
             with open(path, "rb") as f:
@@ -357,24 +406,22 @@ class DiskTier:
         except OSError:
             self._forget(key)
             return None
-        why = self._check(data, key, tokens)
+        why = check_block(self.layout, data, key, tokens, snapshot=snapshot)
         if why is not None:
             log.warning("kv disk tier: ignoring %s: %s", path.name, why)
             with self._lock:
                 self.counters.corrupt_files += 1
-            self._remove(key)
+                if block_format(data) is not None and data.startswith(b"TPKVBLK"):
+                    self.counters.old_format_files += 1
+            self._remove(key, snapshot)
             return None
-        start = HEADER.size + TOKEN_BYTES * lay.block_tokens
-        block = torch.frombuffer(data, dtype=torch.uint8, offset=start, count=lay.payload_bytes)
-        block = block.view(lay.dtype).view(lay.shape)
         with self._lock:
             self.counters.read_blocks += 1
             self.counters.read_bytes += len(data)
             self.counters.read_seconds += time.perf_counter() - t0
-        return block
-
-    def _check(self, data: bytearray, key: bytes, tokens: Sequence[int]) -> str | None:
-        return check_block(self.layout, data, key, tokens)
+        if snapshot:
+            return data
+        return split_block(self.layout, data)[0]
 
     # ------------------------------------------------------------------ the index, LRU
     def _touch(self, key: bytes) -> None:
@@ -391,11 +438,14 @@ class DiskTier:
             size = self._index.pop(key, None)
             if size is not None:
                 self._used -= size
+            if key not in self._pending:
+                self._snapshots.discard(key)
 
-    def _remove(self, key: bytes) -> None:
+    def _remove(self, key: bytes, snapshot: bool | None = None) -> None:
+        path = self.path(key, snapshot)
         self._forget(key)
         try:
-            self.path(key).unlink()
+            path.unlink()
         except OSError:
             pass
 
@@ -409,55 +459,18 @@ class DiskTier:
                 key, size = self._index.popitem(last=False)
                 self._used -= size
                 self.counters.evicted_files += 1
+                path = self.path(key)
+                self._snapshots.discard(key)
             try:
-                self.path(key).unlink()
+                path.unlink()
             except OSError:
                 pass
 
     def rescan(self) -> None:
         """Rebuild the index from the directory (every engine's files), least recently used first."""
-        found: list[tuple[float, bytes, int]] = []
-        for sub in self.dir.iterdir() if self.dir.exists() else ():
-            if not sub.is_dir() or len(sub.name) != 2:
-                continue
-            for entry in os.scandir(sub):
-                name = entry.name
-                if not name.endswith(".kv") or len(name) != 2 * KEY_BYTES + 3:
-                    continue
-                try:
-                    st = entry.stat()
-                    key = bytes.fromhex(name[:-3])
-                except (OSError, ValueError):
-                    continue
-                found.append((st.st_mtime, key, st.st_size))
-        found.sort(key=lambda x: x[0])
+        found, snapshots = scan_files(self.dir)
         with self._lock:
+            self._snapshots = snapshots | {k for k, w in self._pending.items() if w.state is not None}
             self._index = OrderedDict((k, s) for _, k, s in found)
             self._used = sum(s for _, _, s in found)
             self._since_scan = 0
-
-    def _clean_tmp(self) -> None:
-        """Remove temp files left by writers that died mid-write (never published, never read)."""
-        now = time.time()
-        for entry in os.scandir(self.tmp):
-            parts = entry.name.split(".")
-            pid = int(parts[1]) if len(parts) == 4 and parts[1].isdigit() else None
-            try:
-                stale = now - entry.stat().st_mtime > STALE_TMP_SECONDS
-            except OSError:
-                continue
-            if stale or (pid is not None and not _alive(pid)):
-                try:
-                    os.unlink(entry.path)
-                except OSError:
-                    pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

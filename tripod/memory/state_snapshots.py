@@ -66,6 +66,43 @@ class StateSnapshots:
         self._of[key] = (node, dst, next(_tick))
         self.taken += 1
 
+    def put_values(self, node: Any, values: torch.Tensor) -> None:
+        """Keep ``values`` (a snapshot's flat float32 state, as ``values`` gives it: from the disk tier
+        or a KV transfer) on ``node``."""
+        if node is None or node.parent is None:
+            return
+        hit = self._of.get(id(node))
+        if hit is not None:
+            dst = hit[1]
+        else:
+            dst = self.store.alloc()
+            if dst is None:
+                self._evict_one()
+                dst = self.store.alloc()
+            assert dst is not None
+        at = 0
+        for layer in self.store.tensors:
+            for t in layer:
+                n = t[dst].numel()
+                t[dst].copy_(values[at : at + n].view(t[dst].shape))
+                at += n
+        assert at == values.numel(), "a snapshot of another state layout"
+        self._of[id(node)] = (node, dst, next(_tick))
+
+    def slot_of(self, node: Any) -> int | None:
+        """``node``'s own snapshot slot (not an ancestor's), or None."""
+        hit = self._of.get(id(node))
+        return None if hit is None else hit[1]
+
+    def values(self, slot: int) -> torch.Tensor:
+        """Snapshot ``slot``'s state as one flat float32 tensor on the CPU (every linear layer's
+        tensors in model order: the disk tier's and the KV transfer's state section)."""
+        return torch.cat([t[slot].reshape(-1).to("cpu") for layer in self.store.tensors for t in layer])
+
+    def held(self) -> list[Any]:
+        """The live nodes that hold a snapshot."""
+        return [n for n, _, _ in self._of.values() if self._live(n)]
+
     def find(self, node: Any) -> tuple[Any, int] | None:
         """The deepest node from ``node`` up (a live path: a fresh match) that has a snapshot."""
         while node is not None and node.parent is not None:

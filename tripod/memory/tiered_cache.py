@@ -15,6 +15,16 @@ match, lock, insert and eviction is the radix cache's; what it adds is the tier.
   entries like any admission, never the matched prefix, which it pins), copies the rows in and
   inserts the tokens into the tree, so the admission that follows matches them as a pool hit.
   ``prefetch`` (when a request is queued) starts reading those blocks in the background.
+- **Hybrid models.** A linear-attention model's prefix resumes only where a recurrent-state snapshot
+  is (``state_snapshots``): this cache owns the snapshot store over its tree. A node evicted with a
+  snapshot, and at ``close`` every node holding one, also writes a *snapshot block* (``kv_blocks``:
+  the state and the tail of tokens after the last whole block, keyed by the prefix). ``load`` then
+  looks, deepest first, for a snapshot block beyond the pool's deepest snapshot whose whole blocks
+  the pool or the tier has; it loads those blocks, the tail and the state onto the node ending
+  there, which the admission's match resumes from. Blocks without a snapshot are not loaded for a
+  hybrid (they could not resume it). The search hashes one candidate position per token between the
+  pool's snapshot and the tier's coverage, in memory (no file system call but for the prompt's own
+  end, where a KV transfer's receiver publishes), and only while the tier knows any snapshot block.
 - **Identity.** The tier is keyed by ``kv_blocks.model_identity`` (model, dtype, pool layout,
   compute path); a LoRA adapter's prefixes (keys outside the base namespace) stay in the pool.
 
@@ -27,17 +37,26 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tripod.memory.disk_tier import DiskTier
-from tripod.memory.kv_blocks import BLOCK_TOKENS, COPY_BLOCKS, TierLayout, chain_keys, pool_layout
+from tripod.memory.kv_blocks import (
+    BLOCK_TOKENS,
+    COPY_BLOCKS,
+    TierLayout,
+    chain_keys,
+    pool_layout,
+    snapshot_key,
+)
 from tripod.memory.kv_pool import Pool, SlotAllocator
 from tripod.memory.prefix_cache import CacheStats, MatchResult, TreeNode, in_base_namespace
 from tripod.memory.radix import RadixTree
 from tripod.memory.radix_cache import RadixCache
+from tripod.memory.state_snapshots import StateSnapshots
 from tripod.protocol.engine_ipc import KVTierCard
 from tripod.protocol.stats import DiskTierStats
 
@@ -51,13 +70,20 @@ class TieredCacheStats:
     saved_tokens: int = 0  # tokens queued for writing (evicted, or saved at shutdown)
     load_seconds: float = 0.0  # engine-loop time spent loading (reads not prefetched, copies)
     save_seconds: float = 0.0  # engine-loop time spent copying rows out for the writer
+    saved_snapshots: int = 0  # snapshot blocks queued for writing (hybrid models)
+    loaded_snapshots: int = 0  # snapshot blocks loaded back onto a tree node
+
+
+# Makes the snapshot store over a tree (its argument gives the tree's current root).
+SnapshotMaker = Callable[[Callable[[], TreeNode]], "StateSnapshots | None"]
 
 
 class TieredCache:
     """One engine's prefix cache over its KV pool and a ``DiskTier`` below it (see the module
     docstring). Owns the radix cache (``radix``) and the tier's traffic; the tier owns its files."""
 
-    def __init__(self, allocator: SlotAllocator, pool: Pool, tier: DiskTier, *, enabled: bool = True) -> None:
+    def __init__(self, allocator: SlotAllocator, pool: Pool, tier: DiskTier, *, enabled: bool = True,
+                 snapshots: SnapshotMaker | None = None) -> None:
         self.pool = pool
         self.tier = tier
         self.block = tier.layout.block_tokens
@@ -66,12 +92,16 @@ class TieredCache:
         self.allocator = allocator
         self.enabled = enabled
         self.stats: CacheStats = self.radix.stats
+        # A hybrid model's state snapshots on this tree (None: a model without linear layers, or none kept).
+        self.snapshots = snapshots(lambda: self.radix.tree.root) if snapshots is not None and enabled else None
+        self.hybrid = tier.layout.state_bytes > 0
 
     @classmethod
     def open(cls, root: str | Path, capacity_bytes: int, pool: Pool, identity: bytes, *, enabled: bool = True,
-             block_tokens: int = BLOCK_TOKENS) -> TieredCache:
-        tier = DiskTier(root, capacity_bytes, pool_layout(pool, identity, block_tokens))
-        return cls(pool.allocator, pool, tier, enabled=enabled)
+             block_tokens: int = BLOCK_TOKENS, state_bytes: int = 0,
+             snapshots: SnapshotMaker | None = None) -> TieredCache:
+        tier = DiskTier(root, capacity_bytes, pool_layout(pool, identity, block_tokens, state_bytes))
+        return cls(pool.allocator, pool, tier, enabled=enabled, snapshots=snapshots)
 
     @property
     def layout(self) -> TierLayout:
@@ -83,7 +113,7 @@ class TieredCache:
         lay = self.tier.layout
         return KVTierCard(dir=str(self.tier.dir), identity=lay.identity.hex(), num_layers=lay.num_layers,
                           row_shape=list(lay.row_shape), dtype=str(lay.dtype).removeprefix("torch."),
-                          block_tokens=lay.block_tokens)
+                          block_tokens=lay.block_tokens, state_bytes=lay.state_bytes)
 
     def report(self) -> DiskTierStats:
         """The tier's part of the engine's stats snapshot."""
@@ -168,6 +198,9 @@ class TieredCache:
         for node in nodes:
             tokens, slots = _path(node)
             self._save(tokens, slots, len(tokens) - len(node.key))
+            snap = self.snapshots.slot_of(node) if self.snapshots is not None else None
+            if snap is not None:
+                self._save_snapshot(tokens, slots, snap)
         self.tier_stats.save_seconds += time.perf_counter() - t0
 
     def save_tree(self, timeout: float | None = None) -> None:
@@ -178,6 +211,11 @@ class TieredCache:
         for node in self.radix.tree.leaves():
             tokens, slots = _path(node)
             self._save(tokens, slots, 0, deadline)
+        for node in self.snapshots.held() if self.snapshots is not None else ():
+            snap = self.snapshots.slot_of(node)
+            assert snap is not None
+            tokens, slots = _path(node)
+            self._save_snapshot(tokens, slots, snap, deadline)
         self.tier_stats.save_seconds += time.perf_counter() - t0
 
     def _save(self, tokens: list[int], slots: list[int], start: int, deadline: float | None = None) -> None:
@@ -202,6 +240,24 @@ class TieredCache:
                 if self.tier.submit(keys[j], tokens[j * b : (j + 1) * b], rows[:, i * b : (i + 1) * b]):
                     self.tier_stats.saved_tokens += b
 
+    def _save_snapshot(self, tokens: list[int], slots: list[int], snap: int, deadline: float | None = None) -> None:
+        """Queue the snapshot block of the prefix ``tokens`` (its state: snapshot slot ``snap``)."""
+        if not in_base_namespace(tokens) or self.snapshots is None:
+            return
+        b, lay = self.block, self.tier.layout
+        j = len(tokens) // b
+        prev = chain_keys(lay.identity, tokens, b, j)[-1] if j else lay.identity
+        key = snapshot_key(prev, tokens[j * b :])
+        if self.tier.has_snapshot(key):
+            return
+        need = (len(tokens) - j * b) * lay.token_row_bytes + lay.state_bytes
+        if not self.tier.has_room(need) and (deadline is None or not self.tier.wait_for_room(need, deadline)):
+            self.tier.count_dropped(1)
+            return
+        rows = self._copy_out(slots[j * b :])
+        if self.tier.submit(key, tokens[j * b :], rows, self.snapshots.values(snap)):
+            self.tier_stats.saved_snapshots += 1
+
     # ------------------------------------------------------------------ in
     def _missing_blocks(self, tokens: list[int]) -> tuple[int, list[bytes]]:
         """(tokens the pool has, the keys of the blocks from the one holding the next token on)."""
@@ -225,6 +281,8 @@ class TieredCache:
         """Extend the pool's match of ``tokens`` (a prompt but its last token) with the tier's
         blocks, leaving room for ``headroom`` slots and the first prefill chunk after them (at most
         ``chunk`` tokens); returns how many tokens were loaded (now in the tree, unpinned)."""
+        if self.hybrid:
+            return self._load_snapshot(tokens, headroom=headroom, chunk=chunk, record=record)
         hit, keys = self._missing_blocks(tokens)
         n = self.tier.count_present(keys)
         if n == 0:
@@ -263,6 +321,73 @@ class TieredCache:
         if record:
             self.tier_stats.hit_tokens += count
         self.tier_stats.load_seconds += time.perf_counter() - t0
+        return count
+
+    def _load_snapshot(self, tokens: list[int], *, headroom: int, chunk: int, record: bool) -> int:
+        """A hybrid model's ``load``: the deepest snapshot block beyond the pool's deepest snapshot
+        whose whole blocks the pool or the tier holds, with those blocks (see the module docstring)."""
+        snaps = self.snapshots
+        if snaps is None or not tokens or not in_base_namespace(tokens):
+            return 0
+        lay, b = self.tier.layout, self.block
+        match = self.radix.match_prefix(tokens, record=False)
+        hit = len(match.slots)
+        found = snaps.find(match.node)
+        depth = len(found[0].path_value()) if found is not None else 0
+        keys = chain_keys(lay.identity, tokens, b)
+        first = hit // b
+        cover = max(hit, (first + self.tier.count_present(keys[first:])) * b)
+        for p in range(min(len(tokens), cover // b * b + b - 1), depth, -1):
+            if p != len(tokens) and not self.tier.snapshot_entries:
+                break  # (no snapshot block known: only the prompt's own end is looked for on disk)
+            j = p // b
+            key = snapshot_key(keys[j - 1] if j else lay.identity, tokens[j * b : p])
+            if self.tier.has_snapshot(key, probe=p == len(tokens)):
+                return self._resume(tokens, keys, match, p, key, headroom=headroom, chunk=chunk, record=record)
+        return 0
+
+    def _resume(self, tokens: list[int], keys: list[bytes], match: MatchResult, p: int, key: bytes, *,
+                headroom: int, chunk: int, record: bool) -> int:
+        """Load the prefix ``tokens[:p]`` beyond the pool's ``match`` (whole blocks and the snapshot
+        block ``key``'s tail) and put its state on the node ending at ``p``; tokens loaded."""
+        assert self.snapshots is not None
+        cache, alloc, b = self.radix, self.allocator, self.block
+        t0 = time.perf_counter()
+        hit, j = len(match.slots), p // b
+        count = max(0, p - hit)
+        cache.lock(match.node)  # eviction below must not take the prefix we extend
+        try:
+            need = count + min(chunk, len(tokens) + 1 - p) + headroom
+            if alloc.num_free < need:
+                cache.evict(need - alloc.num_free)
+            if alloc.num_free < need:
+                return 0
+            snap = self.tier.read_snapshot(key, tokens[j * b : p])
+            if snap is None:
+                return 0
+            tail, state = snap
+            if count:
+                first = hit // b
+                blocks = self.tier.read(keys[first:j], [tokens[i * b : (i + 1) * b] for i in range(first, j)])
+                if len(blocks) < j - first:
+                    return 0  # a block went missing meanwhile: the prefix cannot be resumed
+                rows = torch.cat([*blocks, tail.to(blocks[0].device)], dim=1) if blocks else tail
+                slots = alloc.alloc(count)
+                assert slots is not None
+                self._copy_in(slots, rows[:, hit - first * b :])
+                present, node = cache.insert(tokens[:p], match.slots + slots)
+                assert present == hit, f"the tree changed under a disk load ({present} != {hit})"
+            else:  # the pool has the rows; only the state was missing
+                node = cache.match_prefix(tokens[:p], record=False).node
+            self.snapshots.put_values(node, state)
+        finally:
+            cache.unlock(match.node)
+        d = self.tier_stats
+        d.loaded_tokens += count
+        d.loaded_snapshots += 1
+        if record:
+            d.hit_tokens += count
+        d.load_seconds += time.perf_counter() - t0
         return count
 
     def close(self, timeout: float = 8.0) -> None:

@@ -206,6 +206,7 @@ class KVTierCard(msgspec.Struct, kw_only=True):
     row_shape: list[int]
     dtype: str  # torch dtype name, e.g. "float32"
     block_tokens: int
+    state_bytes: int = 0  # a hybrid model's snapshot blocks: the state's bytes (0: no linear layers)
 
 
 class Ready(msgspec.Struct, tag=True, kw_only=True):
@@ -226,6 +227,10 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     loras: dict[str, str] | None = None
     # The input kinds the model takes: ["text"], or ["text", "image"] for a vision-language model.
     modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
+    # A hybrid model's recurrent state per sequence (float32 bytes; 0: no linear layers). A prefill
+    # replica computes a hand-over's prompt but its last token then, so the state that travels is the
+    # one a decode replica's admission resumes from (it computes the last token itself).
+    state_bytes: int = 0
 
 
 class SeqTiming(msgspec.Struct, array_like=True, frozen=True):

@@ -185,7 +185,7 @@ def add_pd_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(409, "this replica has no disk tier to receive KV into: run it with --role decode (or "
                            "--kv-disk DIR)", code="kv_transfer_refused")
         layout = TierLayout(bytes.fromhex(card.identity), card.num_layers, tuple(card.row_shape),
-                            getattr(torch, card.dtype), card.block_tokens)
+                            getattr(torch, card.dtype), card.block_tokens, card.state_bytes)
         receiver = BlockReceiver(layout, Path(card.dir))
         t0 = time.perf_counter()
         try:
@@ -267,8 +267,13 @@ async def _prefill(state: ServerState, metrics: PDMetrics, order: pd.PrefillOrde
 
 
 async def _compute(state: ServerState, prompt: Prompt) -> None:
-    """Run ``prompt`` through the engine for one greedy token: its KV is then in the prefix cache."""
-    part = EnginePart(f"pd-{uuid.uuid4().hex[:16]}", prompt.ids, SamplingParams(max_tokens=1, temperature=0.0),
+    """Run ``prompt`` through the engine for one greedy token: its KV is then in the prefix cache. A
+    hybrid model's: all but its last token, so that the state snapshot taken at the end is the one a
+    decode replica resumes from (its admission computes the prompt's last token itself)."""
+    ids = prompt.ids
+    if state.client.info is not None and state.client.info.state_bytes and len(ids) > 1:
+        ids = ids[:-1]
+    part = EnginePart(f"pd-{uuid.uuid4().hex[:16]}", ids, SamplingParams(max_tokens=1, temperature=0.0),
                       images=prompt.images)
     try:
         handle = state.client.open([part], 1)
