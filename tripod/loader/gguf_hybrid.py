@@ -15,6 +15,9 @@ and the models' ``load_weights`` already read):
   by key head to tiled (``_reorder_v_heads``) in ``in_proj_qkv``'s V rows, ``in_proj_z``, ``_a``, ``_b``,
   ``A_log``, ``dt_bias``, the conv's V channels and ``out_proj``'s columns: undone here (rows: a
   gather; ``out_proj``'s stored blocks keep the file's column order and read their input permuted);
+- Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` (rows grouped per key head) arrive as ``attn_qkv`` and
+  ``attn_gate`` (already Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` layout) and ``ssm_ba`` (still grouped:
+  split here into ``in_proj_b`` / ``in_proj_a`` by rows);
 - ``ssm_conv1d`` is squeezed to ``[channels, K]``; MoE experts are stacked ``[E, rows, cols]`` (given as
   transformers' stacked ``gate_up_proj`` / ``down_proj``); the shared expert's gate is 1-D.
 """
@@ -60,6 +63,7 @@ _NAMES: dict[str, tuple[str, bool]] = {
     "attn_gate.weight": ("linear_attn.in_proj_z.weight", False),
     "ssm_beta.weight": ("linear_attn.in_proj_b.weight", False),
     "ssm_alpha.weight": ("linear_attn.in_proj_a.weight", False),
+    "ssm_ba.weight": ("linear_attn.in_proj_ba.weight", False),
     "ssm_a": ("linear_attn.A", False),
     "ssm_dt.bias": ("linear_attn.dt_bias", False),
     "ssm_conv1d.weight": ("linear_attn.conv1d.weight", False),
@@ -169,6 +173,12 @@ def entries(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Entry]:
             elif name.endswith("out_proj.weight"):
                 # the file's column j (tiled position) holds HF's grouped column cols[j]
                 cols = np.arange(nv * dv).reshape(nk, nv // nk, dv).transpose(1, 0, 2).reshape(-1)
+        if rest_is(t.name, "ssm_ba.weight"):  # Qwen3-Next: per key head [b (r heads), a (r heads)]: split by rows
+            r = nv // nk
+            per = np.arange(nk * 2 * r).reshape(nk, 2, r)
+            for part, sel in (("b", per[:, 0].reshape(-1)), ("a", per[:, 1].reshape(-1))):
+                out[name.replace("in_proj_ba", f"in_proj_{part}")] = Entry((t,), _undo(False, sel, None, name), sel)
+            continue
         out[name] = Entry((t,), _undo(plus_one, rows, cols, name), rows, cols)
         if rest_is(t.name, "ffn_down_exps.weight"):
             gate = by_name[t.name.replace("ffn_down_exps", "ffn_gate_exps")]

@@ -233,9 +233,14 @@ class GGUFFile:
                 return AutoTokenizer.from_pretrained(str(cache), local_files_only=True)
             except Exception as e:  # a corrupt cache is rebuilt, never fatal
                 log.warning("rebuilding cached tokenizer at %s (%s)", cache, e)
-        tok = AutoTokenizer.from_pretrained(
-            str(self.path.parent), gguf_file=self.path.name, local_files_only=True
-        )
+        try:
+            tok = AutoTokenizer.from_pretrained(
+                str(self.path.parent), gguf_file=self.path.name, local_files_only=True
+            )
+        except ValueError as e:
+            if "not supported" not in str(e):
+                raise
+            tok = _tokenizer_via_vocab_only(self.path, cache.with_name(cache.name + ".vocab"))
         template = self.field("tokenizer.chat_template")
         if template and not getattr(tok, "chat_template", None):
             tok.chat_template = str(template)
@@ -249,6 +254,32 @@ class GGUFFile:
         except OSError as e:
             log.warning("could not cache the tokenizer in %s: %s", cache, e)
         return tok
+
+
+def _tokenizer_via_vocab_only(path: Path, folder: Path) -> Any:
+    """The tokenizer of a GGUF whose architecture transformers' GGUF reader does not know (it reads
+    tokenizers only from files of the architectures it loads, e.g. not ``qwen3next``): its
+    ``tokenizer.*`` metadata copied, as stored, into a tensor-less GGUF labelled ``qwen2`` (the
+    vocabulary does not depend on the architecture), which transformers then reads."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(path))
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(out), "qwen2")
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), gguf_file=out.name, local_files_only=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class GGUFTensors(LazyTensors):
