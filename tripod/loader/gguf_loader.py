@@ -217,7 +217,7 @@ class GGUFFile:
                 blocks = blocks[e.rows]
             perm = torch.from_numpy(e.cols.astype(np.int64)) if e.cols is not None else None
             rows, cols = int(t.shape[1]), int(t.shape[0])
-            out[name] = StoredWeight(kind, torch.from_numpy(np.ascontiguousarray(blocks)), (rows, cols), perm)
+            out[name] = StoredWeight(kind, torch.from_numpy(np.array(blocks)), (rows, cols), perm)
         return out
 
     def tokenizer(self, cache_dir: Path | None = None) -> Any:
