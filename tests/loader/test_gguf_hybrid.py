@@ -122,3 +122,9 @@ def test_q8_0_gguf_runs_as_stored(checkpoints: dict[str, Path]) -> None:
     assert alone == [o.token_ids for o in got], "a request's tokens differ alone and batched"
     stored.assert_consistent()
     assert np.isfinite([lp.logprob for o in got for lp in o.logprobs]).all()
+    # The defaults (--weights auto, --dtype auto) choose the stored blocks with bf16 activations; a
+    # request's tokens are the same alone as batched there too.
+    auto = Engine(model=str(path), kv_cache_tokens=1024)
+    assert auto.loaded.weights == "stored" and auto.dtype_name == "bfloat16"
+    batched = [o.token_ids for o in auto.generate(PROMPTS, PARAMS)]
+    assert [auto.generate([p], PARAMS)[0].token_ids for p in PROMPTS] == batched

@@ -26,12 +26,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from tripod.loader.gguf_loader import GGUFFile
+
+class GGUFSource(Protocol):
+    """What this module reads of an open GGUF (``loader/gguf_loader.GGUFFile``)."""
+
+    arch: str
+    reader: Any
+
+    def field(self, key: str, default: Any = None) -> Any: ...
 
 # GGUF architecture -> (HF model_type, HF architecture)
 HYBRID_ARCHS = {
@@ -74,7 +80,7 @@ _GLOBAL = {"token_embd.weight": ("model.embed_tokens.weight", False), "output_no
            "output.weight": ("lm_head.weight", False)}
 
 
-def hf_config(f: GGUFFile) -> dict[str, Any]:
+def hf_config(f: GGUFSource) -> dict[str, Any]:
     """The HF ``config.json`` dict of a hybrid GGUF (what ``ModelConfig.from_hf_dict`` reads)."""
     a = f.arch
     mtype, arch = HYBRID_ARCHS[a]
@@ -134,7 +140,7 @@ class Entry:
     cols: np.ndarray | None = None  # a 2-D weight's columns: the file's column j holds HF column cols[j]
 
 
-def entries(f: GGUFFile, cfg: dict[str, Any]) -> dict[str, Entry]:
+def entries(f: GGUFSource, cfg: dict[str, Any]) -> dict[str, Entry]:
     """Every tensor the models read, by HF name (``Entry``: how to rebuild it from the file)."""
     nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
