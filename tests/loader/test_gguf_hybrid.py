@@ -5,8 +5,9 @@ the embedded tokenizer's vocabulary), converted by ``convert_hf_to_gguf.py`` fro
 sources of the ``llama-cpp-python`` sdist (``tests/support/llamacpp_convert.py``: fetched with pip,
 cached), and both are loaded by tripod:
 
-- F32 GGUF: the greedy tokens and every logprob equal the HF folder's bit for bit (the loader undoes
-  each rewrite of the converter exactly, ``loader/gguf_hybrid.py``);
+- F32 GGUF (and F16 for Qwen3.5; the checkpoints hold float16-representable values): the greedy
+  tokens and every logprob equal the HF folder's bit for bit (the loader undoes each rewrite of the
+  converter exactly, ``loader/gguf_hybrid.py``);
 - Q8_0 GGUF: its blocks run as stored on tripod's kernels and give the dequantized file's tokens
   (logprobs within 1e-3, float32 activations both), and every dequantized weight is within Q8_0's
   rounding (half a step of its block's scale) of the HF folder's. Tokens are not compared with the HF
@@ -36,7 +37,25 @@ ENGINE: dict[str, Any] = dict(dtype="float32", kv_cache_tokens=1024, chunk_size=
 # model_type -> (GGUF architecture, overrides): llama.cpp's converter maps no dense layer in Qwen3-Next
 # (``mlp_only_layers``: "Can not map tensor ...mlp.down_proj"), so its checkpoint is MoE on every layer.
 FAMILIES = {"qwen3_5_text": ("qwen35", {}), "qwen3_5_moe_text": ("qwen35moe", {}),
-            "qwen3_next": ("qwen3next", {"mlp_only_layers": None})}
+            "qwen3_next": ("qwen3next", {"mlp_only_layers": None}), "lfm2": ("lfm2", {})}
+
+
+def build_lfm2(vocab: int) -> Any:
+    """A tiny LFM2 (short-conv and attention layers; head_dim 32, a shape the CPU kernels' attention
+    covers) with the random weights of ``tests/models/test_mamba_hybrids.py``."""
+    import transformers
+
+    from tests.models.test_mamba_hybrids import _lfm2_config
+
+    torch.manual_seed(0)
+    model = transformers.Lfm2ForCausalLM(_lfm2_config(vocab_size=vocab, hidden_size=64, num_attention_heads=2,
+                                                     num_key_value_heads=1)).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in n else 0.2 * noise)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +63,11 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> 
     out = {}
     for mtype, (_, extra) in FAMILIES.items():
         folder = tmp_path_factory.mktemp(mtype)
-        model = build_qwen3_5(0, mtype, vocab_size=len(hf_tokenizer), **extra)
+        model = (build_lfm2(len(hf_tokenizer)) if mtype == "lfm2"
+                 else build_qwen3_5(0, mtype, vocab_size=len(hf_tokenizer), **extra))
+        with torch.no_grad():  # values float16 holds exactly: an F16 GGUF then stores the folder's weights
+            for p in model.parameters():
+                p.copy_(p.half().float())
         model.save_pretrained(str(folder))
         hf_tokenizer.save_pretrained(str(folder))
         out[mtype] = folder
@@ -64,14 +87,14 @@ def _run(model: Path, **kw: Any) -> list[Any]:
     return Engine(model=str(model), **{**ENGINE, **kw}).generate(PROMPTS, PARAMS)
 
 
-@pytest.mark.parametrize("mtype", list(FAMILIES))
-def test_f32_gguf_equals_the_hf_folder_bit_for_bit(mtype: str, checkpoints: dict[str, Path]) -> None:
+@pytest.mark.parametrize(("mtype", "outtype"), [(m, "f32") for m in FAMILIES] + [("qwen3_5_text", "f16")])
+def test_f32_f16_gguf_equals_the_hf_folder_bit_for_bit(mtype: str, outtype: str, checkpoints: dict[str, Path]) -> None:
     from tripod.loader.gguf_loader import GGUFFile
 
     folder = checkpoints[mtype]
-    path = _convert(folder, "f32")
+    path = _convert(folder, outtype)
     src = GGUFFile(path)
-    assert src.arch == FAMILIES[mtype][0] and src.hybrid
+    assert src.arch == FAMILIES[mtype][0] and src.hybrid and src.quantization == outtype.upper()
     from tripod.loader.hf_loader import HFFolder
 
     mine, theirs = src.config(), HFFolder(folder).config()
@@ -89,8 +112,14 @@ def test_f32_gguf_equals_the_hf_folder_bit_for_bit(mtype: str, checkpoints: dict
 def test_q8_0_gguf_runs_as_stored(checkpoints: dict[str, Path]) -> None:
     from safetensors.torch import load_file
 
+    from tripod.config import EngineConfig
     from tripod.loader.gguf_loader import GGUFFile
+    from tripod.loader.weights_mode import auto_weights
 
+    lfm2 = _convert(checkpoints["lfm2"], "q8_0")  # a state-space hybrid's GGUF: dequantized, stored refused
+    assert auto_weights(EngineConfig(model=str(lfm2)))[0] == "dequantized"
+    with pytest.raises(ValueError, match="--weights stored"):
+        Engine(model=str(lfm2), weights="stored", **ENGINE)
     folder = checkpoints["qwen3_5_text"]
     path = _convert(folder, "q8_0")
     src = GGUFFile(path)

@@ -1,4 +1,4 @@
-"""Hybrid GGUFs (llama.cpp's ``qwen35``, ``qwen35moe``, ``qwen3next``) read back into transformers' layout.
+"""Hybrid GGUFs (llama.cpp's ``qwen35``, ``qwen35moe``, ``qwen3next``, ``lfm2``) read back into transformers' layout.
 
 llama.cpp's converter (``convert_hf_to_gguf.py``) rewrites these checkpoints on the way in; this module
 undoes each rewrite so the models see exactly the tensors the HF folder holds (what ``ModelConfig.from_hf_dict``
@@ -18,6 +18,9 @@ and the models' ``load_weights`` already read):
 - Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` (rows grouped per key head) arrive as ``attn_qkv`` and
   ``attn_gate`` (already Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` layout) and ``ssm_ba`` (still grouped:
   split here into ``in_proj_b`` / ``in_proj_a`` by rows);
+- LFM2: tensors renamed only (its conv squeezed to ``[channels, L]``); the config's MLP width is
+  written already derived (``block_auto_adjust_ff_dim`` off here), its attention layers are the
+  ones with a nonzero ``attention.head_count_kv``;
 - ``ssm_conv1d`` is squeezed to ``[channels, K]``; MoE experts are stacked ``[E, rows, cols]`` (given as
   transformers' stacked ``gate_up_proj`` / ``down_proj``); the shared expert's gate is 1-D.
 """
@@ -44,7 +47,31 @@ HYBRID_ARCHS = {
     "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
     "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
     "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "lfm2": ("lfm2", "Lfm2ForCausalLM"),
 }
+# LFM2 (a state-space hybrid: short-conv and attention layers): the converter renames only
+_LFM2_NAMES: dict[str, tuple[str, bool]] = {
+    "attn_norm.weight": ("operator_norm.weight", False),
+    "ffn_norm.weight": ("ffn_norm.weight", False),
+    "attn_q.weight": ("self_attn.q_proj.weight", False),
+    "attn_k.weight": ("self_attn.k_proj.weight", False),
+    "attn_v.weight": ("self_attn.v_proj.weight", False),
+    "attn_output.weight": ("self_attn.out_proj.weight", False),
+    "attn_q_norm.weight": ("self_attn.q_layernorm.weight", False),
+    "attn_k_norm.weight": ("self_attn.k_layernorm.weight", False),
+    "ffn_gate.weight": ("feed_forward.w1.weight", False),
+    "ffn_up.weight": ("feed_forward.w3.weight", False),
+    "ffn_down.weight": ("feed_forward.w2.weight", False),
+    "shortconv.in_proj.weight": ("conv.in_proj.weight", False),
+    "shortconv.in_proj.bias": ("conv.in_proj.bias", False),
+    "shortconv.conv.weight": ("conv.conv.weight", False),
+    "shortconv.conv.bias": ("conv.conv.bias", False),
+    "shortconv.out_proj.weight": ("conv.out_proj.weight", False),
+    "shortconv.out_proj.bias": ("conv.out_proj.bias", False),
+}
+_LFM2_GLOBAL = {"token_embd.weight": ("model.embed_tokens.weight", False),
+                "token_embd_norm.weight": ("model.embedding_norm.weight", False),
+                "output.weight": ("lm_head.weight", False)}
 
 # blk.N.<gguf> -> model.layers.N.<hf>; the norms marked True carry llama.cpp's + 1.
 _NAMES: dict[str, tuple[str, bool]] = {
@@ -90,6 +117,23 @@ def hf_config(f: GGUFSource) -> dict[str, Any]:
 
     names = {t.name for t in f.reader.tensors}
     embd = next(t for t in f.reader.tensors if t.name == "token_embd.weight")
+    eos, bos = f.field("tokenizer.ggml.eos_token_id"), f.field("tokenizer.ggml.bos_token_id")
+    if a == "lfm2":
+        kv = g("attention.head_count_kv")
+        kv = list(kv) if isinstance(kv, list) else [int(kv)] * int(g("block_count"))
+        return dict(
+            model_type=mtype, architectures=[arch], vocab_size=int(g("vocab_size", 0) or embd.shape[-1]),
+            hidden_size=int(g("embedding_length")), num_hidden_layers=int(g("block_count")),
+            num_attention_heads=int(g("attention.head_count")), num_key_value_heads=max(int(k) for k in kv),
+            # the converter writes the MLP width already derived (block_auto_adjust_ff_dim applied)
+            intermediate_size=int(g("feed_forward_length")), block_auto_adjust_ff_dim=False,
+            layer_types=["conv" if int(k) == 0 else "full_attention" for k in kv],
+            conv_L_cache=int(g("shortconv.l_cache")), conv_bias=any(n.endswith("shortconv.conv.bias") for n in names),
+            norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_parameters={"rope_type": "default", "rope_theta": float(g("rope.freq_base", 10000.0))},
+            max_position_embeddings=int(g("context_length", 2048)), tie_word_embeddings="output.weight" not in names,
+            bos_token_id=int(bos) if bos is not None else None, eos_token_id=int(eos) if eos is not None else None,
+        )
     layers = int(g("block_count")) - int(g("nextn_predict_layers", 0) or 0)  # (MTP layers are not read)
     heads, head_dim = int(g("attention.head_count")), int(g("attention.key_length"))
     recurrent = g("attention.recurrent_layers")
@@ -97,7 +141,6 @@ def hf_config(f: GGUFSource) -> dict[str, Any]:
         interval = int(g("full_attention_interval", 4))
         recurrent = [(i + 1) % interval != 0 for i in range(layers)]
     v_heads = int(g("ssm.time_step_rank"))
-    eos, bos = f.field("tokenizer.ggml.eos_token_id"), f.field("tokenizer.ggml.bos_token_id")
     d: dict[str, Any] = dict(
         model_type=mtype, architectures=[arch],
         vocab_size=int(g("vocab_size", 0) or embd.shape[-1]),
@@ -142,8 +185,10 @@ class Entry:
 
 def entries(f: GGUFSource, cfg: dict[str, Any]) -> dict[str, Entry]:
     """Every tensor the models read, by HF name (``Entry``: how to rebuild it from the file)."""
-    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    lfm2 = f.arch == "lfm2"
+    layer_names, global_names = (_LFM2_NAMES, _LFM2_GLOBAL) if lfm2 else (_NAMES, _GLOBAL)
+    nk, nv = (1, 1) if lfm2 else (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"])
+    dk, dv = (0, 0) if lfm2 else (cfg["linear_key_head_dim"], cfg["linear_value_head_dim"])
     tiled = f.arch in ("qwen35", "qwen35moe") and nk != nv  # _reorder_v_heads was applied
 
     def grouped_rows(n_heads_dim: int) -> np.ndarray:
@@ -153,13 +198,13 @@ def entries(f: GGUFSource, cfg: dict[str, Any]) -> dict[str, Entry]:
     by_name = {t.name: t for t in f.reader.tensors}
     out: dict[str, Entry] = {}
     for t in f.reader.tensors:
-        if t.name in _GLOBAL:
-            name, plus_one = _GLOBAL[t.name]
+        if t.name in global_names:
+            name, plus_one = global_names[t.name]
         elif t.name.startswith("blk."):
             _, idx, rest = t.name.split(".", 2)
-            if int(idx) >= cfg["num_hidden_layers"] or rest not in _NAMES:
+            if int(idx) >= cfg["num_hidden_layers"] or rest not in layer_names:
                 continue
-            hf, plus_one = _NAMES[rest]
+            hf, plus_one = layer_names[rest]
             name = f"model.layers.{idx}.{hf}"
         else:
             continue
