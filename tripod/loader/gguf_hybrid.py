@@ -224,14 +224,14 @@ def entries(f: GGUFSource, cfg: dict[str, Any]) -> dict[str, Entry]:
             elif name.endswith("out_proj.weight"):
                 # the file's column j (tiled position) holds HF's grouped column cols[j]
                 cols = np.arange(nv * dv).reshape(nk, nv // nk, dv).transpose(1, 0, 2).reshape(-1)
-        if rest_is(t.name, "ssm_ba.weight"):  # Qwen3-Next: per key head [b (r heads), a (r heads)]: split by rows
+        if _in_block(t.name, "ssm_ba.weight"):  # Qwen3-Next: per key head [b (r heads), a (r heads)]: split by rows
             r = nv // nk
             per = np.arange(nk * 2 * r).reshape(nk, 2, r)
             for part, sel in (("b", per[:, 0].reshape(-1)), ("a", per[:, 1].reshape(-1))):
                 out[name.replace("in_proj_ba", f"in_proj_{part}")] = Entry((t,), _undo(False, sel, None, name), sel)
             continue
         out[name] = Entry((t,), _undo(plus_one, rows, cols, name), rows, cols)
-        if rest_is(t.name, "ffn_down_exps.weight"):
+        if _in_block(t.name, "ffn_down_exps.weight"):
             gate = by_name[t.name.replace("ffn_down_exps", "ffn_gate_exps")]
             up = by_name[t.name.replace("ffn_down_exps", "ffn_up_exps")]
             # transformers' stacked [E, 2I, H]: the reader concatenates gate's rows and up's
@@ -239,7 +239,8 @@ def entries(f: GGUFSource, cfg: dict[str, Any]) -> dict[str, Entry]:
     return out
 
 
-def rest_is(gguf_name: str, suffix: str) -> bool:
+def _in_block(gguf_name: str, suffix: str) -> bool:
+    """Whether ``gguf_name`` is a layer tensor (``blk.N.``) named ``suffix``."""
     return gguf_name.startswith("blk.") and gguf_name.endswith(suffix)
 
 
