@@ -64,7 +64,8 @@ def converter_dir() -> Path:
             keep = [m for m in tar.getmembers()
                     if "/vendor/llama.cpp/" in m.name and m.name.split("/vendor/llama.cpp/", 1)[1].startswith(
                         ("convert_hf_to_gguf.py", "conversion/", "gguf-py/"))]
-            tar.extractall(staging, members=keep, filter="data")
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # (Python >= 3.11.4)
+            tar.extractall(staging, members=keep, **safe)
         (src,) = staging.glob("*/vendor/llama.cpp")
         root.parent.mkdir(parents=True, exist_ok=True)
         partial = root.with_name(root.name + f".tmp{os.getpid()}")
