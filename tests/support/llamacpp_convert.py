@@ -77,12 +77,14 @@ def converter_dir() -> Path:
     return root
 
 
-def convert(folder: Path, out: Path, outtype: str) -> Path:
-    """``folder`` (an HF checkpoint) converted by llama.cpp to ``out`` at ``outtype`` (f32, f16, q8_0)."""
+def convert(folder: Path, out: Path, outtype: str, no_mtp: bool = False) -> Path:
+    """``folder`` (an HF checkpoint) converted by llama.cpp to ``out`` at ``outtype`` (f32, f16, q8_0).
+    ``no_mtp``: leave out multi-token-prediction layers (the Qwen hybrids' converter needs to be told
+    when the checkpoint has none; others refuse the flag)."""
     root = converter_dir()
     env = {**os.environ, "PYTHONPATH": str(root / "gguf-py"), "NO_LOCAL_GGUF": "1"}
-    cmd = [sys.executable, "-c", _RUNNER, str(root), str(folder), "--no-mtp", "--outtype", outtype,
-           "--outfile", str(out)]
+    cmd = [sys.executable, "-c", _RUNNER, str(root), str(folder), *(["--no-mtp"] if no_mtp else []),
+           "--outtype", outtype, "--outfile", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0 or not out.is_file():
         raise RuntimeError(f"llama.cpp's converter failed on {folder}:\n{done.stderr[-4000:]}")
