@@ -46,14 +46,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def build_qwen3_5(seed: int = 0, model_type: str = "qwen3_5_text") -> Any:
+def build_qwen3_5(seed: int = 0, model_type: str = "qwen3_5_text", **overrides: Any) -> Any:
     """transformers' Qwen3.5 (or a sibling family; fp32, eval) with decisive random weights:
     unit-variance projections, (1 + w) norms off zero, the mixer's own norm around one, decays and
     conv taps of real size."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     extra = FAMILIES[model_type]
-    cfg = AutoConfig.for_model(model_type, **{k: v for k, v in {**CONFIG, **extra}.items() if v is not None})
+    cfg = AutoConfig.for_model(model_type, **{k: v for k, v in {**CONFIG, **extra, **overrides}.items() if v is not None})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed + 1)

@@ -229,7 +229,9 @@ def check_hybrid(config: EngineConfig, mc: Any) -> None:
         return
     for feature, on in (("--speculative", config.speculative is not None), ("--lora", config.lora is not None),
                         ("--kernels triton", config.triton),
-                        ("--weights stored", config.weights == "stored"), ("--weights fp8", config.weights == "fp8"),
+                        # (a Qwen3.5-family GGUF's blocks run as stored: models/qwen3_5.py load_stored)
+                        ("--weights stored", config.weights == "stored" and mc.hybrid.hf is not None),
+                        ("--weights fp8", config.weights == "fp8"),
                         ("--overlap-schedule on", config.overlap_schedule == "on")):
         if on:
             raise ValueError(hybrid_refusal(feature))

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from tripod.layers.batch import Backend, StateRows
-from tripod.layers.linear import Linear
+from tripod.layers.linear import Linear, StoredWeight
 from tripod.layers.weights import WeightSource
 
 
@@ -57,15 +57,21 @@ class GatedDeltaNet(nn.Module):
         self.a_log = _param(v_heads, dtype=torch.float32, fill=0.0)
         self.norm_w = _param(v_dim, dtype=dtype, fill=1.0)
         self.out_proj = _param(hidden, self.value_size, dtype=dtype)
+        # A GGUF's ``ssm_a``: -exp(A_log) as llama.cpp stores it, used in its place (bit for bit what
+        # torch's exp gives; log() of it would not give A_log back exactly). None: computed from a_log.
+        self.neg_a: torch.Tensor | None = None
         self.ops: dict[str, tuple[Linear, Linear]] = {}
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """This layer's per-sequence state: the conv window and the recurrent state."""
         return ((self.conv_dim, self.kernel - 1), (self.v_heads, self.k_dim, self.v_dim))
 
-    def prepare(self, backend: Backend) -> None:
+    def prepare(self, backend: Backend, stored: dict[str, StoredWeight] | None = None) -> None:
+        """``stored``: a GGUF's blocks of ``in_proj`` (Q|K|V|Z|B|A rows) and ``out_proj``, where kept."""
+        stored = stored or {}
         if backend.form not in self.ops:
-            self.ops[backend.form] = (backend.linear(self.in_proj, None), backend.linear(self.out_proj, None))
+            self.ops[backend.form] = (backend.linear(self.in_proj, None, stored=stored.get("in_proj")),
+                                      backend.linear(self.out_proj, None, stored=stored.get("out_proj")))
 
     def release(self, form: str) -> None:
         self.ops.pop(form, None)
@@ -79,7 +85,10 @@ class GatedDeltaNet(nn.Module):
             self.in_proj.data = torch.cat([src.get(p + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]).contiguous()
         self.conv_w.data = src.get_f32(p + "conv1d.weight").reshape(self.conv_dim, self.kernel).contiguous()
         self.dt_bias.data = src.get_f32(p + "dt_bias")
-        self.a_log.data = src.get_f32(p + "A_log")
+        if src.has(p + "A"):  # a GGUF's -exp(A_log) (loader/gguf_hybrid.py)
+            self.neg_a = src.get_f32(p + "A")
+        else:
+            self.a_log.data = src.get_f32(p + "A_log")
         self.norm_w.data = src.get(p + "norm.weight").contiguous()
         self.out_proj.data = src.get(p + "out_proj.weight").contiguous()
 
@@ -116,7 +125,8 @@ class GatedDeltaNet(nn.Module):
         q = _l2norm(q) * (self.k_dim**-0.5)
         k = _l2norm(k)
         beta = _sigmoid(b).float()
-        g = -self.a_log.exp() * _softplus(a.float() + self.dt_bias)
+        neg_a = -self.a_log.exp() if self.neg_a is None else self.neg_a
+        g = neg_a * _softplus(a.float() + self.dt_bias)
         o = self._recur(q, k, v, g.exp(), beta, states, rec_state)
         o = o.to(h.dtype).float()
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tripod import paths
+from tripod.loader.gguf_hybrid import HYBRID_ARCHS, Entry, entries, hf_config
 from tripod.loader.lazy import LazyTensors
 from tripod.models.config import ModelConfig
 
@@ -67,10 +68,18 @@ class GGUFFile:
             raise ValueError(f"GGUF file not found: {self.path}")
         self.reader = GGUFMetadataReader(self.path)
         self.arch = str(self.field("general.architecture"))
-        if self.arch not in _ARCHS:
+        if self.arch not in _ARCHS and self.arch not in HYBRID_ARCHS:
             raise ValueError(
-                f"GGUF architecture {self.arch!r} is not supported; supported: {', '.join(_ARCHS)}"
+                f"GGUF architecture {self.arch!r} is not supported; supported: {', '.join([*_ARCHS, *HYBRID_ARCHS])}"
             )
+
+    @property
+    def hybrid(self) -> bool:
+        """A hybrid (Gated DeltaNet) GGUF: read back into transformers' layout (``loader/gguf_hybrid.py``)."""
+        return self.arch in HYBRID_ARCHS
+
+    def hybrid_entries(self) -> dict[str, Entry]:
+        return entries(self, hf_config(self))
 
     def field(self, key: str, default: Any = None) -> Any:
         f = self.reader.fields.get(key)
@@ -86,6 +95,8 @@ class GGUFFile:
         return max(counts, key=lambda k: counts[k]) if counts else "unknown"
 
     def config(self) -> ModelConfig:
+        if self.hybrid:
+            return ModelConfig.from_hf_dict(hf_config(self))
         a = self.arch
         heads = int(self.field(f"{a}.attention.head_count"))
         hidden = int(self.field(f"{a}.embedding_length"))
@@ -168,6 +179,8 @@ class GGUFFile:
         from tripod.layers.linear import StoredWeight
         from tripod.loader.stored import convert
 
+        if self.hybrid:
+            return self._hybrid_stored()
         cfg = self.config()
         out: dict[str, Any] = {}
         for t in self.reader.tensors:
@@ -185,6 +198,28 @@ class GGUFFile:
             out[name] = StoredWeight(kind, torch.from_numpy(blocks.copy()), (rows, cols))
         return out
 
+    def _hybrid_stored(self) -> dict[str, Any]:
+        """``stored_weights`` of a hybrid GGUF: the rows of each weight gathered back into HF's order
+        (whole rows of blocks), a column reorder kept as the linear's input permutation."""
+        from tripod.layers.linear import StoredWeight
+        from tripod.loader.stored import convert
+
+        out: dict[str, Any] = {}
+        for name, e in self.hybrid_entries().items():
+            (t, *more) = e.tensors
+            if more or len(t.shape) != 2:
+                continue
+            found = convert(t.tensor_type.name, np.ascontiguousarray(t.data, dtype=np.uint8))
+            if found is None:
+                continue
+            kind, blocks = found
+            if e.rows is not None:
+                blocks = blocks[e.rows]
+            perm = torch.from_numpy(e.cols.astype(np.int64)) if e.cols is not None else None
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            out[name] = StoredWeight(kind, torch.from_numpy(np.array(blocks)), (rows, cols), perm)
+        return out
+
     def tokenizer(self, cache_dir: Path | None = None) -> Any:
         """The HF fast tokenizer built from the GGUF vocabulary (cached after the first build,
         since converting a 49k vocabulary takes seconds)."""
@@ -198,9 +233,14 @@ class GGUFFile:
                 return AutoTokenizer.from_pretrained(str(cache), local_files_only=True)
             except Exception as e:  # a corrupt cache is rebuilt, never fatal
                 log.warning("rebuilding cached tokenizer at %s (%s)", cache, e)
-        tok = AutoTokenizer.from_pretrained(
-            str(self.path.parent), gguf_file=self.path.name, local_files_only=True
-        )
+        try:
+            tok = AutoTokenizer.from_pretrained(
+                str(self.path.parent), gguf_file=self.path.name, local_files_only=True
+            )
+        except ValueError as e:
+            if "not supported" not in str(e):
+                raise
+            tok = _tokenizer_via_vocab_only(self.path, cache.with_name(cache.name + ".vocab"))
         template = self.field("tokenizer.chat_template")
         if template and not getattr(tok, "chat_template", None):
             tok.chat_template = str(template)
@@ -216,12 +256,41 @@ class GGUFFile:
         return tok
 
 
+def _tokenizer_via_vocab_only(path: Path, folder: Path) -> Any:
+    """The tokenizer of a GGUF whose architecture transformers' GGUF reader does not know (it reads
+    tokenizers only from files of the architectures it loads, e.g. not ``qwen3next``): its
+    ``tokenizer.*`` metadata copied, as stored, into a tensor-less GGUF labelled ``qwen2`` (the
+    vocabulary does not depend on the architecture), which transformers then reads."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(path))
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(out), "qwen2")
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), gguf_file=out.name, local_files_only=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class GGUFTensors(LazyTensors):
     """A GGUF file's tensors by HF name, each dequantized on access (never cached here)."""
 
     def __init__(self, src: GGUFFile) -> None:
         self.src = src
         self.cfg = src.config()
+        if src.hybrid:
+            super().__init__(dict(src.hybrid_entries()))
+            return
         where: dict[str, Any] = {}
         for t in src.reader.tensors:
             name = _hf_name(t.name, src.arch)
@@ -232,6 +301,12 @@ class GGUFTensors(LazyTensors):
         super().__init__(where)
 
     def read(self, name: str, handle: Any) -> torch.Tensor:
+        if isinstance(handle, Entry):
+            import gguf
+
+            parts = [np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32) for t in handle.tensors]
+            w = np.ascontiguousarray(handle.undo(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-2)))
+            return torch.from_numpy(w.copy() if not w.flags.writeable else w)
         return self.src.dequantized(handle, name, self.cfg)
 
 

@@ -81,7 +81,7 @@ class GatedAttention(GQAttention):
     def prepare(self, backend: Backend, stored: dict[str, StoredWeight]) -> None:
         super().prepare(backend, stored)
         if backend.form not in self.gate_ops:
-            self.gate_ops[backend.form] = backend.linear(self.gate, None)
+            self.gate_ops[backend.form] = backend.linear(self.gate, None, stored=stored.get("gate"))
 
     def release(self, form: str) -> None:
         super().release(form)
@@ -117,7 +117,7 @@ class LinearDecoderLayer(DecoderLayer):
 
     def prepare(self, backend: Backend) -> None:
         assert isinstance(self.attn, GatedDeltaNet)
-        self.attn.prepare(backend)
+        self.attn.prepare(backend, self.stored)
         self.mlp.prepare(backend, self.stored)
 
     def _attend(self, h: torch.Tensor, ctx: StepContext, rotary: RotaryEmbedding,
@@ -164,11 +164,61 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
                               cfg.rms_norm_eps, index, self.dtype)
         return LinearDecoderLayer(cfg, i, mixer, self.dtype)
 
+    def load_stored(self, stored: Mapping[str, StoredWeight]) -> None:
+        """A GGUF's blocks (HF names and row order, ``loader/gguf_hybrid.py``): the MLP's and the head's
+        as ``LlamaForCausalLM`` keeps them; an attention layer's query, gate and key rows taken apart
+        and permuted as ``GatedAttention.load`` does with the weights (whole rows of blocks); a linear
+        layer's ``in_proj`` (Q|K|V, Z, B, A fused) and ``out_proj``. A part left unquantized by the
+        converter runs its fused projection dequantized."""
+        super().load_stored(stored)
+        for layer in self.layers:
+            a = f"model.layers.{layer.layer}."
+            layer.stored.pop("qkv", None)
+            if isinstance(layer.attn, GatedDeltaNet):
+                names = [a + f"linear_attn.in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")]
+                for key, parts in (("in_proj", names), ("out_proj", [a + "linear_attn.out_proj.weight"])):
+                    fused = _fuse_rows([stored.get(n) for n in parts])
+                    if fused is not None:
+                        layer.stored[key] = fused
+                continue
+            attn = layer.attn
+            assert isinstance(attn, GatedAttention)
+            q, k, v = (stored.get(a + f"self_attn.{n}_proj.weight") for n in "qkv")
+            if q is None or k is None or v is None:
+                continue
+            s = attn.spec
+            d = attn.q_size // s.num_heads
+            qg = q.blocks.view(s.num_heads, 2, d, -1)
+            rows = [qg[:, 0][:, attn.perm].reshape(-1, qg.shape[-1]),
+                    k.blocks.view(s.num_kv_heads, d, -1)[:, attn.perm].reshape(-1, qg.shape[-1])]
+            query, key = (StoredWeight(q.kind, r.contiguous(), (r.shape[0], q.shape[1])) for r in rows)
+            qkv = _fuse_rows([query, key, v])
+            if qkv is not None:
+                layer.stored["qkv"] = qkv
+            gate = qg[:, 1].reshape(-1, qg.shape[-1]).contiguous()
+            layer.stored["gate"] = StoredWeight(q.kind, gate, (gate.shape[0], q.shape[1]))
+
     def load_attention(self, layer: DecoderLayer, src: WeightSource, p: str) -> None:
         if isinstance(layer.attn, GatedDeltaNet):
             layer.attn.load(src, p + "linear_attn.")
             return
         super().load_attention(layer, src, p)
+
+
+def _fuse_rows(parts: list[StoredWeight | None]) -> StoredWeight | None:
+    """``parts`` stacked by rows, when each is stored, all of one kind over the same inputs in the
+    same order; else None (the projection runs dequantized)."""
+    if any(p is None for p in parts):
+        return None
+    ps = [p for p in parts if p is not None]
+    first = ps[0]
+    if any(p.kind != first.kind or p.shape[1] != first.shape[1] for p in ps):
+        return None
+    if any((p.perm is None) != (first.perm is None) or (p.perm is not None and not torch.equal(p.perm, first.perm))
+           for p in ps):
+        return None
+    blocks = torch.cat([p.blocks for p in ps]).contiguous() if len(ps) > 1 else first.blocks
+    return StoredWeight(first.kind, blocks, (sum(p.shape[0] for p in ps), first.shape[1]), first.perm)
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):

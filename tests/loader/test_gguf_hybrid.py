@@ -1,0 +1,160 @@
+"""Hybrid GGUFs made by llama.cpp's own converter, loaded by tripod, against the HF folder they came from.
+
+A tiny random Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoint is built with transformers (fixed seed,
+the embedded tokenizer's vocabulary), converted by ``convert_hf_to_gguf.py`` from the llama.cpp
+sources of the ``llama-cpp-python`` sdist (``tests/support/llamacpp_convert.py``: fetched with pip,
+cached), and both are loaded by tripod:
+
+- F32 GGUF (and F16 for Qwen3.5; the checkpoints hold float16-representable values): the greedy
+  tokens and every logprob equal the HF folder's bit for bit (the loader undoes each rewrite of the
+  converter exactly, ``loader/gguf_hybrid.py``);
+- Q8_0 GGUF: its blocks run as stored on tripod's kernels and give the dequantized file's tokens
+  (logprobs within 1e-3, float32 activations both), and every dequantized weight is within Q8_0's
+  rounding (half a step of its block's scale) of the HF folder's. Tokens are not compared with the HF
+  folder at Q8_0: the rounding moves logits by ~1e-2, enough to flip the near ties that random weights
+  over a 49k vocabulary have.
+
+If the converter cannot be fetched (no package index), the tests fail saying so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.models.test_hybrid_gdn import PROMPTS, build_qwen3_5
+from tripod import Engine, SamplingParams
+
+pytestmark = pytest.mark.slow  # (fetching and running llama.cpp's converter: ~10-20 s per file)
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+ENGINE: dict[str, Any] = dict(dtype="float32", kv_cache_tokens=1024, chunk_size=64, max_batch_tokens=128,
+                              max_running=4)
+# model_type -> (GGUF architecture, overrides): llama.cpp's converter maps no dense layer in Qwen3-Next
+# (``mlp_only_layers``: "Can not map tensor ...mlp.down_proj"), so its checkpoint is MoE on every layer.
+FAMILIES = {"qwen3_5_text": ("qwen35", {}), "qwen3_5_moe_text": ("qwen35moe", {}),
+            "qwen3_next": ("qwen3next", {"mlp_only_layers": None}), "lfm2": ("lfm2", {})}
+
+
+def build_lfm2(vocab: int) -> Any:
+    """A tiny LFM2 (short-conv and attention layers; head_dim 32, a shape the CPU kernels' attention
+    covers) with the random weights of ``tests/models/test_mamba_hybrids.py``."""
+    import transformers
+
+    from tests.models.test_mamba_hybrids import _lfm2_config
+
+    torch.manual_seed(0)
+    model = transformers.Lfm2ForCausalLM(_lfm2_config(vocab_size=vocab, hidden_size=64, num_attention_heads=2,
+                                                     num_key_value_heads=1)).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in n else 0.2 * noise)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> dict[str, Path]:
+    out = {}
+    for mtype, (_, extra) in FAMILIES.items():
+        folder = tmp_path_factory.mktemp(mtype)
+        model = (build_lfm2(len(hf_tokenizer)) if mtype == "lfm2"
+                 else build_qwen3_5(0, mtype, vocab_size=len(hf_tokenizer), **extra))
+        with torch.no_grad():  # values float16 holds exactly: an F16 GGUF then stores the folder's weights
+            for p in model.parameters():
+                p.copy_(p.half().float())
+        model.save_pretrained(str(folder))
+        hf_tokenizer.save_pretrained(str(folder))
+        out[mtype] = folder
+    return out
+
+
+def _convert(folder: Path, outtype: str) -> Path:
+    from tests.support.llamacpp_convert import convert
+
+    try:
+        return convert(folder, folder.with_name(folder.name + f".{outtype}.gguf"), outtype,
+                       no_mtp=not folder.name.startswith("lfm2"))
+    except RuntimeError as e:  # (fetching the converter, or running it)
+        pytest.fail(f"making the hybrid GGUF with llama.cpp's converter failed: {e}")
+
+
+def _run(model: Path, **kw: Any) -> list[Any]:
+    return Engine(model=str(model), **{**ENGINE, **kw}).generate(PROMPTS, PARAMS)
+
+
+@pytest.mark.parametrize(("mtype", "outtype"), [(m, "f32") for m in FAMILIES] + [("qwen3_5_text", "f16")])
+def test_f32_f16_gguf_equals_the_hf_folder_bit_for_bit(mtype: str, outtype: str, checkpoints: dict[str, Path]) -> None:
+    from tripod.loader.gguf_loader import GGUFFile
+
+    folder = checkpoints[mtype]
+    path = _convert(folder, outtype)
+    src = GGUFFile(path)
+    assert src.arch == FAMILIES[mtype][0] and src.hybrid and src.quantization == outtype.upper()
+    from tripod.loader.hf_loader import HFFolder
+
+    mine, theirs = src.config(), HFFolder(folder).config()
+    assert (mine.architecture, mine.hybrid, mine.num_layers, mine.head_dim) == (
+        theirs.architecture, theirs.hybrid, theirs.num_layers, theirs.head_dim)
+    want = _run(folder, kernels="eager")
+    for kernels in ("eager", "optimized"):
+        got = _run(path, kernels=kernels)
+        ref = want if kernels == "eager" else _run(folder, kernels=kernels)
+        for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+            assert a.token_ids == b.token_ids, f"{mtype} {kernels} prompt {i}"
+            assert [lp.logprob for lp in a.logprobs] == [lp.logprob for lp in b.logprobs], f"{mtype} {kernels} prompt {i}"
+
+
+def test_q8_0_gguf_runs_as_stored(checkpoints: dict[str, Path]) -> None:
+    from safetensors.torch import load_file
+
+    from tripod.config import EngineConfig
+    from tripod.loader.gguf_loader import GGUFFile
+    from tripod.loader.weights_mode import auto_weights
+
+    lfm2 = _convert(checkpoints["lfm2"], "q8_0")  # a state-space hybrid's GGUF: dequantized, stored refused
+    assert auto_weights(EngineConfig(model=str(lfm2)))[0] == "dequantized"
+    with pytest.raises(ValueError, match="--weights stored"):
+        Engine(model=str(lfm2), weights="stored", **ENGINE)
+    folder = checkpoints["qwen3_5_text"]
+    path = _convert(folder, "q8_0")
+    src = GGUFFile(path)
+    assert src.quantization == "Q8_0"
+    # Every weight within Q8_0's rounding of the HF folder's (half a step of the largest block scale).
+    hf = load_file(str(folder / "model.safetensors"))
+    weights = src.weights()
+    assert set(weights) == {k.replace(".A_log", ".A") for k in hf}
+    for name, w in weights.items():
+        if name.endswith(".A"):  # -exp(A_log), as the converter stored it (float32)
+            assert torch.equal(w, -hf[name[:-1] + "A_log"].exp()), name
+            continue
+        ref = hf[name].reshape(w.shape)
+        # Q8_0: half a step of the largest block scale, plus that scale rounded to float16 (127 * 2^-11 steps)
+        tol = max(0.6 * float(ref.abs().max()) / 127, 1e-6)
+        assert float((w - ref).abs().max()) <= tol, name
+    stored = Engine(model=str(path), weights="stored", **ENGINE)
+    model = stored.loaded.model
+    assert stored.runner.form.startswith("stored") and model.stored_head is not None
+    for layer in model.layers:  # every projection of every layer kind kept as stored blocks
+        want = {"in_proj", "out_proj"} if layer.layer in model.hybrid.linear_layers else {"qkv", "gate", "o"}
+        assert want | {"gate_up", "down"} <= set(layer.stored), (layer.layer, sorted(layer.stored))
+    got = stored.generate(PROMPTS, PARAMS)
+    want_out = _run(path, weights="dequantized")
+    for i, (a, b) in enumerate(zip(got, want_out, strict=True)):
+        assert a.token_ids == b.token_ids, f"prompt {i}"
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-3, i
+    alone = [stored.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
+    assert alone == [o.token_ids for o in got], "a request's tokens differ alone and batched"
+    stored.assert_consistent()
+    assert np.isfinite([lp.logprob for o in got for lp in o.logprobs]).all()
+    # The defaults (--weights auto, --dtype auto) choose the stored blocks with bf16 activations; a
+    # request's tokens are the same alone as batched there too.
+    auto = Engine(model=str(path), kv_cache_tokens=1024)
+    assert auto.loaded.weights == "stored" and auto.dtype_name == "bfloat16"
+    batched = [o.token_ids for o in auto.generate(PROMPTS, PARAMS)]
+    assert [auto.generate([p], PARAMS)[0].token_ids for p in PROMPTS] == batched
