@@ -322,3 +322,44 @@ def test_a_stored_linear_gives_each_row_the_same_bits_at_every_row_count(dtype: 
     assert first is not None
     alone, ref = first, x.float() @ q.dequantize().t()
     torch.testing.assert_close(alone.float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+# ---------------------------------------------------------------------------- memory at stored size
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
+def test_stored_weights_hold_no_dense_copy_and_decode_the_same_tokens(quantized: Any) -> None:
+    """A W4A16 folder with --weights stored: each quantized projection keeps one tensor, the kernels'
+    packed codes (0.75 bytes a weight for int4 in groups of 32: < 0.4x the 2 bytes of its bf16 twin),
+    no dense weight beside it; the engine reports the bytes it holds; the tokens are the reference's,
+    and a stored form rebuilt from the kept codes gives them again, bit for bit."""
+    from tripod.engine.executor.group import weight_bytes
+    from tripod.layers.backends.reference import TorchBackend
+    from tripod.layers.linear import KernelLinear
+
+    folder, ref = quantized("ct-w4a16-asym-g32")
+    eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=2048, chunk_size=16, max_batch_tokens=64,
+                 max_running=8, weights="stored")
+    net, form = eng.loaded.model, eng.runner.backend.form
+    bf16_linears = stored_linears = 0
+    for layer in net.layers:
+        assert set(layer.stored) == {"qkv", "o", "gate_up", "down"}
+        for key, mod, idx in (("qkv", layer.attn, 0), ("o", layer.attn, 1), ("gate_up", layer.mlp, 0), ("down", layer.mlp, 1)):
+            sw, op = layer.stored[key], mod.ops[form][idx]
+            assert getattr(mod, key).numel() == 0, f"{key}: a dense weight is still held"
+            assert isinstance(op, KernelLinear) and sw.packed and op.packed.data_ptr() == sw.blocks.data_ptr()
+            stored_linears += sw.blocks.numel()
+            bf16_linears += 2 * sw.shape[0] * sw.shape[1]
+    assert stored_linears < 0.4 * bf16_linears, (stored_linears, bf16_linears)
+    # the rest (embedding, norms, the head's packed copy) is what a dense model holds too
+    rest = sum(p.numel() * p.element_size() for n, p in net.named_parameters() if "layers" not in n or "norm" in n)
+    assert weight_bytes(net) <= stored_linears + 2 * rest
+    assert eng.snapshot().weight_bytes == weight_bytes(net)
+
+    refs = [ref.greedy(p, N_TOKENS) for p in PROMPTS[:2]]
+    first = [eng.generate([p], PARAMS)[0].token_ids for p in PROMPTS[:2]]
+    for i, got in enumerate(first):
+        check_greedy_tokens(got, refs[i], f"stored prompt {i}")
+    net.release(form)  # another engine sharing the model dropped the form: rebuilt from the kept codes
+    again = [eng.generate([p], PARAMS)[0].token_ids for p in PROMPTS[:2]]
+    assert [list(t) for t in again] == [list(t) for t in first]
+    with pytest.raises(ValueError, match="dense weights were released"):
+        net.prepare(TorchBackend())

@@ -205,6 +205,14 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
                          "weights on the Triton W4A16 kernel; a GGUF's stored weights run on tripod's CPU kernels only")
     if config.weights == "stored" and not config.triton and runner.kernel_reason is not None:
         raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {runner.kernel_reason}")
+    if config.weights == "stored" and not config.triton and group is None:
+        # NOTE: the kernels are loaded (start_kernels waits for them with --weights stored), so every
+        # step runs the stored form: the dense copies of its projections are dropped before the
+        # first step (and before the KV identity below hashes the model's state).
+        freed = runner.release_dense_stored()
+        log.info("weights: %.1f MiB resident (%.1f MiB of dense weights and unpacked codes given back: "
+                 "the stored projections keep only their packed codes)", weight_bytes(loaded.model) / 2**20,
+                 freed / 2**20)
     sampler = Sampler(device, config.seed)
     proposer = make_proposer(config, loaded, draft, pool, sampler, path=path, max_len=max_len, device=device,
                               dtype=dtype)

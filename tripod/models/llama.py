@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tripod.layers.batch import Backend, ForwardBatch
-from tripod.layers.linear import Linear, StoredWeight
+from tripod.layers.linear import STORED_KINDS, KernelLinear, Linear, StoredWeight, released
 from tripod.layers.mlp import GatedMLP
 from tripod.layers.moe import MoE
 from tripod.layers.norm import rms_norm
@@ -278,6 +278,31 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.release(form)
         self.head_ops.pop(form, None)
+
+    def release_dense_stored(self, form: str) -> int:
+        """After the ``stored`` form ``form`` is built: keep one copy of each projection it runs as
+        stored codes — the kernels' packed blocks, which ``layer.stored`` then holds too (the form can
+        be rebuilt from them without repacking) — and drop the dense weight and the unpacked blocks.
+        Returns the bytes given back. The head is left as it is (a tied head is the embedding).
+        NOTE: afterwards only a stored form can run these projections; another backend's
+        ``prepare`` refuses (``make_linear``) instead of reading an empty weight."""
+        freed = 0
+        for layer in self.layers:
+            sites = (("qkv", layer.attn, "qkv", 0), ("o", layer.attn, "o", 1),
+                     ("gate_up", layer.mlp, "gate_up", 0), ("down", layer.mlp, "down", 1))
+            for key, mod, attr, idx in sites:
+                sw = layer.stored.get(key)
+                ops = getattr(mod, "ops", {}).get(form)
+                if sw is None or ops is None or sw.packed:
+                    continue
+                op = ops[idx]
+                if not isinstance(op, KernelLinear) or op.fmt != STORED_KINDS.get(sw.kind):
+                    continue
+                w = getattr(mod, attr)
+                freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
+                layer.stored[key] = StoredWeight(sw.kind, op.packed, sw.shape, sw.perm, packed=True)
+                w.data = released(w.data)
+        return freed
 
     @property
     def has_stored_weights(self) -> bool:

@@ -61,10 +61,32 @@ class RankStep:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the distinct parameters a model holds (a tied head counted once)."""
+    """Bytes of the distinct weight tensors a model holds: its parameters (a tied head counted once),
+    the stored codes it keeps (``StoredWeight.blocks``) and what the compute forms packed from them
+    (``KernelLinear.packed``: the kernels' copy of a dense weight, or the stored codes themselves
+    once ``release_dense_stored`` made the two one tensor)."""
+    from tripod.layers.linear import KernelLinear, StoredWeight
+
     seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> None:
+        if t.numel() and t.layout == torch.strided:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+
     for p in model.parameters():
-        seen[p.data_ptr()] = p.numel() * p.element_size()
+        add(p)
+    for module in model.modules():
+        stored = getattr(module, "stored", None)
+        extra = [module.stored_head] if isinstance(getattr(module, "stored_head", None), StoredWeight) else []
+        for sw in [*(stored.values() if isinstance(stored, dict) else ()), *extra]:
+            if isinstance(sw, StoredWeight):
+                add(sw.blocks)
+        for attr in ("ops", "head_ops"):
+            forms = getattr(module, attr, None)
+            for ops in forms.values() if isinstance(forms, dict) else ():
+                for op in ops if isinstance(ops, tuple) else (ops,):
+                    if isinstance(op, KernelLinear):
+                        add(op.packed)
     return sum(seen.values())
 
 
