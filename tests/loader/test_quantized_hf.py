@@ -57,9 +57,11 @@ CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "gptq-moe-experts": ("qwen3-moe", "gptq", dict(bits=4, group=32, sym=True), {}),  # quantized experts
     "ct-nvfp4a16": ("qwen3", "nvfp4", dict(ignore=("down_proj",)), {}),
 }
-# The cases whose every quantized weight runs as stored (4-bit, act-order permuted at load; symmetric 8-bit).
+# The cases whose every quantized weight runs as stored (4-bit, act-order permuted at load; 8-bit
+# symmetric, or with zero points as two 4-bit halves).
 STORED = ("awq-g32", "awq-g128-ignore", "gptq-4bit-sym-g64", "gptq-4bit-asym-desc-act", "gptq-8bit-sym-channel",
-          "ct-w4a16-sym-g32-ignore", "ct-w4a16-asym-g32", "ct-w8a16-channel", "ct-w4a16-actorder", "ct-nvfp4a16")
+          "gptq-8bit-asym-g32", "ct-w4a16-sym-g32-ignore", "ct-w4a16-asym-g32", "ct-w8a16-channel",
+          "ct-w4a16-actorder", "ct-nvfp4a16")
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +130,17 @@ def test_stored_codes_decode_the_reference_tokens(case: str, quantized: Any) -> 
     want = {"qkv", "gate_up"} | ({"down"} if "down_proj" not in ignored else set()) | ({"o"} if "o_proj" not in ignored else set())
     assert set(layer.stored) == want, set(layer.stored)
     gate_up, _down = layer.mlp.ops[eng.runner.backend.form]
-    int4 = CASES[case][2].get("bits") == 4 and CASES[case][1] != "nvfp4"
-    assert isinstance(gate_up, KernelLinear) and gate_up.fmt == ("q4_k" if int4 else "q6_k")
+    opts = CASES[case][2]
+    q4 = (opts.get("bits") == 4 or not opts.get("sym", True)) and CASES[case][1] != "nvfp4"  # int4; int8 with zero points
+    assert isinstance(gate_up, KernelLinear) and gate_up.fmt == ("q4_k" if q4 else "q6_k")
+    if opts.get("bits") == 8 and not opts.get("sym", True):  # two halves over the inputs read twice
+        assert gate_up.k == 2 * net.cfg.hidden_size
     _check(eng, ref, f"{case} stored")
 
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
-def test_auto_picks_stored_for_int4_groups_and_dequantized_for_asymmetric_int8(quantized: Any) -> None:
+def test_auto_picks_stored_for_groups_of_32_and_dequantized_for_others(quantized: Any, tmp_path: Path) -> None:
+    from tests.support.int_quant import quant_config
     from tripod.config import EngineConfig
     from tripod.loader.weights_mode import auto_weights
 
@@ -143,7 +149,10 @@ def test_auto_picks_stored_for_int4_groups_and_dequantized_for_asymmetric_int8(q
     assert mode == "stored" and "awq (int4, group 32, zero points)" in why, why
     folder, _ = quantized("gptq-8bit-asym-g32")
     mode, why = auto_weights(EngineConfig(model=str(folder)))
-    assert mode == "dequantized" and "symmetric 8-bit" in why, why
+    assert mode == "stored" and "gptq (int8, group 32, zero points)" in why, why
+    odd = _folder_with(quantized, tmp_path, "gptq-8bit-asym-g32", config=quant_config("gptq", 8, 48, False, False, ()))
+    mode, why = auto_weights(EngineConfig(model=str(odd)))
+    assert mode == "dequantized" and "multiple of 32" in why, why
     mode, why = auto_weights(EngineConfig(model=str(folder), dtype="float32"))
     assert mode == "dequantized" and "--dtype float32" in why
 
@@ -156,7 +165,8 @@ def test_stored_blocks_hold_exactly_the_dequantized_values(quantized: Any) -> No
     from tripod.loader.hf_loader import HFFolder
     from tripod.loader.stored import dequantize
 
-    for case in ("awq-g32", "gptq-8bit-sym-channel", "ct-w4a16-asym-g32", "gptq-4bit-asym-desc-act", "ct-nvfp4a16"):
+    for case in ("awq-g32", "gptq-8bit-sym-channel", "ct-w4a16-asym-g32", "gptq-4bit-asym-desc-act", "ct-nvfp4a16",
+                 "gptq-8bit-asym-g32"):
         folder, _ = quantized(case)
         src = HFFolder(folder)
         deq = src.weights()
@@ -164,8 +174,12 @@ def test_stored_blocks_hold_exactly_the_dequantized_values(quantized: Any) -> No
         assert stored
         for name, sw in stored.items():
             got = dequantize(sw.kind, sw.blocks.numpy(), sw.shape[1])
-            want = deq[name] if sw.perm is None else deq[name][:, sw.perm]  # act-order: inputs permuted at load
-            assert (sw.perm is not None) == case.endswith("desc-act")
+            k = deq[name].shape[1]
+            if case == "gptq-8bit-asym-g32":  # two halves, 16 s h and s l - s z: their float32 sum is exact
+                assert sw.shape[1] == 2 * k and torch.equal(sw.perm, torch.cat((torch.arange(k), torch.arange(k))))
+                got = got[:, :k] + got[:, k:]
+            want = deq[name] if sw.perm is None or sw.shape[1] == 2 * k else deq[name][:, sw.perm]  # act-order
+            assert (sw.perm is not None) == (case.endswith("desc-act") or case == "gptq-8bit-asym-g32")
             assert np.array_equal(got, want.numpy()), f"{case}: {name} ({sw.kind}) differs"
 
 
@@ -291,9 +305,10 @@ def test_transformers_decompression_agrees_up_to_its_bf16_rounding(case: str, qu
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits, act_order", [(4, True), (4, False), (8, False)])
+@pytest.mark.parametrize("bits, act_order, sym", [(4, True, False), (4, False, False), (8, False, True),
+                                                  (8, True, False)])
 def test_a_stored_linear_gives_each_row_the_same_bits_at_every_row_count(dtype: torch.dtype, bits: int,
-                                                                          act_order: bool) -> None:
+                                                                          act_order: bool, sym: bool) -> None:
     """One stored projection (act-order: inputs permuted at load) on the kernels: a row's output is
     bit-identical alone and among 1..9 rows (the sums never depend on the batch), and equals the
     dequantized weight's product up to float32 summation order."""
@@ -305,15 +320,16 @@ def test_a_stored_linear_gives_each_row_the_same_bits_at_every_row_count(dtype: 
     g = torch.Generator().manual_seed(bits)
     n, k = 48, 128
     g_idx = torch.randperm(k, generator=g) // 32 if act_order else None
-    q = quantize(torch.randn(n, k, generator=g), bits, 32, bits == 8, torch.float16, g_idx)
+    q = quantize(torch.randn(n, k, generator=g), bits, 32, sym, torch.float16, g_idx)
     w = GroupQuantized(q.codes.to(torch.uint8), q.scales.float(), q.zeros.to(torch.int32), q.g_idx, bits)
     kind, blocks, perm = group_blocks(w) or (None, None, None)
-    assert kind == ("Q4_K" if bits == 4 else "Q6_K") and (perm is not None) == act_order
+    assert kind == ("Q6_K" if sym and bits == 8 else "Q4_K") and (perm is not None) == (act_order or (not sym and bits == 8))
+    kk = k if perm is None else int(perm.numel())  # 8-bit with zero points: two halves, K' = 2K
     x = torch.randn(9, k, generator=g).to(dtype)
     first = None
     for level in supported_levels():  # every ISA level: the same bits
         assert kernels.load(level, wait=True), kernels.unavailable_reason(level)
-        lin = KernelLinear.pack_stored(kernels.ops(level), StoredWeight(kind, blocks, (n, k), perm), None)
+        lin = KernelLinear.pack_stored(kernels.ops(level), StoredWeight(kind, blocks, (n, kk), perm), None)
         alone = torch.cat([lin(x[i : i + 1]) for i in range(9)])
         for rows in (2, 5, 9):
             assert torch.equal(lin(x[:rows]), alone[:rows]), f"{level}: {rows} rows"

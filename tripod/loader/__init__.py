@@ -130,7 +130,7 @@ def load_model(
         if not net.has_stored_weights:
             raise ValueError(
                 f"--weights stored: {path.name} has no weights in a type tripod executes as stored "
-                f"(GGUF Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K; int4 groups, symmetric int8; this model is {quant}); "
+                f"(GGUF Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K; int4 or int8 groups of a multiple of 32; this model is {quant}); "
                 "use the default dequantized weights"
             )
     net.eval()

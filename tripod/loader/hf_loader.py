@@ -157,8 +157,8 @@ class HFFolder:
     def stored_weights(self) -> dict[str, Any]:
         """The integer-quantized weights tripod's kernels execute as stored (``stored.group_blocks``),
         as blocks under HF names (act-order ones with the input permutation that makes their groups
-        contiguous); the others (8-bit with zero points, groups not a multiple of 32) are left to
-        their dequantized form, counted in the log."""
+        contiguous); the others (groups not a multiple of 32, float32 scales whose products with the
+        zero points round) are left to their dequantized form, counted in the log."""
         from safetensors.torch import load_file
 
         from tripod.layers.linear import StoredWeight
@@ -174,7 +174,9 @@ class HFFolder:
         for module, w in found.items():
             blocks = group_blocks(w)
             if blocks is not None:
-                stored[module + ".weight"] = StoredWeight(blocks[0], blocks[1], w.shape, blocks[2])
+                # (8-bit codes with zero points run as two 4-bit halves over the inputs read twice: K' = 2K)
+                k = w.shape[1] if blocks[2] is None else int(blocks[2].numel())
+                stored[module + ".weight"] = StoredWeight(blocks[0], blocks[1], (w.shape[0], k), blocks[2])
         kinds = sorted({sw.kind for sw in stored.values()})
         log.info("%s: %d %s weights executed as stored on tripod's CPU kernels (%s blocks: codes x activations, "
                  "the group scales per 32 inputs%s)", self.path.name, len(stored), self.int_format.describe(),
@@ -182,7 +184,7 @@ class HFFolder:
                      sw.perm is not None for sw in stored.values()) else "")
         if len(stored) < len(found):
             log.info("%s: %d of %d quantized weights have no stored form the kernels execute "
-                     "(zero points on 8 bits, or groups not a multiple of 32): they run dequantized",
+                     "(groups not a multiple of 32, or float32 scales times zero points that round): they run dequantized",
                      self.path.name, len(found) - len(stored), len(found))
         return stored
 

@@ -143,9 +143,8 @@ class IntFormat:
                 return None
             if sc.group != -1 and sc.group % 32:
                 continue
-            if sc.bits == 4 or sc.symmetric:
-                return None
-        return "no scheme with 4-bit codes, or symmetric 8-bit ones, in groups of a multiple of 32 inputs"
+            return None  # 4-bit, 8-bit symmetric or with zero points (loader/stored.py's group_blocks)
+        return "no scheme with groups of a multiple of 32 inputs (or one per channel)"
 
     def modules(self, names: list[str]) -> list[str]:
         """The quantized linears among a checkpoint's tensor names; refuses a stray tensor of the
