@@ -216,7 +216,8 @@ def _folder_with(quantized: Any, tmp_path: Path, case: str, *, config: dict[str,
     ({"quant_method": "compressed-tensors", "format": "int-quantized",
       "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
                               "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}},
-     "format 'int-quantized'.*not supported"),
+     "input activations .* are not supported; tripod runs W8A8 with symmetric 8-bit int activations quantized "
+     "dynamically per token"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized",
       "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}}},
      "strategy 'tensor' is not supported"),
@@ -379,3 +380,72 @@ def test_stored_weights_hold_no_dense_copy_and_decode_the_same_tokens(quantized:
     assert [list(t) for t in again] == [list(t) for t in first]
     with pytest.raises(ValueError, match="dense weights were released"):
         net.prepare(TorchBackend())
+
+
+# ---------------------------------------------------------------------------- W8A8 (activations quantized)
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_linear_is_the_checkpoints_math_and_batch_invariant(kind: str, dtype: torch.dtype) -> None:
+    """tripod's W8A8 linear equals the test's reference bit for bit — compressed-tensors' own
+    per-token activation quantization, the codes' product in integers, scaled once — and gives
+    each row the same bits alone and in a batch."""
+    pytest.importorskip("compressed_tensors")
+    from tests.support.int_quant import W8A8Reference, pack_w8a8
+    from tripod.layers.w8a8 import W8A8Linear
+
+    g = torch.Generator().manual_seed(3)
+    parts, _deq = pack_w8a8(torch.randn(48, 256, generator=g) / 16, kind)
+    x = (torch.randn(7, 256, generator=g) * torch.logspace(-2, 2, 7).unsqueeze(1)).to(dtype)
+    x[3] = 0  # an all-zero row: codes 0
+    ref = W8A8Reference(parts["weight"], parts["weight_scale"], kind)(x)
+    lin = W8A8Linear(parts["weight"], parts["weight_scale"].float().reshape(-1), kind, None)
+    got = lin(x)
+    assert got.dtype == dtype and torch.equal(got, ref)
+    assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(7)]), got)
+
+
+@pytest.mark.parametrize("kind", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
+def test_w8a8_checkpoint_decodes_the_reference_tokens(kind: str, tmp_path: Path, hf_tokenizer: Any) -> None:
+    """A compressed-tensors W8A8 folder (int8 or FP8 weights per channel, activations dynamic per
+    token) loads as W8A8 under --weights auto, keeps no dense copy, and decodes transformers'
+    greedy tokens when transformers' linears run the same math (``W8A8Reference``): alone, batched,
+    with prefix-cache hits. --weights dequantized is refused (it would drop the activation quantization)."""
+    pytest.importorskip("compressed_tensors")
+    from safetensors.torch import load_file
+
+    from tests.support.int_quant import use_w8a8_reference
+    from tripod.layers.w8a8 import W8A8Linear
+
+    model = build_hf("llama", seed=5)
+    folder, deq = save_quantized(model, tmp_path / kind, hf_tokenizer, f"w8a8-{kind}")
+    model.load_state_dict(deq, strict=False)
+    use_w8a8_reference(model, load_file(str(folder / "model.safetensors")), kind)
+    eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=2048, chunk_size=16, max_batch_tokens=64,
+                 max_running=8)
+    assert eng.loaded.weights == "stored"
+    assert eng.loaded.quantization == f"compressed-tensors w8a8 ({kind} weights per channel, {kind} activations dynamic per token)"
+    layer, form = eng.loaded.model.layers[0], eng.runner.backend.form
+    assert isinstance(layer.mlp.ops[form][0], W8A8Linear) and layer.mlp.gate_up.numel() == 0
+    _check(eng, HFReference(model.eval()), f"w8a8 {kind}")
+    with pytest.raises(ValueError, match="activations are quantized per token"):
+        Engine(model=str(folder), dtype="float32", kv_cache_tokens=256, weights="dequantized")
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(dynamic=False), "quantized dynamically per token"),
+    (dict(strategy="tensor"), "quantized dynamically per token"),
+    (dict(symmetric=False), "quantized dynamically per token"),
+])
+def test_w8a8_schemes_tripod_does_not_run_are_refused(change: dict[str, Any], match: str, tmp_path: Path,
+                                                     hf_tokenizer: Any) -> None:
+    from tests.support.int_quant import quant_config
+
+    model = build_hf("llama", seed=5)
+    folder, _ = save_quantized(model, tmp_path / "w8a8", hf_tokenizer, "w8a8-int8")
+    cfg = json.loads((folder / "config.json").read_text())
+    q = quant_config("w8a8-int8", 8, -1, True, False, ())
+    q["config_groups"]["group_0"]["input_activations"].update(change)
+    cfg["quantization_config"] = q
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        Engine(model=str(folder), dtype="float32", kv_cache_tokens=256)

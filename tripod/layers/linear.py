@@ -39,6 +39,7 @@ from tripod.layers.fp8 import (
     report_fp8,
 )
 from tripod.layers.fp8 import unsupported_reason as fp8_unsupported_reason
+from tripod.layers.w8a8 import W8A8_KINDS, W8A8Linear
 
 __all__ = ["FP8_DTYPES", "Fp8BlockLinear", "Fp8ScaledLinear", "Fp8Scales", "dequantize_fp8"]
 
@@ -60,6 +61,9 @@ class StoredWeight:
     # every ISA level): kept so after the stored form is built, the model's one copy of the codes is
     # the one the kernels read (``LlamaForCausalLM.release_dense_stored``).
     packed: bool = False
+    # W8A8 kinds (``layers/w8a8.py``): ``blocks`` holds the int8 / float8 codes [N, K] as stored and
+    # these are the weight scales, float32 [N].
+    scales: torch.Tensor | None = None
 
 
 # The stored kinds tripod's kernels execute, and their packed format name.
@@ -134,7 +138,7 @@ class KernelLinear:
         return cls(ops, packed, fmt, n, k, bias, stored.perm)
 
 
-Linear = DenseLinear | OneDNNLinear | KernelLinear | Fp8BlockLinear | Fp8ScaledLinear
+Linear = DenseLinear | OneDNNLinear | KernelLinear | Fp8BlockLinear | Fp8ScaledLinear | W8A8Linear
 
 
 def onednn_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -186,6 +190,9 @@ def make_linear(
     """The executable form of one projection. ``stored``: the GGUF blocks of ``weight`` (same
     values), used by the ``stored`` form when their type is one tripod executes. ``fp8``: the
     scales of a weight kept in FP8 (any form)."""
+    if stored is not None and stored.kind in W8A8_KINDS:  # activations quantized as the checkpoint says, any form
+        assert stored.scales is not None
+        return W8A8Linear(stored.blocks, stored.scales, W8A8_KINDS[stored.kind], bias)
     if weight.dtype in FP8_DTYPES:
         if fp8 is None:
             raise ValueError("an FP8 weight needs its block scales")

@@ -131,18 +131,18 @@ class HFFolder:
                  len(scales), *block)
         return out
 
-    def _unpacked(self, out: dict[str, torch.Tensor]) -> dict[str, hf_quant.GroupQuantized]:
+    def _unpacked(self, out: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Every quantized linear of ``out`` unpacked (its tensors removed from ``out``), by module."""
         fmt = self.int_format
         assert fmt is not None
-        found: dict[str, hf_quant.GroupQuantized] = {}
+        found: dict[str, Any] = {}  # GroupQuantized, or W8A8Weight
         for module in fmt.modules(list(out)):
-            if module + ".weight" in out:
+            if module + ".weight" in out and not fmt.weight_is_codes:
                 raise hf_quant.QuantizedCheckpointError(
                     f"{fmt.name} checkpoint: {module} has both a plain weight and quantized tensors")
             found[module] = fmt.unpack(out, module)
         for module in found:
-            for suffix in (fmt.marker, *fmt.aux):
+            for suffix in (fmt.marker, *fmt.aux, *(("weight",) if fmt.weight_is_codes else ())):
                 out.pop(f"{module}.{suffix}", None)
         return found
 
@@ -172,6 +172,10 @@ class HFFolder:
         found = self._unpacked(out)
         stored: dict[str, Any] = {}
         for module, w in found.items():
+            if isinstance(w, hf_quant.W8A8Weight):  # run as stored, activations quantized (layers/w8a8.py)
+                kind = "W8A8_INT8" if w.kind == "int8" else "W8A8_FP8"
+                stored[module + ".weight"] = StoredWeight(kind, w.codes, w.shape, None, scales=w.scales)
+                continue
             blocks = group_blocks(w)
             if blocks is not None:
                 # (8-bit codes with zero points run as two 4-bit halves over the inputs read twice: K' = 2K)

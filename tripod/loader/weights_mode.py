@@ -32,6 +32,9 @@ EXECUTED_AS_STORED = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"})
 
 def auto_weights(config: EngineConfig) -> tuple[str, str]:
     """(``"stored"`` or ``"dequantized"``, why) for ``--weights auto``."""
+    w8a8 = _w8a8(config)
+    if w8a8 is not None:  # activations quantized as the checkpoint says: only the stored form runs it
+        return "stored", f"{w8a8} (W8A8: activations quantized per token, emulated in torch on the CPU)"
     if config.device != "cpu":
         return "dequantized", f"the stored form runs on tripod's CPU kernels (device {config.device})"
     if config.kernels == "eager":
@@ -68,3 +71,13 @@ def resolve_weights(config: EngineConfig) -> EngineConfig:
     mode, why = auto_weights(config)
     log.info("--weights auto: %s (%s)", mode, why)
     return replace(config, weights=mode)
+
+
+def _w8a8(config: EngineConfig) -> str | None:
+    """The description of a W8A8 folder's format (None for anything else or what cannot be opened)."""
+    try:
+        _name, _path, src = open_source(config.model)
+    except (ValueError, OSError):
+        return None
+    fmt = src.int_format if isinstance(src, HFFolder) else None
+    return src.quantization if fmt is not None and fmt.quantizes_activations else None

@@ -38,6 +38,7 @@ from tripod.layers.parallel import (
     parameter,
 )
 from tripod.layers.rotary import RotaryEmbedding
+from tripod.layers.w8a8 import W8A8Linear
 from tripod.layers.weights import WeightSource
 from tripod.models.config import ModelConfig
 from tripod.models.gqa import GQAttention, new_param, norm_weight
@@ -296,9 +297,13 @@ class LlamaForCausalLM(nn.Module):
                 if sw is None or ops is None or sw.packed:
                     continue
                 op = ops[idx]
+                w = getattr(mod, attr)
+                if isinstance(op, W8A8Linear) and op.codes is sw.blocks:  # runs the stored codes as they are
+                    freed += w.numel() * w.element_size()
+                    w.data = released(w.data)
+                    continue
                 if not isinstance(op, KernelLinear) or op.fmt != STORED_KINDS.get(sw.kind):
                     continue
-                w = getattr(mod, attr)
                 freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
                 layer.stored[key] = StoredWeight(sw.kind, op.packed, sw.shape, sw.perm, packed=True)
                 w.data = released(w.data)
@@ -398,7 +403,8 @@ class LlamaForCausalLM(nn.Module):
             if any((p.perm is None) != (perm is None) or (perm is not None and not torch.equal(p.perm, perm)) for p in ps):
                 return None
             blocks = torch.cat([p.blocks for p in ps]) if len(ps) > 1 else ps[0].blocks
-            return StoredWeight(ps[0].kind, blocks.contiguous(), (sum(p.shape[0] for p in ps), k), perm)
+            scales = None if ps[0].scales is None else torch.cat([p.scales for p in ps if p.scales is not None])
+            return StoredWeight(ps[0].kind, blocks.contiguous(), (sum(p.shape[0] for p in ps), k), perm, scales=scales)
 
         for layer in self.layers:
             i = layer.layer
