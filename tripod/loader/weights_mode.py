@@ -5,7 +5,8 @@ third to a half of bf16's bytes per token, with the run dtype's activations — 
 ``--dtype auto``, each bf16 activation x code product exact) where the kernels can: on the CPU,
 in one process, with the run dtype left to ``auto``, and the file's dominant type one the kernels
 execute (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K). So does an AWQ / GPTQ / compressed-tensors folder whose
-config has a scheme the kernels execute (int4 groups, symmetric int8; ``loader/hf_quant.py``). Everything
+config has a scheme the kernels execute (int4 or int8 groups of a multiple of 32; ``loader/hf_quant.py``), and a W8A8
+folder always (its activations are quantized as the checkpoint says; ``layers/w8a8.py``). Everything
 else runs dequantized, which for a 16-bit (or
 float32) checkpoint *is* its stored values. An explicit ``--dtype`` (``float32``: the reference
 path, token-exact against transformers; ``bfloat16``) keeps the dequantized weights it names.
