@@ -1,6 +1,6 @@
 """Resident weight bytes of quantized HF checkpoints: ``--weights stored`` (one packed copy of each
 quantized projection) against ``--weights dequantized`` (bf16 parameters and the kernels' packed
-bf16 copy), on a tiny random Llama (hidden 256, intermediate 512, 2 layers) quantized by the
+bf16 copy), on a tiny random Llama (hidden 256, intermediate 512, 3 layers) quantized by the
 test-side packers (``tests/support/int_quant.py``), with the greedy tokens of both (bf16
 activations; the W8A8 folders only run as W8A8).
 
@@ -42,8 +42,8 @@ def main() -> None:
                 if ln.startswith("model name")), platform.processor())
     print("# Resident weight bytes: quantized checkpoints stored vs dequantized\n")
     print(f"`benchmarks/quant_memory.py` on {cpu}, {torch.get_num_threads()} threads, "
-          f"{datetime.date.today()}; tiny random Llama (hidden 256, intermediate 512, 2 layers, vocab 49152 "
-          "embedding + tied head), `--dtype bfloat16`. `weight_bytes`: every distinct weight tensor the model "
+          f"{datetime.date.today()}; tiny random Llama (hidden 256, intermediate 512, 3 layers, vocab 256 "
+          "embedding), `--dtype bfloat16`. `weight_bytes`: every distinct weight tensor the model "
           "holds (parameters, stored codes, the kernels' packed copies). Linear bytes = the quantized "
           "projections' share (a bf16 twin holds 2 bytes a weight).\n")
     print("| Checkpoint | dequantized: weight_bytes | stored: weight_bytes | stored linears: bytes a weight | same greedy tokens |")

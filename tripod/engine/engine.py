@@ -21,7 +21,6 @@ import torch
 from tripod.config import EngineConfig
 from tripod.engine import builder
 from tripod.engine.admission import Admission, ImagePrompt, Prompt
-from tripod.engine.executor.group import weight_bytes
 from tripod.engine.offline import OfflineAPI
 from tripod.engine.overlap import Lookahead
 from tripod.engine.prompt_logprobs import score_prompt
@@ -461,9 +460,8 @@ class Engine(OfflineAPI):
             retractions=s.num_retractions, jump_forward_proposed=st.jump_forward_proposed,
             jump_forward_accepted=st.jump_forward_accepted, prefill_tokens=st.prefill_tokens,
             spec_decode={name: SpecDecodeCounts(c.drafts, c.draft_tokens, c.accepted_tokens)
-                         for name, c in st.spec.items()},
+                         for name, c in st.spec.items()}, weight_bytes=builder.weight_bytes(self.runner.model),
             compute=self.runner.describe(), compute_card=ComputeCard(**self.runner.card()),
-            weight_bytes=weight_bytes(self.runner.model),
             time=StepTimes(schedule=st.schedule_seconds, prepare=st.prepare_seconds,
                            decode_forward=st.decode_forward_seconds, prefill_forward=st.prefill_forward_seconds,
                            sample=st.sample_seconds, bookkeeping=st.bookkeeping_seconds),

@@ -162,6 +162,7 @@ class HFFolder:
         from safetensors.torch import load_file
 
         from tripod.layers.linear import StoredWeight
+        from tripod.loader.hf_w8a8 import W8A8Weight
         from tripod.loader.stored import group_blocks
 
         if self.int_format is None:
@@ -172,7 +173,7 @@ class HFFolder:
         found = self._unpacked(out)
         stored: dict[str, Any] = {}
         for module, w in found.items():
-            if isinstance(w, hf_quant.W8A8Weight):  # run as stored, activations quantized (layers/w8a8.py)
+            if isinstance(w, W8A8Weight):  # run as stored, activations quantized (layers/w8a8.py)
                 kind = "W8A8_INT8" if w.kind == "int8" else "W8A8_FP8"
                 stored[module + ".weight"] = StoredWeight(kind, w.codes, w.shape, None, scales=w.scales)
                 continue
