@@ -327,10 +327,13 @@ def test_a_stored_linear_gives_each_row_the_same_bits_at_every_row_count(dtype: 
     assert kind == ("Q6_K" if sym and bits == 8 else "Q4_K") and (perm is not None) == (act_order or (not sym and bits == 8))
     kk = k if perm is None else int(perm.numel())  # 8-bit with zero points: two halves, K' = 2K
     x = torch.randn(9, k, generator=g).to(dtype)
-    first = None
+    first = packed = None
     for level in supported_levels():  # every ISA level: the same bits
         assert kernels.load(level, wait=True), kernels.unavailable_reason(level)
         lin = KernelLinear.pack_stored(kernels.ops(level), StoredWeight(kind, blocks, (n, kk), perm), None)
+        # the packed layout is the same bytes at every level (a model keeps one packed copy: release_dense_stored)
+        packed = lin.packed if packed is None else packed
+        assert torch.equal(lin.packed, packed), f"{level}: another packed layout"
         alone = torch.cat([lin(x[i : i + 1]) for i in range(9)])
         for rows in (2, 5, 9):
             assert torch.equal(lin(x[:rows]), alone[:rows]), f"{level}: {rows} rows"

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tripod.loader import hf_quant
+from tripod.loader import hf_quant, hf_w8a8
 from tripod.loader.lazy import LazyTensors
 from tripod.models.config import ModelConfig
 from tripod.models.vision.spec import vlm_family
@@ -49,7 +49,7 @@ class HFFolder:
             )
         # AWQ / GPTQ / compressed-tensors integer weights (None: unquantized, FP8 or MXFP4); an
         # unsupported scheme is refused here, before anything is read.
-        self.int_format = hf_quant.parse(self.raw_config)
+        self.int_format = hf_w8a8.parse(self.raw_config)
 
     def config(self) -> ModelConfig:
         cfg = ModelConfig.from_hf_dict(self.raw_config)
@@ -162,7 +162,6 @@ class HFFolder:
         from safetensors.torch import load_file
 
         from tripod.layers.linear import StoredWeight
-        from tripod.loader.hf_w8a8 import W8A8Weight
         from tripod.loader.stored import group_blocks
 
         if self.int_format is None:
@@ -173,7 +172,7 @@ class HFFolder:
         found = self._unpacked(out)
         stored: dict[str, Any] = {}
         for module, w in found.items():
-            if isinstance(w, W8A8Weight):  # run as stored, activations quantized (layers/w8a8.py)
+            if isinstance(w, hf_w8a8.W8A8Weight):  # run as stored, activations quantized (layers/w8a8.py)
                 kind = "W8A8_INT8" if w.kind == "int8" else "W8A8_FP8"
                 stored[module + ".weight"] = StoredWeight(kind, w.codes, w.shape, None, scales=w.scales)
                 continue

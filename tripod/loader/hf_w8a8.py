@@ -11,16 +11,29 @@ from typing import Any
 
 import torch
 
+from tripod.loader import hf_quant
 from tripod.loader.hf_quant import (
     SUPPORTED,
+    W8A8_FORMATS,
     CompressedTensorsFormat,
     IntFormat,
     IntScheme,
     QuantizedCheckpointError,
-    _Group,
-    _need,
-    _scales,
+    TargetGroup,
+    float_scales,
+    need_tensor,
 )
+
+
+def parse(config: Mapping[str, Any]) -> IntFormat | None:
+    """``hf_quant.parse``, with compressed-tensors W8A8 folders (every config group ``int-quantized``
+    or ``float-quantized``) read as ``W8A8Format``."""
+    q = config.get("quantization_config") or {}
+    if str(q.get("quant_method", "")).lower() == "compressed-tensors":
+        formats = {g.get("format") or q.get("format") for g in (q.get("config_groups") or {}).values()}
+        if formats and formats <= set(W8A8_FORMATS):
+            return W8A8Format(q)
+    return hf_quant.parse(config)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +69,7 @@ class W8A8Format(IntFormat):
     quantizes_activations = True
 
     def __init__(self, q: Mapping[str, Any]) -> None:
-        self.groups: list[_Group] = []
+        self.groups: list[TargetGroup] = []
         self.kinds: set[str] = set()
         self.strategies: set[str] = set()
         for gname, g in (q.get("config_groups") or {}).items():
@@ -78,7 +91,7 @@ class W8A8Format(IntFormat):
                     f"symmetric 8-bit {want} activations quantized dynamically per token (static scales: not yet)")
             self.kinds.add("int8" if want == "int" else "fp8")
             self.strategies.add(str(w.get("strategy")))
-            self.groups.append(_Group(CompressedTensorsFormat._targets(gname, g), IntScheme(8, -1, True, f"w8a8-{want}")))
+            self.groups.append(TargetGroup(CompressedTensorsFormat._targets(gname, g), IntScheme(8, -1, True, f"w8a8-{want}")))
         if not self.groups:
             raise QuantizedCheckpointError("compressed-tensors quantization_config has no config_groups")
         self.ignore = tuple(q.get("ignore") or ())
@@ -99,7 +112,7 @@ class W8A8Format(IntFormat):
 
     def unpack(self, tensors: Mapping[str, torch.Tensor], module: str) -> W8A8Weight:  # type: ignore[override]
         f = "compressed-tensors W8A8"
-        w = _need(tensors, module + ".weight", f)
+        w = need_tensor(tensors, module + ".weight", f)
         scheme = self.scheme_for(module)
         assert scheme is not None
         want = torch.int8 if scheme.kind == "w8a8-int" else torch.float8_e4m3fn
@@ -107,7 +120,7 @@ class W8A8Format(IntFormat):
             raise QuantizedCheckpointError(f"{f} checkpoint: {module}.weight is {w.dtype} {tuple(w.shape)}, "
                                            f"expected {want} [outputs, inputs]")
         n = int(w.shape[0])
-        scale = _scales(_need(tensors, module + ".weight_scale", f), module + ".weight_scale", f).reshape(-1)
+        scale = float_scales(need_tensor(tensors, module + ".weight_scale", f), module + ".weight_scale", f).reshape(-1)
         if scale.numel() not in (1, n):
             raise QuantizedCheckpointError(f"{f} checkpoint: {module}.weight_scale has {scale.numel()} values, "
                                            f"expected {n} (one per output channel) or 1 (per tensor)")
