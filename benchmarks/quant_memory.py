@@ -19,7 +19,7 @@ import torch
 from tests.support.int_quant import save_quantized
 from tests.support.tiny_models import build_hf
 from tripod import Engine, SamplingParams
-from tripod.engine.executor.group import weight_bytes
+from tripod.engine.executor.group import resident_weight_bytes
 from tripod.loader.embedded import embedded_model_path
 
 CASES = {  # name -> (method, options)
@@ -65,7 +65,7 @@ def main() -> None:
                         dense = getattr(layer.attn if key in ("qkv", "o") else layer.mlp, key)
                         lin += sw.blocks.numel() * sw.blocks.element_size()
                         weights += sw.shape[0] * dense.shape[1]  # (a released weight keeps its K: [0, K])
-                runs[mode] = (weight_bytes(net), lin / weights if weights else 0.0, list(out))
+                runs[mode] = (resident_weight_bytes(net), lin / weights if weights else 0.0, list(out))
             deq = runs.get("dequantized")
             st = runs["stored"]
             same = "n/a (W8A8 runs only as W8A8)" if deq is None else ("yes" if deq[2] == st[2] else "no (bf16 ties)")

@@ -351,7 +351,7 @@ def test_stored_weights_hold_no_dense_copy_and_decode_the_same_tokens(quantized:
     packed codes (0.75 bytes a weight for int4 in groups of 32: < 0.4x the 2 bytes of its bf16 twin),
     no dense weight beside it; the engine reports the bytes it holds; the tokens are the reference's,
     and a stored form rebuilt from the kept codes gives them again, bit for bit."""
-    from tripod.engine.executor.group import weight_bytes
+    from tripod.engine.executor.group import resident_weight_bytes
     from tripod.layers.backends.reference import TorchBackend
     from tripod.layers.linear import KernelLinear
 
@@ -371,8 +371,8 @@ def test_stored_weights_hold_no_dense_copy_and_decode_the_same_tokens(quantized:
     assert stored_linears < 0.4 * bf16_linears, (stored_linears, bf16_linears)
     # the rest (embedding, norms, the head's packed copy) is what a dense model holds too
     rest = sum(p.numel() * p.element_size() for n, p in net.named_parameters() if "layers" not in n or "norm" in n)
-    assert weight_bytes(net) <= stored_linears + 2 * rest
-    assert eng.snapshot().weight_bytes == weight_bytes(net)
+    assert resident_weight_bytes(net) <= stored_linears + 2 * rest
+    assert eng.snapshot().weight_bytes == resident_weight_bytes(net)
 
     refs = [ref.greedy(p, N_TOKENS) for p in PROMPTS[:2]]
     first = [eng.generate([p], PARAMS)[0].token_ids for p in PROMPTS[:2]]

@@ -14,7 +14,12 @@ from typing import Any
 import torch
 
 from tripod.config import EngineConfig, parse_loras
-from tripod.engine.executor.group import WorkerGroup, threads_per_rank, weight_bytes
+from tripod.engine.executor.group import (
+    WorkerGroup,
+    resident_weight_bytes,
+    threads_per_rank,
+    weight_bytes,
+)
 from tripod.engine.executor.local import LocalWorkers
 from tripod.engine.executor.ray_group import RayWorkers
 from tripod.engine.lora import LoraRegistry
@@ -225,7 +230,7 @@ def keep_stored_only(config: EngineConfig, runner: ModelRunner, loaded: LoadedMo
         return
     freed = runner.release_dense_stored()
     log.info("weights: %.1f MiB resident (%.1f MiB of dense weights and unpacked codes given back: "
-             "the stored projections keep only their packed codes)", weight_bytes(loaded.model) / 2**20, freed / 2**20)
+             "the stored projections keep only their packed codes)", resident_weight_bytes(loaded.model) / 2**20, freed / 2**20)
 
 
 def hybrid_refusal(feature: str) -> str:

@@ -115,6 +115,8 @@ def load_model(
         raise ValueError(f"{path.name} is {quant}: its activations are quantized per token as the checkpoint says, "
                          f"which runs with --weights stored (or auto) on the CPU; --weights {weights} would run "
                          "another model")
+    if fmt is not None and fmt.quantizes_activations and (tp.size > 1 or pp.stages > 1):
+        raise ValueError(f"{path.name} is {quant}: W8A8 runs in one process for now (no tensor or pipeline parallel)")
     if weights == "fp8":
         block = src.fp8_block if isinstance(src, HFFolder) else None
         if block is None:

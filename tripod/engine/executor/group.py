@@ -61,8 +61,16 @@ class RankStep:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the distinct weight tensors a model holds: its parameters (a tied head counted once),
-    the stored codes it keeps (``StoredWeight.blocks``) and what the compute forms packed from them
+    """Bytes of the distinct parameters a model holds (a tied head counted once)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        seen[p.data_ptr()] = p.numel() * p.element_size()
+    return sum(seen.values())
+
+
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct weight tensors a model holds now: its parameters (a tied head counted
+    once), the stored codes it keeps (``StoredWeight.blocks``) and what the compute forms packed
     (``KernelLinear.packed``: the kernels' copy of a dense weight, or the stored codes themselves
     once ``release_dense_stored`` made the two one tensor)."""
     from tripod.layers.linear import KernelLinear, StoredWeight
