@@ -57,9 +57,11 @@ CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "gptq-moe-experts": ("qwen3-moe", "gptq", dict(bits=4, group=32, sym=True), {}),  # quantized experts
     "ct-nvfp4a16": ("qwen3", "nvfp4", dict(ignore=("down_proj",)), {}),
 }
-# The cases whose every quantized weight runs as stored (4-bit, act-order permuted at load; symmetric 8-bit).
+# The cases whose every quantized weight runs as stored (4-bit, act-order permuted at load; 8-bit
+# symmetric, or with zero points as two 4-bit halves).
 STORED = ("awq-g32", "awq-g128-ignore", "gptq-4bit-sym-g64", "gptq-4bit-asym-desc-act", "gptq-8bit-sym-channel",
-          "ct-w4a16-sym-g32-ignore", "ct-w4a16-asym-g32", "ct-w8a16-channel", "ct-w4a16-actorder", "ct-nvfp4a16")
+          "gptq-8bit-asym-g32", "ct-w4a16-sym-g32-ignore", "ct-w4a16-asym-g32", "ct-w8a16-channel",
+          "ct-w4a16-actorder", "ct-nvfp4a16")
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +130,17 @@ def test_stored_codes_decode_the_reference_tokens(case: str, quantized: Any) -> 
     want = {"qkv", "gate_up"} | ({"down"} if "down_proj" not in ignored else set()) | ({"o"} if "o_proj" not in ignored else set())
     assert set(layer.stored) == want, set(layer.stored)
     gate_up, _down = layer.mlp.ops[eng.runner.backend.form]
-    int4 = CASES[case][2].get("bits") == 4 and CASES[case][1] != "nvfp4"
-    assert isinstance(gate_up, KernelLinear) and gate_up.fmt == ("q4_k" if int4 else "q6_k")
+    opts = CASES[case][2]
+    q4 = (opts.get("bits") == 4 or not opts.get("sym", True)) and CASES[case][1] != "nvfp4"  # int4; int8 with zero points
+    assert isinstance(gate_up, KernelLinear) and gate_up.fmt == ("q4_k" if q4 else "q6_k")
+    if opts.get("bits") == 8 and not opts.get("sym", True):  # two halves over the inputs read twice
+        assert gate_up.k == 2 * net.cfg.hidden_size
     _check(eng, ref, f"{case} stored")
 
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
-def test_auto_picks_stored_for_int4_groups_and_dequantized_for_asymmetric_int8(quantized: Any) -> None:
+def test_auto_picks_stored_for_groups_of_32_and_dequantized_for_others(quantized: Any, tmp_path: Path) -> None:
+    from tests.support.int_quant import quant_config
     from tripod.config import EngineConfig
     from tripod.loader.weights_mode import auto_weights
 
@@ -143,7 +149,10 @@ def test_auto_picks_stored_for_int4_groups_and_dequantized_for_asymmetric_int8(q
     assert mode == "stored" and "awq (int4, group 32, zero points)" in why, why
     folder, _ = quantized("gptq-8bit-asym-g32")
     mode, why = auto_weights(EngineConfig(model=str(folder)))
-    assert mode == "dequantized" and "symmetric 8-bit" in why, why
+    assert mode == "stored" and "gptq (int8, group 32, zero points)" in why, why
+    odd = _folder_with(quantized, tmp_path, "gptq-8bit-asym-g32", config=quant_config("gptq", 8, 48, False, False, ()))
+    mode, why = auto_weights(EngineConfig(model=str(odd)))
+    assert mode == "dequantized" and "multiple of 32" in why, why
     mode, why = auto_weights(EngineConfig(model=str(folder), dtype="float32"))
     assert mode == "dequantized" and "--dtype float32" in why
 
@@ -156,7 +165,8 @@ def test_stored_blocks_hold_exactly_the_dequantized_values(quantized: Any) -> No
     from tripod.loader.hf_loader import HFFolder
     from tripod.loader.stored import dequantize
 
-    for case in ("awq-g32", "gptq-8bit-sym-channel", "ct-w4a16-asym-g32", "gptq-4bit-asym-desc-act", "ct-nvfp4a16"):
+    for case in ("awq-g32", "gptq-8bit-sym-channel", "ct-w4a16-asym-g32", "gptq-4bit-asym-desc-act", "ct-nvfp4a16",
+                 "gptq-8bit-asym-g32"):
         folder, _ = quantized(case)
         src = HFFolder(folder)
         deq = src.weights()
@@ -164,8 +174,12 @@ def test_stored_blocks_hold_exactly_the_dequantized_values(quantized: Any) -> No
         assert stored
         for name, sw in stored.items():
             got = dequantize(sw.kind, sw.blocks.numpy(), sw.shape[1])
-            want = deq[name] if sw.perm is None else deq[name][:, sw.perm]  # act-order: inputs permuted at load
-            assert (sw.perm is not None) == case.endswith("desc-act")
+            k = deq[name].shape[1]
+            if case == "gptq-8bit-asym-g32":  # two halves, 16 s h and s l - s z: their float32 sum is exact
+                assert sw.shape[1] == 2 * k and torch.equal(sw.perm, torch.cat((torch.arange(k), torch.arange(k))))
+                got = got[:, :k] + got[:, k:]
+            want = deq[name] if sw.perm is None or sw.shape[1] == 2 * k else deq[name][:, sw.perm]  # act-order
+            assert (sw.perm is not None) == (case.endswith("desc-act") or case == "gptq-8bit-asym-g32")
             assert np.array_equal(got, want.numpy()), f"{case}: {name} ({sw.kind}) differs"
 
 
@@ -202,7 +216,8 @@ def _folder_with(quantized: Any, tmp_path: Path, case: str, *, config: dict[str,
     ({"quant_method": "compressed-tensors", "format": "int-quantized",
       "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
                               "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}},
-     "format 'int-quantized'.*not supported"),
+     "input activations .* are not supported; tripod runs W8A8 with symmetric 8-bit int activations quantized "
+     "dynamically per token"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized",
       "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}}},
      "strategy 'tensor' is not supported"),
@@ -291,9 +306,10 @@ def test_transformers_decompression_agrees_up_to_its_bf16_rounding(case: str, qu
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits, act_order", [(4, True), (4, False), (8, False)])
+@pytest.mark.parametrize("bits, act_order, sym", [(4, True, False), (4, False, False), (8, False, True),
+                                                  (8, True, False)])
 def test_a_stored_linear_gives_each_row_the_same_bits_at_every_row_count(dtype: torch.dtype, bits: int,
-                                                                          act_order: bool) -> None:
+                                                                          act_order: bool, sym: bool) -> None:
     """One stored projection (act-order: inputs permuted at load) on the kernels: a row's output is
     bit-identical alone and among 1..9 rows (the sums never depend on the batch), and equals the
     dequantized weight's product up to float32 summation order."""
@@ -305,15 +321,19 @@ def test_a_stored_linear_gives_each_row_the_same_bits_at_every_row_count(dtype: 
     g = torch.Generator().manual_seed(bits)
     n, k = 48, 128
     g_idx = torch.randperm(k, generator=g) // 32 if act_order else None
-    q = quantize(torch.randn(n, k, generator=g), bits, 32, bits == 8, torch.float16, g_idx)
+    q = quantize(torch.randn(n, k, generator=g), bits, 32, sym, torch.float16, g_idx)
     w = GroupQuantized(q.codes.to(torch.uint8), q.scales.float(), q.zeros.to(torch.int32), q.g_idx, bits)
     kind, blocks, perm = group_blocks(w) or (None, None, None)
-    assert kind == ("Q4_K" if bits == 4 else "Q6_K") and (perm is not None) == act_order
+    assert kind == ("Q6_K" if sym and bits == 8 else "Q4_K") and (perm is not None) == (act_order or (not sym and bits == 8))
+    kk = k if perm is None else int(perm.numel())  # 8-bit with zero points: two halves, K' = 2K
     x = torch.randn(9, k, generator=g).to(dtype)
-    first = None
+    first = packed = None
     for level in supported_levels():  # every ISA level: the same bits
         assert kernels.load(level, wait=True), kernels.unavailable_reason(level)
-        lin = KernelLinear.pack_stored(kernels.ops(level), StoredWeight(kind, blocks, (n, k), perm), None)
+        lin = KernelLinear.pack_stored(kernels.ops(level), StoredWeight(kind, blocks, (n, kk), perm), None)
+        # the packed layout is the same bytes at every level (a model keeps one packed copy: release_dense_stored)
+        packed = lin.packed if packed is None else packed
+        assert torch.equal(lin.packed, packed), f"{level}: another packed layout"
         alone = torch.cat([lin(x[i : i + 1]) for i in range(9)])
         for rows in (2, 5, 9):
             assert torch.equal(lin(x[:rows]), alone[:rows]), f"{level}: {rows} rows"
@@ -322,3 +342,113 @@ def test_a_stored_linear_gives_each_row_the_same_bits_at_every_row_count(dtype: 
     assert first is not None
     alone, ref = first, x.float() @ q.dequantize().t()
     torch.testing.assert_close(alone.float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+# ---------------------------------------------------------------------------- memory at stored size
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
+def test_stored_weights_hold_no_dense_copy_and_decode_the_same_tokens(quantized: Any) -> None:
+    """A W4A16 folder with --weights stored: each quantized projection keeps one tensor, the kernels'
+    packed codes (0.75 bytes a weight for int4 in groups of 32: < 0.4x the 2 bytes of its bf16 twin),
+    no dense weight beside it; the engine reports the bytes it holds; the tokens are the reference's,
+    and a stored form rebuilt from the kept codes gives them again, bit for bit."""
+    from tripod.engine.executor.group import resident_weight_bytes
+    from tripod.layers.backends.reference import TorchBackend
+    from tripod.layers.linear import KernelLinear
+
+    folder, ref = quantized("ct-w4a16-asym-g32")
+    eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=2048, chunk_size=16, max_batch_tokens=64,
+                 max_running=8, weights="stored")
+    net, form = eng.loaded.model, eng.runner.backend.form
+    bf16_linears = stored_linears = 0
+    for layer in net.layers:
+        assert set(layer.stored) == {"qkv", "o", "gate_up", "down"}
+        for key, mod, idx in (("qkv", layer.attn, 0), ("o", layer.attn, 1), ("gate_up", layer.mlp, 0), ("down", layer.mlp, 1)):
+            sw, op = layer.stored[key], mod.ops[form][idx]
+            assert getattr(mod, key).numel() == 0, f"{key}: a dense weight is still held"
+            assert isinstance(op, KernelLinear) and sw.packed and op.packed.data_ptr() == sw.blocks.data_ptr()
+            stored_linears += sw.blocks.numel()
+            bf16_linears += 2 * sw.shape[0] * sw.shape[1]
+    assert stored_linears < 0.4 * bf16_linears, (stored_linears, bf16_linears)
+    # the rest (embedding, norms, the head's packed copy) is what a dense model holds too
+    rest = sum(p.numel() * p.element_size() for n, p in net.named_parameters() if "layers" not in n or "norm" in n)
+    assert resident_weight_bytes(net) <= stored_linears + 2 * rest
+    assert eng.snapshot().weight_bytes == resident_weight_bytes(net)
+
+    refs = [ref.greedy(p, N_TOKENS) for p in PROMPTS[:2]]
+    first = [eng.generate([p], PARAMS)[0].token_ids for p in PROMPTS[:2]]
+    for i, got in enumerate(first):
+        check_greedy_tokens(got, refs[i], f"stored prompt {i}")
+    net.release(form)  # another engine sharing the model dropped the form: rebuilt from the kept codes
+    again = [eng.generate([p], PARAMS)[0].token_ids for p in PROMPTS[:2]]
+    assert [list(t) for t in again] == [list(t) for t in first]
+    with pytest.raises(ValueError, match="dense weights were released"):
+        net.prepare(TorchBackend())
+
+
+# ---------------------------------------------------------------------------- W8A8 (activations quantized)
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_linear_is_the_checkpoints_math_and_batch_invariant(kind: str, dtype: torch.dtype) -> None:
+    """tripod's W8A8 linear equals the test's reference bit for bit — compressed-tensors' own
+    per-token activation quantization, the codes' product in integers, scaled once — and gives
+    each row the same bits alone and in a batch."""
+    pytest.importorskip("compressed_tensors")
+    from tests.support.int_quant import W8A8Reference, pack_w8a8
+    from tripod.layers.w8a8 import W8A8Linear
+
+    g = torch.Generator().manual_seed(3)
+    parts, _deq = pack_w8a8(torch.randn(48, 256, generator=g) / 16, kind)
+    x = (torch.randn(7, 256, generator=g) * torch.logspace(-2, 2, 7).unsqueeze(1)).to(dtype)
+    x[3] = 0  # an all-zero row: codes 0
+    ref = W8A8Reference(parts["weight"], parts["weight_scale"], kind)(x)
+    lin = W8A8Linear(parts["weight"], parts["weight_scale"].float().reshape(-1), kind, None)
+    got = lin(x)
+    assert got.dtype == dtype and torch.equal(got, ref)
+    assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(7)]), got)
+
+
+@pytest.mark.parametrize("kind", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
+def test_w8a8_checkpoint_decodes_the_reference_tokens(kind: str, tmp_path: Path, hf_tokenizer: Any) -> None:
+    """A compressed-tensors W8A8 folder (int8 or FP8 weights per channel, activations dynamic per
+    token) loads as W8A8 under --weights auto, keeps no dense copy, and decodes transformers'
+    greedy tokens when transformers' linears run the same math (``W8A8Reference``): alone, batched,
+    with prefix-cache hits. --weights dequantized is refused (it would drop the activation quantization)."""
+    pytest.importorskip("compressed_tensors")
+    from safetensors.torch import load_file
+
+    from tests.support.int_quant import use_w8a8_reference
+    from tripod.layers.w8a8 import W8A8Linear
+
+    model = build_hf("llama", seed=5)
+    folder, deq = save_quantized(model, tmp_path / kind, hf_tokenizer, f"w8a8-{kind}")
+    model.load_state_dict(deq, strict=False)
+    use_w8a8_reference(model, load_file(str(folder / "model.safetensors")), kind)
+    eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=2048, chunk_size=16, max_batch_tokens=64,
+                 max_running=8)
+    assert eng.loaded.weights == "stored"
+    assert eng.loaded.quantization == f"compressed-tensors w8a8 ({kind} weights per channel, {kind} activations dynamic per token)"
+    layer, form = eng.loaded.model.layers[0], eng.runner.backend.form
+    assert isinstance(layer.mlp.ops[form][0], W8A8Linear) and layer.mlp.gate_up.numel() == 0
+    _check(eng, HFReference(model.eval()), f"w8a8 {kind}")
+    with pytest.raises(ValueError, match="activations are quantized per token"):
+        Engine(model=str(folder), dtype="float32", kv_cache_tokens=256, weights="dequantized")
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(dynamic=False), "quantized dynamically per token"),
+    (dict(strategy="tensor"), "quantized dynamically per token"),
+    (dict(symmetric=False), "quantized dynamically per token"),
+])
+def test_w8a8_schemes_tripod_does_not_run_are_refused(change: dict[str, Any], match: str, tmp_path: Path,
+                                                     hf_tokenizer: Any) -> None:
+    from tests.support.int_quant import quant_config
+
+    model = build_hf("llama", seed=5)
+    folder, _ = save_quantized(model, tmp_path / "w8a8", hf_tokenizer, "w8a8-int8")
+    cfg = json.loads((folder / "config.json").read_text())
+    q = quant_config("w8a8-int8", 8, -1, True, False, ())
+    q["config_groups"]["group_0"]["input_activations"].update(change)
+    cfg["quantization_config"] = q
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        Engine(model=str(folder), dtype="float32", kv_cache_tokens=256)

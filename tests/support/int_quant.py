@@ -129,6 +129,53 @@ def pack_nvfp4(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return {"weight_packed": packed, "weight_scale": scale, "weight_global_scale": glob}, deq
 
 
+def pack_w8a8(w: torch.Tensor, kind: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """compressed-tensors ``int-quantized`` / ``float-quantized`` (W8A8, per channel, symmetric):
+    ``weight`` int8 or float8_e4m3fn ``[N, K]`` and ``weight_scale`` bf16 ``[N, 1]``; returns the
+    tensors and the float32 dequantized weight."""
+    top = 127.0 if kind == "int8" else 448.0
+    scale = (w.abs().amax(dim=1, keepdim=True) / top).clamp_min(1e-6).to(torch.bfloat16)
+    x = w / scale.float()
+    codes = torch.round(x).clamp(-128, 127).to(torch.int8) if kind == "int8" else x.clamp(-448, 448).to(torch.float8_e4m3fn)
+    return {"weight": codes, "weight_scale": scale}, codes.float() * scale.float()
+
+
+class W8A8Reference(torch.nn.Module):
+    """A transformers linear replaced by the W8A8 math written independently of tripod: activations
+    quantized per token by compressed-tensors' own ``calculate_qparams`` / ``_quantize`` (the
+    package's dynamic per-token quantization), the product of codes in integers (int64; FP8 E4M3
+    values are multiples of 2^-9), scaled by ``s_x * s_w`` in float64, rounded to the activations' dtype."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, kind: str) -> None:
+        super().__init__()
+        from compressed_tensors.quantization import QuantizationArgs
+
+        self.codes, self.scale, self.kind = codes, scale.float().reshape(-1), kind
+        self.args = QuantizationArgs(num_bits=8, type="int" if kind == "int8" else "float", symmetric=True,
+                                     strategy="token", dynamic=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from compressed_tensors.quantization.lifecycle.forward_helpers import _quantize
+        from compressed_tensors.quantization.utils.helpers import calculate_qparams, calculate_range
+
+        rows = x.reshape(-1, x.shape[-1])
+        scale, zp = calculate_qparams(rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True), self.args)
+        q_min, q_max = calculate_range(self.args, rows.device)
+        q = _quantize(rows, scale, zp, q_min, q_max, self.args)
+        to_int = (lambda t: t.to(torch.int64)) if self.kind == "int8" else (lambda t: (t.double() * 512).to(torch.int64))
+        acc = (to_int(q) @ to_int(self.codes).t()).double() / (1.0 if self.kind == "int8" else 2.0**18)
+        y = (acc * (scale.double() * self.scale.double())).to(x.dtype)
+        return y.reshape(*x.shape[:-1], -1)
+
+
+def use_w8a8_reference(model: Any, tensors: dict[str, torch.Tensor], kind: str) -> None:
+    """Replace ``model``'s linears that ``tensors`` (a W8A8 folder's) quantize with ``W8A8Reference``."""
+    for name in [n.removesuffix(".weight_scale") for n in tensors if n.endswith(".weight_scale")]:
+        parent, child = name.rsplit(".", 1)
+        setattr(model.get_submodule(parent), child,
+                W8A8Reference(tensors[name + ".weight"], tensors[name + ".weight_scale"], kind))
+
+
 def _quantized_names(state: dict[str, torch.Tensor]) -> list[str]:
     return [n for n, w in state.items()
             if n.startswith("model.layers.") and n.endswith("proj.weight") and w.ndim == 2]
@@ -181,6 +228,11 @@ def save_quantized(model: Any, folder: Path, tokenizer: Any, method: str, *, bit
             g = torch.Generator().manual_seed(seed * 1000 + layer * 10 + k)
             g_idx = torch.empty(k, dtype=torch.int64)
             g_idx[torch.randperm(k, generator=g)] = torch.arange(k) // size
+        if method in ("w8a8-int8", "w8a8-fp8"):
+            parts, deq[name] = pack_w8a8(w, method.removeprefix("w8a8-"))
+            for suffix, t in parts.items():
+                out[f"{module}.{suffix}"] = t
+            continue
         if method == "nvfp4":
             parts, deq[name] = pack_nvfp4(w)
             for suffix, t in parts.items():
@@ -221,6 +273,15 @@ def quant_config(method: str, bits: int, group: int, sym: bool, act_order: bool,
     if method == "gptq":
         return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": sym,
                 "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True}
+    if method in ("w8a8-int8", "w8a8-fp8"):
+        t = "int" if method == "w8a8-int8" else "float"
+        return {"quant_method": "compressed-tensors", "format": f"{t}-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": t, "symmetric": True, "strategy": "channel", "dynamic": False},
+                    "input_activations": {"num_bits": 8, "type": t, "symmetric": True, "strategy": "token",
+                                          "dynamic": True}}},
+                "ignore": ["lm_head", *(f"re:.*{frag}" for frag in ignore)]}
     if method == "nvfp4":
         nv = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,
               "dynamic": False}

@@ -14,7 +14,12 @@ from typing import Any
 import torch
 
 from tripod.config import EngineConfig, parse_loras
-from tripod.engine.executor.group import WorkerGroup, threads_per_rank, weight_bytes
+from tripod.engine.executor.group import (
+    WorkerGroup,
+    resident_weight_bytes,
+    threads_per_rank,
+    weight_bytes,
+)
 from tripod.engine.executor.local import LocalWorkers
 from tripod.engine.executor.ray_group import RayWorkers
 from tripod.engine.lora import LoraRegistry
@@ -205,6 +210,7 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
                          "weights on the Triton W4A16 kernel; a GGUF's stored weights run on tripod's CPU kernels only")
     if config.weights == "stored" and not config.triton and runner.kernel_reason is not None:
         raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {runner.kernel_reason}")
+    keep_stored_only(config, runner, loaded, group)
     sampler = Sampler(device, config.seed)
     proposer = make_proposer(config, loaded, draft, pool, sampler, path=path, max_len=max_len, device=device,
                               dtype=dtype)
@@ -216,6 +222,17 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
                        threads=build_threads, cache=cache, loras=loras, snapshots=snapshots,
                        runner=runner, sampler=sampler, proposer=proposer, eos_ids=eos_ids_of(loaded), vision=vision,
                        group=group, ranks=ranks, states=states)
+
+
+def keep_stored_only(config: EngineConfig, runner: ModelRunner, loaded: LoadedModel, group: WorkerGroup | None) -> None:
+    """``--weights stored`` on the CPU: drop the dense copies of the projections the stored form runs.
+    NOTE: the kernels are loaded (start_kernels waits for them with stored weights), so every step
+    runs the stored form; called before the first step and before the KV identity hashes the model."""
+    if config.weights != "stored" or config.triton or group is not None:
+        return
+    freed = runner.release_dense_stored()
+    log.info("weights: %.1f MiB resident (%.1f MiB of dense weights and unpacked codes given back: "
+             "the stored projections keep only their packed codes)", resident_weight_bytes(loaded.model) / 2**20, freed / 2**20)
 
 
 def hybrid_refusal(feature: str) -> str:

@@ -460,7 +460,7 @@ class Engine(OfflineAPI):
             retractions=s.num_retractions, jump_forward_proposed=st.jump_forward_proposed,
             jump_forward_accepted=st.jump_forward_accepted, prefill_tokens=st.prefill_tokens,
             spec_decode={name: SpecDecodeCounts(c.drafts, c.draft_tokens, c.accepted_tokens)
-                         for name, c in st.spec.items()},
+                         for name, c in st.spec.items()}, weight_bytes=builder.resident_weight_bytes(self.runner.model),
             compute=self.runner.describe(), compute_card=ComputeCard(**self.runner.card()),
             time=StepTimes(schedule=st.schedule_seconds, prepare=st.prepare_seconds,
                            decode_forward=st.decode_forward_seconds, prefill_forward=st.prefill_forward_seconds,

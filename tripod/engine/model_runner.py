@@ -203,6 +203,17 @@ class ModelRunner:
             self._backend = be
         return be
 
+    def release_dense_stored(self) -> int:
+        """``--weights stored`` on the CPU kernels: build the stored form now and keep only it — each
+        projection run as stored codes holds one copy of them (packed for the kernels), no dense
+        weight beside it (``LlamaForCausalLM.release_dense_stored``). Returns the bytes given back
+        (0 where the next step's backend is not the stored CPU form, or the model keeps no codes)."""
+        be = self.backend
+        release = getattr(self.model, "release_dense_stored", None)
+        if not isinstance(be, (CpuBackend, CpuLinearBackend)) or not be.stored or release is None:
+            return 0
+        return int(release(be.form))
+
     def lays_out_slot_table(self) -> bool:
         """Whether the next step's backend lays batches out over the slot table (tripod's CPU
         kernels, the Triton kernels) — a layout that keeps no state between steps."""

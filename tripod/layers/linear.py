@@ -39,6 +39,7 @@ from tripod.layers.fp8 import (
     report_fp8,
 )
 from tripod.layers.fp8 import unsupported_reason as fp8_unsupported_reason
+from tripod.layers.w8a8 import W8A8_KINDS, W8A8Linear
 
 __all__ = ["FP8_DTYPES", "Fp8BlockLinear", "Fp8ScaledLinear", "Fp8Scales", "dequantize_fp8"]
 
@@ -56,6 +57,13 @@ class StoredWeight:
     # The blocks' input order as a permutation of the activations' (act-order GPTQ / compressed-
     # tensors groups made contiguous at load, ``loader/hf_quant.py``): the linear reads x[:, perm].
     perm: torch.Tensor | None = None
+    # ``blocks`` already in the CPU kernels' packed layout (``pack_linear``'s output, the same bytes at
+    # every ISA level): kept so after the stored form is built, the model's one copy of the codes is
+    # the one the kernels read (``LlamaForCausalLM.release_dense_stored``).
+    packed: bool = False
+    # W8A8 kinds (``layers/w8a8.py``): ``blocks`` holds the int8 / float8 codes [N, K] as stored and
+    # these are the weight scales, float32 [N].
+    scales: torch.Tensor | None = None
 
 
 # The stored kinds tripod's kernels execute, and their packed format name.
@@ -126,10 +134,11 @@ class KernelLinear:
     def pack_stored(cls, ops: Any, stored: StoredWeight, bias: torch.Tensor | None) -> KernelLinear:
         n, k = stored.shape
         fmt = STORED_KINDS[stored.kind]
-        return cls(ops, ops.pack_linear(stored.blocks.contiguous(), fmt, n, k), fmt, n, k, bias, stored.perm)
+        packed = stored.blocks if stored.packed else ops.pack_linear(stored.blocks.contiguous(), fmt, n, k)
+        return cls(ops, packed, fmt, n, k, bias, stored.perm)
 
 
-Linear = DenseLinear | OneDNNLinear | KernelLinear | Fp8BlockLinear | Fp8ScaledLinear
+Linear = DenseLinear | OneDNNLinear | KernelLinear | Fp8BlockLinear | Fp8ScaledLinear | W8A8Linear
 
 
 def onednn_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -152,6 +161,16 @@ def _onednn_bf16() -> bool:
     return bool(probe()) if probe is not None else False
 
 
+def released(weight: torch.Tensor) -> torch.Tensor:
+    """The placeholder left for a projection whose dense weight was released: ``[0, K]`` of its dtype
+    (it keeps the input width and dtype the model's shape checks read, and no memory)."""
+    return weight.new_empty((0, weight.shape[1]))
+
+
+def is_released(weight: torch.Tensor) -> bool:
+    return weight.ndim == 2 and weight.shape[0] == 0 and weight.shape[1] > 0
+
+
 def kernel_supported(weight: torch.Tensor) -> bool:
     """Whether tripod's linear kernel takes this dense weight (CPU, bf16 with even K, or fp32)."""
     return weight.device.type == "cpu" and (
@@ -171,6 +190,9 @@ def make_linear(
     """The executable form of one projection. ``stored``: the GGUF blocks of ``weight`` (same
     values), used by the ``stored`` form when their type is one tripod executes. ``fp8``: the
     scales of a weight kept in FP8 (any form)."""
+    if stored is not None and stored.kind in W8A8_KINDS:  # activations quantized as the checkpoint says, any form
+        assert stored.scales is not None
+        return W8A8Linear(stored.blocks, stored.scales, W8A8_KINDS[stored.kind], bias)
     if weight.dtype in FP8_DTYPES:
         if fp8 is None:
             raise ValueError("an FP8 weight needs its block scales")
@@ -179,6 +201,12 @@ def make_linear(
         return Fp8BlockLinear(weight, fp8, bias) if why is not None else Fp8ScaledLinear(weight, fp8, bias)
     if form == "stored" and stored is not None and stored.kind in STORED_KINDS:
         return KernelLinear.pack_stored(ops, stored, bias)
+    if is_released(weight):
+        raise ValueError(
+            "this model's dense weights were released after its stored codes were packed for tripod's CPU "
+            "kernels (--weights stored keeps only the stored form in memory); only the stored form can run it: "
+            "load the model again with --weights dequantized for another compute path"
+        )
     if form in ("kernel", "stored") and kernel_supported(weight):
         return KernelLinear.pack_dense(ops, weight, bias)
     if form in ("onednn", "kernel", "stored") and onednn_supported(weight.dtype, weight.device):

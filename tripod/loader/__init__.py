@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,13 @@ def load_model(
     cls = model_class(cfg.architecture)
     net = cls(cfg, dtype, device)
     net.keep_stage(pp)
+    fmt = src.int_format if isinstance(src, HFFolder) else None
+    if fmt is not None and fmt.quantizes_activations and weights != "stored":
+        raise ValueError(f"{path.name} is {quant}: its activations are quantized per token as the checkpoint says, "
+                         f"which runs with --weights stored (or auto) on the CPU; --weights {weights} would run "
+                         "another model")
+    if fmt is not None and fmt.quantizes_activations and (tp.size > 1 or pp.stages > 1):
+        raise ValueError(f"{path.name} is {quant}: W8A8 runs in one process for now (no tensor or pipeline parallel)")
     if weights == "fp8":
         block = src.fp8_block if isinstance(src, HFFolder) else None
         if block is None:
@@ -126,11 +134,14 @@ def load_model(
         if isinstance(src, HFFolder) and src.int_format is None:
             raise ValueError("--weights stored executes a GGUF file's quantized weights or an AWQ / GPTQ / "
                              "compressed-tensors folder's integer ones; this model is an unquantized HF folder")
-        net.load_stored(src.stored_weights())
+        stored = src.stored_weights()
+        net.load_stored(stored)
+        if fmt is not None and fmt.quantizes_activations:
+            _check_w8a8_covered(net, stored)
         if not net.has_stored_weights:
             raise ValueError(
                 f"--weights stored: {path.name} has no weights in a type tripod executes as stored "
-                f"(GGUF Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K; int4 groups, symmetric int8; this model is {quant}); "
+                f"(GGUF Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K; int4 or int8 groups of a multiple of 32; this model is {quant}); "
                 "use the default dequantized weights"
             )
     net.eval()
@@ -162,3 +173,15 @@ def open_source(model: str | None) -> tuple[str, Path, GGUFFile | HFFolder]:
     else:
         src = HFFolder(path)
     return name, path, src
+
+
+def _check_w8a8_covered(net: Any, stored: Mapping[str, Any]) -> None:
+    """Every W8A8 weight must run as W8A8 (its activations quantized): refuse one the model did
+    not take as stored (MoE experts, a projection fused with an unquantized one)."""
+    parts = {"qkv": 3, "gate_up": 2}
+    taken = sum(parts.get(k, 1) for layer in net.layers for k, sw in layer.stored.items() if sw.kind.startswith("W8A8"))
+    if taken != len(stored):
+        experts = sorted(n for n in stored if ".experts." in n)[:2]
+        why = f"MoE experts ({', '.join(experts)}, ...)" if experts else "a projection fused with one left unquantized"
+        raise ValueError(f"W8A8 checkpoint: {len(stored) - taken} quantized weights would not run as W8A8 here: "
+                         f"{why}; W8A8 runs the attention and dense MLP projections for now")

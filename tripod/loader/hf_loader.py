@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tripod.loader import hf_quant
+from tripod.loader import hf_quant, hf_w8a8
 from tripod.loader.lazy import LazyTensors
 from tripod.models.config import ModelConfig
 from tripod.models.vision.spec import vlm_family
@@ -49,7 +49,7 @@ class HFFolder:
             )
         # AWQ / GPTQ / compressed-tensors integer weights (None: unquantized, FP8 or MXFP4); an
         # unsupported scheme is refused here, before anything is read.
-        self.int_format = hf_quant.parse(self.raw_config)
+        self.int_format = hf_w8a8.parse(self.raw_config)
 
     def config(self) -> ModelConfig:
         cfg = ModelConfig.from_hf_dict(self.raw_config)
@@ -131,18 +131,18 @@ class HFFolder:
                  len(scales), *block)
         return out
 
-    def _unpacked(self, out: dict[str, torch.Tensor]) -> dict[str, hf_quant.GroupQuantized]:
+    def _unpacked(self, out: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Every quantized linear of ``out`` unpacked (its tensors removed from ``out``), by module."""
         fmt = self.int_format
         assert fmt is not None
-        found: dict[str, hf_quant.GroupQuantized] = {}
+        found: dict[str, Any] = {}  # GroupQuantized, or W8A8Weight
         for module in fmt.modules(list(out)):
-            if module + ".weight" in out:
+            if module + ".weight" in out and not fmt.weight_is_codes:
                 raise hf_quant.QuantizedCheckpointError(
                     f"{fmt.name} checkpoint: {module} has both a plain weight and quantized tensors")
             found[module] = fmt.unpack(out, module)
         for module in found:
-            for suffix in (fmt.marker, *fmt.aux):
+            for suffix in (fmt.marker, *fmt.aux, *(("weight",) if fmt.weight_is_codes else ())):
                 out.pop(f"{module}.{suffix}", None)
         return found
 
@@ -157,8 +157,8 @@ class HFFolder:
     def stored_weights(self) -> dict[str, Any]:
         """The integer-quantized weights tripod's kernels execute as stored (``stored.group_blocks``),
         as blocks under HF names (act-order ones with the input permutation that makes their groups
-        contiguous); the others (8-bit with zero points, groups not a multiple of 32) are left to
-        their dequantized form, counted in the log."""
+        contiguous); the others (groups not a multiple of 32, float32 scales whose products with the
+        zero points round) are left to their dequantized form, counted in the log."""
         from safetensors.torch import load_file
 
         from tripod.layers.linear import StoredWeight
@@ -172,9 +172,15 @@ class HFFolder:
         found = self._unpacked(out)
         stored: dict[str, Any] = {}
         for module, w in found.items():
+            if isinstance(w, hf_w8a8.W8A8Weight):  # run as stored, activations quantized (layers/w8a8.py)
+                kind = "W8A8_INT8" if w.kind == "int8" else "W8A8_FP8"
+                stored[module + ".weight"] = StoredWeight(kind, w.codes, w.shape, None, scales=w.scales)
+                continue
             blocks = group_blocks(w)
             if blocks is not None:
-                stored[module + ".weight"] = StoredWeight(blocks[0], blocks[1], w.shape, blocks[2])
+                # (8-bit codes with zero points run as two 4-bit halves over the inputs read twice: K' = 2K)
+                k = w.shape[1] if blocks[2] is None else int(blocks[2].numel())
+                stored[module + ".weight"] = StoredWeight(blocks[0], blocks[1], (w.shape[0], k), blocks[2])
         kinds = sorted({sw.kind for sw in stored.values()})
         log.info("%s: %d %s weights executed as stored on tripod's CPU kernels (%s blocks: codes x activations, "
                  "the group scales per 32 inputs%s)", self.path.name, len(stored), self.int_format.describe(),
@@ -182,7 +188,7 @@ class HFFolder:
                      sw.perm is not None for sw in stored.values()) else "")
         if len(stored) < len(found):
             log.info("%s: %d of %d quantized weights have no stored form the kernels execute "
-                     "(zero points on 8 bits, or groups not a multiple of 32): they run dequantized",
+                     "(groups not a multiple of 32, or float32 scales times zero points that round): they run dequantized",
                      self.path.name, len(found) - len(stored), len(found))
         return stored
 

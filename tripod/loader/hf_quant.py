@@ -43,8 +43,11 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output 8c + AWQ_ORDER[i] sits in nibble 
 SUPPORTED = (
     "AWQ (version gemm, 4-bit, zero points), GPTQ (4- or 8-bit, symmetric or not, desc_act, any group size), "
     "compressed-tensors pack-quantized (int4/int8 weights, group or channel strategy, no activation quantization) "
-    "and nvfp4-pack-quantized (NVFP4A16: FP4 weights, 16-bit activations)"
+    "and nvfp4-pack-quantized (NVFP4A16: FP4 weights, 16-bit activations), "
+    "int-quantized / float-quantized W8A8 (int8 or FP8 E4M3 weights per channel or tensor, symmetric, "
+    "activations quantized dynamically per token)"
 )
+W8A8_FORMATS = ("int-quantized", "float-quantized")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +113,7 @@ def parse(config: Mapping[str, Any]) -> IntFormat | None:
     if method == "gptq":
         return GptqFormat(q)
     if method == "compressed-tensors":
-        return CompressedTensorsFormat(q)
+        return CompressedTensorsFormat(q)  # (W8A8 folders are told apart first: hf_w8a8.parse)
     return None
 
 
@@ -135,6 +138,8 @@ class IntFormat:
         raise NotImplementedError
 
     act_order = False
+    weight_is_codes = False  # the codes are ``<module>.weight`` itself (W8A8), not a tensor of their own
+    quantizes_activations = False
 
     def not_stored_reason(self) -> str | None:
         """Why the config's schemes leave no weight to execute as stored (None: some are)."""
@@ -143,9 +148,8 @@ class IntFormat:
                 return None
             if sc.group != -1 and sc.group % 32:
                 continue
-            if sc.bits == 4 or sc.symmetric:
-                return None
-        return "no scheme with 4-bit codes, or symmetric 8-bit ones, in groups of a multiple of 32 inputs"
+            return None  # 4-bit, 8-bit symmetric or with zero points (loader/stored.py's group_blocks)
+        return "no scheme with groups of a multiple of 32 inputs (or one per channel)"
 
     def modules(self, names: list[str]) -> list[str]:
         """The quantized linears among a checkpoint's tensor names; refuses a stray tensor of the
@@ -166,7 +170,7 @@ class IntFormat:
         return mods
 
 
-def _need(tensors: Mapping[str, torch.Tensor], name: str, fmt: str) -> torch.Tensor:
+def need_tensor(tensors: Mapping[str, torch.Tensor], name: str, fmt: str) -> torch.Tensor:
     if name not in tensors:
         raise QuantizedCheckpointError(f"{fmt} checkpoint is missing {name}")
     return tensors[name]
@@ -209,7 +213,7 @@ def _check_group(group: Any, fmt: str) -> int:
     return group
 
 
-def _scales(t: torch.Tensor, name: str, fmt: str) -> torch.Tensor:
+def float_scales(t: torch.Tensor, name: str, fmt: str) -> torch.Tensor:
     if not t.dtype.is_floating_point:
         raise QuantizedCheckpointError(f"{fmt} checkpoint: {name} is {t.dtype}, expected floating-point scales")
     return t.to(torch.float32)
@@ -260,14 +264,14 @@ class AwqFormat(IntFormat):
 
     def unpack(self, tensors: Mapping[str, torch.Tensor], module: str) -> GroupQuantized:
         f, group = "AWQ", self.scheme.group
-        qw = _int32(_need(tensors, module + ".qweight", f), module + ".qweight", f)
+        qw = _int32(need_tensor(tensors, module + ".qweight", f), module + ".qweight", f)
         k, n = int(qw.shape[0]), int(qw.shape[1]) * 8
         gs = _groups(k, group)
         if group != -1 and k % group:
             raise QuantizedCheckpointError(f"AWQ checkpoint: {module} has {k} inputs, not a multiple of group_size {group}")
-        scales = _need(tensors, module + ".scales", f)
+        scales = need_tensor(tensors, module + ".scales", f)
         _shape(scales, (gs, n), module + ".scales", f, f"{gs} groups x {n} outputs")
-        qz = _int32(_need(tensors, module + ".qzeros", f), module + ".qzeros", f)
+        qz = _int32(need_tensor(tensors, module + ".qzeros", f), module + ".qzeros", f)
         _shape(qz, (gs, n // 8), module + ".qzeros", f, f"{gs} groups x {n} outputs / 8")
         order = torch.tensor(AWQ_ORDER)
 
@@ -279,7 +283,7 @@ class AwqFormat(IntFormat):
 
         codes = outputs(qw).t().contiguous().to(torch.uint8)
         zeros = outputs(qz).t().contiguous()
-        return GroupQuantized(codes, _scales(scales, module + ".scales", f).t().contiguous(), zeros,
+        return GroupQuantized(codes, float_scales(scales, module + ".scales", f).t().contiguous(), zeros,
                               _default_g_idx(k, group), 4)
 
 
@@ -316,22 +320,22 @@ class GptqFormat(IntFormat):
     def unpack(self, tensors: Mapping[str, torch.Tensor], module: str) -> GroupQuantized:
         f, bits, group = "GPTQ", self.scheme.bits, self.scheme.group
         per = 32 // bits
-        qw = _int32(_need(tensors, module + ".qweight", f), module + ".qweight", f)
+        qw = _int32(need_tensor(tensors, module + ".qweight", f), module + ".qweight", f)
         k, n = int(qw.shape[0]) * per, int(qw.shape[1])
         gs = _groups(k, group)
-        scales = _need(tensors, module + ".scales", f)
+        scales = need_tensor(tensors, module + ".scales", f)
         _shape(scales, (gs, n), module + ".scales", f, f"{gs} groups of {group} x {n} outputs")
-        qz = _int32(_need(tensors, module + ".qzeros", f), module + ".qzeros", f)
+        qz = _int32(need_tensor(tensors, module + ".qzeros", f), module + ".qzeros", f)
         _shape(qz, (gs, n // per), module + ".qzeros", f, f"{gs} groups x {n} outputs / {per}")
         gi = tensors.get(module + ".g_idx")
         g_idx = _default_g_idx(k, group) if gi is None else _check_g_idx(gi, k, gs, module + ".g_idx", f)
         codes = _unpack_rows(qw, bits).t().contiguous().to(torch.uint8)
         zeros = _unpack_cols(qz, bits).t().contiguous() + self.zero_offset
-        return GroupQuantized(codes, _scales(scales, module + ".scales", f).t().contiguous(), zeros, g_idx, bits)
+        return GroupQuantized(codes, float_scales(scales, module + ".scales", f).t().contiguous(), zeros, g_idx, bits)
 
 
 @dataclass(frozen=True, slots=True)
-class _Group:
+class TargetGroup:
     targets: tuple[str, ...]
     scheme: IntScheme
 
@@ -345,15 +349,16 @@ class CompressedTensorsFormat(IntFormat):
 
     def __init__(self, q: Mapping[str, Any]) -> None:
         top = q.get("format")
-        self.groups: list[_Group] = []
+        self.groups: list[TargetGroup] = []
         for gname, g in (q.get("config_groups") or {}).items():
             fmt = g.get("format") or top
             if fmt == "nvfp4-pack-quantized":
-                self.groups.append(_Group(self._targets(gname, g), self._nvfp4(gname, g)))
+                self.groups.append(TargetGroup(self._targets(gname, g), self._nvfp4(gname, g)))
                 continue
             if fmt != "pack-quantized":
                 raise QuantizedCheckpointError(
-                    f"compressed-tensors format {fmt!r} (config group {gname}) is not supported (supported: {SUPPORTED})"
+                    f"compressed-tensors format {fmt!r} (config group {gname}) is not supported beside "
+                    f"pack-quantized groups (supported: {SUPPORTED})"
                 )
             if g.get("input_activations") or g.get("output_activations"):
                 raise QuantizedCheckpointError(
@@ -377,7 +382,7 @@ class CompressedTensorsFormat(IntFormat):
                 raise QuantizedCheckpointError("compressed-tensors dynamic weight quantization is not a stored format")
             if w.get("actorder"):
                 self.act_order = True
-            self.groups.append(_Group(self._targets(gname, g), IntScheme(bits, group, bool(w.get("symmetric", True)))))
+            self.groups.append(TargetGroup(self._targets(gname, g), IntScheme(bits, group, bool(w.get("symmetric", True)))))
         if not self.groups:
             raise QuantizedCheckpointError("compressed-tensors quantization_config has no config_groups")
         self.ignore = tuple(q.get("ignore") or ())
@@ -437,26 +442,26 @@ class CompressedTensorsFormat(IntFormat):
             return self._unpack_nvfp4(tensors, module)
         bits, group = scheme.bits, scheme.group
         per = 32 // bits
-        packed = _int32(_need(tensors, module + ".weight_packed", f), module + ".weight_packed", f)
-        shape = _need(tensors, module + ".weight_shape", f)
+        packed = _int32(need_tensor(tensors, module + ".weight_packed", f), module + ".weight_packed", f)
+        shape = need_tensor(tensors, module + ".weight_shape", f)
         if shape.numel() != 2:
             raise QuantizedCheckpointError(f"{f} checkpoint: {module}.weight_shape must hold (outputs, inputs)")
         n, k = (int(v) for v in shape.tolist())
         _shape(packed, (n, -(-k // per)), module + ".weight_packed", f, f"{n} outputs x {k} inputs / {per}")
         gs = _groups(k, group)
-        scales = _need(tensors, module + ".weight_scale", f)
+        scales = need_tensor(tensors, module + ".weight_scale", f)
         _shape(scales, (n, gs), module + ".weight_scale", f, f"{n} outputs x {gs} groups ({scheme.describe()})")
         offset = 1 << (bits - 1)
         codes = _unpack_cols(packed, bits)[:, :k].contiguous().to(torch.uint8)  # unsigned: q + offset
         if scheme.symmetric:
             zeros = torch.full((n, gs), offset, dtype=torch.int32)
         else:
-            zp = _int32(_need(tensors, module + ".weight_zero_point", f), module + ".weight_zero_point", f)
+            zp = _int32(need_tensor(tensors, module + ".weight_zero_point", f), module + ".weight_zero_point", f)
             _shape(zp, (-(-n // per), gs), module + ".weight_zero_point", f, f"{n} outputs / {per} x {gs} groups")
             zeros = _unpack_rows(zp, bits)[:n].contiguous()  # q + offset - (z + offset)
         gi = tensors.get(module + ".weight_g_idx")
         g_idx = _default_g_idx(k, group) if gi is None else _check_g_idx(gi, k, gs, module + ".weight_g_idx", f)
-        return GroupQuantized(codes, _scales(scales, module + ".weight_scale", f), zeros, g_idx, bits)
+        return GroupQuantized(codes, float_scales(scales, module + ".weight_scale", f), zeros, g_idx, bits)
 
 
     @staticmethod
@@ -467,13 +472,13 @@ class CompressedTensorsFormat(IntFormat):
         Every E2M1 value is an integer over 2 (0, ±0.5 … ±6 = ±12 / 2), so this is the integer form
         with codes ``2 * fp4 + 128`` (8-bit, zero point 128) and scales ``(scale / global) / 2``, exactly."""
         f = "compressed-tensors nvfp4"
-        packed = _need(tensors, module + ".weight_packed", f)
+        packed = need_tensor(tensors, module + ".weight_packed", f)
         if packed.dtype != torch.uint8:
             raise QuantizedCheckpointError(f"{f} checkpoint: {module}.weight_packed is {packed.dtype}, expected uint8")
         n, k = int(packed.shape[0]), int(packed.shape[1]) * 2
-        scale = _need(tensors, module + ".weight_scale", f)
+        scale = need_tensor(tensors, module + ".weight_scale", f)
         _shape(scale, (n, k // 16), module + ".weight_scale", f, f"{n} outputs x {k} inputs / 16")
-        glob = _need(tensors, module + ".weight_global_scale", f)
+        glob = need_tensor(tensors, module + ".weight_global_scale", f)
         if glob.numel() != 1:
             raise QuantizedCheckpointError(f"{f} checkpoint: {module}.weight_global_scale must be one value")
         half_steps = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.int32)  # E2M1 magnitudes x 2
@@ -482,3 +487,4 @@ class CompressedTensorsFormat(IntFormat):
         eff = scale.to(torch.float32) / glob.to(torch.float32).reshape(())  # compressed-tensors' float32 division
         return GroupQuantized((val + 128).to(torch.uint8), eff * 0.5, torch.full((n, k // 16), 128, dtype=torch.int32),
                               torch.arange(k) // 16, 8)
+

@@ -106,8 +106,9 @@ def dequantize(kind: str, blocks: np.ndarray, cols: int) -> np.ndarray:
 
 
 def group_blocks(w: GroupQuantized) -> tuple[str, torch.Tensor, torch.Tensor | None] | None:
-    """``w`` as blocks tripod's kernels execute as stored — (kind, uint8 ``[N, K / 32 * bytes]``) —
-    with exactly its values; None where no stored kind holds them (it runs dequantized):
+    """``w`` as blocks tripod's kernels execute as stored — (kind, uint8 ``[N, K' / 32 * bytes]``,
+    the input gather) — with exactly its values; None where no stored kind holds them (it runs
+    dequantized):
 
     - 4-bit → ``Q4_K``'s form (``loader/stored.py``): per 32 inputs ``[a f32, b f32, 16 bytes of
       nibbles]`` with ``a = s`` and ``b = s * z`` (``w = a * q - b``), the group's scale repeated in
@@ -115,11 +116,16 @@ def group_blocks(w: GroupQuantized) -> tuple[str, torch.Tensor, torch.Tensor | N
     - 8-bit with the zero point 128 everywhere (symmetric; NVFP4 arrives in this form) → ``Q6_K``'s
       form: ``[a0 f32, a1 f32, 32 int8 codes q - 128]``, ``a0`` / ``a1`` the scales of inputs 0-15 /
       16-31 (groups of a multiple of 16 inputs).
+    - 8-bit with other zero points (``q - z`` spans -255..255: no int8 code holds it) → two ``Q4_K``
+      halves over the inputs read twice: the high nibbles ``h`` with ``a = 16 s, b = 0`` and the low
+      nibbles ``l`` with ``a = s, b = s z``, so ``16 s h + (s l - s z) = s (q - z)``: each term and
+      their sum exact in float32 for 16-bit scales. ``K' = 2 K`` (1.5 bytes a weight), and the gather
+      is ``[perm, perm]`` (an exact copy of each input).
 
     Needs a group size that is a multiple of 32 (or one group per channel over K a multiple of 32).
     Act-order groups (``g_idx`` not in input order) are made contiguous by permuting the inputs once
-    here: the third item is then that permutation (the linear reads ``x[:, perm]``, an exact gather),
-    else None."""
+    here: the third item is then the permutation (the linear reads ``x[:, perm]``, an exact gather;
+    ``K'`` entries), else None."""
     n, k = w.shape
     gs = w.scales.shape[1]
     size = -(-k // gs)
@@ -133,17 +139,9 @@ def group_blocks(w: GroupQuantized) -> tuple[str, torch.Tensor, torch.Tensor | N
         if not w.in_order:  # groups of unequal sizes: no contiguous runs of `size`
             return None
     per32 = torch.arange(0, k, 32) // size  # the group of each block of 32 inputs
-    s = w.scales.index_select(1, per32)  # [N, K/32] float32
     if w.bits == 4:
-        z = w.zeros.index_select(1, per32).to(torch.float64)
-        b = (s.to(torch.float64) * z).to(torch.float32)
-        if not torch.equal(b.to(torch.float64), s.to(torch.float64) * z):
-            return None  # float32 scales whose products with the zero points round
-        q = w.codes.view(n, k // 32, 32).numpy()
-        nib = q[:, :, :16] | (q[:, :, 16:] << np.uint8(4))
-        out = np.concatenate((s.numpy().reshape(n, -1, 1).view(np.uint8), b.numpy().reshape(n, -1, 1).view(np.uint8),
-                              nib), axis=2)
-        return "Q4_K", torch.from_numpy(np.ascontiguousarray(out.reshape(n, -1))), perm
+        blocks = _q4_k_blocks(w.codes, w.scales, w.zeros, per32)
+        return None if blocks is None else ("Q4_K", blocks, perm)
     if sym8:  # one scale per 16 inputs (the group's), as Q6_K holds them
         s16 = w.scales.index_select(1, torch.arange(0, k, 16) // size).view(n, k // 32, 2)
         q = (w.codes.view(n, k // 32, 32).to(torch.int16) - 128).to(torch.int8).numpy()
@@ -151,4 +149,29 @@ def group_blocks(w: GroupQuantized) -> tuple[str, torch.Tensor, torch.Tensor | N
         a1 = s16[:, :, 1].contiguous().numpy().reshape(n, -1, 1).view(np.uint8)
         out = np.concatenate((a0, a1, q.view(np.uint8)), axis=2)
         return "Q6_K", torch.from_numpy(np.ascontiguousarray(out.reshape(n, -1))), perm
+    if w.bits == 8:  # zero points: two Q4_K halves (high nibbles x 16 s, low nibbles with s z)
+        high = _q4_k_blocks(w.codes >> 4, w.scales * 16, torch.zeros_like(w.zeros), per32)
+        low = _q4_k_blocks(w.codes & 15, w.scales, w.zeros, per32)
+        if high is None or low is None:
+            return None
+        order = torch.arange(k) if perm is None else perm
+        return "Q4_K", torch.cat((high, low), dim=1), torch.cat((order, order))
     return None
+
+
+def _q4_k_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 per32: torch.Tensor) -> torch.Tensor | None:
+    """4-bit ``codes`` uint8 ``[N, K]`` with float32 ``scales`` / integer ``zeros`` ``[N, G]`` (the
+    group of each block of 32 inputs: ``per32``) → ``Q4_K`` form blocks ``[a = s, b = s z, nibbles]``;
+    None where some ``s z`` rounds in float32 (float32 scales)."""
+    n, k = codes.shape
+    s = scales.index_select(1, per32)  # [N, K/32] float32
+    z = zeros.index_select(1, per32).to(torch.float64)
+    b = (s.to(torch.float64) * z).to(torch.float32)
+    if not torch.equal(b.to(torch.float64), s.to(torch.float64) * z):
+        return None  # float32 scales whose products with the zero points round
+    q = codes.contiguous().view(n, k // 32, 32).numpy()
+    nib = q[:, :, :16] | (q[:, :, 16:] << np.uint8(4))
+    out = np.concatenate((s.numpy().reshape(n, -1, 1).view(np.uint8), b.numpy().reshape(n, -1, 1).view(np.uint8),
+                          nib), axis=2)
+    return torch.from_numpy(np.ascontiguousarray(out.reshape(n, -1)))

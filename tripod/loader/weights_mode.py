@@ -5,7 +5,8 @@ third to a half of bf16's bytes per token, with the run dtype's activations — 
 ``--dtype auto``, each bf16 activation x code product exact) where the kernels can: on the CPU,
 in one process, with the run dtype left to ``auto``, and the file's dominant type one the kernels
 execute (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K). So does an AWQ / GPTQ / compressed-tensors folder whose
-config has a scheme the kernels execute (int4 groups, symmetric int8; ``loader/hf_quant.py``). Everything
+config has a scheme the kernels execute (int4 or int8 groups of a multiple of 32; ``loader/hf_quant.py``), and a W8A8
+folder always (its activations are quantized as the checkpoint says; ``layers/w8a8.py``). Everything
 else runs dequantized, which for a 16-bit (or
 float32) checkpoint *is* its stored values. An explicit ``--dtype`` (``float32``: the reference
 path, token-exact against transformers; ``bfloat16``) keeps the dequantized weights it names.
@@ -32,6 +33,9 @@ EXECUTED_AS_STORED = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"})
 
 def auto_weights(config: EngineConfig) -> tuple[str, str]:
     """(``"stored"`` or ``"dequantized"``, why) for ``--weights auto``."""
+    w8a8 = _w8a8(config)
+    if w8a8 is not None:  # activations quantized as the checkpoint says: only the stored form runs it
+        return "stored", f"{w8a8} (W8A8: activations quantized per token, emulated in torch on the CPU)"
     if config.device != "cpu":
         return "dequantized", f"the stored form runs on tripod's CPU kernels (device {config.device})"
     if config.kernels == "eager":
@@ -71,3 +75,13 @@ def resolve_weights(config: EngineConfig) -> EngineConfig:
     mode, why = auto_weights(config)
     log.info("--weights auto: %s (%s)", mode, why)
     return replace(config, weights=mode)
+
+
+def _w8a8(config: EngineConfig) -> str | None:
+    """The description of a W8A8 folder's format (None for anything else or what cannot be opened)."""
+    try:
+        _name, _path, src = open_source(config.model)
+    except (ValueError, OSError):
+        return None
+    fmt = src.int_format if isinstance(src, HFFolder) else None
+    return src.quantization if fmt is not None and fmt.quantizes_activations else None

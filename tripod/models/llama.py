@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tripod.layers.batch import Backend, ForwardBatch
-from tripod.layers.linear import Linear, StoredWeight
+from tripod.layers.linear import STORED_KINDS, KernelLinear, Linear, StoredWeight, released
 from tripod.layers.mlp import GatedMLP
 from tripod.layers.moe import MoE
 from tripod.layers.norm import rms_norm
@@ -38,6 +38,7 @@ from tripod.layers.parallel import (
     parameter,
 )
 from tripod.layers.rotary import RotaryEmbedding
+from tripod.layers.w8a8 import W8A8Linear
 from tripod.layers.weights import WeightSource
 from tripod.models.config import ModelConfig
 from tripod.models.gqa import GQAttention, new_param, norm_weight
@@ -279,6 +280,35 @@ class LlamaForCausalLM(nn.Module):
             layer.release(form)
         self.head_ops.pop(form, None)
 
+    def release_dense_stored(self, form: str) -> int:
+        """After the ``stored`` form ``form`` is built: keep one copy of each projection it runs as
+        stored codes — the kernels' packed blocks, which ``layer.stored`` then holds too (the form can
+        be rebuilt from them without repacking) — and drop the dense weight and the unpacked blocks.
+        Returns the bytes given back. The head is left as it is (a tied head is the embedding).
+        NOTE: afterwards only a stored form can run these projections; another backend's
+        ``prepare`` refuses (``make_linear``) instead of reading an empty weight."""
+        freed = 0
+        for layer in self.layers:
+            sites = (("qkv", layer.attn, "qkv", 0), ("o", layer.attn, "o", 1),
+                     ("gate_up", layer.mlp, "gate_up", 0), ("down", layer.mlp, "down", 1))
+            for key, mod, attr, idx in sites:
+                sw = layer.stored.get(key)
+                ops = getattr(mod, "ops", {}).get(form)
+                if sw is None or ops is None or sw.packed:
+                    continue
+                op = ops[idx]
+                w = getattr(mod, attr)
+                if isinstance(op, W8A8Linear) and op.codes is sw.blocks:  # runs the stored codes as they are
+                    freed += w.numel() * w.element_size()
+                    w.data = released(w.data)
+                    continue
+                if not isinstance(op, KernelLinear) or op.fmt != STORED_KINDS.get(sw.kind):
+                    continue
+                freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
+                layer.stored[key] = StoredWeight(sw.kind, op.packed, sw.shape, sw.perm, packed=True)
+                w.data = released(w.data)
+        return freed
+
     @property
     def has_stored_weights(self) -> bool:
         return self.stored_head is not None or any(layer.stored for layer in self.layers)
@@ -373,7 +403,8 @@ class LlamaForCausalLM(nn.Module):
             if any((p.perm is None) != (perm is None) or (perm is not None and not torch.equal(p.perm, perm)) for p in ps):
                 return None
             blocks = torch.cat([p.blocks for p in ps]) if len(ps) > 1 else ps[0].blocks
-            return StoredWeight(ps[0].kind, blocks.contiguous(), (sum(p.shape[0] for p in ps), k), perm)
+            scales = None if ps[0].scales is None else torch.cat([p.scales for p in ps if p.scales is not None])
+            return StoredWeight(ps[0].kind, blocks.contiguous(), (sum(p.shape[0] for p in ps), k), perm, scales=scales)
 
         for layer in self.layers:
             i = layer.layer

@@ -154,6 +154,10 @@ class EngineStats(msgspec.Struct, kw_only=True):
     spec_decode: dict[str, SpecDecodeCounts] = msgspec.field(default_factory=dict)  # per proposer
     compute: str = ""  # the compute path of the next step, in words
     compute_card: ComputeCard | None = None  # ... and as /v1/models reports it
+    # Bytes of the model's weights held in memory (``executor/group.py``'s ``resident_weight_bytes``: parameters,
+    # stored codes and the kernels' packed copies, each tensor once): with --weights stored, the stored
+    # size. Set by an engine over a loaded model (left out of older snapshots' JSON).
+    weight_bytes: int | UnsetType = UNSET
     time: StepTimes = msgspec.field(default_factory=StepTimes)
     kv_disk: DiskTierStats | UnsetType = UNSET  # set only with a disk tier (--kv-disk)
     vision: VisionStats | UnsetType = UNSET  # set only for a vision-language model

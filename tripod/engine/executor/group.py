@@ -68,6 +68,36 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct weight tensors a model holds now: its parameters (a tied head counted
+    once), the stored codes it keeps (``StoredWeight.blocks``) and what the compute forms packed
+    (``KernelLinear.packed``: the kernels' copy of a dense weight, or the stored codes themselves
+    once ``release_dense_stored`` made the two one tensor)."""
+    from tripod.layers.linear import KernelLinear, StoredWeight
+
+    seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> None:
+        if t.numel() and t.layout == torch.strided:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+
+    for p in model.parameters():
+        add(p)
+    for module in model.modules():
+        stored = getattr(module, "stored", None)
+        extra = [module.stored_head] if isinstance(getattr(module, "stored_head", None), StoredWeight) else []
+        for sw in [*(stored.values() if isinstance(stored, dict) else ()), *extra]:
+            if isinstance(sw, StoredWeight):
+                add(sw.blocks)
+        for attr in ("ops", "head_ops"):
+            forms = getattr(module, attr, None)
+            for ops in forms.values() if isinstance(forms, dict) else ():
+                for op in ops if isinstance(ops, tuple) else (ops,):
+                    if isinstance(op, KernelLinear):
+                        add(op.packed)
+    return sum(seen.values())
+
+
 def init_group(config: EngineConfig, rank: int, init_method: str) -> tuple[ParallelGroup, PipeStage]:
     """Join the group as ``rank``; this rank's place: its tensor-parallel slice or its pipeline stage."""
     import torch.distributed as dist
