@@ -226,7 +226,7 @@ def check_hybrid(config: EngineConfig, mc: Any) -> None:
     if mc.hybrid is None:
         return
     for feature, on in (("--speculative", config.speculative is not None), ("--lora", config.lora is not None),
-                        ("--kv-disk", config.kv_disk is not None), ("--kernels triton", config.triton),
+                        ("--kv-disk", config.kv_disk is not None),
                         ("--weights stored", config.weights == "stored"), ("--weights fp8", config.weights == "fp8"),
                         ("--overlap-schedule on", config.overlap_schedule == "on")):
         if on:
