@@ -45,7 +45,8 @@ def _run_everywhere(folder: Path, prompts: list[list[int]], refs: list[Any], wha
     assert card["backend"] == "triton" and card["interpret"] is True, card
     assert eng.runner.graphs is None  # (a hybrid's decode rows carry state slots: eager)
     alone = [eng.generate([p], PARAMS)[0] for p in prompts]
-    batched = eng.generate(prompts, PARAMS)
+    batched = eng.generate(prompts, PARAMS)  # (the prompts again: prefix hits resume from state snapshots)
+    assert eng.stats.cached_prompt_tokens > 0
     _all_free(eng)
     chunked = _engine(folder, chunk_size=5, max_batch_tokens=12).generate(prompts, PARAMS)
     cpu = _engine(folder, kernels="eager").generate(prompts, PARAMS)

@@ -51,7 +51,12 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     from tripod.kernels.gpu.masks import BLOCK as MASK_BLOCK
     from tripod.kernels.gpu.masks import apply_bitmask_kernel
     from tripod.kernels.gpu.mla import mla_decode_kernel
-    from tripod.kernels.gpu.recurrent import conv_update_kernel, gated_delta_kernel, ssd_scan_kernel, value_block
+    from tripod.kernels.gpu.recurrent import (
+        conv_update_kernel,
+        gated_delta_kernel,
+        ssd_scan_kernel,
+        value_block,
+    )
     from tripod.kernels.gpu.w4a16 import BLOCK_M as W4_M
     from tripod.kernels.gpu.w4a16 import blocks as w4_blocks
     from tripod.kernels.gpu.w4a16 import w4a16_kernel
