@@ -1,6 +1,6 @@
 """Hybrid models through the whole engine on the Triton backend, in Triton's interpreter: a tiny
-random Qwen3.5 (gated delta rule + gated attention) and Nemotron-H / Granite 4.0 (Mamba2 +
-attention) give transformers' greedy tokens (fp32) alone, batched and in short prefill chunks,
+random Qwen3.5 (gated delta rule + gated attention), Nemotron-H / Granite 4.0 (Mamba2 + attention)
+and LFM2 (short convolutions, still torch's code) give transformers' greedy tokens (fp32) alone, batched and in short prefill chunks,
 their conv and recurrences on the kernels of ``tripod/kernels/gpu/recurrent.py`` over the state
 pool's slots; the logprobs agree with the CPU path's to float32 rounding."""
 
@@ -40,7 +40,7 @@ def _check(got: list[int], ref: Any, what: str) -> None:
 
 
 def _run_everywhere(folder: Path, prompts: list[list[int]], refs: list[Any], what: str) -> None:
-    eng = _engine(folder)
+    eng = _engine(folder, chunk_size=8, max_batch_tokens=32)  # (snapshots at chunk ends: the repeats hit)
     card = eng.runner.card()
     assert card["backend"] == "triton" and card["interpret"] is True, card
     assert eng.runner.graphs is None  # (a hybrid's decode rows carry state slots: eager)
@@ -85,7 +85,7 @@ def test_qwen3_5_on_the_triton_kernels(qwen3_5: tuple[Path, HFReference]) -> Non
 
 
 @pytest.mark.slow  # about 1 min each on 2 cores
-@pytest.mark.parametrize("name", ["nemotron_h_hd32", "granite_nope"])
+@pytest.mark.parametrize("name", ["nemotron_h_hd32", "granite_nope", "lfm2_hd32"])
 def test_mamba2_hybrids_on_the_triton_kernels(name: str, tmp_path: Path, hf_tokenizer: Any) -> None:
     refs = [r[:NEW] for r in mamba._build(name, tmp_path, hf_tokenizer)]
     _run_everywhere(tmp_path, mamba.PROMPTS, refs, name)

@@ -51,12 +51,6 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     from tripod.kernels.gpu.masks import BLOCK as MASK_BLOCK
     from tripod.kernels.gpu.masks import apply_bitmask_kernel
     from tripod.kernels.gpu.mla import mla_decode_kernel
-    from tripod.kernels.gpu.recurrent import (
-        conv_update_kernel,
-        gated_delta_kernel,
-        ssd_scan_kernel,
-        value_block,
-    )
     from tripod.kernels.gpu.w4a16 import BLOCK_M as W4_M
     from tripod.kernels.gpu.w4a16 import blocks as w4_blocks
     from tripod.kernels.gpu.w4a16 import w4a16_kernel
@@ -105,9 +99,30 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
          {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": bf, "sinks_ptr": "*fp32"},
          dict(NH=128, D=512, SPLITS=8, BLOCK_S=8, BLOCK_D=512, HAS_SINKS=False)),
     ]
+    out += _recurrent_variants()
+    w4_ptrs = {"q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8"}
+    for act, dt, group, zeros in (("bf16", bf, 128, True), ("bf16", bf, 128, False), ("bf16", bf, 32, True),
+                                  ("fp16", "*fp16", 128, True), ("fp32", "*fp32", 128, True)):
+        bn, bk = w4_blocks(act == "fp32", group)
+        out.append((f"w4a16[{act}, group {group}, {'zero points' if zeros else 'symmetric'}]", w4a16_kernel,
+                    {**w4_ptrs, "x_ptr": dt, "out_ptr": dt},
+                    dict(HAS_ZEROS=zeros, FP32_DOT=act == "fp32", BLOCK_M=W4_M, BLOCK_N=bn, BLOCK_K=bk)))
+    return out
+
+
+def _recurrent_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The hybrid mixers' kernels (float32 states; the conv reads the bf16 projection)."""
+    from tripod.kernels.gpu.recurrent import (
+        conv_update_kernel,
+        gated_delta_kernel,
+        ssd_scan_kernel,
+        value_block,
+    )
+
+    bf = "*bf16"
     f32 = "*fp32"
     conv_ptrs = {"x_ptr": bf, "win_ptr": f32, "w_ptr": f32, "b_ptr": f32, "out_ptr": f32, "items_ptr": "*i32"}
-    out += [
+    return [
         # Qwen3.5 / Qwen3-Next: 16 key heads, 32 value heads, 128 x 128, conv over 8192 channels (kernel 4)
         ("conv_update[8192, kernel 4]", conv_update_kernel, conv_ptrs,
          dict(K=4, HAS_BIAS=False, SILU=True, BLOCK_C=256, BLOCK_K=4)),
@@ -123,14 +138,6 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
           "out_ptr": f32, "items_ptr": "*i32"},
          dict(H=128, G=8, P=64, N=128, BLOCK_P=32, BLOCK_N=128)),
     ]
-    w4_ptrs = {"q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8"}
-    for act, dt, group, zeros in (("bf16", bf, 128, True), ("bf16", bf, 128, False), ("bf16", bf, 32, True),
-                                  ("fp16", "*fp16", 128, True), ("fp32", "*fp32", 128, True)):
-        bn, bk = w4_blocks(act == "fp32", group)
-        out.append((f"w4a16[{act}, group {group}, {'zero points' if zeros else 'symmetric'}]", w4a16_kernel,
-                    {**w4_ptrs, "x_ptr": dt, "out_ptr": dt},
-                    dict(HAS_ZEROS=zeros, FP32_DOT=act == "fp32", BLOCK_M=W4_M, BLOCK_N=bn, BLOCK_K=bk)))
-    return out
 
 
 def _signature(kernel: Any, ptrs: dict[str, str], constexprs: dict[str, Any]) -> dict[str, str]:
