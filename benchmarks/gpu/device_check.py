@@ -109,7 +109,94 @@ def kernels(dev: torch.device, dry: bool) -> list[dict[str, Any]]:
     out += _attention_checks(ops, dev, dt, tol, dry)
     out += _mask_and_fp8_checks(ops, dev, dry)
     out += _w4a16_checks(ops, dev, dry)
+    out += _recurrent_checks(ops, dev, dry)
     return out
+
+
+def _recurrent_checks(ops: Any, dev: torch.device, dry: bool) -> list[dict[str, Any]]:
+    """The hybrid mixers' kernels (float32 states) at Qwen3.5's gated delta rule (16 key / 32 value
+    heads, 128 x 128, conv over 8192 channels) and Nemotron-H's Mamba2 (128 heads x 64, state 128,
+    8 groups) against the layers' torch recurrence on the same device; prefill items beside decode
+    items at scattered slots; whole items = token steps bit for bit; a 64-sequence decode step's time
+    against moving its states once at the copy rate."""
+    from tripod.layers.batch import StateRows
+    from tripod.layers.gated_delta import GatedDeltaNet
+    from tripod.layers.mamba2 import causal_conv
+
+    tol = 1e-4
+    g = torch.Generator(device=dev).manual_seed(2)
+    rnd = lambda *s: torch.randn(*s, generator=g, device=dev)  # noqa: E731
+    hk, hv, dk, dv, ch = (2, 4, 16, 16, 96) if dry else (16, 32, 128, 128, 8192)
+    mh, mp, mn, mg = (4, 8, 8, 2) if dry else (128, 64, 128, 8)
+    seqs = 8 if dry else 64
+    items = [(0, 17, 5), (17, 1, 0), (18, 40 if not dry else 9, 7), (58 if not dry else 27, 1, 2)]
+    t = items[-1][0] + 1
+    res: list[dict[str, Any]] = []
+
+    def rec(name: str, e: float, limit: float = tol, **more: Any) -> None:
+        res.append({"kernel": name, "rel_error": e, "tolerance": limit, "ok": e <= limit, **more})
+
+    def steps(fn: Any) -> None:  # the items' tokens one per sequence per call, as decode steps
+        for j in range(max(n for _, n, _ in items)):
+            step = [(first + j, slot) for first, n, slot in items if n > j]
+            fn([r for r, _ in step], ops.item_table([(i, 1, s) for i, (_, s) in enumerate(step)], dev))
+
+    # causal conv (+ SiLU), bf16 rows in as the projection gives them
+    x = rnd(t, 2 * ch).to(torch.float32 if dry else torch.bfloat16)[:, :ch]
+    w, win = rnd(ch, 4), rnd(seqs, ch, 3)
+    want_win, want = win.clone(), torch.empty(t, ch, device=dev)
+    for first, n, slot in items:
+        one = want_win[slot : slot + 1]
+        want[first : first + n] = causal_conv(x[first : first + n].float(), one, [n], w, None)
+    want = want / (1.0 + torch.exp(-want))
+    got = ops.conv_update(x, win, ops.item_table(items, dev), w, None)
+    rec(f"conv_update[{ch}, kernel 4]", max(_err(got, want), _err(win, want_win)))
+    # gated delta rule
+    q = torch.nn.functional.normalize(rnd(t, hk, dk), dim=-1) * dk**-0.5
+    k = torch.nn.functional.normalize(rnd(t, hk, dk), dim=-1)
+    v, decay = rnd(t, hv, dv), torch.exp(-torch.rand(t, hv, generator=g, device=dev))
+    beta = torch.rand(t, hv, generator=g, device=dev)
+    state = 0.5 * rnd(seqs, hv, dk, dv)
+    want_state, r = state.clone(), hv // hk
+    want = GatedDeltaNet._recur(q.repeat_interleave(r, 1), k.repeat_interleave(r, 1), v, decay, beta,
+                                StateRows(None, items), want_state)  # type: ignore[arg-type]
+    whole_state = state.clone()
+    got = ops.gated_delta(q, k, v, decay, beta, whole_state, ops.item_table(items, dev))
+    rec(f"gated_delta[{hv}/{hk} heads x {dk}x{dv}]", max(_err(got, want), _err(whole_state, want_state)))
+    stepped = torch.empty_like(got)
+
+    def gd(rows: list[int], table: torch.Tensor) -> None:
+        stepped[rows] = ops.gated_delta(q[rows], k[rows], v[rows], decay[rows], beta[rows], state, table)
+
+    steps(gd)
+    same = torch.equal(stepped, got) and torch.equal(state, whole_state)
+    rec("gated_delta whole items = token steps", 0.0 if same else 1.0, 0.0)
+    # Mamba2 scan
+    xm, bc = rnd(t, mh * mp), rnd(t, 2 * mg * mn)
+    bm, cm = bc[:, : mg * mn], bc[:, mg * mn :]
+    dtm = torch.rand(t, mh, generator=g, device=dev)
+    am = torch.exp(-dtm * torch.rand(mh, generator=g, device=dev))
+    ssm = rnd(seqs, mh, mp, mn)
+    want_ssm, rep = ssm.clone(), mh // mg
+    want = torch.empty(t, mh, mp, device=dev)
+    bs = bm.view(t, mg, 1, mn).expand(t, mg, rep, mn).reshape(t, mh, mn)
+    cs = cm.view(t, mg, 1, mn).expand(t, mg, rep, mn).reshape(t, mh, mn)
+    for first, n, slot in items:
+        h = want_ssm[slot]
+        for i in range(first, first + n):
+            h = h * am[i][:, None, None] + (dtm[i][:, None] * bs[i])[:, None, :] * xm[i].view(mh, mp)[:, :, None]
+            want[i] = (h * cs[i][:, None, :]).sum(-1)
+        want_ssm[slot] = h
+    got = ops.ssd_scan(xm, bm, cm, dtm, am, ssm, ops.item_table(items, dev))
+    rec(f"ssd_scan[{mh}x{mp}, state {mn}, {mg} groups]", max(_err(got, want), _err(ssm, want_ssm)))
+    # one decode step of every sequence: its states read and written once
+    decode = ops.item_table([(i, 1, i) for i in range(seqs)], dev)
+    qd, kd, vd = q[:1].expand(seqs, hk, dk), k[:1].expand(seqs, hk, dk), v[:1].expand(seqs, hv, dv)
+    dd, bd = decay[:1].expand(seqs, hv), beta[:1].expand(seqs, hv)
+    ms = 1e3 * _timed(lambda: ops.gated_delta(qd, kd, vd, dd, bd, state, decode), dev, 2 if dry else 50)
+    moved = 2 * state.numel() * 4
+    rec(f"gated_delta decode step[{seqs} sequences]", 0.0, 0.0, ms=ms, state_gb_per_s=moved / ms / 1e6)
+    return res
 
 
 def _w4a16_checks(ops: Any, dev: torch.device, dry: bool) -> list[dict[str, Any]]:

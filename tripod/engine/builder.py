@@ -245,7 +245,6 @@ def check_hybrid(config: EngineConfig, mc: Any) -> None:
     if mc.hybrid is None:
         return
     for feature, on in (("--speculative", config.speculative is not None), ("--lora", config.lora is not None),
-                        ("--kernels triton", config.triton),
                         # (a Qwen3.5-family GGUF's blocks run as stored: models/qwen3_5.py load_stored)
                         ("--weights stored", config.weights == "stored" and mc.hybrid.hf is not None),
                         ("--weights fp8", config.weights == "fp8"),

@@ -102,9 +102,10 @@ class ModelRunner:
         self.weights_released = False
         self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs (Triton backend only)
         # (MoE layers route with data-dependent shapes, which a graph cannot hold; a vision model's
-        # decode rows may carry M-RoPE tables a graph's static buffers do not: both run eagerly.)
+        # decode rows may carry M-RoPE tables a graph's static buffers do not; a hybrid model's
+        # decode rows carry their state slots, whose item table a graph would freeze: all run eagerly.)
         if (cuda_graphs and isinstance(self._triton, TritonBackend) and group is None and self.table is not None
-                and model.cfg.moe is None and model.cfg.vision is None):
+                and model.cfg.moe is None and model.cfg.vision is None and model.cfg.hybrid is None):
             self.graphs = DecodeGraphs(lambda b: self.model(b, self.pool), self._triton, self.table.table,
                                        self._triton.block_m[False], device, cuda_graph_max_bs,
                                        fake=device.type != "cuda")

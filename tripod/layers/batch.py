@@ -255,6 +255,31 @@ class Backend(ABC):
         None: this backend has no kernel for it, and the layer runs torch's ops."""
         return None
 
+    # Whether ``causal_conv``/``gated_delta``/``ssd_scan`` run kernels (the hybrid mixers' token
+    # recurrences over the state pool's slots); False: the mixers run their torch code.
+    recurrent_kernels: bool = False
+
+    def causal_conv(self, x: torch.Tensor, window: torch.Tensor, items: list[tuple[int, int, int]],
+                    weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The causal depthwise conv + SiLU of rows ``x`` ``[T, C]``, each item ``(first row,
+        tokens, slot)`` continuing the window ``window[slot]`` ``[C, K - 1]`` (updated in place)
+        → ``[T, C]`` float32. Only where ``recurrent_kernels``."""
+        raise NotImplementedError(f"the {self.name} backend has no recurrent kernels")
+
+    def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                    beta: torch.Tensor, state: torch.Tensor, items: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The gated delta rule over each item's tokens from its slot of ``state`` ``[slots, HV, DK,
+        DV]`` (updated in place): ``q``/``k`` ``[T, HK, DK]`` normalized, ``v`` ``[T, HV, DV]``,
+        ``decay``/``beta`` ``[T, HV]`` → ``[T, HV, DV]`` float32. Only where ``recurrent_kernels``."""
+        raise NotImplementedError(f"the {self.name} backend has no recurrent kernels")
+
+    def ssd_scan(self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor,
+                 state: torch.Tensor, items: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Mamba2's recurrence over each item's tokens from its slot of ``state`` ``[slots, H, P, N]``
+        (updated in place): ``x`` ``[T, H * P]``, ``b``/``c`` ``[T, G * N]``, ``dt``/``decay`` ``[T, H]``
+        → ``[T, H, P]`` float32 (without ``D x``). Only where ``recurrent_kernels``."""
+        raise NotImplementedError(f"the {self.name} backend has no recurrent kernels")
+
     def card(self) -> dict[str, Any]:
         """What ``/v1/models`` and the engine stats report: backend, ISA level, and why."""
         out: dict[str, Any] = {"backend": self.name, "isa": self.isa}

@@ -19,7 +19,10 @@ same order whatever the step holds: a decode row, a prefill chunk of any length 
 anywhere, alone or beside other sequences. So a sequence's state after token ``n`` does not
 depend on how its tokens were split into steps (alone = batched = chunked, bit for bit), and the
 conv sums its ``K`` taps in one fixed order for every row. (transformers' prefill uses a chunked
-WY form over blocks of 64; the two agree to float32 rounding, and greedy tokens match.)
+WY form over blocks of 64; the two agree to float32 rounding, and greedy tokens match.) On a
+backend with ``recurrent_kernels`` (Triton) the conv and the recurrence run as kernels over the
+pool's slots (``kernels/gpu/recurrent.py``), the same per-token order in one program per
+sequence, so the same holds there on one device.
 """
 
 from __future__ import annotations
@@ -114,20 +117,27 @@ class GatedDeltaNet(nn.Module):
         b = proj[:, c + vs : c + vs + nv]
         a = proj[:, c + vs + nv :]
         conv_state, rec_state = states.pool.tensors[self.index]
-        x = self._conv(mixed, states, conv_state)
+        kernels = backend.recurrent_kernels
+        if kernels:  # the kernel reads the projection's columns in place, in its dtype
+            x = backend.causal_conv(proj[:, :c], conv_state, states.items, self.conv_w, None)
+        else:
+            x = self._conv(mixed, states, conv_state)
         t = x.shape[0]
         q = x[:, : self.key_size].reshape(t, self.k_heads, self.k_dim)
         k = x[:, self.key_size : 2 * self.key_size].reshape(t, self.k_heads, self.k_dim)
         v = x[:, 2 * self.key_size :].reshape(t, nv, self.v_dim)
         rep = nv // self.k_heads
-        if rep > 1:  # each Q/K head serves ``rep`` consecutive value heads
+        if rep > 1 and not kernels:  # each Q/K head serves ``rep`` consecutive value heads (the kernel maps them)
             q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
         q = _l2norm(q) * (self.k_dim**-0.5)
         k = _l2norm(k)
         beta = _sigmoid(b).float()
         neg_a = -self.a_log.exp() if self.neg_a is None else self.neg_a
         g = neg_a * _softplus(a.float() + self.dt_bias)
-        o = self._recur(q, k, v, g.exp(), beta, states, rec_state)
+        if kernels:
+            o = backend.gated_delta(q, k, v, g.exp(), beta, rec_state, states.items)
+        else:
+            o = self._recur(q, k, v, g.exp(), beta, states, rec_state)
         o = o.to(h.dtype).float()
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
         o = self.norm_w * o.to(h.dtype)

@@ -28,7 +28,10 @@ transcendental functions are written with ``exp`` only, whose CPU result does no
 tensor's size (torch's own ``softplus``/``silu``/``sigmoid`` differ by an ulp between their
 vectorised body and scalar tail). A decode step is the same step on one token per sequence, so
 prefill + decode = one longer prefill, bit for bit. Against Hugging Face's chunked scan the results
-agree to float32 rounding (tested at ~1e-5), not bit for bit.
+agree to float32 rounding (tested at ~1e-5), not bit for bit. On a backend with
+``recurrent_kernels`` (Triton), ``forward_slots`` runs the conv and this recurrence as kernels over
+the state pool's slots (``kernels/gpu/recurrent.py``): the same per-token order, one program per
+sequence, so the same holds there on one device.
 """
 
 from __future__ import annotations
@@ -202,6 +205,24 @@ class Mamba2Mixer(nn.Module):
         in_op, out_op = self.ops[backend.form]
         y = self.mix(in_op(h), conv, ssm, lens)
         return out_op(y.to(h.dtype), residual=residual)
+
+    def forward_slots(self, h: torch.Tensor, backend: Backend, conv: torch.Tensor, ssm: torch.Tensor,
+                      items: list[tuple[int, int, int]], residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward`` on a backend with ``recurrent_kernels``: ``conv``/``ssm`` are the state
+        pool's whole tensors ``[slots, ...]``, each item ``(first row, tokens, slot)`` continuing
+        its slot's state in place (no gathered copies)."""
+        in_op, out_op = self.ops[backend.form]
+        c = self.cfg
+        zxbcdt = in_op(h).float()
+        t = zxbcdt.shape[0]
+        z, xbc, dt = zxbcdt.split([c.intermediate, c.conv_dim, c.num_heads], dim=-1)
+        xbc = backend.causal_conv(xbc, conv, items, self.conv_w, self.conv_b)
+        x, b, cc = xbc.split([c.intermediate, c.n_groups * c.state_size, c.n_groups * c.state_size], dim=-1)
+        dt = softplus_exact(dt + self.dt_bias.float()).clamp(min=c.dt_limit[0], max=c.dt_limit[1])  # [T, H]
+        decay = torch.exp(dt * -torch.exp(self.A_log.float()))
+        y = backend.ssd_scan(x, b, cc, dt, decay, ssm, items)
+        y = y + x.reshape(t, c.num_heads, c.head_dim) * self.D.float()[:, None]
+        return out_op(self._gated_norm(y, z).to(h.dtype), residual=residual)
 
     def mix(self, zxbcdt: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, lens: list[int]) -> torch.Tensor:
         """Everything between the two projections: ``zxbcdt`` ``[T, proj_size]`` → ``[T, heads·head_dim]``

@@ -79,6 +79,9 @@ class HybridLayer(nn.Module):
         assert isinstance(m, Mamba2Mixer | ShortConv)
         states = batch.states
         assert states is not None, "a hybrid model's step carries its requests' state slots"
+        if isinstance(m, Mamba2Mixer) and batch.backend.recurrent_kernels:  # kernels read the slots in place
+            conv, ssm = states.pool.tensors[self.state_index]
+            return m.forward_slots(h, batch.backend, conv, ssm, states.items, residual=residual)
         slots, lens = step_lens(states, h.shape[0])
         pooled = states.pool.tensors[self.state_index]
         # NOTE: gathered copies, advanced by the mixer, written back: the slots of a step are

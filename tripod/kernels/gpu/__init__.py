@@ -1,6 +1,7 @@
 """tripod's GPU kernels, written in Triton: paged attention over the slot table (with split-KV for
 long contexts), MLA's absorbed decode over the latent pool, fused RoPE + KV write, RMSNorm
-(optionally with the residual add) and SiLU·mul. Linears stay cuBLAS (``F.linear``).
+(optionally with the residual add), SiLU·mul, and the hybrid mixers' token recurrences (causal conv,
+gated delta rule, Mamba2 scan) over the state pool. Linears stay cuBLAS (``F.linear``).
 
 The same sources run three ways:
 

@@ -5,7 +5,8 @@ kernel that stops compiling for the H100/H200 (or outgrows a block's shared memo
 
 The kernels are compiled at the shapes they serve: Llama-3.1-8B's heads (32 over 8, head dim
 128), head dims 64 and 256 with GQA ratios 1 and 8, Gemma's soft-cap and window, gpt-oss's sinks,
-DeepSeek-V3's MLA (128 heads, 512 + 64), in bfloat16; the W4A16 linear in bf16, fp16 and fp32.
+DeepSeek-V3's MLA (128 heads, 512 + 64), in bfloat16; the W4A16 linear in bf16, fp16 and fp32; the
+hybrid mixers' recurrences (float32 states) at Qwen3.5's gated delta rule and Nemotron-H's Mamba2.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
          {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": bf, "sinks_ptr": "*fp32"},
          dict(NH=128, D=512, SPLITS=8, BLOCK_S=8, BLOCK_D=512, HAS_SINKS=False)),
     ]
+    out += _recurrent_variants()
     w4_ptrs = {"q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8"}
     for act, dt, group, zeros in (("bf16", bf, 128, True), ("bf16", bf, 128, False), ("bf16", bf, 32, True),
                                   ("fp16", "*fp16", 128, True), ("fp32", "*fp32", 128, True)):
@@ -106,6 +108,36 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                     {**w4_ptrs, "x_ptr": dt, "out_ptr": dt},
                     dict(HAS_ZEROS=zeros, FP32_DOT=act == "fp32", BLOCK_M=W4_M, BLOCK_N=bn, BLOCK_K=bk)))
     return out
+
+
+def _recurrent_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The hybrid mixers' kernels (float32 states; the conv reads the bf16 projection)."""
+    from tripod.kernels.gpu.recurrent import (
+        conv_update_kernel,
+        gated_delta_kernel,
+        ssd_scan_kernel,
+        value_block,
+    )
+
+    bf = "*bf16"
+    f32 = "*fp32"
+    conv_ptrs = {"x_ptr": bf, "win_ptr": f32, "w_ptr": f32, "b_ptr": f32, "out_ptr": f32, "items_ptr": "*i32"}
+    return [
+        # Qwen3.5 / Qwen3-Next: 16 key heads, 32 value heads, 128 x 128, conv over 8192 channels (kernel 4)
+        ("conv_update[8192, kernel 4]", conv_update_kernel, conv_ptrs,
+         dict(K=4, HAS_BIAS=False, SILU=True, BLOCK_C=256, BLOCK_K=4)),
+        ("conv_update[10240, kernel 4, bias]", conv_update_kernel, conv_ptrs,
+         dict(K=4, HAS_BIAS=True, SILU=True, BLOCK_C=256, BLOCK_K=4)),
+        ("gated_delta[32/16 heads x 128x128]", gated_delta_kernel,
+         {"q_ptr": f32, "k_ptr": f32, "v_ptr": f32, "decay_ptr": f32, "beta_ptr": f32, "state_ptr": f32,
+          "out_ptr": f32, "items_ptr": "*i32"},
+         dict(HV=32, HK=16, DK=128, DV=128, BLOCK_K=128, BLOCK_V=value_block(128))),
+        # Nemotron-H 8B's Mamba2: 128 heads x 64, state 128, 8 groups
+        ("ssd_scan[128x64, state 128, 8 groups]", ssd_scan_kernel,
+         {"x_ptr": f32, "b_ptr": f32, "c_ptr": f32, "dt_ptr": f32, "decay_ptr": f32, "state_ptr": f32,
+          "out_ptr": f32, "items_ptr": "*i32"},
+         dict(H=128, G=8, P=64, N=128, BLOCK_P=32, BLOCK_N=128)),
+    ]
 
 
 def _signature(kernel: Any, ptrs: dict[str, str], constexprs: dict[str, Any]) -> dict[str, str]:

@@ -4,7 +4,8 @@ from tripod.kernels.gpu.attention import keys_per_step, paged_attention, query_b
 from tripod.kernels.gpu.elementwise import rms_norm, rope_store_kv, silu_mul
 from tripod.kernels.gpu.masks import apply_bitmask
 from tripod.kernels.gpu.mla import mla_decode
+from tripod.kernels.gpu.recurrent import conv_update, gated_delta, item_table, ssd_scan
 from tripod.kernels.gpu.w4a16 import PackedW4, from_group_blocks, pack_w4, w4a16_linear
 
-__all__ = ["PackedW4", "apply_bitmask", "from_group_blocks", "keys_per_step", "mla_decode", "pack_w4", "paged_attention", "query_blocks",
-           "rms_norm", "rope_store_kv", "silu_mul", "tile", "w4a16_linear"]
+__all__ = ["PackedW4", "apply_bitmask", "conv_update", "from_group_blocks", "gated_delta", "item_table", "keys_per_step", "mla_decode", "pack_w4", "paged_attention", "query_blocks",
+           "rms_norm", "rope_store_kv", "silu_mul", "ssd_scan", "tile", "w4a16_linear"]

@@ -85,6 +85,27 @@ class TritonOps:
         keys = self.split_keys if splits > 1 else max(32, -(-width // 32) * 32)
         return self.ops.mla_decode(q.contiguous(), latents, idx, lens, rank, scale, split_keys=keys, splits=splits)
 
+    recurrent_kernels = True
+    # the last step's item table: every linear layer of a step reads the same ``StateRows.items``
+    _items: tuple[list[tuple[int, int, int]], torch.Tensor] | None = None
+
+    def _item_table(self, items: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
+        if self._items is None or self._items[0] is not items:
+            self._items = (items, upload([v for it in items for v in it], torch.int32, device).view(-1, 3))
+        return self._items[1]
+
+    def causal_conv(self, x: torch.Tensor, window: torch.Tensor, items: list[tuple[int, int, int]],
+                    weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.ops.conv_update(x, window, self._item_table(items, x.device), weight, bias)
+
+    def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                    beta: torch.Tensor, state: torch.Tensor, items: list[tuple[int, int, int]]) -> torch.Tensor:
+        return self.ops.gated_delta(q, k, v, decay, beta, state, self._item_table(items, q.device))
+
+    def ssd_scan(self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor,
+                 state: torch.Tensor, items: list[tuple[int, int, int]]) -> torch.Tensor:
+        return self.ops.ssd_scan(x, b, c, dt, decay, state, self._item_table(items, x.device))
+
     def card(self) -> dict[str, Any]:
         return {"backend": "triton", "isa": None, "interpret": gpu.interpreting(), "device": self.device}
 
