@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tripod.config import EngineConfig, parse_loras
+from tripod.config import EngineConfig, parse_loras, parse_speculative
 from tripod.engine.executor.group import WorkerGroup, threads_per_rank, weight_bytes
 from tripod.engine.executor.local import LocalWorkers
 from tripod.engine.executor.ray_group import RayWorkers
@@ -156,6 +156,7 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
         raise ValueError(why)
     vision = VisionInputs(loaded.model)
     check_hybrid(config, mc)
+    check_state_rollback(config, loaded)
     stage_layers = len(loaded.model.layers)
     draft = load_draft(config, loaded, dtype, device)
     per_token = mc.pool_spec(tp, stage_layers).bytes_per_token(dtype) + extra_bytes_per_token(config, loaded, dtype)
@@ -225,7 +226,17 @@ def check_hybrid(config: EngineConfig, mc: Any) -> None:
     """What a hybrid (linear-attention) model cannot run with yet, refused at start with the reason."""
     if mc.hybrid is None:
         return
-    for feature, on in (("--speculative", config.speculative is not None), ("--lora", config.lora is not None),
+    if config.speculative is not None:
+        kind = parse_speculative(config.speculative).kind
+        if kind == "mtp":
+            raise ValueError(hybrid_refusal(
+                f"--speculative mtp ({mc.architecture}'s MTP layers are not loaded: the MTP block would "
+                "need its own recurrent state per draft position); use ngram or draft:PATH"))
+        if kind == "self":
+            raise ValueError(hybrid_refusal(
+                "--speculative self:K (the truncated model would advance the target's own linear-layer "
+                "states while drafting); use ngram or draft:PATH"))
+    for feature, on in (("--lora", config.lora is not None),
                         ("--kv-disk", config.kv_disk is not None), ("--kernels triton", config.triton),
                         ("--weights stored", config.weights == "stored"), ("--weights fp8", config.weights == "fp8"),
                         ("--overlap-schedule on", config.overlap_schedule == "on")):
@@ -233,10 +244,23 @@ def check_hybrid(config: EngineConfig, mc: Any) -> None:
             raise ValueError(hybrid_refusal(feature))
 
 
+def rolls_back_states(model: Any) -> bool:
+    """Whether every linear layer of ``model`` keeps its state after each verified row
+    (``StateTrace``), so drafts — speculation and jump-forward — can be verified on it."""
+    return bool(getattr(model, "traces_states", False))
+
+
+def check_state_rollback(config: EngineConfig, loaded: LoadedModel) -> None:
+    """A hybrid whose mixers cannot roll their state back refuses speculation at start."""
+    if loaded.config.hybrid is not None and config.speculative is not None and not rolls_back_states(loaded.model):
+        raise ValueError(hybrid_refusal(f"--speculative ({loaded.config.architecture}'s linear layers keep no "
+                                        "per-row state to roll a rejected draft back to)"))
+
+
 def without_jump_forward(config: EngineConfig) -> EngineConfig:
-    """A hybrid model's config: jump-forward off. NOTE: a verification advances the recurrent state
-    over draft tokens it may reject, and a state cannot be rolled back yet; forced text is decoded
-    token by token instead (the outputs are identical either way)."""
+    """A hybrid model whose mixers cannot roll back (``rolls_back_states``): jump-forward off.
+    NOTE: a verification advances the recurrent state over draft tokens it may reject; forced text
+    is decoded token by token instead (the outputs are identical either way)."""
     if not config.jump_forward:
         return config
     log.info("hybrid model: jump-forward off (structured outputs decode forced text token by token)")

@@ -33,7 +33,7 @@ from tripod.layers.parallel import DPLayout
 from tripod.memory.decode_mirror import DecodeMirror
 from tripod.memory.kv_pool import KVPool, Pool
 from tripod.memory.slot_table import SlotTable
-from tripod.memory.state_pool import StatePool
+from tripod.memory.state_pool import StatePool, StateTrace
 from tripod.models.llama import LlamaForCausalLM
 from tripod.protocol.stats import ParallelCard
 
@@ -375,14 +375,19 @@ class ModelRunner:
 
 
 def state_rows(batch: ForwardBatch, pool: StatePool) -> StateRows:
-    """Each item's rows and its request's state slot (a hybrid model's linear layers read them)."""
-    items = []
+    """Each item's rows and its request's state slot (a hybrid model's linear layers read them),
+    with a ``StateTrace`` over the verify items' slots."""
+    items, verifying = [], []
     for it, first in batch.item_rows:
         slot = it.req.state_slot
         assert slot is not None, "a scheduled request of a hybrid model holds a state slot"
-        assert not it.verify, "verify rows (speculation, jump-forward) do not run on hybrid models"
         items.append((first, it.length, slot))
-    return StateRows(pool, items)
+        if it.verify:
+            verifying.append(slot)
+    # NOTE: verify items (drafts) advance the state over rows that may be rejected: the mixers
+    # keep the state after each row so the engine can settle on the last accepted one.
+    trace = StateTrace(frozenset(verifying), len(pool.spec.layers)) if verifying else None
+    return StateRows(pool, items, trace)
 
 
 def lora_rows(batch: ForwardBatch, pool: LoraPool | None) -> LoraBatch | None:
