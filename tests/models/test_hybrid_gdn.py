@@ -235,7 +235,8 @@ def test_retraction_frees_the_state_and_recomputes_exactly(qwen3_5: tuple[Path, 
 
 
 @pytest.mark.parametrize(("overrides", "feature"), [
-    ({"speculative": "ngram"}, "--speculative"),
+    ({"speculative": "mtp"}, "--speculative mtp"),
+    ({"speculative": "self:1"}, "--speculative self:K"),
     ({"lora": "a=/nonexistent"}, "--lora"),
     ({"kv_disk": "/nonexistent/tripod-kv"}, "--kv-disk"),
     ({"overlap_schedule": "on"}, "--overlap-schedule on"),
@@ -255,7 +256,7 @@ def test_hybrid_refuses_prompt_logprobs_and_kv_export(qwen3_5: tuple[Path, HFRef
         eng.generate([PROMPTS[1]], SamplingParams(max_tokens=2, prompt_logprobs=0))
     with pytest.raises(ValueError, match="hybrid"):
         eng.export_kv(PROMPTS[0])
-    assert not eng.config.jump_forward  # (a verification would advance the state over rejected drafts)
+    assert eng.config.jump_forward  # (a rejected draft's state is rolled back: tests/models/test_hybrid_speculative.py)
 
 
 def test_kv_pool_holds_only_the_attention_layers(qwen3_5: tuple[Path, HFReference]) -> None:
