@@ -23,7 +23,7 @@ import torch
 
 from tests.models.test_hybrid_gdn import CONFIG
 from tripod import Engine, SamplingParams
-from tripod.engine.request import Req
+from tripod.engine.request import GrammarSpec, Req
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,14 +43,19 @@ def _prompts() -> list[list[int]]:
 PROMPTS = _prompts()
 
 
-def _tokenizer(folder: Path) -> None:
-    """A word-level tokenizer of V tokens (a draft must tokenize exactly like its target)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+CHARS = ["<pad>", "<s>", "</s>", *"abcdefghijklmnopqrstuvw", *'{}":, ']  # one token per character
 
-    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t0",
-                                                bos_token="t1", eos_token="t2")
+
+def _tokenizer(folder: Path) -> None:
+    """A tokenizer of V one-character tokens (a draft must tokenize exactly like its target, and
+    grammar-forced text has exactly one tokenization)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    assert len(CHARS) == V
+    tk = Tokenizer(models.WordLevel({c: i for i, c in enumerate(CHARS)}, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<pad>", pad_token="<pad>",
+                                                bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(str(folder))
 
 
@@ -201,3 +206,21 @@ def test_hybrid_refuses_mtp_self_and_hybrid_drafts(hybrid: tuple[Path, Path]) ->
         _engine(folder, speculative="self:1")
     with pytest.raises(ValueError, match="a draft must be a model with attention layers only"):
         _engine(folder, speculative=f"draft:{folder}")
+
+
+def test_jump_forward_on_hybrids_changes_nothing(hybrid: tuple[Path, Path]) -> None:
+    """Jump-forward is on for hybrids: grammar-forced text verified as drafts,
+    tokens and logprobs identical to decoding it token by token, beside unconstrained requests."""
+    folder, _ = hybrid
+    grammar = GrammarSpec("regex", "(abcdefg|hijklmn)( (abcdefg|hijklmn)){2,}")
+    params = [SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=0, grammar=grammar), PARAMS,
+              SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=0, grammar=grammar)]
+    on, off = _engine(folder), _engine(folder, jump_forward=False)
+    assert on.config.jump_forward
+    a, b = on.generate(PROMPTS[:3], params), off.generate(PROMPTS[:3], params)
+    assert on.stats.jump_forward_accepted > 0 and off.stats.jump_forward_proposed == 0
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert x.token_ids == y.token_ids, f"prompt {i}: tokens differ"
+        assert [lp.logprob for lp in x.logprobs] == [lp.logprob for lp in y.logprobs], f"prompt {i}: logprobs"
+    assert "".join(CHARS[t] for t in a[0].token_ids).startswith(("abcdefg", "hijklmn"))
+    _all_free(on)
