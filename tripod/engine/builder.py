@@ -257,11 +257,11 @@ def check_state_rollback(config: EngineConfig, loaded: LoadedModel) -> None:
                                         "per-row state to roll a rejected draft back to)"))
 
 
-def without_jump_forward(config: EngineConfig) -> EngineConfig:
+def without_jump_forward(config: EngineConfig, parts: EngineParts) -> EngineConfig:
     """A hybrid model whose mixers cannot roll back (``rolls_back_states``): jump-forward off.
     NOTE: a verification advances the recurrent state over draft tokens it may reject; forced text
     is decoded token by token instead (the outputs are identical either way)."""
-    if not config.jump_forward:
+    if not config.jump_forward or parts.states is None or rolls_back_states(parts.loaded.model):
         return config
     log.info("hybrid model: jump-forward off (structured outputs decode forced text token by token)")
     return replace(config, jump_forward=False)

@@ -41,7 +41,6 @@ from tripod.loader import LoadedModel
 from tripod.memory.kv_blocks import TierLayout, pool_layout
 from tripod.memory.kv_transfer import export_prefix
 from tripod.memory.prefix_cache import keyed_with_images
-from tripod.memory.state_pool import StateTrace
 from tripod.memory.state_snapshots import state_stats
 from tripod.memory.tiered_cache import TieredCache
 from tripod.protocol.multimodal import ImageInput, ImageSpan
@@ -95,7 +94,6 @@ class _Verify:
 
     logits: torch.Tensor | None = None
     row: dict[int, int] = field(default_factory=dict)  # id(req) -> its first row
-    trace: StateTrace | None = None  # a hybrid model's states after every verified row
 
 
 class Engine(OfflineAPI):
@@ -106,8 +104,7 @@ class Engine(OfflineAPI):
         self.config = config = builder.resolve_config(config, model, dtype, device, overrides, loaded)
         t0 = time.monotonic()
         parts = builder.build(config, loaded)
-        if parts.states is not None and not builder.rolls_back_states(parts.loaded.model):
-            self.config = config = builder.without_jump_forward(config)
+        self.config = config = builder.without_jump_forward(config, parts)
         self.device, self.dtype, self.loaded, self.draft = parts.device, parts.dtype, parts.loaded, parts.draft
         self.model_config, self.tokenizer = parts.loaded.config, parts.loaded.tokenizer
         self.pool, self.kv_bytes_per_token, self.context_len = parts.pool, parts.kv_bytes_per_token, parts.context_len
@@ -244,7 +241,6 @@ class Engine(OfflineAPI):
         t2 = time.perf_counter()
         self._count_forward(items, t0, t1, t2)
         logits, sampling, verify = self._split_verify(logits, sampling, verifying)
-        verify.trace = batch.states.trace if batch.states is not None else None
         drawn = self._draw(logits, sampling)
         if self.lookahead is not None and drawn is not None and not verifying:
             t = time.perf_counter()
@@ -349,9 +345,6 @@ class Engine(OfflineAPI):
         r0 = verify.row[id(req)]
         assert verify.logits is not None
         v = self.spec.verify(it, verify.logits[r0 : r0 + it.length], self._mask_row, self._stop_reason)
-        if verify.trace is not None:  # a hybrid: the recurrent state back to the last kept row
-            assert self.states is not None and req.state_slot is not None
-            verify.trace.settle(self.states, req.state_slot, req.computed - it.start)
         self.stats.generated_tokens += len(v.tokens)
         if v.reason is not None:
             self._finish(req, v.reason)

@@ -386,7 +386,7 @@ def state_rows(batch: ForwardBatch, pool: StatePool) -> StateRows:
             verifying.append(slot)
     # NOTE: verify items (drafts) advance the state over rows that may be rejected: the mixers
     # keep the state after each row so the engine can settle on the last accepted one.
-    trace = StateTrace(frozenset(verifying), len(pool.spec.layers)) if verifying else None
+    trace = StateTrace(pool, frozenset(verifying)) if verifying else None
     return StateRows(pool, items, trace)
 
 

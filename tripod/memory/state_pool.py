@@ -111,9 +111,10 @@ class StateTrace:
     same tensors a run without the rejected rows would have left (each entry is a copy of the
     state the mixer's own token step produced)."""
 
-    def __init__(self, slots: frozenset[int], num_layers: int) -> None:
+    def __init__(self, pool: StatePool, slots: frozenset[int]) -> None:
+        self.pool = pool
         self.slots = slots
-        self.num_layers = num_layers
+        self.num_layers = len(pool.tensors)
         self.rows: dict[tuple[int, int], list[torch.Tensor]] = {}
 
     def wants(self, slot: int) -> bool:
@@ -123,7 +124,7 @@ class StateTrace:
         """Linear layer ``layer``'s states before and after each row of slot ``slot``'s item (``[n + 1, *shape]`` each)."""
         self.rows[(layer, slot)] = states
 
-    def settle(self, pool: StatePool, slot: int, kept: int) -> None:
+    def settle(self, slot: int, kept: int) -> None:
         """Slot ``slot``'s item keeps its first ``kept`` rows: its state becomes the state after
         them in every linear layer (unchanged when every row is kept)."""
         assert slot in self.slots, f"state slot {slot} verified no drafts this step"
@@ -133,7 +134,7 @@ class StateTrace:
             assert 0 <= kept < states[0].shape[0], f"{kept} rows kept of {states[0].shape[0] - 1}"
             if kept == states[0].shape[0] - 1:
                 continue
-            for t, rows in zip(pool.tensors[layer], states, strict=True):
+            for t, rows in zip(self.pool.tensors[layer], states, strict=True):
                 t[slot].copy_(rows[kept])
 
 
