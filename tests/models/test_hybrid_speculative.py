@@ -224,3 +224,29 @@ def test_jump_forward_on_hybrids_changes_nothing(hybrid: tuple[Path, Path]) -> N
         assert [lp.logprob for lp in x.logprobs] == [lp.logprob for lp in y.logprobs], f"prompt {i}: logprobs"
     assert "".join(CHARS[t] for t in a[0].token_ids).startswith(("abcdefg", "hijklmn"))
     _all_free(on)
+
+
+def test_prompt_logprobs_on_hybrids(hybrid: tuple[Path, Path]) -> None:
+    """prompt_logprobs run on hybrids: a scoring pass of its own from the zero state (a scratch
+    state slot), equal to transformers' log-softmax at every prompt position; a prompt resumed
+    from the prefix cache gets them too, the same bit for bit."""
+    folder, _ = hybrid
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    eng = _engine(folder)
+    prompt = PROMPTS[2]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    first = eng.generate([prompt], sp)[0]
+    again = eng.generate([prompt + first.token_ids[:3]], sp)[0]
+    assert again.cached_tokens > 0  # (resumed from the snapshot at the end of the first request)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    got = first.prompt_logprobs
+    assert got is not None and got[0] is None and len(got) == len(prompt)
+    for j in range(1, len(prompt)):
+        lp = got[j]
+        assert lp is not None and lp.token_id == prompt[j]
+        assert lp.logprob == pytest.approx(float(ref[j - 1, prompt[j]]), abs=2e-4), f"position {j}"
+        assert len(lp.top) == 2
+    assert again.prompt_logprobs is not None
+    assert again.prompt_logprobs[: len(prompt)] == got  # (the scoring pass never starts from the cache)
+    _all_free(eng)

@@ -69,6 +69,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.states = states  # a hybrid model's recurrent states (one slot per running request)
+        self._scratch: StatePool | None = None  # a hybrid's one state slot for prompt scoring (made on first use)
         self.vision = vision if vision is not None and vision.enabled else None  # each step's image inputs
         self.pooler = pooler  # --task embed: every forward's last-layer states pooled, nothing sampled
         self.triton = triton  # the Triton kernels (the CUDA backend; on the CPU in Triton's interpreter)
@@ -348,8 +349,7 @@ class ModelRunner:
         # never computes (and a cached prefix is never recomputed); this separate pass keeps
         # the step path untouched.
         assert len(slots) >= len(ids)
-        if self.states is not None:  # (admission refuses prompt_logprobs on hybrids before it gets here)
-            raise ValueError("prompt_logprobs are not supported on hybrid (linear-attention) models yet")
+        scratch = self._scratch_states()
         dev = self.device
         backend = self.scoring_backend()
         for s in range(0, len(ids), chunk):
@@ -365,6 +365,8 @@ class ModelRunner:
                 logits_idx=torch.arange(n, dtype=torch.long, device=dev),
                 backend=backend,
             )
+            if scratch is not None:  # a hybrid: the prompt's state from zero, chunk after chunk
+                batch.states = StateRows(scratch, [(0, n, 0)])
             if lora is not None:  # (the request's LoRA adapter, on every row)
                 batch.lora = LoraBatch(groups=[(lora, torch.arange(n, dtype=torch.long, device=dev))])
             if self.dp_size > 1:  # scored on rank 0 (its slots); the others join with nothing to attend
@@ -372,6 +374,21 @@ class ModelRunner:
             if self.group is not None:
                 self.group.send(batch, scoring=True)
             yield s, self.model(batch, self.pool)
+
+
+    def _scratch_states(self) -> StatePool | None:
+        """A hybrid model's scoring state: one slot of its own (never a running request's),
+        zeroed, in which the scoring pass runs the prompt's recurrence from its first token.
+        NOTE: the pass never starts from a prefix-cache snapshot: it scores every prompt token,
+        so it computes every state (as the dense pass computes every K/V into scratch slots)."""
+        if self.states is None:
+            return None
+        if self._scratch is None:
+            self._scratch = StatePool(self.states.spec, 1, self.device)
+        for layer in self._scratch.tensors:
+            for t in layer:
+                t.zero_()
+        return self._scratch
 
 
 def state_rows(batch: ForwardBatch, pool: StatePool) -> StateRows:
