@@ -235,7 +235,8 @@ def test_retraction_frees_the_state_and_recomputes_exactly(qwen3_5: tuple[Path, 
 
 
 @pytest.mark.parametrize(("overrides", "feature"), [
-    ({"speculative": "ngram"}, "--speculative"),
+    ({"speculative": "mtp"}, "--speculative mtp"),
+    ({"speculative": "self:1"}, "--speculative self:K"),
     ({"lora": "a=/nonexistent"}, "--lora"),
     ({"overlap_schedule": "on"}, "--overlap-schedule on"),
 ])
@@ -247,13 +248,11 @@ def test_hybrid_refuses_what_it_cannot_run_exactly(overrides: dict[str, Any], fe
     assert feature in str(err.value)
 
 
-def test_hybrid_refuses_prompt_logprobs(qwen3_5: tuple[Path, HFReference]) -> None:
+def test_hybrid_export_and_jump_forward(qwen3_5: tuple[Path, HFReference]) -> None:
     folder, _ = qwen3_5
     eng = _engine(folder)
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        eng.generate([PROMPTS[1]], SamplingParams(max_tokens=2, prompt_logprobs=0))
     assert eng.export_kv(PROMPTS[0]) == []  # no snapshot of it: nothing that could resume it (tests/models/test_hybrid_disk.py)
-    assert not eng.config.jump_forward  # (a verification would advance the state over rejected drafts)
+    assert eng.config.jump_forward  # (a rejected draft's state is rolled back: tests/models/test_hybrid_speculative.py)
 
 
 def test_kv_pool_holds_only_the_attention_layers(qwen3_5: tuple[Path, HFReference]) -> None:

@@ -89,11 +89,13 @@ def test_served_hybrid_matches_transformers_and_resumes_the_next_turn(
 
 
 def test_serve_refuses_what_a_hybrid_cannot_run(checkpoint: tuple[Path, HFReference]) -> None:
-    """``--speculative`` on a hybrid: ``tripod serve`` exits non-zero at start, saying why and what to drop."""
+    """``--speculative mtp`` on a hybrid (its MTP layers are not loaded): ``tripod serve`` exits non-zero
+    at start, saying why and what to use instead."""
     folder, _ = checkpoint
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRIPOD_API_KEY": ""}
     done = subprocess.run([sys.executable, "-m", "tripod.cli", "serve", "--model", str(folder), "--port", "0",
-                           "--dtype", "float32", "--threads", "1", "--speculative", "ngram"],
+                           "--dtype", "float32", "--threads", "1", "--speculative", "mtp"],
                           capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode != 0
-    assert "--speculative is not supported on hybrid linear-attention models" in done.stdout + done.stderr
+    assert "--speculative mtp" in done.stdout + done.stderr
+    assert "is not supported on hybrid linear-attention models" in done.stdout + done.stderr

@@ -104,9 +104,6 @@ class Admission:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
         if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
-        if params.prompt_logprobs is not None and self.scheduler.states is not None:
-            raise ValueError("prompt_logprobs are not supported on hybrid (linear-attention) models yet; "
-                             "leave prompt_logprobs unset")
         limit = self.max_len()
         if len(ids) >= limit:
             raise ValueError(

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tripod.config import EngineConfig, parse_loras
+from tripod.config import EngineConfig, parse_loras, parse_speculative
 from tripod.engine.executor.group import (
     WorkerGroup,
     resident_weight_bytes,
@@ -161,6 +161,7 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
         raise ValueError(why)
     vision = VisionInputs(loaded.model)
     check_hybrid(config, mc)
+    check_state_rollback(config, loaded)
     stage_layers = len(loaded.model.layers)
     draft = load_draft(config, loaded, dtype, device)
     per_token = mc.pool_spec(tp, stage_layers).bytes_per_token(dtype) + extra_bytes_per_token(config, loaded, dtype)
@@ -244,7 +245,21 @@ def check_hybrid(config: EngineConfig, mc: Any) -> None:
     """What a hybrid (linear-attention) model cannot run with yet, refused at start with the reason."""
     if mc.hybrid is None:
         return
-    for feature, on in (("--speculative", config.speculative is not None), ("--lora", config.lora is not None),
+    if config.speculative is not None:
+        kind = parse_speculative(config.speculative).kind
+        if kind == "mtp":
+            raise ValueError(hybrid_refusal(
+                f"--speculative mtp ({mc.architecture}'s MTP layers are not loaded: the MTP block would "
+                "need its own recurrent state per draft position); use ngram or draft:PATH"))
+        if kind == "self":
+            raise ValueError(hybrid_refusal(
+                "--speculative self:K (the truncated model would advance the target's own linear-layer "
+                "states while drafting); use ngram or draft:PATH"))
+        if config.triton:
+            raise ValueError(hybrid_refusal(
+                "--speculative with --kernels triton (the Triton recurrence kernels keep no per-row state "
+                "to roll a rejected draft back to); use the CPU kernels or drop --speculative"))
+    for feature, on in (("--lora", config.lora is not None),
                         # (a Qwen3.5-family GGUF's blocks run as stored: models/qwen3_5.py load_stored)
                         ("--weights stored", config.weights == "stored" and mc.hybrid.hf is not None),
                         ("--weights fp8", config.weights == "fp8"),
@@ -253,11 +268,25 @@ def check_hybrid(config: EngineConfig, mc: Any) -> None:
             raise ValueError(hybrid_refusal(feature))
 
 
-def without_jump_forward(config: EngineConfig) -> EngineConfig:
-    """A hybrid model's config: jump-forward off. NOTE: a verification advances the recurrent state
-    over draft tokens it may reject, and a state cannot be rolled back yet; forced text is decoded
-    token by token instead (the outputs are identical either way)."""
-    if not config.jump_forward:
+def rolls_back_states(model: Any, config: EngineConfig) -> bool:
+    """Whether every linear layer of ``model`` keeps its state after each verified row
+    (``StateTrace``), so drafts — speculation and jump-forward — can be verified on it. The Triton
+    recurrence kernels (``kernels/gpu/recurrent.py``) record no per-row states: not on that backend."""
+    return bool(getattr(model, "traces_states", False)) and not config.triton
+
+
+def check_state_rollback(config: EngineConfig, loaded: LoadedModel) -> None:
+    """A hybrid whose mixers cannot roll their state back refuses speculation at start."""
+    if loaded.config.hybrid is not None and config.speculative is not None and not rolls_back_states(loaded.model, config):
+        raise ValueError(hybrid_refusal(f"--speculative ({loaded.config.architecture}'s linear layers keep no "
+                                        "per-row state to roll a rejected draft back to)"))
+
+
+def without_jump_forward(config: EngineConfig, parts: EngineParts) -> EngineConfig:
+    """A hybrid model whose mixers cannot roll back (``rolls_back_states``): jump-forward off.
+    NOTE: a verification advances the recurrent state over draft tokens it may reject; forced text
+    is decoded token by token instead (the outputs are identical either way)."""
+    if not config.jump_forward or parts.states is None or rolls_back_states(parts.loaded.model, config):
         return config
     log.info("hybrid model: jump-forward off (structured outputs decode forced text token by token)")
     return replace(config, jump_forward=False)

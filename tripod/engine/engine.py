@@ -104,7 +104,7 @@ class Engine(OfflineAPI):
         self.config = config = builder.resolve_config(config, model, dtype, device, overrides, loaded)
         t0 = time.monotonic()
         parts = builder.build(config, loaded)
-        self.config = config = builder.without_jump_forward(config) if parts.states is not None else config
+        self.config = config = builder.without_jump_forward(config, parts)
         self.device, self.dtype, self.loaded, self.draft = parts.device, parts.dtype, parts.loaded, parts.draft
         self.model_config, self.tokenizer = parts.loaded.config, parts.loaded.tokenizer
         self.pool, self.kv_bytes_per_token, self.context_len = parts.pool, parts.kv_bytes_per_token, parts.context_len

@@ -33,7 +33,7 @@ from tripod.layers.parallel import DPLayout
 from tripod.memory.decode_mirror import DecodeMirror
 from tripod.memory.kv_pool import KVPool, Pool
 from tripod.memory.slot_table import SlotTable
-from tripod.memory.state_pool import StatePool
+from tripod.memory.state_pool import StatePool, StateTrace
 from tripod.models.llama import LlamaForCausalLM
 from tripod.protocol.stats import ParallelCard
 
@@ -69,6 +69,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.states = states  # a hybrid model's recurrent states (one slot per running request)
+        self._scratch: StatePool | None = None  # a hybrid's one state slot for prompt scoring (made on first use)
         self.vision = vision if vision is not None and vision.enabled else None  # each step's image inputs
         self.pooler = pooler  # --task embed: every forward's last-layer states pooled, nothing sampled
         self.triton = triton  # the Triton kernels (the CUDA backend; on the CPU in Triton's interpreter)
@@ -360,8 +361,7 @@ class ModelRunner:
         # never computes (and a cached prefix is never recomputed); this separate pass keeps
         # the step path untouched.
         assert len(slots) >= len(ids)
-        if self.states is not None:  # (admission refuses prompt_logprobs on hybrids before it gets here)
-            raise ValueError("prompt_logprobs are not supported on hybrid (linear-attention) models yet")
+        scratch = self._scratch_states()
         dev = self.device
         backend = self.scoring_backend()
         for s in range(0, len(ids), chunk):
@@ -377,6 +377,8 @@ class ModelRunner:
                 logits_idx=torch.arange(n, dtype=torch.long, device=dev),
                 backend=backend,
             )
+            if scratch is not None:  # a hybrid: the prompt's state from zero, chunk after chunk
+                batch.states = StateRows(scratch, [(0, n, 0)])
             if lora is not None:  # (the request's LoRA adapter, on every row)
                 batch.lora = LoraBatch(groups=[(lora, torch.arange(n, dtype=torch.long, device=dev))])
             if self.dp_size > 1:  # scored on rank 0 (its slots); the others join with nothing to attend
@@ -386,15 +388,35 @@ class ModelRunner:
             yield s, self.model(batch, self.pool)
 
 
+    def _scratch_states(self) -> StatePool | None:
+        """A hybrid model's scoring state: one slot of its own (never a running request's),
+        zeroed, in which the scoring pass runs the prompt's recurrence from its first token.
+        NOTE: the pass never starts from a prefix-cache snapshot: it scores every prompt token,
+        so it computes every state (as the dense pass computes every K/V into scratch slots)."""
+        if self.states is None:
+            return None
+        if self._scratch is None:
+            self._scratch = StatePool(self.states.spec, 1, self.device)
+        for layer in self._scratch.tensors:
+            for t in layer:
+                t.zero_()
+        return self._scratch
+
+
 def state_rows(batch: ForwardBatch, pool: StatePool) -> StateRows:
-    """Each item's rows and its request's state slot (a hybrid model's linear layers read them)."""
-    items = []
+    """Each item's rows and its request's state slot (a hybrid model's linear layers read them),
+    with a ``StateTrace`` over the verify items' slots."""
+    items, verifying = [], []
     for it, first in batch.item_rows:
         slot = it.req.state_slot
         assert slot is not None, "a scheduled request of a hybrid model holds a state slot"
-        assert not it.verify, "verify rows (speculation, jump-forward) do not run on hybrid models"
         items.append((first, it.length, slot))
-    return StateRows(pool, items)
+        if it.verify:
+            verifying.append(slot)
+    # NOTE: verify items (drafts) advance the state over rows that may be rejected: the mixers
+    # keep the state after each row so the engine can settle on the last accepted one.
+    trace = StateTrace(pool, frozenset(verifying)) if verifying else None
+    return StateRows(pool, items, trace)
 
 
 def lora_rows(batch: ForwardBatch, pool: LoraPool | None) -> LoraBatch | None:

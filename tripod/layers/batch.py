@@ -28,7 +28,7 @@ from tripod.layers.rotary import RotaryEmbedding
 from tripod.memory.decode_mirror import DecodeMirror
 from tripod.memory.kv_pool import KVPool
 from tripod.memory.slot_table import SlotTable
-from tripod.memory.state_pool import StatePool
+from tripod.memory.state_pool import StatePool, StateTrace
 
 
 def upload(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -86,6 +86,9 @@ class StateRows:
 
     pool: StatePool
     items: list[tuple[int, int, int]]
+    # Verify items (speculation, jump-forward): their states after every row, kept until the
+    # drafts are judged (``StateTrace.settle`` rolls a rejection back); None: no verify item.
+    trace: StateTrace | None = None
 
 
 @dataclass(slots=True)

@@ -156,24 +156,33 @@ class GatedDeltaNet(nn.Module):
                 acc = acc + window[j : j + n] * w[:, j]
             out[first : first + n] = acc
             conv_state[slot].copy_(window[n:].t())
+            if states.trace is not None and states.trace.wants(slot):
+                # the window before and after each row: [n + 1, C, K - 1], oldest first
+                states.trace.put(self.index, slot, [window.unfold(0, self.kernel - 1, 1).clone()])
         return _silu(out)
 
-    @staticmethod
-    def _recur(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+    def _recur(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
                states: StateRows, rec_state: torch.Tensor) -> torch.Tensor:
         """The recurrence, token by token, one sequence at a time: every update is the same
         ``[1, H, Dk, Dv]`` ops whatever else the step holds (torch's reductions may sum a row
         differently when more rows share a call, so rows of different sequences never do)."""
         out = torch.empty_like(v)
+        trace = states.trace
         for first, n, slot in states.items:
             s = rec_state[slot : slot + 1]  # [1, H, Dk, Dv]
+            kept = [s.clone()] if trace is not None and trace.wants(slot) else None
             for r in range(first, first + n):
                 s = s * decay[r : r + 1, :, None, None]
                 kr = k[r : r + 1, :, :, None]
                 kv = (s * kr).sum(-2)
                 s = s + kr * ((v[r : r + 1] - kv) * beta[r : r + 1, :, None])[:, :, None, :]
                 out[r : r + 1] = (s * q[r : r + 1, :, :, None]).sum(-2)
+                if kept is not None:
+                    kept.append(s)  # (a fresh tensor each row: nothing updates it in place)
             rec_state[slot : slot + 1] = s
+            if kept is not None:
+                assert trace is not None
+                trace.put(self.index, slot, [*trace.rows.pop((self.index, slot)), torch.cat(kept)])
         return out
 
 

@@ -129,11 +129,13 @@ def new_state(cfg: Mamba2Config, seqs: int, device: torch.device | str = "cpu") 
 
 
 def causal_conv(x: torch.Tensor, window: torch.Tensor, lens: list[int], weight: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+                bias: torch.Tensor | None, trace: dict[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
     """Causal depthwise convolution of the rows ``x`` ``[T, C]`` of ``len(lens)`` sequences (laid
     out one after another), each continuing from its window ``window[s]`` ``[C, K-1]`` (the last
     ``K-1`` inputs, oldest first; updated in place); ``weight`` ``[C, K]``. Tap by tap: elementwise,
-    so a row's bits do not depend on how many rows come with it (``F.conv1d``'s would)."""
+    so a row's bits do not depend on how many rows come with it (``F.conv1d``'s would).
+    ``trace``: for the sequences it names, the window before and after each row is appended to
+    their list (``[n + 1, C, K-1]``: speculative verification rolls back to one of them)."""
     k = weight.shape[1]
     out = torch.empty_like(x)
     row = 0
@@ -144,6 +146,8 @@ def causal_conv(x: torch.Tensor, window: torch.Tensor, lens: list[int], weight: 
             acc = acc + seq[j : j + n] * weight[:, j]
         out[row : row + n] = acc if bias is None else acc + bias
         window[s].copy_(seq[n:].t())
+        if trace is not None and s in trace:
+            trace[s].append(seq.unfold(0, k - 1, 1).clone())
         row += n
     return out
 
@@ -197,13 +201,15 @@ class Mamba2Mixer(nn.Module):
         self.ops.pop(form, None)
 
     def forward(self, h: torch.Tensor, backend: Backend, conv: torch.Tensor, ssm: torch.Tensor,
-                lens: list[int], residual: torch.Tensor | None = None) -> torch.Tensor:
+                lens: list[int], residual: torch.Tensor | None = None,
+                trace: dict[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
         """``h`` ``[T, hidden]``: the rows of ``len(lens)`` sequences, one after another
         (sequence ``s`` owns ``lens[s]`` consecutive rows: a decode row has 1, a prefill chunk
-        its length). ``conv``/``ssm``: their states ``[S, ...]``, updated in place.
-        Returns ``[T, hidden]`` (``+ residual``)."""
+        its length). ``conv``/``ssm``: their states ``[S, ...]``, updated in place. ``trace``: the
+        sequences whose conv and ssm states before and after every row are wanted (appended to
+        their list, ``[n + 1, ...]`` each, for speculative verification). Returns ``[T, hidden]`` (``+ residual``)."""
         in_op, out_op = self.ops[backend.form]
-        y = self.mix(in_op(h), conv, ssm, lens)
+        y = self.mix(in_op(h), conv, ssm, lens, trace)
         return out_op(y.to(h.dtype), residual=residual)
 
     def forward_slots(self, h: torch.Tensor, backend: Backend, conv: torch.Tensor, ssm: torch.Tensor,
@@ -224,7 +230,8 @@ class Mamba2Mixer(nn.Module):
         y = y + x.reshape(t, c.num_heads, c.head_dim) * self.D.float()[:, None]
         return out_op(self._gated_norm(y, z).to(h.dtype), residual=residual)
 
-    def mix(self, zxbcdt: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    def mix(self, zxbcdt: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, lens: list[int],
+            trace: dict[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
         """Everything between the two projections: ``zxbcdt`` ``[T, proj_size]`` → ``[T, heads·head_dim]``
         (float32), states updated in place (see ``forward`` for the row layout)."""
         c = self.cfg
@@ -232,18 +239,19 @@ class Mamba2Mixer(nn.Module):
             raise ValueError(f"Mamba2: {zxbcdt.shape[0]} rows, {conv.shape[0]}/{ssm.shape[0]} states for lengths {lens}")
         zxbcdt = zxbcdt.float()
         z, xbc, dt = zxbcdt.split([c.intermediate, c.conv_dim, c.num_heads], dim=-1)
-        xbc = self._conv(xbc, conv, lens)
+        xbc = self._conv(xbc, conv, lens, trace)
         x, b, cc = xbc.split([c.intermediate, c.n_groups * c.state_size, c.n_groups * c.state_size], dim=-1)
-        y = self._scan(x, b, cc, dt, ssm, lens)
+        y = self._scan(x, b, cc, dt, ssm, lens, trace)
         return self._gated_norm(y, z)
 
-    def _conv(self, xbc: torch.Tensor, conv: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    def _conv(self, xbc: torch.Tensor, conv: torch.Tensor, lens: list[int],
+              trace: dict[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
         """Causal depthwise conv + SiLU per sequence, from and into its window."""
         b = self.conv_b.float() if self.conv_b is not None else None
-        return silu_exact(causal_conv(xbc, conv, lens, self.conv_w.float(), b))
+        return silu_exact(causal_conv(xbc, conv, lens, self.conv_w.float(), b, trace))
 
     def _scan(self, x: torch.Tensor, b: torch.Tensor, cc: torch.Tensor, dt: torch.Tensor, ssm: torch.Tensor,
-              lens: list[int]) -> torch.Tensor:
+              lens: list[int], trace: dict[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
         """The recurrence, step ``j`` advancing every sequence that has a ``j``-th row at once."""
         c = self.cfg
         t, nh, p, n = x.shape[0], c.num_heads, c.head_dim, c.state_size
@@ -254,7 +262,8 @@ class Mamba2Mixer(nn.Module):
         b = b.view(t, c.n_groups, 1, n).expand(t, c.n_groups, rep, n).reshape(t, nh, 1, n)
         cc = cc.view(t, c.n_groups, 1, n).expand(t, c.n_groups, rep, n).reshape(t, nh, 1, n)
         y = torch.empty_like(x)
-        for rows, idx in token_steps(lens, x.device):
+        kept = {s: [ssm[s].clone()] for s in trace} if trace else {}
+        for j, (rows, idx) in enumerate(token_steps(lens, x.device)):
             state = ssm if idx is None else ssm.index_select(0, idx)  # (all sequences: in place)
             db = dt.index_select(0, rows)[:, :, None, None] * b.index_select(0, rows)  # [S, H, 1, N]
             # NOTE: addcmul_ is fused (one rounding) the same way at every size, scalar tail included.
@@ -263,6 +272,12 @@ class Mamba2Mixer(nn.Module):
             y[rows] = (state * cc.index_select(0, rows)).sum(-1)  # [S, H, P]
             if idx is not None:
                 ssm.index_copy_(0, idx, state)
+            for s, states in kept.items():
+                if lens[s] > j:
+                    states.append(ssm[s].clone())
+        for s, states in kept.items():
+            assert trace is not None
+            trace[s].append(torch.stack(states))
         return y + x * self.D.float()[:, None]
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

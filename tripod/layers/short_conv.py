@@ -61,13 +61,15 @@ class ShortConv(nn.Module):
             self.ops[backend.form] = (backend.linear(self.in_proj, self.in_bias), backend.linear(self.out_proj, self.out_bias))
 
     def forward(self, h: torch.Tensor, backend: Backend, conv: torch.Tensor, lens: list[int],
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None,
+                trace: dict[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
         """``h`` ``[T, hidden]``: the rows of ``len(lens)`` sequences one after another; ``conv``
-        their windows ``[S, hidden, L-1]``, updated in place. Returns ``[T, hidden]`` (``+ residual``)."""
+        their windows ``[S, hidden, L-1]``, updated in place; ``trace``: the sequences whose windows
+        before and after every row are wanted (``mamba2.causal_conv``). Returns ``[T, hidden]`` (``+ residual``)."""
         if sum(lens) != h.shape[0] or len(lens) != conv.shape[0]:
             raise ValueError(f"short conv: {h.shape[0]} rows, {conv.shape[0]} states for lengths {lens}")
         in_op, out_op = self.ops[backend.form]
         b, c, x = in_op(h).float().chunk(3, dim=-1)
         bias = self.conv_b.float() if self.conv_b is not None else None
-        y = c * causal_conv(b * x, conv, lens, self.conv_w.float(), bias)
+        y = c * causal_conv(b * x, conv, lens, self.conv_w.float(), bias, trace)
         return out_op(y.to(h.dtype), residual=residual)

@@ -11,6 +11,11 @@ Ownership: a slot is free or held by exactly one running request (``Req.state_sl
 scheduler takes one at admission (zeroed: a sequence starts from the empty state) and gives it
 back when the request finishes, is aborted or is retracted (a retracted request recomputes its
 tokens from the start, so nothing of its state is worth keeping).
+
+Speculative verification (``StateTrace``): a verify item runs ``[last token, d1 .. dk]`` through
+the linear layers, which advance the slot's state over every draft. The mixers also keep the state
+after each of those rows in the step's trace; once the drafts are judged, ``StateTrace.settle``
+puts back the state after the last kept row, so a rejected draft leaves no trace in the state.
 """
 
 from __future__ import annotations
@@ -93,6 +98,44 @@ class StatePool:
 
     def free_set(self) -> set[int]:
         return set(self._free_set)
+
+
+class StateTrace:
+    """The states after every row of a step's verify items, kept until their drafts are judged.
+
+    ``slots``: the state slots whose items verify drafts (a mixer records only those).
+    ``rows[(layer, slot)]``: per state tensor of linear layer ``layer``, ``[n + 1, *shape]`` for
+    an item of ``n`` rows — entry ``r`` is the state after the item's first ``r`` rows (entry 0:
+    before the step; the pool's slot holds entry ``n``).
+    Invariant: after ``settle`` the slot holds exactly the state after its last kept row, the
+    same tensors a run without the rejected rows would have left (each entry is a copy of the
+    state the mixer's own token step produced)."""
+
+    def __init__(self, pool: StatePool, slots: frozenset[int]) -> None:
+        self.pool = pool
+        self.slots = slots
+        self.num_layers = len(pool.tensors)
+        self.rows: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def wants(self, slot: int) -> bool:
+        return slot in self.slots
+
+    def put(self, layer: int, slot: int, states: list[torch.Tensor]) -> None:
+        """Linear layer ``layer``'s states before and after each row of slot ``slot``'s item (``[n + 1, *shape]`` each)."""
+        self.rows[(layer, slot)] = states
+
+    def settle(self, slot: int, kept: int) -> None:
+        """Slot ``slot``'s item keeps its first ``kept`` rows: its state becomes the state after
+        them in every linear layer (unchanged when every row is kept)."""
+        assert slot in self.slots, f"state slot {slot} verified no drafts this step"
+        for layer in range(self.num_layers):
+            states = self.rows.pop((layer, slot), None)
+            assert states is not None, f"linear layer {layer} kept no per-row states for slot {slot}"
+            assert 0 <= kept < states[0].shape[0], f"{kept} rows kept of {states[0].shape[0] - 1}"
+            if kept == states[0].shape[0] - 1:
+                continue
+            for t, rows in zip(self.pool.tensors[layer], states, strict=True):
+                t[slot].copy_(rows[kept])
 
 
 def state_slots(max_running: int, requested: int | None) -> int:

@@ -87,9 +87,16 @@ class HybridLayer(nn.Module):
         # NOTE: gathered copies, advanced by the mixer, written back: the slots of a step are
         # arbitrary, the mixer wants its sequences' states stacked.
         held = [t.index_select(0, slots) for t in pooled]
-        out = m(h, batch.backend, *held, lens, residual=residual)
+        order = slots.tolist()
+        # verify items: the mixer keeps their states before and after every row (StateTrace)
+        trace = ({s: [] for s, slot in enumerate(order) if states.trace.wants(slot)}
+                 if states.trace is not None else None)
+        out = m(h, batch.backend, *held, lens, residual=residual, trace=trace or None)
         for t, s in zip(pooled, held, strict=True):
             t.index_copy_(0, slots, s)
+        if trace and states.trace is not None:
+            for s, kept in trace.items():
+                states.trace.put(self.state_index, order[s], kept)
         return out
 
     def prepare(self, backend: Backend) -> None:
@@ -117,6 +124,10 @@ class StateSpaceHybrid(LlamaForCausalLM):
     """The decoder shell of the state-space hybrids: ``LlamaForCausalLM``'s step over the engine's
     batch with the family's layers (``make_layer`` from ``cfg.hybrid.hf``), its weight names
     (``embed_name``, ``norm_name``) and multipliers (``embed_mult``, ``logits_div``)."""
+
+    # Every linear layer records its state after each verified row (memory/state_pool.StateTrace):
+    # speculative verification and jump-forward roll a rejection back exactly.
+    traces_states = True
 
     embed_name = "model.embed_tokens.weight"
     norm_name = "model.norm.weight"

@@ -131,6 +131,10 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     """Qwen3.5 dense: ``LlamaForCausalLM``'s embedding, MLP, norms and head; gated-delta-rule
     layers and gated attention layers (whose K/V are the pool's layers, in order)."""
 
+    # Every linear layer records its state after each verified row (memory/state_pool.StateTrace):
+    # speculative verification and jump-forward roll a rejection back exactly.
+    traces_states = True
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(cfg, dtype, device)
         hy = self.hybrid

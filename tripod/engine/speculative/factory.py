@@ -44,6 +44,10 @@ def load_draft(config: EngineConfig, target: LoadedModel, dtype: torch.dtype, de
             f"(vocabularies of {dc.vocab_size} and {mc.vocab_size} tokens, or different tokens); "
             "a draft must tokenize exactly like the model it drafts for"
         )
+    if dc.hybrid is not None:
+        # (its proposer's runner keeps K/V only: the draft's own linear layers would have no states)
+        raise ValueError(f"the draft model {draft.name} is a hybrid linear-attention model ({dc.architecture}); "
+                         "a draft must be a model with attention layers only")
     return draft
 
 

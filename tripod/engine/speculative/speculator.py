@@ -7,7 +7,8 @@ allocated onto the request (they are the slots the forward verifies the draft in
 becomes ``[last token, draft...]`` with logits at every position. After the forward,
 ``verify.accept`` picks the tokens and the slots of rejected positions go back to the allocator
 at once (the request is left exactly as plain decoding would leave it: every token but the last
-has K/V).
+has K/V). On a hybrid model the slot's recurrent state is put back to the state after the last
+kept row (``StateTrace``: the mixers kept it for every verified row).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tripod.engine.speculative.verify import Verdict, accept
 
 if TYPE_CHECKING:
     from tripod.memory.kv_pool import SlotAllocator
+    from tripod.memory.state_pool import StateTrace
 
 class Speculator:
     """Owns the proposers, the adaptive policy and the per-proposer counters."""
@@ -50,6 +52,7 @@ class Speculator:
         self.grammar = GrammarProposer(tokenizer)
         self.proposer = proposer
         self.policy = AdaptivePolicy(config().num_draft_tokens, config().spec_max_batch, config().spec_adaptive)
+        self.trace: StateTrace | None = None  # the last forward's (a hybrid model's verify rows)
 
     @property
     def config(self) -> EngineConfig:
@@ -168,7 +171,9 @@ class Speculator:
         c.draft_tokens += len(req.draft)
 
     def after_forward(self, batch: Any, hidden: torch.Tensor | None) -> None:
-        """Hand the step's last hidden states to a proposer that reads them (MTP)."""
+        """Hand the step's last hidden states to a proposer that reads them (MTP); keep a hybrid
+        model's per-row states of the step's verify items until they are judged (``verify``)."""
+        self.trace = batch.states.trace if getattr(batch, "states", None) is not None else None
         if hidden is not None and self.proposer is not None and self.proposer.reads_hidden:
             self.proposer.observe_hidden(batch.item_rows, hidden)
 
@@ -202,6 +207,9 @@ class Speculator:
         # (exactly the state plain decoding leaves). Unused draft slots go back.
         req.computed = start + len(verdict.tokens) - 1
         self._trim(req, req.computed)
+        if self.trace is not None:  # a hybrid: every linear layer's state back to the last kept row
+            assert req.state_slot is not None
+            self.trace.settle(req.state_slot, req.computed - it.start)
         self.counts.setdefault(name, SpecCounts()).accepted_tokens += verdict.accepted
         if name != self.grammar.name and req.spec is not None:
             self.policy.update(req.spec, name, len(draft), verdict.accepted)
