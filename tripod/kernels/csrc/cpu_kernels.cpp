@@ -148,6 +148,34 @@ inline V16 scores_t_bf16(const uint32_t* q2, const uint32_t* kt) {
   for (int i = 0; i < 16; ++i) v[i] = {x[i]};
   return tree_sum16(v);
 }
+
+// scores_t_bf16 for QN query vectors at once (q2[g]: query g's pairs): each word of the key tile
+// is loaded once for all QN queries. Every query's lanes see exactly scores_t_bf16's operations
+// (the chains x[i] over the chunks, then tree_sum16's adds in its grouping, s0 + s1 formed before
+// s2 + s3 only to free registers), so its scores have the same bits alone or in any group.
+template <int NV, int QN>
+inline void scores_t_bf16_multi(const uint32_t* const q2[QN], const uint32_t* kt, V16 out[QN]) {
+  __m512 s01[QN], s2[QN];
+  for (int L = 0; L < 4; ++L) {
+    __m512 x[QN][4];
+    for (int g = 0; g < QN; ++g)
+      for (int ii = 0; ii < 4; ++ii) x[g][ii] = _mm512_setzero_ps();
+    for (int c = 0; c < NV / 2; ++c)
+      for (int ii = 0; ii < 4; ++ii) {
+        const int w = 16 * c + 4 * L + ii;
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + 16 * w);
+        for (int g = 0; g < QN; ++g)
+          x[g][ii] = _mm512_dpbf16_ps(x[g][ii], (__m512bh)_mm512_set1_epi32((int)q2[g][w]), k);
+      }
+    for (int g = 0; g < QN; ++g) {
+      const __m512 sl = _mm512_add_ps(_mm512_add_ps(x[g][0], x[g][2]), _mm512_add_ps(x[g][1], x[g][3]));
+      if (L == 0) s01[g] = sl;
+      else if (L == 1) s01[g] = _mm512_add_ps(s01[g], sl);
+      else if (L == 2) s2[g] = sl;
+      else out[g] = {_mm512_add_ps(s01[g], _mm512_add_ps(s2[g], sl))};
+    }
+  }
+}
 #endif
 
 #if defined(TRIPOD_AVX512)
@@ -377,6 +405,20 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
         alignas(64) float pe[QG][kTile];  // P (float32 / emulated paths)
         alignas(64) uint32_t pp[QG][kTile / 2];  // P as bf16, two keys per word (dot path)
         int most = 0;
+        V16 sg[QG];  // bf16_dot: the group's scores, QS query vectors at a time
+        if constexpr (bf16_dot) {
+#if defined(__AVX512BF16__)
+          constexpr int QS = 4;
+          const uint32_t* kt2 = reinterpret_cast<const uint32_t*>(kt);
+          int g = 0;
+          for (; g + QS <= ng; g += QS) {
+            const uint32_t* q2[QS];
+            for (int u = 0; u < QS; ++u) q2[u] = reinterpret_cast<const uint32_t*>(qb + (q0 + g + u) * D);
+            scores_t_bf16_multi<NV, QS>(q2, kt2, sg + g);
+          }
+          for (; g < ng; ++g) sg[g] = scores_t_bf16<NV>(reinterpret_cast<const uint32_t*>(qb + (q0 + g) * D), kt2);
+#endif
+        }
         for (int g = 0; g < ng; ++g) {
           const int qv = q0 + g;
           const int valid = std::min(n, blk.len0 + qv / per_query - k0);  // causal limit of this query
@@ -384,9 +426,7 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
           if (valid <= 0) continue;  // the whole tile is in this query's future
           V16 s;
           if constexpr (bf16_dot) {
-#if defined(__AVX512BF16__)
-            s = scores_t_bf16<NV>(reinterpret_cast<const uint32_t*>(qb + qv * D), reinterpret_cast<const uint32_t*>(kt));
-#endif
+            s = sg[g];
           } else if constexpr (emulate) {
             s = scores_t_emulated<NV>(qf + qv * D, kt);
           } else {
