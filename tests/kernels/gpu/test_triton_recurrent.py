@@ -5,6 +5,8 @@ tokens run as one item equal to the same tokens run one step at a time, bit for 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -82,8 +84,9 @@ def test_gated_delta_against_the_reference(hk: int, hv: int, dk: int, dv: int) -
     rep = hv // hk
     want_state = state.clone()
     rows = StateRows(pool=None, items=ITEMS)  # type: ignore[arg-type]  (_recur reads the items only)
-    want = GatedDeltaNet._recur(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, decay, beta, rows,
-                                want_state)
+    layer = SimpleNamespace(index=0)  # (_recur reads the layer's index only when a StateTrace is set)
+    want = GatedDeltaNet._recur(layer, q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, decay, beta,  # type: ignore[arg-type]
+                                rows, want_state)
     got = R.gated_delta(q, k, v, decay, beta, state, R.item_table(ITEMS, q.device))
     _close(got, want, "gated delta output")
     _close(state, want_state, "gated delta state")
