@@ -17,7 +17,7 @@ The shell is ``LlamaForCausalLM``'s (embedding, final norm, LM head, the step ov
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -33,6 +33,21 @@ from tripod.memory.state_pool import StateSpec
 from tripod.models.config import ModelConfig
 from tripod.models.gqa import GQAttention
 from tripod.models.llama import LlamaForCausalLM, StepContext
+
+
+def number_layers(layers: Iterable[nn.Module], kind: Callable[[Any], str | None]) -> None:
+    """Number a hybrid's layers in layer order: each ``"attention"`` layer gets its K/V layer in the
+    pool (``pool_layer``), each ``"state"`` layer its entry of the state pool (``state_index``);
+    ``None``: neither (an MLP-only block)."""
+    pool_layer = state_index = 0
+    for layer in layers:
+        k = kind(layer)
+        if k == "attention":
+            layer.pool_layer = pool_layer
+            pool_layer += 1
+        elif k == "state":
+            layer.state_index = state_index
+            state_index += 1
 
 
 def step_lens(states: StateRows, rows: int) -> tuple[torch.Tensor, list[int]]:
@@ -138,14 +153,8 @@ class StateSpaceHybrid(LlamaForCausalLM):
         if cfg.hybrid is None or cfg.hybrid.hf is None:
             raise ValueError(f"{cfg.architecture} is built from its HF config (ModelConfig.from_hf_dict)")
         super().__init__(cfg, dtype, device)
-        pool_layer = state_index = 0
-        for layer in self.layers:
-            if isinstance(layer.mixer, GQAttention):
-                layer.pool_layer = pool_layer
-                pool_layer += 1
-            elif layer.state_shapes() is not None:
-                layer.state_index = state_index
-                state_index += 1
+        number_layers(self.layers, lambda layer: "attention" if isinstance(layer.mixer, GQAttention)
+                      else "state" if layer.state_shapes() is not None else None)
         if not self.uses_rope:  # identity rotary (module doc)
             self.rotary.cos = torch.ones_like(self.rotary.cos)
             self.rotary.sin = torch.zeros_like(self.rotary.sin)

@@ -28,7 +28,7 @@ from tripod.layers.weights import WeightSource
 from tripod.memory.state_pool import StateSpec
 from tripod.models.config import ModelConfig
 from tripod.models.deepseek import DeepseekForCausalLM
-from tripod.models.hybrid import step_lens
+from tripod.models.hybrid import number_layers, step_lens
 from tripod.models.hybrid_config import HybridConfig
 from tripod.models.llama import DecoderLayer, StepContext
 
@@ -87,15 +87,7 @@ class KimiLinearForCausalLM(DeepseekForCausalLM):
             raise ValueError("KimiLinearForCausalLM is built from its HF config (model_type kimi_linear)")
         super().__init__(cfg, dtype, device)
         self.rotary = NoRotary()  # (NoPE: the table the base class built is dropped)
-        pool_layer = state_index = 0
-        for layer in self.layers:
-            assert isinstance(layer, KimiLayer)
-            if isinstance(layer.attn, MLAttention):
-                layer.pool_layer = pool_layer
-                pool_layer += 1
-            else:
-                layer.state_index = state_index
-                state_index += 1
+        number_layers(self.layers, lambda layer: "attention" if isinstance(layer.attn, MLAttention) else "state")
 
     @property
     def hybrid(self) -> HybridConfig:

@@ -22,7 +22,7 @@ from tripod.layers.weights import WeightSource
 from tripod.memory.state_pool import StateSpec
 from tripod.models.config import ModelConfig
 from tripod.models.gqa import GQAttention
-from tripod.models.hybrid import step_lens
+from tripod.models.hybrid import number_layers, step_lens
 from tripod.models.hybrid_config import HybridConfig
 from tripod.models.llama import DecoderLayer, LlamaForCausalLM, StepContext
 
@@ -78,15 +78,7 @@ class MiniMaxForCausalLM(LlamaForCausalLM):
         if cfg.hybrid is None or cfg.hybrid.hf is None:
             raise ValueError("MiniMaxForCausalLM is built from its HF config (model_type minimax)")
         super().__init__(cfg, dtype, device)
-        pool_layer = state_index = 0
-        for layer in self.layers:
-            assert isinstance(layer, MiniMaxLayer)
-            if isinstance(layer.attn, GQAttention):
-                layer.pool_layer = pool_layer
-                pool_layer += 1
-            else:
-                layer.state_index = state_index
-                state_index += 1
+        number_layers(self.layers, lambda layer: "attention" if isinstance(layer.attn, GQAttention) else "state")
 
     @property
     def hybrid(self) -> HybridConfig:
