@@ -120,7 +120,7 @@ def _recurrent_checks(ops: Any, dev: torch.device, dry: bool) -> list[dict[str, 
     items at scattered slots; whole items = token steps bit for bit; a 64-sequence decode step's time
     against moving its states once at the copy rate."""
     from tripod.layers.batch import StateRows
-    from tripod.layers.gated_delta import GatedDeltaNet
+    from tripod.layers.gated_delta import gated_delta_recurrence
     from tripod.layers.mamba2 import causal_conv
 
     tol = 1e-4
@@ -158,8 +158,8 @@ def _recurrent_checks(ops: Any, dev: torch.device, dry: bool) -> list[dict[str, 
     beta = torch.rand(t, hv, generator=g, device=dev)
     state = 0.5 * rnd(seqs, hv, dk, dv)
     want_state, r = state.clone(), hv // hk
-    want = GatedDeltaNet._recur(q.repeat_interleave(r, 1), k.repeat_interleave(r, 1), v, decay, beta,
-                                StateRows(None, items), want_state)  # type: ignore[arg-type]
+    want = gated_delta_recurrence(q.repeat_interleave(r, 1), k.repeat_interleave(r, 1), v, decay, beta,
+                                  StateRows(None, items), want_state)  # type: ignore[arg-type]
     whole_state = state.clone()
     got = ops.gated_delta(q, k, v, decay, beta, whole_state, ops.item_table(items, dev))
     rec(f"gated_delta[{hv}/{hk} heads x {dk}x{dv}]", max(_err(got, want), _err(whole_state, want_state)))

@@ -137,7 +137,7 @@ class GatedDeltaNet(nn.Module):
         if kernels:
             o = backend.gated_delta(q, k, v, g.exp(), beta, rec_state, states.items)
         else:
-            o = self._recur(q, k, v, g.exp(), beta, states, rec_state)
+            o = gated_delta_recurrence(q, k, v, g.exp(), beta, states, rec_state, self.index)
         o = o.to(h.dtype).float()
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
         o = self.norm_w * o.to(h.dtype)
@@ -161,29 +161,31 @@ class GatedDeltaNet(nn.Module):
                 states.trace.put(self.index, slot, [window.unfold(0, self.kernel - 1, 1).clone()])
         return _silu(out)
 
-    def _recur(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
-               states: StateRows, rec_state: torch.Tensor) -> torch.Tensor:
-        """The recurrence, token by token, one sequence at a time: every update is the same
-        ``[1, H, Dk, Dv]`` ops whatever else the step holds (torch's reductions may sum a row
-        differently when more rows share a call, so rows of different sequences never do)."""
-        out = torch.empty_like(v)
-        trace = states.trace
-        for first, n, slot in states.items:
-            s = rec_state[slot : slot + 1]  # [1, H, Dk, Dv]
-            kept = [s.clone()] if trace is not None and trace.wants(slot) else None
-            for r in range(first, first + n):
-                s = s * decay[r : r + 1, :, None, None]
-                kr = k[r : r + 1, :, :, None]
-                kv = (s * kr).sum(-2)
-                s = s + kr * ((v[r : r + 1] - kv) * beta[r : r + 1, :, None])[:, :, None, :]
-                out[r : r + 1] = (s * q[r : r + 1, :, :, None]).sum(-2)
-                if kept is not None:
-                    kept.append(s)  # (a fresh tensor each row: nothing updates it in place)
-            rec_state[slot : slot + 1] = s
+
+def gated_delta_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+                           states: StateRows, rec_state: torch.Tensor, index: int = 0) -> torch.Tensor:
+    """The recurrence, token by token, one sequence at a time: every update is the same
+    ``[1, H, Dk, Dv]`` ops whatever else the step holds (torch's reductions may sum a row
+    differently when more rows share a call, so rows of different sequences never do). ``index``
+    names the layer in a StateTrace. The Triton kernels are checked against this function."""
+    out = torch.empty_like(v)
+    trace = states.trace
+    for first, n, slot in states.items:
+        s = rec_state[slot : slot + 1]  # [1, H, Dk, Dv]
+        kept = [s.clone()] if trace is not None and trace.wants(slot) else None
+        for r in range(first, first + n):
+            s = s * decay[r : r + 1, :, None, None]
+            kr = k[r : r + 1, :, :, None]
+            kv = (s * kr).sum(-2)
+            s = s + kr * ((v[r : r + 1] - kv) * beta[r : r + 1, :, None])[:, :, None, :]
+            out[r : r + 1] = (s * q[r : r + 1, :, :, None]).sum(-2)
             if kept is not None:
-                assert trace is not None
-                trace.put(self.index, slot, [*trace.rows.pop((self.index, slot)), torch.cat(kept)])
-        return out
+                kept.append(s)  # (a fresh tensor each row: nothing updates it in place)
+        rec_state[slot : slot + 1] = s
+        if kept is not None:
+            assert trace is not None
+            trace.put(index, slot, [*trace.rows.pop((index, slot)), torch.cat(kept)])
+    return out
 
 
 # NOTE: torch's CPU sigmoid, SiLU and softplus compute a tensor's last (< 16) elements on a scalar

@@ -5,14 +5,12 @@ tokens run as one item equal to the same tokens run one step at a time, bit for 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from tripod.kernels import gpu
 from tripod.layers.batch import StateRows
-from tripod.layers.gated_delta import GatedDeltaNet
+from tripod.layers.gated_delta import gated_delta_recurrence
 from tripod.layers.mamba2 import causal_conv
 
 gpu.ops()
@@ -83,10 +81,9 @@ def test_gated_delta_against_the_reference(hk: int, hv: int, dk: int, dv: int) -
     q, k, v, decay, beta, state = _gdn_inputs(hk, hv, dk, dv, hk * 100 + hv * 10 + dk)
     rep = hv // hk
     want_state = state.clone()
-    rows = StateRows(pool=None, items=ITEMS)  # type: ignore[arg-type]  (_recur reads the items only)
-    layer = SimpleNamespace(index=0)  # (_recur reads the layer's index only when a StateTrace is set)
-    want = GatedDeltaNet._recur(layer, q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, decay, beta,  # type: ignore[arg-type]
-                                rows, want_state)
+    rows = StateRows(pool=None, items=ITEMS)  # type: ignore[arg-type]  (the reference reads the items only)
+    want = gated_delta_recurrence(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, decay, beta,
+                                  rows, want_state)
     got = R.gated_delta(q, k, v, decay, beta, state, R.item_table(ITEMS, q.device))
     _close(got, want, "gated delta output")
     _close(state, want_state, "gated delta state")
