@@ -64,7 +64,7 @@ def step_lens(states: StateRows, rows: int) -> tuple[torch.Tensor, list[int]]:
     return torch.tensor(slots, dtype=torch.long, device=states.pool.tensors[0][0].device), lens
 
 
-MixerRun = Callable[[list[torch.Tensor], list[int], "dict[int, list[torch.Tensor]] | None"], torch.Tensor]
+MixerRun = Callable[[list[torch.Tensor], list[int], dict[int, list[torch.Tensor]] | None], torch.Tensor]
 
 
 def mix_on_slots(states: StateRows, index: int, rows: int, run: MixerRun) -> torch.Tensor:
