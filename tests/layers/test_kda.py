@@ -86,3 +86,33 @@ def test_split_and_batched_are_bit_exact(pair: tuple[KimiLinearDeltaAttention, K
     assert torch.equal(rec2[1:], rec) and torch.equal(conv2[1:], conv)
     with pytest.raises(ValueError, match="rows"):
         ours(h, be, conv2, rec2, [14])
+
+
+def test_trace_keeps_the_state_after_every_row(pair: tuple[KimiLinearDeltaAttention, KdaMixer]) -> None:
+    """Speculative verification's trace: for the sequences it names, the conv window and recurrent
+    state before and after each row, equal bit for bit to the state after decoding those rows one
+    at a time (the rollback target), beside another sequence that is not traced."""
+    from tripod import kernels
+    from tripod.layers.backends.cpu import CpuLinearBackend
+
+    assert kernels.load(wait=True), f"the kernels should build on this machine: {kernels.unavailable_reason()}"
+    level = kernels.best_level()
+    assert level is not None
+    be = CpuLinearBackend(kernels.ops(level), level, False, "test")  # (row-invariant linears)
+    _, ours = pair
+    ours.prepare(be)
+    torch.manual_seed(3)
+    prefix, rows = torch.randn(5, HIDDEN), torch.randn(4, HIDDEN)
+    conv, rec = new_kda_state(ours.cfg, 2)
+    ours(torch.cat((torch.randn(2, HIDDEN), prefix)), be, conv, rec, [2, 5])
+    start = (conv[1:].clone(), rec[1:].clone())
+    trace: dict[int, list[torch.Tensor]] = {1: []}
+    ours(torch.cat((torch.randn(3, HIDDEN), rows)), be, conv, rec, [3, 4], trace=trace)
+    win, states = trace[1]
+    assert win.shape == (5, *conv.shape[1:]) and states.shape == (5, *rec.shape[1:])
+    one_conv, one_rec = start[0].clone(), start[1].clone()
+    assert torch.equal(win[0], one_conv[0]) and torch.equal(states[0], one_rec[0])
+    for r in range(4):
+        ours(rows[r : r + 1], be, one_conv, one_rec, [1])
+        assert torch.equal(win[r + 1], one_conv[0]) and torch.equal(states[r + 1], one_rec[0]), f"after row {r}"
+    assert torch.equal(states[4], rec[1]) and torch.equal(win[4], conv[1])

@@ -83,3 +83,31 @@ def test_split_and_batched_are_bit_exact(pair: tuple[MiniMaxLightningAttention, 
     assert torch.equal(kv2[1:], kv)
     with pytest.raises(ValueError, match="rows"):
         ours(h, be, kv2, [14])
+
+
+def test_trace_keeps_the_state_after_every_row(pair: tuple[MiniMaxLightningAttention, LightningAttention]) -> None:
+    """Speculative verification's trace: for the sequences it names, the state before and after
+    each row, equal bit for bit to the state after decoding those rows one at a time (the rollback
+    target), beside another sequence that is not traced."""
+    from tripod import kernels
+    from tripod.layers.backends.cpu import CpuLinearBackend
+
+    assert kernels.load(wait=True), f"the kernels should build on this machine: {kernels.unavailable_reason()}"
+    level = kernels.best_level()
+    assert level is not None
+    be = CpuLinearBackend(kernels.ops(level), level, False, "test")  # (row-invariant linears)
+    _, ours = pair
+    ours.prepare(be)
+    torch.manual_seed(3)
+    rows = torch.randn(4, HIDDEN)
+    kv = torch.zeros(2, HEADS, DIM, DIM)
+    ours(torch.randn(7, HIDDEN), be, kv, [2, 5])
+    one = kv[1:].clone()
+    trace: dict[int, list[torch.Tensor]] = {1: []}
+    ours(torch.cat((torch.randn(3, HIDDEN), rows)), be, kv, [3, 4], trace=trace)
+    (states,) = trace[1]
+    assert states.shape == (5, HEADS, DIM, DIM) and torch.equal(states[0], one[0])
+    for r in range(4):
+        ours(rows[r : r + 1], be, one, [1])
+        assert torch.equal(states[r + 1], one[0]), f"after row {r}"
+    assert torch.equal(states[4], kv[1])

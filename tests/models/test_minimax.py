@@ -59,13 +59,13 @@ class MiniMaxReference:
         return run
 
 
-def build_minimax(seed: int = 0) -> Any:
+def build_minimax(seed: int = 0, **overrides: Any) -> Any:
     """transformers' MiniMax (fp32, eval) with decisive random weights: unit-variance projections,
     norms around one."""
     from transformers import AutoModelForCausalLM, MiniMaxConfig
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(MiniMaxConfig(**CONFIG), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(MiniMaxConfig(**{**CONFIG, **overrides}), dtype=torch.float32)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -115,31 +115,38 @@ class KdaMixer(nn.Module):
         self.ops.pop(form, None)
 
     def forward(self, h: torch.Tensor, backend: Backend, conv: torch.Tensor, rec: torch.Tensor,
-                lens: list[int], residual: torch.Tensor | None = None) -> torch.Tensor:
+                lens: list[int], residual: torch.Tensor | None = None,
+                trace: dict[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
         """``h`` ``[T, hidden]``: the rows of ``len(lens)`` sequences one after another; ``conv`` /
-        ``rec`` their states ``[S, ...]``, updated in place. Returns ``[T, hidden]`` (``+ residual``)."""
+        ``rec`` their states ``[S, ...]``, updated in place. ``trace``: the sequences whose conv
+        and recurrent states before and after every row are wanted (appended to their list,
+        ``[n + 1, ...]`` each, for speculative verification: ``memory/state_pool.StateTrace``).
+        Returns ``[T, hidden]`` (``+ residual``)."""
         c = self.cfg
         t, nh, d = h.shape[0], c.num_heads, c.head_dim
         if sum(lens) != t or len(lens) != conv.shape[0] or len(lens) != rec.shape[0]:
             raise ValueError(f"KDA: {t} rows, {conv.shape[0]}/{rec.shape[0]} states for lengths {lens}")
         op = self.ops[backend.form]
-        qkv = silu_exact(causal_conv(op["qkv"](h).float(), conv, lens, self.conv_w.float(), None))
+        qkv = silu_exact(causal_conv(op["qkv"](h).float(), conv, lens, self.conv_w.float(), None, trace))
         q, k, v = (part.reshape(t, nh, d) for part in qkv.split(c.width, dim=-1))
         q, k = _l2norm(q) * d**-0.5, _l2norm(k)
         gate = op["f_b"](op["f_a"](h)).float() + self.dt_bias
         decay = torch.exp(-torch.exp(self.A_log)[:, None] * softplus_exact(gate.view(t, nh, d)))  # [T, H, d]
         beta = 1.0 / (1.0 + torch.exp(-op["b"](h).float()))  # [T, H]
-        o = self._scan(q, k, v, decay, beta, rec, lens)
+        o = self._scan(q, k, v, decay, beta, rec, lens, trace)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.eps) * self.o_norm.float()
         g = op["g_b"](op["g_a"](h)).float().view(t, nh, d)
         o = o / (1.0 + torch.exp(-g))
         return op["o"](o.reshape(t, c.width).to(h.dtype), residual=residual)
 
     def _scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
-              rec: torch.Tensor, lens: list[int]) -> torch.Tensor:
-        """The delta rule, step ``j`` advancing every sequence that has a ``j``-th row at once."""
+              rec: torch.Tensor, lens: list[int], trace: dict[int, list[torch.Tensor]] | None = None
+              ) -> torch.Tensor:
+        """The delta rule, step ``j`` advancing every sequence that has a ``j``-th row at once
+        (``trace``: see ``forward``)."""
         out = torch.empty_like(v)
-        for rows, idx in token_steps(lens, q.device):
+        kept = {s: [rec[s].clone()] for s in trace} if trace else {}
+        for j, (rows, idx) in enumerate(token_steps(lens, q.device)):
             state = rec if idx is None else rec.index_select(0, idx)  # (all sequences: in place)
             kj = k.index_select(0, rows)[..., None]  # [S, H, d_k, 1]
             state.mul_(decay.index_select(0, rows)[..., None])
@@ -148,4 +155,10 @@ class KdaMixer(nn.Module):
             out[rows] = (state * q.index_select(0, rows)[..., None]).sum(-2)  # [S, H, d_v]
             if idx is not None:
                 rec.index_copy_(0, idx, state)
+            for s, states in kept.items():  # (copies of the state this token step produced)
+                if lens[s] > j:
+                    states.append(rec[s].clone())
+        for s, states in kept.items():
+            assert trace is not None
+            trace[s].append(torch.stack(states))
         return out

@@ -93,9 +93,12 @@ class LightningAttention(nn.Module):
         self.ops.pop(form, None)
 
     def forward(self, h: torch.Tensor, backend: Backend, kv: torch.Tensor, lens: list[int],
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None,
+                trace: dict[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
         """``h`` ``[T, hidden]``: the rows of ``len(lens)`` sequences one after another; ``kv`` their
-        states ``[S, H, d, d]``, updated in place. Returns ``[T, hidden]`` (``+ residual``)."""
+        states ``[S, H, d, d]``, updated in place. ``trace``: the sequences whose states before and
+        after every row are wanted (appended to their list, ``[n + 1, H, d, d]``, for speculative
+        verification: ``memory/state_pool.StateTrace``). Returns ``[T, hidden]`` (``+ residual``)."""
         c = self.cfg
         t, nh, d = h.shape[0], c.num_heads, c.head_dim
         if sum(lens) != t or len(lens) != kv.shape[0]:
@@ -103,7 +106,7 @@ class LightningAttention(nn.Module):
         op = self.ops[backend.form]
         qkv = silu_exact(op["qkv"](h).float()).view(t, nh, 3, d)  # per head: q, k, v side by side
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        o = self._scan(q, k, v, kv, lens).reshape(t, c.width)
+        o = self._scan(q, k, v, kv, lens, trace).reshape(t, c.width)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.eps)
         o = self.norm_w.float() * o
         g = op["gate"](h).float()
@@ -111,15 +114,23 @@ class LightningAttention(nn.Module):
         return op["out"](o.to(h.dtype), residual=residual)
 
     def _scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-              lens: list[int]) -> torch.Tensor:
-        """The recurrence, step ``j`` advancing every sequence that has a ``j``-th row at once."""
+              lens: list[int], trace: dict[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
+        """The recurrence, step ``j`` advancing every sequence that has a ``j``-th row at once
+        (``trace``: see ``forward``)."""
         out = torch.empty_like(v)
         ratio = self.ratio.to(kv.device)[:, None, None]
-        for rows, idx in token_steps(lens, q.device):
+        kept = {s: [kv[s].clone()] for s in trace} if trace else {}
+        for j, (rows, idx) in enumerate(token_steps(lens, q.device)):
             state = kv if idx is None else kv.index_select(0, idx)
             state.mul_(ratio)
             state.addcmul_(k.index_select(0, rows)[..., None], v.index_select(0, rows)[:, :, None, :])
             out[rows] = (state * q.index_select(0, rows)[..., None]).sum(-2)
             if idx is not None:
                 kv.index_copy_(0, idx, state)
+            for s, states in kept.items():  # (copies of the state this token step produced)
+                if lens[s] > j:
+                    states.append(kv[s].clone())
+        for s, states in kept.items():
+            assert trace is not None
+            trace[s].append(torch.stack(states))
         return out

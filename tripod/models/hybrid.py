@@ -64,6 +64,32 @@ def step_lens(states: StateRows, rows: int) -> tuple[torch.Tensor, list[int]]:
     return torch.tensor(slots, dtype=torch.long, device=states.pool.tensors[0][0].device), lens
 
 
+MixerRun = Callable[[list[torch.Tensor], list[int], dict[int, list[torch.Tensor]] | None], torch.Tensor]
+
+
+def mix_on_slots(states: StateRows, index: int, rows: int, run: MixerRun) -> torch.Tensor:
+    """Run a linear layer's mixer on the step's state slots: its entry ``index`` of the state pool
+    gathered into the stacked ``[S, ...]`` tensors the mixers take (items in row order),
+    ``run(held, lens, trace)`` advancing them in place, then written back to the slots.
+    NOTE: gathered copies: the slots of a step are arbitrary, the mixers want their sequences'
+    states stacked. ``trace``: the verify items' sequences (``StateTrace.wants``), whose states
+    before and after every row the mixer appends (copies of what its token steps produced); they
+    go to the step's ``StateTrace`` so a rejected draft rolls back exactly. None: no verify item."""
+    slots, lens = step_lens(states, rows)
+    pooled = states.pool.tensors[index]
+    held = [t.index_select(0, slots) for t in pooled]
+    order = slots.tolist()
+    trace = ({s: [] for s, slot in enumerate(order) if states.trace.wants(slot)}
+             if states.trace is not None else None)
+    out = run(held, lens, trace or None)
+    for t, s in zip(pooled, held, strict=True):
+        t.index_copy_(0, slots, s)
+    if trace and states.trace is not None:
+        for s, kept in trace.items():
+            states.trace.put(index, order[s], kept)
+    return out
+
+
 class HybridLayer(nn.Module):
     """One layer of a state-space hybrid: its mixer (Mamba2, short conv, attention, or none for
     Nemotron-H's MLP/MoE layers) reached through ``mix``; a family adds the norms and FFN.
@@ -97,22 +123,8 @@ class HybridLayer(nn.Module):
         if isinstance(m, Mamba2Mixer) and batch.backend.recurrent_kernels:  # kernels read the slots in place
             conv, ssm = states.pool.tensors[self.state_index]
             return m.forward_slots(h, batch.backend, conv, ssm, states.items, residual=residual)
-        slots, lens = step_lens(states, h.shape[0])
-        pooled = states.pool.tensors[self.state_index]
-        # NOTE: gathered copies, advanced by the mixer, written back: the slots of a step are
-        # arbitrary, the mixer wants its sequences' states stacked.
-        held = [t.index_select(0, slots) for t in pooled]
-        order = slots.tolist()
-        # verify items: the mixer keeps their states before and after every row (StateTrace)
-        trace = ({s: [] for s, slot in enumerate(order) if states.trace.wants(slot)}
-                 if states.trace is not None else None)
-        out = m(h, batch.backend, *held, lens, residual=residual, trace=trace or None)
-        for t, s in zip(pooled, held, strict=True):
-            t.index_copy_(0, slots, s)
-        if trace and states.trace is not None:
-            for s, kept in trace.items():
-                states.trace.put(self.state_index, order[s], kept)
-        return out
+        return mix_on_slots(states, self.state_index, h.shape[0], lambda held, lens, trace: m(
+            h, batch.backend, *held, lens, residual=residual, trace=trace))
 
     def prepare(self, backend: Backend) -> None:
         if isinstance(self.mixer, GQAttention):

@@ -28,7 +28,7 @@ from tripod.layers.weights import WeightSource
 from tripod.memory.state_pool import StateSpec
 from tripod.models.config import ModelConfig
 from tripod.models.deepseek import DeepseekForCausalLM
-from tripod.models.hybrid import number_layers, step_lens
+from tripod.models.hybrid import mix_on_slots, number_layers
 from tripod.models.hybrid_config import HybridConfig
 from tripod.models.llama import DecoderLayer, StepContext
 
@@ -67,20 +67,18 @@ class KimiLayer(DecoderLayer):
             return self.attn(h, self.pool_layer, ctx.pool, batch, cos_sin, residual)
         states = batch.states
         assert states is not None, "a hybrid model's step carries its requests' state slots"
-        slots, lens = step_lens(states, h.shape[0])
-        pooled = states.pool.tensors[self.state_index]
-        # NOTE: gathered copies, advanced by the mixer, written back: the slots of a step are
-        # arbitrary, the mixer wants its sequences' states stacked (models/hybrid.py does the same).
-        held = [t.index_select(0, slots) for t in pooled]
-        out = self.attn(h, batch.backend, held[0], held[1], lens, residual=residual)
-        for t, s in zip(pooled, held, strict=True):
-            t.index_copy_(0, slots, s)
-        return out
+        kda = self.attn
+        return mix_on_slots(states, self.state_index, h.shape[0], lambda held, lens, trace: kda(
+            h, batch.backend, held[0], held[1], lens, residual=residual, trace=trace))
 
 
 class KimiLinearForCausalLM(DeepseekForCausalLM):
     """Kimi Linear: DeepSeek's decoder (MLA, V3 MoE) with KDA layers in place of attention on the
     config's ``linear_attention`` layers; the MLA layers' latents are the pool's layers, in order."""
+
+    # Every KDA layer records its state after each verified row (memory/state_pool.StateTrace):
+    # speculative verification and jump-forward roll a rejection back exactly.
+    traces_states = True
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         if cfg.hybrid is None or cfg.mla is None or not cfg.mla.nope:

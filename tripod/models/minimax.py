@@ -22,7 +22,7 @@ from tripod.layers.weights import WeightSource
 from tripod.memory.state_pool import StateSpec
 from tripod.models.config import ModelConfig
 from tripod.models.gqa import GQAttention
-from tripod.models.hybrid import number_layers, step_lens
+from tripod.models.hybrid import mix_on_slots, number_layers
 from tripod.models.hybrid_config import HybridConfig
 from tripod.models.llama import DecoderLayer, LlamaForCausalLM, StepContext
 
@@ -62,17 +62,18 @@ class MiniMaxLayer(DecoderLayer):
             return self.attn(h, self.pool_layer, ctx.pool, batch, rotary, cos_sin, residual)
         states = batch.states
         assert states is not None, "a hybrid model's step carries its requests' state slots"
-        slots, lens = step_lens(states, h.shape[0])
-        (pooled,) = states.pool.tensors[self.state_index]
-        held = pooled.index_select(0, slots)  # (gathered, advanced, written back: models/hybrid.py)
-        out = self.attn(h, batch.backend, held, lens, residual=residual)
-        pooled.index_copy_(0, slots, held)
-        return out
+        mixer = self.attn
+        return mix_on_slots(states, self.state_index, h.shape[0], lambda held, lens, trace: mixer(
+            h, batch.backend, held[0], lens, residual=residual, trace=trace))
 
 
 class MiniMaxForCausalLM(LlamaForCausalLM):
     """MiniMax: Mixtral's decoder with lightning attention on the config's linear layers and
     MiniMax's weighted residuals (module doc)."""
+
+    # Every lightning layer records its state after each verified row (memory/state_pool.StateTrace):
+    # speculative verification and jump-forward roll a rejection back exactly.
+    traces_states = True
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         if cfg.hybrid is None or cfg.hybrid.hf is None:
