@@ -20,6 +20,8 @@ then rounds once in float64 and once to the run dtype.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 W8A8_KINDS = {"W8A8_INT8": "int8", "W8A8_FP8": "fp8"}
@@ -79,7 +81,7 @@ class W8A8Linear:
         if input_scales is not None:
             s = input_scales.to(torch.float32).reshape(-1)
             cuts = [0, *(torch.nonzero(s[1:] != s[:-1]).reshape(-1) + 1).tolist(), int(s.numel())]
-            self.segments = [(a, b, s[a].clone()) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+            self.segments = [(a, b, s[a].clone()) for a, b in itertools.pairwise(cuts)]
 
     @property
     def static(self) -> bool:

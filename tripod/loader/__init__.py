@@ -112,7 +112,7 @@ def load_model(
     net.keep_stage(pp)
     fmt = src.int_format if isinstance(src, HFFolder) else None
     if fmt is not None and fmt.quantizes_activations and weights != "stored":
-        raise ValueError(f"{path.name} is {quant}: its activations are quantized per token as the checkpoint says, "
+        raise ValueError(f"{path.name} is {quant}: its activations are quantized per token (or with its static scales) as the checkpoint says, "
                          f"which runs with --weights stored (or auto) on the CPU; --weights {weights} would run "
                          "another model")
     if fmt is not None and fmt.quantizes_activations and (tp.size > 1 or pp.stages > 1):

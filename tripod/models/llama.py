@@ -404,7 +404,11 @@ class LlamaForCausalLM(nn.Module):
                 return None
             blocks = torch.cat([p.blocks for p in ps]) if len(ps) > 1 else ps[0].blocks
             scales = None if ps[0].scales is None else torch.cat([p.scales for p in ps if p.scales is not None])
-            return StoredWeight(ps[0].kind, blocks.contiguous(), (sum(p.shape[0] for p in ps), k), perm, scales=scales)
+            if len({p.input_scales is None for p in ps}) != 1:  # W8A8 static and dynamic parts: not one linear
+                return None
+            ins = None if ps[0].input_scales is None else torch.cat([p.input_scales for p in ps if p.input_scales is not None])
+            return StoredWeight(ps[0].kind, blocks.contiguous(), (sum(p.shape[0] for p in ps), k), perm, scales=scales,
+                                input_scales=ins)
 
         for layer in self.layers:
             i = layer.layer
