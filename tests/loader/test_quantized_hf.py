@@ -112,6 +112,9 @@ def test_dequantized_weights_decode_the_reference_tokens(case: str, quantized: A
     assert eng.loaded.quantization.startswith({"ct": "compressed-tensors pack-quantized",
                                                "nvfp4": "compressed-tensors nvfp4-pack-quantized"}.get(method, method))
     assert eng.loaded.weights == "dequantized"
+    detail = eng.loaded.quantization_detail  # /v1/models' quantization_detail
+    assert detail is not None and eng.loaded.quantization.startswith(detail["format"])
+    assert detail["computed_by"] == "dense linears on the weights dequantized at load"
     _check(eng, ref, f"{case} dequantized")
 
 
@@ -135,6 +138,10 @@ def test_stored_codes_decode_the_reference_tokens(case: str, quantized: Any) -> 
     assert isinstance(gate_up, KernelLinear) and gate_up.fmt == ("q4_k" if q4 else "q6_k")
     if opts.get("bits") == 8 and not opts.get("sym", True):  # two halves over the inputs read twice
         assert gate_up.k == 2 * net.cfg.hidden_size
+    detail = eng.loaded.quantization_detail  # /v1/models' quantization_detail
+    assert detail is not None and f"stored {gate_up.fmt.upper()} blocks" in detail["computed_by"]
+    if CASES[case][1] != "nvfp4":
+        assert (detail["bits"], detail["group_size"]) == (opts.get("bits", 4), opts.get("group", 32))
     _check(eng, ref, f"{case} stored")
 
 
@@ -533,6 +540,11 @@ def test_w8a8_static_checkpoint_decodes_the_reference_tokens(kind: str, tmp_path
     assert eng.loaded.quantization == f"compressed-tensors w8a8 ({kind} weights per channel, {kind} activations static per tensor)"
     op = eng.loaded.model.layers[0].attn.ops[eng.runner.backend.form][0]
     assert isinstance(op, W8A8Linear) and op.static and len(op.segments) == 3
+    assert eng.loaded.quantization_detail == {
+        "format": "compressed-tensors w8a8", "bits": 8, "group_size": -1,
+        "activations": f"{kind} static per tensor",
+        "computed_by": "torch._int_mm (int8 x int8 -> int32, exact) on the CPU" if kind == "int8"
+        else "exact float64 emulation of the FP8 code products on the CPU"}
     _check(eng, HFReference(model.eval()), f"w8a8 {kind} static")
     del tensors["model.layers.1.mlp.up_proj.input_scale"]
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
