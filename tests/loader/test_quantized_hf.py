@@ -112,6 +112,9 @@ def test_dequantized_weights_decode_the_reference_tokens(case: str, quantized: A
     assert eng.loaded.quantization.startswith({"ct": "compressed-tensors pack-quantized",
                                                "nvfp4": "compressed-tensors nvfp4-pack-quantized"}.get(method, method))
     assert eng.loaded.weights == "dequantized"
+    detail = eng.loaded.quantization_detail  # /v1/models' quantization_detail
+    assert detail is not None and eng.loaded.quantization.startswith(detail["format"])
+    assert detail["computed_by"] == "dense linears on the weights dequantized at load"
     _check(eng, ref, f"{case} dequantized")
 
 
@@ -135,6 +138,10 @@ def test_stored_codes_decode_the_reference_tokens(case: str, quantized: Any) -> 
     assert isinstance(gate_up, KernelLinear) and gate_up.fmt == ("q4_k" if q4 else "q6_k")
     if opts.get("bits") == 8 and not opts.get("sym", True):  # two halves over the inputs read twice
         assert gate_up.k == 2 * net.cfg.hidden_size
+    detail = eng.loaded.quantization_detail  # /v1/models' quantization_detail
+    assert detail is not None and f"stored {gate_up.fmt.upper()} blocks" in detail["computed_by"]
+    if CASES[case][1] != "nvfp4":
+        assert (detail["bits"], detail["group_size"]) == (opts.get("bits", 4), opts.get("group", 32))
     _check(eng, ref, f"{case} stored")
 
 
@@ -451,4 +458,95 @@ def test_w8a8_schemes_tripod_does_not_run_are_refused(change: dict[str, Any], ma
     cfg["quantization_config"] = q
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=match):
+        Engine(model=str(folder), dtype="float32", kv_cache_tokens=256)
+
+
+def test_w8a8_int8_products_run_on_integer_math_with_the_emulations_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """INT8 code products go through ``torch._int_mm`` (int32, exact) and equal the float64 sum of
+    the same products bit for bit — at the codes' extremes too — alone and batched; where ``_int_mm``
+    refuses a shape the float64 sum gives the same bits."""
+    from tripod.layers.w8a8 import W8A8Linear, code_product
+
+    g = torch.Generator().manual_seed(11)
+    codes = torch.randint(-128, 128, (40, 1000), dtype=torch.int8, generator=g)
+    codes[0] = -128  # the largest products: 128 · 128 · K
+    q = torch.randint(-128, 128, (9, 1000), dtype=torch.int8, generator=g)
+    q[0] = -128
+    emulated = q.to(torch.float64) @ codes.to(torch.float64).t()
+    calls = []
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape) or real(a, b))
+    assert torch.equal(code_product(q, codes), emulated) and calls
+    assert emulated[0, 0] == 128 * 128 * 1000
+    lin = W8A8Linear(codes, torch.rand(40, generator=g) / 100, "int8", None)
+    x = torch.randn(9, 1000, generator=g) * torch.logspace(-1, 1, 9).unsqueeze(1)
+    ints = lin(x)
+    assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(9)]), ints)
+
+    def refuse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("_int_mm: shape not supported")
+
+    monkeypatch.setattr(torch, "_int_mm", refuse)
+    assert torch.equal(code_product(q, codes), emulated)
+    assert torch.equal(lin(x), ints)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_static_activation_scales_are_the_checkpoints_math(kind: str, dtype: torch.dtype) -> None:
+    """Static per-tensor activation scales: a fused linear whose parts carry different ``input_scale``s
+    equals, bit for bit, compressed-tensors' static quantization of each part (``W8A8Reference``),
+    with activations clamped at the scale's range; each row the same alone and in a batch."""
+    pytest.importorskip("compressed_tensors")
+    from tests.support.int_quant import W8A8Reference, pack_w8a8
+    from tripod.layers.w8a8 import W8A8Linear
+
+    g = torch.Generator().manual_seed(4)
+    parts = [pack_w8a8(torch.randn(n, 128, generator=g) / 16, kind)[0] for n in (32, 16, 16)]
+    top = 127.0 if kind == "int8" else 448.0
+    ins = [torch.tensor([s / top], dtype=torch.bfloat16) for s in (2.0, 3.0, 3.0)]
+    x = (torch.randn(6, 128, generator=g) * torch.logspace(-2, 1, 6).unsqueeze(1)).to(dtype)
+    ref = torch.cat([W8A8Reference(p["weight"], p["weight_scale"], kind, s)(x) for p, s in zip(parts, ins, strict=True)], 1)
+    lin = W8A8Linear(torch.cat([p["weight"] for p in parts]),
+                     torch.cat([p["weight_scale"].float().reshape(-1) for p in parts]), kind, None,
+                     torch.cat([s.float().expand(p["weight"].shape[0]) for p, s in zip(parts, ins, strict=True)]))
+    assert len(lin.segments) == 2  # the two parts sharing a scale quantize x once
+    got = lin(x)
+    assert got.dtype == dtype and torch.equal(got, ref)
+    assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(6)]), got)
+    dynamic = W8A8Linear(lin.codes, lin.scales.float(), kind, None)(x)
+    assert not torch.equal(dynamic, got)  # the static scales are what ran (the big rows clamp)
+
+
+@pytest.mark.parametrize("kind", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
+def test_w8a8_static_checkpoint_decodes_the_reference_tokens(kind: str, tmp_path: Path, hf_tokenizer: Any) -> None:
+    """A compressed-tensors W8A8 folder with static activation scales (``input_scale`` per layer,
+    strategy tensor, dynamic false; Q/K/V and gate/up each with their own) loads as W8A8 and decodes
+    the greedy tokens of transformers running the same static math: alone, batched, with prefix-cache
+    hits. A layer missing its ``input_scale`` is refused naming it."""
+    pytest.importorskip("compressed_tensors")
+    from safetensors.torch import load_file, save_file
+
+    from tests.support.int_quant import use_w8a8_reference
+    from tripod.layers.w8a8 import W8A8Linear
+
+    model = build_hf("llama", seed=5)
+    folder, deq = save_quantized(model, tmp_path / kind, hf_tokenizer, f"w8a8-{kind}-static")
+    model.load_state_dict(deq, strict=False)
+    tensors = load_file(str(folder / "model.safetensors"))
+    use_w8a8_reference(model, tensors, kind)
+    eng = Engine(model=str(folder), dtype="float32", kv_cache_tokens=2048, chunk_size=16, max_batch_tokens=64,
+                 max_running=8)
+    assert eng.loaded.quantization == f"compressed-tensors w8a8 ({kind} weights per channel, {kind} activations static per tensor)"
+    op = eng.loaded.model.layers[0].attn.ops[eng.runner.backend.form][0]
+    assert isinstance(op, W8A8Linear) and op.static and len(op.segments) == 3
+    assert eng.loaded.quantization_detail == {
+        "format": "compressed-tensors w8a8", "bits": 8, "group_size": -1,
+        "activations": f"{kind} static per tensor",
+        "computed_by": "torch._int_mm (int8 x int8 -> int32, exact) on the CPU" if kind == "int8"
+        else "exact float64 emulation of the FP8 code products on the CPU"}
+    _check(eng, HFReference(model.eval()), f"w8a8 {kind} static")
+    del tensors["model.layers.1.mlp.up_proj.input_scale"]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.input_scale"):
         Engine(model=str(folder), dtype="float32", kv_cache_tokens=256)

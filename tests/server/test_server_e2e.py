@@ -46,6 +46,9 @@ def test_models_reports_dtype_and_quantization(client: openai.OpenAI, server: An
     assert len(m) == 1
     card = m[0].model_dump()
     assert card["dtype"] == "float32" and card["quantization"] == "Q4_1"
+    detail = card["quantization_detail"]  # the format and what computes it (loader/quant_card.py)
+    assert detail["format"] == "gguf Q4_1" and card["metadata"]["quantization_detail"] == detail
+    assert ("stored Q4_1 blocks" in detail["computed_by"]) == (card["weights"] == "stored")
     assert card["metadata"]["dtype"] == "float32" and card["metadata"]["max_model_len"] == 8192
     assert client.models.retrieve(m[0].id).id == m[0].id
 

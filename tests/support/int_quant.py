@@ -140,28 +140,45 @@ def pack_w8a8(w: torch.Tensor, kind: str) -> tuple[dict[str, torch.Tensor], torc
     return {"weight": codes, "weight_scale": scale}, codes.float() * scale.float()
 
 
+def static_input_scale(module: str, kind: str, seed: int = 0) -> torch.Tensor:
+    """A static per-tensor activation scale for ``module`` (bf16 ``[1]``, as compressed-tensors saves
+    ``input_scale``): no calibration, a value per module so fused parts (Q/K/V, gate/up) differ, clipping
+    activations beyond about 2 to 4 (the tiny models' normed inputs run past that, so clamping is exercised)."""
+    g = torch.Generator().manual_seed(seed * 7919 + sum(map(ord, module)))
+    top = 127.0 if kind == "int8" else 448.0
+    return ((2.0 + 2.0 * torch.rand(1, generator=g)) / top).to(torch.bfloat16)
+
+
 class W8A8Reference(torch.nn.Module):
     """A transformers linear replaced by the W8A8 math written independently of tripod: activations
-    quantized per token by compressed-tensors' own ``calculate_qparams`` / ``_quantize`` (the
-    package's dynamic per-token quantization), the product of codes in integers (int64; FP8 E4M3
-    values are multiples of 2^-9), scaled by ``s_x * s_w`` in float64, rounded to the activations' dtype."""
+    quantized by compressed-tensors' own ``calculate_qparams`` / ``_quantize`` (the package's dynamic
+    per-token quantization), or with ``input_scale`` (static per tensor: ``_quantize`` of float32
+    activations by that float32 scale), the product of codes in integers (int64; FP8 E4M3 values are
+    multiples of 2^-9), scaled by ``s_x * s_w`` in float64, rounded to the activations' dtype."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, kind: str) -> None:
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, kind: str,
+                 input_scale: torch.Tensor | None = None) -> None:
         super().__init__()
         from compressed_tensors.quantization import QuantizationArgs
 
         self.codes, self.scale, self.kind = codes, scale.float().reshape(-1), kind
+        self.input_scale = None if input_scale is None else input_scale.float().reshape(1, 1)
         self.args = QuantizationArgs(num_bits=8, type="int" if kind == "int8" else "float", symmetric=True,
-                                     strategy="token", dynamic=True)
+                                     strategy="token" if input_scale is None else "tensor",
+                                     dynamic=input_scale is None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from compressed_tensors.quantization.lifecycle.forward_helpers import _quantize
         from compressed_tensors.quantization.utils.helpers import calculate_qparams, calculate_range
 
         rows = x.reshape(-1, x.shape[-1])
-        scale, zp = calculate_qparams(rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True), self.args)
         q_min, q_max = calculate_range(self.args, rows.device)
-        q = _quantize(rows, scale, zp, q_min, q_max, self.args)
+        if self.input_scale is None:
+            scale, zp = calculate_qparams(rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True), self.args)
+            q = _quantize(rows, scale, zp, q_min, q_max, self.args)
+        else:
+            scale = self.input_scale
+            q = _quantize(rows.float(), scale, None, q_min, q_max, self.args)
         to_int = (lambda t: t.to(torch.int64)) if self.kind == "int8" else (lambda t: (t.double() * 512).to(torch.int64))
         acc = (to_int(q) @ to_int(self.codes).t()).double() / (1.0 if self.kind == "int8" else 2.0**18)
         y = (acc * (scale.double() * self.scale.double())).to(x.dtype)
@@ -173,7 +190,8 @@ def use_w8a8_reference(model: Any, tensors: dict[str, torch.Tensor], kind: str) 
     for name in [n.removesuffix(".weight_scale") for n in tensors if n.endswith(".weight_scale")]:
         parent, child = name.rsplit(".", 1)
         setattr(model.get_submodule(parent), child,
-                W8A8Reference(tensors[name + ".weight"], tensors[name + ".weight_scale"], kind))
+                W8A8Reference(tensors[name + ".weight"], tensors[name + ".weight_scale"], kind,
+                              tensors.get(name + ".input_scale")))
 
 
 def _quantized_names(state: dict[str, torch.Tensor]) -> list[str]:
@@ -201,7 +219,7 @@ def _split_experts(state: dict[str, torch.Tensor]) -> dict[str, int]:
 def save_quantized(model: Any, folder: Path, tokenizer: Any, method: str, *, bits: int = 4, group: int = 32,
                    sym: bool = False, act_order: bool = False, ignore: tuple[str, ...] = (),
                    seed: int = 0) -> tuple[Path, dict[str, torch.Tensor]]:
-    """Save ``model`` with its decoder projections quantized in ``method`` ("awq", "gptq", "ct", "nvfp4");
+    """Save ``model`` with its decoder projections quantized in ``method`` ("awq", "gptq", "ct", "nvfp4", "w8a8-int8" / "w8a8-fp8", with "-static" activation scales);
     returns the folder and the dequantized state dict (what an fp32 reference must hold).
     ``ignore``: name fragments of projections left unquantized (AWQ's modules_to_not_convert,
     compressed-tensors' ``ignore`` as ``re:`` patterns)."""
@@ -228,8 +246,11 @@ def save_quantized(model: Any, folder: Path, tokenizer: Any, method: str, *, bit
             g = torch.Generator().manual_seed(seed * 1000 + layer * 10 + k)
             g_idx = torch.empty(k, dtype=torch.int64)
             g_idx[torch.randperm(k, generator=g)] = torch.arange(k) // size
-        if method in ("w8a8-int8", "w8a8-fp8"):
-            parts, deq[name] = pack_w8a8(w, method.removeprefix("w8a8-"))
+        if method.startswith("w8a8-"):  # w8a8-int8 / w8a8-fp8, "-static": with an input_scale per module
+            kind = method.split("-")[1]
+            parts, deq[name] = pack_w8a8(w, kind)
+            if method.endswith("-static"):
+                parts["input_scale"] = static_input_scale(module, kind, seed)
             for suffix, t in parts.items():
                 out[f"{module}.{suffix}"] = t
             continue
@@ -273,14 +294,15 @@ def quant_config(method: str, bits: int, group: int, sym: bool, act_order: bool,
     if method == "gptq":
         return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": sym,
                 "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True}
-    if method in ("w8a8-int8", "w8a8-fp8"):
-        t = "int" if method == "w8a8-int8" else "float"
+    if method.startswith("w8a8-"):
+        t = "int" if method.startswith("w8a8-int8") else "float"
+        static = method.endswith("-static")
         return {"quant_method": "compressed-tensors", "format": f"{t}-quantized", "quantization_status": "compressed",
                 "config_groups": {"group_0": {
                     "targets": ["Linear"],
                     "weights": {"num_bits": 8, "type": t, "symmetric": True, "strategy": "channel", "dynamic": False},
-                    "input_activations": {"num_bits": 8, "type": t, "symmetric": True, "strategy": "token",
-                                          "dynamic": True}}},
+                    "input_activations": {"num_bits": 8, "type": t, "symmetric": True,
+                                          "strategy": "tensor" if static else "token", "dynamic": not static}}},
                 "ignore": ["lm_head", *(f"re:.*{frag}" for frag in ignore)]}
     if method == "nvfp4":
         nv = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,

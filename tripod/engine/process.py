@@ -81,6 +81,7 @@ def engine_main(launch: engine_ipc.EngineLaunch) -> None:
             model_name=engine.model_name,
             dtype=engine.dtype_name,
             quantization=engine.loaded.quantization,
+            quantization_detail=engine.loaded.quantization_detail,
             architecture=engine.model_config.architecture,
             context_len=engine.context_len,
             max_request_len=engine.max_request_len,

@@ -64,6 +64,9 @@ class StoredWeight:
     # W8A8 kinds (``layers/w8a8.py``): ``blocks`` holds the int8 / float8 codes [N, K] as stored and
     # these are the weight scales, float32 [N].
     scales: torch.Tensor | None = None
+    # W8A8 with static activation scales: each output row's activation scale, float32 [N] (a fused
+    # projection's parts each keep their own); None: activations quantized dynamically per token.
+    input_scales: torch.Tensor | None = None
 
 
 # The stored kinds tripod's kernels execute, and their packed format name.
@@ -192,7 +195,7 @@ def make_linear(
     scales of a weight kept in FP8 (any form)."""
     if stored is not None and stored.kind in W8A8_KINDS:  # activations quantized as the checkpoint says, any form
         assert stored.scales is not None
-        return W8A8Linear(stored.blocks, stored.scales, W8A8_KINDS[stored.kind], bias)
+        return W8A8Linear(stored.blocks, stored.scales, W8A8_KINDS[stored.kind], bias, stored.input_scales)
     if weight.dtype in FP8_DTYPES:
         if fp8 is None:
             raise ValueError("an FP8 weight needs its block scales")

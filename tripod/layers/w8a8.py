@@ -1,57 +1,103 @@
 """W8A8 linears (compressed-tensors ``int-quantized`` / ``float-quantized``): 8-bit weights with a
-scale per output channel (or one per tensor), activations quantized per token, dynamically, as
-the checkpoint says — emulated in torch on the CPU.
+scale per output channel (or one per tensor), activations quantized as the checkpoint says —
+dynamically per token, or with the static per-tensor scale it stores (``input_scale``).
 
-The activation quantization is compressed-tensors' own (``calculate_qparams`` and ``_quantize``,
+Dynamic activation quantization is compressed-tensors' own (``calculate_qparams`` and ``_quantize``,
 symmetric, strategy ``token``, ``dynamic: true``), in the activations' dtype: per row, ``s_x =
 max|x| / (range / 2)`` (INT8: ``255 / 2``; FP8 E4M3: ``896 / 2 = 448``), then INT8 ``round(clamp(x /
-s_x, -128, 127))`` or FP8 ``clamp(x / s_x, -448, 448)`` cast to E4M3.
+s_x, -128, 127))`` or FP8 ``clamp(x / s_x, -448, 448)`` cast to E4M3. Static scales (strategy
+``tensor``, ``dynamic: false``): the same rounding with the checkpoint's ``s_x``, held in float32 and
+applied in float32 (``x.float() / s_x``), one scale for every row.
 
-The product is then exact: ``Σ_k qx_k · qw_k`` in float64 holds every partial sum exactly (INT8:
-products < 2^14; FP8: every E4M3 value is a multiple of 2^-9 below 2^9, products multiples of
-2^-18 below 2^18 — under 2^53 for K < 2^17 inputs either way), so its value never depends on the
-summation order (the same bits alone or in any batch); ``y = acc · (s_x · s_w)`` rounds once in
-float64 and once to the run dtype. This is the value of the checkpoint's quantized activations
-times its quantized weights, as ``int8 x int8 -> int32`` (or FP8 ``_scaled_mm``) hardware forms it,
-up to that final rounding. No int8 dot-product kernel of tripod's runs it yet (see
-``docs/quantized.md``).
+The product is exact. INT8 runs on integer math: ``torch._int_mm`` (int8 × int8 → int32) sums the
+code products exactly (each below 2^14 in magnitude, so no overflow for K < 2^17 inputs), so its
+value never depends on the summation order or the batch. FP8 (and INT8 where ``_int_mm`` refuses a
+shape, or K ≥ 2^17) sums the products in float64, which holds every partial sum exactly (INT8: the
+same integers; FP8: every E4M3 value is a multiple of 2^-9 below 2^9, products multiples of 2^-18
+below 2^18 — under 2^53 for K < 2^17) — the same bits as the integer path. ``y = acc · (s_x · s_w)``
+then rounds once in float64 and once to the run dtype.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
 W8A8_KINDS = {"W8A8_INT8": "int8", "W8A8_FP8": "fp8"}
 _RANGE = {"int8": 127.5, "fp8": 448.0}  # compressed-tensors: (q_max - q_min) / 2
+# |qx · qw| <= 128 · 128 = 2^14: an int32 (and a float64) sum of fewer than 2^17 such products is exact.
+MAX_EXACT_K = 2**17
+
+
+def _round_codes(scaled: torch.Tensor, kind: str) -> torch.Tensor:
+    """compressed-tensors' ``round_to_quantized_type``: INT8 ``round(clamp(v, -128, 127))`` as int8,
+    FP8 ``clamp(v, -448, 448)`` cast to E4M3."""
+    if kind == "int8":
+        return torch.round(torch.clamp(scaled, -128.0, 127.0)).to(torch.int8)
+    return torch.clamp(scaled, -448.0, 448.0).to(torch.float8_e4m3fn)
 
 
 def quantize_per_token(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[M, K]`` → (codes as float64 ``[M, K]``: integers for INT8, E4M3 values for FP8;
-    scales ``[M, 1]`` in ``x``'s dtype), compressed-tensors' dynamic per-token symmetric quantization."""
+    """``x`` ``[M, K]`` → (codes ``[M, K]``: int8 or float8_e4m3fn; scales ``[M, 1]`` in ``x``'s
+    dtype), compressed-tensors' dynamic per-token symmetric quantization."""
     amax = x.abs().amax(dim=1, keepdim=True)
     scale = amax / torch.tensor(_RANGE[kind], dtype=x.dtype)
     # (an all-zero row: any positive scale gives codes 0; compressed-tensors puts its dtype's eps there)
     scale = torch.where(scale == 0, torch.tensor(torch.finfo(x.dtype).eps, dtype=x.dtype), scale)
-    scaled = x / scale
-    if kind == "int8":
-        q = torch.round(torch.clamp(scaled, -128.0, 127.0))
-    else:
-        q = torch.clamp(scaled, -448.0, 448.0).to(torch.float8_e4m3fn)
-    return q.to(torch.float64), scale
+    return _round_codes(x / scale, kind), scale
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
+    """``x`` ``[M, K]`` → codes with the checkpoint's static per-tensor scale (float32, one value):
+    ``x / s_x`` in float32, then compressed-tensors' rounding."""
+    return _round_codes(x.to(torch.float32) / scale, kind)
+
+
+def code_product(q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """``Σ_k q[m, k] · codes[n, k]`` exactly, as float64 ``[M, N]`` (see the module docstring): int32
+    ``torch._int_mm`` for int8 codes where it runs, else the float64 sum (the same value)."""
+    if q.dtype == torch.int8 and codes.dtype == torch.int8 and q.shape[1] < MAX_EXACT_K and q.shape[0] > 0:
+        try:
+            return torch._int_mm(q.contiguous(), codes.t()).to(torch.float64)
+        except RuntimeError:
+            pass  # a shape or layout this torch's _int_mm refuses: the float64 sum below, same bits
+    return q.to(torch.float64) @ codes.to(torch.float64).t()
 
 
 class W8A8Linear:
-    """One W8A8 projection: ``codes`` (int8 or float8_e4m3fn ``[N, K]``, as stored) and the weight
-    scales ``[N]`` (float32). Owns its float64 copy of the codes only while it runs (made per call:
-    the model keeps the 1-byte codes)."""
+    """One W8A8 projection: ``codes`` (int8 or float8_e4m3fn ``[N, K]``, as stored), the weight
+    scales ``[N]`` (float32) and, for static activation scales, ``input_scales`` ``[N]`` (float32:
+    each output row's activation scale; a fused projection's parts may each have their own, so the
+    input is quantized once per run of rows sharing one). Owns nothing beyond those: the model keeps
+    the 1-byte codes, any wider copy is made per call."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, kind: str, bias: torch.Tensor | None) -> None:
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, kind: str, bias: torch.Tensor | None,
+                 input_scales: torch.Tensor | None = None) -> None:
         self.codes, self.scales, self.kind, self.bias = codes, scales.to(torch.float64), kind, bias
+        self.input_scales = input_scales
+        # runs of output rows [a, b) sharing one static activation scale (float32 scalar tensor)
+        self.segments: list[tuple[int, int, torch.Tensor]] = []
+        if input_scales is not None:
+            s = input_scales.to(torch.float32).reshape(-1)
+            cuts = [0, *(torch.nonzero(s[1:] != s[:-1]).reshape(-1) + 1).tolist(), int(s.numel())]
+            self.segments = [(a, b, s[a].clone()) for a, b in itertools.pairwise(cuts)]
+
+    @property
+    def static(self) -> bool:
+        return self.input_scales is not None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        q, sx = quantize_per_token(x, self.kind)
-        acc = q @ self.codes.to(torch.float64).t()  # exact (module docstring)
-        y = (acc * (sx.to(torch.float64) * self.scales)).to(x.dtype)
+        if not self.segments:
+            q, sx = quantize_per_token(x, self.kind)
+            acc = code_product(q, self.codes)  # exact (module docstring)
+            y = (acc * (sx.to(torch.float64) * self.scales)).to(x.dtype)
+        else:
+            parts = []
+            for a, b, s in self.segments:
+                acc = code_product(quantize_static(x, s, self.kind), self.codes[a:b])
+                parts.append(acc * (s.to(torch.float64) * self.scales[a:b]))
+            y = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None else residual + y

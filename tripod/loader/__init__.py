@@ -22,6 +22,7 @@ from tripod.loader.embedded import (
 )
 from tripod.loader.gguf_loader import GGUFFile
 from tripod.loader.hf_loader import HFFolder
+from tripod.loader.quant_card import quantization_card
 from tripod.models.config import ModelConfig
 from tripod.models.llama import LlamaForCausalLM
 from tripod.models.registry import model_class
@@ -43,6 +44,8 @@ class LoadedModel:
     # blocks kept too, for kernels that execute them as stored; see layers/linear.py) or "fp8"
     # (a block-wise FP8 checkpoint's weights kept in FP8: layers/linear.py Fp8BlockLinear).
     weights: str = "dequantized"
+    # format, bits, group size, activations and what computes them (loader/quant_card.py); None: unquantized
+    quantization_detail: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -112,7 +115,7 @@ def load_model(
     net.keep_stage(pp)
     fmt = src.int_format if isinstance(src, HFFolder) else None
     if fmt is not None and fmt.quantizes_activations and weights != "stored":
-        raise ValueError(f"{path.name} is {quant}: its activations are quantized per token as the checkpoint says, "
+        raise ValueError(f"{path.name} is {quant}: its activations are quantized per token (or with its static scales) as the checkpoint says, "
                          f"which runs with --weights stored (or auto) on the CPU; --weights {weights} would run "
                          "another model")
     if fmt is not None and fmt.quantizes_activations and (tp.size > 1 or pp.stages > 1):
@@ -130,6 +133,7 @@ def load_model(
     else:
         lazy = src.lazy_weights() if tp.size > 1 or pp.stages > 1 else None
         net.load_weights(lazy if lazy is not None else src.weights(), tp=tp, expert_parallel=expert_parallel)
+    stored: Mapping[str, Any] = {}
     if weights == "stored":
         if isinstance(src, HFFolder) and src.int_format is None:
             raise ValueError("--weights stored executes a GGUF file's quantized weights or an AWQ / GPTQ / "
@@ -146,7 +150,10 @@ def load_model(
             )
     net.eval()
     tok = src.tokenizer()
-    return LoadedModel(name, str(path), cfg, net, tok, quant, dtype, weights)
+    detail = quantization_card(src, weights, stored)
+    if detail is not None:
+        log.info("%s: quantization %s", name, detail)
+    return LoadedModel(name, str(path), cfg, net, tok, quant, dtype, weights, detail)
 
 
 def open_source(model: str | None) -> tuple[str, Path, GGUFFile | HFFolder]:

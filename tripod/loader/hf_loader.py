@@ -174,7 +174,8 @@ class HFFolder:
         for module, w in found.items():
             if isinstance(w, hf_w8a8.W8A8Weight):  # run as stored, activations quantized (layers/w8a8.py)
                 kind = "W8A8_INT8" if w.kind == "int8" else "W8A8_FP8"
-                stored[module + ".weight"] = StoredWeight(kind, w.codes, w.shape, None, scales=w.scales)
+                ins = None if w.input_scale is None else w.input_scale.expand(w.shape[0]).contiguous()
+                stored[module + ".weight"] = StoredWeight(kind, w.codes, w.shape, None, scales=w.scales, input_scales=ins)
                 continue
             blocks = group_blocks(w)
             if blocks is not None:

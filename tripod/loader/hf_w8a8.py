@@ -1,6 +1,6 @@
 """compressed-tensors W8A8 checkpoints (``int-quantized`` INT8, ``float-quantized`` FP8 E4M3):
 8-bit weights with a scale per output channel or per tensor, whose input activations the model
-quantizes dynamically per token (``layers/w8a8.py`` runs them). Read here into ``W8A8Weight``s,
+quantizes dynamically per token or with a static per-tensor scale (``input_scale``) (``layers/w8a8.py`` runs them). Read here into ``W8A8Weight``s,
 refused with the reason for any scheme tripod does not run exactly as the checkpoint means."""
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class W8A8Weight:
     codes: torch.Tensor
     scales: torch.Tensor
     kind: str
+    # static activations: the checkpoint's ``input_scale`` (float32, one value); None: dynamic per token
+    input_scale: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -59,8 +61,9 @@ class W8A8Format(IntFormat):
     """compressed-tensors ``int-quantized`` / ``float-quantized`` (W8A8): ``weight`` int8 or
     float8_e4m3fn ``[N, K]``, ``weight_scale`` ``[N, 1]`` (strategy ``channel``) or one value
     (``tensor``), symmetric; input activations quantized to the same type dynamically per token
-    (``layers/w8a8.py`` runs it). Static activation scales, asymmetric weights or activations, and
-    groups are refused, naming what is supported."""
+    or statically with the checkpoint's per-tensor ``input_scale`` (``layers/w8a8.py`` runs both).
+    Asymmetric weights or activations, per-group or per-channel activations, and groups are refused,
+    naming what is supported."""
 
     name = "compressed-tensors W8A8"
     marker = "weight_scale"
@@ -72,6 +75,7 @@ class W8A8Format(IntFormat):
         self.groups: list[TargetGroup] = []
         self.kinds: set[str] = set()
         self.strategies: set[str] = set()
+        self.activations: set[str] = set()  # "dynamic per token" / "static per tensor"
         for gname, g in (q.get("config_groups") or {}).items():
             w, a = g.get("weights") or {}, g.get("input_activations") or {}
             fmt = g.get("format") or q.get("format")
@@ -84,14 +88,18 @@ class W8A8Format(IntFormat):
                     f"{what}: weight strategy {w.get('strategy')!r} is not supported (channel or tensor; supported: {SUPPORTED})")
             if g.get("output_activations"):
                 raise QuantizedCheckpointError(f"{what}: output activation quantization is not supported")
+            dynamic = a.get("dynamic") is True and a.get("strategy") == "token"
+            static = a.get("dynamic") is False and a.get("strategy") == "tensor"
             if (not a or a.get("type", want) != want or a.get("num_bits") != 8 or not a.get("symmetric", True)
-                    or a.get("dynamic") is not True or a.get("strategy") != "token"):
+                    or not (dynamic or static)):
                 raise QuantizedCheckpointError(
                     f"{what}: input activations {dict(a) if a else None} are not supported; tripod runs W8A8 with "
-                    f"symmetric 8-bit {want} activations quantized dynamically per token (static scales: not yet)")
+                    f"symmetric 8-bit {want} activations quantized dynamically per token, or with a static "
+                    "per-tensor scale (strategy 'tensor', dynamic false)")
+            self.activations.add("dynamic per token" if dynamic else "static per tensor")
             self.kinds.add("int8" if want == "int" else "fp8")
             self.strategies.add(str(w.get("strategy")))
-            self.groups.append(TargetGroup(CompressedTensorsFormat._targets(gname, g), IntScheme(8, -1, True, f"w8a8-{want}")))
+            self.groups.append(TargetGroup(CompressedTensorsFormat._targets(gname, g), IntScheme(8, -1, True, f"w8a8-{want}" + ("" if dynamic else "-static"))))
         if not self.groups:
             raise QuantizedCheckpointError("compressed-tensors quantization_config has no config_groups")
         self.ignore = tuple(q.get("ignore") or ())
@@ -108,14 +116,14 @@ class W8A8Format(IntFormat):
     def describe(self) -> str:
         kinds = "/".join(sorted(self.kinds))
         return (f"compressed-tensors w8a8 ({kinds} weights per {'/'.join(sorted(self.strategies))}, "
-                f"{kinds} activations dynamic per token)")
+                f"{kinds} activations {'/'.join(sorted(self.activations))})")
 
     def unpack(self, tensors: Mapping[str, torch.Tensor], module: str) -> W8A8Weight:  # type: ignore[override]
         f = "compressed-tensors W8A8"
         w = need_tensor(tensors, module + ".weight", f)
         scheme = self.scheme_for(module)
         assert scheme is not None
-        want = torch.int8 if scheme.kind == "w8a8-int" else torch.float8_e4m3fn
+        want = torch.int8 if scheme.kind.startswith("w8a8-int") else torch.float8_e4m3fn
         if w.dtype != want or w.ndim != 2:
             raise QuantizedCheckpointError(f"{f} checkpoint: {module}.weight is {w.dtype} {tuple(w.shape)}, "
                                            f"expected {want} [outputs, inputs]")
@@ -127,7 +135,19 @@ class W8A8Format(IntFormat):
         zp = tensors.get(module + ".weight_zero_point")
         if zp is not None and bool(zp.to(torch.float32).ne(0).any()):
             raise QuantizedCheckpointError(f"{f} checkpoint: {module} has non-zero weight zero points (asymmetric W8A8)")
-        if module + ".input_scale" in tensors:
-            raise QuantizedCheckpointError(f"{f} checkpoint: {module}.input_scale is a static activation scale; "
-                                           "the config says dynamic per-token")
-        return W8A8Weight(w.contiguous(), scale.expand(n).contiguous(), "int8" if want == torch.int8 else "fp8")
+        in_scale = tensors.get(module + ".input_scale")
+        if not scheme.kind.endswith("-static"):
+            if in_scale is not None:
+                raise QuantizedCheckpointError(f"{f} checkpoint: {module}.input_scale is a static activation scale; "
+                                               "the config says dynamic per-token")
+        else:
+            in_scale = need_tensor(tensors, module + ".input_scale", f)
+            in_scale = float_scales(in_scale, module + ".input_scale", f).reshape(-1)
+            if in_scale.numel() != 1 or not bool(torch.isfinite(in_scale).all()) or not bool((in_scale > 0).all()):
+                raise QuantizedCheckpointError(f"{f} checkpoint: {module}.input_scale must be one positive finite value "
+                                               f"(a static per-tensor activation scale), got {in_scale.tolist()[:4]}")
+            zp = tensors.get(module + ".input_zero_point")
+            if zp is not None and bool(zp.to(torch.float32).ne(0).any()):
+                raise QuantizedCheckpointError(f"{f} checkpoint: {module} has a non-zero input zero point (asymmetric activations)")
+            in_scale = in_scale.reshape(()).contiguous()
+        return W8A8Weight(w.contiguous(), scale.expand(n).contiguous(), "int8" if want == torch.int8 else "fp8", in_scale)

@@ -16,7 +16,7 @@ the id and the number of copies), anything else malformed as ``ProtocolError``.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -231,6 +231,9 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     # replica computes a hand-over's prompt but its last token then, so the state that travels is the
     # one a decode replica's admission resumes from (it computes the last token itself).
     state_bytes: int = 0
+    # The quantization's format, bits, group size, activations and what computes them
+    # (``loader/quant_card.py``); None: an unquantized checkpoint.
+    quantization_detail: dict[str, Any] | None = None
 
 
 class SeqTiming(msgspec.Struct, array_like=True, frozen=True):

@@ -42,6 +42,9 @@ def model_card(state: ServerState) -> dict[str, Any]:
         "compute": compute_card(state),
         # The format as stored, e.g. "awq (int4, group 128, zero points)" (docs/quantized.md).
         "quantization": state.quantization,
+        # The same, structured: {"format", "bits", "group_size" (-1: per output channel), "activations"
+        # (W8A8: how they are quantized), "computed_by"}; null for an unquantized checkpoint.
+        "quantization_detail": info.quantization_detail if info else None,
         # "dequantized" (to dtype), "stored" (GGUF Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K, or AWQ/GPTQ/compressed-tensors
         # int4 / int8 codes, executed as stored) or "fp8" (a
         # block-wise FP8 checkpoint kept in FP8, w8a16); --weights.
