@@ -20,6 +20,7 @@ from tripod import kernels
 from tripod.engine.executor.group import WorkerGroup
 from tripod.engine.graphs import DecodeGraphs
 from tripod.engine.pooling import Pooler
+from tripod.engine.routed_experts import RoutingCapture
 from tripod.engine.scheduler import ScheduledItem
 from tripod.engine.vision import VisionInputs
 from tripod.kernels import gpu
@@ -71,6 +72,7 @@ class ModelRunner:
         self.states = states  # a hybrid model's recurrent states (one slot per running request)
         self._scratch: StatePool | None = None  # a hybrid's one state slot for prompt scoring (made on first use)
         self.vision = vision if vision is not None and vision.enabled else None  # each step's image inputs
+        self.routing: RoutingCapture | None = None  # return_routed_experts (engine/routed_experts.py)
         self.pooler = pooler  # --task embed: every forward's last-layer states pooled, nothing sampled
         self.triton = triton  # the Triton kernels (the CUDA backend; on the CPU in Triton's interpreter)
         self.group = group  # tensor parallel: the other ranks, sent every forward (engine/executor)
@@ -332,11 +334,14 @@ class ModelRunner:
         """The model's forward pass over a built batch: float32 logits for its sampling rows."""
         if self.group is not None:
             self.group.send(batch)
-        if self.graphs is not None and self.graphs.applies(batch):
+        capturing = self.routing is not None and self.routing.begin(batch)
+        if self.graphs is not None and not capturing and self.graphs.applies(batch):
             return self.graphs.run(batch)
         logits = self.model(batch, self.pool)
         if self.pooler is not None:
             self.pooler.collect(batch)
+        if capturing:
+            self.routing.collect(batch)  # type: ignore[union-attr]
         return logits
 
     def scoring_backend(self) -> Backend:
