@@ -61,7 +61,8 @@ class Admission:
                  cache: PrefixCache, scheduler: Scheduler, count_prompt: Callable[[int], None],
                  score: Callable[[Req], bool], grammars: Callable[[], GrammarBackend],
                  loras: LoraRegistry | None, images: ImageCheck | None = None,
-                 hold: Callable[[list[Req]], None] | None = None) -> None:
+                 hold: Callable[[list[Req]], None] | None = None,
+                 routing: Callable[[], str | None] | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
@@ -74,8 +75,8 @@ class Admission:
         self.loras = loras
         self.images = images
         self.hold = hold  # queued requests hold their images' encoder entries (engine/vision.py)
-        # return_routed_experts: why this engine cannot report routing (None: it can); set by the engine.
-        self.routing_refusal: Callable[[], str | None] | None = None
+        # return_routed_experts: why this engine cannot report routing (None: it can).
+        self.routing_refusal = routing
         self.reqs: dict[str, Req] = {}
         self.compiling: list[Compiling] = []
         self.scoring: list[list[Req]] = []  # groups waiting for their prompt logprobs, in arrival order

@@ -26,7 +26,10 @@ class RoutingCapture:
     """The model's routed-experts layers and the per-step capture of their expert ids."""
 
     def __init__(self, model: Any) -> None:
-        self.layers: list[MoE] = [m for m in model.modules() if isinstance(m, MoE)]
+        """``model`` None: a runner that never reports routing (a draft model's)."""
+        # The decoder's layers only: an MTP head's MoE (speculative drafts) runs outside the step's forward.
+        body = getattr(model, "layers", model)
+        self.layers: list[MoE] = [] if model is None else [m for m in body.modules() if isinstance(m, MoE)]
         self._active = False
 
     def refusal(self, multi_process: bool) -> str | None:
@@ -40,7 +43,7 @@ class RoutingCapture:
 
     def begin(self, batch: Any) -> bool:
         """Arm the layers when a request of ``batch`` asked for its routing; whether it did."""
-        self._active = any(it.req.routed is not None for it, _ in batch.item_rows)
+        self._active = bool(self.layers) and any(it.req.routed is not None for it, _ in batch.item_rows)
         for m in self.layers:
             m.routed = [] if self._active else None
         return self._active
