@@ -347,6 +347,12 @@ def test_sleep_gives_the_pool_back(rl: Any, http: httpx.Client) -> None:
     assert srv.engine_stats()["kv_cached"] == 0
 
 
+def test_routed_experts_refused_on_a_dense_model(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"model": "a", "prompt": [5, 6, 7], "max_tokens": 2,
+                                           "return_routed_experts": True})
+    assert r.status_code == 400 and "mixture-of-experts" in r.text, r.text
+
+
 def test_routes_need_the_key(rl: Any) -> None:
     srv = rl[0]
     for route in ("/pause_generation", "/update_weights_from_disk", "/sleep", "/reset_prefix_cache"):
@@ -366,6 +372,9 @@ def test_routes_need_the_flag(rl: Any, tmp_path: Path) -> None:
                             ("/v1/messages", {"model": "a", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})):
             r = httpx.post(f"{plain.url}{route}", json=body, timeout=120)
             assert r.status_code == 200 and "weight_version" not in r.json(), r.text
+        r = httpx.post(f"{plain.url}/v1/completions", json={"model": "a", "prompt": [5, 6], "max_tokens": 2,
+                                                           "return_routed_experts": True}, timeout=120)
+        assert r.status_code == 400 and "--enable-rl-api" in r.text, r.text
     finally:
         plain.stop()
 

@@ -61,7 +61,8 @@ class Admission:
                  cache: PrefixCache, scheduler: Scheduler, count_prompt: Callable[[int], None],
                  score: Callable[[Req], bool], grammars: Callable[[], GrammarBackend],
                  loras: LoraRegistry | None, images: ImageCheck | None = None,
-                 hold: Callable[[list[Req]], None] | None = None) -> None:
+                 hold: Callable[[list[Req]], None] | None = None,
+                 routing: Callable[[], str | None] | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
@@ -74,6 +75,8 @@ class Admission:
         self.loras = loras
         self.images = images
         self.hold = hold  # queued requests hold their images' encoder entries (engine/vision.py)
+        # return_routed_experts: why this engine cannot report routing (None: it can).
+        self.routing_refusal = routing
         self.reqs: dict[str, Req] = {}
         self.compiling: list[Compiling] = []
         self.scoring: list[list[Req]] = []  # groups waiting for their prompt logprobs, in arrival order
@@ -110,6 +113,10 @@ class Admission:
                 f"the prompt has {len(ids)} tokens but the context allows at most {limit - 1} "
                 f"(context {limit} including at least one generated token); shorten the prompt"
             )
+        if params.return_routed_experts:
+            why = self.routing_refusal() if self.routing_refusal is not None else "this engine cannot report routing"
+            if why is not None:
+                raise ValueError(why)
         lora: LoraHandle | None = None
         if params.lora is not None:
             if self.loras is None:
@@ -133,6 +140,8 @@ class Admission:
                 index=i, group=base, output_ids=prior.get(i, []), tenant=tenant, weight=weight, lora=lora,
                 images=pictures,
             )
+            if params.return_routed_experts:
+                req.routed = []
             if copies and self.cache.enabled:
                 req.wait_for = copies[0]
             copies.append(req)

@@ -200,7 +200,7 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
     loras = lora_registry(config, loaded, dtype, device)
     # --task embed: pooled, never sampled; a graph replay would not capture the hidden states it pools.
     embed = config.task == "embed"
-    runner = ModelRunner(loaded.model, pool, device, use_mirror=config.decode_mirror and group is None, path=path,
+    runner = ModelRunner(loaded.model, pool, device, use_mirror=config.decode_mirror and group is None, path=path, routes=True,
                          max_len=max_len, stored=config.weights == "stored", level=config.kernel_level, group=group,
                          parallel=card, lora_pool=loras.pool if loras is not None else None, triton=config.triton,
                          cuda_graphs=config.cuda_graphs and not embed, cuda_graph_max_bs=config.cuda_graph_max_bs,

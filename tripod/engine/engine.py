@@ -124,7 +124,7 @@ class Engine(OfflineAPI):
             tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size, eos_ids=self.eos_ids,
             max_len=lambda: self.max_request_len, cache=self.cache, scheduler=self.scheduler,
             count_prompt=self._count_prompt, score=self._score, grammars=lambda: self.grammars, loras=self.loras,
-            images=self.vision.prepare, hold=self.vision.hold)
+            images=self.vision.prepare, hold=self.vision.hold, routing=self.runner.routing_refusal)
         self.lookahead = (Lookahead(self.scheduler, self.runner, self._drafts_possible)
                           if builder.overlaps(config, self.runner) else None)  # engine/overlap.py
         self.inboxes: dict[str, list[StepOutput]] = {}  # rid -> undelivered stream outputs

@@ -20,6 +20,7 @@ from tripod import kernels
 from tripod.engine.executor.group import WorkerGroup
 from tripod.engine.graphs import DecodeGraphs
 from tripod.engine.pooling import Pooler
+from tripod.engine.routed_experts import RoutingCapture
 from tripod.engine.scheduler import ScheduledItem
 from tripod.engine.vision import VisionInputs
 from tripod.kernels import gpu
@@ -66,11 +67,15 @@ class ModelRunner:
         pooler: Pooler | None = None,
         vision: VisionInputs | None = None,
         states: StatePool | None = None,
+        routes: bool = False,
     ) -> None:
         self.model = model
         self.states = states  # a hybrid model's recurrent states (one slot per running request)
         self._scratch: StatePool | None = None  # a hybrid's one state slot for prompt scoring (made on first use)
         self.vision = vision if vision is not None and vision.enabled else None  # each step's image inputs
+        # return_routed_experts (engine/routed_experts.py): the engine's own runner only (``routes``),
+        # never a draft model's, whose forwards over the same requests must not file their routing.
+        self.routing = RoutingCapture(model if routes else None)
         self.pooler = pooler  # --task embed: every forward's last-layer states pooled, nothing sampled
         self.triton = triton  # the Triton kernels (the CUDA backend; on the CPU in Triton's interpreter)
         self.group = group  # tensor parallel: the other ranks, sent every forward (engine/executor)
@@ -332,12 +337,19 @@ class ModelRunner:
         """The model's forward pass over a built batch: float32 logits for its sampling rows."""
         if self.group is not None:
             self.group.send(batch)
-        if self.graphs is not None and self.graphs.applies(batch):
+        capturing = self.routing.begin(batch)
+        if self.graphs is not None and not capturing and self.graphs.applies(batch):
             return self.graphs.run(batch)
         logits = self.model(batch, self.pool)
         if self.pooler is not None:
             self.pooler.collect(batch)
+        if capturing:
+            self.routing.collect(batch)
         return logits
+
+    def routing_refusal(self) -> str | None:
+        """Why this engine cannot return routed experts (None: it can)."""
+        return self.routing.refusal(self.group is not None)
 
     def scoring_backend(self) -> Backend:
         """Prompt scoring's backend: the projections as the steps run them; attention, norms and

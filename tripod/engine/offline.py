@@ -18,6 +18,7 @@ from tripod.engine.request import (
     StepOutput,
     StreamDelta,
 )
+from tripod.engine.routed_experts import finished_routing
 from tripod.engine.scheduler import Scheduler
 from tripod.engine.structured import GrammarBackend
 from tripod.engine.vision import VisionInputs
@@ -120,6 +121,7 @@ class OfflineAPI:
             index=r.index,
             error=r.error,
             prompt_logprobs=r.prompt_logprobs,
+            routed_experts=finished_routing(r),
         )
 
     # ------------------------------------------------------------------ stream

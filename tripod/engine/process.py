@@ -34,6 +34,7 @@ from tripod.engine.embed_queue import EmbedQueue
 from tripod.engine.encoder_loop import EncoderLoop
 from tripod.engine.request import Req, StepOutput, TokenLogprob
 from tripod.engine.rl_control import RLControl
+from tripod.engine.routed_experts import finished_routing
 from tripod.loader import encoder_folder
 from tripod.memory.tiered_cache import TieredCache
 from tripod.protocol import engine_ipc
@@ -298,6 +299,7 @@ class EngineLoop:
                 ],
                 timing=self._timing(o, step_start) if self.timings else None,
                 weight_version=self.rl.weights.version,
+                routed_experts=finished_routing(r) if o.finished else None,
             ))
         if items:
             self.push.send(engine_ipc.encode(engine_ipc.Outputs(items)))

@@ -120,6 +120,9 @@ class Req:
     weight: float = 1.0
     # --task embed (engine/pooling.py): what has been pooled of the prompt; such a request samples nothing.
     pooled: Any = None
+    # params.return_routed_experts (engine/routed_experts.py): per position, per MoE layer, the
+    # top-k expert ids (None: not asked; an entry is None until its position is computed).
+    routed: list[Any] | None = None
     # A vision-language model's images of the prompt (engine/images.py; shared by the n copies).
     images: PromptImages | None = None
 
@@ -182,6 +185,7 @@ class RequestOutput:
     index: int = 0
     error: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs
+    routed_experts: list[list[list[int]]] | None = None  # params.return_routed_experts
 
     @property
     def prompt_tokens(self) -> int:

@@ -314,6 +314,8 @@ class Scheduler:
         """The request's cached prefix; data-parallel attention: on the rank that holds the
         longest one, else (no hit) the rank with the fewest running requests, then the most free slots."""
         record = req.retractions == 0
+        if req.routed is not None:  # return_routed_experts: the prompt is routed here, never taken from the cache
+            return self.cache.match_prefix([], record=False)
         if self.states is not None:
             return self._hybrid_match(req, record)
         if self.allocator.ranks == 1:

@@ -223,6 +223,8 @@ class MoE(nn.Module):
     def __init__(self, spec: MoEConfig, hidden: int, act: str, dtype: torch.dtype) -> None:
         super().__init__()
         self.spec = spec
+        # engine/routed_experts.py: a list while a step captures the expert ids it routes to, else None.
+        self.routed: list[torch.Tensor] | None = None
         # NOTE: the router runs in float32 whatever the model's dtype (DeepSeek's own rule; for
         # the other families it only matters in bf16, where it can move a near-tied choice).
         self.router = nn.Parameter(torch.empty(spec.num_experts, hidden, dtype=torch.float32), requires_grad=False)
@@ -273,6 +275,8 @@ class MoE(nn.Module):
         shared expert. The same routing and experts as ``forward``; the sum runs in rank order."""
         tp, ex, k = self.tp, self.experts, self.spec.top_k
         weights, idx = route(torch.nn.functional.linear(h.float(), self.router, self.router_bias), self.spec, self.bias)
+        if self.routed is not None:
+            self.routed.append(idx)
         flat = idx.reshape(-1)
         dest = torch.div(flat, ex.num_experts, rounding_mode="floor")  # every rank holds as many experts
         order = torch.argsort(dest, stable=True)
@@ -293,6 +297,8 @@ class MoE(nn.Module):
     def forward(self, h: torch.Tensor, backend: Backend, residual: torch.Tensor | None = None) -> torch.Tensor:
         logits = torch.nn.functional.linear(h.float(), self.router, self.router_bias)
         weights, idx = route(logits, self.spec, self.bias)
+        if self.routed is not None:
+            self.routed.append(idx)
         out = self.experts(h, weights, idx)
         if self.shared is not None and self.shared_here:
             s = self.shared(h, backend)

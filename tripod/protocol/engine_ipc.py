@@ -265,6 +265,9 @@ class SeqOutput(msgspec.Struct, kw_only=True):
     # The weights it ran on (engine/rl_control.py): an update applies only when no request holds
     # state, so every output of one sequence carries the same version.
     weight_version: int = 0
+    # params.return_routed_experts, with the sequence's last output: per computed position (prompt,
+    # then output but the last token), per MoE layer, the top-k expert ids.
+    routed_experts: list[list[list[int]]] | None = None
 
 
 class Outputs(msgspec.Struct, tag=True):

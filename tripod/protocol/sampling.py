@@ -89,6 +89,9 @@ class SamplingParams:
     speculative: bool = True
     # The LoRA adapter to run this request with (its name; None: the base model).
     lora: str | None = None
+    # Routing replay (engine/routed_experts.py): the top-k expert ids of every MoE layer at every
+    # position the request computes (its prompt and its output but the last token).
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> SamplingParamError:

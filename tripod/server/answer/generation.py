@@ -126,6 +126,7 @@ class Generation:
         self.priors = priors or {}
         # The weights the engine ran it on (every output of a request carries the same version).
         self.weight_version: int | None = None
+        self.routed_experts: dict[int, list[list[list[int]]]] = {}  # choice -> routing (return_routed_experts)
         self.prior_text: dict[int, str] = {}
         by_index = {s.index: s for s in self.seqs.values()}
         for idx, prior in self.priors.items():
@@ -160,6 +161,8 @@ class Generation:
     def _apply(self, out: engine_ipc.SeqOutput) -> Delta | None:
         seq = self.seqs[(out.rid, out.index)]
         self.weight_version = out.weight_version
+        if out.routed_experts is not None:
+            self.routed_experts[seq.index] = out.routed_experts
         if out.timing is not None:
             self.timings[(out.rid, out.index)] = out.timing
         if out.finish_reason == "rejected":
@@ -305,6 +308,7 @@ class Collected:
     prompt_logprobs: dict[int, list[Logprob]] = field(default_factory=dict)
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     weight_version: int | None = None  # the weights it ran on (Generation.weight_version)
+    routed_experts: dict[int, list[list[list[int]]]] = field(default_factory=dict)  # Generation.routed_experts
 
 
 class Collector:
@@ -344,6 +348,7 @@ async def collect(gen: Generation, it: AsyncIterator[Delta], first: Delta | None
     async for d in it:
         col.add(d)
     col.c.weight_version = gen.weight_version
+    col.c.routed_experts = dict(gen.routed_experts)
     return col.c
 
 

@@ -309,6 +309,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
         raise APIError(400, "'best_of' is not supported by tripod; remove it or set it equal to 'n'",
                        param="best_of")
     _check_stream_options(req)
+    _check_routed_experts(state, req)
     # echo + max_tokens 0: OpenAI's idiom for scoring a text (the prompt's logprobs, nothing
     # generated). The engine generates one token, which the answer leaves out.
     score_only = req.echo and req.max_tokens == 0
@@ -326,7 +327,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
             default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, grammar=grammar, logprobs=req.logprobs,
             # echo + logprobs: the echoed prompt's tokens get logprobs too (the first has none).
             prompt_logprobs=req.logprobs if req.echo else None, lora=adapter_of(state, req.model),
-            **_sampling_fields(req),
+            return_routed_experts=req.return_routed_experts or None, **_sampling_fields(req),
         )
         parts.append(EnginePart(engine_rid if len(prompts) == 1 else f"{engine_rid}-p{i}", ids, params))
     n = parts[0].params.n
@@ -371,11 +372,25 @@ def _completion_body(state: ServerState, req: CompletionRequest, c: Collected, r
                   "logprobs": lps, "finish_reason": "length" if score_only else c.finish[idx]}
         if req.return_token_ids:
             choice["token_ids"] = c.token_ids[idx]
+        if req.return_routed_experts:
+            choice["routed_experts"] = c.routed_experts.get(idx)
         choices.append(choice)
     return {
         "id": rid, "object": "text_completion", "created": created, "model": state.model_name,
         "choices": choices, "usage": usage, "system_fingerprint": state.fingerprint(), **_version(state, c),
     }
+
+
+def _check_routed_experts(state: ServerState, req: CompletionRequest) -> None:
+    """``return_routed_experts`` is an RL control (routing replay), answered in a whole answer."""
+    if not req.return_routed_experts:
+        return
+    if not state.config.enable_rl_api:
+        raise APIError(400, "'return_routed_experts' needs a server started with --enable-rl-api",
+                       param="return_routed_experts")
+    if req.stream or req.tripod_failover:
+        raise APIError(400, "'return_routed_experts' comes in a whole answer; set 'stream' to false",
+                       param="return_routed_experts")
 
 
 def _version(state: ServerState, c: Collected) -> dict[str, Any]:

@@ -182,6 +182,9 @@ class CompletionRequest(_Constrained):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+    # --enable-rl-api (routing replay): every choice carries "routed_experts", per computed position
+    # (the prompt, then the output but its last token) per MoE layer the top-k expert ids.
+    return_routed_experts: bool = False
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[Message]:
