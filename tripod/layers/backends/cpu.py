@@ -1,6 +1,7 @@
 """tripod's C++ CPU kernels of one ISA level (``tripod.kernels``): packed linears, RMSNorm,
 SiLU·mul, fused RoPE + KV write and paged attention straight from the pool through the slot table
-(decode rows, verification rows and prefill chunks alike, every token in item order)."""
+(decode rows, verification rows and prefill chunks alike, every token in item order), and the hybrid
+mixers' token recurrences over the state pool's slots (causal conv, gated delta rule, Mamba2 scan)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from tripod.memory.kv_pool import KVPool
 
 class KernelOps:
     """The op families both CPU backends take from the kernels: projections over weights packed
-    for them (or GGUF blocks executed as stored), RMSNorm and SiLU·mul (GELU: torch's op)."""
+    for them (or GGUF blocks executed as stored), RMSNorm and SiLU·mul (GELU: torch's op), and the
+    hybrid mixers' recurrences (``csrc/recurrent.cpp``)."""
 
     ops: Any
     stored: bool
