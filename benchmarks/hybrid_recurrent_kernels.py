@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [m for m in args.models.split(",") if m]
     data: dict[str, Any] = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python benchmarks/hybrid_recurrent_kernels.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "command": ("python benchmarks/hybrid_recurrent_kernels.py " + shlex.join(sys.argv[1:] if argv is None else argv)).strip(),
         "cpu": _cpu(), "cores": os.cpu_count(), "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "context": args.context, "decode": args.decode, "batch": args.batch, "batch_context": args.batch_context, "reps": args.reps, "chunk": args.chunk_size,
         "configs": {n: cfgs[n] for n in names},
