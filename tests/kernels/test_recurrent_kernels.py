@@ -149,6 +149,40 @@ def test_gated_delta_whole_items_equal_any_split_bit_for_bit(cpu: CpuBackend, cu
     assert torch.equal(whole_state, state)
 
 
+def _kda_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor, items: list[tuple[int, int, int]]) -> torch.Tensor:
+    """``layers/kda.py``'s delta rule (a decay per key channel), one sequence and token at a time."""
+    out = torch.empty_like(v)
+    for first, n, slot in items:
+        s = state[slot : slot + 1]
+        for r in range(first, first + n):
+            kr = k[r : r + 1, :, :, None]
+            s = s * decay[r : r + 1, :, :, None]
+            delta = (v[r : r + 1] - (s * kr).sum(-2)) * beta[r : r + 1, :, None]
+            s = torch.addcmul(s, kr, delta[:, :, None, :])
+            out[r : r + 1] = (s * q[r : r + 1, :, :, None]).sum(-2)
+        state[slot : slot + 1] = s
+    return out
+
+
+def test_per_channel_decay_against_kda(cpu: CpuBackend) -> None:
+    """KDA's delta rule (decay ``[T, H, DK]``) on the same kernel: against the torch loop, and
+    whole items = one token per step, bit for bit."""
+    q, k, v, _, beta, state = _gdn_inputs(3, 3, 20, 20, 21)
+    decay = torch.exp(-torch.rand(T, 3, 20, generator=torch.Generator().manual_seed(22)))
+    want_state = state.clone()
+    want = _kda_reference(q, k, v, decay, beta, want_state, ITEMS)
+    whole_state = state.clone()
+    whole = cpu.gated_delta(q, k, v, decay, beta, whole_state, ITEMS)
+    _close(whole, want, "KDA output")
+    _close(whole_state, want_state, "KDA state")
+    parts = torch.empty_like(whole)
+    for step in _steps(ITEMS, [1]):
+        rows, items = _compact(step)
+        parts[rows] = cpu.gated_delta(q[rows], k[rows], v[rows], decay[rows], beta[rows], state, items)
+    assert torch.equal(whole, parts) and torch.equal(whole_state, state)
+
+
 def test_gated_delta_kept_rows_are_the_token_steps_states(cpu: CpuBackend) -> None:
     """A traced item's per-row states are those one-token steps leave; tracing changes no bits."""
     q, k, v, decay, beta, state = _gdn_inputs(2, 4, 16, 24, 9)

@@ -312,7 +312,8 @@ class Backend(ABC):
                     keep: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         """The gated delta rule over each item's tokens from its slot of ``state`` ``[slots, HV, DK,
         DV]`` (updated in place): ``q``/``k`` ``[T, HK, DK]`` normalized, ``v`` ``[T, HV, DV]``,
-        ``decay``/``beta`` ``[T, HV]`` → ``[T, HV, DV]`` float32. ``keep``: as ``causal_conv``'s,
+        ``decay``/``beta`` ``[T, HV]`` (``decay`` ``[T, HV, DK]``: one per key channel, KDA; the CPU
+        kernels only) → ``[T, HV, DV]`` float32. ``keep``: as ``causal_conv``'s,
         the buffer ``[R, HV, DK, DV]``. Only where ``recurrent_kernels``."""
         raise NotImplementedError(f"the {self.name} backend has no recurrent kernels")
 

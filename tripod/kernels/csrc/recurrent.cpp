@@ -183,7 +183,8 @@ at::Tensor conv_update(const at::Tensor& x, at::Tensor window, const at::Tensor&
 // ---------------------------------------------------------------------------- gated delta rule
 // Per token, value head h (key head h / (HV / HK)), state S [DK, DV], as layers/gated_delta.py:
 //   S = S * decay;  kv = kᵀS;  S = S + k ⊗ ((v - kv) * beta);  o = qᵀS
-// both sums over DK in order d = 0 .. DK-1, 16 value channels per vector.
+// both sums over DK in order d = 0 .. DK-1, 16 value channels per vector. decay [T, HV] (one per
+// head: Gated DeltaNet) or [T, HV, DK] (one per key channel, row d of S scaled by decay[d]: KDA).
 at::Tensor gated_delta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& decay,
                        const at::Tensor& beta, at::Tensor state, const at::Tensor& items,
                        const std::optional<at::Tensor>& keep) {
@@ -193,8 +194,10 @@ at::Tensor gated_delta(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               "gated_delta: q, k [T, HK, DK], v [T, HV, DV]");
   const int64_t T = q.size(0), HK = q.size(1), DK = q.size(2), HV = v.size(1), DV = v.size(2);
   TORCH_CHECK(HV % HK == 0, "gated_delta: value heads must be a multiple of key heads");
-  TORCH_CHECK(decay.dim() == 2 && decay.size(0) == T && decay.size(1) == HV && beta.sizes() == decay.sizes(),
-              "gated_delta: decay, beta [T, HV]");
+  TORCH_CHECK(beta.dim() == 2 && beta.size(0) == T && beta.size(1) == HV, "gated_delta: beta [T, HV]");
+  const bool per_channel = decay.dim() == 3;
+  TORCH_CHECK(decay.size(0) == T && decay.size(1) == HV && (decay.dim() == 2 || (per_channel && decay.size(2) == DK)),
+              "gated_delta: decay [T, HV] or [T, HV, DK]");
   TORCH_CHECK(state.dim() == 4 && state.size(1) == HV && state.size(2) == DK && state.size(3) == DV,
               "gated_delta: state must be [slots, HV, DK, DV]");
   float* kp = keep_ptr(keep, HV * DK * DV, "gated_delta: keep must be [R, HV, DK, DV] float32, contiguous");
@@ -222,11 +225,12 @@ at::Tensor gated_delta(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       const float* kr = kk + (r * HK + kh) * DK;
       const float* qr = qp + (r * HK + kh) * DK;
       const float* vr = vp + (r * HV + h) * DV;
-      const V16 g = set1(gp[r * HV + h]), b = set1(bp[r * HV + h]);
+      const float* gr = per_channel ? gp + (r * HV + h) * DK : gp + r * HV + h;
+      const V16 b = set1(bp[r * HV + h]);
       for (int64_t c = 0; c < DP; c += 16) {  // decay, then kv = kᵀS
         V16 acc = zero();
         for (int64_t d = 0; d < DK; ++d) {
-          const V16 s = mul(load(S + d * DP + c), g);
+          const V16 s = mul(load(S + d * DP + c), set1(gr[per_channel ? d : 0]));
           store(S + d * DP + c, s);
           const V16 p = mul(s, set1(kr[d]));
           acc = d == 0 ? p : add(acc, p);

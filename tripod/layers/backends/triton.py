@@ -104,6 +104,7 @@ class TritonOps:
                     beta: torch.Tensor, state: torch.Tensor, items: list[tuple[int, int, int]],
                     keep: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         assert keep is None, "the Triton recurrence kernels keep no per-row states (speculation is refused)"
+        assert decay.dim() == 2, "the Triton delta rule takes one decay per head (KDA is refused on Triton)"
         return self.ops.gated_delta(q, k, v, decay, beta, state, self._item_table(items, q.device))
 
     def ssd_scan(self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor,
