@@ -54,6 +54,20 @@ def nemotron_config(hidden: int, layers: int, heads: int, kv_heads: int, head_di
                 bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 
 
+def kimi_config(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
+                max_len: int) -> dict[str, Any]:
+    """A Kimi Linear of ``layers`` layers: KDA on three of every four, MLA on the fourth, dense MLPs."""
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    return dict(model_type="kimi_linear", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                moe_intermediate_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=heads, kv_lora_rank=2 * head_dim, q_lora_rank=None, qk_rope_head_dim=head_dim // 2,
+                qk_nope_head_dim=head_dim, v_head_dim=head_dim, num_local_experts=4, num_experts_per_tok=2,
+                n_shared_experts=1, n_group=1, topk_group=1, layer_types=types, mlp_layer_types=["dense"] * layers,
+                linear_attn_config={"head_dim": head_dim, "num_heads": heads, "short_conv_kernel_size": 4},
+                max_position_embeddings=max_len, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                tie_word_embeddings=False)
+
+
 def _run_once(engine: Any, context: int, decode: int, seed: int, requests: int = 1) -> dict[str, Any]:
     """``requests`` requests of ``context`` prompt tokens each: the prefill (time until every one has
     its first token) and the median of the decode steps after it, wall and CPU."""
@@ -167,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-size", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=8, help="sequences decoding together in the batched run")
     ap.add_argument("--batch-context", type=int, default=64, help="prompt tokens of each batched request")
-    ap.add_argument("--models", default="qwen3_5,nemotron_h", help="comma-separated: qwen3_5, nemotron_h")
+    ap.add_argument("--models", default="qwen3_5,nemotron_h", help="comma-separated: qwen3_5, nemotron_h, kimi_linear")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for hybrid_recurrent_kernels.{md,json}")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -175,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     max_len = args.context + args.decode + 64
     dims = (args.hidden, args.layers, args.heads, args.kv_heads, args.head_dim, 49152, max_len)
-    cfgs = {"qwen3_5": model_configs(*dims)["hybrid"], "nemotron_h": nemotron_config(*dims)}
+    cfgs = {"qwen3_5": model_configs(*dims)["hybrid"], "nemotron_h": nemotron_config(*dims),
+            "kimi_linear": kimi_config(*dims)}
     names = [m for m in args.models.split(",") if m]
     data: dict[str, Any] = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -187,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{args.head_dim}, vocab 49152; qwen3_5: `Qwen3_5ForCausalLM`, 3 Gated DeltaNet layers per "
                         f"gated-attention layer (value heads {args.heads}, key heads {args.kv_heads}, head size "
                         f"{args.head_dim}); nemotron_h: `NemotronHForCausalLM`, blocks `M-M*` repeated (Mamba2 "
-                        f"{args.hidden // 16} heads of 32, state 64)."),
+                        f"{args.hidden // 16} heads of 32, state 64); kimi_linear: `KimiLinearForCausalLM`, KDA on 3 of every 4 "
+                        f"layers ({args.heads} heads of {args.head_dim}), MLA on the 4th, dense MLPs."),
         "rows": [],
     }
     with tempfile.TemporaryDirectory(prefix="hybrid-rk-") as tmp:
