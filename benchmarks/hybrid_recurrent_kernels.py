@@ -2,7 +2,7 @@
 against the same engine running them as torch loops (the reference code in ``layers/``): prefill
 time of a long prompt and decode TPOT, interleaved in one process.
 
-    PYTHONPATH=$PWD python benchmarks/hybrid_recurrent_kernels.py              # the recorded run
+    PYTHONPATH=$PWD python benchmarks/hybrid_recurrent_kernels.py --models qwen3_5,nemotron_h,kimi_linear  # recorded
     PYTHONPATH=$PWD python benchmarks/hybrid_recurrent_kernels.py --context 128 --reps 1 --out /tmp/hrk
 
 One engine per model (``--kernels optimized``, float32, one torch thread): per repeat, the two
@@ -16,8 +16,9 @@ this process's CPU time (with one thread the step's own cost on a shared machine
 are compared (they agree to float32 rounding, so a random model's tokens should match).
 
 Models (random weights, transformers configs, float32): the Qwen3.5 hybrid of
-``benchmarks/hybrid_context.py`` (3 Gated DeltaNet layers per gated-attention layer) and a
-Nemotron-H of the same width (Mamba2 layers beside attention and MLP blocks).
+``benchmarks/hybrid_context.py`` (3 Gated DeltaNet layers per gated-attention layer), a Nemotron-H
+of the same width (Mamba2 layers beside attention and MLP blocks) and a Kimi Linear (KDA on 3 of
+every 4 layers, MLA on the 4th).
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-size", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=8, help="sequences decoding together in the batched run")
     ap.add_argument("--batch-context", type=int, default=64, help="prompt tokens of each batched request")
-    ap.add_argument("--models", default="qwen3_5,nemotron_h", help="comma-separated: qwen3_5, nemotron_h, kimi_linear")
+    ap.add_argument("--models", default="qwen3_5,nemotron_h,kimi_linear", help="comma-separated: qwen3_5, nemotron_h, kimi_linear")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for hybrid_recurrent_kernels.{md,json}")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
