@@ -201,3 +201,36 @@ def test_a_supported_level_that_does_not_compile_fails_the_build(tmp_path: Path)
     status = subprocess.run([sys.executable, "-m", "tripod.kernels", "status"], capture_output=True, text=True,
                             env={**os.environ}, timeout=120)
     assert status.returncode == 0 and f"tripod runs the {kernels.best_level()} kernels" in status.stdout
+
+
+@needs_two
+def test_recurrent_kernels_are_bit_identical_across_levels(levels: dict[str, Any]) -> None:
+    """The hybrid mixers' conv, gated delta rule (a decay per head or per key channel) and Mamba2
+    scan (csrc/recurrent.cpp), traced rows included, at sizes with vector tails (channels, value and head sizes not multiples of 16)."""
+    g = torch.Generator().manual_seed(5)
+    t, slots = 11, 5
+    items = torch.tensor([[0, 6, 3, 0], [6, 1, 0, -1], [7, 4, 4, 7]], dtype=torch.int64)
+    x = torch.randn(t, 2 * 300, generator=g)[:, :300]
+    w, b = torch.randn(300, 4, generator=g), torch.randn(300, generator=g)
+    win = torch.randn(slots, 300, 3, generator=g)
+    q = torch.nn.functional.normalize(torch.randn(t, 2, 20, generator=g), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(t, 2, 20, generator=g), dim=-1)
+    v, decay, beta = torch.randn(t, 4, 24, generator=g), torch.rand(t, 4, generator=g), torch.rand(t, 4, generator=g)
+    state = torch.randn(slots, 4, 20, 24, generator=g)
+    channel_decay = torch.rand(t, 4, 20, generator=g)
+    xbc = torch.randn(t, 3 * 40 + 2 * 16, generator=g)
+    dt = torch.rand(t, 3, generator=g)
+    ssm = torch.randn(slots, 3, 40, 16, generator=g)
+
+    def run(ops: Any) -> tuple[torch.Tensor, ...]:
+        wn, st, sm = win.clone(), state.clone(), ssm.clone()
+        kw, ks, km = torch.zeros(12, 300, 3), torch.zeros(12, 4, 20, 24), torch.zeros(12, 3, 40, 16)
+        co = ops.conv_update(x, wn, items, w, b, kw)
+        go = ops.gated_delta(q, k, v, decay, beta, st, items, ks)
+        untraced = items.clone()
+        untraced[:, 3] = -1
+        kda = ops.gated_delta(q, k, v, channel_decay, beta, st, untraced, None)  # KDA: a decay per key channel
+        so = ops.ssd_scan(xbc[:, :120], xbc[:, 120:136], xbc[:, 136:], dt, decay[:, :3].contiguous(), sm, items, km)
+        return co, wn, kw, go, kda, st, ks, so, sm, km
+
+    _same({lv: run(ops) for lv, ops in levels.items()}, "recurrent kernels")

@@ -7,6 +7,7 @@ its torch reference on small random inputs. Exit 0 and print a summary when all 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
@@ -67,6 +68,7 @@ def check(lib: str, namespace: str) -> list[str]:
         err = (got.float() - want).abs().max().item()
         assert err < (1e-4 if dtype == torch.float32 else 0.15), f"linear_packed {fmt}: max error {err}"
         lines.append(f"linear_packed {fmt}: max error {err:.2e}")
+    lines += _check_recurrences(ops, gen)
     if namespace.endswith(("amx_bf16", "amx_emu")):  # the bf16 linear above ran on tiles only if granted
         status = ops.amx_status()
         assert "granted" in status or "emulated" in status, f"{namespace}: {status}"
@@ -75,6 +77,42 @@ def check(lib: str, namespace: str) -> list[str]:
         for what, rows in order_probe(ops).items():
             assert all(v == 0.0 for v in rows), f"{what}: not TDPBF16PS' documented order (even element first): {rows}"
         lines.append("TDPBF16PS' order (a pair's even element first) on tiles and on the few-row path")
+    return lines
+
+
+def _check_recurrences(ops: Any, gen: torch.Generator) -> list[str]:
+    """The hybrid mixers' recurrences (csrc/recurrent.cpp) on two items at scattered slots, one of
+    them traced (its per-row states kept), against the plain-torch loops."""
+    lines = []
+    t, slots = 9, 4
+    items = torch.tensor([[0, 6, 2, 0], [6, 3, 0, -1]], dtype=torch.int64)
+    x, w, b = torch.randn(t, 40, generator=gen), torch.randn(40, 4, generator=gen), torch.randn(40, generator=gen)
+    win = torch.randn(slots, 40, 3, generator=gen)
+    want_win = win.clone()
+    got = ops.conv_update(x, win, items, w, b, torch.empty(7, 40, 3))
+    want = reference.conv_update(x, want_win, items, w, b)
+    err = max((got - want).abs().max().item(), (win - want_win).abs().max().item())
+    assert err < 1e-5, f"conv_update: max error {err}"
+    lines.append(f"conv_update: max error {err:.2e}")
+    q = torch.nn.functional.normalize(torch.randn(t, 2, 20, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(t, 2, 20, generator=gen), dim=-1)
+    v, decay, beta = torch.randn(t, 4, 24, generator=gen), torch.rand(t, 4, generator=gen), torch.rand(t, 4, generator=gen)
+    state = torch.randn(slots, 4, 20, 24, generator=gen)
+    want_state = state.clone()
+    got = ops.gated_delta(q, k, v, decay, beta, state, items, torch.empty(7, 4, 20, 24))
+    want = reference.gated_delta(q, k, v, decay, beta, want_state, items)
+    err = max((got - want).abs().max().item(), (state - want_state).abs().max().item())
+    assert err < 1e-4, f"gated_delta: max error {err}"
+    lines.append(f"gated_delta: max error {err:.2e}")
+    xbc, dt = torch.randn(t, 3 * 40 + 2 * 16, generator=gen), torch.rand(t, 3, generator=gen)
+    ssm = torch.randn(slots, 3, 40, 16, generator=gen)
+    want_ssm = ssm.clone()
+    args = (xbc[:, :120], xbc[:, 120:136], xbc[:, 136:], dt, decay[:, :3].contiguous())
+    got = ops.ssd_scan(*args, ssm, items, torch.empty(7, 3, 40, 16))
+    want = reference.ssd_scan(*args, want_ssm, items)
+    err = max((got - want).abs().max().item(), (ssm - want_ssm).abs().max().item())
+    assert err < 1e-4 * max(1.0, want.abs().max().item()), f"ssd_scan: max error {err}"
+    lines.append(f"ssd_scan: max error {err:.2e}")
     return lines
 
 

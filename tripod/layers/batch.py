@@ -90,6 +90,42 @@ class StateRows:
     # drafts are judged (``StateTrace.settle`` rolls a rejection back); None: no verify item.
     trace: StateTrace | None = None
 
+    def kept_rows(self) -> KeptRows | None:
+        """Where a recurrence kernel writes the per-row states of this step's traced items (the
+        verify items ``trace`` wants); None: no item is traced."""
+        if self.trace is None:
+            return None
+        rows, total = [], 0
+        for _, n, slot in self.items:
+            if self.trace.wants(slot):
+                rows.append(total)
+                total += n + 1
+            else:
+                rows.append(-1)
+        return KeptRows(rows, total) if total else None
+
+
+@dataclass(frozen=True, slots=True)
+class KeptRows:
+    """A kernel's per-row states of a step's traced items, in one buffer per state tensor
+    ``[total, *shape]``: item ``i`` (in ``StateRows.items`` order) with ``rows[i] >= 0`` gets its
+    state before its first token at row ``rows[i]`` and after its ``r``-th token at ``rows[i] + r``
+    (the kernel writes them: copies of the state its own recurrence carries on). -1: not traced."""
+
+    rows: list[int]
+    total: int
+
+    def buffer(self, state: torch.Tensor) -> torch.Tensor:
+        """An empty buffer for the per-row copies of the pool's ``state`` ``[slots, *shape]``."""
+        return torch.empty(self.total, *state.shape[1:], dtype=state.dtype, device=state.device)
+
+    def put(self, states: StateRows, layer: int, buffers: list[torch.Tensor]) -> None:
+        """Hand linear layer ``layer``'s filled ``buffers`` (one per state tensor) to the step's trace."""
+        assert states.trace is not None
+        for (_, n, slot), row in zip(states.items, self.rows, strict=True):
+            if row >= 0:
+                states.trace.put(layer, slot, [b[row : row + n + 1] for b in buffers])
+
 
 @dataclass(slots=True)
 class KernelMeta:
@@ -263,24 +299,31 @@ class Backend(ABC):
     recurrent_kernels: bool = False
 
     def causal_conv(self, x: torch.Tensor, window: torch.Tensor, items: list[tuple[int, int, int]],
-                    weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+                    weight: torch.Tensor, bias: torch.Tensor | None,
+                    keep: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         """The causal depthwise conv + SiLU of rows ``x`` ``[T, C]``, each item ``(first row,
         tokens, slot)`` continuing the window ``window[slot]`` ``[C, K - 1]`` (updated in place)
-        → ``[T, C]`` float32. Only where ``recurrent_kernels``."""
+        → ``[T, C]`` float32. ``keep``: ``KeptRows.rows`` and a buffer ``[R, C, K - 1]`` that
+        receives the traced items' windows before and after each row. Only where ``recurrent_kernels``."""
         raise NotImplementedError(f"the {self.name} backend has no recurrent kernels")
 
     def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
-                    beta: torch.Tensor, state: torch.Tensor, items: list[tuple[int, int, int]]) -> torch.Tensor:
+                    beta: torch.Tensor, state: torch.Tensor, items: list[tuple[int, int, int]],
+                    keep: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         """The gated delta rule over each item's tokens from its slot of ``state`` ``[slots, HV, DK,
         DV]`` (updated in place): ``q``/``k`` ``[T, HK, DK]`` normalized, ``v`` ``[T, HV, DV]``,
-        ``decay``/``beta`` ``[T, HV]`` → ``[T, HV, DV]`` float32. Only where ``recurrent_kernels``."""
+        ``decay``/``beta`` ``[T, HV]`` (``decay`` ``[T, HV, DK]``: one per key channel, KDA; the CPU
+        kernels only) → ``[T, HV, DV]`` float32. ``keep``: as ``causal_conv``'s,
+        the buffer ``[R, HV, DK, DV]``. Only where ``recurrent_kernels``."""
         raise NotImplementedError(f"the {self.name} backend has no recurrent kernels")
 
     def ssd_scan(self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor,
-                 state: torch.Tensor, items: list[tuple[int, int, int]]) -> torch.Tensor:
+                 state: torch.Tensor, items: list[tuple[int, int, int]],
+                 keep: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         """Mamba2's recurrence over each item's tokens from its slot of ``state`` ``[slots, H, P, N]``
         (updated in place): ``x`` ``[T, H * P]``, ``b``/``c`` ``[T, G * N]``, ``dt``/``decay`` ``[T, H]``
-        → ``[T, H, P]`` float32 (without ``D x``). Only where ``recurrent_kernels``."""
+        → ``[T, H, P]`` float32 (without ``D x``). ``keep``: as ``causal_conv``'s, the buffer
+        ``[R, H, P, N]``. Only where ``recurrent_kernels``."""
         raise NotImplementedError(f"the {self.name} backend has no recurrent kernels")
 
     def card(self) -> dict[str, Any]:

@@ -20,10 +20,10 @@ anywhere, alone or beside other sequences. So a sequence's state after token ``n
 depend on how its tokens were split into steps (alone = batched = chunked, bit for bit), and the
 conv sums its ``K`` taps in one fixed order for every row. (transformers' prefill uses a chunked
 WY form over blocks of 64; the two agree to float32 rounding, and greedy tokens match.) On a
-backend with ``recurrent_kernels`` (Triton) the conv and the recurrence run as kernels over the
-pool's slots (``kernels/gpu/recurrent.py``), the same per-token order in one program per
-sequence, so the same holds there on one device.
-"""
+backend with ``recurrent_kernels`` (tripod's CPU kernels, ``kernels/csrc/recurrent.cpp``; Triton,
+``kernels/gpu/recurrent.py``) the conv and the recurrence run as kernels over the pool's slots, the
+same per-token order in one task per sequence and head, so the same holds there (on one device);
+the CPU kernels also write a verify item's per-row states (``StateRows.kept_rows``)."""
 
 from __future__ import annotations
 
@@ -118,8 +118,11 @@ class GatedDeltaNet(nn.Module):
         a = proj[:, c + vs + nv :]
         conv_state, rec_state = states.pool.tensors[self.index]
         kernels = backend.recurrent_kernels
+        kept = states.kept_rows() if kernels else None  # traced items: the kernels write their per-row states
+        conv_keep = (kept.rows, kept.buffer(conv_state)) if kept is not None else None
+        rec_keep = (kept.rows, kept.buffer(rec_state)) if kept is not None else None
         if kernels:  # the kernel reads the projection's columns in place, in its dtype
-            x = backend.causal_conv(proj[:, :c], conv_state, states.items, self.conv_w, None)
+            x = backend.causal_conv(proj[:, :c], conv_state, states.items, self.conv_w, None, keep=conv_keep)
         else:
             x = self._conv(mixed, states, conv_state)
         t = x.shape[0]
@@ -135,7 +138,9 @@ class GatedDeltaNet(nn.Module):
         neg_a = -self.a_log.exp() if self.neg_a is None else self.neg_a
         g = neg_a * _softplus(a.float() + self.dt_bias)
         if kernels:
-            o = backend.gated_delta(q, k, v, g.exp(), beta, rec_state, states.items)
+            o = backend.gated_delta(q, k, v, g.exp(), beta, rec_state, states.items, keep=rec_keep)
+            if kept is not None and conv_keep is not None and rec_keep is not None:
+                kept.put(states, self.index, [conv_keep[1], rec_keep[1]])
         else:
             o = gated_delta_recurrence(q, k, v, g.exp(), beta, states, rec_state, self.index)
         o = o.to(h.dtype).float()

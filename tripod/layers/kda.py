@@ -19,7 +19,9 @@ State of one sequence (float32): ``conv`` ``[3·H·d, K - 1]`` (the last ``K - 1
 
 NOTE: exactness, as the Mamba2 mixer (``layers/mamba2.py``): a float32 token recurrence of
 elementwise ops and row reductions, exp-only transcendentals, the tap-by-tap convolution; so the
-result does not depend on how a prefill is split nor on the batch.
+result does not depend on how a prefill is split nor on the batch. On tripod's CPU kernels
+(``recurrent_kernels``) ``forward_slots`` runs the conv and the recurrence as kernels
+(``kernels/csrc/recurrent.cpp``) with the same guarantee.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tripod.layers.batch import Backend
+from tripod.layers.batch import Backend, StateRows
 from tripod.layers.linear import Linear
 from tripod.layers.mamba2 import causal_conv, silu_exact, softplus_exact, token_steps, zero_states
 from tripod.layers.weights import WeightSource
@@ -134,6 +136,33 @@ class KdaMixer(nn.Module):
         decay = torch.exp(-torch.exp(self.A_log)[:, None] * softplus_exact(gate.view(t, nh, d)))  # [T, H, d]
         beta = 1.0 / (1.0 + torch.exp(-op["b"](h).float()))  # [T, H]
         o = self._scan(q, k, v, decay, beta, rec, lens, trace)
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.eps) * self.o_norm.float()
+        g = op["g_b"](op["g_a"](h)).float().view(t, nh, d)
+        o = o / (1.0 + torch.exp(-g))
+        return op["o"](o.reshape(t, c.width).to(h.dtype), residual=residual)
+
+    def forward_slots(self, h: torch.Tensor, backend: Backend, states: StateRows, index: int,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward`` on a backend with ``recurrent_kernels`` (tripod's CPU kernels): the conv and
+        the delta rule (``gated_delta`` with a per-key-channel decay) over the state pool's entry
+        ``index`` in place, each item ``(first row, tokens, slot)`` continuing its slot; a traced
+        item's per-row states written by the kernels into the step's ``StateTrace``."""
+        c = self.cfg
+        t, nh, d = h.shape[0], c.num_heads, c.head_dim
+        conv, rec = states.pool.tensors[index]
+        kept = states.kept_rows()
+        conv_keep = (kept.rows, kept.buffer(conv)) if kept is not None else None
+        rec_keep = (kept.rows, kept.buffer(rec)) if kept is not None else None
+        op = self.ops[backend.form]
+        qkv = backend.causal_conv(op["qkv"](h).float(), conv, states.items, self.conv_w, None, keep=conv_keep)
+        q, k, v = (part.reshape(t, nh, d) for part in qkv.split(c.width, dim=-1))
+        q, k = _l2norm(q) * d**-0.5, _l2norm(k)
+        gate = op["f_b"](op["f_a"](h)).float() + self.dt_bias
+        decay = torch.exp(-torch.exp(self.A_log)[:, None] * softplus_exact(gate.view(t, nh, d)))  # [T, H, d]
+        beta = 1.0 / (1.0 + torch.exp(-op["b"](h).float()))  # [T, H]
+        o = backend.gated_delta(q, k, v, decay, beta, rec, states.items, keep=rec_keep)
+        if kept is not None and conv_keep is not None and rec_keep is not None:
+            kept.put(states, index, [conv_keep[1], rec_keep[1]])
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.eps) * self.o_norm.float()
         g = op["g_b"](op["g_a"](h)).float().view(t, nh, d)
         o = o / (1.0 + torch.exp(-g))

@@ -29,9 +29,10 @@ tensor's size (torch's own ``softplus``/``silu``/``sigmoid`` differ by an ulp be
 vectorised body and scalar tail). A decode step is the same step on one token per sequence, so
 prefill + decode = one longer prefill, bit for bit. Against Hugging Face's chunked scan the results
 agree to float32 rounding (tested at ~1e-5), not bit for bit. On a backend with
-``recurrent_kernels`` (Triton), ``forward_slots`` runs the conv and this recurrence as kernels over
-the state pool's slots (``kernels/gpu/recurrent.py``): the same per-token order, one program per
-sequence, so the same holds there on one device.
+``recurrent_kernels`` (tripod's CPU kernels, ``kernels/csrc/recurrent.cpp``; Triton,
+``kernels/gpu/recurrent.py``), ``forward_slots`` runs the conv and this recurrence as kernels over
+the state pool's slots: the same per-token order, one task per sequence and head, so the same holds
+there on one device.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tripod.layers.batch import Backend
+from tripod.layers.batch import Backend, StateRows
 from tripod.layers.linear import Linear
 from tripod.layers.weights import WeightSource
 from tripod.memory.state_pool import StateSpec
@@ -212,21 +213,29 @@ class Mamba2Mixer(nn.Module):
         y = self.mix(in_op(h), conv, ssm, lens, trace)
         return out_op(y.to(h.dtype), residual=residual)
 
-    def forward_slots(self, h: torch.Tensor, backend: Backend, conv: torch.Tensor, ssm: torch.Tensor,
-                      items: list[tuple[int, int, int]], residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``forward`` on a backend with ``recurrent_kernels``: ``conv``/``ssm`` are the state
-        pool's whole tensors ``[slots, ...]``, each item ``(first row, tokens, slot)`` continuing
-        its slot's state in place (no gathered copies)."""
+    def forward_slots(self, h: torch.Tensor, backend: Backend, states: StateRows, index: int,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward`` on a backend with ``recurrent_kernels``: the state pool's entry ``index``
+        (``[slots, ...]`` tensors), each item ``(first row, tokens, slot)`` continuing its slot's
+        state in place (no gathered copies); a traced item's per-row states (speculative
+        verification) written by the kernels into the step's ``StateTrace``."""
         in_op, out_op = self.ops[backend.form]
         c = self.cfg
+        conv, ssm = states.pool.tensors[index]
+        items = states.items
+        kept = states.kept_rows()
+        conv_keep = (kept.rows, kept.buffer(conv)) if kept is not None else None
+        ssm_keep = (kept.rows, kept.buffer(ssm)) if kept is not None else None
         zxbcdt = in_op(h).float()
         t = zxbcdt.shape[0]
         z, xbc, dt = zxbcdt.split([c.intermediate, c.conv_dim, c.num_heads], dim=-1)
-        xbc = backend.causal_conv(xbc, conv, items, self.conv_w, self.conv_b)
+        xbc = backend.causal_conv(xbc, conv, items, self.conv_w, self.conv_b, keep=conv_keep)
         x, b, cc = xbc.split([c.intermediate, c.n_groups * c.state_size, c.n_groups * c.state_size], dim=-1)
         dt = softplus_exact(dt + self.dt_bias.float()).clamp(min=c.dt_limit[0], max=c.dt_limit[1])  # [T, H]
         decay = torch.exp(dt * -torch.exp(self.A_log.float()))
-        y = backend.ssd_scan(x, b, cc, dt, decay, ssm, items)
+        y = backend.ssd_scan(x, b, cc, dt, decay, ssm, items, keep=ssm_keep)
+        if kept is not None and conv_keep is not None and ssm_keep is not None:
+            kept.put(states, index, [conv_keep[1], ssm_keep[1]])
         y = y + x.reshape(t, c.num_heads, c.head_dim) * self.D.float()[:, None]
         return out_op(self._gated_norm(y, z).to(h.dtype), residual=residual)
 

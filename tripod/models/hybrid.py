@@ -121,8 +121,7 @@ class HybridLayer(nn.Module):
         states = batch.states
         assert states is not None, "a hybrid model's step carries its requests' state slots"
         if isinstance(m, Mamba2Mixer) and batch.backend.recurrent_kernels:  # kernels read the slots in place
-            conv, ssm = states.pool.tensors[self.state_index]
-            return m.forward_slots(h, batch.backend, conv, ssm, states.items, residual=residual)
+            return m.forward_slots(h, batch.backend, states, self.state_index, residual=residual)
         return mix_on_slots(states, self.state_index, h.shape[0], lambda held, lens, trace: m(
             h, batch.backend, *held, lens, residual=residual, trace=trace))
 

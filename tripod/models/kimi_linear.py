@@ -68,6 +68,8 @@ class KimiLayer(DecoderLayer):
         states = batch.states
         assert states is not None, "a hybrid model's step carries its requests' state slots"
         kda = self.attn
+        if batch.backend.recurrent_kernels:  # the kernels read and write the slots in place
+            return kda.forward_slots(h, batch.backend, states, self.state_index, residual=residual)
         return mix_on_slots(states, self.state_index, h.shape[0], lambda held, lens, trace: kda(
             h, batch.backend, held[0], held[1], lens, residual=residual, trace=trace))
 

@@ -1,6 +1,7 @@
 """tripod's C++ CPU kernels of one ISA level (``tripod.kernels``): packed linears, RMSNorm,
 SiLU·mul, fused RoPE + KV write and paged attention straight from the pool through the slot table
-(decode rows, verification rows and prefill chunks alike, every token in item order)."""
+(decode rows, verification rows and prefill chunks alike, every token in item order), and the hybrid
+mixers' token recurrences over the state pool's slots (causal conv, gated delta rule, Mamba2 scan)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from tripod.memory.kv_pool import KVPool
 
 class KernelOps:
     """The op families both CPU backends take from the kernels: projections over weights packed
-    for them (or GGUF blocks executed as stored), RMSNorm and SiLU·mul (GELU: torch's op)."""
+    for them (or GGUF blocks executed as stored), RMSNorm and SiLU·mul (GELU: torch's op), and the
+    hybrid mixers' recurrences (``csrc/recurrent.cpp``)."""
 
     ops: Any
     stored: bool
@@ -42,6 +44,45 @@ class KernelOps:
         if act == "silu":
             return self.ops.silu_mul(gu)
         return activate(gu, inter, act)  # GELU has no kernel: torch's op
+
+    # The hybrid mixers' token recurrences as kernels (csrc/recurrent.cpp) over the state pool's
+    # slots: one call per layer and step instead of several torch ops per token. Traced items
+    # (speculative verification) get their per-row states written by the same call (``keep``).
+    recurrent_kernels = True
+    # the last item table: every linear layer of a step passes the same ``StateRows.items``
+    _items: tuple[list[tuple[int, int, int]], list[int] | None, torch.Tensor] | None = None
+
+    def _item_table(self, items: list[tuple[int, int, int]], keep: tuple[list[int], torch.Tensor] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The kernels' ``[N, 4]`` int64 table (first row, tokens, slot, keep row or -1) and the keep buffer."""
+        rows = keep[0] if keep is not None else None
+        cached = self._items
+        if cached is None or cached[0] is not items or cached[1] != rows:
+            table = [(*it, rows[i] if rows is not None else -1) for i, it in enumerate(items)]
+            self._items = cached = (items, rows, torch.tensor(table, dtype=torch.int64).view(-1, 4))
+        return cached[2], keep[1] if keep is not None else None
+
+    def causal_conv(self, x: torch.Tensor, window: torch.Tensor, items: list[tuple[int, int, int]],
+                    weight: torch.Tensor, bias: torch.Tensor | None,
+                    keep: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        table, buf = self._item_table(items, keep)
+        b = bias.float().contiguous() if bias is not None else None
+        return self.ops.conv_update(x, window, table, weight.float().contiguous(), b, buf)
+
+    def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                    beta: torch.Tensor, state: torch.Tensor, items: list[tuple[int, int, int]],
+                    keep: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        table, buf = self._item_table(items, keep)
+        return self.ops.gated_delta(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
+                                    beta.contiguous(), state, table, buf)
+
+    def ssd_scan(self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor,
+                 state: torch.Tensor, items: list[tuple[int, int, int]],
+                 keep: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        table, buf = self._item_table(items, keep)
+        return self.ops.ssd_scan(x, b, c, dt.contiguous(), decay.contiguous(), state, table, buf)
 
 
 class CpuBackend(KernelOps, Backend):

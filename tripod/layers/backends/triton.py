@@ -95,15 +95,22 @@ class TritonOps:
         return self._items[1]
 
     def causal_conv(self, x: torch.Tensor, window: torch.Tensor, items: list[tuple[int, int, int]],
-                    weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+                    weight: torch.Tensor, bias: torch.Tensor | None,
+                    keep: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        assert keep is None, "the Triton recurrence kernels keep no per-row states (speculation is refused)"
         return self.ops.conv_update(x, window, self._item_table(items, x.device), weight, bias)
 
     def gated_delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
-                    beta: torch.Tensor, state: torch.Tensor, items: list[tuple[int, int, int]]) -> torch.Tensor:
+                    beta: torch.Tensor, state: torch.Tensor, items: list[tuple[int, int, int]],
+                    keep: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        assert keep is None, "the Triton recurrence kernels keep no per-row states (speculation is refused)"
+        assert decay.dim() == 2, "the Triton delta rule takes one decay per head (KDA is refused on Triton)"
         return self.ops.gated_delta(q, k, v, decay, beta, state, self._item_table(items, q.device))
 
     def ssd_scan(self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor,
-                 state: torch.Tensor, items: list[tuple[int, int, int]]) -> torch.Tensor:
+                 state: torch.Tensor, items: list[tuple[int, int, int]],
+                 keep: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        assert keep is None, "the Triton recurrence kernels keep no per-row states (speculation is refused)"
         return self.ops.ssd_scan(x, b, c, dt, decay, state, self._item_table(items, x.device))
 
     def card(self) -> dict[str, Any]:
