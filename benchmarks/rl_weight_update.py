@@ -2,15 +2,19 @@
 bytes once, on the embedded SmolLM2-135M served in float32 (weights dequantized).
 
     .venv/bin/python benchmarks/rl_weight_update.py                 # 3 updates; a JSON line per result
-    .venv/bin/python benchmarks/rl_weight_update.py --updates 5 --out benchmarks/results/rl_weight_update.json
+    .venv/bin/python benchmarks/rl_weight_update.py --updates 3 --out benchmarks/results/rl_weight_update.json
+    # A/B: the server run from another checkout (e.g. `git archive <commit>` unpacked), its runs
+    # added to the same file under a label
+    .venv/bin/python benchmarks/rl_weight_update.py --tripod /tmp/old --label before --append --out ...
 
 This process plays the trainer (rank 0): it starts ``tripod serve --enable-rl-api``, joins the
 engine into a gloo group, and for each update posts ``/update_weights_from_distributed`` while it
 broadcasts every tensor of the model's HF state dict. Measured: ``copy_s``, the best of 3 clones of
 those tensors (the time to copy the model's bytes once here); ``update_s``, each update's wall time
 (from the POST to its answer: broadcast, checks, the fresh model built through the loader's mapping,
-the swap); ``first_token_s``, a one-token request after the update (the weights packed again for
-the kernels). The first update also reads the checkpoint's shapes once.
+the swap; since the update also packs the new weights for the kernels, that too);
+``first_token_s``, a one-token request after the update (before, the weights were packed again
+there). The first update also reads the checkpoint's shapes once.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="also write the results here (JSON)")
+    ap.add_argument("--tripod", default=None, help="serve the tripod of this checkout (an A/B's other side)")
+    ap.add_argument("--label", default="", help="this run's name in the results file")
+    ap.add_argument("--append", action="store_true", help="add this run to --out's runs instead of replacing it")
     args = ap.parse_args()
     _, _, src = open_source(None)
     state = {k: v.contiguous() for k, v in src.weights().items()}
@@ -53,7 +60,8 @@ def main() -> None:
     srv = subprocess.Popen([sys.executable, "-m", "tripod.cli", "serve", "--port", str(port), "--dtype", "float32",
                             "--weights", "dequantized", "--threads", str(args.threads), "--kv-cache-tokens", "4096",
                             "--enable-rl-api"], stdout=log, stderr=subprocess.STDOUT,
-                           env={**os.environ, "TRIPOD_API_KEY": ""})
+                           env={**os.environ, "TRIPOD_API_KEY": "",
+                                **({"PYTHONPATH": args.tripod} if args.tripod else {})})
     url = f"http://127.0.0.1:{port}"
     try:
         why = wait_healthy(url, [srv], 300)
@@ -84,14 +92,24 @@ def main() -> None:
             rows.append({"update": i, "update_s": round(update_s, 3), "first_token_s": round(first_token_s, 3),
                          "weight_version": answer[0].json()["weight_version"]})
             print(json.dumps(rows[-1]), flush=True)
-        result = {"model": "embedded SmolLM2-135M (float32, dequantized)", "bytes": nbytes, "copy_s": round(copy_s, 3),
-                  "updates": rows, "best_update_over_copy": round(min(r["update_s"] for r in rows) / copy_s, 2),
-                  "cpu": platform.processor() or platform.machine(), "threads": args.threads,
-                  "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-                  "load_average_1m_at_end": round(os.getloadavg()[0], 1)}
-        print(json.dumps(result))
+        run = {"label": args.label, "tripod": args.tripod or "this checkout", "copy_s": round(copy_s, 3),
+               "updates": rows, "best_update_over_copy": round(min(r["update_s"] for r in rows) / copy_s, 2),
+               "load_average_1m_at_end": round(os.getloadavg()[0], 1)}
+        log.flush()  # (the server's own timings of each phase, where it logs them)
+        run["server_log"] = [line.split(" ", 2)[-1] for line in Path(log.name).read_text().splitlines()
+                             if any(w in line for w in ("received", "swapped", "weights updated"))]
+        print(json.dumps(run))
         if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+            out = Path(args.out)
+            old = json.loads(out.read_text()) if args.append and out.exists() else {}
+            result = {"model": "embedded SmolLM2-135M (float32, dequantized)", "bytes": nbytes,
+                      "machine": "shared machine (other jobs running: see the load averages)",
+                      "date": time.strftime("%Y-%m-%d", time.gmtime()),
+                      "command": "benchmarks/rl_weight_update.py " + " ".join(sys.argv[1:]),
+                      "cpu": _cpu_name(), "threads": args.threads,
+                      "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                      **{k: v for k, v in old.items() if k == "note"}, "runs": [*old.get("runs", []), run]}
+            out.write_text(json.dumps(result, indent=1) + "\n")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -102,6 +120,16 @@ def main() -> None:
 
 def _post(http: httpx.Client, body: dict[str, Any], answer: list[Any]) -> None:
     answer.append(http.post("/update_weights_from_distributed", json=body))
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _timed(fn: Any) -> float:
