@@ -61,7 +61,8 @@ def main() -> None:
                             "--weights", "dequantized", "--threads", str(args.threads), "--kv-cache-tokens", "4096",
                             "--enable-rl-api"], stdout=log, stderr=subprocess.STDOUT,
                            env={**os.environ, "TRIPOD_API_KEY": "",
-                                **({"PYTHONPATH": args.tripod} if args.tripod else {})})
+                                **({"PYTHONPATH": args.tripod} if args.tripod else {})},
+                           cwd=args.tripod)  # (`-m` puts the working directory first on the path)
     url = f"http://127.0.0.1:{port}"
     try:
         why = wait_healthy(url, [srv], 300)

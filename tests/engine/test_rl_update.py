@@ -72,13 +72,14 @@ def test_adjacent_parts_join_as_a_view_only_when_allowed() -> None:
         t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(i)))
     names = ["a.q_proj.weight", "a.k_proj.weight", "a.v_proj.weight"]
     sent = dict(zip(names, (q, k, v), strict=True))
-    joined, _ = WeightSource(Layered(sent), torch.float32, torch.device("cpu")).cat(names)
+    joined, _ = WeightSource(Layered(sent, {}), torch.float32, torch.device("cpu")).cat(names)
     assert torch.equal(joined, torch.cat([q, k, v])) and joined.data_ptr() == q.data_ptr()  # a view, no copy
-    copied, _ = WeightSource(sent, torch.float32, torch.device("cpu")).cat(names)  # (a checkpoint's: never by reference)
-    assert torch.equal(copied, joined) and copied.data_ptr() != q.data_ptr()
-    swapped, _ = WeightSource(Layered(sent), torch.float32, torch.device("cpu")).cat([names[1], names[0]])
+    for base in (sent, Layered({}, sent)):  # a checkpoint's tensors, even back to back: never by reference
+        copied, _ = WeightSource(base, torch.float32, torch.device("cpu")).cat(names)
+        assert torch.equal(copied, joined) and copied.data_ptr() != q.data_ptr()
+    swapped, _ = WeightSource(Layered(sent, {}), torch.float32, torch.device("cpu")).cat([names[1], names[0]])
     assert torch.equal(swapped, torch.cat([k, q]))  # not in buffer order: copied, still right
-    as_bf16, _ = WeightSource(Layered(sent), torch.bfloat16, torch.device("cpu")).cat(names)
+    as_bf16, _ = WeightSource(Layered(sent, {}), torch.bfloat16, torch.device("cpu")).cat(names)
     assert torch.equal(as_bf16, torch.cat([q, k, v]).bfloat16())  # converted parts are copies
 
 

@@ -92,7 +92,7 @@ def buffers(specs: list[tuple[str, torch.dtype, list[int]]]) -> list[torch.Tenso
     (names alike up to their last two parts, e.g. ``model.layers.3.self_attn``) of one dtype lie
     back to back in one buffer, Q/K/V and gate/up in the order the loader fuses them whatever the
     order they are sent in: the update then takes them as views instead of copying them
-    (``WeightSource``'s ``joins_adjacent``). One buffer a module: a later update of a whole
+    (``WeightSource``'s ``joinable_storages``). One buffer a module: a later update of a whole
     module frees its old one."""
     groups: dict[tuple[str, torch.dtype], list[int]] = {}
     for i, (name, dtype, _) in enumerate(specs):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tripod.loader import open_source
+from tripod.loader.lazy import LazyTensors
 from tripod.models.registry import model_class
 
 if TYPE_CHECKING:
@@ -45,11 +46,14 @@ def finite(t: torch.Tensor) -> bool:
 
 
 class Layered(ChainMap[str, torch.Tensor]):
-    """The tensors sent over the checkpoint's (the first mapping holding a name wins). The tensors
-    sent are never written again, so the loader may take fused parts lying back to back in one
-    received buffer as a view of it (``WeightSource``'s ``joins_adjacent``) rather than copy them."""
+    """The tensors sent over the checkpoint's (the first mapping holding a name wins). The buffers
+    the tensors sent lie in are never written again, so the loader may take fused parts lying back
+    to back in one of them as a view rather than copy them (``WeightSource``'s
+    ``joinable_storages``); never the checkpoint's own tensors."""
 
-    joins_adjacent = True
+    def __init__(self, sent: dict[str, torch.Tensor], base: Mapping[str, torch.Tensor]) -> None:
+        super().__init__(sent, base)  # type: ignore[arg-type]
+        self.joinable_storages = frozenset(t.untyped_storage().data_ptr() for t in sent.values())
 
 
 class UpdateError(ValueError):
@@ -173,7 +177,9 @@ class WeightUpdater:
         """The current checkpoint's tensor shapes by HF name (read once per checkpoint)."""
         if self._shape_of is None or self._shape_of[0] != self.path:
             base = self._base(self.path)
-            self._shape_of = (self.path, {name: tuple(base[name].shape) for name in base})
+            # (a lazy checkpoint says its shapes without reading, or dequantizing, its tensors)
+            shape = base.shape if isinstance(base, LazyTensors) else lambda name: tuple(base[name].shape)
+            self._shape_of = (self.path, {name: shape(name) for name in base})
         return self._shape_of[1]
 
     def _base(self, path: str) -> Mapping[str, torch.Tensor]:

@@ -18,18 +18,19 @@ class WeightSource:
     """A checkpoint's tensors by HF name; every parameter must be covered (a missing tensor is
     an error, never zeros).
 
-    ``weights`` may say ``joins_adjacent = True`` (a weight update's received tensors, laid out
-    one after another in shared buffers, never written again): parts fused (Q/K/V, gate/up,
-    stacked experts) that already lie back to back in one buffer, in order, are then taken as one
-    view of it instead of copied (the same values as the concatenation, without its copy)."""
+    ``weights`` may name ``joinable_storages`` (the data pointers of the buffers that a weight
+    update's received tensors lie in, back to back, never written again): parts fused (Q/K/V,
+    gate/up, stacked experts) that already lie back to back in one of those buffers, in order, are
+    then taken as one view of it instead of copied (the same values as the concatenation, without
+    its copy)."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                  fp8_block: tuple[int, int] | None = None) -> None:
         self.weights, self.dtype, self.device = weights, dtype, device
         self.fp8_block = fp8_block  # set: FP8 weights stay FP8 (with their weight_scale_inv)
-        # NOTE: only when the mapping says so: a checkpoint's own tensors (e.g. memory-mapped
-        # file pages) must not become parameters by reference.
-        self.joins = bool(getattr(weights, "joins_adjacent", False))
+        # NOTE: only in buffers the mapping names: a checkpoint's own tensors (e.g. memory-mapped
+        # file pages) must never become parameters by reference.
+        self.joinable: frozenset[int] = frozenset(getattr(weights, "joinable_storages", ()))
 
     def has(self, name: str) -> bool:
         return name in self.weights
@@ -67,22 +68,23 @@ class WeightSource:
     def cat(self, names: list[str]) -> Part:
         """Parts fused along their rows (kept FP8 when every part is FP8 and starts on a block)."""
         parts = [self.part(n) for n in names]
-        joined = adjacent(parts, dim0=True) if self.joins else None
+        joined = adjacent(parts, self.joinable, dim0=True) if self.joinable else None
         return joined if joined is not None else fuse(parts, self.dtype, lambda p: torch.cat(p), dim0=True)
 
     def stack(self, parts: list[Part]) -> Part:
-        joined = adjacent(parts, dim0=False) if self.joins else None
+        joined = adjacent(parts, self.joinable, dim0=False) if self.joinable else None
         return joined if joined is not None else fuse(parts, self.dtype, lambda p: torch.stack(p), dim0=False)
 
 
-def adjacent(parts: list[Part], dim0: bool) -> Part | None:
-    """``parts`` concatenated along rows (``dim0``) or stacked, as one view of the buffer they
-    already fill back to back, in order (None: they do not; the caller copies)."""
+def adjacent(parts: list[Part], storages: frozenset[int], dim0: bool) -> Part | None:
+    """``parts`` concatenated along rows (``dim0``) or stacked, as one view of the buffer (one of
+    ``storages``) they already fill back to back, in order (None: they do not; the caller copies)."""
     ts = [t for t, _ in parts]
     first = ts[0]
-    if any(sc is not None for _, sc in parts) or not first.is_contiguous() or first.dim() == 0:
-        return None
     storage = first.untyped_storage().data_ptr()
+    if (storage not in storages or any(sc is not None for _, sc in parts) or not first.is_contiguous()
+            or first.dim() == 0):
+        return None
     for a, b in itertools.pairwise(ts):
         if (b.dtype != first.dtype or b.device != first.device or not b.is_contiguous()
                 or b.untyped_storage().data_ptr() != storage or a.data_ptr() + a.nbytes != b.data_ptr()
