@@ -10,7 +10,9 @@ bytes once, on the embedded SmolLM2-135M served in float32 (weights dequantized)
 This process plays the trainer (rank 0): it starts ``tripod serve --enable-rl-api``, joins the
 engine into a gloo group, and for each update posts ``/update_weights_from_distributed`` while it
 broadcasts every tensor of the model's HF state dict. Measured: ``copy_s``, the best of 3 clones of
-those tensors (the time to copy the model's bytes once here); ``update_s``, each update's wall time
+those tensors (the time to copy the model's bytes once here), and one clone again just before each
+update (the load of a shared machine drifts: each update's ratio is taken to its neighbouring copy);
+a one-token request before each update; ``update_s``, each update's wall time
 (from the POST to its answer: broadcast, checks, the fresh model built through the loader's mapping,
 the swap; since the update also packs the new weights for the kernels, that too);
 ``first_token_s``, a one-token request after the update (before, the weights were packed again
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,7 +82,12 @@ def main() -> None:
         body = {"names": list(state), "dtypes": [str(v.dtype).removeprefix("torch.") for v in state.values()],
                 "shapes": [list(v.shape) for v in state.values()]}
         rows = []
+        one_token = {"prompt": "Hello", "max_tokens": 1}
         for i in range(args.updates):
+            # The load on a shared machine drifts: a copy and a request timed next to each update.
+            copy_now_s = _timed(lambda: {k: v.clone() for k, v in state.items()})
+            http.post("/v1/completions", json=one_token)
+            token_s = _timed(lambda: http.post("/v1/completions", json=one_token))
             answer: list[Any] = []
             t0 = time.perf_counter()
             post = threading.Thread(target=_post, args=(http, body, answer))
@@ -89,12 +97,17 @@ def main() -> None:
             post.join()
             update_s = time.perf_counter() - t0
             assert answer[0].status_code == 200, answer[0].text
-            first_token_s = _timed(lambda: http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1}))
-            rows.append({"update": i, "update_s": round(update_s, 3), "first_token_s": round(first_token_s, 3),
-                         "weight_version": answer[0].json()["weight_version"]})
+            first_token_s = _timed(lambda: http.post("/v1/completions", json=one_token))
+            rows.append({"update": i, "copy_just_before_s": round(copy_now_s, 3), "update_s": round(update_s, 3),
+                         "update_over_that_copy": round(update_s / copy_now_s, 2),
+                         "token_before_update_s": round(token_s, 3), "first_token_s": round(first_token_s, 3),
+                         "weight_version": answer[0].json()["weight_version"],
+                         "load_average_1m": round(os.getloadavg()[0], 1)})
             print(json.dumps(rows[-1]), flush=True)
+        later = [r["update_over_that_copy"] for r in rows[1:]] or [rows[0]["update_over_that_copy"]]
         run = {"label": args.label, "tripod": args.tripod or "this checkout", "copy_s": round(copy_s, 3),
                "updates": rows, "best_update_over_copy": round(min(r["update_s"] for r in rows) / copy_s, 2),
+               "median_update_over_adjacent_copy_after_the_first": round(statistics.median(later), 2),
                "load_average_1m_at_end": round(os.getloadavg()[0], 1)}
         log.flush()  # (the server's own timings of each phase, where it logs them)
         run["server_log"] = [line.split(" ", 2)[-1] for line in Path(log.name).read_text().splitlines()
