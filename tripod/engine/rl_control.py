@@ -181,10 +181,10 @@ class RLControl:
 
     def _update_weights(self, msg: engine_ipc.UpdateWeights) -> None:
         t = msg.token
-        received = None
+        received, nonfinite = None, None
         if msg.names:  # the trainer is broadcasting now: receive first, then decide
             try:
-                received = self.group.receive(msg.names, msg.dtypes, msg.shapes, self.beat)
+                received, nonfinite = self.group.receive(msg.names, msg.dtypes, msg.shapes, self.beat)
             except UpdateError as e:
                 self._reply(t, error=str(e), kind=e.kind)
                 return
@@ -200,7 +200,7 @@ class RLControl:
             self._reply(t, error=self._busy("weights can be updated", frozen=True), kind="conflict")
             return
         try:
-            staged = self.weights.stage(msg.model_path, msg.safetensors, received)
+            staged = self.weights.stage(msg.model_path, msg.safetensors, received, nonfinite)
         except UpdateError as e:
             self._reply(t, error=str(e), kind=e.kind)
             return

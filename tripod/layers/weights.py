@@ -4,6 +4,7 @@ which come with their scales and are fused (Q/K/V, gate/up, stacked experts) sca
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import torch
@@ -15,12 +16,21 @@ Part = tuple[torch.Tensor, Fp8Scales | None]
 
 class WeightSource:
     """A checkpoint's tensors by HF name; every parameter must be covered (a missing tensor is
-    an error, never zeros)."""
+    an error, never zeros).
+
+    ``weights`` may name ``joinable_storages`` (the data pointers of the buffers that a weight
+    update's received tensors lie in, back to back, never written again): parts fused (Q/K/V,
+    gate/up, stacked experts) that already lie back to back in one of those buffers, in order, are
+    then taken as one view of it instead of copied (the same values as the concatenation, without
+    its copy)."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                  fp8_block: tuple[int, int] | None = None) -> None:
         self.weights, self.dtype, self.device = weights, dtype, device
         self.fp8_block = fp8_block  # set: FP8 weights stay FP8 (with their weight_scale_inv)
+        # NOTE: only in buffers the mapping names: a checkpoint's own tensors (e.g. memory-mapped
+        # file pages) must never become parameters by reference.
+        self.joinable: frozenset[int] = frozenset(getattr(weights, "joinable_storages", ()))
 
     def has(self, name: str) -> bool:
         return name in self.weights
@@ -58,10 +68,34 @@ class WeightSource:
     def cat(self, names: list[str]) -> Part:
         """Parts fused along their rows (kept FP8 when every part is FP8 and starts on a block)."""
         parts = [self.part(n) for n in names]
-        return fuse(parts, self.dtype, lambda p: torch.cat(p), dim0=True)
+        joined = adjacent(parts, self.joinable, dim0=True) if self.joinable else None
+        return joined if joined is not None else fuse(parts, self.dtype, lambda p: torch.cat(p), dim0=True)
 
     def stack(self, parts: list[Part]) -> Part:
-        return fuse(parts, self.dtype, lambda p: torch.stack(p), dim0=False)
+        joined = adjacent(parts, self.joinable, dim0=False) if self.joinable else None
+        return joined if joined is not None else fuse(parts, self.dtype, lambda p: torch.stack(p), dim0=False)
+
+
+def adjacent(parts: list[Part], storages: frozenset[int], dim0: bool) -> Part | None:
+    """``parts`` concatenated along rows (``dim0``) or stacked, as one view of the buffer (one of
+    ``storages``) they already fill back to back, in order (None: they do not; the caller copies)."""
+    ts = [t for t, _ in parts]
+    first = ts[0]
+    storage = first.untyped_storage().data_ptr()
+    if (storage not in storages or any(sc is not None for _, sc in parts) or not first.is_contiguous()
+            or first.dim() == 0):
+        return None
+    for a, b in itertools.pairwise(ts):
+        if (b.dtype != first.dtype or b.device != first.device or not b.is_contiguous()
+                or b.untyped_storage().data_ptr() != storage or a.data_ptr() + a.nbytes != b.data_ptr()
+                or (b.shape[1:] != first.shape[1:] if dim0 else b.shape != first.shape)):
+            return None
+    if dim0:
+        shape = (sum(int(t.shape[0]) for t in ts), *first.shape[1:])
+    else:
+        shape = (len(ts), *first.shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return first.as_strided(shape, stride, first.storage_offset()), None
 
 
 def fuse(parts: list[Part], dtype: torch.dtype, op: object, dim0: bool) -> Part:

@@ -300,6 +300,12 @@ class GGUFTensors(LazyTensors):
             where[name] = t
         super().__init__(where)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        handle = self._where[name]
+        if isinstance(handle, Entry):  # (a hybrid's rewritten tensor: its shape is the rewrite's)
+            return super().shape(name)
+        return tuple(int(n) for n in reversed(handle.shape))  # (GGUF lists dimensions innermost first)
+
     def read(self, name: str, handle: Any) -> torch.Tensor:
         if isinstance(handle, Entry):
             import gguf

@@ -30,6 +30,9 @@ class LazySafetensors(LazyTensors):
     def read(self, name: str, handle: Any) -> torch.Tensor:
         return handle.get_tensor(name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
 
 class HFFolder:
     """A local checkpoint folder in Hugging Face layout."""

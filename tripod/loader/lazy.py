@@ -20,6 +20,10 @@ class LazyTensors(Mapping[str, torch.Tensor], abc.ABC):
     def read(self, name: str, handle: Any) -> torch.Tensor:
         """The tensor ``name``, read through its ``handle``."""
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name`` (read here; formats that store it say it without reading)."""
+        return tuple(self[name].shape)
+
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.read(name, self._where[name])
 
