@@ -119,7 +119,7 @@ def load_model(
                          f"which runs with --weights stored (or auto) on the CPU; --weights {weights} would run "
                          "another model")
     if fmt is not None and fmt.quantizes_activations and (tp.size > 1 or pp.stages > 1):
-        raise ValueError(f"{path.name} is {quant}: W8A8 runs in one process for now (no tensor or pipeline parallel)")
+        raise ValueError(f"{path.name} is {quant}: W8A8 and W4A4 run in one process for now (no tensor or pipeline parallel)")
     if weights == "fp8":
         block = src.fp8_block if isinstance(src, HFFolder) else None
         if block is None:
@@ -186,9 +186,11 @@ def _check_w8a8_covered(net: Any, stored: Mapping[str, Any]) -> None:
     """Every W8A8 weight must run as W8A8 (its activations quantized): refuse one the model did
     not take as stored (MoE experts, a projection fused with an unquantized one)."""
     parts = {"qkv": 3, "gate_up": 2}
-    taken = sum(parts.get(k, 1) for layer in net.layers for k, sw in layer.stored.items() if sw.kind.startswith("W8A8"))
+    taken = sum(parts.get(k, 1) for layer in net.layers for k, sw in layer.stored.items()
+                if sw.kind.startswith(("W8A8", "W4A4")))
     if taken != len(stored):
         experts = sorted(n for n in stored if ".experts." in n)[:2]
         why = f"MoE experts ({', '.join(experts)}, ...)" if experts else "a projection fused with one left unquantized"
-        raise ValueError(f"W8A8 checkpoint: {len(stored) - taken} quantized weights would not run as W8A8 here: "
-                         f"{why}; W8A8 runs the attention and dense MLP projections for now")
+        raise ValueError(f"W8A8 / W4A4 checkpoint: {len(stored) - taken} quantized weights would not run with their "
+                         f"activations quantized here: {why}; W8A8 and W4A4 run the attention and dense MLP projections "
+                         "for now")

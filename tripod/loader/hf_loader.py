@@ -135,7 +135,7 @@ class HFFolder:
         """Every quantized linear of ``out`` unpacked (its tensors removed from ``out``), by module."""
         fmt = self.int_format
         assert fmt is not None
-        found: dict[str, Any] = {}  # GroupQuantized, or W8A8Weight
+        found: dict[str, Any] = {}  # GroupQuantized, W8A8Weight or Nvfp4W4A4Weight
         for module in fmt.modules(list(out)):
             if module + ".weight" in out and not fmt.weight_is_codes:
                 raise hf_quant.QuantizedCheckpointError(
@@ -176,6 +176,11 @@ class HFFolder:
                 kind = "W8A8_INT8" if w.kind == "int8" else "W8A8_FP8"
                 ins = None if w.input_scale is None else w.input_scale.expand(w.shape[0]).contiguous()
                 stored[module + ".weight"] = StoredWeight(kind, w.codes, w.shape, None, scales=w.scales, input_scales=ins)
+                continue
+            if isinstance(w, hf_quant.Nvfp4W4A4Weight):  # FP4 activations quantized per row (layers/w4a4.py)
+                ins = w.input_global_scale.expand(w.shape[0]).contiguous()
+                stored[module + ".weight"] = StoredWeight("W4A4_NVFP4", w.codes, w.shape, None, scales=w.scales,
+                                                          input_scales=ins)
                 continue
             blocks = group_blocks(w)
             if blocks is not None:

@@ -43,7 +43,8 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output 8c + AWQ_ORDER[i] sits in nibble 
 SUPPORTED = (
     "AWQ (version gemm, 4-bit, zero points), GPTQ (4- or 8-bit, symmetric or not, desc_act, any group size), "
     "compressed-tensors pack-quantized (int4/int8 weights, group or channel strategy, no activation quantization) "
-    "and nvfp4-pack-quantized (NVFP4A16: FP4 weights, 16-bit activations), "
+    "and nvfp4-pack-quantized (NVFP4A16: FP4 weights, 16-bit activations; NVFP4 W4A4: FP4 activations in groups "
+    "of 16, FP8 scales computed per row over a static input_global_scale), "
     "int-quantized / float-quantized W8A8 (int8 or FP8 E4M3 weights per channel or tensor, symmetric, "
     "activations quantized dynamically per token)"
 )
@@ -58,11 +59,16 @@ class IntScheme:
     bits: int
     group: int
     symmetric: bool
-    kind: str = "int"  # "int", or "nvfp4": FP4 (E2M1) codes, FP8 group scales over a global scale
+    # "int", or "nvfp4": FP4 (E2M1) codes, FP8 group scales over a global scale ("nvfp4-w4a4": with
+    # FP4 input activations, W4A4)
+    kind: str = "int"
 
     def describe(self) -> str:
         if self.kind == "nvfp4":
             return f"nvfp4 (fp4 e2m1, group {self.group}, fp8 scales / global scale)"
+        if self.kind == "nvfp4-w4a4":
+            return (f"nvfp4 w4a4 (fp4 e2m1 weights and activations, group {self.group}, fp8 scales / global scale; "
+                    "activation scales per row and group)")
         group = "per channel" if self.group == -1 else f"group {self.group}"
         return f"int{self.bits}, {group}, {'symmetric' if self.symmetric else 'zero points'}"
 
@@ -144,7 +150,7 @@ class IntFormat:
     def not_stored_reason(self) -> str | None:
         """Why the config's schemes leave no weight to execute as stored (None: some are)."""
         for sc in self.schemes():
-            if sc.kind == "nvfp4":
+            if sc.kind.startswith("nvfp4"):
                 return None
             if sc.group != -1 and sc.group % 32:
                 continue
@@ -345,7 +351,8 @@ class CompressedTensorsFormat(IntFormat):
 
     name = "compressed-tensors"
     marker = "weight_packed"
-    aux = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight_global_scale")
+    aux = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight_global_scale",
+           "input_global_scale")
 
     def __init__(self, q: Mapping[str, Any]) -> None:
         top = q.get("format")
@@ -386,6 +393,11 @@ class CompressedTensorsFormat(IntFormat):
         if not self.groups:
             raise QuantizedCheckpointError("compressed-tensors quantization_config has no config_groups")
         self.ignore = tuple(q.get("ignore") or ())
+        # NVFP4 W4A4: the activations are quantized as the checkpoint says (layers/w4a4.py), stored form only
+        self.quantizes_activations = any(g.scheme.kind == "nvfp4-w4a4" for g in self.groups)
+        if self.quantizes_activations and not all(g.scheme.kind == "nvfp4-w4a4" for g in self.groups):
+            raise QuantizedCheckpointError("compressed-tensors: NVFP4 W4A4 config groups beside weight-only ones are not "
+                                           f"supported (every group W4A4, or none; supported: {SUPPORTED})")
 
     @staticmethod
     def _targets(gname: str, g: Mapping[str, Any]) -> tuple[str, ...]:
@@ -396,18 +408,29 @@ class CompressedTensorsFormat(IntFormat):
 
     @staticmethod
     def _nvfp4(gname: str, g: Mapping[str, Any]) -> IntScheme:
-        """NVFP4A16 (weights only): FP4 E2M1 codes, an FP8 E4M3 scale per 16 inputs, a float32 global scale."""
-        if g.get("input_activations") or g.get("output_activations"):
+        """NVFP4A16 (weights only): FP4 E2M1 codes, an FP8 E4M3 scale per 16 inputs, a float32 global
+        scale; NVFP4 (W4A4, ``llmcompressor``'s scheme): the input activations quantized the same way, their
+        group scales computed per row (``dynamic: local``) over a static ``input_global_scale``."""
+        if g.get("output_activations"):
             raise QuantizedCheckpointError(
-                f"compressed-tensors config group {gname}: NVFP4 with FP4 activations (W4A4) is not supported, "
-                f"only weight-only NVFP4A16 (supported: {SUPPORTED})"
-            )
+                f"compressed-tensors config group {gname}: NVFP4 with quantized output activations is not supported "
+                f"(supported: {SUPPORTED})")
         w = g.get("weights") or {}
         if w.get("type") != "float" or w.get("num_bits") != 4 or w.get("group_size") != 16:
             raise QuantizedCheckpointError(
                 f"compressed-tensors config group {gname}: nvfp4-pack-quantized needs 4-bit float weights in groups of 16"
             )
-        return IntScheme(4, 16, True, "nvfp4")
+        a = g.get("input_activations")
+        if not a:
+            return IntScheme(4, 16, True, "nvfp4")
+        if (a.get("type") != "float" or a.get("num_bits") != 4 or a.get("group_size") != 16
+                or a.get("symmetric", True) is not True or a.get("strategy", "tensor_group") != "tensor_group"
+                or str(a.get("dynamic")).lower() != "local"):
+            raise QuantizedCheckpointError(
+                f"compressed-tensors config group {gname}: NVFP4 input activations {dict(a)} are not supported; tripod "
+                "runs NVFP4 W4A4 as llmcompressor's NVFP4 scheme writes it: symmetric 4-bit float activations, strategy "
+                "tensor_group, group_size 16, dynamic 'local' (FP8 group scales per row over a static input_global_scale)")
+        return IntScheme(4, 16, True, "nvfp4-w4a4")
 
     @staticmethod
     def _matches(pattern: str, module: str) -> bool:
@@ -428,7 +451,7 @@ class CompressedTensorsFormat(IntFormat):
     def describe(self) -> str:
         schemes = sorted({g.scheme.describe() for g in self.groups})
         order = ", act-order" if self.act_order else ""
-        fmt = "nvfp4-pack-quantized" if all(g.scheme.kind == "nvfp4" for g in self.groups) else "pack-quantized"
+        fmt = "nvfp4-pack-quantized" if all(g.scheme.kind.startswith("nvfp4") for g in self.groups) else "pack-quantized"
         return f"compressed-tensors {fmt} ({'; '.join(schemes)}{order})"
 
     def schemes(self) -> list[IntScheme]:
@@ -440,6 +463,8 @@ class CompressedTensorsFormat(IntFormat):
         assert scheme is not None  # modules() refused the others
         if scheme.kind == "nvfp4":
             return self._unpack_nvfp4(tensors, module)
+        if scheme.kind == "nvfp4-w4a4":
+            return Nvfp4W4A4Weight.unpack(tensors, module)
         bits, group = scheme.bits, scheme.group
         per = 32 // bits
         packed = _int32(need_tensor(tensors, module + ".weight_packed", f), module + ".weight_packed", f)
@@ -488,3 +513,37 @@ class CompressedTensorsFormat(IntFormat):
         return GroupQuantized((val + 128).to(torch.uint8), eff * 0.5, torch.full((n, k // 16), 128, dtype=torch.int32),
                               torch.arange(k) // 16, 8)
 
+
+
+@dataclass(frozen=True, slots=True)
+class Nvfp4W4A4Weight:
+    """One NVFP4 W4A4 linear as stored, for ``layers/w4a4.py``: ``codes`` int8 ``2 · fp4`` ``[N, K]``
+    (exact: every E2M1 value is an integer over 2), ``scales`` float32 ``[N, K / 16]`` (the E4M3
+    ``weight_scale`` over ``weight_global_scale``, the float32 division compressed-tensors makes) and
+    ``input_global_scale`` (float32, one value: the activations' static global scale)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    input_global_scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.codes.shape[0]), int(self.codes.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``fp4 · scale`` (the model's dense parameter until the W4A4 form is built; never computed
+        with: these checkpoints always quantize their activations)."""
+        n, k = self.shape
+        return ((self.codes.to(torch.float32) * 0.5).view(n, k // 16, 16) * self.scales.unsqueeze(-1)).reshape(n, k)
+
+    @staticmethod
+    def unpack(tensors: Mapping[str, torch.Tensor], module: str) -> Nvfp4W4A4Weight:
+        gq = CompressedTensorsFormat._unpack_nvfp4(tensors, module)  # codes 2 · fp4 + 128, scales (scale / global) / 2
+        f = "compressed-tensors nvfp4 w4a4"
+        glob = float_scales(need_tensor(tensors, module + ".input_global_scale", f), module + ".input_global_scale", f)
+        glob = glob.reshape(-1)
+        if glob.numel() != 1 or not bool(torch.isfinite(glob).all()) or not bool((glob > 0).all()):
+            raise QuantizedCheckpointError(f"{f} checkpoint: {module}.input_global_scale must be one positive finite "
+                                           f"value (the activations' static global scale), got {glob.tolist()[:4]}")
+        codes = (gq.codes.to(torch.int16) - 128).to(torch.int8)
+        return Nvfp4W4A4Weight(codes, gq.scales * 2.0, glob.reshape(()).contiguous())
