@@ -50,7 +50,7 @@ def test_w4a4_linear_is_the_checkpoints_math_and_batch_invariant(dtype: torch.dt
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 
     from tripod.layers.w4a4 import W4A4Linear, quantize_nvfp4
-    from tripod.loader.hf_quant import Nvfp4W4A4Weight
+    from tripod.loader.hf_nvfp4 import Nvfp4W4A4Weight
 
     args = _args().input_activations
     g = torch.Generator().manual_seed(7)

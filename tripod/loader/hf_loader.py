@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tripod.loader import hf_quant, hf_w8a8
+from tripod.loader import hf_nvfp4, hf_quant, hf_w8a8
 from tripod.loader.lazy import LazyTensors
 from tripod.models.config import ModelConfig
 from tripod.models.vision.spec import vlm_family
@@ -177,7 +177,7 @@ class HFFolder:
                 ins = None if w.input_scale is None else w.input_scale.expand(w.shape[0]).contiguous()
                 stored[module + ".weight"] = StoredWeight(kind, w.codes, w.shape, None, scales=w.scales, input_scales=ins)
                 continue
-            if isinstance(w, hf_quant.Nvfp4W4A4Weight):  # FP4 activations quantized per row (layers/w4a4.py)
+            if isinstance(w, hf_nvfp4.Nvfp4W4A4Weight):  # FP4 activations quantized per row (layers/w4a4.py)
                 ins = w.input_global_scale.expand(w.shape[0]).contiguous()
                 stored[module + ".weight"] = StoredWeight("W4A4_NVFP4", w.codes, w.shape, None, scales=w.scales,
                                                           input_scales=ins)
