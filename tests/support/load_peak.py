@@ -35,10 +35,12 @@ print(json.dumps({"before": before, "peak": status("VmHWM"), "after": status("Vm
 """
 
 
-def load_peak(folder: Path, dtype: str = "bfloat16", weights: str = "stored") -> dict[str, Any]:
+def load_peak(folder: Path, dtype: str = "bfloat16", weights: str = "stored", root: Path | None = None) -> dict[str, Any]:
     """``{"before", "peak", "after", "weight_bytes", "weights"}`` (bytes) of building an Engine over ``folder``
-    in a fresh interpreter (one thread, so thread pools add nothing)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    in a fresh interpreter (one thread, so thread pools add nothing); ``root``: the tripod tree to
+    import (default: this one; a benchmark compares an older tree's loader)."""
+    root = root or Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", _CHILD, str(folder), dtype, weights], capture_output=True,
                          text=True, env=env, timeout=600, check=False)
     if out.returncode != 0:
