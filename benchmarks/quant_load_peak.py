@@ -7,7 +7,9 @@ folder of the same format (hidden 64) is subtracted — what building any engine
 the tokenizer, the KV pool). ``--old TREE``: also measure another tripod tree's loader (e.g. a
 ``git archive`` of an earlier commit), interleaved with this one.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/quant_load_peak.py [--old /tmp/old-tree] > benchmarks/results/quant_load_peak.md
+    PYTHONPATH=. .venv/bin/python benchmarks/quant_load_peak.py [--old /tmp/old-tree] >> benchmarks/results/quant_memory.md
+
+(a section appended to ``benchmarks/results/quant_memory.md``, beside ``benchmarks/quant_memory.py``'s table)
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def main() -> None:
                     extra = (got["peak"] - got["before"]) - (base["peak"] - base["before"])
                     kept = (got["after"] - got["before"]) - (base["after"] - base["before"])
                     rows.setdefault((tree, mode), []).append((extra, kept, got["weight_bytes"]))
-    print("# Load peak of a quantized checkpoint vs its dense size\n")
+    print("\n## Load peak: a quantized checkpoint vs its dense size\n")
     print(f"`benchmarks/quant_load_peak.py{' --old TREE' if args.old else ''}` on {cpu} (shared machine, "
           f"1 thread a load), {datetime.date.today()}; compressed-tensors W4A16 (int4, group 32, symmetric), "
           f"tiny random Llama hidden 1024, intermediate 2048, 4 layers: {n} quantized weights, "

@@ -42,7 +42,7 @@ def load_peak(folder: Path, dtype: str = "bfloat16", weights: str = "stored", ro
     root = root or Path(__file__).resolve().parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", _CHILD, str(folder), dtype, weights], capture_output=True,
-                         text=True, env=env, timeout=600, check=False)
+                         text=True, env=env, timeout=600, check=False, cwd=str(root))
     if out.returncode != 0:
         raise RuntimeError(f"the load process failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
