@@ -29,6 +29,7 @@ from tripod.engine.sampler import Sampler
 from tripod.engine.speculative.factory import extra_bytes_per_token, load_draft, make_proposer
 from tripod.engine.speculative.proposer import Proposer
 from tripod.engine.vision import VisionInputs, vision_obstacle
+from tripod.kernels import unavailable_reason
 from tripod.kernels.startup import BuildThreads, start_kernels
 from tripod.layers.mlp import GatedMLP
 from tripod.layers.parallel import SINGLE, SINGLE_STAGE, ParallelGroup, PipeStage
@@ -102,8 +103,12 @@ def load_weights(config: EngineConfig, loaded: LoadedModel | None, dtype: torch.
         if config.weights == "fp8":
             raise ValueError("--weights fp8 needs the model loaded with its FP8 weights (load_model(..., weights='fp8'))")
         raise ValueError("--weights stored needs the model loaded with its stored weights (load_model(..., weights='stored'))")
+    # the engine will keep only the stored form (release_dense_stored below): the loader then never
+    # makes the dense copy of the projections it takes as stored
+    stored_only = (config.weights == "stored" and not config.triton and config.kernels != "eager" and tp.size == 1
+                   and pp.stages == 1 and device.type == "cpu" and unavailable_reason(config.kernel_level) is None)
     return loaded or load_model(config.model, dtype, device, weights=config.weights, tp=tp,
-                                expert_parallel=config.enable_expert_parallel, pp=pp)
+                                expert_parallel=config.enable_expert_parallel, pp=pp, stored_only=stored_only)
 
 
 def eos_ids_of(loaded: LoadedModel) -> frozenset[int]:

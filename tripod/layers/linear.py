@@ -39,6 +39,7 @@ from tripod.layers.fp8 import (
     report_fp8,
 )
 from tripod.layers.fp8 import unsupported_reason as fp8_unsupported_reason
+from tripod.layers.w4a4 import W4A4Linear
 from tripod.layers.w8a8 import W8A8_KINDS, W8A8Linear
 
 __all__ = ["FP8_DTYPES", "Fp8BlockLinear", "Fp8ScaledLinear", "Fp8Scales", "dequantize_fp8"]
@@ -62,7 +63,8 @@ class StoredWeight:
     # the one the kernels read (``LlamaForCausalLM.release_dense_stored``).
     packed: bool = False
     # W8A8 kinds (``layers/w8a8.py``): ``blocks`` holds the int8 / float8 codes [N, K] as stored and
-    # these are the weight scales, float32 [N].
+    # these are the weight scales, float32 [N]. W4A4_NVFP4 (``layers/w4a4.py``): ``blocks`` int8
+    # ``2 · fp4`` [N, K], scales float32 [N, K / 16] and ``input_scales`` the activations' global scale per row.
     scales: torch.Tensor | None = None
     # W8A8 with static activation scales: each output row's activation scale, float32 [N] (a fused
     # projection's parts each keep their own); None: activations quantized dynamically per token.
@@ -141,7 +143,7 @@ class KernelLinear:
         return cls(ops, packed, fmt, n, k, bias, stored.perm)
 
 
-Linear = DenseLinear | OneDNNLinear | KernelLinear | Fp8BlockLinear | Fp8ScaledLinear | W8A8Linear
+Linear = DenseLinear | OneDNNLinear | KernelLinear | Fp8BlockLinear | Fp8ScaledLinear | W8A8Linear | W4A4Linear
 
 
 def onednn_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -193,6 +195,9 @@ def make_linear(
     """The executable form of one projection. ``stored``: the GGUF blocks of ``weight`` (same
     values), used by the ``stored`` form when their type is one tripod executes. ``fp8``: the
     scales of a weight kept in FP8 (any form)."""
+    if stored is not None and stored.kind == "W4A4_NVFP4":  # FP4 activations quantized as the checkpoint says
+        assert stored.scales is not None and stored.input_scales is not None
+        return W4A4Linear(stored.blocks, stored.scales, stored.input_scales, bias)
     if stored is not None and stored.kind in W8A8_KINDS:  # activations quantized as the checkpoint says, any form
         assert stored.scales is not None
         return W8A8Linear(stored.blocks, stored.scales, W8A8_KINDS[stored.kind], bias, stored.input_scales)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,11 +102,15 @@ def load_tokenizer(model: str | None) -> LoadedTokenizer:
 def load_model(
     model: str | None, dtype: torch.dtype, device: torch.device, weights: str = "dequantized",
     tp: ParallelGroup = SINGLE, expert_parallel: bool = False, pp: PipeStage = SINGLE_STAGE,
+    stored_only: bool = False,
 ) -> LoadedModel:
     """Load ``model`` (None: the embedded default; a ``.gguf`` file; or an HF folder).
     ``weights="stored"`` also keeps a GGUF's quantized blocks for the ``stored`` compute form.
     ``tp``: keep only this tensor-parallel rank's slices (an HF folder's tensors are then read one
-    at a time, so the rank never holds the whole model); ``pp``: only this pipeline stage's layers."""
+    at a time, so the rank never holds the whole model); ``pp``: only this pipeline stage's layers.
+    ``stored_only`` (``weights="stored"``, an HF integer-quantized folder, one process): the caller runs
+    only the stored form, so each projection taken as stored gets no dense copy at all — the ``[0, K]``
+    placeholder ``release_dense_stored`` would leave — and the load never holds it dequantized."""
     name, path, src = open_source(model)
     cfg = src.config()
     quant = src.quantization
@@ -119,8 +123,8 @@ def load_model(
                          f"which runs with --weights stored (or auto) on the CPU; --weights {weights} would run "
                          "another model")
     if fmt is not None and fmt.quantizes_activations and (tp.size > 1 or pp.stages > 1):
-        raise ValueError(f"{path.name} is {quant}: W8A8 runs in one process for now (no tensor or pipeline parallel)")
-    if weights == "fp8":
+        raise ValueError(f"{path.name} is {quant}: W8A8 and W4A4 run in one process for now (no tensor or pipeline parallel)")
+    if weights == "fp8":  # (the other modes load below)
         block = src.fp8_block if isinstance(src, HFFolder) else None
         if block is None:
             raise ValueError(
@@ -130,15 +134,20 @@ def load_model(
         net.load_weights(src.weights(keep_fp8=True), fp8_block=block)
         log.info("%s: %d weights kept in FP8 (w8a16: dequantized per block band inside each matmul)",
                  name, net.fp8_weights)
-    else:
-        lazy = src.lazy_weights() if tp.size > 1 or pp.stages > 1 else None
-        net.load_weights(lazy if lazy is not None else src.weights(), tp=tp, expert_parallel=expert_parallel)
     stored: Mapping[str, Any] = {}
-    if weights == "stored":
-        if isinstance(src, HFFolder) and src.int_format is None:
-            raise ValueError("--weights stored executes a GGUF file's quantized weights or an AWQ / GPTQ / "
-                             "compressed-tensors folder's integer ones; this model is an unquantized HF folder")
+    if weights == "stored" and isinstance(src, HFFolder) and src.int_format is None:
+        raise ValueError("--weights stored executes a GGUF file's quantized weights or an AWQ / GPTQ / "
+                         "compressed-tensors folder's integer ones; this model is an unquantized HF folder")
+    early = stored_only and weights == "stored" and fmt is not None and tp.size == 1 and pp.stages == 1
+    if early:  # the stored form first: what it takes needs no dense weight (a [0, K] placeholder instead)
         stored = src.stored_weights()
+        net.load_stored(stored)
+    if weights != "fp8":
+        lazy = src.lazy_weights() if tp.size > 1 or pp.stages > 1 else None
+        dense = lazy if lazy is not None else src.weights()
+        net.load_weights(_Placeholders(dense, _taken(net)) if early else dense, tp=tp, expert_parallel=expert_parallel)
+    if weights == "stored":
+        stored = stored or src.stored_weights()
         net.load_stored(stored)
         if fmt is not None and fmt.quantizes_activations:
             _check_w8a8_covered(net, stored)
@@ -182,13 +191,54 @@ def open_source(model: str | None) -> tuple[str, Path, GGUFFile | HFFolder]:
     return name, path, src
 
 
+_SITES = {"qkv": ("attn", "qkv", "self_attn.", ("q_proj", "k_proj", "v_proj")), "o": ("attn", "o", "self_attn.", ("o_proj",)),
+          "gate_up": ("mlp", "gate_up", "mlp.", ("gate_proj", "up_proj")), "down": ("mlp", "down", "mlp.", ("down_proj",))}
+
+
+def _taken(net: Any) -> dict[str, int]:
+    """The HF names of the weights ``net.load_stored`` took as stored (every part of each fused site),
+    with their input widths (the model's parameters are made at their full shapes)."""
+    out = {}
+    for layer in net.layers:
+        for key in layer.stored:
+            mod, attr, prefix, parts = _SITES[key]
+            k = int(getattr(getattr(layer, mod), attr).shape[1])
+            out.update({f"model.layers.{layer.layer}.{prefix}{part}.weight": k for part in parts})
+    return out
+
+
+class _Placeholders(Mapping[str, torch.Tensor]):
+    """``base`` with each weight of ``widths`` read as a ``[0, K]`` placeholder (no memory; what
+    ``layers/linear.py``'s ``released`` leaves), so its fused site loads as a released weight and the
+    checkpoint's codes are never dequantized for it."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], widths: dict[str, int]) -> None:
+        self.base, self.widths = base, widths
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.widths:
+            return torch.empty((0, self.widths[name]), dtype=torch.float32)
+        return self.base[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.base
+
+
 def _check_w8a8_covered(net: Any, stored: Mapping[str, Any]) -> None:
     """Every W8A8 weight must run as W8A8 (its activations quantized): refuse one the model did
     not take as stored (MoE experts, a projection fused with an unquantized one)."""
     parts = {"qkv": 3, "gate_up": 2}
-    taken = sum(parts.get(k, 1) for layer in net.layers for k, sw in layer.stored.items() if sw.kind.startswith("W8A8"))
+    taken = sum(parts.get(k, 1) for layer in net.layers for k, sw in layer.stored.items()
+                if sw.kind.startswith(("W8A8", "W4A4")))
     if taken != len(stored):
         experts = sorted(n for n in stored if ".experts." in n)[:2]
         why = f"MoE experts ({', '.join(experts)}, ...)" if experts else "a projection fused with one left unquantized"
-        raise ValueError(f"W8A8 checkpoint: {len(stored) - taken} quantized weights would not run as W8A8 here: "
-                         f"{why}; W8A8 runs the attention and dense MLP projections for now")
+        raise ValueError(f"W8A8 / W4A4 checkpoint: {len(stored) - taken} quantized weights would not run with their "
+                         f"activations quantized here: {why}; W8A8 and W4A4 run the attention and dense MLP projections "
+                         "for now")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tripod.loader import hf_quant, hf_w8a8
+from tripod.loader import hf_nvfp4, hf_quant, hf_w8a8
 from tripod.loader.lazy import LazyTensors
 from tripod.models.config import ModelConfig
 from tripod.models.vision.spec import vlm_family
@@ -107,17 +107,22 @@ class HFFolder:
             return None
         return LazySafetensors(self.files)
 
-    def weights(self, keep_fp8: bool = False) -> dict[str, torch.Tensor]:
+    def weights(self, keep_fp8: bool = False) -> Mapping[str, torch.Tensor]:
         """Every tensor; block-wise FP8 weights dequantized (float32) with their
         ``weight_scale_inv`` (the scales themselves are not returned) — or, with ``keep_fp8``,
-        as stored, scales included."""
+        as stored, scales included. Integer-quantized folders: a lazy mapping that reads each tensor
+        when asked for and dequantizes a quantized linear's ``weight`` then (float32), one at a time,
+        so loading never holds the whole model dequantized (``DequantizedTensors``)."""
         from safetensors.torch import load_file
 
+        if self.int_format is not None:
+            lazy = DequantizedTensors(LazySafetensors(self.files), self.int_format)
+            log.info("%s: %d %s weights dequantized as they load", self.path.name, len(lazy.modules),
+                     self.int_format.describe())
+            return lazy
         out: dict[str, torch.Tensor] = {}
         for f in self.files:
             out.update(load_file(str(f)))
-        if self.int_format is not None:
-            return self._dequantized_ints(out)
         block = self.fp8_block
         if block is None or keep_fp8:
             return out
@@ -134,51 +139,31 @@ class HFFolder:
                  len(scales), *block)
         return out
 
-    def _unpacked(self, out: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Every quantized linear of ``out`` unpacked (its tensors removed from ``out``), by module."""
-        fmt = self.int_format
-        assert fmt is not None
-        found: dict[str, Any] = {}  # GroupQuantized, or W8A8Weight
-        for module in fmt.modules(list(out)):
-            if module + ".weight" in out and not fmt.weight_is_codes:
-                raise hf_quant.QuantizedCheckpointError(
-                    f"{fmt.name} checkpoint: {module} has both a plain weight and quantized tensors")
-            found[module] = fmt.unpack(out, module)
-        for module in found:
-            for suffix in (fmt.marker, *fmt.aux, *(("weight",) if fmt.weight_is_codes else ())):
-                out.pop(f"{module}.{suffix}", None)
-        return found
-
-    def _dequantized_ints(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        found = self._unpacked(out)
-        for module, w in found.items():
-            out[module + ".weight"] = w.dequantize()
-        assert self.int_format is not None
-        log.info("%s: %d %s weights dequantized at load", self.path.name, len(found), self.int_format.describe())
-        return out
-
     def stored_weights(self) -> dict[str, Any]:
         """The integer-quantized weights tripod's kernels execute as stored (``stored.group_blocks``),
         as blocks under HF names (act-order ones with the input permutation that makes their groups
         contiguous); the others (groups not a multiple of 32, float32 scales whose products with the
         zero points round) are left to their dequantized form, counted in the log."""
-        from safetensors.torch import load_file
-
         from tripod.layers.linear import StoredWeight
         from tripod.loader.stored import group_blocks
 
         if self.int_format is None:
             return {}
-        out: dict[str, torch.Tensor] = {}
-        for f in self.files:
-            out.update(load_file(str(f)))
-        found = self._unpacked(out)
+        # one quantized linear at a time (read, unpacked, rewritten): never every unpacked code at once
+        tensors = DequantizedTensors(LazySafetensors(self.files), self.int_format)
         stored: dict[str, Any] = {}
-        for module, w in found.items():
+        found = tensors.modules
+        for module in found:
+            w = tensors.unpack(module)
             if isinstance(w, hf_w8a8.W8A8Weight):  # run as stored, activations quantized (layers/w8a8.py)
                 kind = "W8A8_INT8" if w.kind == "int8" else "W8A8_FP8"
                 ins = None if w.input_scale is None else w.input_scale.expand(w.shape[0]).contiguous()
                 stored[module + ".weight"] = StoredWeight(kind, w.codes, w.shape, None, scales=w.scales, input_scales=ins)
+                continue
+            if isinstance(w, hf_nvfp4.Nvfp4W4A4Weight):  # FP4 activations quantized per row (layers/w4a4.py)
+                ins = w.input_global_scale.expand(w.shape[0]).contiguous()
+                stored[module + ".weight"] = StoredWeight("W4A4_NVFP4", w.codes, w.shape, None, scales=w.scales,
+                                                          input_scales=ins)
                 continue
             blocks = group_blocks(w)
             if blocks is not None:
@@ -200,6 +185,49 @@ class HFFolder:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+
+
+class DequantizedTensors(Mapping[str, torch.Tensor]):
+    """An integer-quantized folder's tensors under the names of the model they make: each plain
+    tensor as stored, each quantized linear's ``<module>.weight`` dequantized (float32) from its
+    codes and scales when asked for — one tensor at a time, nothing cached — and none of the
+    format's own tensors (codes, scales, zero points). Owns the format's checks of the names: a
+    stray scale, a module stored quantized that the config leaves unquantized, a plain weight beside
+    quantized tensors are refused when it is made."""
+
+    def __init__(self, files: Mapping[str, torch.Tensor], fmt: hf_quant.IntFormat) -> None:
+        self.files, self.fmt = files, fmt
+        self.modules = fmt.modules(list(files))
+        quantized = set(self.modules)
+        for module in self.modules:
+            if module + ".weight" in files and not fmt.weight_is_codes:
+                raise hf_quant.QuantizedCheckpointError(
+                    f"{fmt.name} checkpoint: {module} has both a plain weight and quantized tensors")
+        own = {f"{m}.{s}" for m in self.modules for s in (fmt.marker, *fmt.aux, *(("weight",) if fmt.weight_is_codes else ()))}
+        self.plain = {n for n in files if n not in own}
+        self.names = [n for n in files if n in self.plain] + [m + ".weight" for m in self.modules]
+        self.quantized_weights = {m + ".weight": m for m in quantized}
+
+    def unpack(self, module: str) -> Any:
+        """``module``'s weight in the format's unpacked form (``GroupQuantized``, ``W8A8Weight``, …)."""
+        return self.fmt.unpack(self.files, module)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        module = self.quantized_weights.get(name)
+        if module is not None:
+            return self.unpack(module).dequantize()
+        if name not in self.plain:
+            raise KeyError(name)
+        return self.files[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.quantized_weights or name in self.plain
 
 
 def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -43,7 +43,8 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output 8c + AWQ_ORDER[i] sits in nibble 
 SUPPORTED = (
     "AWQ (version gemm, 4-bit, zero points), GPTQ (4- or 8-bit, symmetric or not, desc_act, any group size), "
     "compressed-tensors pack-quantized (int4/int8 weights, group or channel strategy, no activation quantization) "
-    "and nvfp4-pack-quantized (NVFP4A16: FP4 weights, 16-bit activations), "
+    "and nvfp4-pack-quantized (NVFP4A16: FP4 weights, 16-bit activations; NVFP4 W4A4: FP4 activations in groups "
+    "of 16, FP8 scales computed per row over a static input_global_scale), "
     "int-quantized / float-quantized W8A8 (int8 or FP8 E4M3 weights per channel or tensor, symmetric, "
     "activations quantized dynamically per token)"
 )
@@ -58,11 +59,16 @@ class IntScheme:
     bits: int
     group: int
     symmetric: bool
-    kind: str = "int"  # "int", or "nvfp4": FP4 (E2M1) codes, FP8 group scales over a global scale
+    # "int", or "nvfp4": FP4 (E2M1) codes, FP8 group scales over a global scale ("nvfp4-w4a4": with
+    # FP4 input activations, W4A4)
+    kind: str = "int"
 
     def describe(self) -> str:
         if self.kind == "nvfp4":
             return f"nvfp4 (fp4 e2m1, group {self.group}, fp8 scales / global scale)"
+        if self.kind == "nvfp4-w4a4":
+            return (f"nvfp4 w4a4 (fp4 e2m1 weights and activations, group {self.group}, fp8 scales / global scale; "
+                    "activation scales per row and group)")
         group = "per channel" if self.group == -1 else f"group {self.group}"
         return f"int{self.bits}, {group}, {'symmetric' if self.symmetric else 'zero points'}"
 
@@ -144,7 +150,7 @@ class IntFormat:
     def not_stored_reason(self) -> str | None:
         """Why the config's schemes leave no weight to execute as stored (None: some are)."""
         for sc in self.schemes():
-            if sc.kind == "nvfp4":
+            if sc.kind.startswith("nvfp4"):
                 return None
             if sc.group != -1 and sc.group % 32:
                 continue
@@ -176,7 +182,7 @@ def need_tensor(tensors: Mapping[str, torch.Tensor], name: str, fmt: str) -> tor
     return tensors[name]
 
 
-def _shape(t: torch.Tensor, want: tuple[int, ...], name: str, fmt: str, why: str) -> None:
+def check_shape(t: torch.Tensor, want: tuple[int, ...], name: str, fmt: str, why: str) -> None:
     if tuple(t.shape) != want:
         raise QuantizedCheckpointError(f"{fmt} checkpoint: {name} has shape {tuple(t.shape)}, expected {want} ({why})")
 
@@ -228,7 +234,7 @@ def _default_g_idx(k: int, group: int) -> torch.Tensor:
 
 
 def _check_g_idx(g_idx: torch.Tensor, k: int, groups: int, name: str, fmt: str) -> torch.Tensor:
-    _shape(g_idx, (k,), name, fmt, "one group index per input")
+    check_shape(g_idx, (k,), name, fmt, "one group index per input")
     g = g_idx.to(torch.int64)
     if k and (int(g.min()) < 0 or int(g.max()) >= groups):
         raise QuantizedCheckpointError(f"{fmt} checkpoint: {name} names groups outside 0..{groups - 1}")
@@ -270,9 +276,9 @@ class AwqFormat(IntFormat):
         if group != -1 and k % group:
             raise QuantizedCheckpointError(f"AWQ checkpoint: {module} has {k} inputs, not a multiple of group_size {group}")
         scales = need_tensor(tensors, module + ".scales", f)
-        _shape(scales, (gs, n), module + ".scales", f, f"{gs} groups x {n} outputs")
+        check_shape(scales, (gs, n), module + ".scales", f, f"{gs} groups x {n} outputs")
         qz = _int32(need_tensor(tensors, module + ".qzeros", f), module + ".qzeros", f)
-        _shape(qz, (gs, n // 8), module + ".qzeros", f, f"{gs} groups x {n} outputs / 8")
+        check_shape(qz, (gs, n // 8), module + ".qzeros", f, f"{gs} groups x {n} outputs / 8")
         order = torch.tensor(AWQ_ORDER)
 
         def outputs(packed: torch.Tensor) -> torch.Tensor:  # [R, N/8] → [R, N] in output order
@@ -324,9 +330,9 @@ class GptqFormat(IntFormat):
         k, n = int(qw.shape[0]) * per, int(qw.shape[1])
         gs = _groups(k, group)
         scales = need_tensor(tensors, module + ".scales", f)
-        _shape(scales, (gs, n), module + ".scales", f, f"{gs} groups of {group} x {n} outputs")
+        check_shape(scales, (gs, n), module + ".scales", f, f"{gs} groups of {group} x {n} outputs")
         qz = _int32(need_tensor(tensors, module + ".qzeros", f), module + ".qzeros", f)
-        _shape(qz, (gs, n // per), module + ".qzeros", f, f"{gs} groups x {n} outputs / {per}")
+        check_shape(qz, (gs, n // per), module + ".qzeros", f, f"{gs} groups x {n} outputs / {per}")
         gi = tensors.get(module + ".g_idx")
         g_idx = _default_g_idx(k, group) if gi is None else _check_g_idx(gi, k, gs, module + ".g_idx", f)
         codes = _unpack_rows(qw, bits).t().contiguous().to(torch.uint8)
@@ -345,7 +351,8 @@ class CompressedTensorsFormat(IntFormat):
 
     name = "compressed-tensors"
     marker = "weight_packed"
-    aux = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight_global_scale")
+    aux = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight_global_scale",
+           "input_global_scale")
 
     def __init__(self, q: Mapping[str, Any]) -> None:
         top = q.get("format")
@@ -386,6 +393,11 @@ class CompressedTensorsFormat(IntFormat):
         if not self.groups:
             raise QuantizedCheckpointError("compressed-tensors quantization_config has no config_groups")
         self.ignore = tuple(q.get("ignore") or ())
+        # NVFP4 W4A4: the activations are quantized as the checkpoint says (layers/w4a4.py), stored form only
+        self.quantizes_activations = any(g.scheme.kind == "nvfp4-w4a4" for g in self.groups)
+        if self.quantizes_activations and not all(g.scheme.kind == "nvfp4-w4a4" for g in self.groups):
+            raise QuantizedCheckpointError("compressed-tensors: NVFP4 W4A4 config groups beside weight-only ones are not "
+                                           f"supported (every group W4A4, or none; supported: {SUPPORTED})")
 
     @staticmethod
     def _targets(gname: str, g: Mapping[str, Any]) -> tuple[str, ...]:
@@ -394,20 +406,14 @@ class CompressedTensorsFormat(IntFormat):
             raise QuantizedCheckpointError(f"compressed-tensors config group {gname} names no targets")
         return targets
 
-    @staticmethod
-    def _nvfp4(gname: str, g: Mapping[str, Any]) -> IntScheme:
-        """NVFP4A16 (weights only): FP4 E2M1 codes, an FP8 E4M3 scale per 16 inputs, a float32 global scale."""
-        if g.get("input_activations") or g.get("output_activations"):
-            raise QuantizedCheckpointError(
-                f"compressed-tensors config group {gname}: NVFP4 with FP4 activations (W4A4) is not supported, "
-                f"only weight-only NVFP4A16 (supported: {SUPPORTED})"
-            )
-        w = g.get("weights") or {}
-        if w.get("type") != "float" or w.get("num_bits") != 4 or w.get("group_size") != 16:
-            raise QuantizedCheckpointError(
-                f"compressed-tensors config group {gname}: nvfp4-pack-quantized needs 4-bit float weights in groups of 16"
-            )
-        return IntScheme(4, 16, True, "nvfp4")
+    def _nvfp4(self, gname: str, g: Mapping[str, Any]) -> IntScheme:
+        """An ``nvfp4-pack-quantized`` group's scheme: read by ``hf_nvfp4.Nvfp4Format`` (what
+        ``hf_w8a8.parse`` returns for a folder with such groups)."""
+        raise QuantizedCheckpointError(f"compressed-tensors config group {gname}: nvfp4-pack-quantized is read by "
+                                       "tripod.loader.hf_nvfp4.Nvfp4Format")
+
+    def _unpack_fp4(self, tensors: Mapping[str, torch.Tensor], module: str, scheme: IntScheme) -> Any:
+        raise NotImplementedError  # (hf_nvfp4.Nvfp4Format)
 
     @staticmethod
     def _matches(pattern: str, module: str) -> bool:
@@ -428,7 +434,7 @@ class CompressedTensorsFormat(IntFormat):
     def describe(self) -> str:
         schemes = sorted({g.scheme.describe() for g in self.groups})
         order = ", act-order" if self.act_order else ""
-        fmt = "nvfp4-pack-quantized" if all(g.scheme.kind == "nvfp4" for g in self.groups) else "pack-quantized"
+        fmt = "nvfp4-pack-quantized" if all(g.scheme.kind.startswith("nvfp4") for g in self.groups) else "pack-quantized"
         return f"compressed-tensors {fmt} ({'; '.join(schemes)}{order})"
 
     def schemes(self) -> list[IntScheme]:
@@ -438,8 +444,8 @@ class CompressedTensorsFormat(IntFormat):
         f = "compressed-tensors"
         scheme = self.scheme_for(module)
         assert scheme is not None  # modules() refused the others
-        if scheme.kind == "nvfp4":
-            return self._unpack_nvfp4(tensors, module)
+        if scheme.kind.startswith("nvfp4"):
+            return self._unpack_fp4(tensors, module, scheme)
         bits, group = scheme.bits, scheme.group
         per = 32 // bits
         packed = _int32(need_tensor(tensors, module + ".weight_packed", f), module + ".weight_packed", f)
@@ -447,44 +453,20 @@ class CompressedTensorsFormat(IntFormat):
         if shape.numel() != 2:
             raise QuantizedCheckpointError(f"{f} checkpoint: {module}.weight_shape must hold (outputs, inputs)")
         n, k = (int(v) for v in shape.tolist())
-        _shape(packed, (n, -(-k // per)), module + ".weight_packed", f, f"{n} outputs x {k} inputs / {per}")
+        check_shape(packed, (n, -(-k // per)), module + ".weight_packed", f, f"{n} outputs x {k} inputs / {per}")
         gs = _groups(k, group)
         scales = need_tensor(tensors, module + ".weight_scale", f)
-        _shape(scales, (n, gs), module + ".weight_scale", f, f"{n} outputs x {gs} groups ({scheme.describe()})")
+        check_shape(scales, (n, gs), module + ".weight_scale", f, f"{n} outputs x {gs} groups ({scheme.describe()})")
         offset = 1 << (bits - 1)
         codes = _unpack_cols(packed, bits)[:, :k].contiguous().to(torch.uint8)  # unsigned: q + offset
         if scheme.symmetric:
             zeros = torch.full((n, gs), offset, dtype=torch.int32)
         else:
             zp = _int32(need_tensor(tensors, module + ".weight_zero_point", f), module + ".weight_zero_point", f)
-            _shape(zp, (-(-n // per), gs), module + ".weight_zero_point", f, f"{n} outputs / {per} x {gs} groups")
+            check_shape(zp, (-(-n // per), gs), module + ".weight_zero_point", f, f"{n} outputs / {per} x {gs} groups")
             zeros = _unpack_rows(zp, bits)[:n].contiguous()  # q + offset - (z + offset)
         gi = tensors.get(module + ".weight_g_idx")
         g_idx = _default_g_idx(k, group) if gi is None else _check_g_idx(gi, k, gs, module + ".weight_g_idx", f)
         return GroupQuantized(codes, float_scales(scales, module + ".weight_scale", f), zeros, g_idx, bits)
 
-
-    @staticmethod
-    def _unpack_nvfp4(tensors: Mapping[str, torch.Tensor], module: str) -> GroupQuantized:
-        """NVFP4: ``weight_packed`` uint8 ``[N, K / 2]`` (input 2i in the low nibble: sign bit 3, E2M1
-        magnitude index in bits 0-2), ``weight_scale`` float8_e4m3fn ``[N, K / 16]``,
-        ``weight_global_scale`` float32 ``[1]``; ``W = fp4 * (scale / global_scale)`` in float32.
-        Every E2M1 value is an integer over 2 (0, ±0.5 … ±6 = ±12 / 2), so this is the integer form
-        with codes ``2 * fp4 + 128`` (8-bit, zero point 128) and scales ``(scale / global) / 2``, exactly."""
-        f = "compressed-tensors nvfp4"
-        packed = need_tensor(tensors, module + ".weight_packed", f)
-        if packed.dtype != torch.uint8:
-            raise QuantizedCheckpointError(f"{f} checkpoint: {module}.weight_packed is {packed.dtype}, expected uint8")
-        n, k = int(packed.shape[0]), int(packed.shape[1]) * 2
-        scale = need_tensor(tensors, module + ".weight_scale", f)
-        _shape(scale, (n, k // 16), module + ".weight_scale", f, f"{n} outputs x {k} inputs / 16")
-        glob = need_tensor(tensors, module + ".weight_global_scale", f)
-        if glob.numel() != 1:
-            raise QuantizedCheckpointError(f"{f} checkpoint: {module}.weight_global_scale must be one value")
-        half_steps = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.int32)  # E2M1 magnitudes x 2
-        nib = torch.stack(((packed & 15), (packed >> 4)), dim=-1).reshape(n, k).to(torch.int32)
-        val = torch.where(nib >= 8, -half_steps[nib & 7], half_steps[nib & 7])
-        eff = scale.to(torch.float32) / glob.to(torch.float32).reshape(())  # compressed-tensors' float32 division
-        return GroupQuantized((val + 128).to(torch.uint8), eff * 0.5, torch.full((n, k // 16), 128, dtype=torch.int32),
-                              torch.arange(k) // 16, 8)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tripod.loader import hf_quant
+from tripod.loader import hf_nvfp4, hf_quant
 from tripod.loader.hf_quant import (
     SUPPORTED,
     W8A8_FORMATS,
@@ -33,6 +33,8 @@ def parse(config: Mapping[str, Any]) -> IntFormat | None:
         formats = {g.get("format") or q.get("format") for g in (q.get("config_groups") or {}).values()}
         if formats and formats <= set(W8A8_FORMATS):
             return W8A8Format(q)
+        if "nvfp4-pack-quantized" in formats:
+            return hf_nvfp4.Nvfp4Format(q)
     return hf_quant.parse(config)
 
 

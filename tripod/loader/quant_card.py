@@ -15,6 +15,7 @@ from tripod.loader.hf_loader import HFFolder
 _STORED_COMPUTE = {
     "W8A8_INT8": "torch._int_mm (int8 x int8 -> int32, exact) on the CPU",
     "W8A8_FP8": "exact float64 emulation of the FP8 code products on the CPU",
+    "W4A4_NVFP4": "exact FP4 x FP4 code products per group of 16 (float32), group scales applied in float64 on the CPU",
 }
 
 
@@ -42,7 +43,10 @@ def quantization_card(src: GGUFFile | HFFolder, weights: str, stored: Mapping[st
         schemes = fmt.schemes()
         w8a8 = bool(getattr(fmt, "quantizes_activations", False))
         card["bits"] = _one_or_list({s.bits for s in schemes})
-        if w8a8:
+        if w8a8 and any(s.kind == "nvfp4-w4a4" for s in schemes):
+            card["group_size"] = _one_or_list({s.group for s in schemes})
+            card["activations"] = "fp4 e2m1 dynamic per row and group of 16 (fp8 e4m3 scales, static global scale)"
+        elif w8a8:
             per_tensor = getattr(fmt, "strategies", set()) == {"tensor"}
             card["group_size"] = None if per_tensor else -1
             card["activations"] = "; ".join(f"{k} {a}" for k in sorted(getattr(fmt, "kinds", ()))

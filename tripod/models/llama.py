@@ -38,7 +38,6 @@ from tripod.layers.parallel import (
     parameter,
 )
 from tripod.layers.rotary import RotaryEmbedding
-from tripod.layers.w8a8 import W8A8Linear
 from tripod.layers.weights import WeightSource
 from tripod.models.config import ModelConfig
 from tripod.models.gqa import GQAttention, new_param, norm_weight
@@ -298,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 op = ops[idx]
                 w = getattr(mod, attr)
-                if isinstance(op, W8A8Linear) and op.codes is sw.blocks:  # runs the stored codes as they are
+                if getattr(op, "codes", None) is sw.blocks:  # W8A8 / W4A4: runs the stored codes as they are
                     freed += w.numel() * w.element_size()
                     w.data = released(w.data)
                     continue

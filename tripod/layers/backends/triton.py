@@ -54,9 +54,9 @@ class TritonOps:
                fp8: Fp8Scales | None = None) -> Linear | W4A16Linear:
         # An int4 weight stored with its group scales and zero points (--weights stored on an AWQ / GPTQ /
         # compressed-tensors folder) runs on the W4A16 kernel; every other weight on cuBLAS, dequantized.
-        if stored is not None and stored.kind.startswith("W8A8"):
-            raise ValueError("W8A8 checkpoints (activations quantized per token) run on the CPU for now "
-                             "(--device cpu); the Triton backend has no W8A8 linear yet")
+        if stored is not None and stored.kind.startswith(("W8A8", "W4A4")):
+            raise ValueError("W8A8 and NVFP4 W4A4 checkpoints (activations quantized as they say) run on the CPU for "
+                             "now (--device cpu); the Triton backend has no W8A8 / W4A4 linear yet")
         # (Not the two-halves form of 8-bit codes with zero points: its inputs are read twice, K' = 2K.)
         if (stored is not None and stored.kind == "Q4_K" and not stored.packed and fp8 is None
                 and stored.shape[1] == weight.shape[1]):
