@@ -1,6 +1,8 @@
 """Prefill (extend) attention of tripod's CPU kernels, the op alone: a prompt of T tokens
 prefilled in chunks of C (each chunk attends its cached prefix and itself, causally), on the
-embedded model's attention shape (9 query heads, 3 KV heads, head_dim 64), bf16 or float32.
+embedded model's attention shape (9 query heads, 3 KV heads, head_dim 64) or others given by
+``--shapes`` (e.g. ``9x3x64,32x8x128``: a Llama-8B-like 32 query heads over 8 KV heads of 128),
+bf16 or float32.
 
     PYTHONPATH=$PWD python benchmarks/prefill_attention.py [--library PATH.so] [--json OUT]
 
@@ -63,6 +65,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="256,512,1000,1500,2000,3000")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--shapes", default="9x3x64", help="HEADSxKV_HEADSxHEAD_DIM[,...] (default: the embedded model's)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--wall", action="store_true", help="time wall-clock (default: CPU time of this process)")
@@ -74,15 +77,16 @@ def main() -> None:
     # On a shared machine wall time measures the neighbours too: with one thread, the process's
     # CPU time is the op's cost (--wall for wall-clock time).
     clock = time.perf_counter if args.wall else time.process_time
-    heads, kvh, d = 9, 3, 64
     dtype = getattr(torch, args.dtype)
     rows = []
-    for tokens in [int(x) for x in args.tokens.split(",")]:
-        s = _time_prompt(ops, tokens, args.chunk, heads, kvh, d, dtype, args.repeats, clock)
-        pairs = tokens * (tokens + 1) // 2 * heads
-        gflops = 4 * d * pairs / s / 1e9
-        rows.append({"tokens": tokens, "seconds_per_layer": s, "gflops": gflops})
-        print(f"{tokens:6d} tokens  {s * 1e3:9.2f} ms/layer  {gflops:7.1f} GFLOP/s", flush=True)
+    for shape in args.shapes.split(","):
+        heads, kvh, d = (int(x) for x in shape.split("x"))
+        for tokens in [int(x) for x in args.tokens.split(",")]:
+            s = _time_prompt(ops, tokens, args.chunk, heads, kvh, d, dtype, args.repeats, clock)
+            pairs = tokens * (tokens + 1) // 2 * heads
+            gflops = 4 * d * pairs / s / 1e9
+            rows.append({"shape": shape, "tokens": tokens, "seconds_per_layer": s, "gflops": gflops})
+            print(f"{shape:>10s} {tokens:6d} tokens  {s * 1e3:9.2f} ms/layer  {gflops:7.1f} GFLOP/s", flush=True)
     if args.json:
         path = Path(args.json)
         data = json.loads(path.read_text()) if path.exists() else []

@@ -13,6 +13,7 @@ time per op (the top ops, tripod's kernels by name).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import time
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--json", default=None, help="append the results to this JSON file")
     ap.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before/after)")
+    ap.add_argument("--no-profile", action="store_true", help="time the prefill without torch's profiler")
     args = ap.parse_args()
     overrides = {"num_threads": args.threads} if args.threads else {}
     engine = Engine(kv_cache_tokens=max(8192, 2 * args.tokens + 64), **overrides)
@@ -45,11 +47,11 @@ def main() -> None:
     engine.generate([_prompt(engine, 300, 1)], params)  # warm-up
     engine.reset_prefix_cache()
     prompt = _prompt(engine, args.tokens, 2)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with contextlib.nullcontext() if args.no_profile else profile(activities=[ProfilerActivity.CPU]) as prof:
         t0, c0 = time.perf_counter(), time.process_time()
         engine.generate([prompt], params)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    events = [] if prof is None else sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total_self = sum(e.self_cpu_time_total for e in events) / 1e6
     rows = [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "calls": e.count} for e in events[: args.top]]
     print(f"{args.tokens}-token cold prefill: {wall:.3f} s wall, {cpu:.3f} s CPU time on {torch.get_num_threads()} thread(s)")

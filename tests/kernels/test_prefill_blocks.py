@@ -79,3 +79,62 @@ def test_blocked_prefill_rows_are_the_rows_alone_at_every_chunk_prefix_and_level
                 torch.testing.assert_close(alone.float(), want.float(), atol=tol, rtol=tol)
             else:
                 assert torch.equal(alone, base[prefix]), f"{lv}, prefix {prefix}: differs from {LEVELS[0]}"
+
+
+def _reference64(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lens: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of rows ``q`` over ``kv[slots]`` in float64 (row t sees lens[t] keys)."""
+    group = q.shape[1] // kv.shape[2]
+    k = kv[slots.long(), 0].double().repeat_interleave(group, dim=1)  # [L, H, D]
+    v = kv[slots.long(), 1].double().repeat_interleave(group, dim=1)
+    out = []
+    for t, n in enumerate(lens):
+        s = torch.einsum("hd,lhd->hl", q[t].double(), k[:n]) * scale
+        out.append(torch.einsum("hl,lhd->hd", torch.softmax(s, dim=-1), v[:n]))
+    return torch.stack(out)
+
+
+# (heads, KV heads, head_dim): lane groups of query rows that are full, partial and several per block.
+SHAPES = [(4, 1, 32), (8, 2, 128), (6, 3, 96)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{h}x{k}x{d}" for h, k, d in SHAPES])
+def test_lane_blocked_bf16_rows_equal_alone_batched_chunked_and_cached(
+    levels: dict[str, Any], shape: tuple[int, int, int]
+) -> None:
+    """The bf16 blocked path (queries and their GQA heads in vector lanes) gives each row the bits
+    of the row attended alone, whatever shares its block: other requests in the batch, chunks of
+    odd sizes, a cached prefix read back from the pool (past a 512-key split too); and it stays
+    within bf16 rounding of a float64 reference."""
+    heads, kvh, d = shape
+    new, scale = 41, d**-0.5
+    g = torch.Generator().manual_seed(heads * d)
+    width = 530 + new + 8
+    kv = torch.randn(2 * width, 2, kvh, d, generator=g).to(torch.bfloat16)
+    table = torch.randperm(2 * width, generator=g).view(2, width).to(torch.int32)
+    q = torch.randn(new + 3, heads, d, generator=g).to(torch.bfloat16)
+    base: dict[int, torch.Tensor] = {}
+    for lv, ops in levels.items():
+        for prefix in (0, 13, 530):
+            alone = torch.stack([
+                ops.paged_attention(q[t : t + 1], kv, table, torch.zeros(1, dtype=torch.int32),
+                                    torch.tensor([prefix + t + 1], dtype=torch.int32), scale)[0]
+                for t in range(new)
+            ])
+            for chunk in (7, 23, new):
+                outs = []
+                for start in range(0, new, chunk):
+                    m = min(chunk, new - start)
+                    # request 1's three rows (a short block of their own) before and after the chunk
+                    qs = torch.cat([q[new : new + 2], q[start : start + m], q[new + 2 : new + 3]])
+                    rows = torch.tensor([1, 1] + [0] * m + [1], dtype=torch.int32)
+                    lens = torch.tensor([60, 61, *range(prefix + start + 1, prefix + start + m + 1), 90], dtype=torch.int32)
+                    outs.append(ops.paged_attention(qs, kv, table, rows, lens, scale)[2 : 2 + m])
+                got = torch.cat(outs)
+                bad = [t for t in range(new) if not torch.equal(got[t], alone[t])]
+                assert not bad, f"{lv}, {shape}, prefix {prefix}, chunks of {chunk}: rows {bad} differ from the rows alone"
+            if prefix in base:
+                assert torch.equal(alone, base[prefix]), f"{lv}, prefix {prefix}: differs from {LEVELS[0]}"
+                continue
+            base[prefix] = alone
+            want = _reference64(q[:new], kv, table[0], list(range(prefix + 1, prefix + new + 1)), scale)
+            torch.testing.assert_close(alone.double(), want, atol=2e-2, rtol=2e-2)

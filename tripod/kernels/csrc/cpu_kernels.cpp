@@ -50,11 +50,19 @@ using namespace tripod_simd;
 constexpr bool kBf16Dot = kNativeBf16;
 
 constexpr int kTile = 16;         // keys per tile (one zmm of scores)
-constexpr int kQueryBlock = 16;   // queries of one request processed together
+constexpr int kQueryBlock = 32;   // queries of one request processed together, at most
+constexpr int kDotQueryBlock = 16;  // ... by attend_piece's float32 and decode forms
+constexpr int kLaneRows = 128;      // query vectors of one attend_lanes block (8 lane groups)
 constexpr int kSplit = 512;       // keys per split of a long row (fixed: batch-independent)
 constexpr int kMaxHeadDim = 256;
 constexpr int kQueryFloats = 4096;  // query vectors × head_dim held by one piece (16 KiB)
 constexpr int kTransposeMin = 8;    // query vectors from which a piece transposes its key tiles
+#ifndef TRIPOD_LANES_PREFILL
+#define TRIPOD_LANES_PREFILL 1
+#endif
+// bfloat16 blocks of queries run attend_lanes (queries in lanes, the same bits; 0: the old
+// transposed-tile path, kept for A/B timing and as the reference of the bit-exactness test).
+constexpr bool kLanesPrefill = TRIPOD_LANES_PREFILL;
 
 // Run fn(0..n-1) over the intra-op threads, handing out indices one at a time (pieces differ
 // in cost: a prefill block next to decode rows), or inline when asked.
@@ -246,6 +254,280 @@ struct AttnArgs {
   float* part_ml;   // [pieces, kQueryBlock, H, 2]
 };
 
+// ---------------------------------------------------------------------------- blocked prefill
+// Queries in lanes: a block's query vectors (the GQA heads of its KV head folded in as rows) are
+// the 16 lanes of a vector, so a 16 × 16 block of scores S (keys × rows), its softmax step and
+// P·V are vertical operations (no horizontal sums, no per-query scalar work except when a row's
+// maximum moves). Each key element is loaded once per 16 rows (broadcast, FMA into several
+// accumulators). The arithmetic of every row is exactly the dot form's (attend_piece's decode
+// path): the same 16-key tiles at the same absolute positions, per score the 16 pair chains over
+// the 32-dim chunks then tree_sum16's tree, the same running max, std::exp rescale, the same
+// vector exp, P rounded to bf16, P·V over key pairs in order stopping at the row's causal limit
+// (masked: a lane past it keeps its bits), and the sum of e^(s - m) kept per key lane of the
+// tile and reduced by reduce_add's tree. Products of two bf16 are exact in float32, so
+// broadcasting the key instead of the query (or P instead of V) changes no bit.
+#if defined(TRIPOD_AVX512)
+inline V16 select_lt(V16 a, V16 b, V16 x, V16 y) {  // lanes with a < b: x, else y
+  return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ), y.v, x.v)};
+}
+inline unsigned greater_lanes(V16 a, V16 b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
+#else
+inline V16 select_lt(V16 a, V16 b, V16 x, V16 y) {
+  return {_mm256_blendv_ps(y.lo, x.lo, _mm256_cmp_ps(a.lo, b.lo, _CMP_LT_OQ)),
+          _mm256_blendv_ps(y.hi, x.hi, _mm256_cmp_ps(a.hi, b.hi, _CMP_LT_OQ))};
+}
+inline unsigned greater_lanes(V16 a, V16 b) {  // bit i: lane i of a > lane i of b
+  return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ)) |
+         ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_GT_OQ)) << 8);
+}
+#endif
+inline float bf16_bits_to_float(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <int NV>
+void attend_lanes(const AttnArgs<bf16>& a, const Block& blk, const Piece& pc, int piece_index) {
+  constexpr int D = NV * 16, W = D / 2;  // W: pairs of dims (the 32-bit words vdpbf16ps takes)
+  constexpr bool native = kBf16Dot;
+  static_assert(NV % 2 == 0, "head_dim is a multiple of 32");
+  const int group = a.H / a.KVH;  // one KV head (G == 1): row r = query r / group, head r % group
+  const int nqv = blk.nq * group;
+  const int LG = (nqv + 15) / 16;
+  // Per lane group: Qᵀ [W][16] words (native) or [2W][16] widened halves, Oᵀ [D][16], the tile's
+  // per-key-lane sums [16][16], the running max [16], the rows' lengths [16].
+  constexpr size_t per_group = (size_t)D * 16 * 2 + 256 + 32;
+  thread_local std::vector<float> scratch;
+  const size_t need = (size_t)LG * per_group + (size_t)2 * kTile * D + 64;
+  if (scratch.size() < need) scratch.resize(need);
+  float* tile_k = scratch.data() + (size_t)LG * per_group;  // emulated: [16][D] widened K
+  float* tile_v = tile_k + (size_t)kTile * D;                // [16][D] widened V / native [8][D] words
+  const V16 vscale = set1(a.scale);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int32_t* slots = a.table + (int64_t)blk.row * a.table_stride;
+  auto k_of = [&](int k) { return reinterpret_cast<const uint16_t*>(a.kv + (int64_t)slots[k] * a.kv_stride_slot + (int64_t)pc.g0 * D); };
+  const int64_t v_off = (int64_t)a.KVH * D;
+  auto head_of = [&](int qv) { return pc.g0 * group + qv % group; };
+
+  for (int lg = 0; lg < LG; ++lg) {
+    float* qt = scratch.data() + (size_t)lg * per_group;
+    float* ot = qt + D * 16;
+    float* ls = ot + D * 16;
+    float* mv = ls + 256;
+    float* lenf = mv + 16;
+    uint32_t* qtw = reinterpret_cast<uint32_t*>(qt);
+    for (int r = 0; r < 16; ++r) {
+      const int qv = lg * 16 + r;
+      mv[r] = ninf;
+      lenf[r] = qv < nqv ? (float)(blk.len0 + qv / group) : -1.f;
+      const uint16_t* src = nullptr;
+      if (qv < nqv)
+        src = reinterpret_cast<const uint16_t*>(a.q + (int64_t)(blk.t0 + qv / group) * a.q_stride_t +
+                                                (int64_t)head_of(qv) * a.q_stride_h);
+      for (int w = 0; w < W; ++w) {
+        const uint16_t e = src ? src[2 * w] : 0, o = src ? src[2 * w + 1] : 0;
+        if constexpr (native) {
+          qtw[w * 16 + r] = (uint32_t)e | ((uint32_t)o << 16);
+        } else {
+          qt[w * 16 + r] = bf16_bits_to_float(e);
+          qt[(W + w) * 16 + r] = bf16_bits_to_float(o);
+        }
+      }
+    }
+    for (int i = 0; i < D * 16 + 256; ++i) ot[i] = 0.f;  // Oᵀ and the sums
+  }
+
+  const uint16_t* krow[kTile];
+  const uint16_t* vrow[kTile];
+  for (int k0 = pc.k0; k0 < pc.k1; k0 += kTile) {
+    const int n = std::min(kTile, pc.k1 - k0);
+    for (int j = 0; j < kTile; ++j) {
+      krow[j] = k_of(k0 + (j < n ? j : 0));  // past the end: a valid row, masked
+      vrow[j] = krow[j] + v_off;
+    }
+    for (int j = 0; j < std::min(kTile, pc.k1 - k0 - kTile); ++j) {  // the next tile
+      const char* r = reinterpret_cast<const char*>(k_of(k0 + kTile + j));
+      for (int off = 0; off < D * 2; off += 64) {
+        _mm_prefetch(r + off, _MM_HINT_T0);
+        _mm_prefetch(r + v_off * 2 + off, _MM_HINT_T0);
+      }
+    }
+    uint32_t* vw = reinterpret_cast<uint32_t*>(tile_v);  // native: [8 key pairs][D] words
+    if constexpr (native) {
+#if defined(__AVX512BF16__)
+      for (int jp = 0; jp < kTile / 2; ++jp)
+        for (int c = 0; c < D; c += 16) {
+          const __m512i x0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * jp] + c)));
+          const __m512i x1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * jp + 1] + c)));
+          _mm512_storeu_si512(vw + jp * D + c, _mm512_or_si512(x0, _mm512_slli_epi32(x1, 16)));
+        }
+#endif
+    } else {
+      for (int j = 0; j < kTile; ++j)
+        for (int v = 0; v < NV; ++v) {
+          store(tile_k + j * D + 16 * v, load_bf16(krow[j] + 16 * v));
+          store(tile_v + j * D + 16 * v, load_bf16(vrow[j] + 16 * v));
+        }
+    }
+    for (int lg = 0; lg < LG; ++lg) {
+      float* qt = scratch.data() + (size_t)lg * per_group;
+      float* ot = qt + D * 16;
+      float* ls = ot + D * 16;
+      float* mv = ls + 256;
+      const float* lenf = mv + 16;
+      const int last = std::min(nqv, lg * 16 + 16) - 1;  // the group's longest row
+      if (blk.len0 + last / group - k0 <= 0) continue;   // the tile is in every row's future
+      const V16 validf = min(set1((float)n), sub(load(lenf), set1((float)k0)));
+      // S: the 16 keys' scores, each a vector over the rows.
+      V16 S[kTile];
+      if constexpr (native) {
+#if defined(__AVX512BF16__)
+        const uint32_t* qtw = reinterpret_cast<const uint32_t*>(qt);
+        constexpr int KJ = 4;
+        for (int j0 = 0; j0 < kTile; j0 += KJ) {
+          const uint32_t* kw[KJ];
+          for (int u = 0; u < KJ; ++u) kw[u] = reinterpret_cast<const uint32_t*>(krow[j0 + u]);
+          __m512 s01[KJ], s2[KJ];
+          for (int L = 0; L < 4; ++L) {
+            __m512 x[KJ][4];
+            for (int u = 0; u < KJ; ++u)
+              for (int ii = 0; ii < 4; ++ii) x[u][ii] = _mm512_setzero_ps();
+            for (int c = 0; c < NV / 2; ++c)
+              for (int ii = 0; ii < 4; ++ii) {
+                const int w = 16 * c + 4 * L + ii;
+                const __m512bh qv = (__m512bh)_mm512_loadu_si512(qtw + 16 * w);
+                for (int u = 0; u < KJ; ++u)
+                  x[u][ii] = _mm512_dpbf16_ps(x[u][ii], qv, (__m512bh)_mm512_set1_epi32((int)kw[u][w]));
+              }
+            for (int u = 0; u < KJ; ++u) {
+              const __m512 sl = _mm512_add_ps(_mm512_add_ps(x[u][0], x[u][2]), _mm512_add_ps(x[u][1], x[u][3]));
+              if (L == 0) s01[u] = sl;
+              else if (L == 1) s01[u] = _mm512_add_ps(s01[u], sl);
+              else if (L == 2) s2[u] = sl;
+              else S[j0 + u] = {_mm512_add_ps(s01[u], _mm512_add_ps(s2[u], sl))};
+            }
+          }
+        }
+#endif
+      } else {
+        for (int j = 0; j < kTile; ++j) {
+          const float* kf = tile_k + j * D;
+          V16 s01, s2;
+          for (int L = 0; L < 4; ++L) {
+            V16 x[4];
+            for (int ii = 0; ii < 4; ++ii) x[ii] = zero();
+            for (int c = 0; c < NV / 2; ++c)
+              for (int ii = 0; ii < 4; ++ii) {
+                const int w = 16 * c + 4 * L + ii;
+                x[ii] = dot_pair(x[ii], load(qt + 16 * w), load(qt + 16 * (W + w)), set1(kf[2 * w]), set1(kf[2 * w + 1]));
+              }
+            const V16 sl = add(add(x[0], x[2]), add(x[1], x[3]));
+            if (L == 0) s01 = sl;
+            else if (L == 1) s01 = add(s01, sl);
+            else if (L == 2) s2 = sl;
+            else S[j] = add(s01, add(s2, sl));
+          }
+        }
+      }
+      // The softmax step: the running max of each row over its valid keys of the tile.
+      V16 tmax = set1(ninf);
+      for (int j = 0; j < kTile; ++j) {
+        S[j] = mul(S[j], vscale);
+        tmax = max(tmax, select_lt(set1((float)j), validf, S[j], set1(ninf)));
+      }
+      unsigned moved = greater_lanes(tmax, load(mv));  // rows whose maximum moves up
+      if (moved) {
+        alignas(64) float tm[16], alpha[16];
+        store(tm, tmax);
+        store(alpha, set1(1.f));  // x * 1 is x: the rows whose maximum stays keep their bits
+        for (; moved; moved &= moved - 1) {
+          const int r = __builtin_ctz(moved);
+          alpha[r] = std::exp(mv[r] - tm[r]);
+          mv[r] = tm[r];
+        }
+        const V16 al = load(alpha);
+        for (int d = 0; d < D; ++d) store(ot + 16 * d, mul(load(ot + 16 * d), al));
+        for (int j = 0; j < kTile; ++j) store(ls + 16 * j, mul(load(ls + 16 * j), al));
+      }
+      const V16 m = load(mv);
+      V16 E[kTile];
+      for (int j = 0; j < kTile; ++j) {
+        E[j] = select_lt(set1((float)j), validf, tripod_simd::exp(sub(S[j], m)), zero());
+        store(ls + 16 * j, add(load(ls + 16 * j), E[j]));
+      }
+      // P·V: Oᵀ[d] (a vector over rows) += P[key pair] · V[key pair][d], pairs in order; a row
+      // stops at its causal limit (pair jp counts while 2·jp < valid).
+      if constexpr (native) {
+#if defined(__AVX512BF16__)
+        __m512i pw[kTile / 2];
+        __mmask16 pm[kTile / 2];
+        for (int jp = 0; jp < kTile / 2; ++jp) {
+          const __m512i e0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(E[2 * jp].v));
+          const __m512i e1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(E[2 * jp + 1].v));
+          pw[jp] = _mm512_or_si512(e0, _mm512_slli_epi32(e1, 16));
+          pm[jp] = _mm512_cmp_ps_mask(_mm512_set1_ps((float)(2 * jp)), validf.v, _CMP_LT_OQ);
+        }
+        for (int d0 = 0; d0 < D; d0 += 16) {
+          __m512 acc[16];
+          for (int t = 0; t < 16; ++t) acc[t] = _mm512_loadu_ps(ot + 16 * (d0 + t));
+          for (int jp = 0; jp < kTile / 2; ++jp) {
+            if (!pm[jp]) break;  // masks shrink with jp: no row reaches this pair
+            const uint32_t* vj = vw + jp * D + d0;
+            for (int t = 0; t < 16; ++t)
+              acc[t] = _mm512_mask_dpbf16_ps(acc[t], pm[jp], (__m512bh)pw[jp], (__m512bh)_mm512_set1_epi32((int)vj[t]));
+          }
+          for (int t = 0; t < 16; ++t) _mm512_storeu_ps(ot + 16 * (d0 + t), acc[t]);
+        }
+#endif
+      } else {
+        V16 P[kTile];
+        for (int j = 0; j < kTile; ++j) P[j] = round_to_bf16(E[j]);
+        constexpr int DB = kVectorRegisters >= 32 ? 16 : 4;
+        for (int d0 = 0; d0 < D; d0 += DB) {
+          V16 acc[DB];
+          for (int t = 0; t < DB; ++t) acc[t] = load(ot + 16 * (d0 + t));
+          for (int jp = 0; jp < kTile / 2; ++jp) {
+            const V16 lim = set1((float)(2 * jp));
+            const float* v0 = tile_v + (2 * jp) * D + d0;
+            const float* v1 = v0 + D;
+            for (int t = 0; t < DB; ++t)
+              acc[t] = select_lt(lim, validf, fmadd(P[2 * jp], set1(v0[t]), fmadd(P[2 * jp + 1], set1(v1[t]), acc[t])), acc[t]);
+          }
+          for (int t = 0; t < DB; ++t) store(ot + 16 * (d0 + t), acc[t]);
+        }
+      }
+    }
+  }
+
+  for (int lg = 0; lg < LG; ++lg) {
+    const float* qt = scratch.data() + (size_t)lg * per_group;
+    const float* ot = qt + D * 16;
+    const float* ls = ot + D * 16;
+    const float* mv = ls + 256;
+    for (int r = 0; r < 16 && lg * 16 + r < nqv; ++r) {
+      const int qv = lg * 16 + r, i = qv / group, head = head_of(qv);
+      alignas(64) float o[D], lsum[16];
+      for (int d = 0; d < D; ++d) o[d] = ot[16 * d + r];
+      for (int j = 0; j < 16; ++j) lsum[j] = ls[16 * j + r];
+      const bool any = blk.len0 + i > pc.k0;  // this query saw at least one key of the piece
+      const float l = any ? reduce_add(load(lsum)) : 0.f;
+      if (pc.split < 0) {
+        const V16 inv = set1(l > 0.f ? 1.f / l : 0.f);
+        bf16* dst = a.out + ((int64_t)(blk.t0 + i) * a.H + head) * D;
+        for (int v = 0; v < NV; ++v) store16(dst + 16 * v, mul(load(o + 16 * v), inv));
+      } else {
+        const int64_t slot = ((int64_t)piece_index * kQueryBlock + i) * a.H + head;
+        float* pa = a.part_acc + slot * D;
+        for (int v = 0; v < NV; ++v) store(pa + 16 * v, load(o + 16 * v));
+        a.part_ml[slot * 2] = any ? mv[r] : -std::numeric_limits<float>::infinity();
+        a.part_ml[slot * 2 + 1] = l;
+      }
+    }
+  }
+}
+
 // One piece: queries of `blk` × the query heads of KV heads [g0, g1), keys [k0, k1) (at most
 // kSplit). NV = D / 16 is a compile-time constant so a query vector and its output stay in
 // registers. A decode row takes every KV head in one piece (each key's K|V row is read whole,
@@ -270,7 +552,8 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
   const int group = a.H / a.KVH, G = pc.g1 - pc.g0;
   const int per_query = G * group;  // query vectors of one query in this piece
   const int nqv = blk.nq * per_query;
-  // NOTE: blocks and pieces are cut so that nqv * D <= kQueryFloats (see paged_attention_impl).
+  // NOTE: nqv * D <= kQueryFloats in every piece that gets here (paged_attention_impl cuts float32
+  // blocks so; a bf16 block of more than 7 query vectors on one KV head goes to attend_lanes).
   thread_local std::vector<float> scratch;
   const size_t tile = (size_t)G * kTile * D;
   // A block of queries on one KV head (a prefill chunk, a draft's verification): each tile of
@@ -278,6 +561,9 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
   // groups of queries (the same bits as the dot form, see tree_sum16). Decode rows keep the dot
   // form (a transpose per tile would not pay for one query).
   const bool transposed = nqv >= kTransposeMin && G == 1;
+  if constexpr (is_bf16) {
+    if (transposed && kLanesPrefill) return attend_lanes<NV>(a, blk, pc, piece_index);
+  }
   const size_t need = (size_t)kQueryFloats * 2 + (size_t)nqv * 16 + (emulate ? 2 * tile : bf16_dot ? tile : 0) +
                       (transposed ? tile : 0) + 16;
   if (scratch.size() < need) scratch.resize(need);
@@ -661,7 +947,9 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::T
   const int32_t* row_of = rows.data_ptr<int32_t>();
   const int32_t* len_of = lens.data_ptr<int32_t>();
   // Blocks: runs of consecutive queries of one request at consecutive positions.
-  const int qb = std::max(1, std::min(kQueryBlock, kQueryFloats / (group * D)));
+  // bf16 blocks run attend_lanes (no per-block scratch limit: more rows share each key load).
+  const int qb = std::is_same_v<T, bf16> ? std::max(1, std::min(kQueryBlock, kLaneRows / group))
+                                         : std::max(1, std::min(kDotQueryBlock, kQueryFloats / (group * D)));
   std::vector<Block> blocks;
   for (int64_t t = 0; t < nt;) {
     Block b{(int32_t)t, 1, row_of[t], len_of[t]};
