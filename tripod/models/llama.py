@@ -377,6 +377,11 @@ class LlamaForCausalLM(nn.Module):
         if self.capture_hidden:
             self.last_hidden = x
         if batch.logits_idx is not None:
+            if not batch.logits_idx.numel():
+                # NOTE: a step whose rows all feed later chunks (a prompt's non-final prefill chunks)
+                # samples nothing: no final norm, no lm head. Every rank of a tensor-parallel group
+                # sees the same batch, so all of them skip the head's gather together.
+                return x.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
             x = x.index_select(0, batch.logits_idx)
         x = batch.backend.norm(x, self.norm, self.cfg.rms_norm_eps)
         logits = self.tp.gather_columns(self.head_ops[batch.backend.form](x).float(), self.cfg.vocab_size)
