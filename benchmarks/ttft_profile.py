@@ -180,7 +180,7 @@ def summarize(res: dict[str, Any]) -> list[str]:
         return statistics.median(r[k] for r in rows)
 
     lines = ["| request | " + " | ".join(f"{k} (ms)" for k in keys) + " |", "|---|" + "---|" * len(keys)]
-    lines.append(f"| cold | " + " | ".join(f"{1000 * med(res['cold'], k):.0f}" for k in keys) + " |")
+    lines.append("| cold | " + " | ".join(f"{1000 * med(res['cold'], k):.0f}" for k in keys) + " |")
     for t in range(len(res["turns"][0])):
         rows = [rep[t] for rep in res["turns"]]
         lines.append(f"| turn {t} ({rows[0]['prompt']} tok) | " + " | ".join(f"{1000 * med(rows, k):.0f}" for k in keys) + " |")
