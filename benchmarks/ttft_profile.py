@@ -84,9 +84,9 @@ def breakdown(prof: Any, wall: float) -> dict[str, float]:
 
 def timed(engine: Engine, prompt: list[int], params: SamplingParams, use_profiler: bool) -> tuple[list[int], dict[str, float]]:
     if not use_profiler:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = engine.generate([prompt], params)[0]
-        return list(out.token_ids), {"wall": time.perf_counter() - t0}
+        return list(out.token_ids), {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         out = engine.generate([prompt], params)[0]
@@ -174,7 +174,7 @@ def compare_chunks(args: argparse.Namespace) -> list[str]:
 
 
 def summarize(res: dict[str, Any]) -> list[str]:
-    keys = [k for k in ("wall", "linears", "attention", "lm_head", "other") if k in res["cold"][0]]
+    keys = [k for k in ("wall", "cpu", "linears", "attention", "lm_head", "other") if k in res["cold"][0]]
 
     def med(rows: list[dict[str, float]], k: str) -> float:
         return statistics.median(r[k] for r in rows)
