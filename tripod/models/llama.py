@@ -11,7 +11,7 @@ A layer is norm → attention → residual, norm → MLP → residual, over a fl
 - Gemma's extras: (1 + w) norms, norms around both sublayers' outputs ("sandwich"), scaled
   embeddings, per-layer-type RoPE bases, final-logit soft-cap.
 
-Logits are computed only for the tokens the sampler needs.
+Logits are computed only for the tokens the sampler needs (none for a prompt's non-final chunks).
 """
 
 from __future__ import annotations
@@ -365,8 +365,7 @@ class LlamaForCausalLM(nn.Module):
         ctx = StepContext(self, batch, pool, x.dtype)
         for layer in self.layers:
             x = layer.forward_dp(x, ctx, dp)
-        if batch.logits_idx is not None:
-            x = x.index_select(0, batch.logits_idx)
+        x = x if batch.logits_idx is None else x.index_select(0, batch.logits_idx)
         if x.shape[0]:
             x = batch.backend.norm(x, self.norm, self.cfg.rms_norm_eps)
         x = tp.gather_rows(x, dp.samples)
@@ -376,11 +375,12 @@ class LlamaForCausalLM(nn.Module):
         if self.capture_hidden:
             self.last_hidden = x
         if batch.logits_idx is not None:
+            if not batch.logits_idx.numel():  # NOTE: nothing samples (a non-final prefill chunk): no head, on every TP rank
+                return x.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
             x = x.index_select(0, batch.logits_idx)
         x = batch.backend.norm(x, self.norm, self.cfg.rms_norm_eps)
         logits = self.tp.gather_columns(self.head_ops[batch.backend.form](x).float(), self.cfg.vocab_size)
-        if self.cfg.final_softcap is not None:
-            cap = self.cfg.final_softcap
+        if (cap := self.cfg.final_softcap) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
