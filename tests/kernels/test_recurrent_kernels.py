@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from tripod.kernels import reference
 from tripod.layers.backends.cpu import CpuBackend
 from tripod.layers.batch import StateRows
 from tripod.layers.gated_delta import gated_delta_recurrence
@@ -225,22 +226,10 @@ def test_conv_kept_rows_are_the_token_steps_windows(cpu: CpuBackend) -> None:
 
 # ---------------------------------------------------------------------------- Mamba2 scan
 def _ssd_reference(x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor,
-                   state: torch.Tensor, items: list[tuple[int, int, int]], groups: int) -> torch.Tensor:
-    """``layers/mamba2.py``'s recurrence, one sequence and token at a time."""
-    t = x.shape[0]
-    _, h, p, n = state.shape
-    rep = h // groups
-    xs = x.reshape(t, h, p)
-    bs = b.reshape(t, groups, 1, n).expand(t, groups, rep, n).reshape(t, h, n)
-    cs = c.reshape(t, groups, 1, n).expand(t, groups, rep, n).reshape(t, h, n)
-    y = torch.empty(t, h, p)
-    for first, count, slot in items:
-        s = state[slot]
-        for r in range(first, first + count):
-            s = s * decay[r][:, None, None] + (dt[r][:, None] * bs[r])[:, None, :] * xs[r][:, :, None]
-            y[r] = (s * cs[r][:, None, :]).sum(-1)
-        state[slot] = s
-    return y
+                   state: torch.Tensor, items: list[tuple[int, int, int]]) -> torch.Tensor:
+    """``kernels/reference.py``'s Mamba2 recurrence (the build's self-test checks against it too),
+    one sequence and token at a time."""
+    return reference.ssd_scan(x, b, c, dt, decay, state, torch.tensor([(f, n, slot, -1) for f, n, slot in items]))
 
 
 def _ssd_inputs(h: int, p: int, n: int, groups: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -258,7 +247,7 @@ def _ssd_inputs(h: int, p: int, n: int, groups: int, seed: int) -> tuple[torch.T
 def test_ssd_scan_against_the_reference(cpu: CpuBackend, h: int, p: int, n: int, groups: int) -> None:
     x, b, c, dt, decay, state = _ssd_inputs(h, p, n, groups, h * p + n)
     want_state = state.clone()
-    want = _ssd_reference(x, b, c, dt, decay, want_state, ITEMS, groups)
+    want = _ssd_reference(x, b, c, dt, decay, want_state, ITEMS)
     got = cpu.ssd_scan(x, b, c, dt, decay, state, ITEMS)
     _close(got, want, "ssd output")
     _close(state, want_state, "ssd state")
