@@ -550,3 +550,53 @@ def test_w8a8_static_checkpoint_decodes_the_reference_tokens(kind: str, tmp_path
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.input_scale"):
         Engine(model=str(folder), dtype="float32", kv_cache_tokens=256)
+
+
+# ---------------------------------------------------------------------------- MoE experts as stored codes
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
+def test_moe_experts_run_as_stored_codes_at_stored_size(quantized: Any) -> None:
+    """A GPTQ Qwen3-MoE with --weights stored: every routed expert's gate/up and down run as its
+    stored Q4_K-form codes on the CPU kernels' stored linear (one per expert, over the rows routed to
+    it), no dense expert stack is held and the experts' memory is their codes' (0.75 bytes a weight,
+    < 0.25x float32); the greedy tokens are the --weights dequantized run's, token for token, each
+    prompt alone and all in one batch, bit for bit."""
+    from tripod.engine.executor.group import resident_weight_bytes
+    from tripod.layers.linear import KernelLinear
+    from tripod.layers.moe import MoE
+
+    folder, ref = quantized("gptq-moe-experts")
+    kw: dict[str, Any] = dict(model=str(folder), dtype="float32", kv_cache_tokens=2048, chunk_size=16,
+                              max_batch_tokens=64, max_running=8)
+    eng = Engine(**kw, weights="stored")
+    net, form = eng.loaded.model, eng.runner.backend.form
+    moe = [layer.mlp.experts for layer in net.layers if isinstance(layer.mlp, MoE)]
+    assert moe and len(moe) < len(net.layers)  # (layer 0 is dense: mlp_only_layers)
+    codes = dense = 0
+    for ex in moe:
+        assert ex.gate_up.numel() == 0 and ex.down.numel() == 0, "a dense expert stack is still held"
+        ops = ex.ops[form]
+        assert len(ops) == 2 * ex.num_experts == len(ex.stored)
+        for e in range(ex.num_experts):
+            for j, name in enumerate(("gate_up", "down")):
+                sw, op = ex.stored[f"{name}.{e}"], ops[2 * e + j]
+                assert isinstance(op, KernelLinear) and op.fmt == "q4_k"
+                assert sw.packed and op.packed.data_ptr() == sw.blocks.data_ptr()  # one copy of the codes
+                codes += sw.blocks.numel()
+                dense += 4 * sw.shape[0] * sw.shape[1]
+    assert codes < 0.25 * dense, (codes, dense)
+
+    deq = Engine(**kw, weights="dequantized")
+    deq_net = deq.loaded.model
+    assert all(layer.mlp.experts.gate_up.numel() for layer in deq_net.layers if isinstance(layer.mlp, MoE))
+    assert resident_weight_bytes(net) + (dense - codes) // 2 < resident_weight_bytes(deq_net)
+    assert eng.snapshot().weight_bytes == resident_weight_bytes(net)
+
+    want = [deq.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
+    for i, p in enumerate(PROMPTS):
+        check_greedy_tokens(want[i], ref.greedy(p, N_TOKENS), f"dequantized prompt {i}")
+    _check(eng, ref, "moe experts stored")
+    got = [out.token_ids for out in eng.generate(PROMPTS, PARAMS)]
+    assert [list(t) for t in got] == [list(t) for t in want], "stored experts differ from the dequantized run"
+    with pytest.raises(ValueError, match="dense expert weights were released"):
+        x = torch.zeros(1, moe[0].gate_up.shape[2])
+        moe[0](x, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), "dense")

@@ -204,6 +204,13 @@ def _taken(net: Any) -> dict[str, int]:
             mod, attr, prefix, parts = _SITES[key]
             k = int(getattr(getattr(layer, mod), attr).shape[1])
             out.update({f"model.layers.{layer.layer}.{prefix}{part}.weight": k for part in parts})
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if getattr(experts, "stored", None):  # routed experts run as stored: no dense stacks either
+            prefix, (g, u, d) = experts.source
+            hidden, inter = int(experts.gate_up.shape[2]), int(experts.down.shape[2])
+            for e in range(experts.num_experts):
+                out.update({f"{prefix}{e}.{g}.weight": hidden, f"{prefix}{e}.{u}.weight": hidden,
+                            f"{prefix}{e}.{d}.weight": inter})
     return out
 
 

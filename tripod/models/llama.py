@@ -306,11 +306,14 @@ class LlamaForCausalLM(nn.Module):
                 freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
                 layer.stored[key] = StoredWeight(sw.kind, op.packed, sw.shape, sw.perm, packed=True)
                 w.data = released(w.data)
+            if isinstance(layer.mlp, MoE):  # routed experts run as stored: their dense stacks too
+                freed += layer.mlp.experts.release_dense(form)
         return freed
 
     @property
     def has_stored_weights(self) -> bool:
-        return self.stored_head is not None or any(layer.stored for layer in self.layers)
+        return self.stored_head is not None or any(
+            layer.stored or (isinstance(layer.mlp, MoE) and layer.mlp.experts.stored) for layer in self.layers)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: Any) -> torch.Tensor:
@@ -415,6 +418,9 @@ class LlamaForCausalLM(nn.Module):
                 "down": fuse([m + "down_proj.weight"]),
             }
             layer.stored = {k: v for k, v in found.items() if v is not None}
+            if isinstance(layer.mlp, MoE):
+                prefix, names = expert_names(stored, i)
+                layer.mlp.experts.load_stored(stored, prefix, names)
         tied = self.lm_head is None or self.lm_head.data_ptr() == self.embed.data_ptr()
         self.stored_head = fuse(["model.embed_tokens.weight" if tied else "lm_head.weight"])
 
@@ -484,6 +490,15 @@ class LlamaForCausalLM(nn.Module):
     def fp8_weights(self) -> int:
         """How many weights are kept in FP8 (``--weights fp8``)."""
         return sum(len(getattr(m, "fp8", {})) for m in self.modules())
+
+
+def expert_names(stored: Mapping[str, Any], layer: int) -> tuple[str, tuple[str, str, str]]:
+    """The HF prefix and (gate, up, down) names of layer ``layer``'s routed experts (Mixtral's
+    ``block_sparse_moe.experts.{e}.w1`` …, or ``mlp.experts.{e}.gate_proj`` …)."""
+    p = f"model.layers.{layer}."
+    if f"{p}block_sparse_moe.experts.0.w1.weight" in stored:
+        return p + "block_sparse_moe.experts.", ("w1", "w3", "w2")
+    return p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj")
 
 
 def _pad_rows(w: torch.Tensor, n: int) -> torch.Tensor:
