@@ -583,11 +583,11 @@ def test_moe_experts_run_as_stored_codes_at_stored_size(quantized: Any) -> None:
                 assert sw.packed and op.packed.data_ptr() == sw.blocks.data_ptr()  # one copy of the codes
                 codes += sw.blocks.numel()
                 dense += 4 * sw.shape[0] * sw.shape[1]
-    assert codes < 0.25 * dense, (codes, dense)
+    assert sum(resident_weight_bytes(ex) for ex in moe) == codes < 0.25 * dense, (codes, dense)
 
     deq = Engine(**kw, weights="dequantized")
     deq_net = deq.loaded.model
-    assert all(layer.mlp.experts.gate_up.numel() for layer in deq_net.layers if isinstance(layer.mlp, MoE))
+    assert sum(resident_weight_bytes(layer.mlp.experts) for layer in deq_net.layers if isinstance(layer.mlp, MoE)) == dense
     assert resident_weight_bytes(net) + (dense - codes) // 2 < resident_weight_bytes(deq_net)
     assert eng.snapshot().weight_bytes == resident_weight_bytes(net)
 
