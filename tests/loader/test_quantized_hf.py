@@ -584,6 +584,14 @@ def test_moe_experts_run_as_stored_codes_at_stored_size(quantized: Any) -> None:
                 codes += sw.blocks.numel()
                 dense += 4 * sw.shape[0] * sw.shape[1]
     assert sum(resident_weight_bytes(ex) for ex in moe) == codes < 0.25 * dense, (codes, dense)
+    # loaded for the stored form only (what the engine does here), the stacks are never dequantized at all
+    from tripod.loader import load_model
+
+    early = load_model(str(folder), torch.float32, torch.device("cpu"), weights="stored", stored_only=True).model
+    for layer in early.layers:
+        if isinstance(layer.mlp, MoE):
+            ex = layer.mlp.experts
+            assert ex.gate_up.numel() == ex.down.numel() == 0 and len(ex.stored) == 2 * ex.num_experts
 
     deq = Engine(**kw, weights="dequantized")
     deq_net = deq.loaded.model
@@ -597,6 +605,16 @@ def test_moe_experts_run_as_stored_codes_at_stored_size(quantized: Any) -> None:
     _check(eng, ref, "moe experts stored")
     got = [out.token_ids for out in eng.generate(PROMPTS, PARAMS)]
     assert [list(t) for t in got] == [list(t) for t in want], "stored experts differ from the dequantized run"
+    # the experts alone: each row's output has the same bits in a batch of 7 as alone (the kernels'
+    # rows are independent; every row sums its experts in the same order)
+    g = torch.Generator().manual_seed(3)
+    ex = moe[0]
+    x = torch.randn(7, ex.gate_up.shape[2], generator=g)
+    idx = torch.stack([torch.randperm(ex.num_experts, generator=g)[:2] for _ in range(7)])
+    w = torch.rand(7, 2, generator=g)
+    batched = ex(x, w, idx, form)
+    for i in range(7):
+        assert torch.equal(ex(x[i : i + 1], w[i : i + 1], idx[i : i + 1], form)[0], batched[i]), i
     with pytest.raises(ValueError, match="dense expert weights were released"):
         x = torch.zeros(1, moe[0].gate_up.shape[2])
         moe[0](x, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), "dense")
