@@ -55,6 +55,8 @@ CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "ct-w8a16-channel": ("llama", "ct", dict(bits=8, group=-1, sym=True), {}),
     "ct-w4a16-actorder": ("llama", "ct", dict(bits=4, group=32, sym=True, act_order=True), {}),
     "gptq-moe-experts": ("qwen3-moe", "gptq", dict(bits=4, group=32, sym=True), {}),  # quantized experts
+    "ct-mixtral-experts": ("mixtral", "ct", dict(bits=4, group=32, sym=False), {}),
+    "awq-qwen2-moe-experts": ("qwen2-moe", "awq", dict(bits=4, group=32), dict(shared_expert_intermediate_size=64)),
     "ct-nvfp4a16": ("qwen3", "nvfp4", dict(ignore=("down_proj",)), {}),
 }
 # The cases whose every quantized weight runs as stored (4-bit, act-order permuted at load; 8-bit
@@ -554,8 +556,11 @@ def test_w8a8_static_checkpoint_decodes_the_reference_tokens(kind: str, tmp_path
 
 # ---------------------------------------------------------------------------- MoE experts as stored codes
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
-def test_moe_experts_run_as_stored_codes_at_stored_size(quantized: Any) -> None:
-    """A GPTQ Qwen3-MoE with --weights stored: every routed expert's gate/up and down run as its
+@pytest.mark.parametrize("case", _cases(["gptq-moe-experts", "ct-mixtral-experts", "awq-qwen2-moe-experts"],
+                                        "gptq-moe-experts"))
+def test_moe_experts_run_as_stored_codes_at_stored_size(case: str, quantized: Any) -> None:
+    """A GPTQ Qwen3-MoE (slow: a compressed-tensors Mixtral with zero points, an AWQ Qwen2-MoE with its
+    shared expert) with --weights stored: every routed expert's gate/up and down run as its
     stored Q4_K-form codes on the CPU kernels' stored linear (one per expert, over the rows routed to
     it), no dense expert stack is held and the experts' memory is their codes' (0.75 bytes a weight,
     < 0.25x float32); the greedy tokens are the --weights dequantized run's, token for token, each
@@ -564,13 +569,13 @@ def test_moe_experts_run_as_stored_codes_at_stored_size(quantized: Any) -> None:
     from tripod.layers.linear import KernelLinear
     from tripod.layers.moe import MoE
 
-    folder, ref = quantized("gptq-moe-experts")
+    folder, ref = quantized(case)
     kw: dict[str, Any] = dict(model=str(folder), dtype="float32", kv_cache_tokens=2048, chunk_size=16,
                               max_batch_tokens=64, max_running=8)
     eng = Engine(**kw, weights="stored")
     net, form = eng.loaded.model, eng.runner.backend.form
     moe = [layer.mlp.experts for layer in net.layers if isinstance(layer.mlp, MoE)]
-    assert moe and len(moe) < len(net.layers)  # (layer 0 is dense: mlp_only_layers)
+    assert moe
     codes = dense = 0
     for ex in moe:
         assert ex.gate_up.numel() == 0 and ex.down.numel() == 0, "a dense expert stack is still held"
