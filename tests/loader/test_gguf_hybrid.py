@@ -186,6 +186,8 @@ def test_q8_0_moe_gguf_experts_run_as_stored(checkpoints: dict[str, Path]) -> No
                 assert isinstance(op, KernelLinear) and op.fmt == "q8_0" and op.packed.data_ptr() == sw.blocks.data_ptr()
                 blocks += sw.blocks.numel()
                 dense += 4 * sw.shape[0] * sw.shape[1]
+    for layer in model.layers:  # the shared expert's Q8_0 gate/up runs as stored too (its down is F16 here)
+        assert set(layer.mlp.stored) == {"gate_up"} and layer.mlp.shared.gate_up.numel() == 0
     # the experts hold their blocks and nothing else (34 bytes a 32 weights: < 0.3x their float32 stacks)
     assert sum(resident_weight_bytes(ex) for ex in experts) == blocks < 0.3 * dense
     deq = Engine(model=str(path), weights="dequantized", **ENGINE)

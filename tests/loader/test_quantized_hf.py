@@ -589,6 +589,11 @@ def test_moe_experts_run_as_stored_codes_at_stored_size(case: str, quantized: An
                 codes += sw.blocks.numel()
                 dense += 4 * sw.shape[0] * sw.shape[1]
     assert sum(resident_weight_bytes(ex) for ex in moe) == codes < 0.25 * dense, (codes, dense)
+    for layer in net.layers:  # a shared expert (Qwen2-MoE) runs its stored codes too, no dense copy
+        shared = layer.mlp.shared if isinstance(layer.mlp, MoE) else None
+        if shared is not None:
+            assert set(layer.mlp.stored) == {"gate_up", "down"} and shared.gate_up.numel() == shared.down.numel() == 0
+            assert all(isinstance(op, KernelLinear) and op.fmt == "q4_k" for op in shared.ops[form])
     # loaded for the stored form only (what the engine does here), the stacks are never dequantized at all
     from tripod.loader import load_model
 

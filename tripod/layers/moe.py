@@ -337,6 +337,10 @@ class MoE(nn.Module):
         self.shared_gate = (
             nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False) if spec.shared_gate else None
         )
+        # The shared expert's fused gate/up and down as stored codes (quantized checkpoints, one process)
+        # and their HF prefix (``...mlp.shared_expert.``): run by its stored linears like a dense MLP's.
+        self.stored: dict[str, StoredWeight] = {}
+        self.stored_prefix = ""
         self.tp = SINGLE
         self.shared_here = True  # expert parallel: the (replicated) shared expert adds in on rank 0 only
         self.dispatch = False  # expert parallel under data-parallel attention: tokens go to their experts' ranks
@@ -352,6 +356,7 @@ class MoE(nn.Module):
             self.shared_here = tp.first or self.dispatch
         else:
             self.experts.shard_columns(tp)
+            self.stored = {}  # (whole projections: the shard runs its dense slices)
             if self.shared is not None:
                 self.shared.shard(tp, reduce=False)
         self.tp = tp
@@ -359,7 +364,7 @@ class MoE(nn.Module):
     def prepare(self, backend: Backend, stored: dict[str, StoredWeight]) -> None:
         self.experts.prepare(backend)
         if self.shared is not None:
-            self.shared.prepare(backend, {})
+            self.shared.prepare(backend, self.stored)
 
     def release(self, form: str) -> None:
         self.experts.release(form)

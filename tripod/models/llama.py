@@ -308,12 +308,24 @@ class LlamaForCausalLM(nn.Module):
                 w.data = released(w.data)
             if isinstance(layer.mlp, MoE):  # routed experts run as stored: their dense stacks too
                 freed += layer.mlp.experts.release_dense(form)
+                shared, kept = layer.mlp.shared, layer.mlp.stored
+                ops = None if shared is None else shared.ops.get(form)
+                for key, idx in (("gate_up", 0), ("down", 1)):
+                    sw = kept.get(key)
+                    if sw is None or ops is None or sw.packed:
+                        continue
+                    op, w = ops[idx], getattr(shared, key)
+                    if isinstance(op, KernelLinear) and op.fmt == STORED_KINDS.get(sw.kind):
+                        freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
+                        kept[key] = StoredWeight(sw.kind, op.packed, sw.shape, sw.perm, packed=True)
+                        w.data = released(w.data)
         return freed
 
     @property
     def has_stored_weights(self) -> bool:
         return self.stored_head is not None or any(
-            layer.stored or (isinstance(layer.mlp, MoE) and layer.mlp.experts.stored) for layer in self.layers)
+            layer.stored or (isinstance(layer.mlp, MoE) and (layer.mlp.experts.stored or layer.mlp.stored))
+            for layer in self.layers)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: Any) -> torch.Tensor:
@@ -421,6 +433,13 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(layer.mlp, MoE):
                 prefix, names = expert_names(stored, i)
                 layer.mlp.experts.load_stored(stored, prefix, names)
+                shared = next((m + n for n in ("shared_expert.", "shared_experts.") for part in ("gate", "up", "down")
+                               if f"{m}{n}{part}_proj.weight" in stored), "")
+                parts = {"gate_up": fuse([shared + "gate_proj.weight", shared + "up_proj.weight"]),
+                         "down": fuse([shared + "down_proj.weight"])} if shared and layer.mlp.tp.size == 1 else {}
+                # (kinds the kernels execute as stored only: W8A8 shared experts stay refused)
+                layer.mlp.stored = {k: v for k, v in parts.items() if v is not None and v.kind in STORED_KINDS}
+                layer.mlp.stored_prefix = shared
         tied = self.lm_head is None or self.lm_head.data_ptr() == self.embed.data_ptr()
         self.stored_head = fuse(["model.embed_tokens.weight" if tied else "lm_head.weight"])
 
