@@ -615,6 +615,9 @@ def test_moe_experts_run_as_stored_codes_at_stored_size(case: str, quantized: An
     _check(eng, ref, "moe experts stored")
     got = [out.token_ids for out in eng.generate(PROMPTS, PARAMS)]
     assert [list(t) for t in got] == [list(t) for t in want], "stored experts differ from the dequantized run"
+    net.release(form)  # another engine sharing the model dropped the form: rebuilt from the kept packed codes
+    assert list(eng.generate([PROMPTS[0]], PARAMS)[0].token_ids) == list(want[0])
+    assert all(ex.ops[form][0].packed.data_ptr() == ex.stored["gate_up.0"].blocks.data_ptr() for ex in moe)
     # the experts alone: each row's output has the same bits in a batch of 7 as alone (the kernels'
     # rows are independent; every row sums its experts in the same order)
     g = torch.Generator().manual_seed(3)

@@ -29,7 +29,15 @@ from torch import nn
 
 from tripod.layers.activation import activate
 from tripod.layers.batch import Backend
-from tripod.layers.linear import STORED_KINDS, Fp8Scales, Linear, StoredWeight, dequantize_fp8
+from tripod.layers.linear import (
+    STORED_KINDS,
+    Fp8Scales,
+    KernelLinear,
+    Linear,
+    StoredWeight,
+    dequantize_fp8,
+    released,
+)
 from tripod.layers.mlp import GatedMLP, keep
 from tripod.layers.parallel import SINGLE, ParallelGroup, columns, parameter, rows
 from tripod.layers.topk import topk_by_position
@@ -200,12 +208,10 @@ class ExpertSet(nn.Module):
         found: dict[str, StoredWeight] = {}
         for e in range(self.num_experts):
             gate, up, down = (stored.get(f"{prefix}{e}.{n}.weight") for n in (g, u, d))
-            if gate is None or up is None or down is None:
+            fused, alone = _fuse_rows(gate, up), _fuse_rows(down)
+            if fused is None or alone is None:
                 return False
-            fused = _fuse_rows(gate, up)
-            if fused is None or down.kind not in STORED_KINDS or down.packed:
-                return False
-            found[f"gate_up.{e}"], found[f"down.{e}"] = fused, down
+            found[f"gate_up.{e}"], found[f"down.{e}"] = fused, alone
         self.stored, self.source = found, (prefix, names)
         return True
 
@@ -371,6 +377,44 @@ class MoE(nn.Module):
         if self.shared is not None:
             self.shared.release(form)
 
+    @property
+    def has_stored(self) -> bool:
+        return bool(self.experts.stored or self.stored)
+
+    def load_stored(self, stored: Mapping[str, StoredWeight], layer: int) -> None:
+        """Take this layer's stored codes (HF names) for the routed experts (``ExpertSet.load_stored``)
+        and the shared expert's fused gate/up and down, each where all its parts are stored in one kind
+        the CPU kernels execute (W8A8 / W4A4 shared experts stay refused: ``loader``)."""
+        prefix, names = expert_names(stored, layer)
+        self.experts.load_stored(stored, prefix, names)
+        m = f"model.layers.{layer}.mlp."
+        self.stored_prefix = next((m + n for n in ("shared_expert.", "shared_experts.") for part in ("gate", "up", "down")
+                                   if f"{m}{n}{part}_proj.weight" in stored), "")
+        self.stored = {}
+        if not self.stored_prefix or self.shared is None or self.tp.size > 1:
+            return
+        for key, parts in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
+            found = _fuse_rows(*(stored.get(f"{self.stored_prefix}{p}.weight") for p in parts))
+            if found is not None:
+                self.stored[key] = found
+
+    def release_dense(self, form: str) -> int:
+        """After ``form`` is built: the routed experts' dense stacks and the shared expert's dense
+        weights that run as stored are dropped, their codes kept once (the kernels' packed blocks).
+        Returns the bytes given back."""
+        freed = self.experts.release_dense(form)
+        ops = None if self.shared is None else self.shared.ops.get(form)
+        for key, idx in (("gate_up", 0), ("down", 1)):
+            sw = self.stored.get(key)
+            if sw is None or ops is None or sw.packed:
+                continue
+            op, w = ops[idx], getattr(self.shared, key)
+            if isinstance(op, KernelLinear) and op.fmt == STORED_KINDS.get(sw.kind):
+                freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
+                self.stored[key] = StoredWeight(sw.kind, op.packed, sw.shape, sw.perm, packed=True)
+                w.data = released(w.data)
+        return freed
+
     def dispatched(self, h: torch.Tensor, backend: Backend) -> torch.Tensor:
         """Expert parallel under data-parallel attention, for this rank's rows ``h``: route them
         here, send each (token, expert) pair to the rank holding the expert (all-to-all), run the
@@ -412,15 +456,27 @@ class MoE(nn.Module):
         return self.tp.reduce(out if residual is None else residual + out)
 
 
-def _fuse_rows(first: StoredWeight, second: StoredWeight) -> StoredWeight | None:
-    """Two stored weights over the same inputs as one (rows of ``first``, then ``second``'s), or None
-    where they cannot be one: another kind, input width or input order, or a kind the CPU kernels
-    do not execute as stored."""
-    if first.kind != second.kind or first.kind not in STORED_KINDS or first.packed or second.packed:
+def expert_names(stored: Mapping[str, StoredWeight], layer: int) -> tuple[str, tuple[str, str, str]]:
+    """The HF prefix and (gate, up, down) names of layer ``layer``'s routed experts (Mixtral's
+    ``block_sparse_moe.experts.{e}.w1`` …, or ``mlp.experts.{e}.gate_proj`` …)."""
+    p = f"model.layers.{layer}."
+    if f"{p}block_sparse_moe.experts.0.w1.weight" in stored:
+        return p + "block_sparse_moe.experts.", ("w1", "w3", "w2")
+    return p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj")
+
+
+def _fuse_rows(*parts: StoredWeight | None) -> StoredWeight | None:
+    """Stored weights over the same inputs as one (their rows in order), or None where they cannot
+    be one: a part missing or already packed, another kind, input width or input order, or a kind
+    the CPU kernels do not execute as stored."""
+    if any(p is None or p.packed for p in parts):
         return None
-    if first.shape[1] != second.shape[1] or (first.perm is None) != (second.perm is None):
+    ps = [p for p in parts if p is not None]
+    first = ps[0]
+    if first.kind not in STORED_KINDS or any(p.kind != first.kind or p.shape[1] != first.shape[1] for p in ps):
         return None
-    if first.perm is not None and second.perm is not None and not torch.equal(first.perm, second.perm):
+    if any((p.perm is None) != (first.perm is None) or (p.perm is not None and not torch.equal(p.perm, first.perm))
+           for p in ps):
         return None
-    blocks = torch.cat((first.blocks, second.blocks)).contiguous()
-    return StoredWeight(first.kind, blocks, (first.shape[0] + second.shape[0], first.shape[1]), first.perm)
+    blocks = torch.cat([p.blocks for p in ps]).contiguous() if len(ps) > 1 else first.blocks
+    return StoredWeight(first.kind, blocks, (sum(p.shape[0] for p in ps), first.shape[1]), first.perm)

@@ -280,14 +280,14 @@ class LlamaForCausalLM(nn.Module):
         self.head_ops.pop(form, None)
 
     def release_dense_stored(self, form: str) -> int:
-        """After the ``stored`` form ``form`` is built: keep one copy of each projection it runs as
-        stored codes — the kernels' packed blocks, which ``layer.stored`` then holds too (the form can
-        be rebuilt from them without repacking) — and drop the dense weight and the unpacked blocks.
-        Returns the bytes given back. The head is left as it is (a tied head is the embedding).
-        NOTE: afterwards only a stored form can run these projections; another backend's
-        ``prepare`` refuses (``make_linear``) instead of reading an empty weight."""
+        """After the ``stored`` form ``form`` is built: keep one copy of each projection it runs as stored
+        codes — the kernels' packed blocks, which ``layer.stored`` (a MoE's experts: ``MoE.release_dense``)
+        then holds too, so the form is rebuilt without repacking — and drop the dense weight and the unpacked
+        blocks. Returns the bytes given back; the head is left as it is (a tied head is the embedding).
+        NOTE: afterwards only a stored form runs these projections (another backend's ``prepare`` refuses)."""
         freed = 0
         for layer in self.layers:
+            freed += layer.mlp.release_dense(form) if isinstance(layer.mlp, MoE) else 0
             sites = (("qkv", layer.attn, "qkv", 0), ("o", layer.attn, "o", 1),
                      ("gate_up", layer.mlp, "gate_up", 0), ("down", layer.mlp, "down", 1))
             for key, mod, attr, idx in sites:
@@ -306,26 +306,11 @@ class LlamaForCausalLM(nn.Module):
                 freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
                 layer.stored[key] = StoredWeight(sw.kind, op.packed, sw.shape, sw.perm, packed=True)
                 w.data = released(w.data)
-            if isinstance(layer.mlp, MoE):  # routed experts run as stored: their dense stacks too
-                freed += layer.mlp.experts.release_dense(form)
-                shared, kept = layer.mlp.shared, layer.mlp.stored
-                ops = None if shared is None else shared.ops.get(form)
-                for key, idx in (("gate_up", 0), ("down", 1)):
-                    sw = kept.get(key)
-                    if sw is None or ops is None or sw.packed:
-                        continue
-                    op, w = ops[idx], getattr(shared, key)
-                    if isinstance(op, KernelLinear) and op.fmt == STORED_KINDS.get(sw.kind):
-                        freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
-                        kept[key] = StoredWeight(sw.kind, op.packed, sw.shape, sw.perm, packed=True)
-                        w.data = released(w.data)
         return freed
 
     @property
     def has_stored_weights(self) -> bool:
-        return self.stored_head is not None or any(
-            layer.stored or (isinstance(layer.mlp, MoE) and (layer.mlp.experts.stored or layer.mlp.stored))
-            for layer in self.layers)
+        return self.stored_head is not None or any(layer.stored or getattr(layer.mlp, "has_stored", False) for layer in self.layers)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: Any) -> torch.Tensor:
@@ -401,9 +386,8 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ weights
     def load_stored(self, stored: Mapping[str, StoredWeight]) -> None:
-        """Keep the GGUF blocks of the projections (HF names, rows already in HF order) so the
-        ``stored`` form can execute them. Fused projections (QKV, gate/up) are kept only when
-        every part is stored in the same type; the others run on the dequantized weights."""
+        """Keep the stored blocks of the projections (HF names, rows in HF order) for the ``stored`` form; a fused
+        one (QKV, gate/up) only when every part is stored in one type (else it runs dequantized); MoE: ``MoE.load_stored``."""
 
         def fuse(names: list[str]) -> StoredWeight | None:
             parts = [stored.get(n) for n in names]
@@ -431,15 +415,7 @@ class LlamaForCausalLM(nn.Module):
             }
             layer.stored = {k: v for k, v in found.items() if v is not None}
             if isinstance(layer.mlp, MoE):
-                prefix, names = expert_names(stored, i)
-                layer.mlp.experts.load_stored(stored, prefix, names)
-                shared = next((m + n for n in ("shared_expert.", "shared_experts.") for part in ("gate", "up", "down")
-                               if f"{m}{n}{part}_proj.weight" in stored), "")
-                parts = {"gate_up": fuse([shared + "gate_proj.weight", shared + "up_proj.weight"]),
-                         "down": fuse([shared + "down_proj.weight"])} if shared and layer.mlp.tp.size == 1 else {}
-                # (kinds the kernels execute as stored only: W8A8 shared experts stay refused)
-                layer.mlp.stored = {k: v for k, v in parts.items() if v is not None and v.kind in STORED_KINDS}
-                layer.mlp.stored_prefix = shared
+                layer.mlp.load_stored(stored, i)
         tied = self.lm_head is None or self.lm_head.data_ptr() == self.embed.data_ptr()
         self.stored_head = fuse(["model.embed_tokens.weight" if tied else "lm_head.weight"])
 
@@ -509,15 +485,6 @@ class LlamaForCausalLM(nn.Module):
     def fp8_weights(self) -> int:
         """How many weights are kept in FP8 (``--weights fp8``)."""
         return sum(len(getattr(m, "fp8", {})) for m in self.modules())
-
-
-def expert_names(stored: Mapping[str, Any], layer: int) -> tuple[str, tuple[str, str, str]]:
-    """The HF prefix and (gate, up, down) names of layer ``layer``'s routed experts (Mixtral's
-    ``block_sparse_moe.experts.{e}.w1`` …, or ``mlp.experts.{e}.gate_proj`` …)."""
-    p = f"model.layers.{layer}."
-    if f"{p}block_sparse_moe.experts.0.w1.weight" in stored:
-        return p + "block_sparse_moe.experts.", ("w1", "w3", "w2")
-    return p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj")
 
 
 def _pad_rows(w: torch.Tensor, n: int) -> torch.Tensor:
