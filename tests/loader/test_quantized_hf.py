@@ -628,6 +628,12 @@ def test_moe_experts_run_as_stored_codes_at_stored_size(case: str, quantized: An
     batched = ex(x, w, idx, form)
     for i in range(7):
         assert torch.equal(ex(x[i : i + 1], w[i : i + 1], idx[i : i + 1], form)[0], batched[i]), i
+    # bf16 activations (what --weights auto picks): each prompt's tokens alone = in the batch
+    bf16 = Engine(**{**kw, "dtype": "bfloat16"}, weights="stored")
+    assert all(isinstance(layer.mlp.experts.ops[bf16.runner.backend.form][0], KernelLinear)
+               for layer in bf16.loaded.model.layers if isinstance(layer.mlp, MoE))
+    together = [list(o.token_ids) for o in bf16.generate(PROMPTS, PARAMS)]
+    assert [list(bf16.generate([p], PARAMS)[0].token_ids) for p in PROMPTS] == together
     with pytest.raises(ValueError, match="dense expert weights were released"):
         x = torch.zeros(1, moe[0].gate_up.shape[2])
         moe[0](x, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), "dense")
