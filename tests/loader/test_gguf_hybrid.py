@@ -158,3 +158,46 @@ def test_q8_0_gguf_runs_as_stored(checkpoints: dict[str, Path]) -> None:
     assert auto.loaded.weights == "stored" and auto.dtype_name == "bfloat16"
     batched = [o.token_ids for o in auto.generate(PROMPTS, PARAMS)]
     assert [auto.generate([p], PARAMS)[0].token_ids for p in PROMPTS] == batched
+
+
+def test_q8_0_moe_gguf_experts_run_as_stored(checkpoints: dict[str, Path]) -> None:
+    """A Qwen3.5-MoE Q8_0 GGUF with --weights stored: each routed expert's gate/up and down (the file's
+    stacked ``ffn_*_exps``, split per expert by whole rows of blocks) run as stored Q8_0 blocks on the
+    kernels' stored linear, no dense expert stack is held, the weights resident are below the
+    dequantized load's by at least the experts' float32 minus their blocks, and the tokens are the
+    dequantized file's, alone and batched."""
+    from tripod.engine.executor.group import resident_weight_bytes
+    from tripod.layers.linear import KernelLinear
+    from tripod.layers.moe import MoE
+
+    path = _convert(checkpoints["qwen3_5_moe_text"], "q8_0")
+    stored = Engine(model=str(path), weights="stored", **ENGINE)
+    model, form = stored.loaded.model, stored.runner.backend.form
+    experts = [layer.mlp.experts for layer in model.layers if isinstance(layer.mlp, MoE)]
+    assert experts and len(experts) == len(model.layers)
+    blocks = dense = 0
+    for ex in experts:
+        assert ex.gate_up.numel() == 0 and ex.down.numel() == 0, "a dense expert stack is still held"
+        ops = ex.ops[form]
+        assert len(ops) == 2 * ex.num_experts
+        for e in range(ex.num_experts):
+            for j, name in enumerate(("gate_up", "down")):
+                sw, op = ex.stored[f"{name}.{e}"], ops[2 * e + j]
+                assert isinstance(op, KernelLinear) and op.fmt == "q8_0" and op.packed.data_ptr() == sw.blocks.data_ptr()
+                blocks += sw.blocks.numel()
+                dense += 4 * sw.shape[0] * sw.shape[1]
+    for layer in model.layers:  # the shared expert's Q8_0 gate/up runs as stored too (its down is F16 here)
+        assert set(layer.mlp.stored) == {"gate_up"} and layer.mlp.shared.gate_up.numel() == 0
+    # the experts hold their blocks and nothing else (34 bytes a 32 weights: < 0.3x their float32 stacks)
+    assert sum(resident_weight_bytes(ex) for ex in experts) == blocks < 0.3 * dense
+    deq = Engine(model=str(path), weights="dequantized", **ENGINE)
+    deq_experts = [layer.mlp.experts for layer in deq.loaded.model.layers if isinstance(layer.mlp, MoE)]
+    assert sum(resident_weight_bytes(ex) for ex in deq_experts) == dense
+    got = stored.generate(PROMPTS, PARAMS)
+    want = deq.generate(PROMPTS, PARAMS)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.token_ids == b.token_ids, f"prompt {i}"
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-3, i
+    alone = [stored.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
+    assert alone == [o.token_ids for o in got], "a request's tokens differ alone and batched"
+    stored.assert_consistent()

@@ -55,6 +55,8 @@ CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "ct-w8a16-channel": ("llama", "ct", dict(bits=8, group=-1, sym=True), {}),
     "ct-w4a16-actorder": ("llama", "ct", dict(bits=4, group=32, sym=True, act_order=True), {}),
     "gptq-moe-experts": ("qwen3-moe", "gptq", dict(bits=4, group=32, sym=True), {}),  # quantized experts
+    "ct-mixtral-experts": ("mixtral", "ct", dict(bits=4, group=32, sym=False), {}),
+    "awq-qwen2-moe-experts": ("qwen2-moe", "awq", dict(bits=4, group=32), dict(shared_expert_intermediate_size=64)),
     "ct-nvfp4a16": ("qwen3", "nvfp4", dict(ignore=("down_proj",)), {}),
 }
 # The cases whose every quantized weight runs as stored (4-bit, act-order permuted at load; 8-bit
@@ -550,3 +552,88 @@ def test_w8a8_static_checkpoint_decodes_the_reference_tokens(kind: str, tmp_path
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.input_scale"):
         Engine(model=str(folder), dtype="float32", kv_cache_tokens=256)
+
+
+# ---------------------------------------------------------------------------- MoE experts as stored codes
+@pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
+@pytest.mark.parametrize("case", _cases(["gptq-moe-experts", "ct-mixtral-experts", "awq-qwen2-moe-experts"],
+                                        "gptq-moe-experts"))
+def test_moe_experts_run_as_stored_codes_at_stored_size(case: str, quantized: Any) -> None:
+    """A GPTQ Qwen3-MoE (slow: a compressed-tensors Mixtral with zero points, an AWQ Qwen2-MoE with its
+    shared expert) with --weights stored: every routed expert's gate/up and down run as its
+    stored Q4_K-form codes on the CPU kernels' stored linear (one per expert, over the rows routed to
+    it), no dense expert stack is held and the experts' memory is their codes' (0.75 bytes a weight,
+    < 0.25x float32); the greedy tokens are the --weights dequantized run's, token for token, each
+    prompt alone and all in one batch, bit for bit."""
+    from tripod.engine.executor.group import resident_weight_bytes
+    from tripod.layers.linear import KernelLinear
+    from tripod.layers.moe import MoE
+
+    folder, ref = quantized(case)
+    kw: dict[str, Any] = dict(model=str(folder), dtype="float32", kv_cache_tokens=2048, chunk_size=16,
+                              max_batch_tokens=64, max_running=8)
+    eng = Engine(**kw, weights="stored")
+    net, form = eng.loaded.model, eng.runner.backend.form
+    moe = [layer.mlp.experts for layer in net.layers if isinstance(layer.mlp, MoE)]
+    assert moe
+    codes = dense = 0
+    for ex in moe:
+        assert ex.gate_up.numel() == 0 and ex.down.numel() == 0, "a dense expert stack is still held"
+        ops = ex.ops[form]
+        assert len(ops) == 2 * ex.num_experts == len(ex.stored)
+        for e in range(ex.num_experts):
+            for j, name in enumerate(("gate_up", "down")):
+                sw, op = ex.stored[f"{name}.{e}"], ops[2 * e + j]
+                assert isinstance(op, KernelLinear) and op.fmt == "q4_k"
+                assert sw.packed and op.packed.data_ptr() == sw.blocks.data_ptr()  # one copy of the codes
+                codes += sw.blocks.numel()
+                dense += 4 * sw.shape[0] * sw.shape[1]
+    assert sum(resident_weight_bytes(ex) for ex in moe) == codes < 0.25 * dense, (codes, dense)
+    for layer in net.layers:  # a shared expert (Qwen2-MoE) runs its stored codes too, no dense copy
+        shared = layer.mlp.shared if isinstance(layer.mlp, MoE) else None
+        if shared is not None:
+            assert set(layer.mlp.stored) == {"gate_up", "down"} and shared.gate_up.numel() == shared.down.numel() == 0
+            assert all(isinstance(op, KernelLinear) and op.fmt == "q4_k" for op in shared.ops[form])
+    # loaded for the stored form only (what the engine does here), the stacks are never dequantized at all
+    from tripod.loader import load_model
+
+    early = load_model(str(folder), torch.float32, torch.device("cpu"), weights="stored", stored_only=True).model
+    for layer in early.layers:
+        if isinstance(layer.mlp, MoE):
+            ex = layer.mlp.experts
+            assert ex.gate_up.numel() == ex.down.numel() == 0 and len(ex.stored) == 2 * ex.num_experts
+
+    deq = Engine(**kw, weights="dequantized")
+    deq_net = deq.loaded.model
+    assert sum(resident_weight_bytes(layer.mlp.experts) for layer in deq_net.layers if isinstance(layer.mlp, MoE)) == dense
+    assert resident_weight_bytes(net) + (dense - codes) // 2 < resident_weight_bytes(deq_net)
+    assert eng.snapshot().weight_bytes == resident_weight_bytes(net)
+
+    want = [deq.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
+    for i, p in enumerate(PROMPTS):
+        check_greedy_tokens(want[i], ref.greedy(p, N_TOKENS), f"dequantized prompt {i}")
+    _check(eng, ref, "moe experts stored")
+    got = [out.token_ids for out in eng.generate(PROMPTS, PARAMS)]
+    assert [list(t) for t in got] == [list(t) for t in want], "stored experts differ from the dequantized run"
+    net.release(form)  # another engine sharing the model dropped the form: rebuilt from the kept packed codes
+    assert list(eng.generate([PROMPTS[0]], PARAMS)[0].token_ids) == list(want[0])
+    assert all(ex.ops[form][0].packed.data_ptr() == ex.stored["gate_up.0"].blocks.data_ptr() for ex in moe)
+    # the experts alone: each row's output has the same bits in a batch of 7 as alone (the kernels'
+    # rows are independent; every row sums its experts in the same order)
+    g = torch.Generator().manual_seed(3)
+    ex = moe[0]
+    x = torch.randn(7, ex.gate_up.shape[2], generator=g)
+    idx = torch.stack([torch.randperm(ex.num_experts, generator=g)[:2] for _ in range(7)])
+    w = torch.rand(7, 2, generator=g)
+    batched = ex(x, w, idx, form)
+    for i in range(7):
+        assert torch.equal(ex(x[i : i + 1], w[i : i + 1], idx[i : i + 1], form)[0], batched[i]), i
+    # bf16 activations (what --weights auto picks): each prompt's tokens alone = in the batch
+    bf16 = Engine(**{**kw, "dtype": "bfloat16"}, weights="stored")
+    assert all(isinstance(layer.mlp.experts.ops[bf16.runner.backend.form][0], KernelLinear)
+               for layer in bf16.loaded.model.layers if isinstance(layer.mlp, MoE))
+    together = [list(o.token_ids) for o in bf16.generate(PROMPTS, PARAMS)]
+    assert [list(bf16.generate([p], PARAMS)[0].token_ids) for p in PROMPTS] == together
+    with pytest.raises(ValueError, match="dense expert weights were released"):
+        x = torch.zeros(1, moe[0].gate_up.shape[2])
+        moe[0](x, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), "dense")

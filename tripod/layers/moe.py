@@ -10,10 +10,18 @@ over experts that received tokens, never over tokens.
 An ``ExpertSet`` (a layer's experts: stacked ``[E, 2I, H]`` gate/up and ``[E, H, I]`` down) is
 the unit that could live on another device for expert parallelism: it takes tokens and their
 expert assignment and returns their weighted sum; nothing else in the layer touches its weights.
+
+Experts of a quantized checkpoint (AWQ / GPTQ / compressed-tensors integer groups, ``--weights
+stored``) can run as stored codes instead: each expert's fused gate/up and its down projection as
+a ``StoredWeight`` (``ExpertSet.stored``), executed by the CPU kernels' stored linear over the rows
+routed to it (``ExpertSet.ops``, one per compute form). The kernels compute every row on its own,
+in the same order whatever the row count, so a token's output does not depend on which other
+tokens reached the same expert; the loop over experts and the weighted sum are the dense path's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +29,15 @@ from torch import nn
 
 from tripod.layers.activation import activate
 from tripod.layers.batch import Backend
-from tripod.layers.linear import Fp8Scales, StoredWeight, dequantize_fp8
+from tripod.layers.linear import (
+    STORED_KINDS,
+    Fp8Scales,
+    KernelLinear,
+    Linear,
+    StoredWeight,
+    dequantize_fp8,
+    released,
+)
 from tripod.layers.mlp import GatedMLP, keep
 from tripod.layers.parallel import SINGLE, ParallelGroup, columns, parameter, rows
 from tripod.layers.topk import topk_by_position
@@ -102,7 +118,8 @@ def chosen_weights(scores: torch.Tensor, idx: torch.Tensor, spec: MoEConfig) -> 
 
 
 class ExpertSet(nn.Module):
-    """A layer's routed experts, stacked."""
+    """A layer's routed experts, stacked; with ``stored``, each expert's projections as stored codes
+    (quantized checkpoints, ``--weights stored``) run by the CPU kernels' stored linears (``ops``)."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, act: str, dtype: torch.dtype,
                  spec: MoEConfig | None = None) -> None:
@@ -118,12 +135,21 @@ class ExpertSet(nn.Module):
         self.style = spec.swiglu_style if spec is not None else "gpt_oss"
         self.fp8: dict[str, Fp8Scales] = {}  # stacked scales [E, rows, cols] of weights kept in FP8
         self.first = 0  # the global index of this rank's first expert (expert parallel)
+        # Per expert, its fused gate/up ("gate_up.{e}") and down ("down.{e}") as stored codes; set only
+        # where every expert has both (``load_stored``), and only for a whole, unsharded set.
+        self.stored: dict[str, StoredWeight] = {}
+        # The stored form's linears per compute form: (gate_up of expert 0, down of expert 0, ...).
+        self.ops: dict[str, tuple[Linear, ...]] = {}
+        self.source: tuple[str, tuple[str, str, str]] = ("", ("", "", ""))  # the stored codes' HF prefix and names
+        self.sharded = False
 
     def shard_columns(self, tp: ParallelGroup) -> None:
         """Tensor parallel: every expert, this rank's intermediate columns of each."""
         i0, i1 = tp.split(self.inter, "experts' intermediate size")
         self.gate_up = parameter(rows(self.gate_up.data, (i0, i1), (self.inter + i0, self.inter + i1)))
         self.down = parameter(columns(self.down.data, i0, i1))
+        self.sharded, self.stored = True, {}  # (the stored codes are whole experts: the dense slices run)
+        self.ops.clear()
         if self.gate_up_bias is not None:
             self.gate_up_bias = parameter(rows(self.gate_up_bias.data, (i0, i1), (self.inter + i0, self.inter + i1)))
         if self.down_bias is not None and not tp.first:  # a row-parallel output's bias counts once
@@ -135,6 +161,8 @@ class ExpertSet(nn.Module):
         e0, e1 = tp.split(self.num_experts, "number of routed experts")
         self.gate_up = parameter(self.gate_up.data[e0:e1].contiguous())
         self.down = parameter(self.down.data[e0:e1].contiguous())
+        self.sharded, self.stored = True, {}
+        self.ops.clear()
         if self.gate_up_bias is not None and self.down_bias is not None:
             self.gate_up_bias = parameter(self.gate_up_bias.data[e0:e1].contiguous())
             self.down_bias = parameter(self.down_bias.data[e0:e1].contiguous())
@@ -168,6 +196,69 @@ class ExpertSet(nn.Module):
             self.gate_up_bias.data = torch.cat((b[..., ::2], b[..., 1::2]), dim=-1).contiguous()
             self.down_bias.data = src.get(prefix + "down_proj_bias").contiguous()
 
+    def load_stored(self, stored: Mapping[str, StoredWeight], prefix: str, names: tuple[str, str, str]) -> bool:
+        """Keep each expert's stored codes (``{prefix}{e}.{gate}.weight`` … under HF names) when every
+        expert has its three projections in one kind the CPU kernels execute (gate and up fused
+        along their rows, as the dense ``gate_up``); else keep none (the experts run dequantized).
+        Returns whether they were kept."""
+        self.stored, self.ops = {}, {}
+        if self.sharded or self.gate_up_bias is not None:
+            return False
+        g, u, d = names
+        found: dict[str, StoredWeight] = {}
+        for e in range(self.num_experts):
+            gate, up, down = (stored.get(f"{prefix}{e}.{n}.weight") for n in (g, u, d))
+            fused, alone = _fuse_rows(gate, up), _fuse_rows(down)
+            if fused is None or alone is None:
+                return False
+            found[f"gate_up.{e}"], found[f"down.{e}"] = fused, alone
+        self.stored, self.source = found, (prefix, names)
+        return True
+
+    def prepare(self, backend: Backend) -> None:
+        """The stored form's linears (one gate/up and one down per expert) on a backend that executes
+        stored codes (the CPU kernels' ``stored`` forms); every other backend runs the dense stack."""
+        if not self.stored or backend.form in self.ops or not backend.form.startswith("stored:"):
+            return
+        ops: list[Linear] = []
+        for e in range(self.num_experts):
+            for name in ("gate_up", "down"):
+                w = getattr(self, name)
+                # (the weight's shape only: a stored kind the kernels take never reads it)
+                ops.append(backend.linear(w[e], None, stored=self.stored[f"{name}.{e}"]))
+        self.ops[backend.form] = tuple(ops)
+
+    def release(self, form: str) -> None:
+        self.ops.pop(form, None)
+
+    def release_dense(self, form: str) -> int:
+        """After ``form``'s stored linears are built: keep one copy of the codes (the kernels' packed
+        blocks, which ``stored`` then holds) and drop the dense stacks. Returns the bytes given back.
+        NOTE: afterwards only a stored form runs these experts (``forward`` refuses another)."""
+        ops = self.ops.get(form)
+        if ops is None:
+            return 0
+        freed = 0
+        for e in range(self.num_experts):
+            for j, name in enumerate(("gate_up", "down")):
+                key, op = f"{name}.{e}", ops[2 * e + j]
+                sw = self.stored[key]
+                packed = getattr(op, "packed", None)
+                if sw.packed or packed is None or getattr(op, "fmt", None) != STORED_KINDS[sw.kind]:
+                    continue
+                freed += sw.blocks.numel() * sw.blocks.element_size()
+                self.stored[key] = StoredWeight(sw.kind, packed, sw.shape, sw.perm, packed=True)
+        for name in ("gate_up", "down"):
+            w = getattr(self, name)
+            if w.shape[1]:
+                freed += w.numel() * w.element_size()
+                w.data = w.data.new_empty((w.shape[0], 0, w.shape[2]))  # [E, 0, K]: no memory
+        return freed
+
+    @property
+    def released(self) -> bool:
+        return self.gate_up.shape[1] == 0
+
     def _mxfp4(self, src: WeightSource, name: str) -> torch.Tensor:
         w = dequantize_mxfp4(src.raw(name + "_blocks"), src.raw(name + "_scales"), src.dtype)
         return w.to(src.device)
@@ -190,8 +281,16 @@ class ExpertSet(nn.Module):
             return w
         return dequantize_fp8(w, Fp8Scales(sc.scale_inv[e], sc.block), dtype)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, H]``, ``weights``/``idx`` ``[T, k]`` → the weighted sum ``[T, H]``."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, form: str | None = None) -> torch.Tensor:
+        """``x`` ``[T, H]``, ``weights``/``idx`` ``[T, k]`` → the weighted sum ``[T, H]``. ``form``: the
+        step's compute form (its stored linears run the experts where built; else the dense stacks)."""
+        ops = self.ops.get(form) if form is not None else None
+        if ops is None and self.released:
+            raise ValueError(
+                "this model's dense expert weights were released after their stored codes were packed for tripod's "
+                "CPU kernels (--weights stored keeps only the stored form in memory); only the stored form can run "
+                "them: load the model again with --weights dequantized for another compute path"
+            )
         k = idx.shape[1]
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
@@ -206,10 +305,13 @@ class ExpertSet(nn.Module):
                 continue
             picked = tokens[start : start + n]
             xs = x.index_select(0, picked)
-            gu = xs @ self.weight("gate_up", e, x.dtype).t()
-            if self.gate_up_bias is not None:
-                gu = gu + self.gate_up_bias[e]
-            y = self._activate(gu) @ self.weight("down", e, x.dtype).t()
+            if ops is not None:  # the stored codes (the kernels' rows are independent: alone = batched)
+                y = ops[2 * e + 1](self._activate(ops[2 * e](xs)))
+            else:
+                gu = xs @ self.weight("gate_up", e, x.dtype).t()
+                if self.gate_up_bias is not None:
+                    gu = gu + self.gate_up_bias[e]
+                y = self._activate(gu) @ self.weight("down", e, x.dtype).t()
             if self.down_bias is not None:
                 y = y + self.down_bias[e]
             out.index_add_(0, picked, y * w[start : start + n])
@@ -241,6 +343,10 @@ class MoE(nn.Module):
         self.shared_gate = (
             nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False) if spec.shared_gate else None
         )
+        # The shared expert's fused gate/up and down as stored codes (quantized checkpoints, one process)
+        # and their HF prefix (``...mlp.shared_expert.``): run by its stored linears like a dense MLP's.
+        self.stored: dict[str, StoredWeight] = {}
+        self.stored_prefix = ""
         self.tp = SINGLE
         self.shared_here = True  # expert parallel: the (replicated) shared expert adds in on rank 0 only
         self.dispatch = False  # expert parallel under data-parallel attention: tokens go to their experts' ranks
@@ -256,17 +362,58 @@ class MoE(nn.Module):
             self.shared_here = tp.first or self.dispatch
         else:
             self.experts.shard_columns(tp)
+            self.stored = {}  # (whole projections: the shard runs its dense slices)
             if self.shared is not None:
                 self.shared.shard(tp, reduce=False)
         self.tp = tp
 
     def prepare(self, backend: Backend, stored: dict[str, StoredWeight]) -> None:
+        self.experts.prepare(backend)
         if self.shared is not None:
-            self.shared.prepare(backend, {})
+            self.shared.prepare(backend, self.stored)
 
     def release(self, form: str) -> None:
+        self.experts.release(form)
         if self.shared is not None:
             self.shared.release(form)
+
+    @property
+    def has_stored(self) -> bool:
+        return bool(self.experts.stored or self.stored)
+
+    def load_stored(self, stored: Mapping[str, StoredWeight], layer: int) -> None:
+        """Take this layer's stored codes (HF names) for the routed experts (``ExpertSet.load_stored``)
+        and the shared expert's fused gate/up and down, each where all its parts are stored in one kind
+        the CPU kernels execute (W8A8 / W4A4 shared experts stay refused: ``loader``)."""
+        prefix, names = expert_names(stored, layer)
+        self.experts.load_stored(stored, prefix, names)
+        m = f"model.layers.{layer}.mlp."
+        self.stored_prefix = next((m + n for n in ("shared_expert.", "shared_experts.") for part in ("gate", "up", "down")
+                                   if f"{m}{n}{part}_proj.weight" in stored), "")
+        self.stored = {}
+        if not self.stored_prefix or self.shared is None or self.tp.size > 1:
+            return
+        for key, parts in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
+            found = _fuse_rows(*(stored.get(f"{self.stored_prefix}{p}.weight") for p in parts))
+            if found is not None:
+                self.stored[key] = found
+
+    def release_dense(self, form: str) -> int:
+        """After ``form`` is built: the routed experts' dense stacks and the shared expert's dense
+        weights that run as stored are dropped, their codes kept once (the kernels' packed blocks).
+        Returns the bytes given back."""
+        freed = self.experts.release_dense(form)
+        ops = None if self.shared is None else self.shared.ops.get(form)
+        for key, idx in (("gate_up", 0), ("down", 1)):
+            sw = self.stored.get(key)
+            if sw is None or ops is None or sw.packed:
+                continue
+            op, w = ops[idx], getattr(self.shared, key)
+            if isinstance(op, KernelLinear) and op.fmt == STORED_KINDS.get(sw.kind):
+                freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
+                self.stored[key] = StoredWeight(sw.kind, op.packed, sw.shape, sw.perm, packed=True)
+                w.data = released(w.data)
+        return freed
 
     def dispatched(self, h: torch.Tensor, backend: Backend) -> torch.Tensor:
         """Expert parallel under data-parallel attention, for this rank's rows ``h``: route them
@@ -299,7 +446,7 @@ class MoE(nn.Module):
         weights, idx = route(logits, self.spec, self.bias)
         if self.routed is not None:
             self.routed.append(idx)
-        out = self.experts(h, weights, idx)
+        out = self.experts(h, weights, idx, backend.form)
         if self.shared is not None and self.shared_here:
             s = self.shared(h, backend)
             if self.shared_gate is not None:
@@ -307,3 +454,29 @@ class MoE(nn.Module):
             out = out + s
         residual = self.tp.residual(residual)
         return self.tp.reduce(out if residual is None else residual + out)
+
+
+def expert_names(stored: Mapping[str, StoredWeight], layer: int) -> tuple[str, tuple[str, str, str]]:
+    """The HF prefix and (gate, up, down) names of layer ``layer``'s routed experts (Mixtral's
+    ``block_sparse_moe.experts.{e}.w1`` …, or ``mlp.experts.{e}.gate_proj`` …)."""
+    p = f"model.layers.{layer}."
+    if f"{p}block_sparse_moe.experts.0.w1.weight" in stored:
+        return p + "block_sparse_moe.experts.", ("w1", "w3", "w2")
+    return p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj")
+
+
+def _fuse_rows(*parts: StoredWeight | None) -> StoredWeight | None:
+    """Stored weights over the same inputs as one (their rows in order), or None where they cannot
+    be one: a part missing or already packed, another kind, input width or input order, or a kind
+    the CPU kernels do not execute as stored."""
+    if any(p is None or p.packed for p in parts):
+        return None
+    ps = [p for p in parts if p is not None]
+    first = ps[0]
+    if first.kind not in STORED_KINDS or any(p.kind != first.kind or p.shape[1] != first.shape[1] for p in ps):
+        return None
+    if any((p.perm is None) != (first.perm is None) or (p.perm is not None and not torch.equal(p.perm, first.perm))
+           for p in ps):
+        return None
+    blocks = torch.cat([p.blocks for p in ps]).contiguous() if len(ps) > 1 else first.blocks
+    return StoredWeight(first.kind, blocks, (sum(p.shape[0] for p in ps), first.shape[1]), first.perm)

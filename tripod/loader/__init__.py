@@ -204,6 +204,19 @@ def _taken(net: Any) -> dict[str, int]:
             mod, attr, prefix, parts = _SITES[key]
             k = int(getattr(getattr(layer, mod), attr).shape[1])
             out.update({f"model.layers.{layer.layer}.{prefix}{part}.weight": k for part in parts})
+        mlp = getattr(layer, "mlp", None)
+        shared = getattr(mlp, "shared", None)
+        for key, parts in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
+            if shared is not None and key in getattr(mlp, "stored", {}):  # a MoE's shared expert run as stored
+                k = int(getattr(shared, key).shape[1])
+                out.update({f"{mlp.stored_prefix}{part}.weight": k for part in parts})
+        experts = getattr(mlp, "experts", None)
+        if getattr(experts, "stored", None):  # routed experts run as stored: no dense stacks either
+            prefix, (g, u, d) = experts.source
+            hidden, inter = int(experts.gate_up.shape[2]), int(experts.down.shape[2])
+            for e in range(experts.num_experts):
+                out.update({f"{prefix}{e}.{g}.weight": hidden, f"{prefix}{e}.{u}.weight": hidden,
+                            f"{prefix}{e}.{d}.weight": inter})
     return out
 
 

@@ -206,6 +206,9 @@ class GGUFFile:
 
         out: dict[str, Any] = {}
         for name, e in self.hybrid_entries().items():
+            if name.endswith((".experts.down_proj", ".experts.gate_up_proj")) and e.rows is None and e.cols is None:
+                out.update(_expert_blocks(name, e.tensors))
+                continue
             (t, *more) = e.tensors
             if more or len(t.shape) != 2:
                 continue
@@ -314,6 +317,32 @@ class GGUFTensors(LazyTensors):
             w = np.ascontiguousarray(handle.undo(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-2)))
             return torch.from_numpy(w.copy() if not w.flags.writeable else w)
         return self.src.dequantized(handle, name, self.cfg)
+
+
+def _expert_blocks(name: str, tensors: tuple[Any, ...]) -> dict[str, Any]:
+    """A MoE layer's stacked expert tensors (``ffn_down_exps`` ``[E, rows, cols]``, or the gate and up
+    pair behind transformers' ``gate_up_proj``) as each expert's stored weights under the per-expert HF
+    names (``...experts.{e}.down_proj.weight``, ``gate_proj`` / ``up_proj``), whole rows of blocks: the
+    routed experts then run as stored (``ExpertSet.load_stored``). None of a type the kernels do not take."""
+    from tripod.layers.linear import StoredWeight
+    from tripod.loader.stored import convert
+
+    prefix = name.rsplit(".", 1)[0] + "."
+    parts = ("down_proj",) if name.endswith("down_proj") else ("gate_proj", "up_proj")
+    out: dict[str, Any] = {}
+    for part, t in zip(parts, tensors, strict=True):
+        if len(t.shape) != 3 or t.tensor_type.name not in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"):
+            return {}
+        raw = np.ascontiguousarray(t.data, dtype=np.uint8)
+        experts, rows, cols = int(t.shape[2]), int(t.shape[1]), int(t.shape[0])  # innermost first
+        found = convert(t.tensor_type.name, raw.reshape(experts * rows, -1))
+        if found is None:
+            return {}
+        kind, blocks = found
+        per = blocks.reshape(experts, rows, -1)
+        for e in range(experts):
+            out[f"{prefix}{e}.{part}.weight"] = StoredWeight(kind, torch.from_numpy(np.array(per[e])), (rows, cols))
+    return out
 
 
 def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:

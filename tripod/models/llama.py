@@ -280,14 +280,14 @@ class LlamaForCausalLM(nn.Module):
         self.head_ops.pop(form, None)
 
     def release_dense_stored(self, form: str) -> int:
-        """After the ``stored`` form ``form`` is built: keep one copy of each projection it runs as
-        stored codes — the kernels' packed blocks, which ``layer.stored`` then holds too (the form can
-        be rebuilt from them without repacking) — and drop the dense weight and the unpacked blocks.
-        Returns the bytes given back. The head is left as it is (a tied head is the embedding).
-        NOTE: afterwards only a stored form can run these projections; another backend's
-        ``prepare`` refuses (``make_linear``) instead of reading an empty weight."""
+        """After the ``stored`` form ``form`` is built: keep one copy of each projection it runs as stored
+        codes — the kernels' packed blocks, which ``layer.stored`` (a MoE's experts: ``MoE.release_dense``)
+        then holds too, so the form is rebuilt without repacking — and drop the dense weight and the unpacked
+        blocks. Returns the bytes given back; the head is left as it is (a tied head is the embedding).
+        NOTE: afterwards only a stored form runs these projections (another backend's ``prepare`` refuses)."""
         freed = 0
         for layer in self.layers:
+            freed += layer.mlp.release_dense(form) if isinstance(layer.mlp, MoE) else 0
             sites = (("qkv", layer.attn, "qkv", 0), ("o", layer.attn, "o", 1),
                      ("gate_up", layer.mlp, "gate_up", 0), ("down", layer.mlp, "down", 1))
             for key, mod, attr, idx in sites:
@@ -310,7 +310,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def has_stored_weights(self) -> bool:
-        return self.stored_head is not None or any(layer.stored for layer in self.layers)
+        return self.stored_head is not None or any(layer.stored or getattr(layer.mlp, "has_stored", False) for layer in self.layers)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: Any) -> torch.Tensor:
@@ -386,9 +386,8 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ weights
     def load_stored(self, stored: Mapping[str, StoredWeight]) -> None:
-        """Keep the GGUF blocks of the projections (HF names, rows already in HF order) so the
-        ``stored`` form can execute them. Fused projections (QKV, gate/up) are kept only when
-        every part is stored in the same type; the others run on the dequantized weights."""
+        """Keep the stored blocks of the projections (HF names, rows in HF order) for the ``stored`` form; a fused
+        one (QKV, gate/up) only when every part is stored in one type (else it runs dequantized); MoE: ``MoE.load_stored``."""
 
         def fuse(names: list[str]) -> StoredWeight | None:
             parts = [stored.get(n) for n in names]
@@ -415,6 +414,8 @@ class LlamaForCausalLM(nn.Module):
                 "down": fuse([m + "down_proj.weight"]),
             }
             layer.stored = {k: v for k, v in found.items() if v is not None}
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.load_stored(stored, i)
         tied = self.lm_head is None or self.lm_head.data_ptr() == self.embed.data_ptr()
         self.stored_head = fuse(["model.embed_tokens.weight" if tied else "lm_head.weight"])
 
