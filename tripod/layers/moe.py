@@ -347,6 +347,9 @@ class MoE(nn.Module):
         # and their HF prefix (``...mlp.shared_expert.``): run by its stored linears like a dense MLP's.
         self.stored: dict[str, StoredWeight] = {}
         self.stored_prefix = ""
+        # per compute form: the router and the shared expert's gate as the backend's linears, so each
+        # row's routing has the same bits alone as in a batch (torch's GEMM picks its summation by M)
+        self.gate_ops: dict[str, tuple[Linear, Linear | None]] = {}
         self.tp = SINGLE
         self.shared_here = True  # expert parallel: the (replicated) shared expert adds in on rank 0 only
         self.dispatch = False  # expert parallel under data-parallel attention: tokens go to their experts' ranks
@@ -371,8 +374,12 @@ class MoE(nn.Module):
         self.experts.prepare(backend)
         if self.shared is not None:
             self.shared.prepare(backend, self.stored)
+        if backend.form not in self.gate_ops:
+            gate = None if self.shared_gate is None else backend.linear(self.shared_gate, None)
+            self.gate_ops[backend.form] = (backend.linear(self.router, self.router_bias), gate)
 
     def release(self, form: str) -> None:
+        self.gate_ops.pop(form, None)
         self.experts.release(form)
         if self.shared is not None:
             self.shared.release(form)
@@ -415,15 +422,32 @@ class MoE(nn.Module):
                 w.data = released(w.data)
         return freed
 
+    def _route(self, h: torch.Tensor, backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's expert weights and indices ``[T, k]`` (the router in float32)."""
+        ops = self.gate_ops.get(backend.form)
+        logits = (torch.nn.functional.linear(h.float(), self.router, self.router_bias) if ops is None
+                  else ops[0](h.float()))
+        weights, idx = route(logits, self.spec, self.bias)
+        if self.routed is not None:
+            self.routed.append(idx)
+        return weights, idx
+
+    def _add_shared(self, out: torch.Tensor, h: torch.Tensor, backend: Backend) -> torch.Tensor:
+        assert self.shared is not None
+        s = self.shared(h, backend)
+        if self.shared_gate is not None:
+            ops = self.gate_ops.get(backend.form)
+            g = torch.nn.functional.linear(h, self.shared_gate) if ops is None or ops[1] is None else ops[1](h)
+            s = torch.sigmoid(g) * s
+        return out + s
+
     def dispatched(self, h: torch.Tensor, backend: Backend) -> torch.Tensor:
         """Expert parallel under data-parallel attention, for this rank's rows ``h``: route them
         here, send each (token, expert) pair to the rank holding the expert (all-to-all), run the
         experts there, send the outputs back (all-to-all), weight and sum them per token; add the
         shared expert. The same routing and experts as ``forward``; the sum runs in rank order."""
         tp, ex, k = self.tp, self.experts, self.spec.top_k
-        weights, idx = route(torch.nn.functional.linear(h.float(), self.router, self.router_bias), self.spec, self.bias)
-        if self.routed is not None:
-            self.routed.append(idx)
+        weights, idx = self._route(h, backend)
         flat = idx.reshape(-1)
         dest = torch.div(flat, ex.num_experts, rounding_mode="floor")  # every rank holds as many experts
         order = torch.argsort(dest, stable=True)
@@ -435,23 +459,14 @@ class MoE(nn.Module):
         out = torch.zeros_like(h)
         out.index_add_(0, order // k, back * weights.reshape(-1).index_select(0, order).to(h.dtype).unsqueeze(1))
         if self.shared is not None and h.shape[0]:
-            s = self.shared(h, backend)
-            if self.shared_gate is not None:
-                s = torch.sigmoid(torch.nn.functional.linear(h, self.shared_gate)) * s
-            out = out + s
+            out = self._add_shared(out, h, backend)
         return out
 
     def forward(self, h: torch.Tensor, backend: Backend, residual: torch.Tensor | None = None) -> torch.Tensor:
-        logits = torch.nn.functional.linear(h.float(), self.router, self.router_bias)
-        weights, idx = route(logits, self.spec, self.bias)
-        if self.routed is not None:
-            self.routed.append(idx)
+        weights, idx = self._route(h, backend)
         out = self.experts(h, weights, idx, backend.form)
         if self.shared is not None and self.shared_here:
-            s = self.shared(h, backend)
-            if self.shared_gate is not None:
-                s = torch.sigmoid(torch.nn.functional.linear(h, self.shared_gate)) * s
-            out = out + s
+            out = self._add_shared(out, h, backend)
         residual = self.tp.residual(residual)
         return self.tp.reduce(out if residual is None else residual + out)
 
