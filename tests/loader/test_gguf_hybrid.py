@@ -36,8 +36,11 @@ ENGINE: dict[str, Any] = dict(dtype="float32", kv_cache_tokens=1024, chunk_size=
                               max_running=4)
 # model_type -> (GGUF architecture, overrides): llama.cpp's converter maps no dense layer in Qwen3-Next
 # (``mlp_only_layers``: "Can not map tensor ...mlp.down_proj"), so its checkpoint is MoE on every layer.
+# Nemotron-H with MoE layers converts as ``nemotron_h_moe``.
 FAMILIES = {"qwen3_5_text": ("qwen35", {}), "qwen3_5_moe_text": ("qwen35moe", {}),
-            "qwen3_next": ("qwen3next", {"mlp_only_layers": None}), "lfm2": ("lfm2", {})}
+            "qwen3_next": ("qwen3next", {"mlp_only_layers": None}), "lfm2": ("lfm2", {}),
+            "nemotron_h": ("nemotron_h_moe", {}), "granitemoehybrid": ("granitehybrid", {})}
+MAMBA2 = {"nemotron_h": "NemotronHForCausalLM", "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
 
 
 def build_lfm2(vocab: int) -> Any:
@@ -58,18 +61,61 @@ def build_lfm2(vocab: int) -> Any:
     return model
 
 
+def build_mamba2(mtype: str, vocab: int) -> Any:
+    """A tiny Nemotron-H (Mamba2, attention, MLP and MoE layers) or Granite 4.0 hybrid (Mamba2 and
+    attention layers, MoE + shared MLP, NoPE as Granite 4.0-H) with head_dim 32 (a shape the CPU
+    kernels' attention covers), the configs and random weights of ``tests/models/test_mamba_hybrids.py``."""
+    import transformers
+
+    from tests.models.test_mamba_hybrids import _granite_config, _nemotron_config
+
+    if mtype == "nemotron_h":
+        cfg = _nemotron_config(vocab_size=vocab, head_dim=32, layers_block_type=[
+            "linear_attention", "full_attention", "mlp", "linear_attention", "moe"])
+    else:
+        d = {**_granite_config(False, 4).to_dict(), "vocab_size": vocab, "hidden_size": 64, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "mamba_d_head": 32}
+        cfg = transformers.GraniteMoeHybridConfig(**d)
+    torch.manual_seed(0)
+    model = getattr(transformers, MAMBA2[mtype])(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in n else 0.2 * noise)
+    return model
+
+
+def _hub_layer_types(folder: Path) -> None:
+    """Granite's ``layer_types`` in the hub checkpoints' words (``mamba`` / ``attention``): llama.cpp's
+    converter reads only those (transformers writes ``linear_attention`` / ``full_attention``, which
+    the converter would take for Mamba2 layers everywhere); tripod reads both."""
+    import json
+
+    path = folder / "config.json"
+    d = json.loads(path.read_text())
+    d["layer_types"] = ["attention" if k == "full_attention" else "mamba" for k in d["layer_types"]]
+    path.write_text(json.dumps(d))
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> dict[str, Path]:
     out = {}
     for mtype, (_, extra) in FAMILIES.items():
         folder = tmp_path_factory.mktemp(mtype)
-        model = (build_lfm2(len(hf_tokenizer)) if mtype == "lfm2"
-                 else build_qwen3_5(0, mtype, vocab_size=len(hf_tokenizer), **extra))
+        if mtype in MAMBA2:
+            model = build_mamba2(mtype, len(hf_tokenizer))
+        elif mtype == "lfm2":
+            model = build_lfm2(len(hf_tokenizer))
+        else:
+            model = build_qwen3_5(0, mtype, vocab_size=len(hf_tokenizer), **extra)
         with torch.no_grad():  # values float16 holds exactly: an F16 GGUF then stores the folder's weights
             for p in model.parameters():
                 p.copy_(p.half().float())
         model.save_pretrained(str(folder))
         hf_tokenizer.save_pretrained(str(folder))
+        if mtype == "granitemoehybrid":
+            _hub_layer_types(folder)
         out[mtype] = folder
     return out
 
@@ -79,7 +125,7 @@ def _convert(folder: Path, outtype: str) -> Path:
 
     try:
         return convert(folder, folder.with_name(folder.name + f".{outtype}.gguf"), outtype,
-                       no_mtp=not folder.name.startswith("lfm2"))
+                       no_mtp=not folder.name.startswith(("lfm2", "granite")))
     except RuntimeError as e:  # (fetching the converter, or running it)
         pytest.fail(f"making the hybrid GGUF with llama.cpp's converter failed: {e}")
 
