@@ -204,3 +204,22 @@ def test_q8_0_gguf_runs_as_stored(checkpoints: dict[str, Path]) -> None:
     assert auto.loaded.weights == "stored" and auto.dtype_name == "bfloat16"
     batched = [o.token_ids for o in auto.generate(PROMPTS, PARAMS)]
     assert [auto.generate([p], PARAMS)[0].token_ids for p in PROMPTS] == batched
+
+
+def test_granite_gguf_from_transformers_layer_names_is_refused(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """A Granite hybrid converted from a config with transformers' layer names (``full_attention``):
+    llama.cpp's converter then writes its attention layer as a Mamba2 one (no ``head_count_kv``, Q/K
+    left unpermuted), which neither llama.cpp nor tripod can run: refused, saying what to change."""
+    import json
+    import shutil
+
+    from tripod.loader.gguf_loader import GGUFFile
+
+    folder = tmp_path / "granite_tf_names"
+    shutil.copytree(checkpoints["granitemoehybrid"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["layer_types"] = ["full_attention" if k == "attention" else "linear_attention" for k in cfg["layer_types"]]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    path = _convert(folder, "f32")
+    with pytest.raises(ValueError, match=r"layer 1 has attention tensors but attention\.head_count_kv 0"):
+        GGUFFile(path).config()
