@@ -1,4 +1,5 @@
-"""Hybrid GGUFs (llama.cpp's ``qwen35``, ``qwen35moe``, ``qwen3next``, ``lfm2``) read back into transformers' layout.
+"""Hybrid GGUFs (llama.cpp's ``qwen35``, ``qwen35moe``, ``qwen3next``, ``lfm2``, ``nemotron_h``,
+``nemotron_h_moe``, ``granitehybrid``) read back into transformers' layout.
 
 llama.cpp's converter (``convert_hf_to_gguf.py``) rewrites these checkpoints on the way in; this module
 undoes each rewrite so the models see exactly the tensors the HF folder holds (what ``ModelConfig.from_hf_dict``
@@ -21,6 +22,10 @@ and the models' ``load_weights`` already read):
 - LFM2: tensors renamed only (its conv squeezed to ``[channels, L]``); the config's MLP width is
   written already derived (``block_auto_adjust_ff_dim`` off here), its attention layers are the
   ones with a nonzero ``attention.head_count_kv``;
+- Nemotron-H / Granite 4.0-H (Mamba2 hybrids, ``_mamba2_config`` / ``_mamba2_entries``): ``ssm_a`` is
+  ``-exp(A_log)`` (handed over as ``mixer.A`` / ``mamba.A``, as above), ``ssm_d`` and the gated norm
+  flattened back, attention Q/K rows un-permuted (the converter applies llama.cpp's rotary pair order
+  to them, RoPE or not), Granite's split gate / up concatenated back into ``input_linear``;
 - ``ssm_conv1d`` is squeezed to ``[channels, K]``; MoE experts are stacked ``[E, rows, cols]`` (given as
   transformers' stacked ``gate_up_proj`` / ``down_proj``); the shared expert's gate is 1-D.
 """
@@ -219,6 +224,30 @@ def hf_config(f: GGUFSource) -> dict[str, Any]:
     return d
 
 
+def _mamba2_kinds(f: GGUFSource, by_name: dict[str, Any]) -> tuple[list[str], list[int]]:
+    """Each layer's kind (Nemotron-H's words) and ``attention.head_count_kv`` per layer."""
+    a = f.arch
+    layers = int(f.field(f"{a}.block_count")) - int(f.field(f"{a}.nextn_predict_layers", 0) or 0)  # (no MTP)
+    kv = f.field(f"{a}.attention.head_count_kv")
+    kv = [int(k) for k in kv] if isinstance(kv, list) else [int(kv or 0)] * layers
+    kinds: list[str] = []
+    for i in range(layers):
+        attn = f"blk.{i}.attn_q.weight" in by_name
+        if attn != (int(kv[i]) > 0):
+            # (llama.cpp's converter reads Granite's layer kinds as "mamba" / "attention"; a config
+            # written with other names gives a file whose attention layers llama.cpp cannot run either)
+            raise ValueError(f"GGUF {a}: layer {i} has {'' if attn else 'no '}attention tensors but "
+                             f"attention.head_count_kv {kv[i]}; re-convert it from a config whose layer types "
+                             f"llama.cpp's converter reads (Granite: layer_types 'mamba' / 'attention')")
+        if attn:
+            kinds.append("full_attention")
+        elif f"blk.{i}.ssm_in.weight" in by_name:
+            kinds.append("linear_attention")
+        else:
+            kinds.append("moe" if f"blk.{i}.ffn_gate_inp.weight" in by_name else "mlp")
+    return kinds, kv
+
+
 def _mamba2_config(f: GGUFSource, mtype: str, arch: str) -> dict[str, Any]:
     """``hf_config`` of Nemotron-H and Granite 4.0 hybrid GGUFs (Mamba2, attention, MLP / MoE layers).
 
@@ -231,24 +260,8 @@ def _mamba2_config(f: GGUFSource, mtype: str, arch: str) -> dict[str, Any]:
         return f.field(f"{a}.{key}", default)
 
     by_name = {t.name: t for t in f.reader.tensors}
-    layers = int(g("block_count")) - int(g("nextn_predict_layers", 0) or 0)  # (MTP layers are not read)
-    kv = g("attention.head_count_kv")
-    kv = list(kv) if isinstance(kv, list) else [int(kv or 0)] * layers
-    kinds: list[str] = []
-    for i in range(layers):
-        attn = f"blk.{i}.attn_q.weight" in by_name
-        if attn != (int(kv[i]) > 0):
-            # (llama.cpp's converter reads Granite's layer kinds as "mamba" / "attention"; a config
-            # written with other names gives a file whose attention layers llama.cpp cannot run either)
-            raise ValueError(f"GGUF {a}: layer {i} has {'' if attn else 'no '}attention tensors but "
-                             f"attention.head_count_kv {kv[i]}; re-convert it from a config whose layer types "
-                             f"llama.cpp's converter reads")
-        if attn:
-            kinds.append("full_attention")
-        elif f"blk.{i}.ssm_in.weight" in by_name:
-            kinds.append("linear_attention")
-        else:
-            kinds.append("moe" if f"blk.{i}.ffn_gate_inp.weight" in by_name else "mlp")
+    kinds, kv = _mamba2_kinds(f, by_name)
+    layers = len(kinds)
 
     def rows(suffix: str) -> int | None:
         """The output rows of the first layer tensor named ``suffix`` (GGUF lists dims innermost first)."""
