@@ -39,7 +39,8 @@ ENGINE: dict[str, Any] = dict(dtype="float32", kv_cache_tokens=1024, chunk_size=
 # Nemotron-H with MoE layers converts as ``nemotron_h_moe``.
 FAMILIES = {"qwen3_5_text": ("qwen35", {}), "qwen3_5_moe_text": ("qwen35moe", {}),
             "qwen3_next": ("qwen3next", {"mlp_only_layers": None}), "lfm2": ("lfm2", {}),
-            "nemotron_h": ("nemotron_h_moe", {}), "granitemoehybrid": ("granitehybrid", {})}
+            "nemotron_h": ("nemotron_h_moe", {}), "granitemoehybrid": ("granitehybrid", {}),
+            "kimi_linear": ("kimi-linear", {})}
 MAMBA2 = {"nemotron_h": "NemotronHForCausalLM", "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
 
 
@@ -86,6 +87,41 @@ def build_mamba2(mtype: str, vocab: int) -> Any:
     return model
 
 
+def build_kimi_linear(vocab: int) -> Any:
+    """A tiny Kimi Linear (KDA and MLA layers, a dense then MoE MLPs) with the random weights of
+    ``tests/models/test_kimi_linear.py``; one expert group (as Moonshot's checkpoints: the GGUF does not
+    record the group count)."""
+    from tests.models.test_kimi_linear import build_kimi
+
+    return build_kimi(vocab_size=vocab, n_group=1, topk_group=1)
+
+
+def _moonshot_layout(folder: Path) -> Path:
+    """A copy of a Kimi Linear folder in Moonshot's checkpoint layout, the one llama.cpp's converter
+    reads: a dense layer's MLP under ``mlp`` (transformers saves it under ``block_sparse_moe``) and
+    the config's ``linear_attn_config.full_attn_layers`` / ``kda_layers`` (1-indexed) and
+    ``first_k_dense_replace``. The same tensors, renamed only."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = folder.with_name(folder.name + "_moonshot")
+    shutil.copytree(folder, out)
+    dense = ("gate_proj", "up_proj", "down_proj")
+    w = load_file(str(out / "model.safetensors"))
+    w = {k.replace(".block_sparse_moe.", ".mlp.") if k.split(".")[-2] in dense and "shared_experts" not in k else k: v
+         for k, v in w.items()}
+    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
+    d = json.loads((out / "config.json").read_text())
+    types = d["layer_types"]
+    d["linear_attn_config"].update(full_attn_layers=[i + 1 for i, t in enumerate(types) if t == "full_attention"],
+                                   kda_layers=[i + 1 for i, t in enumerate(types) if t != "full_attention"])
+    d["first_k_dense_replace"] = d["mlp_layer_types"].index("sparse")
+    (out / "config.json").write_text(json.dumps(d))
+    return out
+
+
 def _hub_layer_types(folder: Path) -> None:
     """Granite's ``layer_types`` in the hub checkpoints' words (``mamba`` / ``attention``): llama.cpp's
     converter reads only those (transformers writes ``linear_attention`` / ``full_attention``, which
@@ -107,6 +143,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> 
             model = build_mamba2(mtype, len(hf_tokenizer))
         elif mtype == "lfm2":
             model = build_lfm2(len(hf_tokenizer))
+        elif mtype == "kimi_linear":
+            model = build_kimi_linear(len(hf_tokenizer))
         else:
             model = build_qwen3_5(0, mtype, vocab_size=len(hf_tokenizer), **extra)
         with torch.no_grad():  # values float16 holds exactly: an F16 GGUF then stores the folder's weights
@@ -116,6 +154,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> 
         hf_tokenizer.save_pretrained(str(folder))
         if mtype == "granitemoehybrid":
             _hub_layer_types(folder)
+        if mtype == "kimi_linear":
+            _moonshot_layout(folder)
         out[mtype] = folder
     return out
 
@@ -123,9 +163,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> 
 def _convert(folder: Path, outtype: str) -> Path:
     from tests.support.llamacpp_convert import convert
 
+    moonshot = folder.with_name(folder.name + "_moonshot")  # (Kimi Linear: the layout the converter reads)
     try:
-        return convert(folder, folder.with_name(folder.name + f".{outtype}.gguf"), outtype,
-                       no_mtp=not folder.name.startswith(("lfm2", "granite")))
+        return convert(moonshot if moonshot.is_dir() else folder, folder.with_name(folder.name + f".{outtype}.gguf"),
+                       outtype, no_mtp=not folder.name.startswith(("lfm2", "granite", "kimi")))
     except RuntimeError as e:  # (fetching the converter, or running it)
         pytest.fail(f"making the hybrid GGUF with llama.cpp's converter failed: {e}")
 

@@ -332,6 +332,7 @@ class Entry:
     undo: Callable[[np.ndarray], np.ndarray]
     rows: np.ndarray | None = None  # a 2-D weight's rows as a gather of the file's (stored blocks)
     cols: np.ndarray | None = None  # a 2-D weight's columns: the file's column j holds HF column cols[j]
+    join: Callable[[list[np.ndarray]], np.ndarray] | None = None  # several tensors into one (else: rows concatenated)
 
 
 def entries(f: GGUFSource, cfg: dict[str, Any]) -> dict[str, Entry]:
