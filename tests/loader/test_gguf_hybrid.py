@@ -1,6 +1,6 @@
 """Hybrid GGUFs made by llama.cpp's own converter, loaded by tripod, against the HF folder they came from.
 
-A tiny random Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / LFM2 / Nemotron-H / Granite 4.0-H checkpoint is built with transformers (fixed seed,
+A tiny random Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / LFM2 / Nemotron-H / Granite 4.0-H / Kimi Linear checkpoint is built with transformers (fixed seed,
 the embedded tokenizer's vocabulary), converted by ``convert_hf_to_gguf.py`` from the llama.cpp
 sources of the ``llama-cpp-python`` sdist (``tests/support/llamacpp_convert.py``: fetched with pip,
 cached), and both are loaded by tripod:

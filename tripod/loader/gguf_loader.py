@@ -76,7 +76,8 @@ class GGUFFile:
 
     @property
     def hybrid(self) -> bool:
-        """A hybrid (Gated DeltaNet) GGUF: read back into transformers' layout (``loader/gguf_hybrid.py``)."""
+        """A hybrid GGUF (linear-attention / state-space layers): read back into transformers' layout
+        (``loader/gguf_hybrid.py``; Kimi Linear: ``loader/gguf_kimi.py``)."""
         return self.arch in HYBRID_ARCHS or self.arch == gguf_kimi.ARCH
 
     def hybrid_config(self) -> dict[str, Any]:
