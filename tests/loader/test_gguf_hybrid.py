@@ -1,6 +1,6 @@
 """Hybrid GGUFs made by llama.cpp's own converter, loaded by tripod, against the HF folder they came from.
 
-A tiny random Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoint is built with transformers (fixed seed,
+A tiny random Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / LFM2 / Nemotron-H / Granite 4.0-H / Kimi Linear checkpoint is built with transformers (fixed seed,
 the embedded tokenizer's vocabulary), converted by ``convert_hf_to_gguf.py`` from the llama.cpp
 sources of the ``llama-cpp-python`` sdist (``tests/support/llamacpp_convert.py``: fetched with pip,
 cached), and both are loaded by tripod:
@@ -36,8 +36,12 @@ ENGINE: dict[str, Any] = dict(dtype="float32", kv_cache_tokens=1024, chunk_size=
                               max_running=4)
 # model_type -> (GGUF architecture, overrides): llama.cpp's converter maps no dense layer in Qwen3-Next
 # (``mlp_only_layers``: "Can not map tensor ...mlp.down_proj"), so its checkpoint is MoE on every layer.
+# Nemotron-H with MoE layers converts as ``nemotron_h_moe``.
 FAMILIES = {"qwen3_5_text": ("qwen35", {}), "qwen3_5_moe_text": ("qwen35moe", {}),
-            "qwen3_next": ("qwen3next", {"mlp_only_layers": None}), "lfm2": ("lfm2", {})}
+            "qwen3_next": ("qwen3next", {"mlp_only_layers": None}), "lfm2": ("lfm2", {}),
+            "nemotron_h": ("nemotron_h_moe", {}), "granitemoehybrid": ("granitehybrid", {}),
+            "kimi_linear": ("kimi-linear", {})}
+MAMBA2 = {"nemotron_h": "NemotronHForCausalLM", "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
 
 
 def build_lfm2(vocab: int) -> Any:
@@ -58,18 +62,100 @@ def build_lfm2(vocab: int) -> Any:
     return model
 
 
+def build_mamba2(mtype: str, vocab: int) -> Any:
+    """A tiny Nemotron-H (Mamba2, attention, MLP and MoE layers) or Granite 4.0 hybrid (Mamba2 and
+    attention layers, MoE + shared MLP, NoPE as Granite 4.0-H) with head_dim 32 (a shape the CPU
+    kernels' attention covers), the configs and random weights of ``tests/models/test_mamba_hybrids.py``."""
+    import transformers
+
+    from tests.models.test_mamba_hybrids import _granite_config, _nemotron_config
+
+    if mtype == "nemotron_h":
+        cfg = _nemotron_config(vocab_size=vocab, head_dim=32, layers_block_type=[
+            "linear_attention", "full_attention", "mlp", "linear_attention", "moe"])
+    else:
+        d = {**_granite_config(False, 4).to_dict(), "vocab_size": vocab, "hidden_size": 64, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "mamba_d_head": 32}
+        cfg = transformers.GraniteMoeHybridConfig(**d)
+    torch.manual_seed(0)
+    model = getattr(transformers, MAMBA2[mtype])(cfg).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in n else 0.2 * noise)
+    return model
+
+
+def build_kimi_linear(vocab: int) -> Any:
+    """A tiny Kimi Linear (KDA and MLA layers, a dense then MoE MLPs) with the random weights of
+    ``tests/models/test_kimi_linear.py``; one expert group (as Moonshot's checkpoints: the GGUF does not
+    record the group count)."""
+    from tests.models.test_kimi_linear import build_kimi
+
+    return build_kimi(vocab_size=vocab, n_group=1, topk_group=1)
+
+
+def _moonshot_layout(folder: Path) -> Path:
+    """A copy of a Kimi Linear folder in Moonshot's checkpoint layout, the one llama.cpp's converter
+    reads: a dense layer's MLP under ``mlp`` (transformers saves it under ``block_sparse_moe``) and
+    the config's ``linear_attn_config.full_attn_layers`` / ``kda_layers`` (1-indexed) and
+    ``first_k_dense_replace``. The same tensors, renamed only."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = folder.with_name(folder.name + "_moonshot")
+    shutil.copytree(folder, out)
+    dense = ("gate_proj", "up_proj", "down_proj")
+    w = load_file(str(out / "model.safetensors"))
+    w = {k.replace(".block_sparse_moe.", ".mlp.") if k.split(".")[-2] in dense and "shared_experts" not in k else k: v
+         for k, v in w.items()}
+    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
+    d = json.loads((out / "config.json").read_text())
+    types = d["layer_types"]
+    d["linear_attn_config"].update(full_attn_layers=[i + 1 for i, t in enumerate(types) if t == "full_attention"],
+                                   kda_layers=[i + 1 for i, t in enumerate(types) if t != "full_attention"])
+    d["first_k_dense_replace"] = d["mlp_layer_types"].index("sparse")
+    (out / "config.json").write_text(json.dumps(d))
+    return out
+
+
+def _hub_layer_types(folder: Path) -> None:
+    """Granite's ``layer_types`` in the hub checkpoints' words (``mamba`` / ``attention``): llama.cpp's
+    converter reads only those (transformers writes ``linear_attention`` / ``full_attention``, which
+    the converter would take for Mamba2 layers everywhere); tripod reads both."""
+    import json
+
+    path = folder / "config.json"
+    d = json.loads(path.read_text())
+    d["layer_types"] = ["attention" if k == "full_attention" else "mamba" for k in d["layer_types"]]
+    path.write_text(json.dumps(d))
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> dict[str, Path]:
     out = {}
     for mtype, (_, extra) in FAMILIES.items():
         folder = tmp_path_factory.mktemp(mtype)
-        model = (build_lfm2(len(hf_tokenizer)) if mtype == "lfm2"
-                 else build_qwen3_5(0, mtype, vocab_size=len(hf_tokenizer), **extra))
+        if mtype in MAMBA2:
+            model = build_mamba2(mtype, len(hf_tokenizer))
+        elif mtype == "lfm2":
+            model = build_lfm2(len(hf_tokenizer))
+        elif mtype == "kimi_linear":
+            model = build_kimi_linear(len(hf_tokenizer))
+        else:
+            model = build_qwen3_5(0, mtype, vocab_size=len(hf_tokenizer), **extra)
         with torch.no_grad():  # values float16 holds exactly: an F16 GGUF then stores the folder's weights
             for p in model.parameters():
                 p.copy_(p.half().float())
         model.save_pretrained(str(folder))
         hf_tokenizer.save_pretrained(str(folder))
+        if mtype == "granitemoehybrid":
+            _hub_layer_types(folder)
+        if mtype == "kimi_linear":
+            _moonshot_layout(folder)
         out[mtype] = folder
     return out
 
@@ -77,9 +163,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer: Any) -> 
 def _convert(folder: Path, outtype: str) -> Path:
     from tests.support.llamacpp_convert import convert
 
+    moonshot = folder.with_name(folder.name + "_moonshot")  # (Kimi Linear: the layout the converter reads)
     try:
-        return convert(folder, folder.with_name(folder.name + f".{outtype}.gguf"), outtype,
-                       no_mtp=not folder.name.startswith("lfm2"))
+        return convert(moonshot if moonshot.is_dir() else folder, folder.with_name(folder.name + f".{outtype}.gguf"),
+                       outtype, no_mtp=not folder.name.startswith(("lfm2", "granite", "kimi")))
     except RuntimeError as e:  # (fetching the converter, or running it)
         pytest.fail(f"making the hybrid GGUF with llama.cpp's converter failed: {e}")
 
@@ -201,3 +288,22 @@ def test_q8_0_moe_gguf_experts_run_as_stored(checkpoints: dict[str, Path]) -> No
     alone = [stored.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
     assert alone == [o.token_ids for o in got], "a request's tokens differ alone and batched"
     stored.assert_consistent()
+
+
+def test_granite_gguf_from_transformers_layer_names_is_refused(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """A Granite hybrid converted from a config with transformers' layer names (``full_attention``):
+    llama.cpp's converter then writes its attention layer as a Mamba2 one (no ``head_count_kv``, Q/K
+    left unpermuted), which neither llama.cpp nor tripod can run: refused, saying what to change."""
+    import json
+    import shutil
+
+    from tripod.loader.gguf_loader import GGUFFile
+
+    folder = tmp_path / "granite_tf_names"
+    shutil.copytree(checkpoints["granitemoehybrid"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["layer_types"] = ["full_attention" if k == "attention" else "linear_attention" for k in cfg["layer_types"]]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    path = _convert(folder, "f32")
+    with pytest.raises(ValueError, match=r"layer 1 has attention tensors but attention\.head_count_kv 0"):
+        GGUFFile(path).config()

@@ -87,6 +87,9 @@ class KdaMixer(nn.Module):
         self.conv_w = p(3 * w, cfg.conv_kernel)
         self.dt_bias = nn.Parameter(torch.empty(w, dtype=torch.float32), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(h, dtype=torch.float32), requires_grad=False)
+        # A GGUF's ``ssm_a`` (-exp(A_log), float32), used in its place: bit for bit what torch's exp
+        # gives, where log() would not give A_log back exactly. None: computed from A_log.
+        self.neg_a: torch.Tensor | None = None
         self.o_norm = p(d)
         self.ops: dict[str, dict[str, Linear]] = {}
 
@@ -106,8 +109,15 @@ class KdaMixer(nn.Module):
             conv = torch.cat([get(f"{a}{n}_conv1d.weight") for n in ("q", "k", "v")])
         self.conv_w.data = conv.reshape(self.conv_w.shape).contiguous()
         self.dt_bias.data = src.get_f32(fg + "dt_bias").reshape(-1)
-        self.A_log.data = src.get_f32(fg + "A_log").reshape(-1)
+        if src.has(fg + "A"):  # a GGUF's -exp(A_log) (loader/gguf_kimi.py)
+            self.neg_a = src.get_f32(fg + "A").reshape(-1)
+        else:
+            self.A_log.data = src.get_f32(fg + "A_log").reshape(-1)
         self.o_norm.data = get(a + "o_norm.weight")
+
+    def a(self) -> torch.Tensor:
+        """-exp(A_log) per head (a GGUF's stored value when there is one)."""
+        return -torch.exp(self.A_log) if self.neg_a is None else self.neg_a
 
     def prepare(self, backend: Backend) -> None:
         if backend.form not in self.ops:
@@ -133,7 +143,7 @@ class KdaMixer(nn.Module):
         q, k, v = (part.reshape(t, nh, d) for part in qkv.split(c.width, dim=-1))
         q, k = _l2norm(q) * d**-0.5, _l2norm(k)
         gate = op["f_b"](op["f_a"](h)).float() + self.dt_bias
-        decay = torch.exp(-torch.exp(self.A_log)[:, None] * softplus_exact(gate.view(t, nh, d)))  # [T, H, d]
+        decay = torch.exp(self.a()[:, None] * softplus_exact(gate.view(t, nh, d)))  # [T, H, d]
         beta = 1.0 / (1.0 + torch.exp(-op["b"](h).float()))  # [T, H]
         o = self._scan(q, k, v, decay, beta, rec, lens, trace)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.eps) * self.o_norm.float()
@@ -158,7 +168,7 @@ class KdaMixer(nn.Module):
         q, k, v = (part.reshape(t, nh, d) for part in qkv.split(c.width, dim=-1))
         q, k = _l2norm(q) * d**-0.5, _l2norm(k)
         gate = op["f_b"](op["f_a"](h)).float() + self.dt_bias
-        decay = torch.exp(-torch.exp(self.A_log)[:, None] * softplus_exact(gate.view(t, nh, d)))  # [T, H, d]
+        decay = torch.exp(self.a()[:, None] * softplus_exact(gate.view(t, nh, d)))  # [T, H, d]
         beta = 1.0 / (1.0 + torch.exp(-op["b"](h).float()))  # [T, H]
         o = backend.gated_delta(q, k, v, decay, beta, rec, states.items, keep=rec_keep)
         if kept is not None and conv_keep is not None and rec_keep is not None:

@@ -175,6 +175,9 @@ class Mamba2Mixer(nn.Module):
         self.norm_w = _param(c.intermediate, dtype=dtype, fill=1.0)
         self.out_proj = _param(c.hidden_size, c.intermediate, dtype=dtype)
         self.out_bias = _param(c.hidden_size, dtype=dtype, fill=0.0) if c.proj_bias else None
+        # A GGUF's ``ssm_a``: -exp(A_log) as llama.cpp stores it (float32), used in its place (bit for
+        # bit what torch's exp gives; log() of it would not give A_log back exactly). None: from A_log.
+        self.neg_a: torch.Tensor | None = None
         self.ops: dict[str, tuple[Linear, Linear]] = {}
 
     def load(self, src: WeightSource, prefix: str) -> None:
@@ -189,7 +192,10 @@ class Mamba2Mixer(nn.Module):
             self.in_bias.data = get(prefix + "in_proj.bias")
             self.out_bias.data = get(prefix + "out_proj.bias")
         self.dt_bias.data = get(prefix + "dt_bias")
-        self.A_log.data = get(prefix + "A_log")
+        if src.has(prefix + "A"):  # a GGUF's -exp(A_log) (loader/gguf_hybrid.py)
+            self.neg_a = src.get_f32(prefix + "A")
+        else:
+            self.A_log.data = get(prefix + "A_log")
         self.D.data = get(prefix + "D")
         self.norm_w.data = get(prefix + "norm.weight")
         self.out_proj.data = get(prefix + "out_proj.weight").contiguous()
@@ -232,7 +238,7 @@ class Mamba2Mixer(nn.Module):
         xbc = backend.causal_conv(xbc, conv, items, self.conv_w, self.conv_b, keep=conv_keep)
         x, b, cc = xbc.split([c.intermediate, c.n_groups * c.state_size, c.n_groups * c.state_size], dim=-1)
         dt = softplus_exact(dt + self.dt_bias.float()).clamp(min=c.dt_limit[0], max=c.dt_limit[1])  # [T, H]
-        decay = torch.exp(dt * -torch.exp(self.A_log.float()))
+        decay = torch.exp(dt * self.a())
         y = backend.ssd_scan(x, b, cc, dt, decay, ssm, items, keep=ssm_keep)
         if kept is not None and conv_keep is not None and ssm_keep is not None:
             kept.put(states, index, [conv_keep[1], ssm_keep[1]])
@@ -266,7 +272,7 @@ class Mamba2Mixer(nn.Module):
         t, nh, p, n = x.shape[0], c.num_heads, c.head_dim, c.state_size
         rep = nh // c.n_groups
         dt = softplus_exact(dt + self.dt_bias.float()).clamp(min=c.dt_limit[0], max=c.dt_limit[1])  # [T, H]
-        decay = torch.exp(dt * -torch.exp(self.A_log.float()))  # [T, H]
+        decay = torch.exp(dt * self.a())  # [T, H]
         x = x.view(t, nh, p)
         b = b.view(t, c.n_groups, 1, n).expand(t, c.n_groups, rep, n).reshape(t, nh, 1, n)
         cc = cc.view(t, c.n_groups, 1, n).expand(t, c.n_groups, rep, n).reshape(t, nh, 1, n)
@@ -288,6 +294,10 @@ class Mamba2Mixer(nn.Module):
             assert trace is not None
             trace[s].append(torch.stack(states))
         return y + x * self.D.float()[:, None]
+
+    def a(self) -> torch.Tensor:
+        """``A`` = -exp(A_log) per head, float32 (a GGUF's stored value when there is one)."""
+        return -torch.exp(self.A_log.float()) if self.neg_a is None else self.neg_a
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of ``y · silu(z)`` over each group of ``intermediate / n_groups`` channels."""

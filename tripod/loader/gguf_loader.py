@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tripod import paths
+from tripod.loader import gguf_kimi
 from tripod.loader.gguf_hybrid import HYBRID_ARCHS, Entry, entries, hf_config
 from tripod.loader.lazy import LazyTensors
 from tripod.models.config import ModelConfig
@@ -68,17 +69,24 @@ class GGUFFile:
             raise ValueError(f"GGUF file not found: {self.path}")
         self.reader = GGUFMetadataReader(self.path)
         self.arch = str(self.field("general.architecture"))
-        if self.arch not in _ARCHS and self.arch not in HYBRID_ARCHS:
-            raise ValueError(
-                f"GGUF architecture {self.arch!r} is not supported; supported: {', '.join([*_ARCHS, *HYBRID_ARCHS])}"
+        if self.arch not in _ARCHS and not self.hybrid:
+            raise ValueError(f"GGUF architecture {self.arch!r} is not supported; supported: "
+                             f"{', '.join([*_ARCHS, *HYBRID_ARCHS, gguf_kimi.ARCH])}"
             )
 
     @property
     def hybrid(self) -> bool:
-        """A hybrid (Gated DeltaNet) GGUF: read back into transformers' layout (``loader/gguf_hybrid.py``)."""
-        return self.arch in HYBRID_ARCHS
+        """A hybrid GGUF (linear-attention / state-space layers): read back into transformers' layout
+        (``loader/gguf_hybrid.py``; Kimi Linear: ``loader/gguf_kimi.py``)."""
+        return self.arch in HYBRID_ARCHS or self.arch == gguf_kimi.ARCH
+
+    def hybrid_config(self) -> dict[str, Any]:
+        """A hybrid GGUF's metadata as the HF ``config.json`` dict."""
+        return gguf_kimi.hf_config(self) if self.arch == gguf_kimi.ARCH else hf_config(self)
 
     def hybrid_entries(self) -> dict[str, Entry]:
+        if self.arch == gguf_kimi.ARCH:
+            return gguf_kimi.entries(self, self.hybrid_config())
         return entries(self, hf_config(self))
 
     def field(self, key: str, default: Any = None) -> Any:
@@ -96,7 +104,7 @@ class GGUFFile:
 
     def config(self) -> ModelConfig:
         if self.hybrid:
-            return ModelConfig.from_hf_dict(hf_config(self))
+            return ModelConfig.from_hf_dict(self.hybrid_config())
         a = self.arch
         heads = int(self.field(f"{a}.attention.head_count"))
         hidden = int(self.field(f"{a}.embedding_length"))
@@ -314,7 +322,9 @@ class GGUFTensors(LazyTensors):
             import gguf
 
             parts = [np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32) for t in handle.tensors]
-            w = np.ascontiguousarray(handle.undo(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-2)))
+            whole = handle.join(parts) if handle.join is not None else (
+                parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-2))
+            w = np.ascontiguousarray(handle.undo(whole))
             return torch.from_numpy(w.copy() if not w.flags.writeable else w)
         return self.src.dequantized(handle, name, self.cfg)
 
