@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tripod.layers.batch import Backend, ForwardBatch
-from tripod.layers.linear import STORED_KINDS, KernelLinear, Linear, StoredWeight, released
+from tripod.layers.linear import (
+    KIND_OF_FORMAT,
+    STORED_KINDS,
+    KernelLinear,
+    Linear,
+    StoredWeight,
+    released,
+)
 from tripod.layers.mlp import GatedMLP
 from tripod.layers.moe import MoE
 from tripod.layers.norm import rms_norm
@@ -301,10 +308,12 @@ class LlamaForCausalLM(nn.Module):
                     freed += w.numel() * w.element_size()
                     w.data = released(w.data)
                     continue
-                if not isinstance(op, KernelLinear) or op.fmt != STORED_KINDS.get(sw.kind):
+                # (a Q4_K-form weight may run as the Q4_0 / Q4_1 form holding its values: layers/linear.narrowed)
+                if not isinstance(op, KernelLinear) or op.fmt not in (STORED_KINDS.get(sw.kind),
+                                                                      *(("q4_0", "q4_1") if sw.kind == "Q4_K" else ())):
                     continue
                 freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
-                layer.stored[key] = StoredWeight(sw.kind, op.packed, sw.shape, sw.perm, packed=True)
+                layer.stored[key] = StoredWeight(KIND_OF_FORMAT[op.fmt], op.packed, sw.shape, sw.perm, packed=True)
                 w.data = released(w.data)
         return freed
 
