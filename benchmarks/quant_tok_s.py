@@ -61,6 +61,10 @@ def make_folders(work: Path, layers: int | None) -> dict[str, str]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = embedded_model_path()
+    bf16, w4 = work / "bf16", work / "w4a16-g128"
+    made = {FORMS[0]: str(w4), FORMS[1]: str(gguf), FORMS[2]: str(bf16)}
+    if (w4 / "model.safetensors").is_file() and (bf16 / "model.safetensors").is_file():
+        return made  # made by an earlier run
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     read = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     # a plain model of the same config (transformers will not save one it read from a GGUF)
@@ -73,13 +77,10 @@ def make_folders(work: Path, layers: int | None) -> dict[str, str]:
     if layers is not None:
         model.model.layers = model.model.layers[:layers]
         model.config.num_hidden_layers = layers
-    bf16, w4 = work / "bf16", work / "w4a16-g128"
-    if not (w4 / "config.json").is_file():
-        save_quantized(model, w4, tok, "ct", bits=4, group=128, sym=True)
-    if not (bf16 / "config.json").is_file():
-        model.to(torch.bfloat16).save_pretrained(str(bf16))
-        tok.save_pretrained(str(bf16))
-    return {FORMS[0]: str(w4), FORMS[1]: str(gguf), FORMS[2]: str(bf16)}
+    save_quantized(model, w4, tok, "ct", bits=4, group=128, sym=True)
+    model.to(torch.bfloat16).save_pretrained(str(bf16))
+    tok.save_pretrained(str(bf16))
+    return made
 
 
 def timed(eng: Engine, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
@@ -97,6 +98,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kernels", default="optimized")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads per engine (default: torch's; 1 is steadier where other work shares the cores)")
     ap.add_argument("--ab", action="store_true",
                     help="also run the W4A16 folder with its int4 blocks kept in the Q4_K form (layers/linear.narrowed off)")
     ap.add_argument("--layers", type=int, default=None, help="keep the first few decoder layers in the HF forms (smoke runs)")
@@ -116,7 +119,7 @@ def main() -> int:
         # the quantized forms as `--weights auto` runs them (stored codes, bf16 activations under
         # `--dtype auto`); the bf16 folder as bf16 weights and activations
         engines[form] = Engine(model=path, dtype="bfloat16" if form == FORMS[2] else "auto", kernels=args.kernels,
-                               max_running=max(conc),
+                               max_running=max(conc), **({"num_threads": args.threads} if args.threads else {}),
                                kv_cache_tokens=max(conc) * (args.prompt_len + args.new_tokens) + 256)
         if form == BEFORE:
             linear_mod.narrowed = keep
@@ -138,6 +141,7 @@ def main() -> int:
                 tokens[(form, c)] = toks
                 print(f"round {r + 1}/{args.repeats} C={c} {form}: {s['decode_tok_s'][-1]:.1f} tok/s", file=sys.stderr, flush=True)
     info = cpu_info()
+    info["threads"] = args.threads or info["threads"]
     rows = []
     for form, eng in engines.items():
         net = eng.loaded.model

@@ -76,37 +76,48 @@ STORED_KINDS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_k", 
 KIND_OF_FORMAT = {fmt: kind for kind, fmt in STORED_KINDS.items()}
 
 
-def narrowed(stored: StoredWeight) -> StoredWeight:
-    """A Q4_K-form weight (per 32 inputs ``[a f32, b f32, 16 bytes of nibbles]``, ``w = a q - b``;
-    what AWQ / GPTQ / compressed-tensors int4 become, ``loader/stored.group_blocks``) in the smaller
-    GGUF form that holds the same values, else ``stored`` as it is:
+def narrowed_kind(stored: StoredWeight) -> str:
+    """The stored kind ``narrowed`` gives ``stored``: ``Q4_0`` or ``Q4_1`` for a Q4_K-form weight
+    (per 32 inputs ``[a f32, b f32, 16 bytes of nibbles]``, ``w = a q - b``; what AWQ / GPTQ /
+    compressed-tensors int4 become, ``loader/stored.group_blocks``) whose values that smaller GGUF
+    form holds, else its own kind:
 
     - ``Q4_0`` (18 bytes per 32 inputs instead of 24) where every ``a`` is exact in fp16 and
       ``b = 8 a`` (symmetric int4: ``w = a (q - 8)``);
-    - ``Q4_1`` (20 bytes) where ``a`` and ``-b`` are exact in fp16 (``d = a``, ``m = -b``).
+    - ``Q4_1`` (20 bytes) where every ``a`` and ``-b`` are exact in fp16 (``d = a``, ``m = -b``).
 
-    NOTE: the kernels' epilogues then compute the same bits as for the Q4_K form: Q4_K adds
-    ``fnmadd(b, sum(x), fmadd(a, sum(x q), acc))``, Q4_0 / Q4_1 ``fmadd(m, sum(x), fmadd(d, ...))``
-    with ``m = -8 d = -b`` / ``m = -b`` held exactly in float32, and ``(-b) * X + t`` is ``t - b * X``
-    rounded once, exactly, in both (``kernels/csrc/linear.cpp``'s ``apply_scales``). Smaller blocks
-    are fewer bytes read per token (a group-128 W4A16 checkpoint's bf16 scales fit fp16)."""
+    NOTE: the kernels then compute the same bits as for the Q4_K form: its epilogue is
+    ``fnmadd(b, sum(x), fmadd(a, sum(x q), acc))``, Q4_0's / Q4_1's ``fmadd(m, sum(x), fmadd(d, ...))``
+    with ``m = -8 d = -b`` / ``m = -b`` exactly in float32, and ``t + (-b) X`` rounded once is
+    ``t - b X`` rounded once (``kernels/csrc/linear.cpp``'s ``apply_scales``, every level and row
+    count). Fewer bytes read per token: a group-128 W4A16 checkpoint's bf16 scales fit fp16."""
     if stored.kind != "Q4_K" or stored.packed:
+        return stored.kind
+    a, b = _q4_k_scales(stored)
+    if not torch.equal(a.to(torch.float16).float(), a):  # (an fp16 overflow gives inf != a)
+        return stored.kind
+    if torch.equal(b, a * 8):
+        return "Q4_0"
+    return "Q4_1" if torch.equal((-b).to(torch.float16).float(), -b) else stored.kind
+
+
+def narrowed(stored: StoredWeight) -> StoredWeight:
+    """``stored`` in the form ``narrowed_kind`` names (the same values, fewer bytes)."""
+    kind = narrowed_kind(stored)
+    if kind == stored.kind:
         return stored
     n = stored.shape[0]
-    per = stored.blocks.reshape(n, -1, 24)
-    a = per[:, :, 0:4].contiguous().view(torch.float32)
-    b = per[:, :, 4:8].contiguous().view(torch.float32)
-    d = a.to(torch.float16)
-    if not torch.equal(d.float(), a):  # (an fp16 overflow gives inf != a)
-        return stored
-    if torch.equal(b, a * 8):
-        return StoredWeight("Q4_0", torch.cat((d.view(torch.uint8), per[:, :, 8:]), dim=2).reshape(n, -1),
-                            stored.shape, stored.perm)
-    m = (-b).to(torch.float16)
-    if not torch.equal(m.float(), -b):
-        return stored
-    return StoredWeight("Q4_1", torch.cat((d.view(torch.uint8), m.view(torch.uint8), per[:, :, 8:]), dim=2).reshape(n, -1),
-                        stored.shape, stored.perm)
+    a, b = _q4_k_scales(stored)
+    parts = [a.to(torch.float16).view(torch.uint8)]
+    if kind == "Q4_1":
+        parts.append((-b).to(torch.float16).view(torch.uint8))
+    parts.append(stored.blocks.reshape(n, -1, 24)[:, :, 8:])  # the nibbles, in the same order
+    return StoredWeight(kind, torch.cat(parts, dim=2).reshape(n, -1), stored.shape, stored.perm)
+
+
+def _q4_k_scales(stored: StoredWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    per = stored.blocks.reshape(stored.shape[0], -1, 24)
+    return per[:, :, 0:4].contiguous().view(torch.float32), per[:, :, 4:8].contiguous().view(torch.float32)
 
 
 class DenseLinear:
