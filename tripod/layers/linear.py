@@ -73,7 +73,6 @@ class StoredWeight:
 
 # The stored kinds tripod's kernels execute, and their packed format name.
 STORED_KINDS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
-KIND_OF_FORMAT = {fmt: kind for kind, fmt in STORED_KINDS.items()}
 
 
 def narrowed_kind(stored: StoredWeight) -> str:

@@ -25,14 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tripod.layers.batch import Backend, ForwardBatch
-from tripod.layers.linear import (
-    KIND_OF_FORMAT,
-    STORED_KINDS,
-    KernelLinear,
-    Linear,
-    StoredWeight,
-    released,
-)
+from tripod.layers.linear import STORED_KINDS, KernelLinear, Linear, StoredWeight, released
 from tripod.layers.mlp import GatedMLP
 from tripod.layers.moe import MoE
 from tripod.layers.norm import rms_norm
@@ -293,6 +286,7 @@ class LlamaForCausalLM(nn.Module):
         Returns the bytes given back. The head is left as it is (a tied head is the embedding).
         NOTE: afterwards only a stored form can run these projections; another backend's
         ``prepare`` refuses (``make_linear``) instead of reading an empty weight."""
+        from tripod.layers.linear import narrowed_kind
         freed = 0
         for layer in self.layers:
             sites = (("qkv", layer.attn, "qkv", 0), ("o", layer.attn, "o", 1),
@@ -308,12 +302,10 @@ class LlamaForCausalLM(nn.Module):
                     freed += w.numel() * w.element_size()
                     w.data = released(w.data)
                     continue
-                # (a Q4_K-form weight may run as the Q4_0 / Q4_1 form holding its values: layers/linear.narrowed)
-                if not isinstance(op, KernelLinear) or op.fmt not in (STORED_KINDS.get(sw.kind),
-                                                                      *(("q4_0", "q4_1") if sw.kind == "Q4_K" else ())):
-                    continue
+                if not isinstance(op, KernelLinear) or op.fmt != STORED_KINDS.get(narrowed_kind(sw)):
+                    continue  # (the kernels run a Q4_K-form weight as Q4_0 / Q4_1 where they hold it: narrowed_kind)
                 freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
-                layer.stored[key] = StoredWeight(KIND_OF_FORMAT[op.fmt], op.packed, sw.shape, sw.perm, packed=True)
+                layer.stored[key] = StoredWeight(op.fmt.upper(), op.packed, sw.shape, sw.perm, packed=True)
                 w.data = released(w.data)
         return freed
 
