@@ -115,14 +115,14 @@ def main() -> int:
     engines: dict[str, Engine] = {}
     for form, path in folders.items():
         if form == BEFORE:  # the kernels pack at build: keep the Q4_K form for this engine only
-            keep, linear_mod.narrowed = linear_mod.narrowed, lambda stored: stored
+            keep, linear_mod.narrowed_kind = linear_mod.narrowed_kind, lambda stored: stored.kind
         # the quantized forms as `--weights auto` runs them (stored codes, bf16 activations under
         # `--dtype auto`); the bf16 folder as bf16 weights and activations
         engines[form] = Engine(model=path, dtype="bfloat16" if form == FORMS[2] else "auto", kernels=args.kernels,
                                max_running=max(conc), **({"num_threads": args.threads} if args.threads else {}),
                                kv_cache_tokens=max(conc) * (args.prompt_len + args.new_tokens) + 256)
         if form == BEFORE:
-            linear_mod.narrowed = keep
+            linear_mod.narrowed_kind = keep
     g = torch.Generator().manual_seed(0)
     prompts = {c: [torch.randint(100, 40000, (args.prompt_len,), generator=g).tolist() for _ in range(c)] for c in conc}
     samples: dict[tuple[str, int], dict[str, list[float]]] = {}
@@ -154,14 +154,15 @@ def main() -> int:
                 "weights": eng.config.weights, "dtype": str(eng.dtype).removeprefix("torch."),
                 "quantization": eng.loaded.quantization, "path": folders[form],
             })
-    base = {r["concurrency"]: r for r in rows if r["form"] == FORMS[0]}
-    for r in rows:
-        r["w4a16_over_this"] = round(base[r["concurrency"]]["decode_tok_s"] / r["decode_tok_s"], 3)
+    for r in rows:  # paired: W4A16's run over this form's run of the same round, the median of those
+        mine, theirs = samples[(FORMS[0], r["concurrency"])]["decode_tok_s"], samples[(r["form"], r["concurrency"])]["decode_tok_s"]
+        r["w4a16_over_this"] = round(statistics.median(a / b for a, b in zip(mine, theirs, strict=True)), 3)
     cmd = " ".join(["python", *[str(a) for a in sys.argv]])
     result = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "command": cmd,
               "machine": {**info, "note": "shared machine"}, "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "repeats": args.repeats, "kernels": args.kernels, "rows": rows,
-              "same_greedy_tokens_w4a16_vs_bf16": {c: tokens[(FORMS[0], c)] == tokens[(FORMS[2], c)] for c in conc}}
+              "same_greedy_tokens_w4a16_narrowed_vs_q4_k_form": ({c: tokens[(FORMS[0], c)] == tokens[(BEFORE, c)] for c in conc}
+                                                                  if args.ab else None)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant_tok_s.json").write_text(json.dumps(result, indent=2))
     (args.out / "quant_tok_s.md").write_text(render(result, conc))
@@ -180,7 +181,7 @@ def render(res: dict[str, Any], conc: list[int]) -> str:
         "(other sessions use the same 2 cores: compare within one run).",
         f"tripod `--kernels {res['kernels']}`, quantized forms with `--weights auto` (= stored codes, bf16 activations), bf16 with `--dtype bfloat16`, {res['prompt_len']}-token "
         f"random prompts, {res['new_tokens']} new tokens (greedy, ignore_eos); forms interleaved, medians of "
-        f"{res['repeats']} rounds. decode tok/s = C·(N−1) / (t(N tokens) − t(1 token)); prefill = t(1 token).",
+        f"{res['repeats']} rounds; the ratios are the medians of each round's ratio (paired). decode tok/s = C·(N−1) / (t(N tokens) − t(1 token)); prefill = t(1 token).",
         "",
         "| form | weight_bytes (MiB) | " + " | ".join(f"C={c} decode tok/s | C={c} prefill (s)" for c in conc)
         + " | " + " | ".join(f"W4A16 ÷ this, C={c}" for c in conc) + " |",
@@ -191,6 +192,9 @@ def render(res: dict[str, Any], conc: list[int]) -> str:
         cells = " | ".join(f"{rs[c]['decode_tok_s']} | {rs[c]['prefill_s']:.3f}" for c in conc)
         ratios = " | ".join(f"{rs[c]['w4a16_over_this']:.2f}" for c in conc)
         lines.append(f"| {form} | {rs[conc[0]]['weight_bytes'] / mib:.1f} | {cells} | {ratios} |")
+    if res["same_greedy_tokens_w4a16_narrowed_vs_q4_k_form"] is not None:
+        lines += ["", "W4A16 narrowed vs its Q4_K form, the same greedy tokens (C: yes/no): " + ", ".join(
+            f"{c}: {'yes' if v else 'no'}" for c, v in res["same_greedy_tokens_w4a16_narrowed_vs_q4_k_form"].items())]
     lines += ["", "Runs (decode tok/s, in order): " + "; ".join(
         f"{r['form']} C={r['concurrency']}: {r['decode_tok_s_runs']}" for r in res["rows"]), ""]
     return "\n".join(lines) + "\n"
