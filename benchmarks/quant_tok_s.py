@@ -1,4 +1,4 @@
-"""Decode tok/s of one model in three forms: the embedded Q4_1 GGUF, its weights as a bf16 HF folder,
+r"""Decode tok/s of one model in three forms: the embedded Q4_1 GGUF, its weights as a bf16 HF folder,
 and those weights quantized to a compressed-tensors W4A16 folder (int4, group 128, symmetric, RTN),
 all through tripod's engine on the host's best kernels (``--kernels optimized``), bf16 activations.
 
@@ -12,9 +12,10 @@ tensors ``pack-quantized``, bf16 scales; the head stays unquantized, as compress
 - decode tok/s: ``C * (N - 1) / (t_N - t_1)``: the N-token run less the 1-token run, so prefill drops out;
 - ``weight_bytes``: every distinct weight tensor the engine holds (``/debug/engine``'s figure).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/quant_tok_s.py            # ~3 min on 2 shared cores
+    PYTHONPATH=. .venv/bin/python benchmarks/quant_tok_s.py --ab --repeats 5 --prompt-len 32 \
+        --new-tokens 24 --threads 1    # benchmarks/results/quant_tok_s.md (~4 min on 2 shared cores)
     PYTHONPATH=. .venv/bin/python benchmarks/quant_tok_s.py --repeats 1 --new-tokens 4 --concurrency 1,2 \
-        --layers 2 --out /tmp/q                                         # a smoke run (the test's)
+        --layers 2 --out /tmp/q    # a smoke run (~1 min; the HF forms with 2 layers)
 """
 
 from __future__ import annotations
