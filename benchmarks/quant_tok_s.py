@@ -175,7 +175,8 @@ def render(res: dict[str, Any], conc: list[int]) -> str:
     m = res["machine"]
     mib = 1 << 20
     lines = [
-        "# Decode tok/s: W4A16 (group 128) vs the Q4_1 GGUF vs bf16, made from the same weights (no AMX on this CPU)",
+        "# Decode tok/s: W4A16 (group 128) vs the Q4_1 GGUF vs bf16, made from the same weights"
+        + ("" if any(f.startswith("amx") for f in m["isa_flags"]) else " (no AMX on this CPU)"),
         "",
         f"{res['date']}, `{res['command']}` (`benchmarks/quant_tok_s.py`).",
         f"CPU: {m['cpu']} ({', '.join(m['isa_flags'])}), {m['threads']} threads, **shared machine** "
