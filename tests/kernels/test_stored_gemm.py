@@ -40,3 +40,33 @@ def test_every_row_of_a_batch_is_the_row_alone(ops: Any, fmt: str, act: torch.dt
     assert torch.equal(alone, full), f"{fmt}: a row alone differs from the row in the batch"
     xb = x.to(torch.bfloat16)
     assert torch.equal(ops.linear_packed(xb, packed, fmt, n, k)[5:6], ops.linear_packed(xb[5:6], packed, fmt, n, k))
+
+
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("zeros", ["sym", "asym"])
+def test_q4_k_form_narrowed_to_q4_0_or_q4_1_gives_the_same_bits(ops: Any, zeros: str, act: torch.dtype) -> None:
+    """An int4 weight in the Q4_K form (``a = s``, ``b = s z``) whose scales fit fp16 runs as Q4_0
+    (``z = 8``: symmetric) or Q4_1 (``d = s``, ``m = -s z``): fewer bytes, the same bits as the Q4_K form,
+    at every row count."""
+    from tripod.layers.linear import StoredWeight, narrowed
+
+    n, k = 70, 96
+    rng = np.random.default_rng(3)
+    mant, exp = torch.frexp(torch.from_numpy(rng.uniform(0.001, 0.05, size=(n, k // 32)).astype(np.float32)))
+    s = torch.ldexp(torch.round(mant * 64) / 64, exp)  # 6 significant bits: s * z (4 bits) is exact in fp16
+    z = torch.full((n, k // 32), 8.0) if zeros == "sym" else torch.from_numpy(rng.integers(0, 16, size=(n, k // 32))).float()
+    raw = torch.from_numpy(rng.integers(0, 256, size=(n, k // 32, 16), dtype=np.uint8))
+    blocks = torch.cat((s.unsqueeze(2).contiguous().view(torch.uint8), (s * z).unsqueeze(2).contiguous().view(torch.uint8),
+                        raw), dim=2).reshape(n, -1)
+    small = narrowed(StoredWeight("Q4_K", blocks, (n, k)))
+    fmt = "q4_0" if zeros == "sym" else "q4_1"
+    assert small.kind == fmt.upper() and small.blocks.shape[1] == k // 32 * (18 if zeros == "sym" else 20)
+    wide = ops.pack_linear(blocks, "q4_k", n, k)
+    packed = ops.pack_linear(small.blocks.contiguous(), fmt, n, k)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(4)).to(act)
+    for m in (1, 5, 37):
+        assert torch.equal(ops.linear_packed(x[:m], packed, fmt, n, k, None), ops.linear_packed(x[:m], wide, "q4_k", n, k, None))
+    # a scale fp16 does not hold keeps the Q4_K form
+    big = blocks.reshape(n, -1, 24).clone()
+    big[0, 0, 0:4] = torch.tensor([1e-6], dtype=torch.float32).view(torch.uint8)
+    assert narrowed(StoredWeight("Q4_K", big.reshape(n, -1), (n, k))).kind == "Q4_K"

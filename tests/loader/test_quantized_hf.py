@@ -137,7 +137,10 @@ def test_stored_codes_decode_the_reference_tokens(case: str, quantized: Any) -> 
     gate_up, _down = layer.mlp.ops[eng.runner.backend.form]
     opts = CASES[case][2]
     q4 = (opts.get("bits") == 4 or not opts.get("sym", True)) and CASES[case][1] != "nvfp4"  # int4; int8 with zero points
-    assert isinstance(gate_up, KernelLinear) and gate_up.fmt == ("q4_k" if q4 else "q6_k")
+    # int4 runs as the Q4_K form, or as Q4_0 / Q4_1 where those hold its values (fp16-exact scales;
+    # symmetric: Q4_0), layers/linear.narrowed
+    want_fmt = ("q4_0" if opts.get("sym") else ("q4_1", "q4_k")) if q4 else "q6_k"
+    assert isinstance(gate_up, KernelLinear) and gate_up.fmt in want_fmt, gate_up.fmt
     if opts.get("bits") == 8 and not opts.get("sym", True):  # two halves over the inputs read twice
         assert gate_up.k == 2 * net.cfg.hidden_size
     detail = eng.loaded.quantization_detail  # /v1/models' quantization_detail
@@ -314,6 +317,29 @@ def test_transformers_decompression_agrees_up_to_its_bf16_rounding(case: str, qu
 
 
 @pytest.mark.skipif(NO_KERNELS is not None, reason=f"kernels unavailable: {NO_KERNELS}")
+@pytest.mark.parametrize("act_order", [False, True])
+def test_a_partial_last_group_runs_stored_with_its_values(act_order: bool) -> None:
+    """K not a multiple of the group (SmolLM2's 576 inputs in groups of 128: four of 128 and one of
+    64): the group size is the configured one, not ceil(K / groups), so the weight runs stored (it
+    ran dequantized before) and its blocks hold exactly the checkpoint's values."""
+    from tests.support.int_quant import quantize
+    from tripod.loader.hf_quant import GroupQuantized
+    from tripod.loader.stored import dequantize, group_blocks
+
+    g = torch.Generator().manual_seed(7)
+    n, k = 16, 160  # groups of 64: 64 + 64 + 32
+    g_idx = torch.arange(k) // 64
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+    q = quantize(torch.randn(n, k, generator=g), 4, 64, True, torch.bfloat16, g_idx)
+    w = GroupQuantized(q.codes.to(torch.uint8), q.scales.float(), q.zeros.to(torch.int32), q.g_idx, 4)
+    assert w.group_size == 64 and w.in_order != act_order
+    kind, blocks, perm = group_blocks(w) or (None, None, None)
+    assert kind == "Q4_K" and (perm is not None) == act_order
+    want = q.dequantize() if perm is None else q.dequantize()[:, perm]
+    assert torch.equal(torch.from_numpy(dequantize(kind, blocks.numpy(), k)), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits, act_order, sym", [(4, True, False), (4, False, False), (8, False, True),
                                                   (8, True, False)])

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +73,56 @@ class StoredWeight:
 
 # The stored kinds tripod's kernels execute, and their packed format name.
 STORED_KINDS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
+
+
+def narrowed_kind(stored: StoredWeight) -> str:
+    """The stored kind ``narrowed`` gives ``stored``: ``Q4_0`` or ``Q4_1`` for a Q4_K-form weight
+    (per 32 inputs ``[a f32, b f32, 16 bytes of nibbles]``, ``w = a q - b``; what AWQ / GPTQ /
+    compressed-tensors int4 become, ``loader/stored.group_blocks``) whose values that smaller GGUF
+    form holds, else its own kind:
+
+    - ``Q4_0`` (18 bytes per 32 inputs instead of 24) where every ``a`` is exact in fp16 and
+      ``b = 8 a`` (symmetric int4: ``w = a (q - 8)``);
+    - ``Q4_1`` (20 bytes) where every ``a`` and ``-b`` are exact in fp16 (``d = a``, ``m = -b``).
+
+    NOTE: the kernels then compute the same bits as for the Q4_K form: its epilogue is
+    ``fnmadd(b, sum(x), fmadd(a, sum(x q), acc))``, Q4_0's / Q4_1's ``fmadd(m, sum(x), fmadd(d, ...))``
+    with ``m = -8 d = -b`` / ``m = -b`` exactly in float32, and ``t + (-b) X`` rounded once is
+    ``t - b X`` rounded once (``kernels/csrc/linear.cpp``'s ``apply_scales``, every level and row
+    count). Fewer bytes read per token: a group-128 W4A16 checkpoint's bf16 scales fit fp16."""
+    if stored.kind != "Q4_K" or stored.packed:
+        return stored.kind
+    a, b = _q4_k_scales(stored)
+    if not torch.equal(a.to(torch.float16).float(), a):  # (an fp16 overflow gives inf != a)
+        return stored.kind
+    if torch.equal(b, a * 8):
+        return "Q4_0"
+    return "Q4_1" if torch.equal((-b).to(torch.float16).float(), -b) else stored.kind
+
+
+def runs_stored(op: object, stored: StoredWeight) -> TypeGuard[KernelLinear]:
+    """Whether ``op`` is the CPU kernels' linear over ``stored``'s codes (in the kind it packed them:
+    a Q4_K-form weight may run as Q4_0 / Q4_1, ``narrowed_kind``)."""
+    return isinstance(op, KernelLinear) and op.fmt == STORED_KINDS.get(narrowed_kind(stored))
+
+
+def narrowed(stored: StoredWeight) -> StoredWeight:
+    """``stored`` in the form ``narrowed_kind`` names (the same values, fewer bytes)."""
+    kind = narrowed_kind(stored)
+    if kind == stored.kind:
+        return stored
+    n = stored.shape[0]
+    a, b = _q4_k_scales(stored)
+    parts = [a.to(torch.float16).view(torch.uint8)]
+    if kind == "Q4_1":
+        parts.append((-b).to(torch.float16).view(torch.uint8))
+    parts.append(stored.blocks.reshape(n, -1, 24)[:, :, 8:])  # the nibbles, in the same order
+    return StoredWeight(kind, torch.cat(parts, dim=2).reshape(n, -1), stored.shape, stored.perm)
+
+
+def _q4_k_scales(stored: StoredWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    per = stored.blocks.reshape(stored.shape[0], -1, 24)
+    return per[:, :, 0:4].contiguous().view(torch.float32), per[:, :, 4:8].contiguous().view(torch.float32)
 
 
 class DenseLinear:
@@ -138,6 +188,7 @@ class KernelLinear:
     @classmethod
     def pack_stored(cls, ops: Any, stored: StoredWeight, bias: torch.Tensor | None) -> KernelLinear:
         n, k = stored.shape
+        stored = narrowed(stored)
         fmt = STORED_KINDS[stored.kind]
         packed = stored.blocks if stored.packed else ops.pack_linear(stored.blocks.contiguous(), fmt, n, k)
         return cls(ops, packed, fmt, n, k, bias, stored.perm)

@@ -36,6 +36,7 @@ from tripod.layers.linear import (
     Linear,
     StoredWeight,
     dequantize_fp8,
+    narrowed_kind,
     released,
 )
 from tripod.layers.mlp import GatedMLP, keep
@@ -244,10 +245,11 @@ class ExpertSet(nn.Module):
                 key, op = f"{name}.{e}", ops[2 * e + j]
                 sw = self.stored[key]
                 packed = getattr(op, "packed", None)
-                if sw.packed or packed is None or getattr(op, "fmt", None) != STORED_KINDS[sw.kind]:
+                fmt = getattr(op, "fmt", None)  # (a Q4_K-form weight may run as Q4_0 / Q4_1: narrowed_kind)
+                if sw.packed or packed is None or fmt != STORED_KINDS[narrowed_kind(sw)]:
                     continue
                 freed += sw.blocks.numel() * sw.blocks.element_size()
-                self.stored[key] = StoredWeight(sw.kind, packed, sw.shape, sw.perm, packed=True)
+                self.stored[key] = StoredWeight(fmt.upper(), packed, sw.shape, sw.perm, packed=True)
         for name in ("gate_up", "down"):
             w = getattr(self, name)
             if w.shape[1]:
@@ -416,9 +418,9 @@ class MoE(nn.Module):
             if sw is None or ops is None or sw.packed:
                 continue
             op, w = ops[idx], getattr(self.shared, key)
-            if isinstance(op, KernelLinear) and op.fmt == STORED_KINDS.get(sw.kind):
+            if isinstance(op, KernelLinear) and op.fmt == STORED_KINDS.get(narrowed_kind(sw)):
                 freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
-                self.stored[key] = StoredWeight(sw.kind, op.packed, sw.shape, sw.perm, packed=True)
+                self.stored[key] = StoredWeight(op.fmt.upper(), op.packed, sw.shape, sw.perm, packed=True)
                 w.data = released(w.data)
         return freed
 

@@ -95,11 +95,15 @@ class GroupQuantized:
         return q.to(torch.float32) * self.scales.index_select(1, self.g_idx)
 
     @property
+    def group_size(self) -> int:
+        """Inputs per group: the largest group's count. NOTE: not ``ceil(K / groups)`` where the last
+        group is partial (K 576 in groups of 128: four of 128 and one of 64, not five of 116)."""
+        return int(torch.bincount(self.g_idx, minlength=self.scales.shape[1]).max())
+
+    @property
     def in_order(self) -> bool:
         """Whether the groups are contiguous runs of inputs (no act-order permutation)."""
-        k, g = self.shape[1], self.scales.shape[1]
-        size = -(-k // g)
-        return bool(torch.equal(self.g_idx, torch.arange(k) // size))
+        return bool(torch.equal(self.g_idx, torch.arange(self.shape[1]) // self.group_size))
 
 
 class QuantizedCheckpointError(ValueError):

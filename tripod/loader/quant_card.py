@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tripod.layers.linear import StoredWeight, narrowed_kind
 from tripod.loader.gguf_loader import GGUFFile
 from tripod.loader.hf_loader import HFFolder
 
@@ -28,7 +29,9 @@ def quantization_card(src: GGUFFile | HFFolder, weights: str, stored: Mapping[st
     """``{"format", "bits", "group_size", "activations", "computed_by"}`` (``group_size`` -1: one
     scale per output channel; null: per tensor or not a grouped format; a list where config groups
     differ), or None for an unquantized checkpoint."""
-    kinds = sorted({getattr(sw, "kind", "") for sw in stored.values()})
+    # (the kind the kernels run: a Q4_K-form weight may run as the Q4_0 / Q4_1 form holding its values)
+    kinds = sorted({narrowed_kind(sw) if isinstance(sw, StoredWeight) else getattr(sw, "kind", "")
+                    for sw in stored.values()})
     if weights == "stored" and kinds:
         computed = "; ".join(_STORED_COMPUTE.get(k, f"tripod's kernels on the stored {k} blocks") for k in kinds)
     elif weights == "fp8":

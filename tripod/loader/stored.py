@@ -128,7 +128,7 @@ def group_blocks(w: GroupQuantized) -> tuple[str, torch.Tensor, torch.Tensor | N
     ``K'`` entries), else None."""
     n, k = w.shape
     gs = w.scales.shape[1]
-    size = -(-k // gs)
+    size = w.group_size  # (a partial last group is a multiple of 32 inputs too when K and size are)
     sym8 = w.bits == 8 and bool((w.zeros == 128).all())
     if k % 32 or (gs > 1 and size % (16 if sym8 else 32)):
         return None

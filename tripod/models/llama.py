@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tripod.layers.batch import Backend, ForwardBatch
-from tripod.layers.linear import STORED_KINDS, KernelLinear, Linear, StoredWeight, released
+from tripod.layers.linear import Linear, StoredWeight, released, runs_stored
 from tripod.layers.mlp import GatedMLP
 from tripod.layers.moe import MoE
 from tripod.layers.norm import rms_norm
@@ -301,10 +301,10 @@ class LlamaForCausalLM(nn.Module):
                     freed += w.numel() * w.element_size()
                     w.data = released(w.data)
                     continue
-                if not isinstance(op, KernelLinear) or op.fmt != STORED_KINDS.get(sw.kind):
+                if not runs_stored(op, sw):  # (a Q4_K-form weight may run as Q4_0 / Q4_1: narrowed_kind)
                     continue
                 freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
-                layer.stored[key] = StoredWeight(sw.kind, op.packed, sw.shape, sw.perm, packed=True)
+                layer.stored[key] = StoredWeight(op.fmt.upper(), op.packed, sw.shape, sw.perm, packed=True)
                 w.data = released(w.data)
         return freed
 
