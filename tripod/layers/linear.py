@@ -24,6 +24,7 @@ activations' dtype inside the call (w8a16), never the whole matrix at once.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeGuard
 
@@ -69,6 +70,30 @@ class StoredWeight:
     # W8A8 with static activation scales: each output row's activation scale, float32 [N] (a fused
     # projection's parts each keep their own); None: activations quantized dynamically per token.
     input_scales: torch.Tensor | None = None
+
+
+def fuse_rows(parts: Sequence[StoredWeight | None]) -> StoredWeight | None:
+    """Stored weights over the same inputs as one projection (their rows in order, each part's
+    per-row scales with them), or None where they cannot be one (the projection then runs
+    dequantized): a part missing or already packed for the kernels, another kind or activation
+    scheme, input width or input order (act-order parts fuse only when they read their inputs in
+    one order)."""
+    if any(p is None or p.packed for p in parts):
+        return None
+    ps = [p for p in parts if p is not None]
+    first = ps[0]
+    if len({(p.kind, p.input_scales is None) for p in ps}) != 1 or any(p.shape[1] != first.shape[1] for p in ps):
+        return None
+    perm = first.perm
+    if any((p.perm is None) != (perm is None) or (perm is not None and not torch.equal(p.perm, perm)) for p in ps):
+        return None
+    blocks = torch.cat([p.blocks for p in ps]).contiguous() if len(ps) > 1 else first.blocks
+
+    def cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:  # (W8A8 scales, per output row)
+        return None if ts[0] is None else torch.cat([t for t in ts if t is not None])
+
+    return StoredWeight(first.kind, blocks, (sum(p.shape[0] for p in ps), first.shape[1]), perm,
+                        scales=cat([p.scales for p in ps]), input_scales=cat([p.input_scales for p in ps]))
 
 
 # The stored kinds tripod's kernels execute, and their packed format name.

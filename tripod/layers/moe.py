@@ -36,6 +36,7 @@ from tripod.layers.linear import (
     Linear,
     StoredWeight,
     dequantize_fp8,
+    fuse_rows,
     narrowed_kind,
     released,
 )
@@ -483,17 +484,6 @@ def expert_names(stored: Mapping[str, StoredWeight], layer: int) -> tuple[str, t
 
 
 def _fuse_rows(*parts: StoredWeight | None) -> StoredWeight | None:
-    """Stored weights over the same inputs as one (their rows in order), or None where they cannot
-    be one: a part missing or already packed, another kind, input width or input order, or a kind
-    the CPU kernels do not execute as stored."""
-    if any(p is None or p.packed for p in parts):
-        return None
-    ps = [p for p in parts if p is not None]
-    first = ps[0]
-    if first.kind not in STORED_KINDS or any(p.kind != first.kind or p.shape[1] != first.shape[1] for p in ps):
-        return None
-    if any((p.perm is None) != (first.perm is None) or (p.perm is not None and not torch.equal(p.perm, first.perm))
-           for p in ps):
-        return None
-    blocks = torch.cat([p.blocks for p in ps]).contiguous() if len(ps) > 1 else first.blocks
-    return StoredWeight(first.kind, blocks, (sum(p.shape[0] for p in ps), first.shape[1]), first.perm)
+    """``layers.linear.fuse_rows`` where the result is a kind the CPU kernels execute as stored, else None."""
+    fused = fuse_rows(parts)
+    return fused if fused is not None and fused.kind in STORED_KINDS else None

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tripod.layers.batch import Backend, ForwardBatch
-from tripod.layers.linear import Linear, StoredWeight, released, runs_stored
+from tripod.layers.linear import Linear, StoredWeight, fuse_rows, released, runs_stored
 from tripod.layers.mlp import GatedMLP
 from tripod.layers.moe import MoE
 from tripod.layers.norm import rms_norm
@@ -390,19 +390,7 @@ class LlamaForCausalLM(nn.Module):
         one (QKV, gate/up) only when every part is stored in one type (else it runs dequantized); MoE: ``MoE.load_stored``."""
 
         def fuse(names: list[str]) -> StoredWeight | None:
-            parts = [stored.get(n) for n in names]
-            if any(p is None for p in parts) or len({(p.kind, p.input_scales is None) for p in parts if p}) != 1:
-                return None
-            ps = [p for p in parts if p is not None]
-            if any(p.shape[1] != (k := ps[0].shape[1]) for p in ps):
-                return None
-            perm = ps[0].perm  # act-order parts fuse only when they read their inputs in one order
-            if any((p.perm is None) != (perm is None) or (perm is not None and not torch.equal(p.perm, perm)) for p in ps):
-                return None
-            blocks = torch.cat([p.blocks for p in ps]) if len(ps) > 1 else ps[0].blocks
-            cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731 (W8A8 scales, per output row)
-            return StoredWeight(ps[0].kind, blocks.contiguous(), (sum(p.shape[0] for p in ps), k), perm,
-                                scales=cat([p.scales for p in ps]), input_scales=cat([p.input_scales for p in ps]))
+            return fuse_rows([stored.get(n) for n in names])
 
         for layer in self.layers:
             i = layer.layer

@@ -23,7 +23,7 @@ import torch
 from tripod.layers.attention import attend
 from tripod.layers.batch import Backend, ForwardBatch
 from tripod.layers.gated_delta import GatedDeltaNet
-from tripod.layers.linear import Linear, StoredWeight
+from tripod.layers.linear import Linear, StoredWeight, fuse_rows
 from tripod.layers.parallel import SINGLE, ParallelGroup
 from tripod.layers.rotary import RotaryEmbedding
 from tripod.layers.weights import WeightSource
@@ -181,7 +181,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             if isinstance(layer.attn, GatedDeltaNet):
                 names = [a + f"linear_attn.in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")]
                 for key, parts in (("in_proj", names), ("out_proj", [a + "linear_attn.out_proj.weight"])):
-                    fused = _fuse_rows([stored.get(n) for n in parts])
+                    fused = fuse_rows([stored.get(n) for n in parts])
                     if fused is not None:
                         layer.stored[key] = fused
                 continue
@@ -196,7 +196,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             rows = [qg[:, 0][:, attn.perm].reshape(-1, qg.shape[-1]),
                     k.blocks.view(s.num_kv_heads, d, -1)[:, attn.perm].reshape(-1, qg.shape[-1])]
             query, key = (StoredWeight(q.kind, r.contiguous(), (r.shape[0], q.shape[1])) for r in rows)
-            qkv = _fuse_rows([query, key, v])
+            qkv = fuse_rows([query, key, v])
             if qkv is not None:
                 layer.stored["qkv"] = qkv
             gate = qg[:, 1].reshape(-1, qg.shape[-1]).contiguous()
@@ -207,22 +207,6 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             layer.attn.load(src, p + "linear_attn.")
             return
         super().load_attention(layer, src, p)
-
-
-def _fuse_rows(parts: list[StoredWeight | None]) -> StoredWeight | None:
-    """``parts`` stacked by rows, when each is stored, all of one kind over the same inputs in the
-    same order; else None (the projection runs dequantized)."""
-    if any(p is None for p in parts):
-        return None
-    ps = [p for p in parts if p is not None]
-    first = ps[0]
-    if any(p.kind != first.kind or p.shape[1] != first.shape[1] for p in ps):
-        return None
-    if any((p.perm is None) != (first.perm is None) or (p.perm is not None and not torch.equal(p.perm, first.perm))
-           for p in ps):
-        return None
-    blocks = torch.cat([p.blocks for p in ps]).contiguous() if len(ps) > 1 else first.blocks
-    return StoredWeight(first.kind, blocks, (sum(p.shape[0] for p in ps), first.shape[1]), first.perm)
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
