@@ -54,6 +54,11 @@ def build_lfm2(vocab: int) -> Any:
     torch.manual_seed(0)
     model = transformers.Lfm2ForCausalLM(_lfm2_config(vocab_size=vocab, hidden_size=64, num_attention_heads=2,
                                                      num_key_value_heads=1)).eval()
+    return _randomized(model)
+
+
+def _randomized(model: Any) -> Any:
+    """``model`` with fixed random weights: norms 1 + 0.1·N(0, 1), every other tensor 0.2·N(0, 1)."""
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -79,12 +84,7 @@ def build_mamba2(mtype: str, vocab: int) -> Any:
         cfg = transformers.GraniteMoeHybridConfig(**d)
     torch.manual_seed(0)
     model = getattr(transformers, MAMBA2[mtype])(cfg).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "norm" in n else 0.2 * noise)
-    return model
+    return _randomized(model)
 
 
 def build_kimi_linear(vocab: int) -> Any:

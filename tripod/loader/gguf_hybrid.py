@@ -389,7 +389,7 @@ def entries(f: GGUFSource, cfg: dict[str, Any]) -> dict[str, Entry]:
             gate = by_name[t.name.replace("ffn_down_exps", "ffn_gate_exps")]
             up = by_name[t.name.replace("ffn_down_exps", "ffn_up_exps")]
             # transformers' stacked [E, 2I, H]: the reader concatenates gate's rows and up's
-            out[name.replace("down_proj", "gate_up_proj")] = Entry((gate, up), _same)
+            out[name.replace("down_proj", "gate_up_proj")] = Entry((gate, up), as_stored)
     return out
 
 
@@ -403,7 +403,7 @@ def _mamba2_entries(f: GGUFSource, cfg: dict[str, Any]) -> dict[str, Entry]:
     out: dict[str, Entry] = {}
     for t in f.reader.tensors:
         if t.name in global_names:
-            out[global_names[t.name]] = Entry((t,), _same)
+            out[global_names[t.name]] = Entry((t,), as_stored)
             continue
         if not t.name.startswith("blk."):
             continue
@@ -417,14 +417,15 @@ def _mamba2_entries(f: GGUFSource, cfg: dict[str, Any]) -> dict[str, Entry]:
             head_dim = int(by_name[f"blk.{idx}.attn_q.weight"].shape[1]) // cfg["num_attention_heads"]
             h = n // head_dim
             rows = np.arange(n).reshape(h, n // h // 2, 2).transpose(0, 2, 1).reshape(-1)
-        out[name] = Entry((t,), _flat if rest in _FLAT else _undo(False, rows, None, name), rows)
+        out[name] = Entry((t,), flattened if rest in _FLAT else _undo(False, rows, None, name), rows)
         if granite and rest in _GRANITE_PAIRS:
             hf, gate, up = _GRANITE_PAIRS[rest]
-            out[f"model.layers.{idx}.{hf}"] = Entry((by_name[f"blk.{idx}.{gate}"], by_name[f"blk.{idx}.{up}"]), _same)
+            out[f"model.layers.{idx}.{hf}"] = Entry((by_name[f"blk.{idx}.{gate}"], by_name[f"blk.{idx}.{up}"]), as_stored)
     return out
 
 
-def _flat(w: np.ndarray) -> np.ndarray:
+def flattened(w: np.ndarray) -> np.ndarray:
+    """A GGUF tensor HF holds as one dimension."""
     return w.reshape(-1)
 
 
@@ -433,7 +434,8 @@ def _in_block(gguf_name: str, suffix: str) -> bool:
     return gguf_name.startswith("blk.") and gguf_name.endswith(suffix)
 
 
-def _same(w: np.ndarray) -> np.ndarray:
+def as_stored(w: np.ndarray) -> np.ndarray:
+    """A GGUF tensor HF holds as it is."""
     return w
 
 

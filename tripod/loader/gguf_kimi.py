@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from tripod.loader.gguf_hybrid import Entry, GGUFSource
+from tripod.loader.gguf_hybrid import Entry, GGUFSource, as_stored, flattened
 
 ARCH = "kimi-linear"
 _KDA = {
@@ -102,7 +102,7 @@ def entries(f: GGUFSource, cfg: dict[str, Any]) -> dict[str, Entry]:
     out: dict[str, Entry] = {}
     for t in f.reader.tensors:
         if t.name in _GLOBAL:
-            out[_GLOBAL[t.name]] = Entry((t,), _same)
+            out[_GLOBAL[t.name]] = Entry((t,), as_stored)
             continue
         if not t.name.startswith("blk."):
             continue
@@ -113,15 +113,15 @@ def entries(f: GGUFSource, cfg: dict[str, Any]) -> dict[str, Entry]:
         if rest in attn:
             flat = rest.startswith("ssm_conv1d") or rest == "ssm_a"
             out[p + "self_attn." + attn[rest]] = Entry((t,), _conv if rest.startswith("ssm_conv1d") else
-                                                       (_flat if flat else _same))
+                                                       (flattened if flat else as_stored))
         elif rest in _LAYER:
-            out[p + _LAYER[rest]] = Entry((t,), _same)
+            out[p + _LAYER[rest]] = Entry((t,), as_stored)
             if rest == "ffn_down_exps.weight":
                 pair = (by_name[f"blk.{i}.ffn_gate_exps.weight"], by_name[f"blk.{i}.ffn_up_exps.weight"])
-                out[p + "mlp.experts.gate_up_proj"] = Entry(pair, _same)
+                out[p + "mlp.experts.gate_up_proj"] = Entry(pair, as_stored)
         elif rest == "attn_k_b.weight":
             pair = (t, by_name[f"blk.{i}.attn_v_b.weight"])
-            out[p + "self_attn.kv_b_proj.weight"] = Entry(pair, _same, join=_kv_b(nope, v))
+            out[p + "self_attn.kv_b_proj.weight"] = Entry(pair, as_stored, join=_kv_b(nope, v))
     return out
 
 
@@ -133,14 +133,6 @@ def _kv_b(nope: int, v: int) -> Any:
         return np.concatenate((k_b.transpose(0, 2, 1), v_b), axis=1).reshape(h * (nope + v), r)
 
     return join
-
-
-def _same(w: np.ndarray) -> np.ndarray:
-    return w
-
-
-def _flat(w: np.ndarray) -> np.ndarray:
-    return w.reshape(-1)
 
 
 def _conv(w: np.ndarray) -> np.ndarray:
