@@ -118,6 +118,7 @@ def test_fleet_option_errors_are_clear(args: tuple[str, ...], words: str) -> Non
     assert words in r.stderr, r.stderr
 
 
+@pytest.mark.slow  # (moved out of the default run: CI runs it)
 def test_generate_with_an_image_answers_as_the_engine_does(tiny_vlm: object, tmp_path: object) -> None:
     """``tripod generate --image PATH``: the checkpoint's template and processor, the engine's answer."""
     from pathlib import Path

@@ -162,6 +162,7 @@ def test_tiny_kv_budget_evicts_waits_and_every_request_finishes(
 
 
 # ------------------------------------------------------------------------------ sampling
+@pytest.mark.slow  # (moved out of the default run: CI runs it)
 def test_seeded_sampling_is_identical_alone_and_in_a_mixed_batch(engine: Any, chat: Any) -> None:
     prompt = chat("Write a short poem about autumn leaves.")
     seeded = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import zmq
 
 from tripod import SamplingParams
@@ -30,6 +31,7 @@ def _next(pull: zmq.Socket, deadline: float) -> Any:
     raise AssertionError("the engine process went quiet")
 
 
+@pytest.mark.slow  # (moved out of the default run: CI runs it)
 def test_going_idle_is_reported_at_once(base_engine: Any, tmp_path: Path) -> None:
     cfg = EngineConfig(model=base_engine.config.model, dtype="float32", kv_cache_tokens=1024, max_running=4)
     ctx = zmq.Context()

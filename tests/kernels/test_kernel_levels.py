@@ -167,6 +167,7 @@ def test_entry_points_refuse_out_of_bounds_arguments(levels: dict[str, Any]) -> 
         ops.linear_packed(torch.randn(2, 64), w.view(torch.int32), "f32", 32, 64, None)
 
 
+@pytest.mark.slow  # (moved out of the default run: CI runs it)
 @needs_two
 def test_the_embedded_model_gives_the_same_tokens_and_logprobs_on_every_level(levels: dict[str, Any]) -> None:
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]

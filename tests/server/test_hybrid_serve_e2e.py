@@ -88,6 +88,7 @@ def test_served_hybrid_matches_transformers_and_resumes_the_next_turn(
         srv.stop()
 
 
+@pytest.mark.slow  # (moved out of the default run: CI runs it)
 def test_serve_refuses_what_a_hybrid_cannot_run(checkpoint: tuple[Path, HFReference]) -> None:
     """``--speculative mtp`` on a hybrid (its MTP layers are not loaded): ``tripod serve`` exits non-zero
     at start, saying why and what to use instead."""

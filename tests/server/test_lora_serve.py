@@ -52,6 +52,7 @@ def _complete(oai: openai.OpenAI, model: str, prompt: list[int], **kw: Any) -> l
     return r.choices[0].model_extra["token_ids"]
 
 
+@pytest.mark.slow  # (moved out of the default run: CI runs it)
 def test_adapters_served_live(served: Any) -> None:
     srv, paths, refs, tmp = served
     oai = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0, timeout=120)

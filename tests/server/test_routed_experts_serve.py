@@ -32,6 +32,7 @@ def _hf_topk(model: Any, ids: list[int]) -> list[list[list[int]]]:
     return torch.stack([lg.reshape(len(ids), -1).topk(k, dim=-1).indices for lg in out.router_logits], dim=1).tolist()
 
 
+@pytest.mark.slow  # (moved out of the default run: CI runs it)
 def test_routed_experts_alone_batched_and_against_transformers(moe: Any) -> None:
     srv, hf = moe
     g = torch.Generator().manual_seed(5)

@@ -33,6 +33,7 @@ def test_every_kernel_compiles_for_sm_90_within_its_shared_memory() -> None:
         assert r["spill_stores"] == 0 or "sinks" in r["name"], f"{r['name']} spills {r['spill_stores']} bytes"
 
 
+@pytest.mark.slow  # (moved out of the default run: CI runs it)
 def test_a_kernel_over_the_shared_memory_limit_fails_the_command() -> None:
     done = _compile("--target", "sm_90", "--only", "mla_decode", "--max-shared", "1024")
     assert done.returncode == 1 and "shared memory" in done.stdout

@@ -62,6 +62,7 @@ def test_greedy_tokens_alone_batched_cached_and_chunked(kind: str, tiny: Any) ->
     _check_engine(eng, ref, f"{kind}/triton")
 
 
+@pytest.mark.slow  # (moved out of the default run: CI runs it)
 def test_speculative_verify_rows_on_the_kernels(tiny: Any) -> None:
     """n-gram speculation's verify rows (several query positions of one request in one block)."""
     folder, ref = tiny("llama")
@@ -114,6 +115,7 @@ def test_bfloat16_is_refused_in_the_interpreter(tiny: Any) -> None:
         Engine(model=str(folder), kernels="triton", dtype="bfloat16", kv_cache_tokens=64)
 
 
+@pytest.mark.slow  # (moved out of the default run: CI runs it)
 def test_serve_on_the_triton_backend_says_so(tiny: Any, tmp_path: Path, hf_tokenizer: Any) -> None:
     """``TRITON_INTERPRET=1 tripod serve --kernels triton --device cpu``: /v1/models reports the
     compute path, and a completion through the official client gives the engine's greedy tokens."""

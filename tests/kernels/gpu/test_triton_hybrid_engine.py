@@ -66,6 +66,7 @@ def qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HFReference
     return folder, HFReference(model)
 
 
+@pytest.mark.slow  # (moved out of the default run: CI runs it)
 def test_qwen3_5_batched_in_short_chunks(qwen3_5: tuple[Path, HFReference]) -> None:
     """The short form (the interpreter is slow): every prompt at once in chunks of 7, so steps mix
     prefill chunks that start mid-sequence with other sequences' decode rows."""
