@@ -94,6 +94,7 @@ def test_echo_sessions_extend_the_servers_own_conversation_token_for_token() -> 
     assert sent.prompt_ids == [*reqs[0].prompt_ids, 901, 902, 903, *reqs[1].prompt_ids]
     path, body = request_body(Target("http://x", "t"), sent)
     assert path == "/v1/completions" and body["prompt"] == sent.prompt_ids and body["return_token_ids"] is True
+    assert body["return_tokens"] is True and body["verbose"] is True  # llama.cpp's names
     assert body["max_tokens"] == sent.max_tokens and body["ignore_eos"] is True
     # an answer without its ids (a server without return_token_ids), or a failed turn: not sent
     assert extend_turn(reqs[1], (first, RequestResult(start=0.0, ttft=0.1, output_tokens=3))) == "no_token_ids"
@@ -108,6 +109,13 @@ def test_stream_chunks_collect_the_answers_token_ids() -> None:
     last, n = _record_chunk(res, {"choices": [{"text": "a", "token_ids": [5, 6]}]}, 1.0, None, 0)
     last, n = _record_chunk(res, {"choices": [{"text": "b", "token_ids": [7]}]}, 2.0, last, n)
     assert res.output_ids == [5, 6, 7] and n == 2
+    # llama.cpp: partial chunks carry a token each (not every one: a split UTF-8 character sends none),
+    # the last chunk the whole answer's ids (``return_tokens``, under ``__verbose``)
+    res = RequestResult(start=0.0)
+    last, n = _record_chunk(res, {"choices": [{"text": "a"}], "__verbose": {"stop": False, "tokens": [5]}}, 1.0, None, 0)
+    last, n = _record_chunk(res, {"choices": [{"text": "", "finish_reason": "length"}],
+                                  "__verbose": {"stop": True, "tokens": [5, 6, 7]}}, 2.0, last, n)
+    assert res.output_ids == [5, 6, 7] and n == 1
 
 
 def test_reuse_counts_later_turns_cached_whole() -> None:
