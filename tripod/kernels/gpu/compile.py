@@ -5,7 +5,7 @@ kernel that stops compiling for the H100/H200 (or outgrows a block's shared memo
 
 The kernels are compiled at the shapes they serve: Llama-3.1-8B's heads (32 over 8, head dim
 128), head dims 64 and 256 with GQA ratios 1 and 8, Gemma's soft-cap and window, gpt-oss's sinks,
-DeepSeek-V3's MLA (128 heads, 512 + 64), in bfloat16; the W4A16 linear in bf16, fp16 and fp32; the
+DeepSeek-V3's MLA (128 heads, 512 + 64), in bfloat16; the W4A16 linear in bf16, fp16 and fp32; the W8A8 INT8 code product (int8 x int8 -> int32); the
 hybrid mixers' recurrences (float32 states) at Qwen3.5's gated delta rule and Nemotron-H's Mamba2.
 """
 
@@ -54,6 +54,10 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     from tripod.kernels.gpu.w4a16 import BLOCK_M as W4_M
     from tripod.kernels.gpu.w4a16 import blocks as w4_blocks
     from tripod.kernels.gpu.w4a16 import w4a16_kernel
+    from tripod.kernels.gpu.w8a8 import BLOCK_K as W8_K
+    from tripod.kernels.gpu.w8a8 import BLOCK_M as W8_M
+    from tripod.kernels.gpu.w8a8 import BLOCK_N as W8_N
+    from tripod.kernels.gpu.w8a8 import w8a8_int8_kernel
 
     bf = "*bf16"
     attn_ptrs = {"q_ptr": bf, "kv_ptr": bf, "table_ptr": "*i32", "rows_ptr": "*i32", "lens_ptr": "*i32",
@@ -107,6 +111,8 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         out.append((f"w4a16[{act}, group {group}, {'zero points' if zeros else 'symmetric'}]", w4a16_kernel,
                     {**w4_ptrs, "x_ptr": dt, "out_ptr": dt},
                     dict(HAS_ZEROS=zeros, FP32_DOT=act == "fp32", BLOCK_M=W4_M, BLOCK_N=bn, BLOCK_K=bk)))
+    out.append(("w8a8_int8[int8 x int8 -> int32]", w8a8_int8_kernel,
+                {"x_ptr": "*i8", "w_ptr": "*i8", "out_ptr": "*i32"}, dict(BLOCK_M=W8_M, BLOCK_N=W8_N, BLOCK_K=W8_K)))
     return out
 
 
