@@ -5,8 +5,9 @@ kernel that stops compiling for the H100/H200 (or outgrows a block's shared memo
 
 The kernels are compiled at the shapes they serve: Llama-3.1-8B's heads (32 over 8, head dim
 128), head dims 64 and 256 with GQA ratios 1 and 8, Gemma's soft-cap and window, gpt-oss's sinks,
-DeepSeek-V3's MLA (128 heads, 512 + 64), in bfloat16; the W4A16 linear in bf16, fp16 and fp32; the W8A8 INT8 code product (int8 x int8 -> int32); the
-hybrid mixers' recurrences (float32 states) at Qwen3.5's gated delta rule and Nemotron-H's Mamba2.
+DeepSeek-V3's MLA (128 heads, 512 + 64), in bfloat16; the W4A16 linear in bf16, fp16 and fp32; the
+W8A8 INT8 code product (int8 x int8 -> int32); the W8A16 linear (8-bit codes; group 16 is
+NVFP4A16's) in bf16, fp16 and fp32; the hybrid mixers' recurrences (float32 states) at Qwen3.5's gated delta rule and Nemotron-H's Mamba2.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     from tripod.kernels.gpu.w8a8 import BLOCK_M as W8_M
     from tripod.kernels.gpu.w8a8 import BLOCK_N as W8_N
     from tripod.kernels.gpu.w8a8 import w8a8_int8_kernel
+    from tripod.kernels.gpu.w8a16 import BLOCK_M as W816_M
+    from tripod.kernels.gpu.w8a16 import blocks as w816_blocks
+    from tripod.kernels.gpu.w8a16 import w8a16_kernel
 
     bf = "*bf16"
     attn_ptrs = {"q_ptr": bf, "kv_ptr": bf, "table_ptr": "*i32", "rows_ptr": "*i32", "lens_ptr": "*i32",
@@ -113,6 +117,12 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                     dict(HAS_ZEROS=zeros, FP32_DOT=act == "fp32", BLOCK_M=W4_M, BLOCK_N=bn, BLOCK_K=bk)))
     out.append(("w8a8_int8[int8 x int8 -> int32]", w8a8_int8_kernel,
                 {"x_ptr": "*i8", "w_ptr": "*i8", "out_ptr": "*i32"}, dict(BLOCK_M=W8_M, BLOCK_N=W8_N, BLOCK_K=W8_K)))
+    for act, dt, group in (("bf16", bf, 128), ("bf16", bf, 16), ("fp16", "*fp16", 128), ("fp32", "*fp32", 128),
+                           ("fp32", "*fp32", 16)):
+        bn, bk = w816_blocks(act == "fp32", group)
+        out.append((f"w8a16[{act}, group {group}]", w8a16_kernel,
+                    {"x_ptr": dt, "w_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": dt},
+                    dict(FP32_DOT=act == "fp32", BLOCK_M=W816_M, BLOCK_N=bn, BLOCK_K=bk)))
     return out
 
 

@@ -37,12 +37,22 @@ class W4A16Linear:
 
     def __init__(self, ops: Any, packed: Any, bias: torch.Tensor | None) -> None:
         self.ops, self.packed, self.bias = ops, packed, bias
+        self.run = ops.w4a16_linear
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        y = self.ops.w4a16_linear(x, self.packed)
+        y = self.run(x, self.packed)
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None else residual + y
+
+
+class W8A16Linear(W4A16Linear):
+    """A symmetric 8-bit linear (W8A16 per group or channel, NVFP4A16) on the Triton W8A16 kernel
+    (``kernels/gpu/w8a16.py``): it owns the codes and group scales (read once at load) and the bias."""
+
+    def __init__(self, ops: Any, packed: Any, bias: torch.Tensor | None) -> None:
+        super().__init__(ops, packed, bias)
+        self.run = ops.w8a16_linear
 
 
 class TritonW8A8Linear(W8A8Linear):
@@ -80,10 +90,11 @@ class TritonOps:
     split_keys: int = SPLIT_KEYS
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, *, stored: StoredWeight | None = None,
-               fp8: Fp8Scales | None = None) -> Linear | W4A16Linear | TritonW8A8Linear:
+               fp8: Fp8Scales | None = None) -> Linear | W4A16Linear | W8A16Linear | TritonW8A8Linear:
         # An int4 weight stored with its group scales and zero points (--weights stored on an AWQ / GPTQ /
-        # compressed-tensors folder) runs on the W4A16 kernel, a W8A8 INT8 one on the int8 kernel; every
-        # other weight on cuBLAS, dequantized.
+        # compressed-tensors folder) runs on the W4A16 kernel, a symmetric 8-bit one (W8A16, NVFP4A16: the
+        # Q6_K form) on the W8A16 kernel, a W8A8 INT8 one on the int8 kernel; every other weight on
+        # cuBLAS, dequantized.
         if stored is not None and W8A8_KINDS.get(stored.kind) == "int8":
             assert stored.scales is not None
             dev = weight.device
@@ -105,6 +116,12 @@ class TritonOps:
             packed = self.ops.from_group_blocks(stored.blocks, n, k, stored.perm)
             if packed is not None:
                 return W4A16Linear(self.ops, packed.to(weight.device), bias)
+        if (stored is not None and stored.kind == "Q6_K" and not stored.packed and fp8 is None
+                and stored.shape[1] == weight.shape[1]):
+            n, k = stored.shape
+            packed8 = self.ops.from_q8_blocks(stored.blocks, n, k, stored.perm)
+            if packed8 is not None:
+                return W8A16Linear(self.ops, packed8.to(weight.device), bias)
         return make_linear(weight, bias, "dense", fp8=fp8)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
