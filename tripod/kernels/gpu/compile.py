@@ -52,16 +52,6 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     from tripod.kernels.gpu.masks import BLOCK as MASK_BLOCK
     from tripod.kernels.gpu.masks import apply_bitmask_kernel
     from tripod.kernels.gpu.mla import mla_decode_kernel
-    from tripod.kernels.gpu.w4a16 import BLOCK_M as W4_M
-    from tripod.kernels.gpu.w4a16 import blocks as w4_blocks
-    from tripod.kernels.gpu.w4a16 import w4a16_kernel
-    from tripod.kernels.gpu.w8a8 import BLOCK_K as W8_K
-    from tripod.kernels.gpu.w8a8 import BLOCK_M as W8_M
-    from tripod.kernels.gpu.w8a8 import BLOCK_N as W8_N
-    from tripod.kernels.gpu.w8a8 import w8a8_int8_kernel
-    from tripod.kernels.gpu.w8a16 import BLOCK_M as W816_M
-    from tripod.kernels.gpu.w8a16 import blocks as w816_blocks
-    from tripod.kernels.gpu.w8a16 import w8a16_kernel
 
     bf = "*bf16"
     attn_ptrs = {"q_ptr": bf, "kv_ptr": bf, "table_ptr": "*i32", "rows_ptr": "*i32", "lens_ptr": "*i32",
@@ -108,6 +98,25 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
          dict(NH=128, D=512, SPLITS=8, BLOCK_S=8, BLOCK_D=512, HAS_SINKS=False)),
     ]
     out += _recurrent_variants()
+    out += _linear_variants()
+    return out
+
+
+def _linear_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The quantized linears: W4A16, the W8A8 INT8 code product, W8A16 (NVFP4A16's group 16 too)."""
+    from tripod.kernels.gpu.w4a16 import BLOCK_M as W4_M
+    from tripod.kernels.gpu.w4a16 import blocks as w4_blocks
+    from tripod.kernels.gpu.w4a16 import w4a16_kernel
+    from tripod.kernels.gpu.w8a8 import BLOCK_K as W8_K
+    from tripod.kernels.gpu.w8a8 import BLOCK_M as W8_M
+    from tripod.kernels.gpu.w8a8 import BLOCK_N as W8_N
+    from tripod.kernels.gpu.w8a8 import w8a8_int8_kernel
+    from tripod.kernels.gpu.w8a16 import BLOCK_M as W816_M
+    from tripod.kernels.gpu.w8a16 import blocks as w816_blocks
+    from tripod.kernels.gpu.w8a16 import w8a16_kernel
+
+    bf = "*bf16"
+    out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
     w4_ptrs = {"q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8"}
     for act, dt, group, zeros in (("bf16", bf, 128, True), ("bf16", bf, 128, False), ("bf16", bf, 32, True),
                                   ("fp16", "*fp16", 128, True), ("fp32", "*fp32", 128, True)):
