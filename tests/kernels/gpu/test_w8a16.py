@@ -111,6 +111,8 @@ def test_a_w8a16_checkpoint_runs_on_the_w8a16_kernel(tmp_path: Path, hf_tokenize
     gate_up, down = eng.loaded.model.layers[0].mlp.ops[eng.runner.backend.form]
     assert isinstance(gate_up, W8A16Linear) and isinstance(down, W8A16Linear)
     assert gate_up.packed.group == 64  # per channel over K = 64 inputs
+    assert eng.loaded.quantization_detail is not None and eng.loaded.quantization_detail["computed_by"].startswith(
+        "the Triton W8A16 kernel")
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(12)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (11, 3)]

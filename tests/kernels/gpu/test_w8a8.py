@@ -119,6 +119,8 @@ def test_a_w8a8_int8_checkpoint_decodes_the_cpu_paths_tokens(tmp_path: Path, hf_
     eng = Engine(model=str(folder), kernels="triton", weights="stored", **opts)
     qkv = eng.loaded.model.layers[0].attn.ops[eng.runner.backend.form][0]
     assert isinstance(qkv, TritonW8A8Linear) and len(qkv.segments) == 3
+    assert eng.loaded.quantization_detail is not None and eng.loaded.quantization_detail["computed_by"] == (
+        "the Triton int8 x int8 -> int32 kernel (W8A8, exact); cuBLAS on the other weights, dequantized at load")
     alone = [list(eng.generate([p], params)[0].token_ids) for p in prompts]
     assert alone == want  # the same bits as the CPU path, so the same greedy tokens
     assert [list(o.token_ids) for o in eng.generate(prompts, params)] == alone

@@ -83,6 +83,27 @@ class TritonW8A8Linear(W8A8Linear):
         return y if residual is None else residual + y
 
 
+_KERNEL_NAMES = (  # (linear type, what /v1/models says computes it), in the order they are listed
+    (W4A16Linear, "the Triton W4A16 kernel (int4 codes, float32 sums)"),
+    (W8A16Linear, "the Triton W8A16 kernel (8-bit / FP4 codes, float32 sums)"),
+)
+
+
+def computed_by(model: Any, form: str) -> str:
+    """What computes ``model``'s projections in ``form`` on the Triton backend, for the model card's
+    ``quantization_detail.computed_by`` (the loader's card names the CPU paths)."""
+    found: set[str] = set()
+    for mod in model.modules():
+        ops = getattr(mod, "ops", None)
+        for op in (ops.get(form) or ()) if isinstance(ops, dict) else ():
+            if isinstance(op, TritonW8A8Linear):
+                found.add("the Triton int8 x int8 -> int32 kernel (W8A8, exact)")
+            for kind, name in _KERNEL_NAMES:
+                if type(op) is kind:
+                    found.add(name)
+    return "; ".join([*sorted(found), "cuBLAS on the other weights, dequantized at load"])
+
+
 class TritonOps:
     """The op families both Triton backends take from the kernels."""
 
