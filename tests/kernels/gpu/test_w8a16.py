@@ -54,6 +54,50 @@ def _check(got: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torc
     assert bool(torch.all(err <= allowed)), f"max error {err.max().item():.3g}"
 
 
+def _asymmetric(n: int, k: int, group: int, seed: int, act_order: bool = False):  # type: ignore[no-untyped-def]
+    """An 8-bit weight with zero points as the loader hands it over (two 4-bit halves, K' = 2K)."""
+    from tripod.loader.hf_quant import GroupQuantized
+    from tripod.loader.stored import group_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    size = k if group == -1 else group
+    groups = -(-k // size)
+    codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, groups, generator=g) * 0.002 + 1e-4).to(torch.bfloat16).float()
+    zeros = torch.randint(0, 256, (n, groups), generator=g, dtype=torch.int32)
+    g_idx = torch.arange(k) // size
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+    stored = group_blocks(GroupQuantized(codes, scales, zeros, g_idx, 8))
+    assert stored is not None and stored[0] == "Q4_K" and stored[1].shape[1] == 2 * k // 32 * 24
+    assert ops.from_q8_blocks(stored[1], n, k, stored[2]) is None  # not the symmetric form
+    packed = ops.from_q8_halves(stored[1], n, k, stored[2])
+    assert packed is not None and packed.zeros is not None
+    return codes, scales, zeros, g_idx, packed
+
+
+@pytest.mark.parametrize(("group", "act_order", "dtype"), [(32, False, torch.float16), (128, True, torch.float32),
+                                                        (-1, False, torch.float32)])
+def test_w8a16_with_zero_points_matches_the_float64_dequantized_product(group: int, act_order: bool,
+                                                                         dtype: torch.dtype) -> None:
+    codes, scales, zeros, g_idx, packed = _asymmetric(40, 256 if group == 128 else 96, group, seed=group,
+                                                      act_order=act_order)
+    assert (packed.perm is not None) == act_order
+    x = torch.randn(17, codes.shape[1], generator=torch.Generator().manual_seed(2)).to(dtype)
+    got = ops.w8a16_linear(x, packed)
+    for r in (0, 16):
+        assert torch.equal(ops.w8a16_linear(x[r:r + 1], packed), got[r:r + 1]), f"row {r}"
+    # (the symmetric check's reference with codes shifted by each group's zero point: (q - z) * s)
+    _check(got, x, codes.to(torch.int32) - zeros[:, g_idx] + 128, scales, g_idx)
+    from tripod.loader.hf_quant import GroupQuantized
+    from tripod.loader.stored import (
+        group_blocks,  # a 4-bit weight's blocks are not the halves' form
+    )
+
+    four = group_blocks(GroupQuantized(codes % 16, scales, zeros % 16, g_idx, 4))
+    assert four is not None and ops.from_q8_halves(four[1], 40, codes.shape[1] // 2, four[2]) is None
+
+
 CASES = [  # (n, k, group, act_order, fp4)
     (40, 96, 32, False, False),  # K not a multiple of the 64-input step, N not of the column block
     (72, 256, 128, True, False),  # act-order groups: the load-time permutation
@@ -123,23 +167,32 @@ def test_a_w8a16_checkpoint_runs_on_the_w8a16_kernel(tmp_path: Path, hf_tokenize
         assert list(out.token_ids) == list(alone[i]), f"w8a16 prompt {i}: batched differs from alone"
 
 
-def test_an_nvfp4a16_checkpoints_linears_run_on_the_w8a16_kernel(tmp_path: Path, hf_tokenizer: Any) -> None:
-    """An NVFP4A16 folder's projections (FP4 codes, FP8 scales per 16 inputs over a global scale) run
-    on the W8A16 kernel in groups of 16, each the product with the weights dequantized from the
-    checkpoint's own tensors (``save_quantized``'s), within float32's summation bound."""
+FOLDERS = {  # name -> (method, options, the kernel's group)
+    "nvfp4a16": ("nvfp4", {}, 16),
+    "ct-w8a16-g32": ("ct", dict(bits=8, group=32, sym=True), 32),
+    "gptq-8bit-asym-g32": ("gptq", dict(bits=8, group=32, sym=False), 32),
+}
+
+
+@pytest.mark.parametrize("case", list(FOLDERS))
+def test_a_folders_8_bit_and_fp4_linears_run_on_the_w8a16_kernel(case: str, tmp_path: Path, hf_tokenizer: Any) -> None:
+    """An NVFP4A16 folder's projections (FP4 codes, FP8 scales per 16 inputs over a global scale), a
+    compressed-tensors W8A16 folder's and a GPTQ 8-bit one's with zero points run on the W8A16 kernel,
+    each the product with the weights dequantized from the checkpoint's own tensors
+    (``save_quantized``'s) within float32's summation bound."""
     from tests.support.int_quant import save_quantized
     from tests.support.tiny_models import build_hf
     from tripod import Engine
     from tripod.layers.backends.triton import W8A16Linear
 
-    model = build_hf("llama", seed=5)
-    folder, deq = save_quantized(model, tmp_path / "nvfp4", hf_tokenizer, "nvfp4")
-
+    method, opts, group = FOLDERS[case]
+    folder, deq = save_quantized(build_hf("llama", seed=5), tmp_path / case, hf_tokenizer, method, **opts)
     eng = Engine(model=str(folder), kernels="triton", dtype="float32", weights="stored", kv_cache_tokens=64,
                  chunk_size=16, max_batch_tokens=16, max_running=1)
     layer = eng.loaded.model.layers[1]
     gate_up, down = layer.mlp.ops[eng.runner.backend.form]
-    assert isinstance(gate_up, W8A16Linear) and isinstance(down, W8A16Linear) and gate_up.packed.group == 16
+    assert isinstance(gate_up, W8A16Linear) and isinstance(down, W8A16Linear) and gate_up.packed.group == group
+    assert (gate_up.packed.zeros is not None) == (method == "gptq")
     x = torch.randn(5, gate_up.packed.k, generator=torch.Generator().manual_seed(1))
     w = torch.cat([deq[f"model.layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up")]).double()
     err = (gate_up(x).double() - x.double() @ w.T).abs()

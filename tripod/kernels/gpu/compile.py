@@ -126,12 +126,12 @@ def _linear_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                     dict(HAS_ZEROS=zeros, FP32_DOT=act == "fp32", BLOCK_M=W4_M, BLOCK_N=bn, BLOCK_K=bk)))
     out.append(("w8a8_int8[int8 x int8 -> int32]", w8a8_int8_kernel,
                 {"x_ptr": "*i8", "w_ptr": "*i8", "out_ptr": "*i32"}, dict(BLOCK_M=W8_M, BLOCK_N=W8_N, BLOCK_K=W8_K)))
-    for act, dt, group in (("bf16", bf, 128), ("bf16", bf, 16), ("fp16", "*fp16", 128), ("fp32", "*fp32", 128),
-                           ("fp32", "*fp32", 16)):
+    for act, dt, group, zeros in (("bf16", bf, 128, False), ("bf16", bf, 128, True), ("bf16", bf, 16, False),
+                                  ("fp16", "*fp16", 128, False), ("fp32", "*fp32", 128, True), ("fp32", "*fp32", 16, False)):
         bn, bk = w816_blocks(act == "fp32", group)
-        out.append((f"w8a16[{act}, group {group}]", w8a16_kernel,
-                    {"x_ptr": dt, "w_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": dt},
-                    dict(FP32_DOT=act == "fp32", BLOCK_M=W816_M, BLOCK_N=bn, BLOCK_K=bk)))
+        out.append((f"w8a16[{act}, group {group}{', zero points' if zeros else ''}]", w8a16_kernel,
+                    {"x_ptr": dt, "w_ptr": "*i8", "s_ptr": "*fp32", "z_ptr": "*i8", "out_ptr": dt},
+                    dict(HAS_ZEROS=zeros, FP32_DOT=act == "fp32", BLOCK_M=W816_M, BLOCK_N=bn, BLOCK_K=bk)))
     return out
 
 

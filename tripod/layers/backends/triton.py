@@ -113,8 +113,8 @@ class TritonOps:
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, *, stored: StoredWeight | None = None,
                fp8: Fp8Scales | None = None) -> Linear | W4A16Linear | W8A16Linear | TritonW8A8Linear:
         # An int4 weight stored with its group scales and zero points (--weights stored on an AWQ / GPTQ /
-        # compressed-tensors folder) runs on the W4A16 kernel, a symmetric 8-bit one (W8A16, NVFP4A16: the
-        # Q6_K form) on the W8A16 kernel, a W8A8 INT8 one on the int8 kernel; every other weight on
+        # compressed-tensors folder) runs on the W4A16 kernel, an 8-bit one (W8A16 symmetric: the Q6_K form,
+        # NVFP4A16 too; with zero points: the two 4-bit halves) on the W8A16 kernel, a W8A8 INT8 one on the int8 kernel; every other weight on
         # cuBLAS, dequantized.
         if stored is not None and W8A8_KINDS.get(stored.kind) == "int8":
             assert stored.scales is not None
@@ -130,7 +130,6 @@ class TritonOps:
             raise ValueError("FP8 W8A8 and NVFP4 W4A4 checkpoints (activations quantized as they say) run on the CPU "
                              "for now (--device cpu); the Triton backend runs W8A8 INT8 only (its FP8 dot sums in "
                              "float32, not the exact float64 sums of the CPU path)")
-        # (Not the two-halves form of 8-bit codes with zero points: its inputs are read twice, K' = 2K.)
         if (stored is not None and stored.kind == "Q4_K" and not stored.packed and fp8 is None
                 and stored.shape[1] == weight.shape[1]):
             n, k = stored.shape
@@ -141,6 +140,12 @@ class TritonOps:
                 and stored.shape[1] == weight.shape[1]):
             n, k = stored.shape
             packed8 = self.ops.from_q8_blocks(stored.blocks, n, k, stored.perm)
+            if packed8 is not None:
+                return W8A16Linear(self.ops, packed8.to(weight.device), bias)
+        if (stored is not None and stored.kind == "Q4_K" and not stored.packed and fp8 is None
+                and stored.shape[1] == 2 * weight.shape[1]):  # 8-bit with zero points: the two 4-bit halves
+            n, k = stored.shape[0], weight.shape[1]
+            packed8 = self.ops.from_q8_halves(stored.blocks, n, k, stored.perm)
             if packed8 is not None:
                 return W8A16Linear(self.ops, packed8.to(weight.device), bias)
         return make_linear(weight, bias, "dense", fp8=fp8)
