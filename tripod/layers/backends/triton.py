@@ -47,8 +47,9 @@ class W4A16Linear:
 
 
 class W8A16Linear(W4A16Linear):
-    """A symmetric 8-bit linear (W8A16 per group or channel, NVFP4A16) on the Triton W8A16 kernel
-    (``kernels/gpu/w8a16.py``): it owns the codes and group scales (read once at load) and the bias."""
+    """An 8-bit linear (W8A16 per group or channel, symmetric or with zero points; NVFP4A16) on the
+    Triton W8A16 kernel (``kernels/gpu/w8a16.py``): it owns the codes, group scales and zero points
+    (read once at load) and the bias."""
 
     def __init__(self, ops: Any, packed: Any, bias: torch.Tensor | None) -> None:
         super().__init__(ops, packed, bias)
@@ -113,9 +114,9 @@ class TritonOps:
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, *, stored: StoredWeight | None = None,
                fp8: Fp8Scales | None = None) -> Linear | W4A16Linear | W8A16Linear | TritonW8A8Linear:
         # An int4 weight stored with its group scales and zero points (--weights stored on an AWQ / GPTQ /
-        # compressed-tensors folder) runs on the W4A16 kernel, an 8-bit one (W8A16 symmetric: the Q6_K form,
-        # NVFP4A16 too; with zero points: the two 4-bit halves) on the W8A16 kernel, a W8A8 INT8 one on the int8 kernel; every other weight on
-        # cuBLAS, dequantized.
+        # compressed-tensors folder) runs on the W4A16 kernel, an 8-bit one (W8A16 symmetric: the Q6_K
+        # form, NVFP4A16 too; with zero points: the two 4-bit halves) on the W8A16 kernel, a W8A8 INT8 one
+        # on the int8 kernel; every other weight on cuBLAS, dequantized.
         if stored is not None and W8A8_KINDS.get(stored.kind) == "int8":
             assert stored.scales is not None
             dev = weight.device
