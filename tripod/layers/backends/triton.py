@@ -3,7 +3,8 @@ interpreter on CPU tensors (``TRITON_INTERPRET=1``), where every CPU machine tes
 
 - ``TritonBackend``: RMSNorm, SiLU·mul, fused RoPE + KV write and paged attention over the slot
   table (decode, chunked-prefill, prefix-hit and verify rows in one launch; sliding windows,
-  soft-capped logits and attention sinks included); linears on cuBLAS (``F.linear``).
+  soft-capped logits and attention sinks included); linears on cuBLAS (``F.linear``), stored
+  quantized ones on the W4A16 / W8A16 / W8A8 INT8 kernels (``TritonOps.linear``).
 - ``TritonLinearBackend``: the same norms and activations with torch's attention layout, for MLA
   models (whose decode rows run the Triton absorbed-MLA kernel through ``latent_attention``) and
   DeepSeek-V4's compressed attention (torch's ops).
