@@ -109,6 +109,8 @@ def kernels(dev: torch.device, dry: bool) -> list[dict[str, Any]]:
     out += _attention_checks(ops, dev, dt, tol, dry)
     out += _mask_and_fp8_checks(ops, dev, dry)
     out += _w4a16_checks(ops, dev, dry)
+    out += _w8a8_checks(ops, dev, dry)
+    out += _w8a16_checks(ops, dev, dry)
     out += _recurrent_checks(ops, dev, dry)
     return out
 
@@ -229,6 +231,89 @@ def _w4a16_checks(ops: Any, dev: torch.device, dry: bool) -> list[dict[str, Any]
         out.append(row)
     same = all(torch.equal(ops.w4a16_linear(xd[r:r + 1], packed), batched[r:r + 1]) for r in (0, 17, 63))
     out.append({"kernel": "w4a16 alone = batched", "rel_error": 0.0 if same else 1.0, "tolerance": 0.0, "ok": same})
+    return out
+
+
+def _w8a8_checks(ops: Any, dev: torch.device, dry: bool) -> list[dict[str, Any]]:
+    """The W8A8 INT8 code product (int8 x int8 -> int32) against the int64 product on the CPU (exact:
+    the tolerance is 0) at M = 1 and 64, the linear built on it against the CPU path's ``W8A8Linear``
+    (bits equal is recorded; the float64 epilogue's rounding to bf16 is CUDA's there), a row alone =
+    in a batch, and (on a GPU) times at M = 1 and 16 beside ``torch._int_mm`` and bf16 F.linear."""
+    from tripod.layers.backends.triton import TritonW8A8Linear
+    from tripod.layers.w8a8 import W8A8Linear
+
+    n, k = (96, 256) if dry else (14336, 4096)
+    dt = torch.float32 if dry else torch.bfloat16
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) * 1e-3 + 1e-4
+    q = torch.randint(-128, 128, (64, k), generator=g, dtype=torch.int8)
+    codes_d, qd = codes.to(dev), q.to(dev)
+    acc = ops.int8_product(qd, codes_d)
+    want = q.long() @ codes.long().t()
+    out: list[dict[str, Any]] = []
+    dense = (codes.float() * scales[:, None]).to(torch.bfloat16).to(dev)
+    xb = torch.randn(16, k, generator=g).to(torch.bfloat16).to(dev)
+    for m in (1, 64):
+        same = torch.equal(acc[:m].cpu().long(), want[:m])
+        row: dict[str, Any] = {"kernel": f"w8a8_int8[{n}x{k}, M={m}]", "rel_error": 0.0 if same else 1.0,
+                               "tolerance": 0.0, "ok": same}
+        if not dry:
+            for mm in (1, 16):
+                row[f"ms_w8a8_int8_M{mm}"] = _timed(lambda mm=mm: ops.int8_product(qd[:mm], codes_d), dev, 20) * 1e3
+                try:  # (torch._int_mm wants M > 16 on some builds)
+                    row[f"ms_int_mm_M{mm}"] = _timed(lambda mm=mm: torch._int_mm(qd[:max(mm, 17)], codes_d.t()), dev,
+                                                     20) * 1e3
+                except RuntimeError as e:
+                    row[f"int_mm_M{mm}"] = str(e)[:200]
+                row[f"ms_bf16_dense_M{mm}"] = _timed(lambda mm=mm, d=dense: torch.nn.functional.linear(xb[:mm], d), dev,
+                                                     20) * 1e3
+        out.append(row)
+    x = torch.randn(33, k, generator=g).to(dt)
+    tri = TritonW8A8Linear(ops, codes_d, scales.to(dev), None, None)
+    y = tri(x.to(dev))
+    cpu_bits = torch.equal(y.cpu(), W8A8Linear(codes, scales, "int8", None)(x))
+    same = all(torch.equal(tri(x[r:r + 1].to(dev)), y[r:r + 1]) for r in (0, 16, 32))
+    out.append({"kernel": "w8a8_int8 linear alone = batched", "rel_error": 0.0 if same else 1.0, "tolerance": 0.0,
+                "ok": same, "cpu_path_bits_equal": cpu_bits})
+    return out
+
+
+def _w8a16_checks(ops: Any, dev: torch.device, dry: bool) -> list[dict[str, Any]]:
+    """The W8A16 linear (symmetric 8-bit codes, group 128; and NVFP4A16's group 16) from the stored
+    Q6_K form against the float64 dequantized product at M = 1 and 64, a row alone = in a batch, and
+    (on a GPU) its time at M = 1 and 16."""
+    from tripod.loader.hf_quant import GroupQuantized
+    from tripod.loader.stored import group_blocks
+
+    n, k = (96, 256) if dry else (14336, 4096)
+    dt = torch.float32 if dry else torch.bfloat16
+    g = torch.Generator().manual_seed(4)
+    out: list[dict[str, Any]] = []
+    for group in (128, 16):
+        codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+        scales = (torch.rand(n, k // group, generator=g) * 1e-4 + 1e-5).to(torch.bfloat16).float()
+        g_idx = torch.arange(k) // group
+        stored = group_blocks(GroupQuantized(codes, scales, torch.full(scales.shape, 128, dtype=torch.int32), g_idx, 8))
+        assert stored is not None
+        packed = ops.from_q8_blocks(stored[1], n, k, stored[2]).to(dev)
+        w64 = (codes.double() - 128) * scales.double()[:, g_idx]
+        x = torch.randn(64, k, generator=g).to(dt)
+        xd = x.to(dev)
+        batched = ops.w8a16_linear(xd, packed)
+        tol = 1e-4 if dry else 1e-2  # bf16 output rounding
+        for m in (1, 64):
+            e = _err(batched[:m].cpu().double(), x[:m].double() @ w64.T)
+            row: dict[str, Any] = {"kernel": f"w8a16[{n}x{k}, group {group}, M={m}]", "rel_error": e,
+                                   "tolerance": tol, "ok": e <= tol}
+            if not dry and m == 1:
+                for mm in (1, 16):
+                    row[f"ms_w8a16_M{mm}"] = _timed(lambda mm=mm, p=packed, xx=xd: ops.w8a16_linear(xx[:mm], p), dev,
+                                                    20) * 1e3
+            out.append(row)
+        same = all(torch.equal(ops.w8a16_linear(xd[r:r + 1], packed), batched[r:r + 1]) for r in (0, 17, 63))
+        out.append({"kernel": f"w8a16 group {group} alone = batched", "rel_error": 0.0 if same else 1.0,
+                    "tolerance": 0.0, "ok": same})
     return out
 
 

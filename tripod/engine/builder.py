@@ -216,6 +216,7 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
                          "weights on the Triton W4A16 kernel; a GGUF's stored weights run on tripod's CPU kernels only")
     if config.weights == "stored" and not config.triton and runner.kernel_reason is not None:
         raise ValueError(f"--weights stored needs tripod's CPU kernels, which cannot run here: {runner.kernel_reason}")
+    triton_card(config, runner, loaded)
     keep_stored_only(config, runner, loaded, group)
     sampler = Sampler(device, config.seed)
     proposer = make_proposer(config, loaded, draft, pool, sampler, path=path, max_len=max_len, device=device,
@@ -228,6 +229,16 @@ def _build(config: EngineConfig, loaded: LoadedModel | None, group: WorkerGroup 
                        threads=build_threads, cache=cache, loras=loras, snapshots=snapshots,
                        runner=runner, sampler=sampler, proposer=proposer, eos_ids=eos_ids_of(loaded), vision=vision,
                        group=group, ranks=ranks, states=states)
+
+
+def triton_card(config: EngineConfig, runner: ModelRunner, loaded: LoadedModel) -> None:
+    """``--weights stored`` on the Triton backend: the model card says which kernels compute the
+    stored projections (the loader's card names the CPU paths)."""
+    if config.weights == "stored" and config.triton and loaded.quantization_detail is not None:
+        from tripod.layers.backends.triton import computed_by
+
+        form = runner.backend.form  # (prepares the model's projections on the Triton backend)
+        loaded.quantization_detail = {**loaded.quantization_detail, "computed_by": computed_by(loaded.model, form)}
 
 
 def keep_stored_only(config: EngineConfig, runner: ModelRunner, loaded: LoadedModel, group: WorkerGroup | None) -> None:

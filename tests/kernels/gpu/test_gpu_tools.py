@@ -27,7 +27,7 @@ def test_every_kernel_compiles_for_sm_90_within_its_shared_memory() -> None:
     results = json.loads(done.stdout[: done.stdout.rindex("]") + 1])
     names = {r["name"].split("[")[0].split(" ")[0] for r in results}
     assert {"rms_norm", "silu_mul", "rope_store_kv", "paged_attention", "combine_splits", "mla_decode",
-            "w4a16", "conv_update", "gated_delta", "ssd_scan"} <= names
+            "w4a16", "w8a8_int8", "w8a16", "conv_update", "gated_delta", "ssd_scan"} <= names
     for r in results:
         assert r["ok"] and r["registers"] and 0 <= r["shared"] <= 227 * 1024, r
         assert r["spill_stores"] == 0 or "sinks" in r["name"], f"{r['name']} spills {r['spill_stores']} bytes"

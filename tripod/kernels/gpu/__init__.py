@@ -1,7 +1,8 @@
 """tripod's GPU kernels, written in Triton: paged attention over the slot table (with split-KV for
 long contexts), MLA's absorbed decode over the latent pool, fused RoPE + KV write, RMSNorm
 (optionally with the residual add), SiLU·mul, and the hybrid mixers' token recurrences (causal conv,
-gated delta rule, Mamba2 scan) over the state pool. Linears stay cuBLAS (``F.linear``).
+gated delta rule, Mamba2 scan) over the state pool, and the stored quantized linears (W4A16,
+W8A16 / NVFP4A16, the W8A8 INT8 code product). Other linears stay cuBLAS (``F.linear``).
 
 The same sources run three ways:
 

@@ -6,7 +6,8 @@ kernel that stops compiling for the H100/H200 (or outgrows a block's shared memo
 The kernels are compiled at the shapes they serve: Llama-3.1-8B's heads (32 over 8, head dim
 128), head dims 64 and 256 with GQA ratios 1 and 8, Gemma's soft-cap and window, gpt-oss's sinks,
 DeepSeek-V3's MLA (128 heads, 512 + 64), in bfloat16; the W4A16 linear in bf16, fp16 and fp32; the
-hybrid mixers' recurrences (float32 states) at Qwen3.5's gated delta rule and Nemotron-H's Mamba2.
+W8A8 INT8 code product (int8 x int8 -> int32); the W8A16 linear (8-bit codes; group 16 is
+NVFP4A16's) in bf16, fp16 and fp32; the hybrid mixers' recurrences (float32 states) at Qwen3.5's gated delta rule and Nemotron-H's Mamba2.
 """
 
 from __future__ import annotations
@@ -51,9 +52,6 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     from tripod.kernels.gpu.masks import BLOCK as MASK_BLOCK
     from tripod.kernels.gpu.masks import apply_bitmask_kernel
     from tripod.kernels.gpu.mla import mla_decode_kernel
-    from tripod.kernels.gpu.w4a16 import BLOCK_M as W4_M
-    from tripod.kernels.gpu.w4a16 import blocks as w4_blocks
-    from tripod.kernels.gpu.w4a16 import w4a16_kernel
 
     bf = "*bf16"
     attn_ptrs = {"q_ptr": bf, "kv_ptr": bf, "table_ptr": "*i32", "rows_ptr": "*i32", "lens_ptr": "*i32",
@@ -100,6 +98,25 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
          dict(NH=128, D=512, SPLITS=8, BLOCK_S=8, BLOCK_D=512, HAS_SINKS=False)),
     ]
     out += _recurrent_variants()
+    out += _linear_variants()
+    return out
+
+
+def _linear_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The quantized linears: W4A16, the W8A8 INT8 code product, W8A16 (NVFP4A16's group 16 too)."""
+    from tripod.kernels.gpu.w4a16 import BLOCK_M as W4_M
+    from tripod.kernels.gpu.w4a16 import blocks as w4_blocks
+    from tripod.kernels.gpu.w4a16 import w4a16_kernel
+    from tripod.kernels.gpu.w8a8 import BLOCK_K as W8_K
+    from tripod.kernels.gpu.w8a8 import BLOCK_M as W8_M
+    from tripod.kernels.gpu.w8a8 import BLOCK_N as W8_N
+    from tripod.kernels.gpu.w8a8 import w8a8_int8_kernel
+    from tripod.kernels.gpu.w8a16 import BLOCK_M as W816_M
+    from tripod.kernels.gpu.w8a16 import blocks as w816_blocks
+    from tripod.kernels.gpu.w8a16 import w8a16_kernel
+
+    bf = "*bf16"
+    out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
     w4_ptrs = {"q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8"}
     for act, dt, group, zeros in (("bf16", bf, 128, True), ("bf16", bf, 128, False), ("bf16", bf, 32, True),
                                   ("fp16", "*fp16", 128, True), ("fp32", "*fp32", 128, True)):
@@ -107,6 +124,14 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         out.append((f"w4a16[{act}, group {group}, {'zero points' if zeros else 'symmetric'}]", w4a16_kernel,
                     {**w4_ptrs, "x_ptr": dt, "out_ptr": dt},
                     dict(HAS_ZEROS=zeros, FP32_DOT=act == "fp32", BLOCK_M=W4_M, BLOCK_N=bn, BLOCK_K=bk)))
+    out.append(("w8a8_int8[int8 x int8 -> int32]", w8a8_int8_kernel,
+                {"x_ptr": "*i8", "w_ptr": "*i8", "out_ptr": "*i32"}, dict(BLOCK_M=W8_M, BLOCK_N=W8_N, BLOCK_K=W8_K)))
+    for act, dt, group, zeros in (("bf16", bf, 128, False), ("bf16", bf, 128, True), ("bf16", bf, 16, False),
+                                  ("fp16", "*fp16", 128, False), ("fp32", "*fp32", 128, True), ("fp32", "*fp32", 16, False)):
+        bn, bk = w816_blocks(act == "fp32", group)
+        out.append((f"w8a16[{act}, group {group}{', zero points' if zeros else ''}]", w8a16_kernel,
+                    {"x_ptr": dt, "w_ptr": "*i8", "s_ptr": "*fp32", "z_ptr": "*i8", "out_ptr": dt},
+                    dict(HAS_ZEROS=zeros, FP32_DOT=act == "fp32", BLOCK_M=W816_M, BLOCK_N=bn, BLOCK_K=bk)))
     return out
 
 

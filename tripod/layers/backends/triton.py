@@ -3,7 +3,8 @@ interpreter on CPU tensors (``TRITON_INTERPRET=1``), where every CPU machine tes
 
 - ``TritonBackend``: RMSNorm, SiLU·mul, fused RoPE + KV write and paged attention over the slot
   table (decode, chunked-prefill, prefix-hit and verify rows in one launch; sliding windows,
-  soft-capped logits and attention sinks included); linears on cuBLAS (``F.linear``).
+  soft-capped logits and attention sinks included); linears on cuBLAS (``F.linear``), stored
+  quantized ones on the W4A16 / W8A16 / W8A8 INT8 kernels (``TritonOps.linear``).
 - ``TritonLinearBackend``: the same norms and activations with torch's attention layout, for MLA
   models (whose decode rows run the Triton absorbed-MLA kernel through ``latent_attention``) and
   DeepSeek-V4's compressed attention (torch's ops).
@@ -25,6 +26,7 @@ from tripod.layers.backends.reference import ReferenceBackend
 from tripod.layers.batch import AttnSpec, Backend, BatchContext, ForwardBatch, StepItem, upload
 from tripod.layers.linear import Fp8Scales, Linear, StoredWeight, make_linear
 from tripod.layers.rotary import RotaryEmbedding
+from tripod.layers.w8a8 import W8A8_KINDS, W8A8Linear, quantize_per_token, quantize_static
 from tripod.memory.kv_pool import KVPool
 
 SPLIT_KEYS = 256  # keys per split-KV split (a multiple of every head dim's key block)
@@ -36,12 +38,72 @@ class W4A16Linear:
 
     def __init__(self, ops: Any, packed: Any, bias: torch.Tensor | None) -> None:
         self.ops, self.packed, self.bias = ops, packed, bias
+        self.run = ops.w4a16_linear
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        y = self.ops.w4a16_linear(x, self.packed)
+        y = self.run(x, self.packed)
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None else residual + y
+
+
+class W8A16Linear(W4A16Linear):
+    """An 8-bit linear (W8A16 per group or channel, symmetric or with zero points; NVFP4A16) on the
+    Triton W8A16 kernel (``kernels/gpu/w8a16.py``): it owns the codes, group scales and zero points
+    (read once at load) and the bias."""
+
+    def __init__(self, ops: Any, packed: Any, bias: torch.Tensor | None) -> None:
+        super().__init__(ops, packed, bias)
+        self.run = ops.w8a16_linear
+
+
+class TritonW8A8Linear(W8A8Linear):
+    """A W8A8 INT8 linear with its code products on the Triton kernel (``kernels/gpu/w8a8.py``):
+    the activations are quantized and the products scaled exactly as ``W8A8Linear`` does on the CPU
+    (its functions, its float64 epilogue); only ``torch._int_mm`` is replaced by the int32 tensor-core
+    sum, which holds the same integers, so the result has the CPU path's bits. Owns what
+    ``W8A8Linear`` owns (codes, scales, static segments, bias) on the GPU, and the kernels' handle."""
+
+    def __init__(self, ops: Any, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 input_scales: torch.Tensor | None) -> None:
+        super().__init__(codes, scales, "int8", bias, input_scales)
+        self.ops = ops
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.segments:
+            q, sx = quantize_per_token(x, self.kind)
+            acc = self.ops.int8_product(q, self.codes).to(torch.float64)
+            y = (acc * (sx.to(torch.float64) * self.scales)).to(x.dtype)
+        else:  # a fused projection's parts may each have their own static scale (W8A8Linear.segments)
+            parts = []
+            for a, b, s in self.segments:
+                acc = self.ops.int8_product(quantize_static(x, s, self.kind), self.codes[a:b]).to(torch.float64)
+                parts.append(acc * (s.to(torch.float64) * self.scales[a:b]))
+            y = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if residual is None else residual + y
+
+
+_KERNEL_NAMES = (  # (linear type, what /v1/models says computes it), in the order they are listed
+    (W4A16Linear, "the Triton W4A16 kernel (int4 codes, float32 sums)"),
+    (W8A16Linear, "the Triton W8A16 kernel (8-bit / FP4 codes, float32 sums)"),
+)
+
+
+def computed_by(model: Any, form: str) -> str:
+    """What computes ``model``'s projections in ``form`` on the Triton backend, for the model card's
+    ``quantization_detail.computed_by`` (the loader's card names the CPU paths)."""
+    found: set[str] = set()
+    for mod in model.modules():
+        ops = getattr(mod, "ops", None)
+        for op in (ops.get(form) or ()) if isinstance(ops, dict) else ():
+            if isinstance(op, TritonW8A8Linear):
+                found.add("the Triton int8 x int8 -> int32 kernel (W8A8, exact)")
+            for kind, name in _KERNEL_NAMES:
+                if type(op) is kind:
+                    found.add(name)
+    return "; ".join([*sorted(found), "cuBLAS on the other weights, dequantized at load"])
 
 
 class TritonOps:
@@ -51,19 +113,43 @@ class TritonOps:
     split_keys: int = SPLIT_KEYS
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None, *, stored: StoredWeight | None = None,
-               fp8: Fp8Scales | None = None) -> Linear | W4A16Linear:
+               fp8: Fp8Scales | None = None) -> Linear | W4A16Linear | W8A16Linear | TritonW8A8Linear:
         # An int4 weight stored with its group scales and zero points (--weights stored on an AWQ / GPTQ /
-        # compressed-tensors folder) runs on the W4A16 kernel; every other weight on cuBLAS, dequantized.
+        # compressed-tensors folder) runs on the W4A16 kernel, an 8-bit one (W8A16 symmetric: the Q6_K
+        # form, NVFP4A16 too; with zero points: the two 4-bit halves) on the W8A16 kernel, a W8A8 INT8 one
+        # on the int8 kernel; every other weight on cuBLAS, dequantized.
+        if stored is not None and W8A8_KINDS.get(stored.kind) == "int8":
+            assert stored.scales is not None
+            dev = weight.device
+
+            def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else t.to(dev)
+
+            return TritonW8A8Linear(self.ops, stored.blocks.to(dev), stored.scales.to(dev), bias,
+                                    mv(stored.input_scales))
         if stored is not None and stored.kind.startswith(("W8A8", "W4A4")):
-            raise ValueError("W8A8 and NVFP4 W4A4 checkpoints (activations quantized as they say) run on the CPU for "
-                             "now (--device cpu); the Triton backend has no W8A8 / W4A4 linear yet")
-        # (Not the two-halves form of 8-bit codes with zero points: its inputs are read twice, K' = 2K.)
+            # FP8's exact sums need float64 (the CPU path's); Triton's FP8 dot accumulates in float32
+            raise ValueError("FP8 W8A8 and NVFP4 W4A4 checkpoints (activations quantized as they say) run on the CPU "
+                             "for now (--device cpu); the Triton backend runs W8A8 INT8 only (its FP8 dot sums in "
+                             "float32, not the exact float64 sums of the CPU path)")
         if (stored is not None and stored.kind == "Q4_K" and not stored.packed and fp8 is None
                 and stored.shape[1] == weight.shape[1]):
             n, k = stored.shape
             packed = self.ops.from_group_blocks(stored.blocks, n, k, stored.perm)
             if packed is not None:
                 return W4A16Linear(self.ops, packed.to(weight.device), bias)
+        if (stored is not None and stored.kind == "Q6_K" and not stored.packed and fp8 is None
+                and stored.shape[1] == weight.shape[1]):
+            n, k = stored.shape
+            packed8 = self.ops.from_q8_blocks(stored.blocks, n, k, stored.perm)
+            if packed8 is not None:
+                return W8A16Linear(self.ops, packed8.to(weight.device), bias)
+        if (stored is not None and stored.kind == "Q4_K" and not stored.packed and fp8 is None
+                and stored.shape[1] == 2 * weight.shape[1]):  # 8-bit with zero points: the two 4-bit halves
+            n, k = stored.shape[0], weight.shape[1]
+            packed8 = self.ops.from_q8_halves(stored.blocks, n, k, stored.perm)
+            if packed8 is not None:
+                return W8A16Linear(self.ops, packed8.to(weight.device), bias)
         return make_linear(weight, bias, "dense", fp8=fp8)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
