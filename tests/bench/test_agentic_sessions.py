@@ -109,13 +109,16 @@ def test_stream_chunks_collect_the_answers_token_ids() -> None:
     last, n = _record_chunk(res, {"choices": [{"text": "a", "token_ids": [5, 6]}]}, 1.0, None, 0)
     last, n = _record_chunk(res, {"choices": [{"text": "b", "token_ids": [7]}]}, 2.0, last, n)
     assert res.output_ids == [5, 6, 7] and n == 2
-    # llama.cpp: partial chunks carry a token each (not every one: a split UTF-8 character sends none),
-    # the last chunk the whole answer's ids (``return_tokens``, under ``__verbose``)
+    # llama.cpp (``return_tokens`` + ``verbose``): a token per partial chunk under ``__verbose``; its
+    # last chunk's list is empty when streaming (or the whole answer: then it stands)
     res = RequestResult(start=0.0)
     last, n = _record_chunk(res, {"choices": [{"text": "a"}], "__verbose": {"stop": False, "tokens": [5]}}, 1.0, None, 0)
+    last, n = _record_chunk(res, {"choices": [{"text": "b"}], "__verbose": {"stop": False, "tokens": [6]}}, 2.0, last, n)
     last, n = _record_chunk(res, {"choices": [{"text": "", "finish_reason": "length"}],
-                                  "__verbose": {"stop": True, "tokens": [5, 6, 7]}}, 2.0, last, n)
-    assert res.output_ids == [5, 6, 7] and n == 1
+                                  "__verbose": {"stop": True, "tokens": []}}, 3.0, last, n)
+    assert res.output_ids == [5, 6] and n == 2
+    _record_chunk(res, {"choices": [], "__verbose": {"stop": True, "tokens": [5, 6, 7]}}, 4.0, last, n)
+    assert res.output_ids == [5, 6, 7]
 
 
 def test_reuse_counts_later_turns_cached_whole() -> None:

@@ -63,7 +63,7 @@ def request_body(target: Target, req: BenchRequest) -> tuple[str, dict[str, Any]
         body["ignore_eos"] = True
     if req.prompt_ids is not None:  # a conversation kept as tokens: ask for the answer's ids too
         path, body["prompt"], body["return_token_ids"] = "/v1/completions", req.prompt_ids, True
-        # (llama.cpp's names for the same: its last chunk's ``__verbose.tokens``; other servers ignore them)
+        # (llama.cpp's names for the same, its chunks' ``__verbose.tokens``; other servers ignore them)
         body["return_tokens"] = body["verbose"] = True
     elif req.messages is not None:
         path, body["messages"] = "/v1/chat/completions", req.messages
@@ -86,11 +86,12 @@ def _record_chunk(res: RequestResult, obj: dict[str, Any], now: float, last: flo
             elif last is not None:
                 res.itl.append(now - last)
             last = now
-    verbose = obj.get("__verbose")
-    if isinstance(verbose, dict) and verbose.get("stop") is True and verbose.get("tokens"):
-        # llama.cpp (``return_tokens``): the whole answer's ids on the last chunk (its partial chunks
-        # skip tokens that end inside a UTF-8 character, so only this list is complete)
-        res.output_ids = [int(t) for t in verbose["tokens"]]
+    verbose = obj.get("__verbose")  # llama.cpp's (``verbose``): a partial chunk's token, or the whole answer's
+    if isinstance(verbose, dict) and verbose.get("tokens") and not any(ch.get("token_ids") for ch in obj.get("choices") or []):
+        # (a token that ends inside a UTF-8 character gets no chunk: the ids then fall short of the
+        # answer's token count, and the next turn is not sent)
+        ids = [int(t) for t in verbose["tokens"]]
+        res.output_ids = ids if verbose.get("stop") is True else [*res.output_ids, *ids]
     if obj.get("type") == "response.output_text.delta" and obj.get("delta"):  # the Responses API's events
         chunks += 1
         if res.ttft is None:
