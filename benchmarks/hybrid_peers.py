@@ -109,7 +109,7 @@ def render(data: dict[str, Any]) -> str:
         lines.append(f"- {r['label']}: prefix-cache hit rate (cached / prompt tokens) **{100 * a['cache_hit_rate']:.1f} %**; "
                      f"later turns cached whole (previous prompt + answer but its last token): "
                      f"**{reuse.get('whole_previous', 0)} of {reuse.get('later_turns', 0)}**; "
-                     f"TPOT p50 {a.get('tpot_ms', {}).get('p50', '—')} ms.")
+                     f"TPOT p50 {a.get('tpot_ms', {}).get('p50', float('nan')):.1f} ms.")
     lines.append("")
     return "\n".join(lines)
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu": _cpu(), "threads": args.threads,
         "note": args.note or "quiet machine", "converter": VERSION,
-        "llama_version": (version.stdout + version.stderr).strip().splitlines()[-1] if version.returncode == 0 else "?",
+        "llama_version": next((ln for ln in (version.stdout + version.stderr).splitlines() if ln.startswith("version")), "?"),
         "model": f"Qwen3_5ForCausalLM, hidden {args.hidden}, {args.layers} layers (a quarter attention), "
                  f"{args.heads} heads / {args.kv_heads} KV heads of {args.head_dim}, random weights (benchmarks/hybrid_context.py)",
         "runs": [],
