@@ -571,7 +571,8 @@ def test_w8a8_static_checkpoint_decodes_the_reference_tokens(kind: str, tmp_path
     assert eng.loaded.quantization_detail == {
         "format": "compressed-tensors w8a8", "bits": 8, "group_size": -1,
         "activations": f"{kind} static per tensor",
-        "computed_by": "torch._int_mm (int8 x int8 -> int32, exact) on the CPU" if kind == "int8"
+        "computed_by": "tripod's CPU kernels' int8_linear (int8 x int8 -> int32, exact; AVX512-VNNI where present) "
+                       "for up to 16 rows, torch._int_mm above and off the kernels (the same integers)" if kind == "int8"
         else "exact float64 emulation of the FP8 code products on the CPU"}
     _check(eng, HFReference(model.eval()), f"w8a8 {kind} static")
     del tensors["model.layers.1.mlp.up_proj.input_scale"]
