@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import platform
 import statistics
 import sys
@@ -69,8 +70,9 @@ def micro(ops: object, repeats: int) -> list[str]:
             x = torch.randn(m, k, generator=g)
             q, _ = w8a8.quantize_per_token(x, "int8")
             same = torch.equal(old(x), new(x)) and torch.equal(torch._int_mm(q, codes.t()), ops.int8_linear(q, codes, new.wsum))
-            lo, ln = _ab((lambda: old(x), lambda: new(x)), repeats)
-            po, pn = _ab((lambda: torch._int_mm(q, codes.t()), lambda: ops.int8_linear(q, codes, new.wsum)), repeats)
+            lo, ln = _ab((functools.partial(old, x), functools.partial(new, x)), repeats)
+            po, pn = _ab((functools.partial(torch._int_mm, q, codes.t()),
+                          functools.partial(ops.int8_linear, q, codes, new.wsum)), repeats)
             lines.append(f"| {n} x {k} | {m} | {lo * 1e3:.3f} | {ln * 1e3:.3f} | {lo / ln:.2f}x | {po * 1e3:.3f} | "
                          f"{pn * 1e3:.3f} | {'yes' if same else 'NO'} |")
             print(lines[-1], file=sys.stderr, flush=True)
