@@ -524,9 +524,9 @@ def test_w8a8_int8_products_run_on_integer_math_with_the_emulations_bits(monkeyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_w8a8_int8_on_the_cpu_kernels_gives_torchs_bits(dtype: torch.dtype) -> None:
-    """On the CPU kernels' backend a W8A8 INT8 linear forms its products with the kernels'
-    ``int8_linear`` (up to ``KERNEL_MAX_ROWS`` rows; ``torch._int_mm`` above): the same bits as
-    the torch path, dynamic and static activation scales, and each row the same alone (kernel) as in
+    """On the CPU kernels' backend a W8A8 INT8 linear forms its products and scale epilogue with the
+    kernels' ``int8_linear_scaled`` (up to ``KERNEL_MAX_ROWS`` rows; ``torch._int_mm`` and torch's
+    float64 epilogue above): the same bits as the torch path, dynamic and static activation scales, and each row the same alone (kernel) as in
     a batch of more rows (``_int_mm``)."""
     from tripod.layers.w8a8 import KERNEL_MAX_ROWS, W8A8Linear
 
@@ -535,10 +535,14 @@ def test_w8a8_int8_on_the_cpu_kernels_gives_torchs_bits(dtype: torch.dtype) -> N
     real = kernels.ops()
     calls: list[int] = []
 
-    class Counting:  # the kernels' ops, counting int8_linear's calls
+    class Counting:  # the kernels' ops, counting the calls of their W8A8 product
         def int8_linear(self, q: torch.Tensor, w: torch.Tensor, wsum: torch.Tensor | None) -> torch.Tensor:
             calls.append(q.shape[0])
             return real.int8_linear(q, w, wsum)
+
+        def int8_linear_scaled(self, q: torch.Tensor, *args: Any) -> torch.Tensor:
+            calls.append(q.shape[0])
+            return real.int8_linear_scaled(q, *args)
 
     g = torch.Generator().manual_seed(8)
     codes = torch.randint(-128, 128, (40, 300), dtype=torch.int8, generator=g)

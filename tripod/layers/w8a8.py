@@ -79,6 +79,19 @@ def code_product(q: torch.Tensor, codes: torch.Tensor, ops: Any = None, wsum: to
     return q.to(torch.float64) @ codes.to(torch.float64).t()
 
 
+def scaled_product(q: torch.Tensor, codes: torch.Tensor, sx: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                   ops: Any = None, wsum: torch.Tensor | None = None) -> torch.Tensor:
+    """``(Σ_k q[m, k] · codes[n, k]) · (sx[m] · scales[n])`` rounded once in float64, then to ``dtype``
+    (``sx`` float64 ``[M]``, ``scales`` float64 ``[N]``): the CPU kernels' ``int8_linear_scaled``
+    (product and epilogue in one call, the same operations and roundings) where ``code_product``
+    would run the kernel and ``dtype`` is float32 or bfloat16, else torch's ops."""
+    m = q.shape[0]
+    if (ops is not None and 0 < m <= KERNEL_MAX_ROWS and q.dtype == torch.int8 and codes.dtype == torch.int8
+            and q.shape[1] < MAX_EXACT_K and dtype in (torch.float32, torch.bfloat16)):
+        return ops.int8_linear_scaled(q, codes, wsum, sx, scales, dtype)
+    return (code_product(q, codes, ops, wsum) * (sx.unsqueeze(1) * scales)).to(dtype)
+
+
 class W8A8Linear:
     """One W8A8 projection: ``codes`` (int8 or float8_e4m3fn ``[N, K]``, as stored), the weight
     scales ``[N]`` (float32) and, for static activation scales, ``input_scales`` ``[N]`` (float32:
@@ -93,7 +106,7 @@ class W8A8Linear:
         self.codes, self.scales, self.kind, self.bias = codes, scales.to(torch.float64), kind, bias
         self.input_scales = input_scales
         # (a library built before int8_linear existed, or FP8 codes: torch's path)
-        self.ops = ops if kind == "int8" and ops is not None and hasattr(ops, "int8_linear") else None
+        self.ops = ops if kind == "int8" and ops is not None and hasattr(ops, "int8_linear_scaled") else None
         self.wsum = codes.sum(1, dtype=torch.int32) if self.ops is not None else None
         # runs of output rows [a, b) sharing one static activation scale (float32 scalar tensor)
         self.segments: list[tuple[int, int, torch.Tensor]] = []
@@ -109,15 +122,16 @@ class W8A8Linear:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if not self.segments:
             q, sx = quantize_per_token(x, self.kind)
-            acc = code_product(q, self.codes, self.ops, self.wsum)  # exact (module docstring)
-            y = (acc * (sx.to(torch.float64) * self.scales)).to(x.dtype)
+            # exact product (module docstring), one float64 rounding of the scaled sum, one to the dtype
+            y = scaled_product(q, self.codes, sx.reshape(-1).to(torch.float64), self.scales, x.dtype, self.ops, self.wsum)
         else:
             parts = []
             for a, b, s in self.segments:
                 wsum = self.wsum[a:b] if self.wsum is not None else None
-                acc = code_product(quantize_static(x, s, self.kind), self.codes[a:b], self.ops, wsum)
-                parts.append(acc * (s.to(torch.float64) * self.scales[a:b]))
-            y = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x.dtype)
+                sx = s.to(torch.float64).expand(x.shape[0]).contiguous()
+                parts.append(scaled_product(quantize_static(x, s, self.kind), self.codes[a:b], sx, self.scales[a:b],
+                                            x.dtype, self.ops, wsum))
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (a concatenation: exact)
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None else residual + y

@@ -259,6 +259,43 @@ at::Tensor int8_linear(const at::Tensor& q, const at::Tensor& w, const c10::opti
   return y;
 }
 
+// W8A8's whole product and scale epilogue: y[m, n] = dtype(acc[m, n] * (sx[m] * scales[n])), acc the
+// exact int32 sum (int8_linear), sx float64 [M] (the activations' scales), scales float64 [N] (the
+// weights'). The same operations, in the same precision, as layers/w8a8.py's torch epilogue: the
+// scale product (of two float32-exact values: exact in float64) and acc times it rounded once in
+// float64, then to float32 (round to nearest even) and, for bfloat16, float32 to bfloat16 (nearest
+// even): the path torch's float64 -> bfloat16 conversion takes.
+at::Tensor int8_linear_scaled(const at::Tensor& q, const at::Tensor& w, const c10::optional<at::Tensor>& wsum,
+                              const at::Tensor& sx, const at::Tensor& scales, c10::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "int8_linear_scaled: dtype must be float32 or bfloat16");
+  const int64_t m = q.size(0), n = w.size(0);
+  TORCH_CHECK(sx.scalar_type() == at::kDouble && sx.dim() == 1 && sx.size(0) == m && sx.is_contiguous(),
+              "int8_linear_scaled: sx must be float64 [M], contiguous");
+  TORCH_CHECK(scales.scalar_type() == at::kDouble && scales.dim() == 1 && scales.size(0) == n && scales.is_contiguous(),
+              "int8_linear_scaled: scales must be float64 [N], contiguous");
+  const at::Tensor acc = int8_linear(q, w, wsum, true);
+  at::Tensor y = at::empty({m, n}, q.options().dtype(dtype));
+  const int32_t* a = acc.data_ptr<int32_t>();
+  const double* sxp = sx.data_ptr<double>();
+  const double* sp = scales.data_ptr<double>();
+  if (dtype == at::kFloat) {
+    float* out = y.data_ptr<float>();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = 0; c < n; ++c) {
+        const double scale = sxp[r] * sp[c];
+        out[r * n + c] = static_cast<float>(static_cast<double>(a[r * n + c]) * scale);
+      }
+  } else {
+    at::BFloat16* out = y.data_ptr<at::BFloat16>();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = 0; c < n; ++c) {
+        const double scale = sxp[r] * sp[c];
+        out[r * n + c] = at::BFloat16(static_cast<float>(static_cast<double>(a[r * n + c]) * scale));
+      }
+  }
+  return y;
+}
+
 // Which path int8_linear takes here: "avx512_vnni", "avx512bw" or "avx2".
 std::string int8_path() {
 #if defined(__AVX512BW__)
@@ -276,7 +313,11 @@ std::string int8_path() {
 
 TRIPOD_INT8_FRAGMENT(TRIPOD_OPS_NS, m) {
   m.def("int8_linear(Tensor q, Tensor w, Tensor? wsum=None, bool vnni=True) -> Tensor");
+  m.def("int8_linear_scaled(Tensor q, Tensor w, Tensor? wsum, Tensor sx, Tensor scales, ScalarType dtype) -> Tensor");
   m.def("int8_path() -> str", &tripod_int8::int8_path);
 }
 
-TRIPOD_INT8_FRAGMENT_IMPL(TRIPOD_OPS_NS, CPU, m) { m.impl("int8_linear", &tripod_int8::int8_linear); }
+TRIPOD_INT8_FRAGMENT_IMPL(TRIPOD_OPS_NS, CPU, m) {
+  m.impl("int8_linear", &tripod_int8::int8_linear);
+  m.impl("int8_linear_scaled", &tripod_int8::int8_linear_scaled);
+}
