@@ -267,3 +267,17 @@ def test_int8_linear_is_the_exact_integer_sum_on_every_level(levels: dict[str, A
     assert "avx2" in paths
     if "avx512_vnni" in _cpuinfo_flags():
         assert paths >= {"avx512_vnni"} or "avx512" not in SUPPORTED
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_linear_scaled_is_torchs_epilogue_on_every_level(levels: dict[str, Any], dtype: torch.dtype) -> None:
+    """W8A8's fused product and epilogue (``int8_linear_scaled``) rounds as ``layers/w8a8.py``'s torch
+    epilogue does — ``acc · (s_x · s_w)`` once in float64, then to the run dtype — on every level."""
+    g = torch.Generator().manual_seed(49)
+    q = torch.randint(-128, 128, (7, 300), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (37, 300), dtype=torch.int8, generator=g)
+    sx = torch.rand(7, generator=g).to(dtype).to(torch.float64) * 1e-2
+    sw = (torch.rand(37, generator=g) * torch.logspace(-4, 2, 37)).to(torch.float64)
+    want = ((q.double() @ w.double().t()) * (sx.unsqueeze(1) * sw)).to(dtype)
+    for lv, ops in levels.items():
+        assert torch.equal(ops.int8_linear_scaled(q, w, None, sx, sw, dtype), want), lv

@@ -546,7 +546,7 @@ def test_w8a8_int8_on_the_cpu_kernels_gives_torchs_bits(dtype: torch.dtype) -> N
 
     g = torch.Generator().manual_seed(8)
     codes = torch.randint(-128, 128, (40, 300), dtype=torch.int8, generator=g)
-    scales = torch.rand(40, generator=g) / 100
+    scales = torch.rand(40, generator=g) / 100 * torch.logspace(-3, 3, 40)  # (many exponents: the roundings)
     rows = KERNEL_MAX_ROWS + 3
     x = (torch.randn(rows, 300, generator=g) * torch.logspace(-2, 1, rows).unsqueeze(1)).to(dtype)
     for input_scales in (None, torch.cat([torch.full((24,), 0.02), torch.full((16,), 0.05)])):
