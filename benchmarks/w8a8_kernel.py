@@ -3,7 +3,8 @@ r"""W8A8 INT8 linears: tripod's CPU kernel (``int8_linear``, ``kernels/csrc/int8
 
 - ``linear``: the whole ``W8A8Linear`` call (per-token quantization in torch, the product, the
   float64 epilogue) with float32 activations, ``ops`` off (old: ``_int_mm``) and on (new: the
-  kernel up to ``KERNEL_MAX_ROWS`` rows, ``_int_mm`` above, as the engine runs it);
+  kernel's ``int8_linear_scaled``, product and epilogue, up to ``KERNEL_MAX_ROWS`` rows, ``_int_mm``
+  above, as the engine runs it);
 - ``product``: the int8 x int8 -> int32 product alone, ``torch._int_mm`` vs ``int8_linear`` at every
   row count (why the kernel stops at ``KERNEL_MAX_ROWS``);
 - ``--e2e``: decode tok/s (C = 1) of the embedded SmolLM2 as a compressed-tensors W8A8 INT8 folder
@@ -133,6 +134,9 @@ def e2e(repeats: int, new_tokens: int, work: Path) -> list[str]:
     for form, rs in runs.items():
         lines.append(f"| {form} | {statistics.median(rs):.1f} | {', '.join(f'{r:.1f}' for r in rs)} |")
     same = toks["W8A8 INT8, int8_linear (new)"] == toks["W8A8 INT8, torch._int_mm (old)"]
+    paired = [n / o for n, o in zip(runs["W8A8 INT8, int8_linear (new)"], runs["W8A8 INT8, torch._int_mm (old)"], strict=True)]
+    lines += ["", f"Paired (the same round), new over old: median {statistics.median(paired):.2f}x "
+              f"(runs {', '.join(f'{r:.2f}' for r in paired)})."]
     lines += ["", f"Greedy tokens, W8A8 with int8_linear vs with torch._int_mm: {'identical' if same else 'DIFFERENT'}."]
     return lines
 
@@ -160,8 +164,9 @@ def main() -> int:
         f"(int8_linear path: {ops.int8_path()}), {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}.",
         "",
         f"Per call, medians of {args.repeats} interleaved repeats. `linear`: the whole W8A8Linear (float32 activations "
-        f"quantized per token, product, float64 epilogue) as the engine runs it — new = int8_linear up to "
-        f"{w8a8.KERNEL_MAX_ROWS} rows, torch._int_mm above (so rows > {w8a8.KERNEL_MAX_ROWS} time the same path twice). "
+        f"quantized per token, product, float64 epilogue) as the engine runs it — new = int8_linear_scaled (product and "
+        f"epilogue in one call) up to {w8a8.KERNEL_MAX_ROWS} rows, torch._int_mm and torch's epilogue above (so rows > "
+        f"{w8a8.KERNEL_MAX_ROWS} time the same path twice: their ratio is this host's noise). "
         "`product`: the int8 x int8 -> int32 product alone.",
         "",
     ]
