@@ -235,3 +235,50 @@ def test_recurrent_kernels_are_bit_identical_across_levels(levels: dict[str, Any
         return co, wn, kw, go, kda, st, ks, so, sm, km
 
     _same({lv: run(ops) for lv, ops in levels.items()}, "recurrent kernels")
+
+
+def test_int8_linear_is_the_exact_integer_sum_on_every_level(levels: dict[str, Any]) -> None:
+    """W8A8's int8 x int8 -> int32 product (``int8_linear``: AVX512-VNNI with unsigned-offset
+    activations, AVX-512BW / AVX2 vpmaddwd on sign-extended codes) is the exact sum on every level
+    and path: equal to the float64 sum and to ``torch._int_mm`` at the codes' extremes (-128 · -128
+    over the whole K, where a saturating int16 pair sum would be wrong), for K not a multiple of any
+    vector width, outputs not a multiple of the register tile, and row counts from one to several tiles."""
+    g = torch.Generator().manual_seed(48)
+    paths = set()
+    for m, n, k in ((1, 5, 7), (3, 33, 100), (17, 40, 576), (64, 18, 1000), (3, 9, 64)):
+        q = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+        w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        q[0], w[0], w[-1] = -128, -128, 127
+        exact = q.double() @ w.double().t()
+        assert exact[0, 0] == 128 * 128 * k
+        try:
+            int_mm = torch._int_mm(q, w.t())
+        except RuntimeError:  # (a shape this torch's _int_mm refuses: the float64 sum alone)
+            int_mm = None
+        for lv, ops in levels.items():
+            paths.add(ops.int8_path())
+            outs = [ops.int8_linear(q, w), ops.int8_linear(q, w, w.sum(1, dtype=torch.int32))]
+            if lv != "avx2":
+                outs.append(ops.int8_linear(q, w, None, False))  # the AVX-512BW path where VNNI is present too
+            for out in outs:
+                assert out.dtype == torch.int32 and torch.equal(out.double(), exact), f"{lv} {m}x{n}x{k}"
+                assert int_mm is None or torch.equal(out, int_mm), f"{lv} {m}x{n}x{k} vs _int_mm"
+            alone = torch.cat([ops.int8_linear(q[r : r + 1], w) for r in range(m)])
+            assert torch.equal(alone, outs[0]), f"{lv} {m}x{n}x{k}: rows alone != batched"
+    assert "avx2" in paths
+    if "avx512_vnni" in _cpuinfo_flags():
+        assert paths >= {"avx512_vnni"} or "avx512" not in SUPPORTED
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_linear_scaled_is_torchs_epilogue_on_every_level(levels: dict[str, Any], dtype: torch.dtype) -> None:
+    """W8A8's fused product and epilogue (``int8_linear_scaled``) rounds as ``layers/w8a8.py``'s torch
+    epilogue does — ``acc · (s_x · s_w)`` once in float64, then to the run dtype — on every level."""
+    g = torch.Generator().manual_seed(49)
+    q = torch.randint(-128, 128, (7, 300), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (37, 300), dtype=torch.int8, generator=g)
+    sx = torch.rand(7, generator=g).to(dtype).to(torch.float64) * 1e-2
+    sw = (torch.rand(37, generator=g) * torch.logspace(-4, 2, 37)).to(torch.float64)
+    want = ((q.double() @ w.double().t()) * (sx.unsqueeze(1) * sw)).to(dtype)
+    for lv, ops in levels.items():
+        assert torch.equal(ops.int8_linear_scaled(q, w, None, sx, sw, dtype), want), lv

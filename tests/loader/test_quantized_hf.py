@@ -465,6 +465,9 @@ def test_w8a8_checkpoint_decodes_the_reference_tokens(kind: str, tmp_path: Path,
     layer, form = eng.loaded.model.layers[0], eng.runner.backend.form
     assert isinstance(layer.mlp.ops[form][0], W8A8Linear) and layer.mlp.gate_up.numel() == 0
     _check(eng, HFReference(model.eval()), f"w8a8 {kind}")
+    form = eng.runner.backend.form
+    if form.startswith(("kernel:", "stored:")):  # the CPU kernels' backend: INT8 products on its int8_linear
+        assert (layer.mlp.ops[form][0].ops is not None) == (kind == "int8")
     with pytest.raises(ValueError, match="activations are quantized per token"):
         Engine(model=str(folder), dtype="float32", kv_cache_tokens=256, weights="dequantized")
 
@@ -519,6 +522,48 @@ def test_w8a8_int8_products_run_on_integer_math_with_the_emulations_bits(monkeyp
     assert torch.equal(lin(x), ints)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_int8_on_the_cpu_kernels_gives_torchs_bits(dtype: torch.dtype) -> None:
+    """On the CPU kernels' backend a W8A8 INT8 linear forms its products and scale epilogue with the
+    kernels' ``int8_linear_scaled`` (up to ``KERNEL_MAX_ROWS`` rows; ``torch._int_mm`` and torch's
+    float64 epilogue above): the same bits as the torch path, dynamic and static activation scales, and each row the same alone (kernel) as in
+    a batch of more rows (``_int_mm``)."""
+    from tripod.layers.w8a8 import KERNEL_MAX_ROWS, W8A8Linear
+
+    if kernels.unavailable_reason() is not None or not kernels.load(wait=True):
+        pytest.skip(f"tripod's CPU kernels are unavailable here: {kernels.unavailable_reason()}")
+    real = kernels.ops()
+    calls: list[int] = []
+
+    class Counting:  # the kernels' ops, counting the calls of their W8A8 product
+        def int8_linear(self, q: torch.Tensor, w: torch.Tensor, wsum: torch.Tensor | None) -> torch.Tensor:
+            calls.append(q.shape[0])
+            return real.int8_linear(q, w, wsum)
+
+        def int8_linear_scaled(self, q: torch.Tensor, *args: Any) -> torch.Tensor:
+            calls.append(q.shape[0])
+            return real.int8_linear_scaled(q, *args)
+
+    g = torch.Generator().manual_seed(8)
+    codes = torch.randint(-128, 128, (40, 300), dtype=torch.int8, generator=g)
+    scales = torch.rand(40, generator=g) / 100 * torch.logspace(-3, 3, 40)  # (many exponents: the roundings)
+    rows = KERNEL_MAX_ROWS + 3
+    x = (torch.randn(rows, 300, generator=g) * torch.logspace(-2, 1, rows).unsqueeze(1)).to(dtype)
+    for input_scales in (None, torch.cat([torch.full((24,), 0.02), torch.full((16,), 0.05)])):
+        torch_path = W8A8Linear(codes, scales, "int8", None, input_scales)
+        lin = W8A8Linear(codes, scales, "int8", None, input_scales, ops=Counting())
+        assert torch_path.ops is None and lin.ops is not None
+        want = torch_path(x)
+        calls.clear()
+        for m in (1, 3, KERNEL_MAX_ROWS):
+            assert torch.equal(lin(x[:m]), want[:m]), f"{m} rows, static={input_scales is not None}"
+        assert calls and max(calls) <= KERNEL_MAX_ROWS
+        calls.clear()
+        assert torch.equal(lin(x), want) and not calls  # more rows: torch._int_mm, the same bits
+        assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(rows)]), want)
+    assert W8A8Linear(codes.to(torch.float8_e4m3fn), scales, "fp8", None, ops=Counting()).ops is None  # FP8: torch
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_w8a8_static_activation_scales_are_the_checkpoints_math(kind: str, dtype: torch.dtype) -> None:
@@ -571,7 +616,8 @@ def test_w8a8_static_checkpoint_decodes_the_reference_tokens(kind: str, tmp_path
     assert eng.loaded.quantization_detail == {
         "format": "compressed-tensors w8a8", "bits": 8, "group_size": -1,
         "activations": f"{kind} static per tensor",
-        "computed_by": "torch._int_mm (int8 x int8 -> int32, exact) on the CPU" if kind == "int8"
+        "computed_by": "tripod's CPU kernels' int8_linear (int8 x int8 -> int32, exact; AVX512-VNNI where present) "
+                       "for up to 16 rows, torch._int_mm above and off the kernels (the same integers)" if kind == "int8"
         else "exact float64 emulation of the FP8 code products on the CPU"}
     _check(eng, HFReference(model.eval()), f"w8a8 {kind} static")
     del tensors["model.layers.1.mlp.up_proj.input_scale"]

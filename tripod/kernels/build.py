@@ -33,7 +33,7 @@ from pathlib import Path
 from tripod import paths
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "linear.cpp", CSRC / "recurrent.cpp")
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "linear.cpp", CSRC / "recurrent.cpp", CSRC / "int8.cpp")
 HEADERS = (CSRC / "simd.h", CSRC / "amx.h")
 
 # Best first: the levels chosen automatically (amx_bf16 only where Linux grants the tiles and its

@@ -69,6 +69,11 @@ def check(lib: str, namespace: str) -> list[str]:
         assert err < (1e-4 if dtype == torch.float32 else 0.15), f"linear_packed {fmt}: max error {err}"
         lines.append(f"linear_packed {fmt}: max error {err:.2e}")
     lines += _check_recurrences(ops, gen)
+    # W8A8's int8 product (VNNI is chosen at run time: an instruction this CPU lacks dies here)
+    q = torch.randint(-128, 128, (5, 100), dtype=torch.int8, generator=gen)
+    w = torch.randint(-128, 128, (18, 100), dtype=torch.int8, generator=gen)
+    assert torch.equal(ops.int8_linear(q, w).long(), q.long() @ w.long().T), f"int8_linear ({ops.int8_path()}) is not exact"
+    lines.append(f"int8_linear ({ops.int8_path()}): exact")
     if namespace.endswith(("amx_bf16", "amx_emu")):  # the bf16 linear above ran on tiles only if granted
         status = ops.amx_status()
         assert "granted" in status or "emulated" in status, f"{namespace}: {status}"

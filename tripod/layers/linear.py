@@ -276,7 +276,9 @@ def make_linear(
         return W4A4Linear(stored.blocks, stored.scales, stored.input_scales, bias)
     if stored is not None and stored.kind in W8A8_KINDS:  # activations quantized as the checkpoint says, any form
         assert stored.scales is not None
-        return W8A8Linear(stored.blocks, stored.scales, W8A8_KINDS[stored.kind], bias, stored.input_scales)
+        # (the CPU kernels' forms: their int8_linear forms the INT8 products; others torch._int_mm)
+        return W8A8Linear(stored.blocks, stored.scales, W8A8_KINDS[stored.kind], bias, stored.input_scales,
+                          ops=ops if form in ("kernel", "stored") else None)
     if weight.dtype in FP8_DTYPES:
         if fp8 is None:
             raise ValueError("an FP8 weight needs its block scales")

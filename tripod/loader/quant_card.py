@@ -14,7 +14,7 @@ from tripod.loader.hf_loader import HFFolder
 
 # What computes each stored kind (layers/linear.py make_linear; layers/w8a8.py).
 _STORED_COMPUTE = {
-    "W8A8_INT8": "torch._int_mm (int8 x int8 -> int32, exact) on the CPU",
+    "W8A8_INT8": "tripod's CPU kernels' int8_linear (int8 x int8 -> int32, exact; AVX512-VNNI where present) for up to 16 rows, torch._int_mm above and off the kernels (the same integers)",
     "W8A8_FP8": "exact float64 emulation of the FP8 code products on the CPU",
     "W4A4_NVFP4": "exact FP4 x FP4 code products per group of 16 (float32), group scales applied in float64 on the CPU",
 }

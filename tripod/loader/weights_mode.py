@@ -36,8 +36,8 @@ def auto_weights(config: EngineConfig) -> tuple[str, str]:
     w8a8 = _w8a8(config)
     if w8a8 is not None:  # activations quantized as the checkpoint says: only the stored form runs it
         return "stored", (f"{w8a8} (activations quantized as the checkpoint says; W8A8: int8 x int8 -> int32 "
-                          "through torch._int_mm on the CPU, FP8 as an exact float64 emulation; NVFP4 W4A4: exact FP4 "
-                          "code products)")
+                          "on tripod's CPU kernels (torch._int_mm off them and above 16 rows), FP8 as an exact float64 "
+                          "emulation; NVFP4 W4A4: exact FP4 code products)")
     if config.device != "cpu":
         return "dequantized", f"the stored form runs on tripod's CPU kernels (device {config.device})"
     if config.kernels == "eager":
