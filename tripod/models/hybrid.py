@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from tripod.layers.batch import Backend, StateRows
-from tripod.layers.linear import StoredWeight, fuse_rows
+from tripod.layers.linear import StoredWeight, fuse_rows, release_sites
 from tripod.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from tripod.layers.mlp import GatedMLP, keep
 from tripod.layers.moe import MoE
@@ -34,7 +34,7 @@ from tripod.layers.weights import WeightSource
 from tripod.memory.state_pool import StateSpec
 from tripod.models.config import ModelConfig
 from tripod.models.gqa import GQAttention
-from tripod.models.llama import LlamaForCausalLM, StepContext, release_sites
+from tripod.models.llama import LlamaForCausalLM, StepContext
 
 
 def number_layers(layers: Iterable[nn.Module], kind: Callable[[Any], str | None]) -> None:

@@ -17,7 +17,7 @@ Logits are computed only for the tokens the sampler needs (none for a prompt's n
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tripod.layers.batch import Backend, ForwardBatch
-from tripod.layers.linear import Linear, StoredWeight, fuse_rows, released, runs_stored
+from tripod.layers.linear import Linear, StoredWeight, fuse_rows, release_sites
 from tripod.layers.mlp import GatedMLP
 from tripod.layers.moe import MoE
 from tripod.layers.norm import rms_norm
@@ -478,24 +478,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: Llama with biases on the Q/K/V projections."""
 
     qkv_bias = True
-
-
-def release_sites(stored: dict[str, StoredWeight], sites: Iterable[tuple[str, nn.Parameter, Any]]) -> int:
-    """``LlamaForCausalLM.release_dense_stored`` for the sites given (``stored_sites``): each one whose
-    linear runs its stored codes keeps only them (the kernels' packed blocks, put back in ``stored``)
-    and its dense weight becomes the ``[0, K]`` placeholder. Returns the bytes given back."""
-    freed = 0
-    for key, w, op in sites:
-        sw = stored.get(key)
-        if sw is None or sw.packed:
-            continue
-        if getattr(op, "codes", None) is sw.blocks:  # W8A8 / W4A4: runs the stored codes as they are
-            freed += w.numel() * w.element_size()
-            w.data = released(w.data)
-            continue
-        if not runs_stored(op, sw):  # (a Q4_K-form weight may run as Q4_0 / Q4_1: narrowed_kind)
-            continue
-        freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
-        stored[key] = StoredWeight(op.fmt.upper(), op.packed, sw.shape, sw.perm, packed=True)
-        w.data = released(w.data)
-    return freed
