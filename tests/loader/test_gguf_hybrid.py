@@ -164,9 +164,12 @@ def _convert(folder: Path, outtype: str) -> Path:
     from tests.support.llamacpp_convert import convert
 
     moonshot = folder.with_name(folder.name + "_moonshot")  # (Kimi Linear: the layout the converter reads)
+    out = folder.with_name(folder.name + f".{outtype}.gguf")
+    if out.is_file():  # (converted once per session: several tests read the same file)
+        return out
     try:
-        return convert(moonshot if moonshot.is_dir() else folder, folder.with_name(folder.name + f".{outtype}.gguf"),
-                       outtype, no_mtp=not folder.name.startswith(("lfm2", "granite", "kimi")))
+        return convert(moonshot if moonshot.is_dir() else folder, out, outtype,
+                       no_mtp=not folder.name.startswith(("lfm2", "granite", "kimi")))
     except RuntimeError as e:  # (fetching the converter, or running it)
         pytest.fail(f"making the hybrid GGUF with llama.cpp's converter failed: {e}")
 
@@ -204,14 +207,10 @@ def test_q8_0_gguf_runs_as_stored(checkpoints: dict[str, Path]) -> None:
     from tripod.loader.gguf_loader import GGUFFile
     from tripod.loader.weights_mode import auto_weights
 
-    lfm2 = _convert(checkpoints["lfm2"], "q8_0")  # a state-space hybrid's GGUF: dequantized, stored refused
-    assert auto_weights(EngineConfig(model=str(lfm2)))[0] == "dequantized"
-    with pytest.raises(ValueError, match="--weights stored"):
-        Engine(model=str(lfm2), weights="stored", **ENGINE)
     folder = checkpoints["qwen3_5_text"]
     path = _convert(folder, "q8_0")
     src = GGUFFile(path)
-    assert src.quantization == "Q8_0"
+    assert src.quantization == "Q8_0" and auto_weights(EngineConfig(model=str(path)))[0] == "stored"
     # Every weight within Q8_0's rounding of the HF folder's (half a step of the largest block scale).
     hf = load_file(str(folder / "model.safetensors"))
     weights = src.weights()
@@ -307,3 +306,110 @@ def test_granite_gguf_from_transformers_layer_names_is_refused(checkpoints: dict
     path = _convert(folder, "f32")
     with pytest.raises(ValueError, match=r"layer 1 has attention tensors but attention\.head_count_kv 0"):
         GGUFFile(path).config()
+
+
+# The state-space hybrids' GGUFs (loader/gguf_hybrid.py, gguf_kimi.py) with --weights stored: each
+# layer's sites the file quantized (Q8_0 by the converter; a 2-D tensor whose input width is not a
+# multiple of 32 stays F16 there and runs dequantized) and what they must hold.
+STORED_SITES = {
+    "lfm2": {"conv": {"in_proj", "out_proj", "gate_up", "down"}, "full_attention": {"qkv", "o", "gate_up", "down"}},
+    "nemotron_h": {"linear_attention": {"in_proj", "out_proj"}, "full_attention": {"qkv", "o"}, "mlp": {"up"},
+                   "moe": {"up"}},  # (down: F16 here; the routed experts stay dense: models/nemotron_h.py)
+    "granitemoehybrid": {"mamba": {"in_proj", "out_proj", "gate_up"}, "attention": {"qkv", "o", "gate_up"}},
+    # (KDA: f_b / g_b F16 here; MLA's projections stay dense: models/kimi_linear.py; the routed and
+    # shared experts are the MoE's own stored sites)
+    "kimi_linear": {"linear_attention": {"qkv", "o", "f_a", "g_a", "b"}, "full_attention": set(),
+                    "linear_attention+mlp": {"qkv", "o", "f_a", "g_a", "b", "gate_up", "down"}},
+}
+# Families whose every matmul runs on the CPU kernels here (rows independent of the batch): their logprobs
+# are equal alone and batched bit for bit, with stored weights as with dequantized ones. The others run
+# some matmuls through torch on a batch-dependent row subset (dense routed experts, MLA's absorbed
+# factors) and are token-equal there (their logprobs differ by ~1e-6 dequantized as well).
+ROW_EXACT = {"lfm2"}
+
+
+def _layer_kind(model: Any, layer: Any, mtype: str) -> str:
+    hf = model.cfg.hybrid.hf
+    if mtype == "lfm2":
+        return hf["layer_types"][layer.layer]
+    if mtype == "nemotron_h":
+        return layer.kind
+    if mtype == "granitemoehybrid":
+        return hf["layer_types"][layer.layer]
+    from tripod.layers.mlp import GatedMLP
+
+    if layer.layer not in model.cfg.hybrid.linear_layers:
+        return "full_attention"
+    return "linear_attention+mlp" if isinstance(layer.mlp, GatedMLP) else "linear_attention"
+
+
+def _sites(model: Any, layer: Any, form: str) -> list[Any]:
+    sites = getattr(layer, "stored_sites", None)
+    return list(sites(form) if callable(sites) else model.stored_sites(layer, form))
+
+
+# (LFM2 at Q4_0 only, the others at Q8_0: each case costs two engines, ~15 s on 2 shared cores)
+@pytest.mark.parametrize(("mtype", "qtype"), [("lfm2", "Q4_0"), ("nemotron_h", "Q8_0"), ("granitemoehybrid", "Q8_0"),
+                                              ("kimi_linear", "Q8_0")])
+def test_state_space_hybrid_gguf_runs_as_stored(mtype: str, qtype: str, checkpoints: dict[str, Path]) -> None:
+    """A Nemotron-H / Granite 4.0-H / LFM2 / Kimi Linear GGUF (Q8_0 from llama.cpp's converter; Q4_0 its
+    Q8_0 values re-quantized by gguf-py) with --weights stored (and --weights auto's choice): every site
+    the file quantized runs its codes on the kernels' stored linear, which holds the file's blocks and no
+    dense copy (the dense weight released, resident bytes the codes'), at a fraction of the float32
+    weights' bytes; the greedy tokens equal the dequantized file's, logprobs within 1e-3 (float32
+    activations both: the stored kernel sums code products per block, the dense one weight products),
+    and a request's tokens are the same alone as batched."""
+    from tests.support.gguf_requant import requantized
+    from tripod.config import EngineConfig
+    from tripod.engine.executor.group import resident_weight_bytes
+    from tripod.layers.linear import KernelLinear
+    from tripod.loader.weights_mode import auto_weights
+
+    path = _convert(checkpoints[mtype], "q8_0")
+    if qtype != "Q8_0":
+        path = requantized(path, path.with_name(path.name.replace(".q8_0.", f".{qtype.lower()}.")), qtype)
+    assert auto_weights(EngineConfig(model=str(path)))[0] == "stored"
+    stored = Engine(model=str(path), weights="stored", **ENGINE)
+    model, form = stored.loaded.model, stored.runner.backend.form
+    assert form.startswith("stored") and model.stored_head is not None
+    codes = dense = 0
+    for layer in model.layers:
+        want = STORED_SITES[mtype][_layer_kind(model, layer, mtype)]
+        assert set(layer.stored) == want, (layer.layer, sorted(layer.stored))
+        sites = {key: (w, op) for key, w, op in _sites(model, layer, form)}
+        for key, sw in layer.stored.items():
+            w, op = sites[key]
+            assert isinstance(op, KernelLinear) and op.fmt == qtype.lower(), (layer.layer, key)
+            assert sw.packed and op.packed.data_ptr() == sw.blocks.data_ptr(), (layer.layer, key)
+            assert w.numel() == 0, f"layer {layer.layer} {key}: a dense copy is held"
+            codes += sw.blocks.numel()
+            dense += 4 * sw.shape[0] * sw.shape[1]
+    experts = [ex for layer in model.layers for ex in [getattr(getattr(layer, "moe", None) or getattr(layer, "mlp", None),
+                                                               "experts", None)] if ex is not None and ex.stored]
+    assert bool(experts) == (mtype == "kimi_linear")  # (Granite's routed down_proj is F16 in this file: dense)
+    for ex in experts:
+        assert ex.gate_up.numel() == 0 and ex.down.numel() == 0, "a dense expert stack is still held"
+        assert resident_weight_bytes(ex) == sum(sw.blocks.numel() for sw in ex.stored.values())
+    # the sites hold their codes only: Q8_0 34 bytes, Q4_0 18 bytes a 32 weights (float32: 128; the
+    # kernels pad the outputs of a small projection to their tile)
+    assert codes <= {"Q8_0": 0.3, "Q4_0": 0.17}[qtype] * dense
+    prompts, params = PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    got = stored.generate(prompts, params)
+    want_out = Engine(model=str(path), weights="dequantized", **ENGINE).generate(prompts, params)
+    for i, (a, b) in enumerate(zip(got, want_out, strict=True)):
+        assert a.token_ids == b.token_ids, f"{mtype} {qtype} prompt {i}"
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-3, i
+    alone = [stored.generate([p], params)[0] for p in prompts]
+    for i, (a, b) in enumerate(zip(alone, got, strict=True)):
+        assert a.token_ids == b.token_ids, f"{mtype} {qtype} prompt {i}: alone and batched differ"
+        if mtype in ROW_EXACT:
+            assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs], f"prompt {i}: logprobs"
+    stored.assert_consistent()
+
+
+def test_state_space_hybrid_stored_refuses_lora(checkpoints: dict[str, Path]) -> None:
+    """What the stored hybrids still cannot run is refused at start with the reason: --lora (as on
+    every hybrid; a checkpoint folder with --weights stored: tests/models/test_mamba_hybrids.py)."""
+    path = _convert(checkpoints["lfm2"], "q8_0")
+    with pytest.raises(ValueError, match="--lora is not supported on hybrid"):
+        Engine(model=str(path), weights="stored", lora="a=/nonexistent", **ENGINE)

@@ -216,6 +216,21 @@ def test_layer_kinds_and_refusals() -> None:
         ModelConfig.from_hf_dict({**d, "position_embedding_type": "alibi"})
 
 
+def test_stored_weights_refused_on_a_folder_but_not_a_gguf() -> None:
+    """--weights stored runs these families' GGUF blocks (tests/loader/test_gguf_hybrid.py); on a
+    checkpoint folder of them (an integer-quantized one is not read as stored yet) it is refused at
+    start with the reason, and --lora is refused either way."""
+    from tripod.config import EngineConfig
+    from tripod.engine.builder import check_hybrid
+
+    mc = ModelConfig.from_hf_dict(_lfm2_config().to_dict())
+    check_hybrid(EngineConfig(model="tiny.Q8_0.gguf", weights="stored"), mc)  # (accepted)
+    with pytest.raises(ValueError, match="Lfm2ForCausalLM runs a GGUF file's quantized blocks"):
+        check_hybrid(EngineConfig(model="awq-folder", weights="stored"), mc)
+    with pytest.raises(ValueError, match="--lora is not supported on hybrid"):
+        check_hybrid(EngineConfig(model="tiny.Q8_0.gguf", weights="stored", lora="a=/nonexistent"), mc)
+
+
 @pytest.mark.parametrize("name", sorted(KERNEL_CASES))
 def test_prefix_hits_resume_from_state_snapshots(name: str, tmp_path: Path, hf_tokenizer: Any) -> None:
     """The state snapshots on radix nodes serve the Mamba2 / short-conv families as they serve the

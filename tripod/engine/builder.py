@@ -275,9 +275,13 @@ def check_hybrid(config: EngineConfig, mc: Any) -> None:
             raise ValueError(hybrid_refusal(
                 "--speculative with --kernels triton (the Triton recurrence kernels keep no per-row state "
                 "to roll a rejected draft back to); use the CPU kernels or drop --speculative"))
+    if config.weights == "stored" and mc.hybrid.hf is not None and not str(config.model or "").lower().endswith(".gguf"):
+        # (a hybrid GGUF's blocks run as stored: models/qwen3_5.py, models/hybrid.py, models/kimi_linear.py
+        # load_stored; an integer-quantized folder of these families names its tensors otherwise)
+        raise ValueError(f"--weights stored on {mc.architecture} runs a GGUF file's quantized blocks; an integer-"
+                         "quantized (AWQ / GPTQ / compressed-tensors) folder of this family is not read as stored "
+                         "yet: use --weights dequantized, or its GGUF")
     for feature, on in (("--lora", config.lora is not None),
-                        # (a Qwen3.5-family GGUF's blocks run as stored: models/qwen3_5.py load_stored)
-                        ("--weights stored", config.weights == "stored" and mc.hybrid.hf is not None),
                         ("--weights fp8", config.weights == "fp8"),
                         ("--overlap-schedule on", config.overlap_schedule == "on")):
         if on:

@@ -26,13 +26,14 @@ result does not depend on how a prefill is split nor on the batch. On tripod's C
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tripod.layers.batch import Backend, StateRows
-from tripod.layers.linear import Linear
+from tripod.layers.linear import Linear, StoredWeight
 from tripod.layers.mamba2 import causal_conv, silu_exact, softplus_exact, token_steps, zero_states
 from tripod.layers.weights import WeightSource
 from tripod.memory.state_pool import StateSpec
@@ -119,9 +120,11 @@ class KdaMixer(nn.Module):
         """-exp(A_log) per head (a GGUF's stored value when there is one)."""
         return -torch.exp(self.A_log) if self.neg_a is None else self.neg_a
 
-    def prepare(self, backend: Backend) -> None:
+    def prepare(self, backend: Backend, stored: Mapping[str, StoredWeight] | None = None) -> None:
+        """``stored``: a GGUF's codes of the projections, by their names here (``PROJECTIONS``)."""
         if backend.form not in self.ops:
-            self.ops[backend.form] = {n: backend.linear(getattr(self, n), None) for n in PROJECTIONS}
+            s = stored or {}
+            self.ops[backend.form] = {n: backend.linear(getattr(self, n), None, stored=s.get(n)) for n in PROJECTIONS}
 
     def release(self, form: str) -> None:
         self.ops.pop(form, None)

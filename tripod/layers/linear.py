@@ -24,7 +24,7 @@ activations' dtype inside the call (w8a16), never the whole matrix at once.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeGuard
 
@@ -148,6 +148,27 @@ def narrowed(stored: StoredWeight) -> StoredWeight:
 def _q4_k_scales(stored: StoredWeight) -> tuple[torch.Tensor, torch.Tensor]:
     per = stored.blocks.reshape(stored.shape[0], -1, 24)
     return per[:, :, 0:4].contiguous().view(torch.float32), per[:, :, 4:8].contiguous().view(torch.float32)
+
+
+def release_sites(stored: dict[str, StoredWeight], sites: Iterable[tuple[str, torch.Tensor, Any]]) -> int:
+    """``models/llama.LlamaForCausalLM.release_dense_stored`` for the sites given (its ``stored_sites``): each one whose
+    linear runs its stored codes keeps only them (the kernels' packed blocks, put back in ``stored``)
+    and its dense weight becomes the ``[0, K]`` placeholder. Returns the bytes given back."""
+    freed = 0
+    for key, w, op in sites:
+        sw = stored.get(key)
+        if sw is None or sw.packed:
+            continue
+        if getattr(op, "codes", None) is sw.blocks:  # W8A8 / W4A4: runs the stored codes as they are
+            freed += w.numel() * w.element_size()
+            w.data = released(w.data)
+            continue
+        if not runs_stored(op, sw):  # (a Q4_K-form weight may run as Q4_0 / Q4_1: narrowed_kind)
+            continue
+        freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
+        stored[key] = StoredWeight(op.fmt.upper(), op.packed, sw.shape, sw.perm, packed=True)
+        w.data = released(w.data)
+    return freed
 
 
 class DenseLinear:

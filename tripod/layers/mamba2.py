@@ -38,14 +38,14 @@ there on one device.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tripod.layers.batch import Backend, StateRows
-from tripod.layers.linear import Linear
+from tripod.layers.linear import Linear, StoredWeight
 from tripod.layers.weights import WeightSource
 from tripod.memory.state_pool import StateSpec
 
@@ -200,9 +200,12 @@ class Mamba2Mixer(nn.Module):
         self.norm_w.data = get(prefix + "norm.weight")
         self.out_proj.data = get(prefix + "out_proj.weight").contiguous()
 
-    def prepare(self, backend: Backend) -> None:
+    def prepare(self, backend: Backend, stored: Mapping[str, StoredWeight] | None = None) -> None:
+        """``stored``: a GGUF's codes of ``in_proj`` / ``out_proj`` (run as stored on a backend that does)."""
         if backend.form not in self.ops:
-            self.ops[backend.form] = (backend.linear(self.in_proj, self.in_bias), backend.linear(self.out_proj, self.out_bias))
+            s = stored or {}
+            self.ops[backend.form] = (backend.linear(self.in_proj, self.in_bias, stored=s.get("in_proj")),
+                                      backend.linear(self.out_proj, self.out_bias, stored=s.get("out_proj")))
 
     def release(self, form: str) -> None:
         self.ops.pop(form, None)

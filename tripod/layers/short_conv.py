@@ -13,11 +13,13 @@ a sequence's rows and state do not depend on how its prefill is split nor on the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
 from tripod.layers.batch import Backend
-from tripod.layers.linear import Linear
+from tripod.layers.linear import Linear, StoredWeight
 from tripod.layers.mamba2 import causal_conv
 from tripod.layers.weights import WeightSource
 
@@ -56,9 +58,12 @@ class ShortConv(nn.Module):
             self.conv_b.data = src.get(prefix + "conv.bias")
             self.out_bias.data = src.get(prefix + "out_proj.bias")
 
-    def prepare(self, backend: Backend) -> None:
+    def prepare(self, backend: Backend, stored: Mapping[str, StoredWeight] | None = None) -> None:
+        """``stored``: a GGUF's codes of ``in_proj`` / ``out_proj`` (run as stored on a backend that does)."""
         if backend.form not in self.ops:
-            self.ops[backend.form] = (backend.linear(self.in_proj, self.in_bias), backend.linear(self.out_proj, self.out_bias))
+            s = stored or {}
+            self.ops[backend.form] = (backend.linear(self.in_proj, self.in_bias, stored=s.get("in_proj")),
+                                      backend.linear(self.out_proj, self.out_bias, stored=s.get("out_proj")))
 
     def forward(self, h: torch.Tensor, backend: Backend, conv: torch.Tensor, lens: list[int],
                 residual: torch.Tensor | None = None,

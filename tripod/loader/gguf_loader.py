@@ -19,7 +19,7 @@ import torch
 
 from tripod import paths
 from tripod.loader import gguf_kimi
-from tripod.loader.gguf_hybrid import HYBRID_ARCHS, Entry, entries, hf_config
+from tripod.loader.gguf_hybrid import HYBRID_ARCHS, Entry, as_stored, entries, hf_config
 from tripod.loader.lazy import LazyTensors
 from tripod.models.config import ModelConfig
 
@@ -209,16 +209,28 @@ class GGUFFile:
     def _hybrid_stored(self) -> dict[str, Any]:
         """``stored_weights`` of a hybrid GGUF: the rows of each weight gathered back into HF's order
         (whole rows of blocks), a column reorder kept as the linear's input permutation."""
-        from tripod.layers.linear import StoredWeight
+        from tripod.layers.linear import StoredWeight, fuse_rows
         from tripod.loader.stored import convert
 
         out: dict[str, Any] = {}
         for name, e in self.hybrid_entries().items():
-            if name.endswith((".experts.down_proj", ".experts.gate_up_proj")) and e.rows is None and e.cols is None:
-                out.update(_expert_blocks(name, e.tensors))
-                continue
+            if e.rows is None and e.cols is None and e.join is None:
+                moe, _, tail = name.partition(".block_sparse_moe.")
+                if tail in _GRANITE_EXPERTS:  # Granite's stacked experts: as the per-expert names of the others
+                    out.update(_expert_blocks(f"{moe}.block_sparse_moe.experts.{_GRANITE_EXPERTS[tail]}", e.tensors))
+                    continue
+                if name.endswith((".experts.down_proj", ".experts.gate_up_proj")):
+                    out.update(_expert_blocks(name, e.tensors))
+                    continue
             (t, *more) = e.tensors
-            if more or len(t.shape) != 2:
+            if len(t.shape) != 2:
+                continue
+            if more:  # (Granite's shared gate|up: two tensors concatenated by rows, whole rows of blocks)
+                if e.join is None and e.undo is as_stored and all(len(m.shape) == 2 for m in more):
+                    parts = [self._stored_2d(m) for m in e.tensors]
+                    fused = fuse_rows(parts)
+                    if fused is not None:
+                        out[name] = fused
                 continue
             found = convert(t.tensor_type.name, np.ascontiguousarray(t.data, dtype=np.uint8))
             if found is None:
@@ -230,6 +242,18 @@ class GGUFFile:
             rows, cols = int(t.shape[1]), int(t.shape[0])
             out[name] = StoredWeight(kind, torch.from_numpy(np.array(blocks)), (rows, cols), perm)
         return out
+
+    @staticmethod
+    def _stored_2d(t: Any) -> Any:
+        """One 2-D GGUF tensor as a ``StoredWeight`` (None: a type the kernels do not execute)."""
+        from tripod.layers.linear import StoredWeight
+        from tripod.loader.stored import convert
+
+        found = convert(t.tensor_type.name, np.ascontiguousarray(t.data, dtype=np.uint8))
+        if found is None:
+            return None
+        kind, blocks = found
+        return StoredWeight(kind, torch.from_numpy(np.array(blocks)), (int(t.shape[1]), int(t.shape[0])))
 
     def tokenizer(self, cache_dir: Path | None = None) -> Any:
         """The HF fast tokenizer built from the GGUF vocabulary (cached after the first build,
@@ -327,6 +351,11 @@ class GGUFTensors(LazyTensors):
             w = np.ascontiguousarray(handle.undo(whole))
             return torch.from_numpy(w.copy() if not w.flags.writeable else w)
         return self.src.dequantized(handle, name, self.cfg)
+
+
+# Granite 4.0's stacked experts (``block_sparse_moe.input_linear`` = gate|up, ``output_linear`` = down)
+# under the stacked names ``_expert_blocks`` splits per expert
+_GRANITE_EXPERTS = {"input_linear.weight": "gate_up_proj", "output_linear.weight": "down_proj"}
 
 
 def _expert_blocks(name: str, tensors: tuple[Any, ...]) -> dict[str, Any]:

@@ -59,12 +59,12 @@ def auto_weights(config: EngineConfig) -> tuple[str, str]:
         why = src.int_format.not_stored_reason()
         if why is not None:
             return "dequantized", f"{src.quantization}: {why}"
+        hybrid = src.config().hybrid
+        if hybrid is not None and hybrid.hf is not None:  # (engine/builder.check_hybrid says why)
+            return "dequantized", f"{src.quantization}: a state-space hybrid's folder is not read as stored yet"
         return "stored", f"{src.quantization} executed as stored (codes x activations, scales per group)"
     if not isinstance(src, GGUFFile):
         return "dequantized", "a checkpoint folder: its 16-bit weights are its stored values"
-    hybrid = src.config().hybrid if src.hybrid else None
-    if hybrid is not None and hybrid.hf is not None:  # (engine/builder.check_hybrid refuses stored on them)
-        return "dequantized", f"{src.arch}: a state-space hybrid's GGUF runs dequantized"
     if src.quantization not in EXECUTED_AS_STORED:
         return "dequantized", f"{src.quantization} is not a type tripod's kernels execute as stored"
     return "stored", f"{src.quantization} GGUF executed as stored"

@@ -14,15 +14,23 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from tripod.layers.batch import Backend
+from tripod.layers.linear import StoredWeight
 from tripod.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from tripod.layers.mlp import GatedMLP, keep
 from tripod.layers.moe import MoE, MoEConfig
 from tripod.layers.weights import WeightSource
 from tripod.models.config import ModelConfig
 from tripod.models.gqa import GQAttention, new_param
-from tripod.models.hybrid import HybridLayer, StateSpaceHybrid, load_attention, mamba_config
+from tripod.models.hybrid import (
+    HybridLayer,
+    StateSpaceHybrid,
+    load_attention,
+    mamba_config,
+    mlp_sites,
+)
 from tripod.models.hybrid_config import granite_kinds, granite_rope
 from tripod.models.llama import StepContext
 
@@ -67,9 +75,16 @@ class GraniteHybridLayer(HybridLayer):
 
     def prepare(self, backend: Backend) -> None:
         super().prepare(backend)
-        self.shared.prepare(backend, {})
+        self.shared.prepare(backend, self.stored)
         if self.moe is not None:
             self.moe.prepare(backend, {})
+
+    def stored_parts(self, p: str) -> dict[str, list[str]]:
+        s = p + "shared_mlp."
+        return {**super().stored_parts(p), "gate_up": [s + "input_linear.weight"], "down": [s + "output_linear.weight"]}
+
+    def stored_sites(self, form: str) -> list[tuple[str, nn.Parameter, Any]]:
+        return super().stored_sites(form) + mlp_sites(self.shared, form)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         be = ctx.batch.backend
@@ -93,6 +108,13 @@ class GraniteMoeHybridForCausalLM(StateSpaceHybrid):
 
     def make_layer(self, i: int) -> GraniteHybridLayer:  # type: ignore[override]
         return GraniteHybridLayer(i, granite_kinds(self.hf)[i], self)
+
+    def load_stored_experts(self, layer: Any, stored: Mapping[str, StoredWeight]) -> None:
+        """The routed experts' codes, per expert (``loader/gguf_loader.py`` splits the file's stacks by
+        whole rows of blocks), where every expert's gate, up and down are stored in one kind."""
+        if layer.moe is not None:
+            layer.moe.experts.load_stored(stored, f"model.layers.{layer.layer}.block_sparse_moe.experts.",
+                                          ("gate_proj", "up_proj", "down_proj"))
 
     def load_layer(self, layer: Any, src: WeightSource, p: str) -> None:
         layer.input_norm.data = src.get(p + "input_layernorm.weight")

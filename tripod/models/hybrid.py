@@ -24,8 +24,10 @@ import torch
 from torch import nn
 
 from tripod.layers.batch import Backend, StateRows
+from tripod.layers.linear import StoredWeight, fuse_rows, release_sites
 from tripod.layers.mamba2 import Mamba2Config, Mamba2Mixer
-from tripod.layers.mlp import keep
+from tripod.layers.mlp import GatedMLP, keep
+from tripod.layers.moe import MoE
 from tripod.layers.parallel import SINGLE, ParallelGroup
 from tripod.layers.short_conv import ShortConv
 from tripod.layers.weights import WeightSource
@@ -102,7 +104,9 @@ class HybridLayer(nn.Module):
         self.pool_layer = -1
         self.state_index = -1
         self.mixer = mixer
-        self.stored: dict[str, Any] = {}  # (no GGUF blocks: the engine's has_stored_weights reads it)
+        # A GGUF's codes of the projections run as stored (``StateSpaceHybrid.load_stored``), by site:
+        # the mixer's ("qkv" / "o", "in_proj" / "out_proj") and the family's FFN's.
+        self.stored: dict[str, StoredWeight] = {}
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...] | None:
         m = self.mixer
@@ -126,10 +130,31 @@ class HybridLayer(nn.Module):
             h, batch.backend, *held, lens, residual=residual, trace=trace))
 
     def prepare(self, backend: Backend) -> None:
-        if isinstance(self.mixer, GQAttention):
-            self.mixer.prepare(backend, {})
-        elif self.mixer is not None:
-            self.mixer.prepare(backend)
+        if self.mixer is not None:
+            self.mixer.prepare(backend, self.stored)
+
+    def stored_parts(self, p: str) -> dict[str, list[str]]:
+        """The HF names (this layer's prefix ``p``) whose stored codes make each site of ``stored``
+        (rows concatenated in order, ``fuse_rows``): the mixer's here, a family adds its FFN's."""
+        m = self.mixer
+        if isinstance(m, GQAttention):
+            a = p + self.attn_prefix
+            return {"qkv": [a + f"{n}_proj.weight" for n in "qkv"], "o": [f"{a}{self.o_name}.weight"]}
+        if isinstance(m, Mamba2Mixer | ShortConv):
+            return {"in_proj": [p + self.state_prefix + "in_proj.weight"], "out_proj": [p + self.state_prefix + "out_proj.weight"]}
+        return {}
+
+    def stored_sites(self, form: str) -> list[tuple[str, nn.Parameter, Any]]:
+        """``(site, dense weight, form's linear)`` of each projection that may run as stored codes
+        (``models/llama.release_sites``): the mixer's here, a family adds its FFN's."""
+        m = self.mixer
+        ops = getattr(m, "ops", {}).get(form)
+        if ops is None:
+            return []
+        if isinstance(m, GQAttention):
+            return [("qkv", m.qkv, ops[0]), ("o", m.o, ops[1])]
+        assert isinstance(m, Mamba2Mixer | ShortConv)
+        return [("in_proj", m.in_proj, ops[0]), ("out_proj", m.out_proj, ops[1])]
 
     def release(self, form: str) -> None:
         """Forget ``form``'s packed weights in every part (a part's own ``release`` where it has one)."""
@@ -144,6 +169,19 @@ class HybridLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         raise NotImplementedError
+
+    # HF name prefixes of the mixer's projections (a family sets its own)
+    attn_prefix = "self_attn."
+    o_name = "o_proj"
+    state_prefix = "mamba."
+
+
+def mlp_sites(mlp: GatedMLP | Any, form: str, keys: tuple[str, str] = ("gate_up", "down"),
+              attrs: tuple[str, str] = ("gate_up", "down")) -> list[tuple[str, nn.Parameter, Any]]:
+    """``HybridLayer.stored_sites`` of a two-projection MLP (gated: ``gate_up`` / ``down``; plain:
+    ``up`` / ``down``) whose linears for ``form`` are ``mlp.ops[form]``."""
+    ops = mlp.ops.get(form)
+    return [] if ops is None else [(k, getattr(mlp, a), op) for k, a, op in zip(keys, attrs, ops, strict=True)]
 
 
 class StateSpaceHybrid(LlamaForCausalLM):
@@ -210,6 +248,36 @@ class StateSpaceHybrid(LlamaForCausalLM):
 
     def load_layer(self, layer: Any, src: WeightSource, p: str) -> None:
         raise NotImplementedError
+
+    def load_stored(self, stored: Mapping[str, StoredWeight]) -> None:
+        """A GGUF's codes (HF names, rows in HF order: ``loader/gguf_hybrid.py``) of each layer's sites
+        (``HybridLayer.stored_parts``: a fused site only when every part is stored in one kind, else it
+        runs dequantized), a family's routed experts (``load_stored_experts``) and the head."""
+        for layer in self.layers:
+            found = {k: fuse_rows([stored.get(n) for n in names])
+                     for k, names in layer.stored_parts(f"model.layers.{layer.layer}.").items()}
+            layer.stored = {k: v for k, v in found.items() if v is not None}
+            self.load_stored_experts(layer, stored)
+        tied = self.lm_head is None or self.lm_head.data_ptr() == self.embed.data_ptr()
+        self.stored_head = fuse_rows([stored.get(self.embed_name if tied else "lm_head.weight")])
+
+    def load_stored_experts(self, layer: Any, stored: Mapping[str, StoredWeight]) -> None:
+        """A family with routed experts the stored path runs (``ExpertSet.load_stored``) takes them here."""
+
+    def release_dense_stored(self, form: str) -> int:
+        """``LlamaForCausalLM.release_dense_stored`` over each layer's sites (``HybridLayer.stored_sites``)
+        and its routed experts (a ``MoE``'s ``release_dense``)."""
+        freed = 0
+        for layer in self.layers:
+            freed += release_sites(layer.stored, layer.stored_sites(form))
+            moe = getattr(layer, "moe", None)
+            freed += moe.release_dense(form) if isinstance(moe, MoE) else 0
+        return freed
+
+    @property
+    def has_stored_weights(self) -> bool:
+        return self.stored_head is not None or any(
+            layer.stored or getattr(getattr(layer, "moe", None), "has_stored", False) for layer in self.layers)
 
 
 class Renamed(Mapping[str, torch.Tensor]):

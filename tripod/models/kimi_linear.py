@@ -17,10 +17,15 @@ in-memory names (``mlp``, one ``conv1d``) are read too.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from typing import Any
+
 import torch
+from torch import nn
 
 from tripod.layers.batch import Backend
-from tripod.layers.kda import KdaConfig, KdaMixer
+from tripod.layers.kda import PROJECTIONS, KdaConfig, KdaMixer
+from tripod.layers.linear import StoredWeight, fuse_rows
 from tripod.layers.mla import MLAttention
 from tripod.layers.mlp import GatedMLP
 from tripod.layers.rotary import RotaryEmbedding
@@ -28,7 +33,7 @@ from tripod.layers.weights import WeightSource
 from tripod.memory.state_pool import StateSpec
 from tripod.models.config import ModelConfig
 from tripod.models.deepseek import DeepseekForCausalLM
-from tripod.models.hybrid import mix_on_slots, number_layers
+from tripod.models.hybrid import mix_on_slots, mlp_sites, number_layers
 from tripod.models.hybrid_config import HybridConfig
 from tripod.models.llama import DecoderLayer, StepContext
 
@@ -54,7 +59,7 @@ class KimiLayer(DecoderLayer):
 
     def prepare(self, backend: Backend) -> None:
         if isinstance(self.attn, KdaMixer):
-            self.attn.prepare(backend)
+            self.attn.prepare(backend, self.stored)
         else:
             self.attn.prepare(backend, self.stored)
         self.mlp.prepare(backend, self.stored)
@@ -107,6 +112,31 @@ class KimiLinearForCausalLM(DeepseekForCausalLM):
         """Every KDA layer's per-sequence state (conv window, recurrent state), in layer order."""
         return StateSpec(tuple(layer.attn.cfg.state_shapes() for layer in self.layers
                                if isinstance(layer.attn, KdaMixer)))
+
+    def load_stored(self, stored: Mapping[str, StoredWeight]) -> None:
+        """A GGUF's codes (``loader/gguf_kimi.py``): ``LlamaForCausalLM``'s sites (the dense MLPs, the
+        MoE's routed and shared experts, the head; a KDA layer's Q|K|V and output) and the KDA layer's
+        low-rank gate projections (``f_a`` / ``f_b``, ``b``, ``g_a`` / ``g_b``), each as it is stored
+        (no transform). An MLA layer's projections stay dense, as for DeepSeek GGUFs (its ``kv_b`` is
+        stored transposed per head by the converter: no whole-row form of it exists)."""
+        super().load_stored(stored)
+        for layer in self.layers:
+            if not isinstance(layer.attn, KdaMixer):
+                layer.stored.pop("qkv", None)
+                layer.stored.pop("o", None)
+                continue
+            a = f"model.layers.{layer.layer}.self_attn."
+            for n in ("f_a", "f_b", "b", "g_a", "g_b"):
+                sw = fuse_rows([stored.get(f"{a}{n}_proj.weight")])
+                if sw is not None:
+                    layer.stored[n] = sw
+
+    def stored_sites(self, layer: Any, form: str) -> Iterator[tuple[str, nn.Parameter, Any]]:
+        kda = layer.attn
+        if isinstance(kda, KdaMixer) and form in kda.ops:
+            yield from ((n, getattr(kda, n), kda.ops[form][n]) for n in PROJECTIONS if n in layer.stored)
+        if isinstance(layer.mlp, GatedMLP):
+            yield from mlp_sites(layer.mlp, form)
 
     def load_attention(self, layer: DecoderLayer, src: WeightSource, p: str) -> None:
         if isinstance(layer.attn, KdaMixer):

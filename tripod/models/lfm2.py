@@ -8,13 +8,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from tripod.layers.batch import Backend
 from tripod.layers.mlp import GatedMLP, keep
 from tripod.layers.short_conv import ShortConv
 from tripod.layers.weights import WeightSource
 from tripod.models.gqa import GQAttention, new_param
-from tripod.models.hybrid import HybridLayer, StateSpaceHybrid, load_attention
+from tripod.models.hybrid import HybridLayer, StateSpaceHybrid, load_attention, mlp_sites
 from tripod.models.hybrid_config import lfm2_kinds
 from tripod.models.llama import StepContext
 
@@ -49,9 +50,18 @@ class Lfm2Layer(HybridLayer):
         self.ffn_norm = new_param(h, dtype=dtype, fill=1.0)
         self.mlp = GatedMLP(h, ffn_size(d), "silu", dtype)
 
+    o_name, state_prefix = "out_proj", "conv."
+
     def prepare(self, backend: Backend) -> None:
         super().prepare(backend)
-        self.mlp.prepare(backend, {})
+        self.mlp.prepare(backend, self.stored)
+
+    def stored_parts(self, p: str) -> dict[str, list[str]]:
+        f = p + "feed_forward."
+        return {**super().stored_parts(p), "gate_up": [f + "w1.weight", f + "w3.weight"], "down": [f + "w2.weight"]}
+
+    def stored_sites(self, form: str) -> list[tuple[str, nn.Parameter, Any]]:
+        return super().stored_sites(form) + mlp_sites(self.mlp, form)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         be = ctx.batch.backend

@@ -17,7 +17,7 @@ Logits are computed only for the tokens the sampler needs (none for a prompt's n
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tripod.layers.batch import Backend, ForwardBatch
-from tripod.layers.linear import Linear, StoredWeight, fuse_rows, released, runs_stored
+from tripod.layers.linear import Linear, StoredWeight, fuse_rows, release_sites
 from tripod.layers.mlp import GatedMLP
 from tripod.layers.moe import MoE
 from tripod.layers.norm import rms_norm
@@ -288,25 +288,17 @@ class LlamaForCausalLM(nn.Module):
         freed = 0
         for layer in self.layers:
             freed += layer.mlp.release_dense(form) if isinstance(layer.mlp, MoE) else 0
-            sites = (("qkv", layer.attn, "qkv", 0), ("o", layer.attn, "o", 1),
-                     ("gate_up", layer.mlp, "gate_up", 0), ("down", layer.mlp, "down", 1))
-            for key, mod, attr, idx in sites:
-                sw = layer.stored.get(key)
-                ops = getattr(mod, "ops", {}).get(form)
-                if sw is None or ops is None or sw.packed:
-                    continue
-                op = ops[idx]
-                w = getattr(mod, attr)
-                if getattr(op, "codes", None) is sw.blocks:  # W8A8 / W4A4: runs the stored codes as they are
-                    freed += w.numel() * w.element_size()
-                    w.data = released(w.data)
-                    continue
-                if not runs_stored(op, sw):  # (a Q4_K-form weight may run as Q4_0 / Q4_1: narrowed_kind)
-                    continue
-                freed += w.numel() * w.element_size() + sw.blocks.numel() * sw.blocks.element_size()
-                layer.stored[key] = StoredWeight(op.fmt.upper(), op.packed, sw.shape, sw.perm, packed=True)
-                w.data = released(w.data)
+            freed += release_sites(layer.stored, self.stored_sites(layer, form))
         return freed
+
+    def stored_sites(self, layer: Any, form: str) -> Iterator[tuple[str, nn.Parameter, Any]]:
+        """``(key in layer.stored, dense weight, form's linear)`` of each projection of ``layer`` that
+        may run as stored codes (``release_dense_stored``); a family with other layers names its own."""
+        for key, mod, attr, idx in (("qkv", layer.attn, "qkv", 0), ("o", layer.attn, "o", 1),
+                                    ("gate_up", layer.mlp, "gate_up", 0), ("down", layer.mlp, "down", 1)):
+            ops = getattr(mod, "ops", {}).get(form)
+            if key in layer.stored and ops is not None:
+                yield key, getattr(mod, attr), ops[idx]
 
     @property
     def has_stored_weights(self) -> bool:

@@ -20,12 +20,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from tripod.layers.batch import Backend
-from tripod.layers.linear import Linear
+from tripod.layers.linear import Linear, StoredWeight
 from tripod.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from tripod.layers.moe import MoEConfig, route
 from tripod.layers.weights import WeightSource
 from tripod.models.gqa import GQAttention, new_param
-from tripod.models.hybrid import HybridLayer, StateSpaceHybrid, load_attention, mamba_config
+from tripod.models.hybrid import (
+    HybridLayer,
+    StateSpaceHybrid,
+    load_attention,
+    mamba_config,
+    mlp_sites,
+)
 from tripod.models.hybrid_config import nemotron_kinds
 from tripod.models.llama import StepContext
 
@@ -58,9 +64,11 @@ class PlainMLP(nn.Module):
         if self.up_bias is not None and self.down_bias is not None:
             self.up_bias.data, self.down_bias.data = src.get(p + "up_proj.bias"), src.get(p + "down_proj.bias")
 
-    def prepare(self, backend: Backend) -> None:
+    def prepare(self, backend: Backend, stored: Mapping[str, StoredWeight]) -> None:
+        """``stored``: a GGUF's codes of ``up`` / ``down`` (run as stored on a backend that does)."""
         if backend.form not in self.ops:
-            self.ops[backend.form] = (backend.linear(self.up, self.up_bias), backend.linear(self.down, self.down_bias))
+            self.ops[backend.form] = (backend.linear(self.up, self.up_bias, stored=stored.get("up")),
+                                      backend.linear(self.down, self.down_bias, stored=stored.get("down")))
 
     def forward(self, h: torch.Tensor, backend: Backend) -> torch.Tensor:
         up, down = self.ops[backend.form]
@@ -109,8 +117,8 @@ class NemotronHMoE(nn.Module):
             self.fc2.data = src.get(p + "fc2_latent_proj.weight").contiguous()
         self.shared.load(src, p + "shared_experts.")
 
-    def prepare(self, backend: Backend) -> None:
-        self.shared.prepare(backend)
+    def prepare(self, backend: Backend, stored: Mapping[str, StoredWeight]) -> None:
+        self.shared.prepare(backend, stored)
         if self.fc1 is not None and self.fc2 is not None and backend.form not in self.ops:
             self.ops[backend.form] = (backend.linear(self.fc1, None), backend.linear(self.fc2, None))
 
@@ -151,10 +159,26 @@ class NemotronHLayer(HybridLayer):
         elif kind == "moe":
             self.ffn = NemotronHMoE(d, dtype)
 
+    attn_prefix = state_prefix = "mixer."
+
     def prepare(self, backend: Backend) -> None:
         super().prepare(backend)
         if self.ffn is not None:
-            self.ffn.prepare(backend)
+            self.ffn.prepare(backend, self.stored)
+
+    def stored_parts(self, p: str) -> dict[str, list[str]]:
+        """The mixer's sites, or the MLP's (a MoE's shared expert) ``up`` / ``down``. NOTE: the routed
+        experts stay dense (their loop here runs the stacked weights, not ``ExpertSet``'s stored linears)."""
+        if self.ffn is None:
+            return super().stored_parts(p)
+        m = p + ("mixer.shared_experts." if isinstance(self.ffn, NemotronHMoE) else "mixer.")
+        return {"up": [m + "up_proj.weight"], "down": [m + "down_proj.weight"]}
+
+    def stored_sites(self, form: str) -> list[tuple[str, nn.Parameter, Any]]:
+        if self.ffn is None:
+            return super().stored_sites(form)
+        mlp = self.ffn.shared if isinstance(self.ffn, NemotronHMoE) else self.ffn
+        return mlp_sites(mlp, form, ("up", "down"), ("up", "down"))
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         h = ctx.batch.backend.norm(x, self.norm, self.eps)
