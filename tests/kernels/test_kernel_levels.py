@@ -79,6 +79,36 @@ def test_attention_is_bit_identical_across_levels(levels: dict[str, Any], dtype:
     _same({lv: ops.paged_attention(q, kv, table, rows, lens, d**-0.5) for lv, ops in levels.items()}, f"attention {dtype}")
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kvh,d", [(4, 2, 32), (8, 2, 128)])
+def test_a_lone_decode_row_has_the_same_bits_on_one_thread_and_in_a_block(
+    levels: dict[str, Any], dtype: torch.dtype, heads: int, kvh: int, d: int
+) -> None:
+    """A decode row alone on one thread (every KV head in one piece, its splits' partial states
+    packed) equals the row with its heads split over two threads and the same row inside a prefill
+    block, on every level, bit for bit; the 1100 keys cross two 512-key splits and end mid-tile."""
+    g = torch.Generator().manual_seed(d)
+    kv = torch.randn(1200, 2, kvh, d, generator=g).to(dtype)
+    table = torch.randperm(1200, generator=g)[:1150].view(1, 1150).to(torch.int32)
+    q = torch.randn(12, heads, d, generator=g).to(dtype)
+    zero = torch.zeros(1, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    outs = {}
+    try:
+        for lv, ops in levels.items():
+            block = ops.paged_attention(q, kv, table, torch.zeros(12, dtype=torch.int32),
+                                        torch.arange(1090, 1102, dtype=torch.int32), d**-0.5)
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                alone = ops.paged_attention(q[10:11], kv, table, zero, torch.tensor([1100], dtype=torch.int32), d**-0.5)
+                assert torch.equal(alone[0], block[10]), f"{lv}: the row alone on {n} thread(s) differs from it in a block"
+            outs[lv] = block
+    finally:
+        torch.set_num_threads(threads)
+    _same(outs, f"decode rows {dtype}")
+
+
 def _q_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
     import gguf
 

@@ -249,9 +249,16 @@ struct AttnArgs {
   T* out;                           // [T, H, D] contiguous
   int H, KVH, D;
   float scale;
-  // Split rows: partial softmax state per (piece, query, head).
-  float* part_acc;  // [pieces, kQueryBlock, H, D]
-  float* part_ml;   // [pieces, kQueryBlock, H, 2]
+  // Split rows: partial softmax state per (piece, query, head of the piece), packed: a split
+  // piece's (query i, head h) is entry part_base[piece] + i * heads_of_piece + (h - first head).
+  float* part_acc;           // [entries, D]
+  float* part_ml;            // [entries, 2]
+  const int64_t* part_base;  // [pieces] (-1: the piece is not split)
+  // The entry of query i of a split piece, head `head` (one of the piece's heads).
+  int64_t part_slot(const Piece& pc, int piece_index, int i, int head) const {
+    const int group = H / KVH;
+    return part_base[piece_index] + (int64_t)i * (pc.g1 - pc.g0) * group + (head - pc.g0 * group);
+  }
 };
 
 // ---------------------------------------------------------------------------- blocked prefill
@@ -518,7 +525,7 @@ void attend_lanes(const AttnArgs<bf16>& a, const Block& blk, const Piece& pc, in
         bf16* dst = a.out + ((int64_t)(blk.t0 + i) * a.H + head) * D;
         for (int v = 0; v < NV; ++v) store16(dst + 16 * v, mul(load(o + 16 * v), inv));
       } else {
-        const int64_t slot = ((int64_t)piece_index * kQueryBlock + i) * a.H + head;
+        const int64_t slot = a.part_slot(pc, piece_index, i, head);
         float* pa = a.part_acc + slot * D;
         for (int v = 0; v < NV; ++v) store(pa + 16 * v, load(o + 16 * v));
         a.part_ml[slot * 2] = any ? mv[r] : -std::numeric_limits<float>::infinity();
@@ -564,7 +571,7 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
   if constexpr (is_bf16) {
     if (transposed && kLanesPrefill) return attend_lanes<NV>(a, blk, pc, piece_index);
   }
-  const size_t need = (size_t)kQueryFloats * 2 + (size_t)nqv * 16 + (emulate ? 2 * tile : bf16_dot ? tile : 0) +
+  const size_t need = (size_t)kQueryFloats * 2 + (size_t)nqv * 32 + (emulate ? 2 * tile : bf16_dot ? tile : 0) +
                       (transposed ? tile : 0) + 16;
   if (scratch.size() < need) scratch.resize(need);
   float* qf = scratch.data();                 // [nqv, D] query vectors (float32 / emulated paths)
@@ -576,7 +583,11 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
   uint16_t* vp = reinterpret_cast<uint16_t*>(kf);
   // transposed: [G][D words][16 keys] (bf16: D/2 pairs; emulated: D/2 even words then D/2 odd).
   float* kt = vf + (emulate ? tile : 0) + (bf16_dot ? tile : 0);
+  // dot form: [nqv, 16] each query vector's P of the tile (float32, bf16-rounded floats, or 8
+  // words of bf16 pairs), after the transposed tile when there is one.
+  float* pbuf = kt + (transposed ? tile : 0);
   float m[kQueryFloats / 16];                  // running max of each query vector
+  int np[kQueryFloats / 16];                   // dot form: P·V steps of the tile (keys or key pairs)
   alignas(64) uint16_t qb[bf16_dot ? kQueryFloats : 1];  // query vectors as bf16 bits (dot path)
   const V16 vscale = set1(a.scale);
   // A bf16 vector of D dims as vdpbf16ps sees it: NV/2 chunks of 32 dims, each [even 16 | odd 16]
@@ -615,7 +626,6 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
   auto k_of = [&](int k, int gl) { return a.kv + (int64_t)slots[k] * a.kv_stride_slot + (int64_t)(pc.g0 + gl) * D; };
   const T* krow[8][kTile];  // [G][16] (G <= 8)
   const T* vrow[8][kTile];
-  alignas(64) float p[kTile];
   for (int k0 = pc.k0; k0 < pc.k1; k0 += kTile) {
     const int n = std::min(kTile, pc.k1 - k0);
     // The next tile's rows, prefetched a few at a time while this tile is computed (below):
@@ -786,6 +796,7 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
     for (int qv = 0; qv < nqv; ++qv) {
       prefetch_some((qv + 1) * kTile / nqv + 1);
       const int valid = std::min(n, blk.len0 + qv / per_query - k0);  // causal limit of this query
+      np[qv] = 0;
       if (valid <= 0) continue;  // the whole tile is in this query's future
       const int gl = (qv / group) % G;
       V16 parts[kTile];
@@ -828,48 +839,72 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
       if constexpr (is_bf16) s = mul(s, vscale);
       const float tmax = reduce_max_first(s, valid);
       float* o = acc + qv * D;
-      V16 r[NV];
-      for (int v = 0; v < NV; ++v) r[v] = load(o + 16 * v);
       V16 l = load(lv + qv * 16);
       if (tmax > m[qv]) {  // a new maximum: rescale what was summed so far (0 at the start)
         const V16 alpha = set1(std::exp(m[qv] - tmax));
-        for (int v = 0; v < NV; ++v) r[v] = mul(r[v], alpha);
+        for (int v = 0; v < NV; ++v) store(o + 16 * v, mul(load(o + 16 * v), alpha));
         l = mul(l, alpha);
         m[qv] = tmax;
       }
       const V16 e = keep_first(tripod_simd::exp(sub(s, set1(m[qv]))), valid);
       store(lv + qv * 16, add(l, e));
+      // P of this query vector, kept for the P·V pass below (bf16: rounded as vdpbf16ps takes it).
       if constexpr (bf16_dot) {
 #if defined(__AVX512BF16__)
-        alignas(32) uint32_t pp[8];  // P as bf16, two keys per word
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(e.v));
-        const uint16_t* vpg = vp + (size_t)gl * (kTile / 2) * NV * 32;
-        for (int jp = 0; jp < (valid + 1) / 2; ++jp) {
-          const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)pp[jp]);
-          for (int v = 0; v < NV; ++v)
-            r[v].v = _mm512_dpbf16_ps(r[v].v, pj, (__m512bh)_mm512_loadu_si512(vpg + ((size_t)jp * NV + v) * 32));
-        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf + (size_t)qv * 16), (__m256i)_mm512_cvtneps_pbh(e.v));
 #endif
+        np[qv] = (valid + 1) / 2;
       } else if constexpr (emulate) {
-        // vdpbf16ps over key pairs (2jp, 2jp + 1): the odd key's term first. When `valid` is odd
-        // the last pair's odd key has P = 0, as in the native path.
-        store(p, round_to_bf16(e));
-        const float* vg = vf + (size_t)gl * kTile * D;
-        for (int jp = 0; jp < (valid + 1) / 2; ++jp) {
-          const V16 p1 = set1(p[2 * jp + 1]), p0 = set1(p[2 * jp]);
-          const float* v1 = vg + (2 * jp + 1) * D;
-          const float* v0 = vg + (2 * jp) * D;
-          for (int v = 0; v < NV; ++v) r[v] = fmadd(p0, load(v0 + 16 * v), fmadd(p1, load(v1 + 16 * v), r[v]));
-        }
+        store(pbuf + (size_t)qv * 16, round_to_bf16(e));
+        np[qv] = (valid + 1) / 2;
       } else {
-        store(p, e);
-        for (int j = 0; j < valid; ++j) {
-          const V16 pj = set1(p[j]);
-          const float* vj = reinterpret_cast<const float*>(vrow[gl][j]);
-          for (int v = 0; v < NV; ++v) r[v] = fmadd(pj, load(vj + 16 * v), r[v]);
-        }
+        store(pbuf + (size_t)qv * 16, e);
+        np[qv] = valid;
       }
-      for (int v = 0; v < NV; ++v) store(o + 16 * v, r[v]);
+    }
+    // P·V for QG query vectors at a time: QG × NV independent accumulator chains in flight (one
+    // query vector's chain alone waits on the latency of every multiply-add). Each query vector
+    // still adds exactly its own terms in the same order (keys, or bf16 key pairs with the odd
+    // key's product first, in order up to its causal limit): the bits of the one-at-a-time form.
+    constexpr int QG = std::max(1, std::min(8, 16 / NV));
+    for (int q0 = 0; q0 < nqv; q0 += QG) {
+      const int ng = std::min(QG, nqv - q0);
+      V16 r[QG][NV];
+      int most = 0;
+      for (int g = 0; g < ng; ++g) {
+        most = std::max(most, np[q0 + g]);
+        if (np[q0 + g] > 0)
+          for (int v = 0; v < NV; ++v) r[g][v] = load(acc + (q0 + g) * D + 16 * v);
+      }
+      for (int jp = 0; jp < most; ++jp)
+        for (int g = 0; g < ng; ++g) {
+          const int qv = q0 + g;
+          if (jp >= np[qv]) continue;
+          const int gl = (qv / group) % G;
+          if constexpr (bf16_dot) {
+#if defined(__AVX512BF16__)
+            const uint32_t* ppw = reinterpret_cast<const uint32_t*>(pbuf + (size_t)qv * 16);
+            const __m512bh pj = (__m512bh)_mm512_set1_epi32((int)ppw[jp]);
+            const uint16_t* vpg = vp + (size_t)gl * (kTile / 2) * NV * 32;
+            for (int v = 0; v < NV; ++v)
+              r[g][v].v = _mm512_dpbf16_ps(r[g][v].v, pj, (__m512bh)_mm512_loadu_si512(vpg + ((size_t)jp * NV + v) * 32));
+#endif
+          } else if constexpr (emulate) {
+            const float* pq = pbuf + (size_t)qv * 16;
+            const V16 p1 = set1(pq[2 * jp + 1]), p0 = set1(pq[2 * jp]);
+            const float* vg = vf + (size_t)gl * kTile * D;
+            const float* v1 = vg + (2 * jp + 1) * D;
+            const float* v0 = vg + (2 * jp) * D;
+            for (int v = 0; v < NV; ++v) r[g][v] = fmadd(p0, load(v0 + 16 * v), fmadd(p1, load(v1 + 16 * v), r[g][v]));
+          } else {
+            const V16 pj = set1(pbuf[(size_t)qv * 16 + jp]);
+            const float* vj = reinterpret_cast<const float*>(vrow[gl][jp]);
+            for (int v = 0; v < NV; ++v) r[g][v] = fmadd(pj, load(vj + 16 * v), r[g][v]);
+          }
+        }
+      for (int g = 0; g < ng; ++g)
+        if (np[q0 + g] > 0)
+          for (int v = 0; v < NV; ++v) store(acc + (q0 + g) * D + 16 * v, r[g][v]);
     }
   }
 
@@ -886,7 +921,7 @@ void attend_piece(const AttnArgs<T>& a, const Block& blk, const Piece& pc, int p
       T* dst = a.out + ((int64_t)(blk.t0 + i) * a.H + head) * D;
       for (int v = 0; v < NV; ++v) store16(dst + 16 * v, mul(load(o + 16 * v), inv));
     } else {
-      const int64_t slot = ((int64_t)piece_index * kQueryBlock + i) * a.H + head;
+      const int64_t slot = a.part_slot(pc, piece_index, i, head);
       float* pa = a.part_acc + slot * D;
       for (int v = 0; v < NV; ++v) store(pa + 16 * v, load(o + 16 * v));
       a.part_ml[slot * 2] = any ? m[qv] : -std::numeric_limits<float>::infinity();
@@ -913,18 +948,19 @@ struct Merge { int32_t block, g0, g1, first, count; };
 template <typename T>
 void merge_block(const AttnArgs<T>& a, const Block& blk, const Merge& mg) {
   const int D = a.D, nv = D / 16, group = a.H / a.KVH;
+  const Piece mpc{mg.block, mg.g0, mg.g1, 0, 0, 0};  // the heads every piece of the merge covers
   for (int i = 0; i < blk.nq; ++i)
     for (int head = mg.g0 * group; head < mg.g1 * group; ++head) {
       float m = -std::numeric_limits<float>::infinity();
       for (int s = 0; s < mg.count; ++s) {
-        const int64_t slot = ((int64_t)(mg.first + s) * kQueryBlock + i) * a.H + head;
+        const int64_t slot = a.part_slot(mpc, mg.first + s, i, head);
         m = std::max(m, a.part_ml[slot * 2]);
       }
       V16 o[kMaxHeadDim / 16];
       for (int v = 0; v < nv; ++v) o[v] = zero();
       float l = 0.f;
       for (int s = 0; s < mg.count; ++s) {
-        const int64_t slot = ((int64_t)(mg.first + s) * kQueryBlock + i) * a.H + head;
+        const int64_t slot = a.part_slot(mpc, mg.first + s, i, head);
         const float ms = a.part_ml[slot * 2], ls = a.part_ml[slot * 2 + 1];
         if (ls == 0.f) continue;  // a piece wholly in this query's future
         const float w = std::exp(ms - m);
@@ -974,8 +1010,11 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::T
   }
   // Pieces: a lone query takes all KV heads (as many as fit the scratch), a block of queries one
   // KV head; the keys cut into fixed kSplit-key pieces.
-  // With fewer blocks than threads (a lone decode) the heads are split instead, for parallelism.
-  const bool few = (int64_t)blocks.size() < 2 * (int64_t)at::get_num_threads();
+  // With fewer blocks than threads (a lone decode) the heads are split instead, for parallelism;
+  // on one thread a decode row keeps every KV head in its pieces (each key's K|V row read whole,
+  // in address order; a query vector's arithmetic is the same whichever heads share its piece).
+  const int threads = at::get_num_threads();
+  const bool few = threads > 1 && (int64_t)blocks.size() < 2 * (int64_t)threads;
   const int heads_at_once = few ? 1 : std::max(1, std::min(std::min(KVH, 8), kQueryFloats / (group * D)));
   std::vector<Piece> pieces;
   std::vector<Merge> merges;
@@ -993,14 +1032,23 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::T
         pieces.push_back({bi, g0, g1, s * kSplit, std::min(keys, (s + 1) * kSplit), n > 1 ? s : -1});
     }
   }
-  std::vector<float> part_acc, part_ml;
-  if (!merges.empty()) {
-    part_acc.resize(pieces.size() * kQueryBlock * H * D);
-    part_ml.resize(pieces.size() * kQueryBlock * H * 2);
-  }
+  // Split pieces' partial states, packed (a decode row at 32k keys: 64 pieces × its heads; sized
+  // per piece rather than for a full block of every head, whose zeroing cost more than the
+  // attention). Every entry is written by its piece before the merge reads it: no zeroing, and the
+  // buffers are kept per thread between calls (no page faults per step).
+  std::vector<int64_t> part_base(pieces.size(), -1);
+  int64_t entries = 0;
+  for (size_t i = 0; i < pieces.size(); ++i)
+    if (pieces[i].split >= 0) {
+      part_base[i] = entries;
+      entries += (int64_t)blocks[pieces[i].block].nq * (pieces[i].g1 - pieces[i].g0) * group;
+    }
+  thread_local std::vector<float> part_acc, part_ml;
+  if ((int64_t)part_acc.size() < entries * D) part_acc.resize(entries * D);
+  if ((int64_t)part_ml.size() < entries * 2) part_ml.resize(entries * 2);
   AttnArgs<T> a{q.data_ptr<T>(), q.stride(0), q.stride(1), kv.data_ptr<T>(), kv.stride(0),
                 table.data_ptr<int32_t>(), table.stride(0), out.data_ptr<T>(), H, KVH, D, (float)scale,
-                part_acc.data(), part_ml.data()};
+                part_acc.data(), part_ml.data(), part_base.data()};
   // Small steps run on the calling thread: waking the pool costs more than it saves.
   const bool small = work * group * KVH < 4096;
   run_dynamic((int64_t)pieces.size(), small, [&](int64_t i) {
