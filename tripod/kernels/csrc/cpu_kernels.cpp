@@ -1055,6 +1055,11 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::T
     attend_piece_any(a, blocks[pieces[i].block], pieces[i], (int)i);
   });
   run_dynamic((int64_t)merges.size(), small, [&](int64_t i) { merge_block(a, blocks[merges[i].block], merges[i]); });
+  // Kept for the next step only while small (a decode row's: KiBs to a few MiB); a long prefill
+  // chunk's (hundreds of MiB at 32k keys on wide layers) go back at once, so memory stays flat.
+  constexpr size_t kKeepFloats = size_t(8) << 20;  // 32 MiB a buffer
+  if (part_acc.capacity() > kKeepFloats) std::vector<float>().swap(part_acc);
+  if (part_ml.capacity() > kKeepFloats) std::vector<float>().swap(part_ml);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
