@@ -160,17 +160,17 @@ def run_decode(folders: dict[str, Path], contexts: list[int], decode: int, reps:
 
 
 # ------------------------------------------------------------------------------ part 2: agentic
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float, what: str = "tripod serve") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"tripod serve exited with {proc.returncode}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(url + "/v1/models", timeout=2):
                 return
         except OSError:
             time.sleep(0.5)
-    raise RuntimeError("tripod serve did not start in time")
+    raise RuntimeError(f"{what} did not start in time")
 
 
 def _free_port() -> int:

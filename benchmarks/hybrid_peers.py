@@ -28,8 +28,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -38,20 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from hybrid_context import _cpu, _free_port, build_checkpoint, model_configs  # noqa: E402
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"{what} did not start in time")
+from hybrid_context import _cpu, _free_port, _wait_ready, build_checkpoint, model_configs  # noqa: E402
 
 
 def measure(label: str, server: list[str], port: int, tokenizer: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -66,7 +51,7 @@ def measure(label: str, server: list[str], port: int, tokenizer: Path, work: Pat
              "--prompts-per-concurrency", str(args.sessions * args.turns), "--turns", str(args.turns),
              "--agentic-scale", str(args.agentic_scale), "--seed", str(args.seed), "--out", str(out)]
     try:
-        _wait_ready(url, proc, label)
+        _wait_ready(url, proc, 300, label)
         subprocess.run(bench, env=env, check=True)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -23,6 +23,7 @@ activation is exact; the only roundings are float32 sums and the final one to th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -133,17 +134,22 @@ def w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, m, n, k, group, x_stride, 
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def w4a16_linear(x: torch.Tensor, w: PackedW4) -> torch.Tensor:
-    """``x`` ``[M, K]`` (bf16/fp16/fp32, rows may be strided) times the packed weight → ``[M, N]`` in x's dtype.
-    Act-order weights gather ``x[:, perm]`` first (exact)."""
+def launch_input(x: torch.Tensor, w: PackedW4 | Any, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group-quantized linear's activations as its kernel reads them — act-order inputs gathered
+    (``x[:, perm]``, exact), unit stride along K — and its output ``[M, N]`` in ``x``'s dtype."""
     if x.shape[1] != w.k:
-        raise ValueError(f"W4A16 linear: input has {x.shape[1]} features, the weight expects {w.k}")
+        raise ValueError(f"{name} linear: input has {x.shape[1]} features, the weight expects {w.k}")
     if w.perm is not None:
         x = x.index_select(1, w.perm)
     if x.stride(1) != 1:
         x = x.contiguous()
+    return x, torch.empty((x.shape[0], w.n), dtype=x.dtype, device=x.device)
+
+
+def w4a16_linear(x: torch.Tensor, w: PackedW4) -> torch.Tensor:
+    """``x`` ``[M, K]`` (bf16/fp16/fp32, rows may be strided) times the packed weight → ``[M, N]`` in x's dtype."""
+    x, out = launch_input(x, w, "W4A16")
     m = x.shape[0]
-    out = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
     if m:
         fp32 = x.dtype == torch.float32
         block_n, block_k = blocks(fp32, w.group)

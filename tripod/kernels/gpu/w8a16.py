@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tripod.kernels.gpu.w4a16 import launch_input
+
 BLOCK_M = 16  # fixed: a row's summation order must not depend on how many rows share its launch
 BLOCK_N = 64
 
@@ -154,16 +156,9 @@ def w8a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, m, n, k, group, x_stride, 
 
 
 def w8a16_linear(x: torch.Tensor, w: PackedW8) -> torch.Tensor:
-    """``x`` ``[M, K]`` (bf16/fp16/fp32, rows may be strided) times the packed weight → ``[M, N]`` in x's dtype.
-    Act-order weights gather ``x[:, perm]`` first (exact)."""
-    if x.shape[1] != w.k:
-        raise ValueError(f"W8A16 linear: input has {x.shape[1]} features, the weight expects {w.k}")
-    if w.perm is not None:
-        x = x.index_select(1, w.perm)
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    """``x`` ``[M, K]`` (bf16/fp16/fp32, rows may be strided) times the packed weight → ``[M, N]`` in x's dtype."""
+    x, out = launch_input(x, w, "W8A16")
     m = x.shape[0]
-    out = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
     if m:
         fp32 = x.dtype == torch.float32
         block_n, block_k = blocks(fp32, w.group)
