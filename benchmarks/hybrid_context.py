@@ -181,6 +181,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_server(proc: subprocess.Popen[bytes], log: Any) -> None:
+    """SIGTERM to the server's process group (SIGKILL after 30 s), then close its log."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log.close()
+
+
 def run_agentic(folder: Path, work: Path, *, cache: bool, sessions: int, turns: int, scale: float, threads: int,
                 chunk: int, seed: int, kernels: str) -> dict[str, Any]:
     """``tripod serve`` on ``folder`` (prefix cache on or off) measured by ``tripod bench``; the
@@ -207,13 +218,7 @@ def run_agentic(folder: Path, work: Path, *, cache: bool, sessions: int, turns: 
         with urllib.request.urlopen(url + "/debug/engine", timeout=10) as r:
             debug = json.loads(r.read())
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        stop_server(proc, log)
     results = json.loads((bench_out / "results.json").read_text())
     run = results["runs"][0]
     return {"label": label, "serve": shlex.join(serve[3:]), "bench": shlex.join(bench[3:]),

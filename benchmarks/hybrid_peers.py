@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from hybrid_context import _cpu, _free_port, _wait_ready, build_checkpoint, model_configs  # noqa: E402
+from hybrid_context import (  # noqa: E402
+    _cpu,
+    _free_port,
+    _wait_ready,
+    build_checkpoint,
+    model_configs,
+    stop_server,
+)
 
 
 def measure(label: str, server: list[str], port: int, tokenizer: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -54,13 +60,7 @@ def measure(label: str, server: list[str], port: int, tokenizer: Path, work: Pat
         _wait_ready(url, proc, 300, label)
         subprocess.run(bench, env=env, check=True)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        stop_server(proc, log)
     run = json.loads((out / "results.json").read_text())["runs"][0]
     return {"label": label, "server": shlex.join(server), "bench": shlex.join(bench[3:]), "agentic": run["agentic"],
             "completed": run.get("completed"), "failed": run.get("failed")}
